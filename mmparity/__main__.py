@@ -1,0 +1,3 @@
+from mmparity.cli.main import main
+
+raise SystemExit(main())
