@@ -1,0 +1,667 @@
+"""Files in and out: streaming safetensors reading, sharded writing, atomic directories, checksums.
+
+Pure torch + safetensors (no megatron, no transformers): everything here works on names, dtypes,
+shapes and bytes.
+
+Reading follows what `transformers` loads from a `save_pretrained` directory: a single
+`model.safetensors` wins over `model.safetensors.index.json` when both exist (that is HF's
+precedence), and a sharded checkpoint is described by its index. Nothing is loaded at open time
+beyond the safetensors headers, so listing a multi-GB checkpoint is cheap, and tensors (or the TP
+slice of one) are read one at a time.
+
+Writing never leaves a half-written checkpoint where a finished one is expected: callers write into
+`atomic_directory(...)`, which only moves the result into place after everything succeeded and was
+fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "CheckpointError",
+    "SAFETENSORS_SINGLE_FILE",
+    "SAFETENSORS_INDEX_FILE",
+    "TensorInfo",
+    "TensorChecksum",
+    "SafetensorsCheckpoint",
+    "open_safetensors_checkpoint",
+    "load_safetensors_state_dict",
+    "ShardedSafetensorsWriter",
+    "save_safetensors_checkpoint",
+    "parse_size",
+    "atomic_directory",
+    "fsync_tree",
+    "tensor_checksum",
+    "dtype_name",
+    "dtype_from_name",
+]
+
+SAFETENSORS_SINGLE_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+
+# HF's own default for save_pretrained.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# transformers refuses safetensors files whose header metadata lacks a known "format".
+_HF_FORMAT_METADATA = {"format": "pt"}
+
+# How many offending names an error message lists before summarising the rest; keeps one-line
+# messages readable for checkpoints with thousands of tensors.
+_MAX_NAMES_IN_MESSAGE = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or written as asked. The message is one line and names the path."""
+
+
+def _name_list(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:_MAX_NAMES_IN_MESSAGE])
+    hidden = len(names) - _MAX_NAMES_IN_MESSAGE
+    return f"{shown} (+{hidden} more)" if hidden > 0 else shown
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# --------------------------------------------------------------------------------------------------
+# dtypes and checksums
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"`: the spelling used in manifests and error messages."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorChecksum:
+    """What a tensor must be to count as unchanged: dtype, shape and a digest of its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> TensorChecksum:
+        return cls(str(record["dtype"]), tuple(int(n) for n in record["shape"]), str(record["sha256"]))
+
+    def differences(self, other: TensorChecksum) -> list[str]:
+        """Human-readable reasons why `other` (found) is not `self` (expected); empty if equal."""
+        found = []
+        if self.dtype != other.dtype:
+            found.append(f"dtype {other.dtype} != expected {self.dtype}")
+        if self.shape != other.shape:
+            found.append(f"shape {list(other.shape)} != expected {list(self.shape)}")
+        if not found and self.sha256 != other.sha256:
+            found.append("sha256 of the bytes differs")
+        return found
+
+
+def tensor_checksum(tensor: torch.Tensor) -> TensorChecksum:
+    """sha256 over dtype, shape and raw (little-endian, C-order) bytes.
+
+    Dtype and shape are hashed too, so a reinterpretation of the same bytes (bf16 read as fp16, a
+    transposed reshape) never passes as unchanged.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    digest = hashlib.sha256()
+    digest.update(f"mmparity-tensor-v1|{dtype_name(tensor.dtype)}|{tuple(tensor.shape)}|".encode())
+    if tensor.numel():
+        # Viewing as bytes works for every dtype, including bf16/fp8 that numpy cannot represent.
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return TensorChecksum(dtype_name(tensor.dtype), tuple(tensor.shape), digest.hexdigest())
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as described by a safetensors header: nothing is loaded to produce this."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str  # file name relative to the checkpoint directory
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for n in self.shape:
+            count *= n
+        return count * self.dtype.itemsize
+
+
+def _open_safetensors_file(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # SafetensorError is not importable under a stable name
+        raise CheckpointError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from exc
+
+
+def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
+    infos = {}
+    for name in handle.keys():
+        view = handle.get_slice(name)
+        dtype_code = view.get_dtype()
+        if dtype_code not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_code}")
+        infos[name] = TensorInfo(name, _SAFETENSORS_DTYPES[dtype_code], tuple(view.get_shape()), file_name)
+    return infos
+
+
+class SafetensorsCheckpoint:
+    """Read-only view of a `save_pretrained` safetensors directory.
+
+    Opening validates the whole layout (files present, headers parse, file sizes match headers,
+    index and shards agree) so later reads cannot fail halfway through a conversion for a reason
+    that was knowable up front.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.exists():
+            raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: not a directory")
+        self._handles: dict[str, object] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        self.index_metadata: dict = {}
+        try:
+            single = self.directory / SAFETENSORS_SINGLE_FILE
+            index = self.directory / SAFETENSORS_INDEX_FILE
+            if single.is_file():
+                self.layout = "single"
+                self._open_single(single)
+            elif index.is_file():
+                self.layout = "sharded"
+                self._open_sharded(index)
+            else:
+                others = sorted(p.name for p in self.directory.glob("*.safetensors"))
+                hint = f"; found {_name_list(others)} but no index naming them" if others else ""
+                raise CheckpointError(
+                    f"{self.directory}: no {SAFETENSORS_SINGLE_FILE} or {SAFETENSORS_INDEX_FILE}{hint}"
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_single(self, path: Path) -> None:
+        handle = _open_safetensors_file(path)
+        self._handles[path.name] = handle
+        self._infos = _header_infos(handle, path, path.name)
+
+    def _open_sharded(self, index_path: Path) -> None:
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable index ({_one_line(exc)})") from exc
+        self.index_metadata = dict(index.get("metadata") or {})
+
+        names_by_file: dict[str, set[str]] = {}
+        for name, file_name in weight_map.items():
+            if Path(file_name).name != file_name:
+                # Refuse paths that would read outside the checkpoint directory.
+                raise CheckpointError(f"{index_path}: shard name {file_name!r} is not a plain file name")
+            names_by_file.setdefault(file_name, set()).add(name)
+
+        missing = [f for f in names_by_file if not (self.directory / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path}: index names missing shard file(s) {_name_list(missing)}")
+
+        for file_name in sorted(names_by_file):
+            path = self.directory / file_name
+            handle = _open_safetensors_file(path)
+            self._handles[file_name] = handle
+            infos = _header_infos(handle, path, file_name)
+            expected = names_by_file[file_name]
+            not_in_shard = expected - infos.keys()
+            not_in_index = infos.keys() - expected
+            if not_in_shard or not_in_index:
+                parts = []
+                if not_in_shard:
+                    parts.append(f"index lists {_name_list(not_in_shard)} but the shard lacks them")
+                if not_in_index:
+                    parts.append(f"shard holds {_name_list(not_in_index)} that the index assigns elsewhere or omits")
+                raise CheckpointError(f"{path}: index/shard key mismatch: {'; '.join(parts)}")
+            self._infos.update(infos)
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return sorted(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.directory}: no tensor {name!r}; it holds {len(self._infos)} tensors, "
+                f"e.g. {_name_list(self.keys()[:_MAX_NAMES_IN_MESSAGE])}"
+            ) from None
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {name: self._infos[name] for name in self.keys()}
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self._handles)
+
+    @property
+    def header_metadata(self) -> dict[str, str]:
+        """The `__metadata__` of the first file (HF writes the same `{"format": "pt"}` in each)."""
+        if not self._handles:
+            return {}
+        return dict(self._handles[self.files[0]].metadata() or {})
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def _handle_for(self, name: str):
+        return self._handles[self.info(name).file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One whole tensor, materialised on CPU."""
+        handle = self._handle_for(name)
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{self.directory}: cannot read {name!r} ({_one_line(exc)})") from exc
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """`tensor.narrow(dim, start, stop - start)` reading only those bytes from disk."""
+        info = self.info(name)
+        ndim = len(info.shape)
+        if ndim == 0:
+            raise CheckpointError(f"{self.directory}: {name!r} is a scalar and cannot be sliced")
+        axis = dim + ndim if dim < 0 else dim
+        if not 0 <= axis < ndim:
+            raise CheckpointError(f"{self.directory}: {name!r} has {ndim} dims, cannot slice dim {dim}")
+        if not 0 <= start <= stop <= info.shape[axis]:
+            raise CheckpointError(
+                f"{self.directory}: slice [{start}:{stop}] out of range for dim {axis} of {name!r} "
+                f"with shape {list(info.shape)}"
+            )
+        index = tuple([slice(None)] * axis + [slice(start, stop)])
+        try:
+            return self._handle_for(name).get_slice(name)[index]
+        except Exception as exc:
+            raise CheckpointError(f"{self.directory}: cannot read {name!r} ({_one_line(exc)})") from exc
+
+    def get_tp_slice(self, name: str, dim: int, rank: int, world_size: int) -> torch.Tensor:
+        """The `rank`-th of `world_size` equal chunks along `dim`, read without the other chunks."""
+        info = self.info(name)
+        axis = dim + len(info.shape) if dim < 0 else dim
+        if not 0 <= axis < len(info.shape):
+            raise CheckpointError(f"{self.directory}: {name!r} has {len(info.shape)} dims, cannot split dim {dim}")
+        size = info.shape[axis]
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise CheckpointError(f"rank {rank} is not in a TP group of size {world_size}")
+        if size % world_size:
+            raise CheckpointError(
+                f"{self.directory}: dim {axis} of {name!r} (size {size}) does not divide by TP size {world_size}"
+            )
+        chunk = size // world_size
+        return self.get_slice(name, axis, rank * chunk, (rank + 1) * chunk)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) one at a time, file by file so each shard's pages are touched once."""
+        for file_name in self.files:
+            for name in sorted(n for n, i in self._infos.items() if i.file == file_name):
+                yield name, self.get(name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(iter(self))
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        # safe_open handles unmap when released; dropping our references is the close.
+        self._handles = {}
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def open_safetensors_checkpoint(directory: str | os.PathLike) -> SafetensorsCheckpoint:
+    return SafetensorsCheckpoint(directory)
+
+
+def load_safetensors_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a `save_pretrained` directory (convenience for small models and tests)."""
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        return checkpoint.state_dict()
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """`"5GB"` -> 5_000_000_000, `"1MiB"` -> 1_048_576: HF's spelling of `max_shard_size`."""
+    if isinstance(size, bool):
+        raise CheckpointError(f"invalid size {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*([KMGT]I?B|B)?\s*", str(size), flags=re.IGNORECASE)
+        if not match:
+            raise CheckpointError(f"invalid size {size!r}; use bytes or e.g. '500MB', '5GB', '1GiB'")
+        value = int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()]
+    if value <= 0:
+        raise CheckpointError(f"size must be positive, got {size!r}")
+    return value
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning exactly its bytes (safetensors refuses shared storage)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.itemsize:
+        tensor = tensor.contiguous().clone()
+    return tensor
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors into HF-style safetensors shards as soon as each shard is full.
+
+    The output matches `save_pretrained`: one `model.safetensors` when everything fits in one
+    shard, otherwise `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Since N
+    is only known at the end, shards are written under provisional names and renamed by `close()`;
+    write into an `atomic_directory` so a reader never sees provisional names.
+
+    A tensor larger than `max_shard_size` gets a shard of its own (as in HF).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        metadata: Mapping[str, str] | None = None,
+        index_metadata: Mapping | None = None,
+    ):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: output directory does not exist")
+        self.max_shard_size = parse_size(max_shard_size)
+        self._header_metadata = {**_HF_FORMAT_METADATA, **{str(k): str(v) for k, v in (metadata or {}).items()}}
+        self._index_metadata = dict(index_metadata or {})
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._provisional_files: list[str] = []
+        self._file_of: dict[str, int] = {}  # tensor name -> shard number
+        self._total_bytes = 0
+        self._total_parameters = 0
+        self.checksums: dict[str, TensorChecksum] = {}
+        self._closed = False
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: writer is closed")
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"tensor names must be non-empty strings, got {name!r}")
+        if name in self._file_of or name in self._pending:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} written twice")
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        tensor = _standalone(tensor)
+        nbytes = tensor.numel() * tensor.itemsize
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_size:
+            self._flush()
+        self._pending[name] = tensor
+        self._pending_bytes += nbytes
+        self._total_bytes += nbytes
+        self._total_parameters += tensor.numel()
+        self.checksums[name] = tensor_checksum(tensor)
+
+    def add_all(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        for name, tensor in items:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        number = len(self._provisional_files)
+        file_name = f".partial-{number:05d}.safetensors"
+        save_file(self._pending, str(self.directory / file_name), metadata=self._header_metadata)
+        self._provisional_files.append(file_name)
+        for name in self._pending:
+            self._file_of[name] = number
+        # Dropping the references is the point: memory holds at most one shard.
+        self._pending = {}
+        self._pending_bytes = 0
+
+    def close(self) -> list[str]:
+        """Writes the last shard, gives shards their final names, writes the index if sharded."""
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: writer already closed")
+        self._closed = True
+        if not self._file_of and not self._pending:
+            raise CheckpointError(f"{self.directory}: refusing to write a checkpoint with no tensors")
+        self._flush()
+        count = len(self._provisional_files)
+        if count == 1:
+            final_names = [SAFETENSORS_SINGLE_FILE]
+        else:
+            final_names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for provisional, final in zip(self._provisional_files, final_names):
+            os.replace(self.directory / provisional, self.directory / final)
+        if count > 1:
+            index = {
+                "metadata": {
+                    **self._index_metadata,
+                    "total_parameters": self._total_parameters,
+                    "total_size": self._total_bytes,
+                },
+                "weight_map": {name: final_names[n] for name, n in sorted(self._file_of.items())},
+            }
+            with open(self.directory / SAFETENSORS_INDEX_FILE, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+                f.write("\n")
+        return final_names + ([SAFETENSORS_INDEX_FILE] if count > 1 else [])
+
+
+def save_safetensors_checkpoint(
+    directory: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    extra_files: Mapping[str, str | bytes] | None = None,
+    force: bool = False,
+) -> dict[str, TensorChecksum]:
+    """Writes a `save_pretrained`-style safetensors directory atomically; returns per-tensor checksums.
+
+    `tensors` may be a generator, so a converter can stream tensors through without holding the
+    whole model. `extra_files` (e.g. `config.json`) land in the same atomic step.
+    """
+    with atomic_directory(directory, force=force) as staging:
+        writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size, metadata=metadata)
+        writer.add_all(tensors)
+        writer.close()
+        for file_name, content in (extra_files or {}).items():
+            if Path(file_name).name != file_name:
+                raise CheckpointError(f"extra file name {file_name!r} is not a plain file name")
+            mode = "wb" if isinstance(content, bytes) else "w"
+            with open(staging / file_name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+                f.write(content)
+    return writer.checksums
+
+
+# --------------------------------------------------------------------------------------------------
+# atomic directories
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under `root` (directories too, so new entries are durable)."""
+    root = Path(root)
+    for current, _dirs, files in os.walk(root):
+        for file_name in files:
+            _fsync_path(Path(current) / file_name)
+        _fsync_path(Path(current))
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_staging_directory(destination: str | os.PathLike, *, force: bool = False) -> tuple[Path, list[Path]]:
+    """Checks `destination` may be written and creates an empty sibling staging directory.
+
+    Returns the staging path and the parent directories created on the way (so a failed write can
+    remove them again). Split out of `atomic_directory` so multi-process writers can create the
+    staging directory on one rank and share its name.
+    """
+    destination = Path(destination).absolute()
+    if destination.exists() and not force:
+        raise CheckpointError(f"{destination}: already exists; pass force=True to replace it")
+    created: list[Path] = []
+    missing = []
+    parent = destination.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        directory.mkdir()
+        created.append(directory)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+        # mkdtemp creates 0700; a published checkpoint should get the usual permissions.
+        os.chmod(staging, 0o777 & ~_current_umask())
+    except BaseException:
+        remove_created_directories(created)
+        raise
+    return staging, created
+
+
+def remove_created_directories(created: list[Path]) -> None:
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if still empty: never delete what someone else put there
+
+
+def publish_staging_directory(staging: Path, destination: str | os.PathLike, *, force: bool = False) -> None:
+    """fsyncs `staging` and renames it to `destination`, replacing an old one only if `force`."""
+    destination = Path(destination).absolute()
+    fsync_tree(staging)
+    displaced = None
+    if os.path.lexists(destination):
+        if not force:
+            raise CheckpointError(f"{destination}: appeared while writing; pass force=True to replace it")
+        # os.replace cannot overwrite a non-empty directory, so move the old one aside first and
+        # delete it only once the new one is in place.
+        displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
+        os.replace(destination, displaced / "old")
+    try:
+        os.replace(staging, destination)
+    except BaseException:
+        if displaced is not None:
+            os.replace(displaced / "old", destination)
+            shutil.rmtree(displaced, ignore_errors=True)
+        raise
+    _fsync_path(destination.parent)
+    if displaced is not None:
+        shutil.rmtree(displaced, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(destination: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
+    """Yields an empty staging directory that becomes `destination` only if the block succeeds.
+
+    The staging directory is a hidden sibling of `destination` (same filesystem, so the final
+    `os.replace` is atomic). On success everything is fsynced before the rename; on any exception
+    (KeyboardInterrupt included) the staging directory and any parent directories created for it
+    are removed, leaving the filesystem as it was.
+    """
+    staging, created = make_staging_directory(destination, force=force)
+    try:
+        yield staging
+        publish_staging_directory(staging, destination, force=force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_created_directories(created)
+        raise

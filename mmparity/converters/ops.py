@@ -1,0 +1,221 @@
+"""Layout operations between HF and mcore tensors; every op carries its exact inverse.
+
+``apply`` maps the HF-side tensors of one rule to its mcore-side tensors; ``invert`` maps them
+back. Both only view, permute, split and concatenate, so a round trip is bit-exact in any dtype.
+Outputs never alias their inputs (checkpoint writers refuse tensors that share storage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+class LayoutError(ValueError):
+    """A tensor does not have the shape an op needs; the message names the op and the shapes."""
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().clone()
+
+
+def _shapes(ts: Sequence[torch.Tensor]) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in ts)
+
+
+class Op:
+    n_hf = 1
+    n_mcore = 1
+
+    def apply(self, hf: Tensors) -> Tensors:
+        raise NotImplementedError
+
+    def invert(self, mcore: Tensors) -> Tensors:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True, repr=False)
+class Identity(Op):
+    def apply(self, hf):
+        return [_own(hf[0])]
+
+    def invert(self, mcore):
+        return [_own(mcore[0])]
+
+
+@dataclass(frozen=True, repr=False)
+class Reshape(Op):
+    """A pure reshape, e.g. a Conv weight seen as a Linear one. ``mcore_shape`` may use -1."""
+
+    hf_shape: tuple
+    mcore_shape: tuple
+
+    def apply(self, hf):
+        return [_own(_reshape(hf[0], self.mcore_shape, self))]
+
+    def invert(self, mcore):
+        return [_own(_reshape(mcore[0], self.hf_shape, self))]
+
+
+def _reshape(t, shape, op):
+    try:
+        return t.reshape(shape)
+    except RuntimeError as exc:
+        raise LayoutError(f"{op!r}: cannot reshape {tuple(t.shape)} to {shape}") from exc
+
+
+@dataclass(frozen=True, repr=False)
+class RopeInterleave(Op):
+    """Undo HF's per-head rotate-half permutation of q/k rows (weights or biases).
+
+    HF conversion scripts move row 2t of each head to t and row 2t+1 to hd/2 + t, so that
+    rotate-half RoPE equals the original interleaved (complex-pair) RoPE. mcore with
+    ``rotary_interleaved=True`` wants the original order back.
+    """
+
+    num_heads: int
+    head_dim: int
+
+    def _check(self, t):
+        if t.shape[0] != self.num_heads * self.head_dim or self.head_dim % 2:
+            raise LayoutError(f"{self!r}: expected leading dim {self.num_heads}x{self.head_dim}, "
+                              f"got {tuple(t.shape)}")
+
+    def apply(self, hf):
+        t = hf[0]
+        self._check(t)
+        rest = t.shape[1:]
+        halves = t.reshape(self.num_heads, 2, self.head_dim // 2, *rest)
+        return [_own(halves.transpose(1, 2).reshape(t.shape))]
+
+    def invert(self, mcore):
+        t = mcore[0]
+        self._check(t)
+        rest = t.shape[1:]
+        pairs = t.reshape(self.num_heads, self.head_dim // 2, 2, *rest)
+        return [_own(pairs.transpose(1, 2).reshape(t.shape))]
+
+    def __repr__(self):
+        return f"RopeInterleave(heads={self.num_heads}, head_dim={self.head_dim})"
+
+
+@dataclass(frozen=True, repr=False)
+class Chain(Op):
+    """One-to-one ops applied in order (inverted in reverse order)."""
+
+    ops: tuple
+
+    def apply(self, hf):
+        for op in self.ops:
+            hf = op.apply(hf)
+        return hf
+
+    def invert(self, mcore):
+        for op in reversed(self.ops):
+            mcore = op.invert(mcore)
+        return mcore
+
+
+@dataclass(frozen=True, repr=False)
+class FuseQKV(Op):
+    """Separate q, k, v (weights or biases) -> mcore ``linear_qkv`` in per-query-group order.
+
+    mcore rows are ``[q heads of group g…, k_g, v_g]`` for g = 0..groups-1, so that a tensor-parallel
+    rank's contiguous row slice holds whole query groups. ``pre`` ops (e.g. RopeInterleave) run on
+    q, k, v individually before fusing.
+    """
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    pre: tuple = (None, None, None)
+    n_hf = 3
+
+    def apply(self, hf):
+        q, k, v = (op.apply([t])[0] if op else t for op, t in zip(self.pre, hf))
+        g, per, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        expect = (self.num_heads * d, g * d, g * d)
+        if tuple(t.shape[0] for t in (q, k, v)) != expect or self.num_heads % g:
+            raise LayoutError(f"{self!r}: q/k/v leading dims must be {expect}, got {_shapes((q, k, v))}")
+        rest = q.shape[1:]
+        fused = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest),
+                           v.reshape(g, 1, d, *rest)], dim=1)
+        return [_own(fused.reshape(-1, *rest))]
+
+    def invert(self, mcore):
+        t = mcore[0]
+        g, per, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        if t.shape[0] != (self.num_heads + 2 * g) * d:
+            raise LayoutError(f"{self!r}: linear_qkv leading dim must be {(self.num_heads + 2 * g) * d}, "
+                              f"got {tuple(t.shape)}")
+        rest = t.shape[1:]
+        grouped = t.reshape(g, per + 2, d, *rest)
+        q = grouped[:, :per].reshape(-1, *rest)
+        k = grouped[:, per].reshape(-1, *rest)
+        v = grouped[:, per + 1].reshape(-1, *rest)
+        return [_own(op.invert([x])[0] if op else x) for op, x in zip(self.pre, (q, k, v))]
+
+    def __repr__(self):
+        return f"FuseQKV(heads={self.num_heads}, groups={self.num_groups}, head_dim={self.head_dim})"
+
+
+@dataclass(frozen=True, repr=False)
+class RegroupQKV(Op):
+    """HF fused ``[q; k; v]`` rows (Qwen ``qkv``, Kimi ``wqkv``) -> mcore per-query-group order."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    pre: tuple = (None, None, None)
+
+    @property
+    def _fuse(self):
+        return FuseQKV(self.num_heads, self.num_groups, self.head_dim, self.pre)
+
+    def apply(self, hf):
+        t = hf[0]
+        sizes = [self.num_heads * self.head_dim, self.num_groups * self.head_dim,
+                 self.num_groups * self.head_dim]
+        if t.shape[0] != sum(sizes):
+            raise LayoutError(f"{self!r}: fused qkv leading dim must be {sum(sizes)}, got {tuple(t.shape)}")
+        return self._fuse.apply(list(torch.split(t, sizes, dim=0)))
+
+    def invert(self, mcore):
+        return [_own(torch.cat(self._fuse.invert(mcore), dim=0))]
+
+    def __repr__(self):
+        return f"RegroupQKV(heads={self.num_heads}, groups={self.num_groups}, head_dim={self.head_dim})"
+
+
+@dataclass(frozen=True, repr=False)
+class Concat(Op):
+    """Several HF tensors stacked along ``dim`` into one mcore tensor, e.g. gated FC1 = [gate; up]."""
+
+    n_hf: int = 2
+    dim: int = 0
+
+    def apply(self, hf):
+        if len({t.shape[self.dim] for t in hf}) != 1:
+            raise LayoutError(f"{self!r}: parts must have equal size along dim {self.dim}, got {_shapes(hf)}")
+        return [_own(torch.cat(hf, dim=self.dim))]
+
+    def invert(self, mcore):
+        t = mcore[0]
+        if t.shape[self.dim] % self.n_hf:
+            raise LayoutError(f"{self!r}: dim {self.dim} of {tuple(t.shape)} does not split in {self.n_hf}")
+        return [_own(x) for x in torch.chunk(t, self.n_hf, dim=self.dim)]
+
+    def __repr__(self):
+        return f"Concat(n={self.n_hf}, dim={self.dim})"
+
+
+def fuse_gate_up() -> Concat:
+    """HF ``gate_proj``/``up_proj`` -> mcore ``linear_fc1`` = [gate; up] (activation on the first half)."""
+    return Concat(n_hf=2, dim=0)

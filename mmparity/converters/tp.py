@@ -1,0 +1,80 @@
+"""Tensor-parallel shard / merge, kept apart from names and layouts.
+
+Kinds (what mcore's layers expect on rank r of ``tp``):
+
+* ``replicated`` – every rank holds the full tensor (norms, row-parallel biases, conv stems).
+* ``column``     – rows split in ``tp`` contiguous chunks (ColumnParallelLinear weight and bias).
+* ``row``        – columns split (RowParallelLinear weight).
+* ``qkv``        – ``column`` on the per-query-group fused layout: a chunk is whole query groups,
+  which only holds when ``tp`` divides the group count (checked by the rule set).
+* ``gated``      – fused ``[gate; up]``: rank r holds ``[gate_r; up_r]``, not a row slice of the
+  concatenation, so that each rank's GLU halves still pair up.
+* ``vocab``      – ``column`` over a vocabulary padded to a multiple of ``tp`` by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("replicated", "column", "row", "qkv", "gated", "vocab")
+
+
+class ShardError(ValueError):
+    pass
+
+
+def _split(t: torch.Tensor, tp: int, dim: int, kind: str) -> list[torch.Tensor]:
+    if t.dim() <= dim or t.shape[dim] % tp:
+        raise ShardError(f"{kind}: dim {dim} of shape {tuple(t.shape)} is not divisible by tp={tp}")
+    return [c.contiguous().clone() for c in torch.chunk(t, tp, dim=dim)]
+
+
+def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
+    """Full tensor -> ``tp`` per-rank tensors."""
+    if kind == "replicated":
+        return [t if r == 0 else t.clone() for r in range(tp)]
+    if kind in ("column", "qkv", "vocab"):
+        return _split(t, tp, 0, kind)
+    if kind == "row":
+        return _split(t, tp, 1 if t.dim() > 1 else 0, kind) if t.dim() > 1 else [t.clone() for _ in range(tp)]
+    if kind == "gated":
+        gate, up = _split(t, 2, 0, kind)
+        gates, ups = _split(gate, tp, 0, kind), _split(up, tp, 0, kind)
+        return [torch.cat([g, u], dim=0) for g, u in zip(gates, ups)]
+    raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Per-rank tensors -> full tensor; replicated parts must agree bit for bit."""
+    if not parts:
+        raise ShardError("no shards to merge")
+    if kind == "replicated":
+        for r, p in enumerate(parts[1:], start=1):
+            if p.shape != parts[0].shape or p.dtype != parts[0].dtype or not torch.equal(p, parts[0]):
+                raise ShardError(f"replicated tensor differs between rank 0 and rank {r}")
+        return parts[0].contiguous().clone()
+    if kind in ("column", "qkv", "vocab"):
+        return torch.cat(parts, dim=0)
+    if kind == "row":
+        return torch.cat(parts, dim=1) if parts[0].dim() > 1 else merge(parts, "replicated")
+    if kind == "gated":
+        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def shard_slices(shape: tuple, kind: str, tp: int, rank: int) -> list[tuple[int, int, int]]:
+    """(dim, start, stop) ranges of the full tensor that rank ``rank`` needs, for lazy reads.
+
+    ``gated`` needs two ranges (its gate part and its up part); the others one, or none when the
+    whole tensor is needed.
+    """
+    if kind == "replicated" or (kind == "row" and len(shape) == 1):
+        return []
+    dim = 1 if kind == "row" else 0
+    if kind == "gated":
+        half = shape[0] // 2
+        step = half // tp
+        return [(0, rank * step, (rank + 1) * step), (0, half + rank * step, half + (rank + 1) * step)]
+    step = shape[dim] // tp
+    return [(dim, rank * step, (rank + 1) * step)]

@@ -1,0 +1,83 @@
+"""The family registry: one frozen :class:`Family` record per model family, nothing else.
+
+A family is this entry plus one same-named module in each of ``mmparity.native``,
+``mmparity.reference`` and ``mmparity.converters``. Modules are imported only when used, so
+listing families costs neither transformers nor megatron.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    summary: str
+    reference_classes: tuple
+    components: tuple
+    module: str = ""  # same-named module under native/, reference/, converters/
+    checkpoint_note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def module_name(self) -> str:
+        return self.module or self.name
+
+    def native(self):
+        return importlib.import_module(f"mmparity.native.{self.module_name}")
+
+    def reference(self):
+        return importlib.import_module(f"mmparity.reference.{self.module_name}")
+
+    def converter(self):
+        return importlib.import_module(f"mmparity.converters.{self.module_name}")
+
+    def tiny_config(self):
+        """The family's built-in HF config: tiny, with deliberately awkward sizes."""
+        return self.reference().tiny_config()
+
+    def build_reference(self, cfg):
+        """The HF transformers module for ``cfg``, fp32, in eval mode."""
+        return self.reference().build(cfg)
+
+    def build_native(self, cfg, params_dtype: torch.dtype = torch.float32):
+        """The native mcore module for ``cfg`` in eval mode.
+
+        Uses the parallel state already initialised (any TP size); initialises TP=1 on CPU if there
+        is none, since mcore layers cannot be built without one.
+        """
+        from mmparity.native import runtime
+
+        if runtime.current_layout() is None:
+            runtime.init_parallel(1, 1)
+        return self.native().build_native(cfg, params_dtype=params_dtype).eval()
+
+
+_REGISTRY: dict[str, Family] = {
+    "pixtral": Family(
+        name="pixtral",
+        summary="Pixtral vision encoder (2D RoPE, RMSNorm, SwiGLU), static and packed mixed sizes",
+        reference_classes=("PixtralVisionModel",),
+        components=("patch_embed", "rope2d", "ln_pre", "layers", "packed attention"),
+    ),
+}
+
+
+class UnknownFamilyError(KeyError):
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Family:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownFamilyError(f"unknown family {name!r}; valid families: {', '.join(names())}") from None

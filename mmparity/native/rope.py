@@ -1,0 +1,53 @@
+"""2D rotary position embeddings in mcore's ``rotary_pos_emb`` format: raw angles ``(N, 1, 1, head_dim)``.
+
+mcore turns the angles into cos/sin itself. With ``rotary_interleaved=True`` it rotates adjacent
+pairs (2t, 2t+1), so interleaved families must repeat every angle twice in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grid_ids(h_patches: int, w_patches: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.arange(h_patches, device=device).repeat_interleave(w_patches)
+    cols = torch.arange(w_patches, device=device).repeat(h_patches)
+    return rows, cols
+
+
+class Pixtral2DRotaryEmbedding(torch.nn.Module):
+    """Mistral's axial 2D RoPE: pair t of a head rotates by row·f[2t] (first half) or col·f[2t+1].
+
+    For patch (i, j) the hd/2 angles are ``[i·f[0::2] ‖ j·f[1::2]]`` with f[k] = θ^(-2k/hd),
+    each repeated twice in place for mcore's interleaved rotation. HF ``PixtralVisionModel`` uses
+    the same angles in rotate-half layout on per-head-permuted q/k weights (see the converter).
+
+    Deviation from the seed: ``max_patches_per_side`` is validated, not used to cap a table — the
+    angles are computed from the ids directly, so a larger grid is refused with a clear message
+    instead of silently indexing past the table.
+    """
+
+    def __init__(self, head_dim: int, max_patches_per_side: int, rope_theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"2D RoPE needs a head_dim divisible by 4, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_patches_per_side = max_patches_per_side
+        freqs = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("row_freqs", freqs[0::2].float(), persistent=False)
+        self.register_buffer("col_freqs", freqs[1::2].float(), persistent=False)
+
+    def angles(self, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+        """(N,) ids -> (N, head_dim/2) angles, not yet interleaved."""
+        rows = row_ids.to(torch.float32)[:, None] * self.row_freqs.to(row_ids.device)
+        cols = col_ids.to(torch.float32)[:, None] * self.col_freqs.to(col_ids.device)
+        return torch.cat([rows, cols], dim=-1)
+
+    def forward(self, h_patches: int, w_patches: int, device: torch.device) -> torch.Tensor:
+        if max(h_patches, w_patches) > self.max_patches_per_side:
+            raise ValueError(
+                f"image grid {h_patches}x{w_patches} patches exceeds max_patches_per_side="
+                f"{self.max_patches_per_side} (image_size // patch_size of the config)")
+        rows, cols = _grid_ids(h_patches, w_patches, device)
+        angles = self.angles(rows, cols)
+        return angles.repeat_interleave(2, dim=-1)[:, None, None, :]

@@ -1,0 +1,87 @@
+"""Seeded, non-constant paired inputs: several images, non-square, off the config's default size."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+ImageSize = tuple[int, int]
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def images(sizes: Sequence[ImageSize], channels: int, seed: int) -> list[torch.Tensor]:
+    """One (C, H, W) float32 image per size; normal noise plus a per-image ramp so no two agree."""
+    gen = generator(seed)
+    out = []
+    for index, (height, width) in enumerate(sizes):
+        noise = torch.randn(channels, height, width, generator=gen)
+        ramp = torch.linspace(-1.0, 1.0, height * width).view(1, height, width) * (index + 1) / len(sizes)
+        out.append(noise + ramp)
+    return out
+
+
+def pad_batch(imgs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[ImageSize]]:
+    """Zero-pad to the largest height and width -> (B, C, Hmax, Wmax) and the true sizes."""
+    channels = imgs[0].shape[0]
+    h_max = max(i.shape[1] for i in imgs)
+    w_max = max(i.shape[2] for i in imgs)
+    batch = torch.zeros(len(imgs), channels, h_max, w_max, dtype=imgs[0].dtype)
+    for b, img in enumerate(imgs):
+        batch[b, :, : img.shape[1], : img.shape[2]] = img
+    return batch, [(i.shape[1], i.shape[2]) for i in imgs]
+
+
+def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:
+    """(C, H, W) -> (h·w, C·P·P) rows in raster order, each row flattened in (C, P, P) order."""
+    channels, height, width = image.shape
+    grid = image.view(channels, height // patch, patch, width // patch, patch)
+    return grid.permute(1, 3, 0, 2, 4).reshape(-1, channels * patch * patch)
+
+
+def packed_rows(imgs: Sequence[torch.Tensor], patch: int) -> torch.Tensor:
+    """Several images as one pre-patchified packed sequence (1, ΣN, C·P·P)."""
+    return torch.cat([patchify(i, patch) for i in imgs], dim=0).unsqueeze(0)
+
+
+def random_like_state(state: dict, seed: int) -> dict:
+    """Seeded random values for every floating tensor of a state dict, at trained-network scale.
+
+    Matrices get std 1/sqrt(fan_in) (so activations neither vanish nor saturate the softmax, which
+    would make fp32 parity depend on the conditioning of a random network rather than on the
+    implementation), vectors std 0.1, norm weights 1 ± 0.2 — non-constant everywhere, so a swapped
+    or misplaced tensor always shows.
+    """
+    gen = generator(seed)
+    out = {}
+    for key, value in state.items():
+        if not torch.is_floating_point(value):
+            out[key] = value
+            continue
+        noise = torch.randn(value.shape, generator=gen, dtype=torch.float32)
+        if value.dim() >= 2:
+            fan_in = max(1, value[0].numel())
+            noise = noise / fan_in ** 0.5
+        elif "norm" in key and key.endswith("weight"):
+            noise = 1.0 + 0.2 * noise
+        else:
+            noise = 0.1 * noise
+        out[key] = noise.to(value.dtype)
+    return out
+
+
+# Component checks use a grid that is neither square nor the config's default.
+COMPONENT_GRID = (5, 7)
+
+
+def component_image_size(patch: int) -> tuple[int, int]:
+    return (COMPONENT_GRID[0] * patch, COMPONENT_GRID[1] * patch)
+
+
+def rope_probe(num_heads: int, head_dim: int, grid: tuple[int, int], seed: int) -> torch.Tensor:
+    """Seeded query-like activations (N, heads, head_dim) for rotary-embedding checks."""
+    gen = generator(seed + 7919)
+    return torch.randn(grid[0] * grid[1], num_heads, head_dim, generator=gen)
