@@ -61,3 +61,18 @@ def mcore_to_hf(name: str, shards: Sequence[Mapping[str, torch.Tensor]], cfg,
     """Per-rank mcore state dicts (either key spelling) -> HF state dict, keys under ``prefix``."""
     rules = rule_set_for(name, cfg, hf_format)
     return convert_mcore_to_hf(rules, shards, prefix=prefix)
+
+
+def select_family_tensors(name: str, cfg, state: Mapping[str, torch.Tensor],
+                          hf_format: str | None = None) -> tuple[dict, str, str]:
+    """From a (possibly whole-VLM) HF state dict, the family's tensors with the prefix stripped.
+
+    Returns ``(tensors, prefix, hf_format)``. Missing tensors are not an error here (conversion
+    reports them); tensors outside the family are simply not selected.
+    """
+    from mmparity.converters.rules import expected_keys
+
+    rules = rule_set_for(name, cfg, hf_format, keys=state.keys())
+    prefix = detect_prefix(rules, state.keys())
+    hf_keys, _ = expected_keys(rules)
+    return ({k: state[prefix + k] for k in hf_keys if prefix + k in state}, prefix, rules.hf_format)
