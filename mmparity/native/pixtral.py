@@ -92,6 +92,7 @@ def component(name: str, model: ViTModel, cfg, seed: int) -> torch.Tensor:
         heads = cfg.num_attention_heads
         hd = cfg.hidden_size // heads
         q = inputs.rope_probe(heads, hd, inputs.COMPONENT_GRID, seed)
+        q = q.to(next(model.parameters()).dtype)
         n = q.shape[0]
         # Same per-head row permutation the converter applies to q/k weights, here on activations.
         op = RopeInterleave(heads, hd)

@@ -33,14 +33,19 @@ class Pixtral2DRotaryEmbedding(torch.nn.Module):
             raise ValueError(f"2D RoPE needs a head_dim divisible by 4, got {head_dim}")
         self.head_dim = head_dim
         self.max_patches_per_side = max_patches_per_side
-        freqs = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("row_freqs", freqs[0::2].float(), persistent=False)
-        self.register_buffer("col_freqs", freqs[1::2].float(), persistent=False)
+        self.rope_theta = rope_theta
+
+    def base_freqs(self, device) -> torch.Tensor:
+        # Recomputed in fp32 on every call rather than stored as a buffer: ``model.to(bfloat16)``
+        # would round a float buffer and shift every angle.
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
+        return (1.0 / self.rope_theta ** exponents).float()
 
     def angles(self, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
         """(N,) ids -> (N, head_dim/2) angles, not yet interleaved."""
-        rows = row_ids.to(torch.float32)[:, None] * self.row_freqs.to(row_ids.device)
-        cols = col_ids.to(torch.float32)[:, None] * self.col_freqs.to(col_ids.device)
+        freqs = self.base_freqs(row_ids.device)
+        rows = row_ids.to(torch.float32)[:, None] * freqs[0::2]
+        cols = col_ids.to(torch.float32)[:, None] * freqs[1::2]
         return torch.cat([rows, cols], dim=-1)
 
     def forward(self, h_patches: int, w_patches: int, device: torch.device) -> torch.Tensor:

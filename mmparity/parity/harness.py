@@ -190,3 +190,37 @@ def _compare_component(family, name, ref_mod, nat_mod, ref32, native, ref_lp_sid
     passed = tol.accepts(m)
     return Result(family, f"component:{name}", passed, m.as_dict(), tol.as_dict(),
                   None if passed else Divergence(name, m.as_dict(), tol.as_dict()))
+
+
+def size_multiple(family: str, cfg) -> int:
+    """Image sides must be a multiple of this: the patch size, times the merge size if any."""
+    fam = families.get(family)
+    ref_mod = fam.reference()
+    custom = getattr(ref_mod, "image_size_multiple", None)
+    if custom is not None:
+        return custom(cfg)
+    vision = getattr(cfg, "vision_config", None) or cfg
+    patch = getattr(vision, "patch_size", 1)
+    patch = patch if isinstance(patch, int) else patch[0]
+    merge = getattr(vision, "spatial_merge_size", None) or 1
+    return patch * merge
+
+
+class InputError(ValueError):
+    """The caller's input cannot be checked (bad image size …); the CLI maps it to exit code 2."""
+
+
+def validate_image_sizes(family: str, cfg, sizes) -> None:
+    cfg = cfg if cfg is not None else families.get(family).tiny_config()
+    multiple = size_multiple(family, cfg)
+    bad = [f"{h}x{w}" for h, w in sizes if h <= 0 or w <= 0 or h % multiple or w % multiple]
+    if bad:
+        raise InputError(f"image size {', '.join(bad)} is not a positive multiple of {multiple} "
+                         f"(the patch size{', times the merge size,' if multiple != _patch(cfg) else ''} "
+                         f"of family {family!r})")
+
+
+def _patch(cfg) -> int:
+    vision = getattr(cfg, "vision_config", None) or cfg
+    patch = getattr(vision, "patch_size", 1)
+    return patch if isinstance(patch, int) else patch[0]

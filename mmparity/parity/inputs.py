@@ -85,3 +85,21 @@ def rope_probe(num_heads: int, head_dim: int, grid: tuple[int, int], seed: int) 
     """Seeded query-like activations (N, heads, head_dim) for rotary-embedding checks."""
     gen = generator(seed + 7919)
     return torch.randn(grid[0] * grid[1], num_heads, head_dim, generator=gen)
+
+
+def block_first_patch_rows(frames: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
+    """(T, C, H, W) frames -> (h·w, C·T·P·P) rows in the Qwen-VL image processor's layout.
+
+    Patches come block-first (the m×m patches of each merge block are consecutive, blocks in
+    raster order) and each row is flattened (C, T, P, P). A still image in the processor's layout
+    is its frame repeated T times; T = 1 gives single-frame rows of width C·P·P.
+    """
+    frames_n, channels, height, width = frames.shape
+    if height % (patch * merge) or width % (patch * merge):
+        raise ValueError(f"image size {height}x{width} is not a multiple of patch*merge = "
+                         f"{patch}*{merge}")
+    bh, bw = height // (patch * merge), width // (patch * merge)
+    grid = frames.reshape(frames_n, channels, bh, merge, patch, bw, merge, patch)
+    # axes: T C bh mh py bw mw px -> bh bw mh mw C T py px
+    rows = grid.permute(2, 5, 3, 6, 1, 0, 4, 7)
+    return rows.reshape(bh * bw * merge * merge, channels * frames_n * patch * patch)

@@ -85,11 +85,12 @@ def prepare_case(case: Case, cfg) -> Case:
     return case
 
 
-def rope_reference(cfg, seed: int, grid: tuple[int, int]) -> torch.Tensor:
+def rope_reference(cfg, seed: int, grid: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
     """HF's rotary embedding applied to seeded q: (N, heads, hd) in HF (rotate-half) layout."""
     from transformers.models.pixtral.modeling_pixtral import apply_rotary_pos_emb
 
     q = inputs.rope_probe(cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, grid, seed)
+    q = q.to(dtype)
     rotary = PixtralVisionRotaryEmbedding(cfg)
     h, w = grid
     rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -105,7 +106,7 @@ COMPONENTS = ("rope2d", "patch_embed")
 
 def component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "rope2d":
-        return rope_reference(cfg, seed, inputs.COMPONENT_GRID)
+        return rope_reference(cfg, seed, inputs.COMPONENT_GRID, next(model.parameters()).dtype)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(patch_size(cfg))], cfg.num_channels, seed)[0]
         conv = model.patch_conv(img.unsqueeze(0).to(next(model.parameters()).dtype))

@@ -1,0 +1,127 @@
+"""``mmparity check``: parity of each family's native encoder against its HF reference."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_size,
+                                 quiet_third_party_warnings, write_text_atomic)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("families", nargs="*", metavar="FAMILY",
+                        help="families to check (default: every registered family)")
+    parser.add_argument("--hf", metavar="DIR",
+                        help="an HF save_pretrained directory (config + safetensors, single or sharded)")
+    parser.add_argument("--hf-format", metavar="F", default=None,
+                        help="HF-side layout of --hf (default: detected from the keys)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
+                        help="image size in pixels; repeat for several images per batch")
+    parser.add_argument("--no-components", action="store_true", help="skip component checks")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
+    parser.add_argument("--quiet", action="store_true", help="only the summary line")
+
+
+def _resolve_families(requested: list[str]) -> list[str]:
+    from mmparity import families
+
+    known = families.names()
+    unknown = [n for n in requested if n not in known]
+    if unknown:
+        raise UsageError(f"unknown family {', '.join(map(repr, unknown))}; valid families: {', '.join(known)}")
+    return requested or known
+
+
+def _load_hf(directory: str, family: str, hf_format):
+    """(family config, family tensors in the reference's own layout) from an HF directory."""
+    import os
+
+    from mmparity import converters, families
+    from mmparity.converters.io import CheckpointError, open_safetensors_checkpoint
+    from mmparity.converters.rules import ConversionError
+
+    if not os.path.isdir(directory):
+        raise UsageError(f"--hf {directory}: no such directory")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise UsageError(f"--hf {directory}: no config.json (expected an HF save_pretrained directory)")
+    try:
+        from transformers import AutoConfig
+
+        full_cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # transformers raises several types for a bad config
+        raise UsageError(f"--hf {directory}: cannot read config.json: {str(exc).splitlines()[0]}") from None
+    fam = families.get(family)
+    try:
+        cfg = fam.reference().vision_config(full_cfg)
+    except ValueError as exc:
+        raise UsageError(f"--hf {directory}: {exc} (family {family!r})") from None
+    try:
+        with open_safetensors_checkpoint(directory) as ckpt:
+            state = ckpt.state_dict()
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+    try:
+        tensors, _prefix, fmt = converters.select_family_tensors(family, cfg, state, hf_format)
+        default_format = fam.converter().FORMATS[0]
+        if fmt != default_format:
+            # The reference only loads its own layout: go through mcore, exactly as a user would.
+            shards = converters.hf_to_mcore(family, tensors, cfg, hf_format=fmt)
+            tensors = converters.mcore_to_hf(family, shards, cfg, hf_format=default_format)
+        else:
+            converters.hf_to_mcore(family, tensors, cfg, hf_format=fmt)  # totality, before any model
+    except ConversionError as exc:
+        raise UsageError(f"--hf {directory}: {str(exc).splitlines()[0]} — "
+                         f"{'; '.join(exc.problems[:5])}") from None
+    return cfg, tensors
+
+
+def run(args) -> int:
+    quiet_third_party_warnings()
+    names = _resolve_families(args.families)
+    if args.hf and len(names) != 1:
+        raise UsageError("--hf needs exactly one FAMILY")
+    sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: CUDA is not available on this machine")
+
+    from mmparity.parity import harness
+    from mmparity.parity.report import Report
+
+    started = time.perf_counter()
+    combined = None
+    for name in names:
+        cfg, hf_state = (None, None)
+        if args.hf:
+            cfg, hf_state = _load_hf(args.hf, name, args.hf_format)
+        if sizes is not None:
+            try:
+                harness.validate_image_sizes(name, cfg, sizes)
+            except harness.InputError as exc:
+                raise UsageError(str(exc)) from None
+        report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
+                               seed=args.seed, image_sizes=sizes,
+                               components=not args.no_components)
+        if combined is None:
+            combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
+                              attention_backend=report.attention_backend, versions=report.versions)
+        combined.results.extend(report.results)
+    elapsed = time.perf_counter() - started
+
+    if args.json:
+        write_text_atomic(args.json, combined.to_json())
+    if args.junit:
+        from mmparity.cli.render import junit_xml
+
+        write_text_atomic(args.junit, junit_xml(combined, elapsed))
+    from mmparity.cli.render import print_report
+
+    print_report(combined, elapsed, quiet=args.quiet, stream=sys.stdout)
+    return EXIT_OK if combined.passed else EXIT_FAIL

@@ -1,0 +1,51 @@
+"""``mmparity`` command line: one module per subcommand, this file only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage
+
+# subcommand -> module under mmparity.cli exposing add_arguments(parser) and run(args) -> int
+SUBCOMMANDS = {
+    "list": ("list_cmd", "list families, their components and HF reference classes"),
+    "check": ("check", "parity of native mcore encoders against the HF reference"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one line, exit 2
+        self.exit(EXIT_USAGE, f"mmparity: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mmparity", description=__doc__)
+    from mmparity import __version__
+
+    parser.add_argument("--version", action="version", version=f"mmparity {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"mmparity.cli.{module}").add_arguments(sub_parser)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return EXIT_USAGE
+    module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command][0]}")
+    try:
+        return module.run(args)
+    except UsageError as exc:
+        return fail_usage(str(exc))
+    except KeyboardInterrupt:
+        return fail_usage("interrupted")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

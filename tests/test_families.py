@@ -1,0 +1,96 @@
+"""Generic checks every registered family must pass; a new family needs no new test here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmparity import converters, families
+from mmparity.parity import harness
+from mmparity.parity.inputs import random_like_state
+
+FAMILIES = families.names()
+
+
+def test_unknown_family_lists_valid_names():
+    with pytest.raises(KeyError) as info:
+        families.get("no_such_family")
+    message = str(info.value)
+    assert "no_such_family" in message and all(n in message for n in FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_registry_entry_is_complete(family):
+    fam = families.get(family)
+    ref, nat, conv = fam.reference(), fam.native(), fam.converter()
+    for name in ("tiny_config", "vision_config", "build", "cases", "run", "pairs", "component", "COMPONENTS"):
+        assert hasattr(ref, name), f"reference/{family}.py lacks {name}"
+    for name in ("build_native", "run", "pairs", "component", "COMPONENTS"):
+        assert hasattr(nat, name), f"native/{family}.py lacks {name}"
+    assert hasattr(conv, "rule_set") and conv.FORMATS
+    assert set(ref.COMPONENTS) == set(nat.COMPONENTS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_loads_converted_weights_strictly(family):
+    fam = families.get(family)
+    cfg = fam.tiny_config()
+    sd = random_like_state(fam.build_reference(cfg).state_dict(), seed=1)
+    shard = converters.hf_to_mcore(family, sd, cfg)[0]
+    native = fam.build_native(cfg)
+    native.load_state_dict(shard, strict=True)
+    loaded = native.state_dict()
+    for key, value in shard.items():
+        assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_parity_within_policy(family):
+    report = harness.check(family, seed=5)
+    failures = [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
+    assert report.passed, failures
+    for result in report.results:
+        assert result.metrics["rel_l2"] <= 1e-5
+
+
+def _layer_key(state: dict, layer: int, suffix: str) -> str:
+    matches = [k for k in state if f"layers.{layer}." in k and k.endswith(suffix)]
+    assert matches, f"no key for layers.{layer}.*{suffix}"
+    return matches[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_negative_control_perturbed_weight_is_located(family):
+    def perturb(state):
+        key = _layer_key(state, 1, "linear_fc2.weight")
+        state[key] = state[key].clone()
+        state[key][0, 0] += 0.5
+
+    report = harness.check(family, seed=2, mutate_native=perturb, components=False)
+    assert not report.passed
+    located = {r.first_divergence.module for r in report.failures()}
+    assert located == {"layer.1"}, located
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_negative_control_swapped_query_heads_is_located(family):
+    fam = families.get(family)
+    config = fam.build_native(fam.tiny_config()).config
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    head_dim = config.kv_channels
+
+    def swap_q_heads(state):
+        key = _layer_key(state, 0, "linear_qkv.weight")
+        w = state[key].clone()
+        per = heads // groups
+        # mcore rows per group: [q_0 .. q_{per-1}, k, v]; swap q of head 0 with the first q
+        # head of the next group (or the next head of the same group).
+        a = slice(0, head_dim)
+        second = head_dim if per > 1 else (per + 2) * head_dim
+        b = slice(second, second + head_dim)
+        w[a], w[b] = state[key][b].clone(), state[key][a].clone()
+        state[key] = w
+
+    report = harness.check(family, seed=3, mutate_native=swap_q_heads, components=False)
+    assert not report.passed
+    assert {r.first_divergence.module for r in report.failures()} == {"layer.0"}
