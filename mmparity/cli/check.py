@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,6 +20,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="run the native model across N tensor-parallel ranks (spawned, or torchrun's)")
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for several images per batch")
     parser.add_argument("--no-components", action="store_true", help="skip component checks")
@@ -39,8 +42,6 @@ def _resolve_families(requested: list[str]) -> list[str]:
 
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout) from an HF directory."""
-    import os
-
     from mmparity import converters, families
     from mmparity.converters.io import CheckpointError, open_safetensors_checkpoint
     from mmparity.converters.rules import ConversionError
@@ -75,7 +76,7 @@ def _load_hf(directory: str, family: str, hf_format):
         else:
             converters.hf_to_mcore(family, tensors, cfg, hf_format=fmt)  # totality, before any model
     except ConversionError as exc:
-        raise UsageError(f"--hf {directory}: {str(exc).splitlines()[0]} — "
+        raise UsageError(f"--hf {directory}: {exc.title}: "
                          f"{'; '.join(exc.problems[:5])}") from None
     return cfg, tensors
 
@@ -92,6 +93,10 @@ def run(args) -> int:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: CUDA is not available on this machine")
 
+    if args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    from mmparity.converters.rules import ConversionError
+    from mmparity.native import runtime
     from mmparity.parity import harness
     from mmparity.parity.report import Report
 
@@ -106,14 +111,19 @@ def run(args) -> int:
                 harness.validate_image_sizes(name, cfg, sizes)
             except harness.InputError as exc:
                 raise UsageError(str(exc)) from None
-        report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
-                               seed=args.seed, image_sizes=sizes,
-                               components=not args.no_components)
+        try:
+            report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
+                                   seed=args.seed, image_sizes=sizes, tp=args.tp,
+                                   components=not args.no_components)
+        except ConversionError as exc:  # e.g. a TP size that does not divide the heads
+            raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
         if combined is None:
             combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
                               attention_backend=report.attention_backend, versions=report.versions)
         combined.results.extend(report.results)
     elapsed = time.perf_counter() - started
+    if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return EXIT_OK if combined.passed else EXIT_FAIL  # under torchrun only rank 0 reports
 
     if args.json:
         write_text_atomic(args.json, combined.to_json())

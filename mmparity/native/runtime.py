@@ -115,6 +115,11 @@ def _seed_everything(seed: int, device: str | torch.device) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def launched_world_size() -> int:
+    """World size set by an outside launcher (torchrun), or 1."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
 def tp_rank() -> int:
     from megatron.core import parallel_state
 

@@ -79,58 +79,106 @@ def load_reference_weights(ref, hf_state: Optional[dict], seed: int) -> dict:
 def check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
           device: str = "cpu", seed: int = 0, image_sizes=None, components: bool = True,
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
-          native_shards: Optional[list] = None) -> Report:
+          native_shards: Optional[list] = None, tp: int = 1) -> Report:
     """Parity of one family; returns a :class:`Report` (no printing, no exit codes).
 
     ``hf_state``: HF-layout weights of the reference model (keys as the reference module expects);
-    random seeded weights when None. ``mutate_native`` edits the converted mcore state before it is
-    loaded (negative controls). ``native_shards`` bypasses the converter (e.g. shards read from an
-    mcore checkpoint on disk).
+    random seeded weights when None. ``mutate_native`` edits each converted mcore rank state before
+    it is loaded (negative controls). ``native_shards`` bypasses the converter (e.g. shards read
+    from an mcore checkpoint on disk; their count sets the TP size). ``tp > 1`` runs the native
+    model across that many spawned ranks (gloo on CPU, nccl on CUDA) on the converter's shards.
     """
     from mmparity import converters
-    from mmparity.native import attention, runtime
+    from mmparity.native import attention
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     fam = families.get(family)
-    ref_mod, nat_mod = fam.reference(), fam.native()
+    ref_mod = fam.reference()
     cfg = cfg if cfg is not None else fam.tiny_config()
     torch.manual_seed(seed)
 
     ref = fam.build_reference(cfg)
     used_state = load_reference_weights(ref, hf_state, seed)
-    shards = native_shards if native_shards is not None else converters.hf_to_mcore(
-        family, used_state, cfg, tp_size=1, hf_format=hf_format)
-    native_state = dict(shards[0])
+    if native_shards is None:
+        native_shards = converters.hf_to_mcore(family, used_state, cfg, tp_size=tp, hf_format=hf_format)
+    tp = len(native_shards)
+    native_shards = [dict(s) for s in native_shards]
     if mutate_native is not None:
-        mutate_native(native_state)
+        for shard in native_shards:
+            mutate_native(shard)
 
-    runtime.init_parallel(1, 1, device=device, seed=seed)
-    native = fam.build_native(cfg, params_dtype=torch_dtype)
-    native.load_state_dict({k: v.to(torch_dtype) for k, v in native_state.items()}, strict=True)
-    native = _move(native, device, torch_dtype)
+    prepare = getattr(ref_mod, "prepare_case", lambda case, cfg: case)
+    cases = [prepare(case, cfg) for case in ref_mod.cases(cfg, seed, image_sizes)]
+    component_names = tuple(getattr(ref_mod, "COMPONENTS", ())) if components else ()
+    job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed)
+    from mmparity.native import runtime
+
+    if tp == 1 or runtime.launched_world_size() == tp:
+        # In-process: TP=1, or every rank of a ``torchrun --nproc-per-node tp`` launch.
+        native_cases, native_components = job.run(native_shards, layout=(tp, 1))
+    else:
+        native_cases, native_components = runtime.spawn(_native_rank, tp, job, native_shards)[0]
+
     ref32 = _move(ref, device, torch.float32)
-
-    report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(),
+    report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp,
                     attention_backend=attention.describe_backend(device))
     ref32_side = Side(ref32, ref_mod.run, ref_mod.pairs(ref32, cfg))
-    native_side = Side(native, nat_mod.run, nat_mod.pairs(native, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
         ref_lp = _move(copy.deepcopy(ref), device, torch_dtype)
         ref_lp_side = Side(ref_lp, ref_mod.run, ref_mod.pairs(ref_lp, cfg))
 
-    prepare = getattr(ref_mod, "prepare_case", lambda case, cfg: case)
-    for case in ref_mod.cases(cfg, seed, image_sizes):
-        case = prepare(case, cfg)
-        report.results.extend(_compare_case(fam.name, case, ref32_side, native_side, ref_lp_side,
-                                            torch_dtype))
-    if components:
-        for name in getattr(ref_mod, "COMPONENTS", ()):
-            report.results.append(_compare_component(fam.name, name, ref_mod, nat_mod, ref32, native,
-                                                     ref_lp_side, cfg, seed, torch_dtype))
+    for case, native_result in zip(cases, native_cases):
+        reference = ref32_side.run(case)
+        low_precision = ref_lp_side.run(case) if ref_lp_side else ({}, {})
+        report.results.extend(_compare_case(fam.name, case, [p.name for p in ref32_side.pairs],
+                                            reference, native_result, low_precision, torch_dtype))
+    with torch.no_grad():
+        for name in component_names:
+            expected = ref_mod.component(name, ref32, cfg, seed).float().cpu()
+            lp = (ref_mod.component(name, ref_lp_side.model, cfg, seed).float().cpu()
+                  if ref_lp_side else None)
+            report.results.append(_compare_component(fam.name, name, native_components[name],
+                                                     expected, lp, torch_dtype))
     return report
+
+
+class NativeJob:
+    """Everything the native side needs, picklable so that spawned TP ranks can run it too."""
+
+    def __init__(self, family, cfg, cases, components, dtype, device, seed):
+        self.family, self.cfg, self.cases, self.components = family, cfg, cases, components
+        self.dtype, self.device, self.seed = dtype, device, seed
+
+    @torch.no_grad()
+    def run(self, shards: list, layout=None):
+        from mmparity.native import runtime
+
+        if layout is not None:
+            runtime.init_parallel(*layout, device=self.device, seed=self.seed)
+        state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
+        torch_dtype = DTYPES[self.dtype]
+        fam = families.get(self.family)
+        nat_mod = fam.native()
+        native = fam.build_native(self.cfg, params_dtype=torch_dtype)
+        native.load_state_dict({k: v.to(torch_dtype) if torch.is_tensor(v) else v
+                                for k, v in state.items()}, strict=True)
+        native = _move(native, self.device, torch_dtype)
+        side = Side(native, nat_mod.run, nat_mod.pairs(native, self.cfg))
+        case_results = [side.run(case) for case in self.cases]
+        component_results = {name: nat_mod.component(name, native, self.cfg, self.seed).float().cpu()
+                             for name in self.components}
+        return case_results, component_results
+
+
+def _native_rank(rank: int, world_size: int, job: NativeJob, shards: list):
+    """Entry point of one spawned TP rank; only rank 0's (replicated) results are sent back."""
+    from mmparity.native import runtime
+
+    result = job.run(shards, layout=(world_size, 1))
+    return result if rank == 0 else None
 
 
 def _tolerance(dtype, ref_lp_out, ref32_out) -> M.Tolerance:
@@ -139,14 +187,13 @@ def _tolerance(dtype, ref_lp_out, ref32_out) -> M.Tolerance:
     return M.tolerance_for(dtype, M.compare(ref_lp_out, ref32_out).rel_l2)
 
 
-def _compare_case(family, case, ref32_side, native_side, ref_lp_side, dtype) -> list[Result]:
-    ref_out, ref_mods = ref32_side.run(case)
-    nat_out, nat_mods = native_side.run(case)
-    lp_out, lp_mods = ref_lp_side.run(case) if ref_lp_side else ({}, {})
+def _compare_case(family, case, pair_names, reference, native, low_precision, dtype) -> list[Result]:
+    ref_out, ref_mods = reference
+    nat_out, nat_mods = native
+    lp_out, lp_mods = low_precision
 
     module_rows, divergence = [], None
-    for pair in ref32_side.pairs:
-        name = pair.name
+    for name in pair_names:
         if name not in ref_mods or name not in nat_mods:
             continue
         tol = _tolerance(dtype, lp_mods.get(name), ref_mods[name])
@@ -176,12 +223,8 @@ def _compare_case(family, case, ref32_side, native_side, ref_lp_side, dtype) -> 
     return results
 
 
-@torch.no_grad()
-def _compare_component(family, name, ref_mod, nat_mod, ref32, native, ref_lp_side, cfg, seed, dtype):
-    expected = ref_mod.component(name, ref32, cfg, seed).float().cpu()
-    actual = nat_mod.component(name, native, cfg, seed).float().cpu()
-    lp = ref_mod.component(name, ref_lp_side.model, cfg, seed).float().cpu() if ref_lp_side else None
-    tol = _tolerance(dtype, lp, expected)
+def _compare_component(family, name, actual, expected, low_precision, dtype) -> Result:
+    tol = _tolerance(dtype, low_precision, expected)
     try:
         m = M.compare(actual, expected)
     except ValueError as exc:
