@@ -23,14 +23,33 @@ def pixtral_configs(draw):
 
 
 @st.composite
-def config_and_tp(draw, configs, heads_attr="num_attention_heads"):
+def qwen3_5_configs(draw):
+    from transformers import Qwen3_5MoeVisionConfig
+
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    head_dim = draw(st.sampled_from([4, 8, 12]))
+    side = draw(st.integers(1, 6))
+    return Qwen3_5MoeVisionConfig(
+        depth=draw(st.integers(1, 2)), hidden_size=heads * head_dim, num_heads=heads,
+        intermediate_size=draw(st.integers(1, 4)) * 12, in_channels=draw(st.sampled_from([1, 3])),
+        patch_size=draw(st.sampled_from([2, 3])), temporal_patch_size=draw(st.sampled_from([1, 2])),
+        spatial_merge_size=draw(st.sampled_from([1, 2])), out_hidden_size=draw(st.integers(3, 20)),
+        num_position_embeddings=side * side)
+
+
+@st.composite
+def config_and_tp(draw, family, configs):
+    """A config and a TP size that the family's own converter accepts for it."""
+    from mmparity import converters
+
     cfg = draw(configs)
-    heads = getattr(cfg, heads_attr)
-    tps = [d for d in divisors(heads) if cfg.intermediate_size % d == 0]
+    validate = converters.rule_set_for(family, cfg).validate_tp
+    tps = [t for t in range(1, 9) if not (validate and validate(t))]
     return cfg, draw(st.sampled_from(tps))
 
 
 # family name -> strategy of HF configs (families add theirs here)
 CONFIGS = {
     "pixtral": pixtral_configs(),
+    "qwen3_5": qwen3_5_configs(),
 }

@@ -129,7 +129,7 @@ def test_tp_that_does_not_divide_heads_is_a_clear_error():
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_round_trip_bit_exact_for_random_configs_and_tp(family, data):
-    cfg, tp_size = data.draw(config_and_tp(CONFIGS[family]))
+    cfg, tp_size = data.draw(config_and_tp(family, CONFIGS[family]))
     dtype = data.draw(st.sampled_from(DTYPES))
     fam = families.get(family)
     reference = fam.build_reference(cfg)

@@ -103,3 +103,26 @@ def block_first_patch_rows(frames: torch.Tensor, patch: int, merge: int) -> torc
     # axes: T C bh mh py bw mw px -> bh bw mh mw C T py px
     rows = grid.permute(2, 5, 3, 6, 1, 0, 4, 7)
     return rows.reshape(bh * bw * merge * merge, channels * frames_n * patch * patch)
+
+
+def grids_around_table(table_side: int, merge: int) -> list[tuple[int, int]]:
+    """Two non-square patch grids (multiples of ``merge``) for checks of a learned g×g table:
+    one smaller than the table, one larger than it on both axes."""
+    beyond = (table_side // merge + 1) * merge
+    return [(merge, 2 * merge), (beyond, beyond + merge)]
+
+
+def token_probe(num_tokens: int, hidden: int, seed: int) -> torch.Tensor:
+    """Seeded hidden-state-like activations (num_tokens, hidden) for checks of a single module."""
+    gen = generator(seed + 104729)
+    return torch.randn(num_tokens, hidden, generator=gen)
+
+
+def component_grids_thw(table_hw: tuple[int, int], max_frames: int) -> list[tuple[int, int, int]]:
+    """(frames, h, w) grids for learned-position-table checks: a resampled still grid, a short
+    clip (up to 3 frames, bounded by the temporal table) and the table's own grid (identity path)."""
+    return [(1, *COMPONENT_GRID), (max(1, min(3, max_frames)), 4, 6), (1, *table_hw)]
+
+
+# (frames, h, w) grids that a 2x2 merger tiles, clips included, for merger-only checks.
+MERGER_GRIDS_THW = ((1, 4, 6), (3, 2, 4), (2, 6, 2))
