@@ -45,6 +45,10 @@ __all__ = [
     "parse_size",
     "atomic_directory",
     "fsync_tree",
+    "make_staging_directory",
+    "publish_staging_directory",
+    "remove_created_directories",
+    "standalone_tensor",
     "tensor_checksum",
     "dtype_name",
     "dtype_from_name",
@@ -250,7 +254,7 @@ class SafetensorsCheckpoint:
 
         names_by_file: dict[str, set[str]] = {}
         for name, file_name in weight_map.items():
-            if Path(file_name).name != file_name:
+            if not isinstance(file_name, str) or Path(file_name).name != file_name:
                 # Refuse paths that would read outside the checkpoint directory.
                 raise CheckpointError(f"{index_path}: shard name {file_name!r} is not a plain file name")
             names_by_file.setdefault(file_name, set()).add(name)
@@ -301,19 +305,22 @@ class SafetensorsCheckpoint:
 
     @property
     def files(self) -> list[str]:
-        return sorted(self._handles)
+        return sorted({info.file for info in self._infos.values()})
 
     @property
     def header_metadata(self) -> dict[str, str]:
         """The `__metadata__` of the first file (HF writes the same `{"format": "pt"}` in each)."""
         if not self._handles:
             return {}
-        return dict(self._handles[self.files[0]].metadata() or {})
+        return dict(self._handles[sorted(self._handles)[0]].metadata() or {})
 
     # -- reads -------------------------------------------------------------------------------------
 
     def _handle_for(self, name: str):
-        return self._handles[self.info(name).file]
+        file_name = self.info(name).file
+        if file_name not in self._handles:
+            raise CheckpointError(f"{self.directory}: checkpoint is closed")
+        return self._handles[file_name]
 
     def get(self, name: str) -> torch.Tensor:
         """One whole tensor, materialised on CPU."""
@@ -424,7 +431,7 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+def standalone_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor owning exactly its bytes (safetensors refuses shared storage)."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
@@ -466,6 +473,7 @@ class ShardedSafetensorsWriter:
         self._total_bytes = 0
         self._total_parameters = 0
         self.checksums: dict[str, TensorChecksum] = {}
+        self.weight_map: dict[str, str] = {}  # tensor name -> final file name, filled by close()
         self._closed = False
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -477,7 +485,7 @@ class ShardedSafetensorsWriter:
             raise CheckpointError(f"{self.directory}: tensor {name!r} written twice")
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
-        tensor = _standalone(tensor)
+        tensor = standalone_tensor(tensor)
         nbytes = tensor.numel() * tensor.itemsize
         if self._pending and self._pending_bytes + nbytes > self.max_shard_size:
             self._flush()
@@ -520,6 +528,7 @@ class ShardedSafetensorsWriter:
             final_names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         for provisional, final in zip(self._provisional_files, final_names):
             os.replace(self.directory / provisional, self.directory / final)
+        self.weight_map = {name: final_names[n] for name, n in sorted(self._file_of.items())}
         if count > 1:
             index = {
                 "metadata": {
@@ -527,7 +536,7 @@ class ShardedSafetensorsWriter:
                     "total_parameters": self._total_parameters,
                     "total_size": self._total_bytes,
                 },
-                "weight_map": {name: final_names[n] for name, n in sorted(self._file_of.items())},
+                "weight_map": self.weight_map,
             }
             with open(self.directory / SAFETENSORS_INDEX_FILE, "w", encoding="utf-8") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
@@ -552,13 +561,14 @@ def save_safetensors_checkpoint(
     with atomic_directory(directory, force=force) as staging:
         writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size, metadata=metadata)
         writer.add_all(tensors)
-        writer.close()
+        written = set(writer.close())
         for file_name, content in (extra_files or {}).items():
-            if Path(file_name).name != file_name:
-                raise CheckpointError(f"extra file name {file_name!r} is not a plain file name")
-            mode = "wb" if isinstance(content, bytes) else "w"
-            with open(staging / file_name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
-                f.write(content)
+            if Path(file_name).name != file_name or file_name in written:
+                raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
+            if isinstance(content, bytes):
+                (staging / file_name).write_bytes(content)
+            else:
+                (staging / file_name).write_text(content, encoding="utf-8")
     return writer.checksums
 
 

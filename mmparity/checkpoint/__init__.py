@@ -1,0 +1,77 @@
+"""Checkpoint formats: HF safetensors directories and Megatron-LM's legacy and torch_dist layouts.
+
+Everything that writes also writes `mmparity.json` (layout, provenance, TP/PP sizes, per-tensor
+checksums) and does so atomically; `verify(dir)` re-checks a written checkpoint against it.
+
+Importing this package does not import megatron: only `mmparity.checkpoint.torch_dist` (and the
+`save_torch_dist` / `load_torch_dist` names, resolved on first use) need megatron-core.
+"""
+
+from __future__ import annotations
+
+from mmparity.checkpoint.hf import write_hf
+from mmparity.checkpoint.layout import (
+    CHECKPOINT_VERSION,
+    TRACKER_FILE,
+    iteration_dirname,
+    legacy_rank_dirname,
+    read_tracker,
+    resolve_iteration_dir,
+)
+from mmparity.checkpoint.legacy import LegacyCheckpoint, open_legacy, read_legacy, write_legacy
+from mmparity.checkpoint.manifest import (
+    LAYOUT_HF,
+    LAYOUT_LEGACY,
+    LAYOUT_TORCH_DIST,
+    MANIFEST_FILE,
+    Manifest,
+    Problem,
+    Provenance,
+    TensorRecord,
+    VerifyReport,
+    read_manifest,
+    verify,
+)
+from mmparity.checkpoint.torch_dist_files import global_state_dict as torch_dist_global_state_dict
+from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
+from mmparity.converters.io import CheckpointError
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "CheckpointError",
+    "LAYOUT_HF",
+    "LAYOUT_LEGACY",
+    "LAYOUT_TORCH_DIST",
+    "LegacyCheckpoint",
+    "MANIFEST_FILE",
+    "Manifest",
+    "Problem",
+    "Provenance",
+    "TRACKER_FILE",
+    "TensorRecord",
+    "VerifyReport",
+    "is_torch_dist_dir",
+    "iteration_dirname",
+    "legacy_rank_dirname",
+    "load_torch_dist",
+    "open_legacy",
+    "read_legacy",
+    "read_manifest",
+    "read_tracker",
+    "resolve_iteration_dir",
+    "save_torch_dist",
+    "torch_dist_global_state_dict",
+    "verify",
+    "write_hf",
+    "write_legacy",
+]
+
+_LAZY_MEGATRON_NAMES = {"save_torch_dist", "load_torch_dist", "CpuTorchDistSaveStrategy"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_MEGATRON_NAMES:
+        from mmparity.checkpoint import torch_dist
+
+        return getattr(torch_dist, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,108 @@
+"""Megatron-LM's checkpoint directory conventions, shared by the legacy and torch_dist formats.
+
+    <root>/latest_checkpointed_iteration.txt      "7" (or "release")
+    <root>/iter_0000007/                          one iteration
+        mp_rank_00/model_optim_rng.pt             legacy, PP = 1
+        mp_rank_00_001/model_optim_rng.pt         legacy, TP rank 0 of PP stage 1
+        .metadata, __0_0.distcp, metadata.json    torch_dist (megatron.core.dist_checkpointing)
+    <root>/mmparity.json                          ours: what was written, with checksums
+
+Pure: no megatron import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from mmparity.converters.io import CheckpointError
+
+__all__ = [
+    "TRACKER_FILE",
+    "RELEASE",
+    "LEGACY_FILE",
+    "DIST_CONFIG_FILE",
+    "CHECKPOINT_VERSION",
+    "iteration_dirname",
+    "legacy_rank_dirname",
+    "parse_legacy_rank_dirname",
+    "write_tracker",
+    "read_tracker",
+    "resolve_iteration_dir",
+]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+LEGACY_FILE = "model_optim_rng.pt"
+# megatron.core.dist_checkpointing writes this last; its presence marks a complete torch_dist dir.
+DIST_CONFIG_FILE = "metadata.json"
+# Megatron-LM's current state-dict version: 3.0 means fused QKV in per-query-group order.
+CHECKPOINT_VERSION = 3.0
+
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?$")
+
+
+def iteration_dirname(iteration: int | str) -> str:
+    if iteration == RELEASE:
+        return RELEASE
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise CheckpointError(f"iteration must be a non-negative int or {RELEASE!r}, got {iteration!r}")
+    return f"iter_{iteration:07d}"
+
+
+def legacy_rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron-LM omits the pipeline suffix when there is no pipeline parallelism."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def parse_legacy_rank_dirname(name: str) -> tuple[int, int | None] | None:
+    """`mp_rank_01_002` -> (1, 2); `mp_rank_01` -> (1, None); anything else -> None."""
+    match = _LEGACY_RANK_DIR.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), (int(match.group(2)) if match.group(2) is not None else None)
+
+
+def write_tracker(root: Path, iteration: int | str) -> None:
+    with open(Path(root) / TRACKER_FILE, "w", encoding="utf-8") as f:
+        f.write(f"{iteration}\n")
+
+
+def read_tracker(root: Path) -> int | str:
+    path = Path(root) / TRACKER_FILE
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read tracker file ({exc.strerror})") from exc
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number or {RELEASE!r}, found {text[:40]!r}")
+    return int(text)
+
+
+def resolve_iteration_dir(path: str | os.PathLike, iteration: int | str | None = None) -> tuple[Path, Path, int | str]:
+    """-> (root, iteration directory, iteration) for either a root or an iteration directory.
+
+    A root is read through its tracker file unless `iteration` picks one explicitly; an
+    `iter_NNNNNNN` / `release` directory passed directly is used as is.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    own_name = _ITERATION_DIR.match(path.name)
+    if iteration is None and (own_name or path.name == RELEASE) and not (path / TRACKER_FILE).exists():
+        found = int(own_name.group(1)) if own_name else RELEASE
+        return path.parent, path, found
+    if iteration is None:
+        if not (path / TRACKER_FILE).exists():
+            iterations = sorted(p.name for p in path.iterdir() if _ITERATION_DIR.match(p.name) or p.name == RELEASE)
+            hint = f"; it has {', '.join(iterations[:5])}, pick one with iteration=" if iterations else ""
+            raise CheckpointError(f"{path}: no {TRACKER_FILE}{hint}")
+        iteration = read_tracker(path)
+    iteration_dir = path / iteration_dirname(iteration)
+    if not iteration_dir.is_dir():
+        raise CheckpointError(f"{iteration_dir}: iteration directory does not exist")
+    return path, iteration_dir, iteration

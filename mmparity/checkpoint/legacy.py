@@ -1,0 +1,253 @@
+"""Megatron-LM's legacy (`torch` / non-distributed) checkpoint format, written and read on CPU.
+
+One `torch.save` file per (TP rank, PP stage):
+
+    <root>/latest_checkpointed_iteration.txt
+    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+        {"model": local state dict, "checkpoint_version": 3.0, "iteration": 1}
+
+Each `model` dict holds that rank's TP shard of every tensor, with the layers of its pipeline stage
+numbered from 0. Megatron-LM also stores `args` (an argparse.Namespace), optimizer and RNG state;
+we write only what a model load needs (`--no-load-optim --no-load-rng`, or `--finetune`), and
+only objects `torch.load(weights_only=True)` accepts, which is also how everything is read back:
+a checkpoint is data, never code.
+
+The public functions take and return what the converters produce: one globally numbered state
+dict per TP rank. Pipeline splitting and merging happen here via `converters.pp`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from mmparity.converters import pp
+from mmparity.converters.io import CheckpointError, atomic_directory, standalone_tensor, tensor_checksum
+from mmparity.checkpoint.layout import (
+    CHECKPOINT_VERSION,
+    LEGACY_FILE,
+    iteration_dirname,
+    legacy_rank_dirname,
+    parse_legacy_rank_dirname,
+    resolve_iteration_dir,
+    write_tracker,
+)
+from mmparity.checkpoint.manifest import (
+    LAYOUT_LEGACY,
+    MANIFEST_FILE,
+    Manifest,
+    Provenance,
+    TensorRecord,
+    read_manifest,
+    write_manifest,
+)
+
+__all__ = ["write_legacy", "open_legacy", "read_legacy", "LegacyCheckpoint", "load_rank_file"]
+
+# Values a weights_only load accepts, and therefore all we are willing to write.
+_PLAIN_VALUES = (torch.Tensor, type(None), bool, int, float, str)
+
+
+def _check_writable(tp_rank: int, state_dict: Mapping) -> None:
+    if not isinstance(state_dict, Mapping) or not state_dict:
+        raise CheckpointError(f"TP rank {tp_rank}: expected a non-empty state dict, got {type(state_dict).__name__}")
+    bad = sorted(k for k, v in state_dict.items() if not isinstance(k, str) or not isinstance(v, _PLAIN_VALUES))
+    if bad:
+        raise CheckpointError(
+            f"TP rank {tp_rank}: values of {', '.join(map(str, bad[:8]))} are not tensors or plain scalars "
+            "and could not be read back with torch.load(weights_only=True)"
+        )
+
+
+def _plan_pipeline(
+    tp_shards: Sequence[Mapping[str, torch.Tensor]],
+    pp_size: int,
+    layer_counts: Sequence[int] | None,
+    layer_prefix: str,
+) -> list[int]:
+    if layer_counts is not None:
+        counts = list(layer_counts)
+        if len(counts) != pp_size:
+            raise CheckpointError(f"{len(counts)} per-stage layer counts given for pipeline size {pp_size}")
+        return counts
+    (num_layers,) = pp.infer_layer_counts([tp_shards[0]], layer_prefix=layer_prefix)
+    return pp.even_layer_counts(num_layers, pp_size)
+
+
+def write_legacy(
+    root: str | os.PathLike,
+    tp_shards: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    pp_size: int = 1,
+    layer_counts: Sequence[int] | None = None,
+    layer_prefix: str = pp.DEFAULT_LAYER_PREFIX,
+    last_stage_prefixes: Sequence[str] = pp.DEFAULT_LAST_STAGE_PREFIXES,
+    iteration: int = 1,
+    provenance: Provenance | None = None,
+    force: bool = False,
+) -> Path:
+    """Writes one globally numbered state dict per TP rank as a Megatron-LM legacy checkpoint.
+
+    `pp_size > 1` splits the layer stack evenly (or by `layer_counts`) with pre-process keys on the
+    first stage and `last_stage_prefixes` keys on the last. Atomic: `root` appears complete or not
+    at all. Returns `root`.
+    """
+    if not tp_shards:
+        raise CheckpointError("no TP shards to write")
+    for tp_rank, state_dict in enumerate(tp_shards):
+        _check_writable(tp_rank, state_dict)
+    reference_keys = set(tp_shards[0])
+    for tp_rank, state_dict in enumerate(tp_shards[1:], start=1):
+        if set(state_dict) != reference_keys:
+            diff = sorted(set(state_dict) ^ reference_keys)
+            raise CheckpointError(f"TP rank {tp_rank} and rank 0 hold different keys, e.g. {', '.join(diff[:8])}")
+    counts = _plan_pipeline(tp_shards, pp_size, layer_counts, layer_prefix)
+    iteration_dir = iteration_dirname(iteration)
+
+    records: list[TensorRecord] = []
+    with atomic_directory(root, force=force) as staging:
+        for tp_rank, state_dict in enumerate(tp_shards):
+            stages = pp.split_pipeline_stages(
+                state_dict, counts, layer_prefix=layer_prefix, last_stage_prefixes=last_stage_prefixes
+            )
+            for pp_rank, stage_state in enumerate(stages):
+                relative = Path(iteration_dir) / legacy_rank_dirname(tp_rank, pp_rank, pp_size) / LEGACY_FILE
+                (staging / relative).parent.mkdir(parents=True)
+                # Views would drag their whole base storage into the file; save standalone copies.
+                model = {
+                    k: standalone_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in stage_state.items()
+                }
+                torch.save(
+                    {"model": model, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
+                    staging / relative,
+                )
+                records += [
+                    TensorRecord(relative.as_posix(), k, tensor_checksum(v))
+                    for k, v in model.items()
+                    if isinstance(v, torch.Tensor)
+                ]
+        write_tracker(staging, iteration)
+        write_manifest(
+            staging,
+            Manifest(
+                layout=LAYOUT_LEGACY,
+                tensors=tuple(records),
+                provenance=provenance or Provenance(),
+                tensor_parallel_size=len(tp_shards),
+                pipeline_parallel_size=pp_size,
+                pipeline_layer_counts=tuple(counts) if pp_size > 1 else None,
+                iteration=iteration,
+            ),
+        )
+    return Path(root)
+
+
+def load_rank_file(path: str | os.PathLike) -> dict:
+    """The `model` state dict of one `model_optim_rng.pt`, loaded with weights_only=True."""
+    path = Path(path)
+    try:
+        # Megatron-LM stores its arguments as an argparse.Namespace: plain attributes, safe to allow.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing") from exc
+    except pickle.UnpicklingError as exc:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if refused:
+            raise CheckpointError(
+                f"{path}: holds a {refused.group(1)} object, which torch.load(weights_only=True) refuses to unpickle"
+            ) from exc
+        raise CheckpointError(f"{path}: unreadable as a weights_only torch file (not a torch.save pickle)") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable ({' '.join(str(exc).split())[:300]})") from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: expected a dict, found {type(payload).__name__}")
+    if "model" not in payload:
+        if any(k.startswith("model") and k[5:].isdigit() for k in payload):
+            raise CheckpointError(f"{path}: virtual-pipeline checkpoints (model0, model1, ...) are not supported")
+        raise CheckpointError(f"{path}: no 'model' entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
+    version = payload.get("checkpoint_version", 0)
+    if not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION:
+        # Before 3.0 the fused QKV rows were ordered differently; converting them as 3.0 would be
+        # silently wrong.
+        raise CheckpointError(f"{path}: checkpoint_version {version!r} is older than {CHECKPOINT_VERSION}; not supported")
+    model = payload["model"]
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: 'model' is a {type(model).__name__}, not a state dict")
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class LegacyCheckpoint:
+    root: Path
+    iteration_dir: Path
+    iteration: int | str
+    tp_size: int
+    pp_size: int
+    files: Mapping[tuple[int, int], Path]  # (tp rank, pp stage) -> model_optim_rng.pt
+    manifest: Manifest | None
+
+    def load_rank(self, tp_rank: int, pp_rank: int = 0) -> dict:
+        """The locally numbered state dict of one (TP rank, PP stage)."""
+        if (tp_rank, pp_rank) not in self.files:
+            raise CheckpointError(
+                f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} in a TP={self.tp_size} PP={self.pp_size} checkpoint"
+            )
+        return load_rank_file(self.files[tp_rank, pp_rank])
+
+    def tp_shards(
+        self,
+        layer_counts: Sequence[int] | None = None,
+        *,
+        layer_prefix: str = pp.DEFAULT_LAYER_PREFIX,
+    ) -> list[dict]:
+        """One globally numbered state dict per TP rank (the input `mcore_to_hf` takes)."""
+        if layer_counts is None and self.manifest is not None and self.manifest.pipeline_layer_counts:
+            layer_counts = self.manifest.pipeline_layer_counts
+        shards = []
+        for tp_rank in range(self.tp_size):
+            stages = [self.load_rank(tp_rank, pp_rank) for pp_rank in range(self.pp_size)]
+            shards.append(pp.merge_pipeline_stages(stages, layer_counts, layer_prefix=layer_prefix))
+        return shards
+
+
+def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) -> LegacyCheckpoint:
+    """Finds and validates the rank files of a legacy checkpoint (a root or an iteration dir)."""
+    root, iteration_dir, found_iteration = resolve_iteration_dir(path, iteration)
+    ranks: dict[tuple[int, int | None], Path] = {}
+    for entry in sorted(iteration_dir.iterdir()):
+        parsed = parse_legacy_rank_dirname(entry.name)
+        if parsed is not None and entry.is_dir():
+            ranks[parsed] = entry / LEGACY_FILE
+    if not ranks:
+        raise CheckpointError(f"{iteration_dir}: no mp_rank_* directories; not a legacy checkpoint")
+    with_stage = {r for r in ranks if r[1] is not None}
+    if with_stage and len(with_stage) != len(ranks):
+        raise CheckpointError(f"{iteration_dir}: mixes mp_rank_XX and mp_rank_XX_YYY directories")
+    tp_size = max(tp for tp, _ in ranks) + 1
+    pp_size = max(stage for _, stage in with_stage) + 1 if with_stage else 1
+    files: dict[tuple[int, int], Path] = {}
+    absent = []
+    for tp_rank in range(tp_size):
+        for pp_rank in range(pp_size):
+            path_of_rank = ranks.get((tp_rank, pp_rank if with_stage else None))
+            if path_of_rank is None or not path_of_rank.is_file():
+                absent.append(legacy_rank_dirname(tp_rank, pp_rank, pp_size if with_stage else 1) + f"/{LEGACY_FILE}")
+            else:
+                files[tp_rank, pp_rank] = path_of_rank
+    if absent:
+        raise CheckpointError(f"{iteration_dir}: incomplete TP={tp_size} PP={pp_size} grid, missing {', '.join(absent[:8])}")
+    manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
+    return LegacyCheckpoint(root, iteration_dir, found_iteration, tp_size, pp_size, files, manifest)
+
+
+def read_legacy(path: str | os.PathLike, *, iteration: int | str | None = None, layer_counts: Sequence[int] | None = None) -> list[dict]:
+    """One globally numbered state dict per TP rank from a legacy checkpoint."""
+    return open_legacy(path, iteration=iteration).tp_shards(layer_counts)

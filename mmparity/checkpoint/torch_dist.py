@@ -1,0 +1,306 @@
+"""megatron-core `torch_dist` checkpoints, written on CPU under gloo, in Megatron-LM's layout.
+
+    <root>/latest_checkpointed_iteration.txt
+    <root>/iter_0000001/   {.metadata, __{rank}_0.distcp, common.pt (mcore < 0.19), metadata.json}
+    <root>/mmparity.json
+
+The state dict is what Megatron-LM saves minus optimizer/RNG/args:
+`{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": N}`. It loads with
+`megatron.core.dist_checkpointing.load` at any TP size, because the files hold global tensors and
+each loading rank reads its own slice.
+
+Why not just `dist_checkpointing.save`: its torch_dist strategy always runs through the async
+writer, even for a synchronous save. That path calls `torch.cuda.synchronize()` while staging
+tensors ("Torch not compiled with CUDA enabled" on CPU builds, a useless device sync otherwise),
+starts a `spawn` Manager process plus one forked writer process per bucket (which is what died
+under torchrun on CPU), and `save_state_dict_async_finalize` puts its error flag on
+`torch.cuda.current_device()`. `CpuTorchDistSaveStrategy` keeps everything mcore-specific (key
+translation, replica de-duplication, mcore's save planner, `common.pt`, `metadata.json`, the
+format/version config) and swaps only the I/O for torch's synchronous `dcp.save` with the plain
+`FileSystemWriter` (one file per rank, fsynced), in-process. The result is the same DCP format the
+async writer produces.
+
+Every rank must call `save_torch_dist` (it is collective over the default process group). Errors
+are agreed between ranks before anyone moves on, so a failure on one rank raises `CheckpointError`
+on all of them instead of leaving the others blocked in a collective, and the staging directory is
+removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from mmparity.checkpoint import _mcore_compat as mc
+from mmparity.checkpoint import torch_dist_files
+from mmparity.checkpoint.layout import CHECKPOINT_VERSION, iteration_dirname, resolve_iteration_dir, write_tracker
+from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, Provenance, TensorRecord, write_manifest
+from mmparity.converters.io import (
+    CheckpointError,
+    make_staging_directory,
+    publish_staging_directory,
+    remove_created_directories,
+    tensor_checksum,
+)
+
+__all__ = [
+    "CpuTorchDistSaveStrategy",
+    "save_torch_dist",
+    "load_torch_dist",
+    "global_state_dict",
+    "is_torch_dist_dir",
+]
+
+global_state_dict = torch_dist_files.global_state_dict
+is_torch_dist_dir = torch_dist_files.is_torch_dist_dir
+
+ShardedStateDict = dict[str, Any]
+
+# mcore's validation messages list every shard; keep what crosses ranks and lands in one line short.
+_MAX_ERROR_CHARS = 600
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
+    """mcore's torch_dist save strategy with synchronous, in-process, device-agnostic I/O.
+
+    Also records a checksum of every shard this rank writes (`self.shard_records`), computed from
+    the exact tensors handed to the writer.
+    """
+
+    def __init__(self, checkpoint_name: str = ""):
+        super().__init__("torch_dist", 1)
+        self.checkpoint_name = checkpoint_name
+        self.shard_records: list[TensorRecord] = []
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
+
+        by_key, _, _ = mc.replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        self.shard_records = []
+        for shards in by_key.values():
+            for shard in shards:
+                if not isinstance(shard, mc.ShardedTensor):
+                    continue  # ShardedObjects (_extra_state, common_state) are pickles, not weights
+                if shard.flattened_range is not None:
+                    raise CheckpointError(f"{shard.key}: flattened (distributed-optimizer) shards are not supported")
+                self.shard_records.append(
+                    TensorRecord(self.checkpoint_name, shard.key, tensor_checksum(shard.data), tuple(shard.global_offset))
+                )
+        # Must come after the checksums: the conversion reshapes shard data in place.
+        pyt_state_dict = mc.mcore_to_pyt_state_dict(by_key, False)
+        writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
+        dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner())
+
+
+# --------------------------------------------------------------------------------------------------
+# cross-rank agreement
+
+
+def _require_process_group() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise CheckpointError("torch_dist checkpoints need torch.distributed initialised (gloo works on CPU)")
+
+
+def _agree(local_error: str | None, stage: str) -> None:
+    """Collective: raises the same CheckpointError on every rank if any rank failed."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, local_error)
+    failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+    if failed:
+        detail = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
+        raise CheckpointError(f"torch_dist {stage} failed: {detail}")
+
+
+def _copy_containers(value):
+    """A copy of the dict/list skeleton with shared leaves, for validation that edits in place."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    return value
+
+
+def _validate_sharding(state_dict: ShardedStateDict) -> None:
+    """mcore's sharding-integrity check, made symmetric.
+
+    `dist_checkpointing.save` validates on rank 0 only and raises there alone while the other ranks
+    walk into the write collectives and wait forever. We run the same check first (on a skeleton
+    copy: factories are applied in place) and share the verdict.
+    """
+    local_metadata, local_error = None, None
+    try:
+        probe = _copy_containers(state_dict)
+        mc.apply_factories(probe)
+        _, probe = mc.extract_nonpersistent(probe)
+        sharded_part, _ = mc.extract_sharded_base(probe)
+        local_metadata = [value.without_data() for value in mc.nested_values(sharded_part)]
+    except Exception as exc:
+        local_error = _one_line(exc)
+    _agree(local_error, "state dict preparation")
+    global_metadata: list = [None] * dist.get_world_size()
+    dist.all_gather_object(global_metadata, local_metadata)
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            mc.validate_sharding_integrity(global_metadata)
+        except Exception as exc:
+            verdict = [_one_line(exc)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(f"torch_dist sharding validation failed: {verdict[0]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# save / load
+
+
+def _parallel_sizes(tp_size: int | None, pp_size: int | None) -> tuple[int, int]:
+    if tp_size is not None and pp_size is not None:
+        return tp_size, pp_size
+    from megatron.core import parallel_state
+
+    initialised = parallel_state.model_parallel_is_initialized()
+    if tp_size is None:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size() if initialised else 1
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
+    return tp_size, pp_size
+
+
+def save_torch_dist(
+    root: str | os.PathLike,
+    sharded_state_dict: ShardedStateDict | Callable[[], ShardedStateDict],
+    *,
+    iteration: int = 1,
+    provenance: Provenance | None = None,
+    tp_size: int | None = None,
+    pp_size: int | None = None,
+    content_metadata: Mapping | None = None,
+    force: bool = False,
+) -> Path:
+    """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
+
+    `sharded_state_dict` is the model's `sharded_state_dict()` on this rank (or a callable
+    producing it, so a failure while producing it is agreed on like any other). TP/PP sizes for the
+    manifest default to the initialised mcore parallel state. `content_metadata` is passed to mcore
+    as is: give it the `metadata` you passed to `sharded_state_dict(metadata=...)`, so Megatron-LM
+    rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys). The
+    staging directory is created by rank 0 next to `root`, so all ranks must see the same
+    filesystem (as Megatron-LM requires).
+    """
+    _require_process_group()
+    rank = dist.get_rank()
+    root = Path(root).absolute()
+    tp_size, pp_size = _parallel_sizes(tp_size, pp_size)
+    iteration_name = iteration_dirname(iteration)
+
+    announcement: list = [None]
+    staging, created = None, []
+    if rank == 0:
+        try:
+            staging, created = make_staging_directory(root, force=force)
+            (staging / iteration_name).mkdir()
+            announcement = [("ok", str(staging))]
+        except Exception as exc:
+            announcement = [("error", str(exc) if isinstance(exc, CheckpointError) else _one_line(exc))]
+    dist.broadcast_object_list(announcement, src=0)
+    status, detail = announcement[0]
+    if status == "error":
+        raise CheckpointError(detail)
+    shared_staging = Path(detail)
+
+    try:
+        produced, error = None, None
+        try:
+            produced = sharded_state_dict() if callable(sharded_state_dict) else sharded_state_dict
+            if not isinstance(produced, Mapping):
+                raise TypeError(f"expected a sharded state dict, got {type(produced).__name__}")
+        except Exception as exc:
+            error = _one_line(exc)
+        _agree(error, "producing the sharded state dict")
+
+        _validate_sharding(produced)
+
+        strategy = CpuTorchDistSaveStrategy(iteration_name)
+        common_state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+        error = None
+        try:
+            mc.dist_checkpointing.save(
+                {"model": produced, **common_state},
+                str(shared_staging / iteration_name),
+                sharded_strategy=strategy,
+                validate_access_integrity=False,  # done above, symmetrically
+                content_metadata=dict(content_metadata) if content_metadata is not None else None,
+            )
+        except Exception as exc:
+            error = _one_line(exc)
+        _agree(error, "write")
+
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, strategy.shard_records)
+        error = None
+        if rank == 0:
+            try:
+                # What mcore < 0.19 puts in common.pt: the non-tensor entries, content metadata included.
+                file_common = dict(common_state)
+                if content_metadata is not None:
+                    file_common["content_metadata"] = dict(content_metadata)
+                mc.ensure_common_file(staging / iteration_name, file_common)
+                write_tracker(staging, iteration)
+                write_manifest(
+                    staging,
+                    Manifest(
+                        layout=LAYOUT_TORCH_DIST,
+                        tensors=tuple(record for records in gathered for record in records),
+                        provenance=provenance or Provenance(),
+                        tensor_parallel_size=tp_size,
+                        pipeline_parallel_size=pp_size,
+                        iteration=iteration,
+                    ),
+                )
+                publish_staging_directory(staging, root, force=force)
+            except Exception as exc:
+                error = _one_line(exc)
+        _agree(error, "publish")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            remove_created_directories(created)
+        raise
+    return root
+
+
+def load_torch_dist(
+    path: str | os.PathLike,
+    sharded_state_dict: ShardedStateDict,
+    *,
+    iteration: int | str | None = None,
+) -> dict:
+    """Collective: loads the `model` part of a torch_dist checkpoint into this rank's shards.
+
+    `sharded_state_dict` is the receiving model's `sharded_state_dict()` under its own (any) TP
+    size. Returns a plain state dict for `model.load_state_dict`. `path` is a root (its tracker
+    picks the iteration) or an iteration directory.
+    """
+    _require_process_group()
+    _, iteration_dir, _ = resolve_iteration_dir(path, iteration)
+    if not torch_dist_files.is_torch_dist_dir(iteration_dir):
+        raise CheckpointError(f"{iteration_dir}: not a torch_dist checkpoint (no .metadata / metadata.json)")
+    try:
+        loaded = mc.dist_checkpointing.load({"model": sharded_state_dict}, str(iteration_dir))
+    except Exception as exc:
+        raise CheckpointError(f"{iteration_dir}: torch_dist load failed ({_one_line(exc)})") from exc
+    return loaded["model"]
+
