@@ -64,6 +64,45 @@ _REGISTRY: dict[str, Family] = {
         reference_classes=("PixtralVisionModel",),
         components=("patch_embed", "rope2d", "ln_pre", "layers", "packed attention"),
     ),
+    "clip": Family(
+        name="clip",
+        summary="CLIP vision encoder (class token, learned positions resampled for other sizes, "
+                "pre-LayerNorm, quick_gelu), last_hidden_state and pooled class token",
+        reference_classes=("CLIPVisionModel",),
+        components=("patch_embed", "pos_embed", "ln_pre", "layers", "ln_post", "packed attention"),
+        checkpoint_note="CLIPVisionModel, or the vision_model.* of a whole CLIPModel / the "
+                        "vision tower of a LLaVA checkpoint (the rest is dropped)",
+    ),
+    "siglip": Family(
+        name="siglip",
+        summary="SigLIP vision encoder (learned positions resampled for other sizes, tanh GELU, "
+                "post-LayerNorm) and its attention-pooling head",
+        reference_classes=("SiglipVisionModel",),
+        components=("patch_embed", "pos_embed", "layers", "ln_post", "head", "packed attention"),
+        checkpoint_note="SiglipVisionModel, or the vision_model.* of a whole SiglipModel (the text "
+                        "model and logit scale / bias are dropped)",
+    ),
+    "pixtral_large": Family(
+        name="pixtral_large",
+        summary="Pixtral-Large / Mistral3 vision path: Pixtral tower, RMSNorm + 2x2 patch merger, "
+                "MLP projector; static and packed mixed sizes",
+        reference_classes=("PixtralVisionModel", "Mistral3MultiModalProjector"),
+        components=("patch_embed", "ln_pre", "layers", "merger_norm", "merger", "projector",
+                    "packed attention"),
+        checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint (vision tower + "
+                        "multi_modal_projector, language model dropped), HF or Mistral-native "
+                        "consolidated.safetensors layout",
+    ),
+    "qwen3_5": Family(
+        name="qwen3_5",
+        summary="Qwen3.5-MoE VL vision tower (Conv3d patches, resampled learned positions, 2D RoPE, "
+                "block-first order, 2x2 merger), static and packed mixed sizes",
+        reference_classes=("Qwen3_5MoeVisionModel",),
+        components=("patch_embed", "pos_embed", "rope2d", "block_first", "layers", "merger",
+                    "packed attention"),
+        checkpoint_note="standalone vision tower, or a whole Qwen3_5MoeForConditionalGeneration "
+                        "checkpoint (model.visual.*) whose language model is dropped",
+    ),
 }
 
 

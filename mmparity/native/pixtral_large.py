@@ -1,0 +1,153 @@
+"""Native Pixtral-Large vision path: Pixtral ``ViTModel`` with the 2x2 merger, then mcore's projector.
+
+HF Mistral3 splits this differently: its vision tower ends at the encoder, and the pre-merge
+RMSNorm and the patch merger live in ``multi_modal_projector``. Here, as in the seed, norm and
+merger belong to the ViT (``vision_model.merger``) and the projector is mcore's
+``MultimodalProjector`` of type ``mlp`` (``vision_projection.encoder.linear_fc1/linear_fc2``, the
+names mcore's ``LLaVAModel`` uses). The merger norm's epsilon is the *text* config's
+``rms_norm_eps``, as in HF.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+
+from mmparity.native import pixtral
+from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
+                                    vision_layer_spec, vision_transformer_config)
+from mmparity.native.vit import ViTModel
+
+MODEL_TYPES = ("mistral3",)
+
+
+class PixtralLargeVisionModel(MegatronModule):
+    """``vision_model`` (ViTModel with merger) -> ``vision_projection`` (mcore MultimodalProjector).
+
+    Static ``(B, C, H, W)`` -> ``(B, M, text_hidden)``; dynamic pre-patchified rows with
+    ``imgs_sizes`` -> ``(1, ΣM, text_hidden)``, each image merged on its own grid.
+    """
+
+    def __init__(self, vision_model: ViTModel, projector_config, projector_input_size: int):
+        super().__init__(config=vision_model.config)
+        self.vision_model = vision_model
+        self.vision_projection = MultimodalProjector(
+            projector_config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            "mlp", projector_input_size)
+        tolerate_missing_extra_state(self)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.vision_model.patch_dim
+
+    def forward(self, pixel_values: torch.Tensor, imgs_sizes=None, packed_seq_params=None,
+                return_merged: bool = False):
+        merged = self.vision_model(pixel_values, imgs_sizes=imgs_sizes,
+                                   packed_seq_params=packed_seq_params)
+        projected = self.vision_projection(merged)
+        return (merged, projected) if return_merged else projected
+
+
+def _mistral3(cfg):
+    if getattr(cfg, "model_type", None) not in MODEL_TYPES:
+        raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} is not a "
+                         "Mistral3 (Pixtral-Large) model")
+    return cfg
+
+
+def _feature_layer_is_last(cfg) -> bool:
+    layer = cfg.vision_feature_layer
+    layers = cfg.vision_config.num_hidden_layers
+    return isinstance(layer, int) and layer in (-1, layers)
+
+
+def projector_config(cfg, params_dtype: torch.dtype = torch.float32):
+    """TransformerConfig of the projector MLP: text hidden -> text hidden, the projector's act."""
+    from mmparity.native import runtime
+
+    text = cfg.text_config
+    layout = runtime.current_layout()
+    # The projector has no attention, but TransformerConfig demands a head count that TP divides.
+    heads = layout.tp if layout is not None else 1
+    return vision_transformer_config(
+        num_layers=1, hidden_size=text.hidden_size, num_attention_heads=heads, kv_channels=1,
+        ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
+        activation=activation_from_hf(cfg.projector_hidden_act), gated=False,
+        bias=bool(cfg.multimodal_projector_bias), params_dtype=params_dtype)
+
+
+def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> PixtralLargeVisionModel:
+    """From an HF ``Mistral3Config``: vision tower shapes from ``vision_config``, the merger norm's
+    epsilon and the projector widths from ``text_config``."""
+    cfg = _mistral3(cfg)
+    if not _feature_layer_is_last(cfg):
+        raise ValueError(f"vision_feature_layer={cfg.vision_feature_layer!r}: only the last layer "
+                         "(-1) is supported by the native Pixtral-Large path")
+    vision = cfg.vision_config
+    img_h, img_w = pixtral._image_hw(vision)
+    vit = ViTModel(pixtral.transformer_config(vision, params_dtype), vision_layer_spec(),
+                   patch_dim=pixtral._patch(vision), img_h=img_h, img_w=img_w,
+                   in_channels=vision.num_channels, patch_embed_bias=False, ln_pre=True,
+                   ln_pre_eps=pixtral.PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
+                   rope_theta=pixtral.rope_theta(vision), use_merger=True,
+                   spatial_merge_size=cfg.spatial_merge_size,
+                   merger_norm_eps=cfg.text_config.rms_norm_eps)
+    return PixtralLargeVisionModel(vit, projector_config(cfg, params_dtype), vision.hidden_size)
+
+
+# --- parity glue ---------------------------------------------------------------------------------
+
+def run(model: PixtralLargeVisionModel, case) -> dict:
+    from mmparity.parity import inputs
+
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    imgs = case.data["images"]
+    if case.name == "static":
+        merged, projected = model(torch.stack(imgs).to(device, dtype), return_merged=True)
+    else:
+        rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
+        merged, projected = model(rows, imgs_sizes=case.data["sizes"], return_merged=True)
+    return {"merger": merged.reshape(-1, merged.shape[-1]),
+            "projector": projected.reshape(-1, projected.shape[-1])}
+
+
+def pairs(model: PixtralLargeVisionModel, cfg) -> list:
+    from mmparity.parity.cases import Pair, tokens_2d
+
+    vit = model.vision_model
+    return pixtral.pairs(vit, cfg.vision_config) + [
+        Pair("merger_norm", vit.merger.norm, tokens_2d),
+        Pair("merger", vit.merger, tokens_2d),
+        Pair("projector", model.vision_projection, tokens_2d),
+    ]
+
+
+COMPONENTS = ("merger",)
+
+
+def merger_grids():
+    """The reference side uses the same grids: one odd (last row / column dropped), one even."""
+    from mmparity.parity import inputs
+
+    return (inputs.COMPONENT_GRID, (4, 6))
+
+
+def merger_probe(hidden: int, seed: int) -> torch.Tensor:
+    from mmparity.parity import inputs
+
+    n = sum(h * w for h, w in merger_grids())
+    return torch.randn(n, hidden, generator=inputs.generator(seed + 104729))
+
+
+def component(name: str, model: PixtralLargeVisionModel, cfg, seed: int) -> torch.Tensor:
+    """The merger alone, without its norm: exactly what HF ``Mistral3PatchMerger`` computes."""
+    if name == "merger":
+        merger = model.vision_model.merger
+        tokens = merger_probe(merger.hidden_size, seed)
+        return merger.merge(tokens.to(next(model.parameters()).dtype), merger_grids())
+    raise KeyError(name)
