@@ -38,6 +38,53 @@ def qwen3_5_configs(draw):
 
 
 @st.composite
+def clip_configs(draw):
+    from transformers import CLIPVisionConfig
+
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    head_dim = draw(st.sampled_from([4, 8, 12]))
+    patch = draw(st.sampled_from([4, 8]))
+    return CLIPVisionConfig(hidden_size=heads * head_dim,
+                            intermediate_size=draw(st.integers(1, 7)) * 12,
+                            num_hidden_layers=draw(st.integers(1, 3)), num_attention_heads=heads,
+                            image_size=patch * draw(st.integers(2, 5)), patch_size=patch,
+                            hidden_act=draw(st.sampled_from(["quick_gelu", "gelu"])))
+
+
+@st.composite
+def siglip_configs(draw):
+    from transformers import SiglipVisionConfig
+
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    head_dim = draw(st.sampled_from([4, 8, 12]))
+    patch = draw(st.sampled_from([4, 8]))
+    return SiglipVisionConfig(hidden_size=heads * head_dim,
+                              intermediate_size=draw(st.integers(1, 7)) * 12,
+                              num_hidden_layers=draw(st.integers(1, 3)), num_attention_heads=heads,
+                              image_size=patch * draw(st.integers(2, 5)), patch_size=patch,
+                              vision_use_head=draw(st.booleans()))
+
+
+@st.composite
+def mistral3_configs(draw):
+    from transformers import PixtralVisionConfig, MistralConfig, Mistral3Config
+
+    heads = draw(st.sampled_from([1, 2, 4, 6]))
+    head_dim = draw(st.sampled_from([4, 8, 12]))
+    vision = PixtralVisionConfig(hidden_size=heads * head_dim,
+                                 intermediate_size=draw(st.integers(1, 6)) * 12,
+                                 num_hidden_layers=draw(st.integers(1, 2)),
+                                 num_attention_heads=heads, image_size=64, patch_size=8,
+                                 hidden_act="silu")
+    text = MistralConfig(hidden_size=draw(st.sampled_from([8, 12, 24, 40])), intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=4, vocab_size=16, rms_norm_eps=1e-5)
+    return Mistral3Config(vision_config=vision, text_config=text,
+                          spatial_merge_size=draw(st.sampled_from([1, 2, 3])),
+                          multimodal_projector_bias=draw(st.booleans()))
+
+
+@st.composite
 def config_and_tp(draw, family, configs):
     """A config and a TP size that the family's own converter accepts for it."""
     from mmparity import converters
@@ -52,4 +99,7 @@ def config_and_tp(draw, family, configs):
 CONFIGS = {
     "pixtral": pixtral_configs(),
     "qwen3_5": qwen3_5_configs(),
+    "pixtral_large": mistral3_configs(),
+    "siglip": siglip_configs(),
+    "clip": clip_configs(),
 }

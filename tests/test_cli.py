@@ -160,3 +160,8 @@ def test_module_entry_point_prints_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "unknown family 'nope'" in proc.stderr
+
+
+def test_image_smaller_than_a_merge_block(capsys):
+    _assert_usage_error(capsys, "check", "pixtral_large", "--image-size", "8x8",
+                        match="smaller than one 2x2 merge block")

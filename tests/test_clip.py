@@ -12,20 +12,9 @@ from mmparity import converters, families
 from mmparity.converters.rules import ConversionError
 from mmparity.parity import harness
 from mmparity.parity.inputs import random_like_state
+from tests.strategies import clip_configs
 
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@st.composite
-def clip_configs(draw):
-    heads = draw(st.sampled_from([1, 2, 3, 4, 6]))
-    head_dim = draw(st.sampled_from([4, 8, 12]))
-    patch = draw(st.sampled_from([4, 8]))
-    return CLIPVisionConfig(hidden_size=heads * head_dim,
-                            intermediate_size=draw(st.integers(1, 7)) * 12,
-                            num_hidden_layers=draw(st.integers(1, 3)), num_attention_heads=heads,
-                            image_size=patch * draw(st.integers(2, 5)), patch_size=patch,
-                            hidden_act=draw(st.sampled_from(["quick_gelu", "gelu"])))
 
 
 def tp_sizes(cfg) -> list[int]:

@@ -16,25 +16,9 @@ from mmparity import converters, families
 from mmparity.native.mergers import fold_blocks
 from mmparity.parity import harness
 from mmparity.parity.inputs import random_like_state
+from tests.strategies import mistral3_configs
 
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@st.composite
-def mistral3_configs(draw):
-    heads = draw(st.sampled_from([1, 2, 4, 6]))
-    head_dim = draw(st.sampled_from([4, 8, 12]))
-    vision = PixtralVisionConfig(hidden_size=heads * head_dim,
-                                 intermediate_size=draw(st.integers(1, 6)) * 12,
-                                 num_hidden_layers=draw(st.integers(1, 2)),
-                                 num_attention_heads=heads, image_size=64, patch_size=8,
-                                 hidden_act="silu")
-    text = MistralConfig(hidden_size=draw(st.sampled_from([8, 12, 24, 40])), intermediate_size=8,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=4, vocab_size=16, rms_norm_eps=1e-5)
-    return Mistral3Config(vision_config=vision, text_config=text,
-                          spatial_merge_size=draw(st.sampled_from([1, 2, 3])),
-                          multimodal_projector_bias=draw(st.booleans()))
 
 
 def tp_sizes(cfg) -> list[int]:

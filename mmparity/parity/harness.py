@@ -261,6 +261,11 @@ def validate_image_sizes(family: str, cfg, sizes) -> None:
         raise InputError(f"image size {', '.join(bad)} is not a positive multiple of {multiple} "
                          f"(the patch size{', times the merge size,' if multiple != _patch(cfg) else ''} "
                          f"of family {family!r})")
+    # Family-specific limits beyond divisibility (e.g. a 2x2 merger needs at least a 2x2 grid).
+    extra = getattr(families.get(family).reference(), "image_size_problems", None)
+    problems = extra(cfg, sizes) if extra else []
+    if problems:
+        raise InputError(f"family {family!r}: {'; '.join(problems)}")
 
 
 def _patch(cfg) -> int:

@@ -67,6 +67,14 @@ def patch_size(cfg) -> int:
     return pixtral.patch_size(cfg.vision_config)
 
 
+def image_size_problems(cfg, sizes) -> list[str]:
+    """The merger needs at least one whole merge block per image (HF drops odd edge rows/cols)."""
+    p, m = patch_size(cfg), cfg.spatial_merge_size
+    return [f"image size {h}x{w} gives a {h // p}x{w // p} patch grid, smaller than one "
+            f"{m}x{m} merge block (need at least {m * p}x{m * p} pixels)"
+            for h, w in sizes if h // p < m or w // p < m]
+
+
 def default_image_sizes(cfg) -> list[tuple[int, int]]:
     """Odd grids (the merger drops their last row / column, as ``F.unfold`` does), non-square."""
     p = patch_size(cfg)
