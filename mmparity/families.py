@@ -103,6 +103,18 @@ _REGISTRY: dict[str, Family] = {
         checkpoint_note="standalone vision tower, or a whole Qwen3_5MoeForConditionalGeneration "
                         "checkpoint (model.visual.*) whose language model is dropped",
     ),
+    "kimi_k25": Family(
+        name="kimi_k25",
+        summary="Kimi-K2.5 MoonViT (bicubic learned positions, interleaved 2D RoPE, LayerNorm, 2x2 "
+                "merger with temporal mean) and projector; static, packed mixed sizes, video clips",
+        reference_classes=("Kimi_K25VisionModel", "Kimi_K25MultimodalProjection"),
+        components=("patch_embed", "pos_embed", "rope2d", "layers", "final_layernorm", "merger",
+                    "projector", "packed attention"),
+        checkpoint_note="HF layout (Kimi_K25VisionModel, or a whole Kimi_K25ForConditionalGeneration "
+                        "checkpoint: tower + mm_projector, language model dropped) or the original "
+                        "release layout (encoder.blocks.N.wqkv …, mm_projector.proj.* or Kimi-VL's "
+                        "multi_modal_projector.*)",
+    ),
 }
 
 

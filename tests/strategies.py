@@ -84,6 +84,33 @@ def mistral3_configs(draw):
                           multimodal_projector_bias=draw(st.booleans()))
 
 
+def _kimi_text_config(hidden: int) -> dict:
+    return {"model_type": "deepseek_v3", "hidden_size": hidden, "num_hidden_layers": 1,
+            "vocab_size": 32, "intermediate_size": 16, "moe_intermediate_size": 8,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "first_k_dense_replace": 1,
+            "q_lora_rank": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+            "v_head_dim": 4, "n_routed_experts": 2, "num_experts_per_tok": 1}
+
+
+@st.composite
+def kimi_configs(draw):
+    """Random tower shapes; a whole config (with projector) or a vision config."""
+    from transformers import Kimi_K25Config, Kimi_K25VisionConfig
+
+    heads = draw(st.sampled_from([1, 2, 4, 6]))
+    hidden = heads * draw(st.sampled_from([4, 8, 12]))
+    table = draw(st.integers(2, 5))
+    vision = Kimi_K25VisionConfig(
+        patch_size=draw(st.sampled_from([2, 3])), pos_emb_height=table, pos_emb_width=table,
+        pos_emb_time=draw(st.integers(1, 4)), num_attention_heads=heads,
+        num_hidden_layers=draw(st.integers(1, 2)), hidden_size=hidden,
+        intermediate_size=draw(st.integers(1, 6)) * 4)
+    if draw(st.booleans()):
+        return vision
+    return Kimi_K25Config(vision_config=vision, text_config=_kimi_text_config(draw(st.sampled_from([8, 20]))),
+                          projection_hidden_size=hidden, tie_word_embeddings=False)
+
+
 @st.composite
 def config_and_tp(draw, family, configs):
     """A config and a TP size that the family's own converter accepts for it."""
@@ -102,4 +129,5 @@ CONFIGS = {
     "pixtral_large": mistral3_configs(),
     "siglip": siglip_configs(),
     "clip": clip_configs(),
+    "kimi_k25": kimi_configs(),
 }

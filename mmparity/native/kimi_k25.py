@@ -1,0 +1,530 @@
+"""Native Kimi-K2.5 MoonViT and its multimodal projector on an mcore ``TransformerBlock``.
+
+Follows the API of megatron-core's ``models.vision.vit_model`` (seed 000: ``Kimi2DRotaryEmbedding``,
+``KimiLearned2DPosEmbed``, ``KimiPatchMerger``, ``KimiViTModel``). The parity reference is
+transformers 5.24 ``Kimi_K25VisionModel`` + ``Kimi_K25MultimodalProjection``.
+
+Pipeline: Conv2d patch embedding (bias) -> learned 2D position table, bicubically resampled to the
+grid (plus a sin‖cos temporal row per frame for clips) -> LayerNorm blocks with biases, tanh GELU
+and interleaved 2D RoPE -> final LayerNorm -> 2x2 grouping, mean over a clip's frames
+-> ``(B, N/4, 4H)``. :class:`KimiViTWithProjector` appends the projector (LayerNorm over H on each
+of the 4 sub-tokens, Linear 4H->4H, erf GELU, Linear 4H->text hidden).
+
+Deliberate deviations from the seed:
+
+- Video clips (T > 1 frames per item) are supported the way HF 5.24 runs them: every frame of a
+  clip adds the temporal row of its index (frame 0 adds sin(0)‖cos(0) = [0…0, 1…1], not nothing),
+  one attention segment spans the whole clip, and the merger averages each 2x2 block over the
+  frames. The seed skips the temporal term and only handles T = 1.
+- RoPE angles are computed from the patch ids, with no table: the seed's cap (``img_h // patch``,
+  64 for Kimi) would refuse grids that HF and the release model accept. ``max_patches_per_side``
+  is an optional bound that raises instead of clamping.
+- The RoPE inverse frequencies and the temporal sin‖cos rows are plain fp32 tensors, not module
+  buffers, so a ``.to(bfloat16)`` of the model does not round them (HF's buffers are rounded).
+- Grids that the 2x2 merger cannot tile (odd h or w) are refused with a message; HF's
+  ``temporal_merge`` silently adds the odd row/column into neighbouring merged tokens (or past
+  the item's end, into the next item's).
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mmparity.converters.kimi_k25 import has_projector, vision_cfg
+from mmparity.native.attention import make_packed_seq_params
+from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
+                                    vision_layer_spec, vision_transformer_config)
+from mmparity.native.vit import (ImageSizes, PatchEmbedding, VisionNorm, _cat_rope,
+                                 _dynamic_patch_grid_lists)
+
+# HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
+KIMI_NORM_EPS = 1e-5
+
+Grid = Tuple[int, int]
+
+
+def _grid_ids(h_patches: int, w_patches: int, num_frames: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raster (row, col) ids of one frame, repeated for every frame of a clip."""
+    rows = torch.arange(h_patches, device=device).repeat_interleave(w_patches).repeat(num_frames)
+    cols = torch.arange(w_patches, device=device).repeat(h_patches * num_frames)
+    return rows, cols
+
+
+class Kimi2DRotaryEmbedding(torch.nn.Module):
+    """Kimi's 2D RoPE, interleaved (complex-pair) layout: pair 2k rotates by col·f_k, pair 2k+1 by row·f_k.
+
+    f_k = θ^(-4k/hd) for k < hd/4 (the frequencies of a hd/2-wide 1D RoPE, shared by both axes).
+    The hd/2 angles ``[c·f0, r·f0, c·f1, r·f1, …]`` are each repeated twice in place, the format
+    mcore's ``rotary_interleaved=True`` expects. HF 5.24 lays the same angles out ``[a ‖ a]`` with
+    rotate-half on q/k rows it permuted per head when converting from the release.
+    """
+
+    def __init__(self, head_dim: int, max_patches_per_side: Optional[int] = None,
+                 rope_theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"Kimi 2D RoPE needs a head_dim divisible by 4, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_patches_per_side = max_patches_per_side
+        # Same fp32 arithmetic as HF's axial init, so the angles agree bit for bit.
+        spatial = head_dim // 2
+        self._inv_freq = 1.0 / (rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
+
+    def angles(self, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+        """(N,) ids -> (N, head_dim/2) angles, column first in each pair, not yet repeated."""
+        inv = self._inv_freq.to(row_ids.device)
+        cols = col_ids.to(torch.float32)[:, None] * inv
+        rows = row_ids.to(torch.float32)[:, None] * inv
+        return torch.stack([cols, rows], dim=-1).flatten(1)
+
+    def forward(self, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+        """(N,) ids -> (N, 1, 1, head_dim), mcore's ``rotary_pos_emb`` format."""
+        if self.max_patches_per_side is not None and row_ids.numel() and (
+                max(int(row_ids.max()), int(col_ids.max())) >= self.max_patches_per_side):
+            raise ValueError(f"patch ids reach {max(int(row_ids.max()), int(col_ids.max()))}, beyond "
+                             f"max_patches_per_side={self.max_patches_per_side}")
+        return self.angles(row_ids, col_ids).repeat_interleave(2, dim=-1)[:, None, None, :]
+
+    def for_grid(self, h_patches: int, w_patches: int, num_frames: int = 1, device=None) -> torch.Tensor:
+        return self(*_grid_ids(h_patches, w_patches, num_frames, device))
+
+
+def temporal_sincos(num_frames: int, dim: int) -> torch.Tensor:
+    """(num_frames, dim) rows ``[sin(t·ω) ‖ cos(t·ω)]``, ω_j = 10000^(-2j/dim), in HF's fp32 arithmetic."""
+    if dim % 2:
+        raise ValueError(f"the temporal sin‖cos embedding needs an even width, got {dim}")
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    freqs = torch.outer(torch.arange(num_frames, dtype=torch.float32), inv)
+    return torch.cat([freqs.sin(), freqs.cos()], dim=1)
+
+
+class KimiLearned2DPosEmbed(torch.nn.Module):
+    """Learned ``(height, width, H)`` position table, bicubically resampled to each grid.
+
+    Identity when the grid equals the table; otherwise ``F.interpolate(mode='bicubic',
+    align_corners=False)`` without antialias (HF's 16-tap gather computes the same Keys a=-0.75
+    kernel with clamped borders; antialias would change values by O(1) when shrinking). A clip of
+    T > 1 frames also adds the temporal row of each frame's index; a still image adds none.
+
+    ``forward(h, w, device)`` is the seed's API (the ``(h·w, H)`` table); ``forward(tokens, grids,
+    frames)`` adds the terms to patch tokens and is what the model calls, so that a forward hook
+    sees the embedded tokens.
+    """
+
+    def __init__(self, height: int, width: int, hidden_size: int, max_frames: int = 4):
+        super().__init__()
+        self.height, self.width, self.hidden_size = height, width, hidden_size
+        self.max_frames = max_frames
+        self.weight = torch.nn.Parameter(torch.empty(height, width, hidden_size))
+        torch.nn.init.trunc_normal_(self.weight, std=0.02)
+        self._time = temporal_sincos(max_frames, hidden_size)
+
+    def table(self, h_patches: int, w_patches: int) -> torch.Tensor:
+        if (h_patches, w_patches) == (self.height, self.width):
+            return self.weight.flatten(0, 1)
+        grid = self.weight.permute(2, 0, 1).unsqueeze(0).float()
+        resampled = F.interpolate(grid, size=(h_patches, w_patches), mode="bicubic",
+                                  align_corners=False, antialias=False)
+        return resampled[0].permute(1, 2, 0).flatten(0, 1).to(self.weight.dtype)
+
+    def temporal(self, num_frames: int, device) -> torch.Tensor:
+        """(num_frames, H) fp32 rows for a clip; refuses clips longer than the table."""
+        if num_frames > self.max_frames:
+            raise ValueError(f"a clip of {num_frames} frames exceeds the temporal table of "
+                             f"{self.max_frames} frames (pos_emb_time)")
+        return self._time[:num_frames].to(device)
+
+    def positions(self, h_patches: int, w_patches: int, num_frames: int, device) -> torch.Tensor:
+        """(T·h·w, H) additive term of one item, frame-major."""
+        spatial = self.table(h_patches, w_patches).to(device)
+        if num_frames == 1:
+            return spatial
+        full = spatial.unsqueeze(0) + self.temporal(num_frames, device)[:, None, :]
+        return full.flatten(0, 1)
+
+    def forward(self, tokens_or_h, grids_or_w, frames_or_device=None):
+        if not isinstance(tokens_or_h, torch.Tensor):
+            return self.table(int(tokens_or_h), int(grids_or_w)).to(frames_or_device)
+        tokens, grids, frames = tokens_or_h, grids_or_w, frames_or_device
+        pos = torch.cat([self.positions(h, w, t, tokens.device) for (h, w), t in zip(grids, frames)])
+        if pos.shape[0] != tokens.shape[-2]:
+            raise ValueError(f"grids describe {pos.shape[0]} patches but the tokens hold {tokens.shape[-2]}")
+        return tokens + pos.to(tokens.dtype)
+
+
+class KimiPatchMerger(torch.nn.Module):
+    """Groups each 2x2 block onto the feature axis: ``(B, T·h·w, H) -> (B, h/2·w/2, 4H)``.
+
+    Blocks are row-major, each vector patch-major ``[top-left ‖ top-right ‖ bottom-left ‖
+    bottom-right]``. A clip's T frames are averaged per block (HF's ``temporal_merge``: fp32 sum of
+    x/T); at T = 1 this is a pure reshape. No parameters.
+    """
+
+    def __init__(self, merge_size: int = 2):
+        super().__init__()
+        self.merge_size = merge_size
+
+    def _check(self, h_patches: int, w_patches: int) -> None:
+        m = self.merge_size
+        if h_patches % m or w_patches % m:
+            raise ValueError(f"the {m}x{m} patch merger needs a grid divisible by {m}, got "
+                             f"{h_patches}x{w_patches} patches (image sides must be multiples of "
+                             f"patch_size*{m})")
+
+    def forward(self, x: torch.Tensor, h_patches: int, w_patches: int, num_frames: int = 1) -> torch.Tensor:
+        self._check(h_patches, w_patches)
+        m = self.merge_size
+        batch, tokens, hidden = x.shape
+        if tokens != num_frames * h_patches * w_patches:
+            raise ValueError(f"{tokens} tokens do not form {num_frames} frame(s) of {h_patches}x{w_patches}")
+        blocks = x.view(batch, num_frames, h_patches // m, m, w_patches // m, m, hidden)
+        # -> (B, h/m, w/m, T, m, m, H): one row per merged token, frames next to each other.
+        blocks = blocks.permute(0, 2, 4, 1, 3, 5, 6)
+        if num_frames > 1:
+            blocks = (blocks.float() * (1.0 / num_frames)).sum(dim=3).to(x.dtype)
+        return blocks.reshape(batch, (h_patches // m) * (w_patches // m), m * m * hidden)
+
+    def merge_packed(self, x: torch.Tensor, grids: Sequence[Grid], frames: Sequence[int]) -> torch.Tensor:
+        """Packed ``(1, Σ T·h·w, H)`` -> ``(1, Σ h/2·w/2, 4H)``, items in order."""
+        sizes = [t * h * w for (h, w), t in zip(grids, frames)]
+        if sum(sizes) != x.shape[1]:
+            raise ValueError(f"grids describe {sum(sizes)} patches but the input holds {x.shape[1]}")
+        parts = torch.split(x, sizes, dim=1)
+        return torch.cat([self(p, h, w, t) for p, (h, w), t in zip(parts, grids, frames)], dim=1)
+
+
+class KimiVisionOutput(NamedTuple):
+    last_hidden_state: torch.Tensor      # (B, N, H) after the final LayerNorm
+    pooler_output: Optional[torch.Tensor]  # (B, M, 4H) merged tokens (None off the last PP stage)
+    image_embeds: Optional[torch.Tensor]   # (B, M, text H) when a projector is attached
+    grids: List[Grid]
+    frames: List[int]
+
+
+class KimiViTModel(MegatronModule):
+    """Native mcore MoonViT (Kimi-K2.5 vision tower).
+
+    Inputs:
+
+    - static ``(B, C, H, W)`` images, or ``(B, T, C, H, W)`` clips of T frames each;
+    - dynamic: pre-patchified rows ``(1, ΣN, C·P·P)`` (each row flattened (C, P, P), raster order,
+      a clip's frames one after another) with ``imgs_sizes`` (pixels, one (H, W) per item) and
+      optionally ``num_frames`` (one count per item, default 1). Run as one packed sequence in
+      which every item (a whole clip) attends only to itself.
+
+    Returns the merged tokens ``(B, M, 4H)`` (``(1, ΣM, 4H)`` for packed input); :meth:`encode`
+    also returns the pre-merge hidden states.
+    """
+
+    def __init__(self, transformer_config: TransformerConfig, transformer_layer_spec,
+                 patch_dim: int = 14, img_h: int = 896, img_w: int = 896, in_channels: int = 3,
+                 pos_embed_height: int = 64, pos_embed_width: int = 64,
+                 rope_theta: float = 10000.0, pg_collection=None, vp_stage: Optional[int] = None,
+                 *, pos_embed_time: int = 4, merge_size: int = 2,
+                 max_patches_per_side: Optional[int] = None):
+        super().__init__(config=transformer_config)
+        from megatron.core import parallel_state
+
+        cfg = transformer_config
+        self.patch_dim, self.img_h, self.img_w = patch_dim, img_h, img_w
+        self.in_channels = in_channels
+        self.hidden_size = cfg.hidden_size
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.patch_embed = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
+        self.pos_embed = KimiLearned2DPosEmbed(pos_embed_height, pos_embed_width, cfg.hidden_size,
+                                               max_frames=pos_embed_time)
+        head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary_pos_emb = Kimi2DRotaryEmbedding(head_dim, max_patches_per_side, rope_theta)
+        self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,
+                                        post_layer_norm=True, pre_process=self.pre_process,
+                                        post_process=self.post_process)
+        self.merger = KimiPatchMerger(merge_size)
+        tolerate_missing_extra_state(self)
+
+    @property
+    def num_patches_per_image(self) -> int:
+        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def _patch_tokens(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes],
+                      num_frames: Optional[Sequence[int]]):
+        """-> (tokens (B, N, H), grids, frames, packed)."""
+        if imgs_sizes is None:
+            if num_frames is not None:
+                raise ValueError("num_frames goes with dynamic input; pass static clips as (B, T, C, H, W)")
+            if pixel_values.dim() == 5:
+                batch, frames = pixel_values.shape[:2]
+                tokens, h, w = self.patch_embed(pixel_values.flatten(0, 1))
+                return tokens.reshape(batch, frames * h * w, -1), [(h, w)], [frames], False
+            if pixel_values.dim() != 4:
+                raise ValueError("static input must be (B, C, H, W) images or (B, T, C, H, W) clips, "
+                                 f"got shape {tuple(pixel_values.shape)}")
+            tokens, h, w = self.patch_embed(pixel_values)
+            return tokens, [(h, w)], [1], False
+        grids, _ = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
+        frames = [1] * len(grids) if num_frames is None else [int(t) for t in num_frames]
+        if len(frames) != len(grids) or any(t < 1 for t in frames):
+            raise ValueError(f"num_frames needs one count >= 1 per item: {len(grids)} items, got {frames}")
+        if pixel_values.dim() != 3 or pixel_values.shape[0] != 1:
+            raise ValueError("dynamic input must be pre-patchified rows of shape (1, ΣN, C*P*P)")
+        total = sum(t * h * w for (h, w), t in zip(grids, frames))
+        if pixel_values.shape[1] != total:
+            raise ValueError(f"imgs_sizes and num_frames describe {total} patches but the input has "
+                             f"{pixel_values.shape[1]} rows")
+        return self.patch_embed(pixel_values), grids, frames, True
+
+    def encode(self, pixel_values: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+               imgs_sizes: Optional[ImageSizes] = None, packed_seq_params=None,
+               num_frames: Optional[Sequence[int]] = None) -> KimiVisionOutput:
+        tokens, grids, frames, packed = self._patch_tokens(pixel_values, imgs_sizes, num_frames)
+        # Refuse what the merger or the temporal table cannot take before running the transformer.
+        for (h, w), t in zip(grids, frames):
+            self.merger._check(h, w)
+            if t > 1:
+                self.pos_embed.temporal(t, tokens.device)
+        tokens = self.pos_embed(tokens, grids, frames)
+        rope = _cat_rope([self.rotary_pos_emb.for_grid(h, w, t, tokens.device)
+                          for (h, w), t in zip(grids, frames)])
+        if packed and packed_seq_params is None:
+            packed_seq_params = make_packed_seq_params(
+                [t * h * w for (h, w), t in zip(grids, frames)], tokens.device)
+        hidden = tokens.transpose(0, 1).contiguous() if self.pre_process else None
+        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb=rope,
+                              packed_seq_params=packed_seq_params)
+        if not self.post_process:
+            return KimiVisionOutput(hidden, None, None, grids, frames)
+        hidden = hidden.transpose(0, 1).contiguous()
+        if packed:
+            pooled = self.merger.merge_packed(hidden, grids, frames)
+        else:
+            pooled = self.merger(hidden, grids[0][0], grids[0][1], frames[0])
+        return KimiVisionOutput(hidden, pooled, None, grids, frames)
+
+    def forward(self, pixel_values: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                imgs_sizes: Optional[ImageSizes] = None, packed_seq_params=None,
+                num_frames: Optional[Sequence[int]] = None) -> torch.Tensor:
+        out = self.encode(pixel_values, attention_mask, imgs_sizes, packed_seq_params, num_frames)
+        return out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+
+
+class KimiMultimodalProjector(MegatronModule):
+    """Kimi's projector: LayerNorm over H on each of the 4 sub-tokens, then an mcore MLP 4H->4H->text H.
+
+    A LayerNorm over the whole 4H vector would be a different function. The MLP is mcore's own
+    (``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel), with erf GELU as HF's
+    ``nn.GELU()``; ``config.hidden_size`` is the text hidden size.
+    """
+
+    def __init__(self, config: TransformerConfig, vision_hidden_size: int, merge_tokens: int = 4,
+                 pre_norm_eps: float = 1e-5):
+        super().__init__(config=config)
+        self.vision_hidden_size, self.merge_tokens = vision_hidden_size, merge_tokens
+        width = vision_hidden_size * merge_tokens
+        self.pre_norm = VisionNorm(vision_hidden_size, pre_norm_eps, "LayerNorm", config.params_dtype)
+        self.encoder = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                 linear_fc2=RowParallelLinear),
+                           input_size=width, ffn_hidden_size=width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., 4H) or (..., 4, H) merged tokens -> (..., text H)."""
+        width = self.vision_hidden_size * self.merge_tokens
+        lead = x.shape[:-2] if x.shape[-2:] == (self.merge_tokens, self.vision_hidden_size) else x.shape[:-1]
+        if x.numel() != lead.numel() * width:
+            raise ValueError(f"projector input must end in {self.merge_tokens}x{self.vision_hidden_size} "
+                             f"or {width}, got {tuple(x.shape)}")
+        normed = self.pre_norm(x.reshape(*lead, self.merge_tokens, self.vision_hidden_size))
+        flat = normed.reshape(-1, 1, width)  # mcore linears take [s, b, h]
+        out, bias = self.encoder(flat)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*lead, out.shape[-1])
+
+
+class KimiViTWithProjector(KimiViTModel):
+    """:class:`KimiViTModel` followed by the projector (``vision_projection.*``): a whole-model config.
+
+    ``forward`` returns the projected tokens ``(B, M, text H)``.
+    """
+
+    def __init__(self, transformer_config: TransformerConfig, transformer_layer_spec,
+                 projection_config: TransformerConfig, projector_eps: float = 1e-5, **kwargs):
+        super().__init__(transformer_config, transformer_layer_spec, **kwargs)
+        merge = self.merger.merge_size
+        self.vision_projection = KimiMultimodalProjector(
+            projection_config, transformer_config.hidden_size, merge * merge, projector_eps)
+        tolerate_missing_extra_state(self)
+
+    def encode(self, *args, **kwargs) -> KimiVisionOutput:
+        out = super().encode(*args, **kwargs)
+        if out.pooler_output is None:
+            return out
+        return out._replace(image_embeds=self.vision_projection(out.pooler_output))
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        out = self.encode(*args, **kwargs)
+        return out.image_embeds if out.image_embeds is not None else out.last_hidden_state
+
+
+# --- building from the HF config (the single source of truth for shapes) ---------------------
+
+def _patch(vc) -> int:
+    p = vc.patch_size
+    return p if isinstance(p, int) else p[0]
+
+
+def _merge(vc) -> int:
+    kh, kw = tuple(vc.merge_kernel_size)
+    if kh != kw:
+        raise NotImplementedError(f"only square merge kernels are supported, got {kh}x{kw}")
+    return kh
+
+
+def rope_theta(vc) -> float:
+    params = getattr(vc, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(vc, "rope_theta", 10000.0)))
+
+
+def head_dim(vc) -> int:
+    return vc.hidden_size // vc.num_attention_heads
+
+
+def transformer_config(vc, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    return vision_transformer_config(
+        num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim(vc),
+        ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm", norm_eps=KIMI_NORM_EPS,
+        activation=activation_from_hf(vc.hidden_act), gated=False, bias=True,
+        rotary_interleaved=True, params_dtype=params_dtype)
+
+
+def projection_config(cfg, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    vc = vision_cfg(cfg)
+    width = vc.hidden_size * _merge(vc) ** 2
+    projection_hidden = getattr(cfg, "projection_hidden_size", None) or vc.hidden_size
+    if projection_hidden != vc.hidden_size:
+        raise ValueError(f"projection_hidden_size={projection_hidden} must equal the vision hidden size "
+                         f"{vc.hidden_size}: the projector normalises each merged sub-token")
+    # Attention fields are unused by the MLP; heads only need to satisfy TransformerConfig's checks.
+    return vision_transformer_config(
+        num_layers=1, hidden_size=cfg.text_config.hidden_size,
+        num_attention_heads=vc.num_attention_heads, kv_channels=1, ffn_hidden_size=width,
+        normalization="LayerNorm", norm_eps=cfg.projection_layer_norm_eps, activation=F.gelu,
+        gated=False, bias=True, params_dtype=params_dtype)
+
+
+def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> KimiViTModel:
+    """``KimiViTModel`` from a ``Kimi_K25VisionConfig``; with the projector from a ``Kimi_K25Config``."""
+    vc = vision_cfg(cfg)
+    kwargs = dict(patch_dim=_patch(vc), img_h=vc.pos_emb_height * _patch(vc),
+                  img_w=vc.pos_emb_width * _patch(vc), in_channels=3,
+                  pos_embed_height=vc.pos_emb_height, pos_embed_width=vc.pos_emb_width,
+                  rope_theta=rope_theta(vc), pos_embed_time=vc.pos_emb_time, merge_size=_merge(vc))
+    tcfg = transformer_config(vc, params_dtype)
+    if has_projector(cfg):
+        model = KimiViTWithProjector(tcfg, vision_layer_spec(), projection_config(cfg, params_dtype),
+                                     projector_eps=cfg.projection_layer_norm_eps, **kwargs)
+    else:
+        model = KimiViTModel(tcfg, vision_layer_spec(), **kwargs)
+    return model.to(params_dtype)
+
+
+# --- parity glue: how the harness drives this model (framework-free cases in, tensors out) ---
+
+def _rows(items: Sequence[torch.Tensor], patch: int) -> torch.Tensor:
+    """Images (C, H, W) and clips (T, C, H, W) -> packed rows (1, ΣN, C·P·P), frames in order."""
+    from mmparity.parity import inputs
+
+    frames = [f for item in items for f in (item if item.dim() == 4 else item.unsqueeze(0))]
+    return inputs.packed_rows(frames, patch)
+
+
+def run(model: KimiViTModel, case) -> dict:
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    if case.name == "projector":
+        return {"image_embeds": model.vision_projection(case.data["features"].to(device, dtype))}
+    items = case.data["images"]
+    if case.data.get("static"):
+        out = model.encode(torch.stack(items).to(device, dtype))
+    else:
+        rows = _rows(items, model.patch_dim).to(device, dtype)
+        out = model.encode(rows, imgs_sizes=case.data["sizes"], num_frames=case.data["frames"])
+    hidden = out.last_hidden_state
+    result = {"last_hidden_state": hidden.reshape(-1, hidden.shape[-1]),
+              "pooler_output": out.pooler_output.reshape(-1, out.pooler_output.shape[-1])}
+    if out.image_embeds is not None:
+        result["image_embeds"] = out.image_embeds.reshape(-1, out.image_embeds.shape[-1])
+    return {k: v for k, v in result.items() if k in case.outputs}
+
+
+def pairs(model: KimiViTModel, cfg) -> list:
+    from mmparity.parity.cases import Pair, sbh_tokens_2d, tokens_2d
+
+    out = [Pair("patch_embed", model.patch_embed, tokens_2d),
+           Pair("pos_embed", model.pos_embed, tokens_2d)]
+    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+    out.append(Pair("final_layernorm", model.decoder.final_layernorm, sbh_tokens_2d))
+    if isinstance(model, KimiViTWithProjector):
+        out.append(Pair("projector", model.vision_projection, tokens_2d))
+    return out
+
+
+COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "merger")
+
+
+def apply_mcore_rope(model: KimiViTModel, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """mcore's own RoPE application on (N, heads, hd) activations in its interleaved layout."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q.unsqueeze(1), freqs, model.config).squeeze(1)
+
+
+def component(name: str, model: KimiViTModel, cfg, seed: int) -> torch.Tensor:
+    from mmparity.converters.ops import RopeInterleave
+    from mmparity.parity import inputs
+
+    vc = vision_cfg(cfg)
+    param = next(model.parameters())
+    if name == "patch_embed":
+        img = inputs.images([inputs.component_image_size(model.patch_dim)], 3, seed)[0]
+        tokens, _, _ = model.patch_embed(img.unsqueeze(0).to(param.dtype))
+        return tokens[0]
+    if name == "pos_embed":
+        grids, frames = _split_thw(inputs.component_grids_thw((vc.pos_emb_height, vc.pos_emb_width),
+                                                              vc.pos_emb_time))
+        total = sum(t * h * w for (h, w), t in zip(grids, frames))
+        zeros = torch.zeros(1, total, vc.hidden_size, dtype=param.dtype, device=param.device)
+        return model.pos_embed(zeros, grids, frames)[0]
+    if name == "rope2d":
+        heads, hd = vc.num_attention_heads, head_dim(vc)
+        q = inputs.rope_probe(heads, hd, inputs.COMPONENT_GRID, seed)
+        n = q.shape[0]
+        # HF rows are rotate-half permuted per head; the converter undoes that on q/k weights,
+        # here the same permutation is applied to activations.
+        op = RopeInterleave(heads, hd)
+        q_mcore = op.apply([q.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
+        freqs = model.rotary_pos_emb.for_grid(*inputs.COMPONENT_GRID, 1, param.device)
+        rotated = apply_mcore_rope(model, q_mcore.to(freqs.device, param.dtype), freqs)
+        return op.invert([rotated.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
+    if name == "merger":
+        grids, frames = _split_thw(inputs.MERGER_GRIDS_THW)
+        hidden = inputs.token_probe(sum(t * h * w for (h, w), t in zip(grids, frames)), vc.hidden_size, seed)
+        return model.merger.merge_packed(hidden.unsqueeze(0).to(param.device, param.dtype), grids, frames)[0]
+    raise KeyError(name)
+
+
+def _split_thw(grids_thw) -> tuple[list, list]:
+    return [(h, w) for _, h, w in grids_thw], [t for t, _, _ in grids_thw]
