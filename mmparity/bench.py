@@ -1,0 +1,597 @@
+"""Forward-time benchmark of each family's native mcore encoder against its HF reference.
+
+Both sides get the same seeded random weights (converted with the real converter) and the same inputs,
+and are driven through the family's own ``cases(...)`` and ``run(model, case)``, so any registered
+family can be measured. Inputs are moved to the device before timing; what ``run`` itself does
+(dtype casts, re-layout, padding) is part of each side's measured forward. Warm-up first, then
+the median of the repeats: CUDA events on a GPU, ``perf_counter`` on the CPU.
+
+FLOPs are counted from the config (:func:`count_flops`), the same number for both sides, so that
+achieved TFLOP/s compares like with like: patch embedding, QKV, attention scores and values per
+image (never across images), output projection, MLP (gated or not) and mergers / projectors /
+pooling heads, two FLOPs per multiply-add, biases, norms and activations not counted.
+
+Never prints; :mod:`mmparity.cli.bench` renders the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from mmparity import families
+
+SIZES = ("tiny", "published")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_IMAGES = 4
+
+
+@dataclass(frozen=True)
+class Published:
+    """A family's released vision config: ``vision`` kwargs for the class of the family's own
+    vision config, ``parent`` dotted overrides of a whole-model tiny config (``text_config.…``),
+    and the benchmark's default batch."""
+
+    source: str
+    vision: dict
+    images: int
+    image_size: tuple
+    parent: dict = field(default_factory=dict)
+    note: str = ""
+
+
+PUBLISHED: dict[str, Published] = {
+    "qwen3_5": Published(
+        source="Qwen3.5 vision tower (Qwen/Qwen3.5-35B-A3B vision_config; out_hidden_size 2048 "
+               "assumed for that checkpoint's text width)",
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+                    patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048,
+                    num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
+        images=8, image_size=(768, 768)),
+    "kimi_k25": Published(
+        source="Kimi-K2.5 MoonViT 27x1152 + projector to the DeepSeek-V3 text width 7168",
+        vision=dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4,
+                    num_attention_heads=16, num_hidden_layers=27, hidden_size=1152,
+                    intermediate_size=4304, hidden_act="gelu_pytorch_tanh", merge_kernel_size=(2, 2)),
+        parent={"projection_hidden_size": 1152, "text_config.hidden_size": 7168},
+        images=8, image_size=(896, 896)),
+    "pixtral": Published(
+        source="Pixtral-12B vision encoder (24 x 1024, SwiGLU, patch 16)",
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                    num_attention_heads=16, head_dim=64, image_size=1024, patch_size=16,
+                    num_channels=3, hidden_act="silu"),
+        images=8, image_size=(1024, 1024)),
+    "siglip": Published(
+        source="SigLIP so400m-patch14-384 vision tower (27 x 1152, pooling head)",
+        vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                    num_attention_heads=16, image_size=384, patch_size=14, num_channels=3,
+                    hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=True),
+        # HF's stride-14 conv drops the last 6 pixels of 384: 378 is the same 27x27 grid, and the
+        # native tower refuses sizes that are not a multiple of the patch.
+        images=64, image_size=(378, 378),
+        note="378x378 = the 27x27 patch grid HF makes of 384x384"),
+    "clip": Published(
+        source="CLIP ViT-L/14 vision tower (24 x 1024, patch 14, 224)",
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                    num_attention_heads=16, image_size=224, patch_size=14, num_channels=3,
+                    hidden_act="quick_gelu", layer_norm_eps=1e-5, projection_dim=768),
+        images=64, image_size=(224, 224)),
+}
+
+
+class BenchError(ValueError):
+    """A request the bench cannot honour (size, family, image size); the CLI exits 2."""
+
+
+# --- configs ----------------------------------------------------------------------------------------
+
+def _vision(cfg):
+    return getattr(cfg, "vision_config", None) or cfg
+
+
+def published_config(family: str):
+    """The family's config at its released size, of the same classes as its tiny config."""
+    if family not in PUBLISHED:
+        raise BenchError(f"family {family!r} has no published config in the bench; "
+                         f"published: {', '.join(PUBLISHED)}")
+    spec = PUBLISHED[family]
+    tiny = families.get(family).tiny_config()
+    vision = type(_vision(tiny))(**spec.vision)
+    if getattr(tiny, "vision_config", None) is None:
+        return vision
+    cfg = copy.deepcopy(tiny)
+    cfg.vision_config = vision
+    for dotted, value in spec.parent.items():
+        *path, name = dotted.split(".")
+        target = cfg
+        for part in path:
+            target = getattr(target, part)
+        if not hasattr(target, name):
+            raise BenchError(f"published config of {family!r}: {type(target).__name__} has no "
+                             f"attribute {name!r} (did the family's tiny config change?)")
+        setattr(target, name, value)
+    return cfg
+
+
+def bench_config(family: str, size: str):
+    if size not in SIZES:
+        raise BenchError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if size == "published":
+        spec = PUBLISHED.get(family)
+        cfg = published_config(family)
+        return cfg, spec.source + (f"; {spec.note}" if spec.note else "")
+    return families.get(family).tiny_config(), "tiny config (mmparity.reference)"
+
+
+def default_batch(family: str, size: str, cfg) -> tuple[int, tuple[int, int]]:
+    """(images, (H, W)) when the caller gives none: the published batch, or a small tiny one."""
+    if size == "published":
+        spec = PUBLISHED[family]
+        return spec.images, tuple(spec.image_size)
+    from mmparity.parity.harness import size_multiple
+
+    multiple = size_multiple(family, cfg)
+    side = getattr(_vision(cfg), "image_size", None)
+    side = side if isinstance(side, int) else 8 * multiple
+    side = max(multiple, -(-side // multiple) * multiple)
+    return TINY_IMAGES, (side, side)
+
+
+# --- FLOPs ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TowerShape:
+    """What the FLOP count needs from a config. ``merger``: (in, out) linears applied to each
+    merged token (``merge`` x ``merge`` patches); ``head``: ``"attention_pool"`` for SigLIP's."""
+
+    hidden: int
+    layers: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    gated: bool
+    patch: int
+    channels: int
+    temporal: int = 1
+    class_tokens: int = 0
+    merge: int = 1
+    merger: tuple = ()
+    head: Optional[str] = None
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) else int(value[0])
+
+
+def _base_shape(cfg) -> TowerShape:
+    vc = _vision(cfg)
+    heads = vc.num_attention_heads
+    return TowerShape(
+        hidden=vc.hidden_size, layers=vc.num_hidden_layers, heads=heads,
+        groups=getattr(vc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(vc, "head_dim", None) or vc.hidden_size // heads,
+        ffn=vc.intermediate_size, gated=False, patch=_int(vc.patch_size),
+        channels=getattr(vc, "num_channels", None) or getattr(vc, "in_channels", None) or 3,
+        temporal=_int(getattr(vc, "temporal_patch_size", None) or 1))
+
+
+def _pixtral_large(cfg, s: TowerShape) -> TowerShape:
+    m, text = cfg.spatial_merge_size, cfg.text_config.hidden_size
+    # merger Linear(m²H -> H), then the projector's linear_1 (H -> text) and linear_2 (text -> text)
+    return replace(s, gated=True, merge=m, merger=((s.hidden * m * m, s.hidden), (s.hidden, text), (text, text)))
+
+
+def _qwen3_5(cfg, s: TowerShape) -> TowerShape:
+    m = _vision(cfg).spatial_merge_size
+    wide = s.hidden * m * m
+    return replace(s, merge=m, merger=((wide, wide), (wide, _vision(cfg).out_hidden_size)))
+
+
+def _kimi_k25(cfg, s: TowerShape) -> TowerShape:
+    mh, mw = _vision(cfg).merge_kernel_size
+    if mh != mw:
+        raise NotImplementedError("non-square merge kernels are not counted")
+    s = replace(s, merge=mh, channels=3)
+    if getattr(cfg, "text_config", None) is None:
+        return s  # tower only: 2x2 grouping has no FLOPs
+    wide = s.hidden * mh * mw
+    return replace(s, merger=((wide, wide), (wide, cfg.text_config.hidden_size)))
+
+
+FAMILY_SHAPES: dict[str, Callable] = {
+    "pixtral": lambda cfg, s: replace(s, gated=True),
+    "pixtral_large": _pixtral_large,
+    "clip": lambda cfg, s: replace(s, class_tokens=1),
+    "siglip": lambda cfg, s: replace(s, head="attention_pool" if _vision(cfg).vision_use_head else None),
+    "qwen3_5": _qwen3_5,
+    "kimi_k25": _kimi_k25,
+}
+
+
+def tower_shape(family: str, cfg) -> Optional[TowerShape]:
+    """The family's shape for :func:`count_flops`; ``None`` for a family without a formula here
+    (e.g. a whole VLM): its FLOPs and TFLOP/s are then reported as not counted, never guessed."""
+    shape_fn = FAMILY_SHAPES.get(family)
+    return None if shape_fn is None else shape_fn(cfg, _base_shape(cfg))
+
+
+def count_flops(shape: TowerShape, image_sizes: Sequence[tuple[int, int]]) -> dict:
+    """FLOPs of one forward over ``image_sizes`` (pixels), by part, and ``total``."""
+    s = shape
+    parts = dict.fromkeys(("patch_embed", "qkv", "attention", "proj", "mlp", "merger", "head"), 0)
+    qkv_out = (s.heads + 2 * s.groups) * s.head_dim
+    attn_width = s.heads * s.head_dim
+    for height, width in image_sizes:
+        h_p, w_p = height // s.patch, width // s.patch
+        patches = h_p * w_p
+        tokens = patches + s.class_tokens
+        parts["patch_embed"] += 2 * patches * s.channels * s.temporal * s.patch ** 2 * s.hidden
+        parts["qkv"] += s.layers * 2 * tokens * s.hidden * qkv_out
+        parts["attention"] += s.layers * 4 * tokens * tokens * attn_width  # QK^T and PV
+        parts["proj"] += s.layers * 2 * tokens * attn_width * s.hidden
+        parts["mlp"] += s.layers * (3 if s.gated else 2) * 2 * tokens * s.hidden * s.ffn
+        merged = (h_p // s.merge) * (w_p // s.merge)
+        parts["merger"] += sum(2 * merged * fan_in * fan_out for fan_in, fan_out in s.merger)
+        if s.head == "attention_pool":  # one probe: q, k/v of every token, attention, out, MLP
+            parts["head"] += (2 * s.hidden * s.hidden + 2 * tokens * s.hidden * 2 * s.hidden
+                              + 4 * tokens * attn_width + 2 * attn_width * s.hidden
+                              + 2 * 2 * s.hidden * s.ffn)
+    return {"total": sum(parts.values()), "parts": parts}
+
+
+# --- timing ---------------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device | str, warmup: int, repeats: int
+              ) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls after ``warmup`` untimed ones."""
+    device = torch.device(device)
+    if repeats < 1 or warmup < 0:
+        raise BenchError("repeats must be >= 1 and warm-up >= 0")
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return times
+
+
+# --- the benchmark ------------------------------------------------------------------------------------
+
+@dataclass
+class SideTiming:
+    median_ms: float
+    times_ms: list
+    images_per_s: float
+    tflops: Optional[float]
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class BenchResult:
+    family: str
+    size: str
+    config: str
+    case: str
+    images: int
+    image_sizes: list
+    tokens: Optional[int]
+    flops: dict
+    native: Optional[SideTiming] = None
+    hf: Optional[SideTiming] = None
+    rel_l2: Optional[float] = None
+    error: Optional[str] = None
+
+    @property
+    def speedup_vs_hf(self) -> Optional[float]:
+        if self.native is None or self.hf is None or self.native.median_ms <= 0:
+            return None
+        return self.hf.median_ms / self.native.median_ms
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["speedup_vs_hf"] = self.speedup_vs_hf
+        return out
+
+
+@dataclass
+class BenchReport:
+    device: str
+    device_name: str
+    dtype: str
+    size: str
+    attention_backend: str
+    timer: str
+    warmup: int
+    repeats: int
+    versions: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.error is None for r in self.results)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("results",)}
+        out["results"] = [r.as_dict() for r in self.results]
+        out["ok"] = self.ok
+        return out
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.as_dict(), indent=indent, allow_nan=True)
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _resize_static(case, sizes: list, seed: int):
+    """A family's static case holds a fixed few images; give it ``len(sizes)`` (all one size).
+
+    Every per-image list in the case data (same length as ``images``) is cycled to the new count;
+    the images themselves are fresh seeded pixels of the case's own shape.
+    """
+    from mmparity.parity import inputs
+
+    data = dict(case.data)
+    have = len(data["images"])
+    want = len(sizes)
+    if have == want:
+        return case
+    first = data["images"][0]
+    if first.dim() != 3 or tuple(first.shape[-2:]) != tuple(sizes[0]):
+        raise BenchError(f"static case of this family does not hold plain {sizes[0]} images")
+    for key, value in case.data.items():
+        if isinstance(value, list) and len(value) == have:
+            data[key] = [value[i % have] for i in range(want)]
+    data["images"] = inputs.images(sizes, first.shape[0], seed + 1)
+    return replace(case, data=data, description=f"static batch of {want} images {sizes[0][0]}x{sizes[0][1]}")
+
+
+def bench_case(family: str, cfg, sizes: list, seed: int, case_name: str = "auto"):
+    """The family's case for ``sizes``: ``static`` (one batch tensor) when every image has one
+    size and the family has a static case, else ``packed``; ``case_name`` forces one."""
+    fam = families.get(family)
+    ref_mod = fam.reference()
+    try:
+        by_name = {case.name: case for case in ref_mod.cases(cfg, seed, sizes)}
+    except ValueError as exc:  # the family refuses these sizes
+        raise BenchError(f"{family}: {exc}") from None
+    if case_name == "auto":
+        uniform = len(set(map(tuple, sizes))) == 1
+        case_name = "static" if uniform and "static" in by_name else (
+            "packed" if "packed" in by_name else next(iter(by_name)))
+    if case_name not in by_name:
+        raise BenchError(f"family {family!r} has no case {case_name!r}; it has {', '.join(by_name)}")
+    case = by_name[case_name]
+    if case_name == "static":
+        if len(set(map(tuple, sizes))) != 1:
+            raise BenchError("the static case needs every image of one size")
+        case = _resize_static(case, sizes, seed)
+    prepare = getattr(ref_mod, "prepare_case", lambda c, _cfg: c)
+    return prepare(case, cfg)
+
+
+def _case_sizes(case) -> list:
+    return [tuple(int(v) for v in s) for s in case.data["sizes"]]
+
+
+def _tflops(flops: Optional[int], ms: float) -> Optional[float]:
+    if flops is None:
+        return None
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
+
+
+def _side(times: list, images: int, flops: int, detail: dict) -> SideTiming:
+    median = statistics.median(times)
+    return SideTiming(median_ms=median, times_ms=[round(t, 4) for t in times],
+                      images_per_s=images / (median * 1e-3) if median > 0 else float("nan"),
+                      tflops=_tflops(flops, median), detail=detail)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _build_pair(family: str, cfg, dtype: torch.dtype, device: torch.device, seed: int):
+    """(HF model, native model) on ``device`` in ``dtype``, sharing seeded random weights."""
+    from mmparity import converters
+    from mmparity.native import runtime
+
+    from mmparity.parity.harness import load_reference_weights
+
+    fam = families.get(family)
+    torch.manual_seed(seed)
+    ref = fam.build_reference(cfg)
+    # The harness's seeded weights: never zeros (METHOD: zeros can time faster than real data).
+    shards = converters.hf_to_mcore(family, load_reference_weights(ref, None, seed), cfg, tp_size=1)
+    runtime.init_parallel(1, 1, device=device, seed=seed)
+    native = fam.build_native(cfg, params_dtype=dtype)
+    native.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                            for k, v in shards[0].items()}, strict=True)
+    del shards
+    return ref.to(device=device, dtype=dtype).eval(), native.to(device=device, dtype=dtype).eval()
+
+
+@dataclass
+class Prepared:
+    """Everything about one family's measurement that can be decided (and refused) before timing."""
+
+    family: str
+    cfg: object
+    case: object
+    result: BenchResult
+
+
+def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = None,
+                   image_sizes: Optional[Sequence[tuple[int, int]]] = None, seed: int = 0,
+                   case_name: str = "auto") -> Prepared:
+    """Config, inputs and FLOP count of one family; ``BenchError`` for a request it cannot take."""
+    from mmparity.parity.harness import InputError, validate_image_sizes
+
+    cfg, source = bench_config(family, size)
+    default_n, default_size = default_batch(family, size, cfg)
+    n = images or default_n
+    pattern = [tuple(s) for s in (image_sizes or [default_size])]
+    sizes = [pattern[i % len(pattern)] for i in range(n)]
+    try:
+        validate_image_sizes(family, cfg, list(dict.fromkeys(sizes)))
+    except InputError as exc:
+        raise BenchError(str(exc)) from None
+    case = bench_case(family, cfg, sizes, seed, case_name)
+    used = _case_sizes(case)
+    shape = tower_shape(family, cfg)
+    if shape is None:
+        flops = {"total": None, "parts": {},
+                 "note": f"not counted: no FLOP formula for family {family!r} in mmparity.bench.FAMILY_SHAPES"}
+        try:
+            patch, extra = _base_shape(cfg).patch, 0
+        except AttributeError:
+            patch = extra = None
+    else:
+        flops = count_flops(shape, used)
+        patch, extra = shape.patch, shape.class_tokens
+    tokens = None if patch is None else sum((h // patch) * (w // patch) + extra for h, w in used)
+    result = BenchResult(family=family, size=size, config=source, case=case.name, images=len(used),
+                         image_sizes=[list(s) for s in used], tokens=tokens, flops=flops)
+    return Prepared(family, cfg, case, result)
+
+
+def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cpu", warmup: int = 1,
+                repeats: int = 3, seed: int = 0) -> BenchResult:
+    """Build both sides, check they agree (``rel_l2``, informative) and time them. Errors while
+    building or running are recorded in the result, not raised: one family's failure must not
+    hide the others' numbers."""
+    from mmparity.native import attention
+    from mmparity.parity import metrics
+
+    result, case, family = prepared.result, prepared.case, prepared.family
+    dev = torch.device(device)
+    fam = families.get(family)
+    ref = native = None
+    try:
+        ref, native = _build_pair(family, prepared.cfg, DTYPES[dtype], dev, seed)
+        case = replace(case, data=_to_device(case.data, dev))
+        ref_run, nat_run = fam.reference().run, fam.native().run
+        with torch.no_grad():
+            with attention.record_kernels() as kernels_used:
+                nat_out = nat_run(native, case)
+            ref_out = ref_run(ref, case)
+            name = next((o for o in case.outputs if o in nat_out and o in ref_out), None)
+            if name is not None:
+                result.rel_l2 = metrics.compare(nat_out[name].float().cpu(), ref_out[name].float().cpu()).rel_l2
+            del nat_out, ref_out
+            nat_times = time_call(lambda: nat_run(native, case), dev, warmup, repeats)
+            ref_times = time_call(lambda: ref_run(ref, case), dev, warmup, repeats)
+        total = result.flops["total"]
+        result.native = _side(nat_times, result.images, total, {"attention_kernels": dict(kernels_used)})
+        hf_attn = getattr(getattr(ref, "config", None), "_attn_implementation", None)
+        result.hf = _side(ref_times, result.images, total, {"attn_implementation": hf_attn})
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        del ref, native
+        _release(dev)
+    return result
+
+
+def bench_family(family: str, *, size: str = "tiny", images: Optional[int] = None,
+                 image_sizes: Optional[Sequence[tuple[int, int]]] = None, dtype: str = "float32",
+                 device: str = "cpu", warmup: int = 1, repeats: int = 3, seed: int = 0,
+                 case_name: str = "auto") -> BenchResult:
+    """:func:`prepare_family` then :func:`time_family`."""
+    prepared = prepare_family(family, size=size, images=images, image_sizes=image_sizes, seed=seed,
+                              case_name=case_name)
+    return time_family(prepared, dtype=dtype, device=device, warmup=warmup, repeats=repeats, seed=seed)
+
+
+def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
+          images: Optional[int] = None, image_sizes=None, dtype: str = "float32",
+          device: str = "cpu", warmup: Optional[int] = None, repeats: Optional[int] = None,
+          seed: int = 0, case_name: str = "auto",
+          progress: Optional[Callable[[str], None]] = None) -> BenchReport:
+    """Benchmark ``family_names`` (default: every registered family that has a config at ``size``)."""
+    from mmparity.native import attention
+    from mmparity.parity.report import versions
+
+    if dtype not in DTYPES:
+        raise BenchError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if size not in SIZES:
+        raise BenchError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: CUDA is not available on this machine")
+    warmup = warmup if warmup is not None else (3 if dev.type == "cuda" else 1)
+    repeats = repeats if repeats is not None else (10 if dev.type == "cuda" else 3)
+    registered = families.names()
+    requested = list(family_names or [])
+    unknown = [n for n in requested if n not in registered]
+    if unknown:
+        raise BenchError(f"unknown family {', '.join(map(repr, unknown))}; valid families: "
+                         f"{', '.join(registered)}")
+    skipped = []
+    if size == "published":
+        missing = [n for n in requested if n not in PUBLISHED]
+        if missing:
+            raise BenchError(f"no published config for {', '.join(map(repr, missing))}; "
+                             f"published: {', '.join(PUBLISHED)}")
+        names = requested or [n for n in registered if n in PUBLISHED]
+        skipped = [{"family": n, "reason": "no published config in mmparity.bench.PUBLISHED"}
+                   for n in registered if n not in PUBLISHED and not requested]
+    else:
+        names = requested or registered
+    report = BenchReport(
+        device=str(dev), device_name=(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
+        dtype=dtype, size=size, attention_backend=attention.describe_backend(dev, DTYPES[dtype]),
+        timer="cuda-events" if dev.type == "cuda" else "perf_counter", warmup=warmup, repeats=repeats,
+        versions=versions(), settings=_settings(dev), skipped=skipped)
+    # Every request is checked before anything is built or timed: a usage error costs nothing.
+    prepared = [prepare_family(name, size=size, images=images, image_sizes=image_sizes, seed=seed,
+                               case_name=case_name) for name in names]
+    for item in prepared:
+        if progress:
+            progress(item.family)
+        report.results.append(time_family(item, dtype=dtype, device=device, warmup=warmup,
+                                          repeats=repeats, seed=seed))
+    return report
+
+
+def _settings(device: torch.device) -> dict:
+    out = {"torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        out["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+        out["tf32_cudnn"] = torch.backends.cudnn.allow_tf32
+    return out

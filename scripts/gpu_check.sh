@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# One prepared device check for a CUDA machine without network (see docs/gpu.md).
+#
+# Expects: python3 with torch (CUDA) and the wheels of what is missing in ./.whl/ (megatron-core,
+# transformers, ...). Runs, each step time-boxed inside one overall budget:
+#   1. installs .whl/*.whl into /tmp/site (no index, no deps) and puts it and this checkout on PYTHONPATH
+#   2. pytest -m gpu                                  (tests/test_gpu.py and any other gpu-marked test)
+#   3. mmparity check --device cuda, bfloat16 and float32, every registered family
+#   4. mmparity bench --size published --device cuda --dtype bfloat16
+#   5. benchmarks/attention_kernels.py on cuda        (where the auto policy should switch kernels)
+# and writes everything under $OUT (default ./gpu_out): at most 8 files, named in [A-Za-z0-9._-].
+# The last lines printed are a summary. Exit status: 0 when every step ran and passed.
+set -uo pipefail
+
+OUT="${OUT:-./gpu_out}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"   # the whole script, install included; keep under 8 minutes
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
+PY="${PYTHON:-python3}"
+# Dry run of this script's plumbing on a CPU machine (with this machine's own packages):
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_SIZE=tiny GPU_CHECK_NO_WHEELS=1
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+BENCH_SIZE="${GPU_CHECK_BENCH_SIZE:-published}"
+declare -a STATUS=()
+
+log() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+
+# step NAME CAP_S CMD...: run CMD with the smaller of CAP_S and what is left of the budget.
+step() {
+    local name="$1" cap="$2"; shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) - 10 ))
+    local limit=$(( cap < left ? cap : left ))
+    if (( limit < 20 )); then
+        log "SKIP $name: only ${left}s of the ${BUDGET_S}s budget left"
+        STATUS+=("$name=skipped")
+        return 0
+    fi
+    log "RUN  $name (limit ${limit}s): $*"
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    case $rc in
+        0) STATUS+=("$name=ok") ;;
+        124|137) STATUS+=("$name=timeout") ;;
+        *) STATUS+=("$name=rc$rc") ;;
+    esac
+    log "DONE $name: rc=$rc"
+}
+
+# 1. dependencies ---------------------------------------------------------------------------------
+if [[ -z "${GPU_CHECK_NO_WHEELS:-}" ]] && compgen -G ".whl/*.whl" >/dev/null; then
+    log "installing $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG"; then
+        log "wheel install failed"; exit 3
+    fi
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    log "no .whl/ folder: using the machine's packages as they are"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi -L 2>&1 | tee -a "$LOG"
+if ! "$PY" - "$DEVICE" <<'EOF' 2>&1 | tee -a "$LOG"; then
+import sys, torch, transformers, megatron.core, mmparity
+from importlib import metadata
+print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
+      "| transformers", transformers.__version__, "| megatron-core", metadata.version("megatron-core"),
+      "| mmparity", mmparity.__version__)
+print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
+sys.exit(0 if torch.cuda.is_available() or sys.argv[1] == "cpu" else 1)
+EOF
+    log "imports or CUDA failed: see above"; exit 3
+fi
+
+# 2-5. the checks -----------------------------------------------------------------------------------
+step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" --continue-on-collection-errors \
+    --junitxml="$OUT/pytest_gpu.xml" tests
+check_dtype() {  # the full check; if it crashed (no report written), again without components
+    local dtype="$1" json="$OUT/check_cuda_$1.json"
+    rm -f "$json"
+    step "check_$dtype" 75 "$PY" -m mmparity check --device "$DEVICE" --dtype "$dtype" --quiet \
+        --json "$json"
+    if [[ ! -s "$json" ]]; then
+        log "check $dtype wrote no report (it crashed, see above): again with --no-components"
+        step "check_${dtype}_no_components" 60 "$PY" -m mmparity check --device "$DEVICE" \
+            --dtype "$dtype" --quiet --no-components --json "$json"
+    fi
+}
+check_dtype bfloat16
+check_dtype float32
+step bench_published 200 "$PY" -m mmparity bench --size "$BENCH_SIZE" --device "$DEVICE" --dtype bfloat16 \
+    --json "$OUT/bench_published_bfloat16.json"
+step attention_kernels 45 "$PY" benchmarks/attention_kernels.py --device "$DEVICE" --dtype bfloat16 \
+    --json "$OUT/attention_kernels.json"
+
+# summary ----------------------------------------------------------------------------------------------
+"$PY" - "$OUT" "${STATUS[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, os, sys
+out, statuses = sys.argv[1], sys.argv[2:]
+summary = {"steps": dict(s.split("=", 1) for s in statuses)}
+def rnd(value, digits):
+    return None if value is None else round(value, digits)
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+for dtype in ("bfloat16", "float32"):
+    rep = load(f"check_cuda_{dtype}.json")
+    if rep:
+        fails = [f"{r['family']}:{r['check']}@{(r['first_divergence'] or {}).get('module')}"
+                 for r in rep["results"] if not r["passed"]]
+        summary[f"check_{dtype}"] = {"passed": rep["passed"], "results": len(rep["results"]),
+                                     "failures": fails, "attention_backend": rep["attention_backend"]}
+bench = load("bench_published_bfloat16.json")
+if bench:
+    nat = lambda r, key: (r["native"] or {}).get(key)  # noqa: E731
+    summary["bench"] = {r["family"]: {"native_ms": rnd(nat(r, "median_ms"), 2),
+                                      "hf_ms": rnd((r["hf"] or {}).get("median_ms"), 2),
+                                      "speedup_vs_hf": rnd(r["speedup_vs_hf"], 2),
+                                      "native_tflops": rnd(nat(r, "tflops"), 1),
+                                      "images": r["images"], "image_size": r["image_sizes"][0],
+                                      "kernels": (nat(r, "detail") or {}).get("attention_kernels"),
+                                      "rel_l2": r["rel_l2"], "error": r["error"]}
+                        for r in bench["results"]}
+kern = load("attention_kernels.json")
+if kern:
+    summary["attention_kernels"] = [{"scenario": r["scenario"], "auto": r["auto"], "fastest": r["fastest"],
+                                     "ms": {k: round(v, 3) for k, v in r["ms"].items()}} for r in kern["rows"]]
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
+print("=== gpu_check summary ===")
+print("steps:", " ".join(statuses))
+for dtype in ("bfloat16", "float32"):
+    s = summary.get(f"check_{dtype}")
+    if s:
+        print(f"check {dtype}: {'PASS' if s['passed'] else 'FAIL'} ({s['results']} results) {s['failures'][:6]}")
+for fam, b in (summary.get("bench") or {}).items():
+    if b["error"]:
+        print(f"bench {fam}: ERROR {b['error']}")
+    else:
+        print(f"bench {fam}: {b['images']}x{b['image_size'][0]}x{b['image_size'][1]} native {b['native_ms']} ms "
+              f"HF {b['hf_ms']} ms speedup {b['speedup_vs_hf']}x native {b['native_tflops']} TFLOP/s "
+              f"rel_l2 {b['rel_l2'] if b['rel_l2'] is None else format(b['rel_l2'], '.2g')} {b['kernels']}")
+for r in summary.get("attention_kernels") or []:
+    print(f"attn {r['scenario']}: auto={r['auto']} fastest={r['fastest']} {r['ms']}")
+EOF
+(( PIPESTATUS[0] == 0 )) || STATUS+=("summary=failed")
+log "finished in $(( $(date +%s) - START ))s"
+for s in "${STATUS[@]}"; do [[ "$s" == *=ok ]] || exit 1; done
+exit 0

@@ -1,0 +1,165 @@
+"""``mmparity bench``: the FLOP counter against torch's own counter, published configs, timing, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mmparity import bench, families
+from mmparity.native import attention
+from mmparity.parity.harness import size_multiple
+
+
+def test_flop_formula_by_hand():
+    shape = bench.TowerShape(hidden=4, layers=2, heads=2, groups=1, head_dim=3, ffn=5, gated=True,
+                             patch=2, channels=3, merge=2, merger=((16, 7),))
+    flops = bench.count_flops(shape, [(4, 8), (2, 2)])  # 2x4 = 8 and 1x1 = 1 patches
+    p = flops["parts"]
+    assert p["patch_embed"] == 2 * 9 * 3 * 4 * 4
+    assert p["qkv"] == 2 * 2 * 9 * 4 * (2 + 2) * 3
+    assert p["attention"] == 2 * 4 * (8 * 8 + 1 * 1) * 6  # per image, never across images
+    assert p["proj"] == 2 * 2 * 9 * 6 * 4
+    assert p["mlp"] == 2 * 3 * 2 * 9 * 4 * 5
+    assert p["merger"] == 2 * (1 * 2 + 0) * 16 * 7  # 1x2 merged tokens, then 0 (1x1 grid)
+    assert flops["total"] == sum(p.values())
+    plain = bench.count_flops(bench.TowerShape(4, 1, 2, 2, 2, 5, False, 2, 3, class_tokens=1), [(2, 2)])
+    assert plain["parts"]["mlp"] == 2 * 2 * 2 * 4 * 5 and plain["parts"]["attention"] == 4 * 4 * 4
+
+
+def _counted_native_flops(family: str, case_name: str, sizes):
+    fam = families.get(family)
+    cfg = fam.tiny_config()
+    case = bench.bench_case(family, cfg, sizes, seed=0, case_name=case_name)
+    native = fam.build_native(cfg).requires_grad_(False)
+    # The math backend computes attention as two matmuls, which torch's counter sees.
+    with attention.use_backend("math"), torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fam.native().run(native, case)
+    return counter.get_total_flops(), bench.count_flops(bench.tower_shape(family, cfg),
+                                                        bench._case_sizes(case))
+
+
+@pytest.mark.parametrize("family", families.names())
+def test_flop_count_equals_torch_counter_on_the_native_model(family):
+    """Exact for every family, up to two documented native economies: a still image's Conv3d folded
+    over identical frames (Qwen), and a packed pooling head that runs on padded segments."""
+    cfg = families.get(family).tiny_config()
+    if family not in bench.FAMILY_SHAPES:
+        pytest.skip(f"no FLOP formula for {family!r}: the bench reports its FLOPs as not counted")
+    m = size_multiple(family, cfg)
+    shape = bench.tower_shape(family, cfg)
+    fold = shape.temporal > 1
+    checks = [("static", [(2 * m, 3 * m)] * 3)]
+    if shape.head is None:
+        checks.append(("packed", [(2 * m, 3 * m), (4 * m, 2 * m), (2 * m, 3 * m)]))
+    for case_name, sizes in checks:
+        counted, analytic = _counted_native_flops(family, case_name, sizes)
+        expected = analytic["total"]
+        if fold:
+            expected -= analytic["parts"]["patch_embed"] * (shape.temporal - 1) // shape.temporal
+        assert counted == expected, (case_name, counted, analytic)
+
+
+@pytest.mark.parametrize("family", sorted(bench.PUBLISHED))
+def test_published_configs_build(family):
+    if family not in families.names():
+        pytest.skip(f"family {family!r} is not registered")
+    cfg = bench.published_config(family)
+    shape = bench.tower_shape(family, cfg)
+    expected = {"qwen3_5": (27, 1152), "kimi_k25": (27, 1152), "pixtral": (24, 1024),
+                "siglip": (27, 1152), "clip": (24, 1024)}[family]
+    assert (shape.layers, shape.hidden) == expected
+    assert type(bench._vision(cfg)) is type(bench._vision(families.get(family).tiny_config()))
+    images, size = bench.default_batch(family, "published", cfg)
+    m = size_multiple(family, cfg)
+    assert size[0] % m == 0 and size[1] % m == 0 and images >= 8
+    assert bench.count_flops(shape, [size] * images)["total"] > 1e12
+
+
+def test_published_config_refuses_unknown_families():
+    with pytest.raises(bench.BenchError, match="no published config"):
+        bench.published_config("pixtral_large")
+
+
+def test_time_call_warms_up_and_repeats():
+    calls = []
+    times = bench.time_call(lambda: calls.append(1), "cpu", warmup=2, repeats=3)
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
+    with pytest.raises(bench.BenchError):
+        bench.time_call(lambda: None, "cpu", warmup=0, repeats=0)
+
+
+def test_static_case_grows_to_the_requested_batch():
+    cfg = families.get("pixtral").tiny_config()
+    case = bench.bench_case("pixtral", cfg, [(16, 24)] * 5, seed=0)
+    assert case.name == "static" and len(case.data["images"]) == 5
+    assert bench._case_sizes(case) == [(16, 24)] * 5
+    assert not torch.equal(case.data["images"][0], case.data["images"][1])
+    mixed = bench.bench_case("pixtral", cfg, [(16, 24), (8, 8)], seed=0)
+    assert mixed.name == "packed"
+    with pytest.raises(bench.BenchError, match="no case 'video'"):
+        bench.bench_case("pixtral", cfg, [(16, 24)], seed=0, case_name="video")
+
+
+def test_bench_cli_every_family_tiny(tmp_path, capsys):
+    from mmparity.cli.main import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--size", "tiny", "--repeats", "1", "--warmup", "0", "--quiet",
+               "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, [r["error"] for r in report["results"]]
+    assert [r["family"] for r in report["results"]] == families.names()
+    assert report["attention_backend"].startswith("auto:") and report["timer"] == "perf_counter"
+    for r in report["results"]:
+        assert r["error"] is None and r["native"]["median_ms"] > 0 and r["hf"]["median_ms"] > 0
+        assert r["speedup_vs_hf"] == pytest.approx(r["hf"]["median_ms"] / r["native"]["median_ms"])
+        if r["family"] in bench.FAMILY_SHAPES:
+            assert r["flops"]["total"] > 0 and r["native"]["tflops"] > 0
+        else:
+            assert r["flops"]["total"] is None and r["native"]["tflops"] is None
+            assert "not counted" in r["flops"]["note"]
+        assert r["native"]["detail"]["attention_kernels"], r["family"]
+        assert r["rel_l2"] is not None and r["rel_l2"] < 1e-4  # same weights, fp32
+    assert "timed, 0 failed" in capsys.readouterr().out
+
+
+def test_bench_mixed_sizes_use_the_packed_path(tmp_path):
+    from mmparity.cli.main import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "pixtral", "--images", "3", "--image-size", "16x24", "--image-size", "40x8",
+                 "--repeats", "1", "--warmup", "0", "--quiet", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["case"] == "packed" and r["image_sizes"] == [[16, 24], [40, 8], [16, 24]]
+    assert r["native"]["detail"]["attention_kernels"] == {"grouped": 2}  # one per layer
+    assert r["tokens"] == 6 + 5 + 6
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "nosuch"], "unknown family 'nosuch'"),
+    (["bench", "pixtral_large", "--size", "published"], "no published config for 'pixtral_large'"),
+    (["bench", "pixtral", "--image-size", "13x13"], "not a positive multiple of 8"),
+    (["bench", "pixtral", "--images", "0"], "--images must be >= 1"),
+    (["bench", "pixtral", "--attention-backend", "varlen"], "'varlen' cannot run"),
+])
+def test_bench_cli_usage_errors(argv, message, capsys):
+    from mmparity.cli.main import main
+
+    if "pixtral_large" in argv and "pixtral_large" not in families.names():
+        pytest.skip("pixtral_large is not registered")
+    if "varlen" in argv and torch.cuda.is_available():
+        pytest.skip("varlen can run on this machine")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_cli_refuses_cuda_without_cuda(capsys):
+    from mmparity.cli.main import main
+
+    assert main(["bench", "pixtral", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
