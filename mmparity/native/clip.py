@@ -127,7 +127,7 @@ def component(name: str, model: ViTModel, cfg, seed: int) -> torch.Tensor:
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], model.patch_conv.in_channels,
                             seed)[0]
-        tokens, _, _ = model.patch_conv(img.unsqueeze(0).to(next(model.parameters()).dtype))
+        tokens, _, _ = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
         return tokens[0]
     if name == "pos_embed":
         return model.position_embeddings(*inputs.COMPONENT_GRID)

@@ -500,7 +500,7 @@ def component(name: str, model: KimiViTModel, cfg, seed: int) -> torch.Tensor:
     param = next(model.parameters())
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], 3, seed)[0]
-        tokens, _, _ = model.patch_embed(img.unsqueeze(0).to(param.dtype))
+        tokens, _, _ = model.patch_embed(img.unsqueeze(0).to(param.device, param.dtype))
         return tokens[0]
     if name == "pos_embed":
         grids, frames = _split_thw(inputs.component_grids_thw((vc.pos_emb_height, vc.pos_emb_width),

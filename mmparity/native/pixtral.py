@@ -92,7 +92,7 @@ def component(name: str, model: ViTModel, cfg, seed: int) -> torch.Tensor:
         heads = cfg.num_attention_heads
         hd = cfg.hidden_size // heads
         q = inputs.rope_probe(heads, hd, inputs.COMPONENT_GRID, seed)
-        q = q.to(next(model.parameters()).dtype)
+        q = inputs.like_model(q, model)
         n = q.shape[0]
         # Same per-head row permutation the converter applies to q/k weights, here on activations.
         op = RopeInterleave(heads, hd)
@@ -102,6 +102,6 @@ def component(name: str, model: ViTModel, cfg, seed: int) -> torch.Tensor:
         return op.invert([rotated.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], cfg.num_channels, seed)[0]
-        tokens, _, _ = model.patch_conv(img.unsqueeze(0).to(next(model.parameters()).dtype))
+        tokens, _, _ = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
         return tokens[0]
     raise KeyError(name)

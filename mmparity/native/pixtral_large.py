@@ -147,7 +147,9 @@ def merger_probe(hidden: int, seed: int) -> torch.Tensor:
 def component(name: str, model: PixtralLargeVisionModel, cfg, seed: int) -> torch.Tensor:
     """The merger alone, without its norm: exactly what HF ``Mistral3PatchMerger`` computes."""
     if name == "merger":
+        from mmparity.parity import inputs
+
         merger = model.vision_model.merger
         tokens = merger_probe(merger.hidden_size, seed)
-        return merger.merge(tokens.to(next(model.parameters()).dtype), merger_grids())
+        return merger.merge(inputs.like_model(tokens, model), merger_grids())
     raise KeyError(name)

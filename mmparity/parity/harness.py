@@ -23,6 +23,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @contextmanager
+def exact_float32(device, dtype: torch.dtype):
+    """Disable TF32 for float32 checks on CUDA: cuDNN convolutions and matmuls otherwise round to
+    10-bit mantissas (~1e-3), which would fail the 1e-5 policy for reasons unrelated to parity."""
+    if dtype != torch.float32 or torch.device(device).type != "cuda":
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@contextmanager
 def capture(pairs) -> Iterable[dict]:
     """Record each paired module's (last) output during the block, keyed by pair name."""
     seen: dict = {}
@@ -77,6 +92,15 @@ def load_reference_weights(ref, hf_state: Optional[dict], seed: int) -> dict:
 
 
 def check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
+          device: str = "cpu", **kwargs) -> Report:
+    """Parity of one family; see :func:`_check` for the arguments. Never prints."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    with exact_float32(device, DTYPES[dtype]):
+        return _check(family, cfg, hf_state, dtype=dtype, device=device, **kwargs)
+
+
+def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
           device: str = "cpu", seed: int = 0, image_sizes=None, components: bool = True,
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
           native_shards: Optional[list] = None, tp: int = 1) -> Report:
@@ -123,7 +147,7 @@ def check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str 
 
     ref32 = _move(ref, device, torch.float32)
     report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp,
-                    attention_backend=attention.describe_backend(device))
+                    attention_backend=attention.describe_backend(device, torch_dtype))
     ref32_side = Side(ref32, ref_mod.run, ref_mod.pairs(ref32, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
@@ -154,6 +178,12 @@ class NativeJob:
 
     @torch.no_grad()
     def run(self, shards: list, layout=None):
+        from mmparity.native import runtime
+
+        with exact_float32(self.device, DTYPES[self.dtype]):
+            return self._run(shards, layout)
+
+    def _run(self, shards: list, layout=None):
         from mmparity.native import runtime
 
         if layout is not None:

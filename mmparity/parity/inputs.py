@@ -29,7 +29,7 @@ def pad_batch(imgs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[ImageSiz
     channels = imgs[0].shape[0]
     h_max = max(i.shape[1] for i in imgs)
     w_max = max(i.shape[2] for i in imgs)
-    batch = torch.zeros(len(imgs), channels, h_max, w_max, dtype=imgs[0].dtype)
+    batch = torch.zeros(len(imgs), channels, h_max, w_max, dtype=imgs[0].dtype, device=imgs[0].device)
     for b, img in enumerate(imgs):
         batch[b, :, : img.shape[1], : img.shape[2]] = img
     return batch, [(i.shape[1], i.shape[2]) for i in imgs]
@@ -126,3 +126,9 @@ def component_grids_thw(table_hw: tuple[int, int], max_frames: int) -> list[tupl
 
 # (frames, h, w) grids that a 2x2 merger tiles, clips included, for merger-only checks.
 MERGER_GRIDS_THW = ((1, 4, 6), (3, 2, 4), (2, 6, 2))
+
+
+def like_model(t: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """Move a CPU-generated probe to the device and dtype of ``model``'s parameters."""
+    param = next(model.parameters())
+    return t.to(device=param.device, dtype=param.dtype)

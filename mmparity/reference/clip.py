@@ -123,7 +123,7 @@ def component(name: str, model, cfg, seed: int) -> torch.Tensor:
     p = patch_size(cfg)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(p)], cfg.num_channels, seed)[0]
-        conv = model.embeddings.patch_embedding(img.unsqueeze(0).to(dtype))
+        conv = model.embeddings.patch_embedding(inputs.like_model(img.unsqueeze(0), model))
         return conv.flatten(2).transpose(1, 2)[0]
     if name == "pos_embed":
         return interpolated_positions(model.embeddings, cfg, inputs.COMPONENT_GRID,

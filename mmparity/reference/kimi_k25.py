@@ -187,9 +187,11 @@ def rope_reference(model, cfg, seed: int, grid: tuple[int, int]) -> torch.Tensor
     """HF's rotary embedding on seeded q in the model's dtype: (N, heads, hd), rotate-half layout."""
     vc = vision_cfg(cfg)
     heads = vc.num_attention_heads
-    q = inputs.rope_probe(heads, vc.hidden_size // heads, grid, seed).to(next(model.parameters()).dtype)
+    q = inputs.rope_probe(heads, vc.hidden_size // heads, grid, seed)
+    q = inputs.like_model(q, model)
     h, w = grid
-    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    rows, cols = torch.meshgrid(torch.arange(h, device=q.device), torch.arange(w, device=q.device),
+                                indexing="ij")
     position_ids = torch.stack([rows.flatten(), cols.flatten()], dim=-1)
     cos, sin = _tower(model).rotary_emb(q, position_ids)
     rotated, _ = apply_rotary_pos_emb_vision(q.unsqueeze(0), q.unsqueeze(0), cos, sin)

@@ -109,6 +109,6 @@ def component(name: str, model, cfg, seed: int) -> torch.Tensor:
         return rope_reference(cfg, seed, inputs.COMPONENT_GRID, next(model.parameters()).dtype)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(patch_size(cfg))], cfg.num_channels, seed)[0]
-        conv = model.patch_conv(img.unsqueeze(0).to(next(model.parameters()).dtype))
+        conv = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
         return conv.flatten(2).transpose(1, 2)[0]
     raise KeyError(name)

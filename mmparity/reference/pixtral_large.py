@@ -149,5 +149,5 @@ def component(name: str, model: Mistral3VisionReference, cfg, seed: int) -> torc
         p = patch_size(cfg)
         tokens = merger_probe(cfg.vision_config.hidden_size, seed)
         sizes = torch.tensor([(h * p, w * p) for h, w in MERGER_GRIDS])
-        return merger(tokens.to(next(model.parameters()).dtype), sizes)
+        return merger(inputs.like_model(tokens, model), sizes)
     raise KeyError(name)
