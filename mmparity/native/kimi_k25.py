@@ -42,7 +42,7 @@ from mmparity.converters.kimi_k25 import has_projector, vision_cfg
 from mmparity.native.attention import make_packed_seq_params
 from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
                                     vision_layer_spec, vision_transformer_config)
-from mmparity.native.vit import (ImageSizes, PatchEmbedding, VisionNorm, _cat_rope,
+from mmparity.native.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
                                  _dynamic_patch_grid_lists)
 
 # HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
@@ -209,7 +209,7 @@ class KimiVisionOutput(NamedTuple):
     frames: List[int]
 
 
-class KimiViTModel(MegatronModule):
+class KimiViTModel(VisionTower):
     """Native mcore MoonViT (Kimi-K2.5 vision tower).
 
     Inputs:
@@ -249,15 +249,6 @@ class KimiViTModel(MegatronModule):
                                         post_process=self.post_process)
         self.merger = KimiPatchMerger(merge_size)
         tolerate_missing_extra_state(self)
-
-    @property
-    def num_patches_per_image(self) -> int:
-        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
 
     def _patch_tokens(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes],
                       num_frames: Optional[Sequence[int]]):

@@ -35,14 +35,13 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.native.attention import make_packed_seq_params
 from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
                                     vision_layer_spec, vision_transformer_config)
-from mmparity.native.vit import ImageSizes, _dynamic_patch_grid_lists, check_image_size
+from mmparity.native.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
 
 # HF builds every LayerNorm of this tower with a literal eps, not a config field.
 QWEN_NORM_EPS = 1e-6
@@ -261,7 +260,7 @@ class QwenPatchMerger(torch.nn.Module):
         return self.project(self.encoder_tokens(x, h_patches, w_patches))
 
 
-class QwenVLViTModel(MegatronModule):
+class QwenVLViTModel(VisionTower):
     """Native Qwen3.5-MoE VL vision encoder.
 
     Static input: pixels ``(B, C, H, W)`` (one size per batch). Dynamic input: pre-patchified rows
@@ -302,16 +301,6 @@ class QwenVLViTModel(MegatronModule):
         self.merger = QwenPatchMerger(cfg, cfg.hidden_size, spatial_merge_size, out_hidden_size,
                                       tp_group=tp_group)
         tolerate_missing_extra_state(self)
-
-    @property
-    def num_patches_per_image(self) -> int:
-        """Patches of an image at the nominal size; not a limit."""
-        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
 
     def embed(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):
         """-> (tokens (B, N, H) block-first with position embedding, rotary (N, 1, 1, d), grids,

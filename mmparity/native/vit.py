@@ -249,7 +249,25 @@ LN_POST_SCOPES = ("tokens", "pooled")
 POOLINGS = ("class_token", "attention")
 
 
-class ViTModel(MegatronModule):
+class VisionTower(MegatronModule):
+    """What every native tower shares: the nominal patch count and the pipeline entry point.
+
+    Subclasses set ``img_h``, ``img_w``, ``patch_dim`` and ``decoder`` (an mcore TransformerBlock).
+    """
+
+    @property
+    def num_patches_per_image(self) -> int:
+        """Patches of one image at the nominal ``img_h`` x ``img_w``."""
+        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline-parallel entry point: the previous stage's output replaces the embeddings."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+
+class ViTModel(VisionTower):
     """Generic vision transformer on an mcore TransformerBlock: Pixtral, Pixtral-Large, CLIP, SigLIP.
 
     Static input ``(B, C, H, W)`` -> ``(B, N, hidden)``. Dynamic input: pre-patchified
@@ -342,15 +360,6 @@ class ViTModel(MegatronModule):
         self.merger = (PixtralLargePatchMerger(cfg, spatial_merge_size, merger_norm_eps)
                        if use_merger else None)
         tolerate_missing_extra_state(self)
-
-    @property
-    def num_patches_per_image(self) -> int:
-        return (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
 
     def _position(self, tokens: torch.Tensor, h_patches: int, w_patches: int) -> torch.Tensor:
         """(B, h·w, H) patch tokens -> (B, class_token_len + h·w, H) with class tokens and positions."""
