@@ -72,6 +72,14 @@ def test_mixed_sizes_run_grouped_on_cpu():
     assert chosen.kernel == "grouped" and "per length" in chosen.reason
 
 
+def test_auto_takes_varlen_for_many_segments_of_few_lengths():
+    # Measured crossover: 64 images of 2 sizes ran faster as one varlen launch, 8 of 8 sizes did not.
+    two_sizes = [64, 128] * (attention.VARLEN_MIN_SEGMENTS // 2)
+    assert attention.plan(two_sizes, "cuda", torch.bfloat16, 72, available={"varlen"}).kernel == "varlen"
+    eight = [64 * (i + 1) for i in range(8)]
+    assert attention.plan(eight, "cuda", torch.bfloat16, 72, available={"varlen"}).kernel == "grouped"
+
+
 def test_auto_takes_varlen_only_for_many_lengths_where_it_can_run():
     many = list(range(1, attention.VARLEN_MIN_LENGTHS + 1))
     fewer = many[:-1]

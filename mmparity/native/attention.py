@@ -50,10 +50,13 @@ from mmparity.native import attention_backends as kernels
 BACKENDS = ("auto", "sdpa", "math", "varlen", "flash", "te")
 # Backends that name exactly one optional kernel.
 _SINGLE_KERNEL = {"varlen": "varlen", "flash": "flash", "te": "te"}
-# From this many distinct segment lengths on, auto prefers one varlen launch to one SDPA call per
-# length. At 8 distinct lengths the per-length loop still won on the H200 (1.08 vs 1.41 ms); the
-# crossover is not measured yet (benchmarks/attention_kernels.py measures it).
+# Mixed lengths: auto prefers one varlen launch to one SDPA call per length from this many distinct
+# lengths, or from this many segments, on. Measured on the H200 (torch 2.11, bf16, 16 heads x 72,
+# benchmarks/attention_kernels.py, 2026-11-29): 8 images of 8 sizes: grouped 0.84 ms, varlen 1.09;
+# 64 images of 2 sizes: grouped 0.49, varlen 0.41; of 4 sizes 0.75 vs 0.59; of 16 sizes 1.51 vs
+# 0.74 — the per-length gathers, not the number of lengths, dominate once there are many images.
 VARLEN_MIN_LENGTHS = 16
+VARLEN_MIN_SEGMENTS = 16
 # set_backend also writes this, so that spawned tensor-parallel ranks inherit the choice.
 ENV_VAR = "MMPARITY_ATTENTION_BACKEND"
 
@@ -164,13 +167,16 @@ def plan(seqlens: Sequence[int], device: torch.device | str = "cpu", dtype=None,
     distinct = len(set(seqlens))
     if distinct == 1:
         return Plan(backend, "dense", f"{len(seqlens)} segment(s) of one length: one batched SDPA call")
-    if backend == "auto" and distinct >= VARLEN_MIN_LENGTHS and unavailable("varlen") is None:
+    many = distinct >= VARLEN_MIN_LENGTHS or len(seqlens) >= VARLEN_MIN_SEGMENTS
+    if backend == "auto" and many and unavailable("varlen") is None:
         return Plan(backend, "varlen",
-                    f"{distinct} distinct lengths >= {VARLEN_MIN_LENGTHS}: one varlen launch")
+                    f"{len(seqlens)} segments of {distinct} distinct lengths (>= {VARLEN_MIN_SEGMENTS} "
+                    f"segments or >= {VARLEN_MIN_LENGTHS} lengths): one varlen launch")
     if backend == "sdpa":
         why = "sdpa never uses varlen"
-    elif distinct < VARLEN_MIN_LENGTHS:
-        why = f"{distinct} distinct lengths < {VARLEN_MIN_LENGTHS}"
+    elif not many:
+        why = (f"{len(seqlens)} segments < {VARLEN_MIN_SEGMENTS} and {distinct} distinct lengths "
+               f"< {VARLEN_MIN_LENGTHS}")
     else:
         why = f"varlen not available: {unavailable('varlen')}"
     return Plan(backend, "grouped", f"{why}: one SDPA call per length")
@@ -200,7 +206,8 @@ def describe_backend(device: torch.device | str, dtype=None) -> str:
         return "math: float32 matmul+softmax per size group"
     rules = ["equal sizes->sdpa dense", "mixed->sdpa per size"]
     if backend == "auto" and kernels.unavailable_reason("varlen", device, dtype) is None:
-        rules[1] = f"mixed->sdpa per size (<{VARLEN_MIN_LENGTHS} sizes) or varlen"
+        rules[1] = (f"mixed->sdpa per size (<{VARLEN_MIN_SEGMENTS} images and <{VARLEN_MIN_LENGTHS} "
+                    f"sizes) or varlen")
         rules[1] += " (bf16/fp16, head dim multiple of 8)" if dtype is None else " (head dim multiple of 8)"
     return f"{backend}: " + ", ".join(rules)
 
