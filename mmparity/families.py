@@ -115,6 +115,17 @@ _REGISTRY: dict[str, Family] = {
                         "release layout (encoder.blocks.N.wqkv …, mm_projector.proj.* or Kimi-VL's "
                         "multi_modal_projector.*)",
     ),
+    "llava": Family(
+        name="llava",
+        summary="LLaVA: a registered vision tower (Pixtral, CLIP, SigLIP; vision_feature_layer, "
+                "select strategy), MLP projector, Llama-style GPT decoder; logits and per-token loss",
+        reference_classes=("LlavaForConditionalGeneration",),
+        components=("pixel_shuffle", "loss_weights", "expansion", "vision layers", "projector",
+                    "layers", "final_norm"),
+        checkpoint_note="whole LlavaForConditionalGeneration checkpoint (module names, or files "
+                        "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
+                        "for TP and trimmed on export; tied or untied lm_head",
+    ),
 }
 
 

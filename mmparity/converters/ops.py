@@ -219,3 +219,39 @@ class Concat(Op):
 def fuse_gate_up() -> Concat:
     """HF ``gate_proj``/``up_proj`` -> mcore ``linear_fc1`` = [gate; up] (activation on the first half)."""
     return Concat(n_hf=2, dim=0)
+
+
+@dataclass(frozen=True, repr=False)
+class PadRows(Op):
+    """A table of ``rows`` rows (an embedding or output vocabulary) -> ``padded`` rows, zeros appended.
+
+    mcore splits vocabularies evenly across tensor-parallel ranks, so the native table is padded
+    past the HF vocabulary. The inverse trims back to ``rows`` and accepts any padded length, since
+    a checkpoint trained elsewhere may have padded to another multiple; what the trimmed rows held
+    is not part of the HF model.
+    """
+
+    rows: int
+    padded: int
+
+    def __post_init__(self):
+        if self.padded < self.rows:
+            raise ValueError(f"{self!r}: padded size is smaller than the table")
+
+    def apply(self, hf):
+        t = hf[0]
+        if t.shape[0] != self.rows:
+            raise LayoutError(f"{self!r}: expected {self.rows} rows, got {tuple(t.shape)}")
+        out = t.new_zeros((self.padded, *t.shape[1:]))
+        out[: self.rows] = t
+        return [out]
+
+    def invert(self, mcore):
+        t = mcore[0]
+        if t.shape[0] < self.rows:
+            raise LayoutError(f"{self!r}: a padded table needs at least {self.rows} rows, "
+                              f"got {tuple(t.shape)}")
+        return [_own(t[: self.rows])]
+
+    def __repr__(self):
+        return f"PadRows(rows={self.rows}, padded={self.padded})"

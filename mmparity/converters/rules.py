@@ -247,3 +247,25 @@ def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.T
     if problems:
         raise ConversionError("mcore -> HF conversion is not total", problems)
     return out
+
+
+# --- composing families -----------------------------------------------------------------------
+
+def nested_rules(inner: RuleSet, mcore_prefix: str, hf_prefix: str,
+                 variable_prefix: str) -> tuple[tuple, dict]:
+    """``inner``'s rules moved under other roots, for a sub-model inside a larger checkpoint.
+
+    A VLM reuses its vision family's table instead of restating it: every mcore key gains
+    ``mcore_prefix``, every HF key ``hf_prefix``, and every pattern variable ``{x}`` becomes
+    ``{<variable_prefix>x}`` so that its range (e.g. the vision layer count) cannot collide with
+    the outer table's (the language layer count). Ops and TP kinds are kept as they are. Returns
+    ``(rules, variables)`` to merge into the outer :class:`RuleSet`; ``inner``'s prefixes, drops
+    and TP validation stay with the caller to decide.
+    """
+    def move(pattern: str, prefix: str) -> str:
+        return prefix + _VAR.sub(lambda m: "{" + variable_prefix + m.group(1) + "}", pattern)
+
+    rules = tuple(Rule(tuple(move(k, mcore_prefix) for k in rule.mcore),
+                       tuple(move(k, hf_prefix) for k in rule.hf), rule.op, rule.tp)
+                  for rule in inner.rules)
+    return rules, {variable_prefix + name: n for name, n in inner.variables.items()}

@@ -1,9 +1,10 @@
 """LLaVA input preprocessing, written against Megatron-Core's ``llava_model`` (seed 001).
 
 The functions at the top of this module are pure tensor code: they need neither an initialised
-parallel state nor a model, so parity tests and data tooling can call them directly. Megatron is
-imported lazily, only by :func:`installed_mcore_pixel_shuffle_layout`. The ``LLaVAModel`` class
-(added later, below these functions) wires them to the vision encoder and the language model.
+parallel state nor a model, so parity tests and data tooling can call them directly; they call
+nothing from Megatron (only :func:`installed_mcore_pixel_shuffle_layout` does). The ``LLaVAModel``
+section at the bottom of the module (which imports megatron-core) wires them to the vision
+encoder and the language model; its own deviations are listed on :class:`LLaVAModel`.
 
 Names follow the seed (``megatron.core.models.multimodal.llava_model``); each private name has a
 public alias without the leading underscore.
@@ -707,3 +708,544 @@ def _align_temporal_token_counts_to_placeholders(
 
 group_temporal_token_counts_tensor = _group_temporal_token_counts_tensor
 align_temporal_token_counts_to_placeholders = _align_temporal_token_counts_to_placeholders
+
+
+# ============================================================================================
+# the model: vision tower -> projector -> placeholder expansion -> GPT language model
+# ============================================================================================
+
+import torch.nn.functional as F  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # noqa: E402
+    RotaryEmbedding)
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
+from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_layer import (  # noqa: E402
+    TransformerLayer, TransformerLayerSubmodules)
+
+from mmparity.converters import llava as llava_config  # noqa: E402
+from mmparity.native.attention import make_packed_seq_params  # noqa: E402
+from mmparity.native.layers import (NormedColumnParallelLinear, activation_from_hf,  # noqa: E402
+                                    get_bias_dropout_add, tolerate_missing_extra_state,
+                                    vision_transformer_config)
+
+
+class CausalCoreAttention(torch.nn.Module):
+    """``core_attention`` for the language model's mcore ``SelfAttention``: causal SDPA, CPU or CUDA.
+
+    The ``sbhd`` contract of :class:`mmparity.native.attention.BidirectionalCoreAttention`
+    (``[s, b, heads, dim]`` in, ``[s, b, heads * dim]`` out; fewer key/value heads than query heads
+    for GQA), because mcore's own ``DotProductAttention`` allocates on CUDA. An ``attention_mask``
+    (mcore's boolean, True = masked out) narrows the causal mask further. Packed (THD) sequences
+    and attention biases are refused rather than silently attended across.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **unused):
+        super().__init__()
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise NotImplementedError("CausalCoreAttention does not take an attention_bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            raise NotImplementedError("CausalCoreAttention does not implement packed (THD) sequences")
+        seq, batch, heads, dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if k.shape[1] != heads:
+            # mcore groups query heads by key/value head: query head h reads group h // (heads/groups).
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        else:
+            causal = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            allowed = causal & ~attention_mask.bool()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+
+
+class LanguageRotaryEmbedding(RotaryEmbedding):
+    """mcore's 1D RoPE table, kept on the module's device.
+
+    Upstream moves its frequencies to the current CUDA device on first use, which fails on CPU
+    and ignores ``module.to(device)``; here they are a non-persistent buffer (no state-dict key)
+    that follows the module. The table is the same: angles ``position · θ^(-2k/d)`` in fp32,
+    laid out ``[a ‖ a]`` for rotate-half (``[a0, a0, a1, a1, …]`` when interleaved).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inv_freq = self.inv_freq
+        del self.inv_freq
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        # The angles stay fp32 under a low-precision cast (only the device follows), and the
+        # parent's per-length table cache would hold tensors of the old device or dtype.
+        fp32 = self.inv_freq
+        out = super()._apply(fn, *args, **kwargs)
+        self.inv_freq = fp32.to(self.inv_freq.device)
+        RotaryEmbedding.forward.cache_clear()
+        return out
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, d/2]
+        if self.rotary_interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+
+def language_layer_spec() -> ModuleSpec:
+    """A causal GPT layer in the Transformer Engine key spelling (norms fused into the linears)."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=NormedColumnParallelLinear,
+                    core_attention=CausalCoreAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=NormedColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _text_config_problems(text) -> list[str]:
+    """What of an HF text config the native GPT decoder cannot reproduce exactly."""
+    problems = []
+    if text.model_type not in llava_config.TEXT_MODEL_TYPES:
+        problems.append(f"text model_type {text.model_type!r} (supported: "
+                        f"{', '.join(llava_config.TEXT_MODEL_TYPES)})")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(text, flag, False):
+            problems.append(f"{flag}=True")
+    if getattr(text, "sliding_window", None) is not None:
+        problems.append(f"sliding_window={text.sliding_window} (the decoder is fully causal)")
+    rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        problems.append(f"rope_type {rope_type!r} (only unscaled RoPE)")
+    return problems
+
+
+def rope_theta(text) -> float:
+    params = getattr(text, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(text, "rope_theta", 10000.0)))
+
+
+def language_transformer_config(text, params_dtype: torch.dtype = torch.float32):
+    problems = _text_config_problems(text)
+    if problems:
+        raise ValueError("unsupported LLaVA language model: " + "; ".join(problems))
+    return vision_transformer_config(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
+        kv_channels=llava_config.text_head_dim(text), ffn_hidden_size=text.intermediate_size,
+        normalization="RMSNorm", norm_eps=text.rms_norm_eps,
+        activation=activation_from_hf(text.hidden_act), gated=True, bias=False,
+        rotary_interleaved=False, params_dtype=params_dtype)
+
+
+def projection_transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
+    """HF ``LlavaMultiModalProjector``: Linear(vision·n -> text) -> act -> Linear(text -> text)."""
+    text = cfg.text_config
+    # num_attention_heads only has to satisfy TransformerConfig's TP checks; the MLP has no heads.
+    return vision_transformer_config(
+        num_layers=1, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
+        ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
+        activation=activation_from_hf(cfg.projector_hidden_act), gated=False,
+        bias=cfg.multimodal_projector_bias, params_dtype=params_dtype)
+
+
+class LLaVAModel(MegatronModule):
+    """LLaVA on mcore parts (seed 001): vision tower -> ``MultimodalProjector`` -> ``GPTModel``.
+
+    Submodules and state-dict roots follow the seed: ``language_model`` (a ``GPTModel`` with RoPE,
+    Llama-style layers from :func:`language_layer_spec`), ``vision_model`` (a registered vision
+    family's native tower) and ``vision_projection`` (``encoder.linear_fc1`` / ``linear_fc2``).
+
+    Deliberate deviations from the seed:
+
+    * The vision tower is passed in built (``vision_model``) rather than built here from a
+      config and a spec: each vision family owns how its tower is put together.
+    * ``vision_feature_layers`` (HF ``vision_feature_layer``, resolved to ``hidden_states``
+      indices; several are concatenated along features) select which vision hidden states feed
+      the projector. The tower keeps all of its layers so that checkpoints convert totally and
+      round-trip, but only the layers up to the deepest selected one run; later ones (and any
+      post-norm or pooling head) never receive gradients.
+    * ``drop_vision_class_token`` drops the first token of every image, which is what HF's
+      ``vision_feature_select_strategy="default"`` does, class token or not.
+    * The embedding and output tables are padded past the tokenizer's vocabulary
+      (``vocab_size``) for tensor parallelism. The per-token loss is taken over the real
+      vocabulary only (padded logits are masked out of the softmax), so it equals HF's; returned
+      logits keep the padded width, as upstream.
+    * ``forward`` also takes ``media_token_counts`` (slots per placeholder; see
+      :func:`_preprocess_data`), e.g. to feed a prompt in which every image row is its own
+      placeholder. Tile tags, pixel shuffle, sound, pipeline and context parallelism, packed
+      language sequences and KV-cache inference are not implemented.
+    """
+
+    def __init__(self, language_transformer_config, language_transformer_layer_spec,
+                 language_vocab_size: int, language_max_sequence_length: int,
+                 vision_model: torch.nn.Module, vision_projection_config,
+                 vision_projection_layer_spec: MLPSubmodules, vision_projection_input_size: int,
+                 vision_projection_type: str = "mlp", parallel_output: bool = True,
+                 share_embeddings_and_output_weights: bool = False,
+                 language_rotary_base: float = 10000.0,
+                 image_token_index: int = DEFAULT_IMAGE_TOKEN_INDEX, *,
+                 vision_feature_layers: Sequence[int] = (-1,),
+                 drop_vision_class_token: bool = False, vocab_size: Optional[int] = None):
+        super().__init__(config=language_transformer_config)
+        vocab_size = language_vocab_size if vocab_size is None else vocab_size
+        if not 0 < vocab_size <= language_vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} must lie in (0, {language_vocab_size}]")
+        num_vision_layers = len(vision_model.decoder.layers)
+        layers = [i + num_vision_layers + 1 if i < 0 else i for i in vision_feature_layers]
+        if not layers or not all(0 <= i <= num_vision_layers for i in layers):
+            raise ValueError(f"vision_feature_layers {list(vision_feature_layers)} do not select "
+                             f"among the {num_vision_layers + 1} hidden states of the tower")
+
+        # Registration order is the seed's, so state dicts list the language model first.
+        self.language_model = GPTModel(
+            config=language_transformer_config,
+            transformer_layer_spec=language_transformer_layer_spec,
+            vocab_size=language_vocab_size,
+            max_sequence_length=language_max_sequence_length,
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_base=language_rotary_base,
+            scatter_embedding_sequence_parallel=False,
+        )
+        self.language_model.rotary_pos_emb = LanguageRotaryEmbedding(
+            kv_channels=language_transformer_config.kv_channels, rotary_percent=1.0,
+            rotary_interleaved=language_transformer_config.rotary_interleaved,
+            rotary_base=language_rotary_base, use_cpu_initialization=True)
+        self.vision_model = vision_model
+        self.vision_projection = MultimodalProjector(
+            vision_projection_config, vision_projection_layer_spec, vision_projection_type,
+            vision_projection_input_size)
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.image_token_index = image_token_index
+        self.vocab_size = vocab_size
+        self.vision_feature_layers = layers
+        self.drop_vision_class_token = drop_vision_class_token
+        self._language_max_sequence_length = language_max_sequence_length
+        tolerate_missing_extra_state(self)
+
+    # -- the seed's small API --------------------------------------------------------------
+
+    @property
+    def decoder(self):
+        return self.language_model.decoder
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.language_model.set_input_tensor(input_tensor)
+
+    def freeze(self, freeze_language_model: bool, freeze_vision_model: bool,
+               freeze_vision_projection: bool, freeze_sound_model: bool = False,
+               freeze_sound_projection: bool = False, unfreeze_router: bool = False) -> None:
+        """Set ``requires_grad=False`` on the chosen parts (seed 001).
+
+        This model has no sound model or projection, so those flags change nothing (upstream
+        skips absent modules too). ``unfreeze_router`` keeps parameters with ``router`` in their
+        name trainable inside a frozen language model (MoE routers; a dense model has none).
+        """
+        chosen = [(freeze_language_model, self.language_model),
+                  (freeze_vision_model, self.vision_model),
+                  (freeze_vision_projection, self.vision_projection)]
+        for freeze, module in chosen:
+            if freeze:
+                for param in module.parameters():
+                    param.requires_grad = False
+        if freeze_language_model and unfreeze_router:
+            for name, param in self.language_model.named_parameters():
+                if "router" in name.split("."):
+                    param.requires_grad = True
+
+    # -- images ----------------------------------------------------------------------------
+
+    def vision_features(self, images: torch.Tensor, imgs_sizes=None) -> list[torch.Tensor]:
+        """Selected vision hidden states per image ``[tokens_i, vision_hidden · n_layers]``.
+
+        ``images`` is ``[num_tiles, C, H, W]`` (every tile one image of the same size) or, with
+        ``imgs_sizes`` (pixels per image), pre-patchified rows ``[1, Σ patches, C·P·P]`` that run
+        as one packed sequence in which each image attends only to itself.
+        """
+        vision = self.vision_model
+        tokens, rope, seqlens = vision.embed(images, imgs_sizes)
+        packed = make_packed_seq_params(seqlens, tokens.device) if seqlens is not None else None
+        hidden = tokens.transpose(0, 1).contiguous()  # [s, b, h], mcore's layout
+        kept = {0: hidden}
+        for depth, layer in enumerate(vision.decoder.layers[: max(self.vision_feature_layers)], 1):
+            hidden, _ = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
+                              packed_seq_params=packed)
+            kept[depth] = hidden
+        features = torch.cat([kept[i] for i in self.vision_feature_layers], dim=-1).transpose(0, 1)
+        per_image = list(features.unbind(0)) if seqlens is None else list(features[0].split(seqlens))
+        if self.drop_vision_class_token:
+            per_image = [x[1:] for x in per_image]
+        return per_image
+
+    def encode_images(self, images: torch.Tensor, imgs_sizes=None):
+        """Projected image embeddings ``[Σ tokens, language hidden]`` and tokens per image."""
+        per_image = self.vision_features(images, imgs_sizes)
+        rows = torch.cat(per_image).unsqueeze(1)  # [tokens, 1, h]: sequence-first like upstream
+        return self.vision_projection(rows).squeeze(1), [x.shape[0] for x in per_image]
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _slots(self, tokens_per_image, num_image_tiles):
+        tiles = ([1] * len(tokens_per_image) if num_image_tiles is None
+                 else [int(n) for n in torch.as_tensor(num_image_tiles).reshape(-1).tolist()])
+        if sum(tiles) != len(tokens_per_image) or any(n < 1 for n in tiles):
+            raise ValueError(f"num_image_tiles {tiles} do not group the {len(tokens_per_image)} "
+                             "images (tiles) into placeholders")
+        ends = torch.tensor(tiles).cumsum(0).tolist()
+        return [sum(tokens_per_image[end - n:end]) for n, end in zip(tiles, ends)]
+
+    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy over the real vocabulary; ``logits`` is this rank's slice."""
+        local = logits.shape[-1]
+        first = parallel_state.get_tensor_model_parallel_rank() * local
+        padded = torch.arange(first, first + local, device=logits.device) >= self.vocab_size
+        # A fresh tensor either way: the vocab-parallel loss works in place on its input.
+        logits = logits.float().masked_fill(padded, torch.finfo(torch.float32).min)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+    def forward(self, images: Optional[torch.Tensor], input_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                inference_context=None, num_image_tiles=None, image_token_index=None,
+                runtime_gather_output: Optional[bool] = None, packed_seq_params=None,
+                imgs_sizes=None, *, media_token_counts=None):
+        """Logits ``[b, s, padded vocab]``, or ``(per-token loss [b, s], loss mask [b, s])``.
+
+        mcore conventions (seed 001): ``input_ids`` ``[b, t]`` with one ``image_token_index`` per
+        image, ``labels`` pre-shifted, ``s`` the combined length after expanding placeholders.
+        ``num_image_tiles`` groups the tiles of ``images`` into placeholders (one tile each by
+        default); ``media_token_counts`` overrides the slots per placeholder.
+        """
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("KV-cache inference and packed language sequences are not "
+                                      "implemented by this LLaVAModel")
+        if image_token_index is None:
+            image_token_index = self.image_token_index
+        image_rows = None
+        if images is not None and images.numel():
+            image_rows, tokens_per_image = self.encode_images(images, imgs_sizes)
+            if media_token_counts is None:
+                media_token_counts = self._slots(tokens_per_image, num_image_tiles)
+        if labels is not None and loss_mask is None:
+            loss_mask = torch.ones_like(labels, dtype=torch.float32)
+
+        # Placeholders are no vocabulary entries: embed a stand-in, the slots are overwritten.
+        text_ids = input_ids.masked_fill(input_ids == image_token_index, 0)
+        text = self.language_model.embedding(input_ids=text_ids, position_ids=None)
+        combined = _preprocess_data(
+            image_rows, text.transpose(0, 1), input_ids, loss_mask, labels, image_token_index,
+            media_token_counts=media_token_counts, position_ids=position_ids,
+            language_max_sequence_length=self._language_max_sequence_length)
+
+        logits = self.language_model(
+            input_ids=None, position_ids=combined.position_ids, attention_mask=attention_mask,
+            decoder_input=combined.embeddings, labels=None, runtime_gather_output=False)
+        if labels is not None:
+            return self._token_loss(logits, combined.labels), combined.loss_mask
+        gather = (not self.language_model.parallel_output if runtime_gather_output is None
+                  else runtime_gather_output)
+        return _gather_vocab(logits) if gather else logits
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather of the TP ranks' vocabulary slices along the last dim; backward keeps this
+    rank's slice of the gradient (mcore's gather semantics). mcore's own implementation allocates
+    its buffer on the current CUDA device; this one runs wherever the tensors live."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = torch.distributed.get_world_size(ctx.group)
+        rank = torch.distributed.get_rank(ctx.group)
+        return grad.chunk(world, dim=-1)[rank].contiguous(), None
+
+
+def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    group = parallel_state.get_tensor_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return logits
+    return _GatherVocab.apply(logits, group)
+
+
+def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> LLaVAModel:
+    """``LLaVAModel`` from an HF ``LlavaConfig`` (the single source of truth for shapes)."""
+    from mmparity import families
+
+    vision_name = llava_config.vision_family(cfg)
+    strategy = cfg.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}")
+    if strategy == "default" and vision_name == "pixtral":
+        # HF packs every Pixtral image into one sequence and would drop only its first patch,
+        # then fail to split the features per image.
+        raise ValueError("vision_feature_select_strategy='default' drops a class token; the "
+                         "Pixtral tower has none (HF's LLaVA fails on it): use 'full'")
+    text = cfg.text_config
+    vision_model = families.get(vision_name).native().build_native(cfg.vision_config, params_dtype)
+    layers = llava_config.feature_layer_indices(cfg)
+    return LLaVAModel(
+        language_transformer_config=language_transformer_config(text, params_dtype),
+        language_transformer_layer_spec=language_layer_spec(),
+        language_vocab_size=llava_config.padded_vocab_size(text.vocab_size),
+        language_max_sequence_length=text.max_position_embeddings,
+        vision_model=vision_model,
+        vision_projection_config=projection_transformer_config(cfg, params_dtype),
+        vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                   linear_fc2=RowParallelLinear),
+        vision_projection_input_size=cfg.vision_config.hidden_size * len(layers),
+        share_embeddings_and_output_weights=llava_config.tied(cfg),
+        language_rotary_base=rope_theta(text),
+        vision_feature_layers=layers,
+        drop_vision_class_token=strategy == "default",
+        vocab_size=text.vocab_size,
+    )
+
+
+# --- parity glue: how the harness drives this model (framework-free cases in, tensors out) ---
+
+def vision_input(model: LLaVAModel, case, dtype, device):
+    """Equal-size images as a static batch, mixed sizes as one packed pass with their sizes."""
+    from mmparity.parity import inputs
+
+    imgs, sizes = case.data["images"], [tuple(s) for s in case.data["sizes"]]
+    if len(set(sizes)) == 1:
+        return torch.stack(imgs).to(device, dtype), None
+    return inputs.packed_rows(imgs, model.vision_model.patch_dim).to(device, dtype), sizes
+
+
+def run(model: LLaVAModel, case) -> dict:
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    images, sizes = vision_input(model, case, dtype, device)
+    ids = case.data["input_ids"].to(device)
+    common = dict(num_image_tiles=case.data["num_image_tiles"], imgs_sizes=sizes)
+    logits = model(images, ids, None, None, runtime_gather_output=True, **common)
+    loss, mask = model(images, ids, None, None, labels=case.data["labels"].to(device),
+                       loss_mask=case.data["loss_mask"].to(device), **common)
+    # Compact rows padded to a rectangle expand past the HF rows; causality keeps the positions
+    # before the cut independent of what follows.
+    keep, vocab = case.data["length"], model.vocab_size
+    mask = mask[:, :keep]
+    return {"logits": logits[:, :keep, :vocab].reshape(-1, vocab),
+            "loss_mask": mask.reshape(-1).float(),
+            "token_loss": (loss[:, :keep] * mask).reshape(-1)}
+
+
+def pairs(model: LLaVAModel, cfg) -> list:
+    from mmparity import families
+    from mmparity.parity.cases import Pair, tokens_2d
+
+    vision = families.get(llava_config.vision_family(cfg)).native()
+    run_names = llava_config.vision_pair_names(cfg)
+    out = [Pair(f"vision.{p.name}", p.module, p.extract)
+           for p in vision.pairs(model.vision_model, cfg.vision_config) if p.name in run_names]
+    out.append(Pair("projector", model.vision_projection, tokens_2d))
+    out += [Pair(f"layer.{i}", layer, _language_tokens)
+            for i, layer in enumerate(model.language_model.decoder.layers)]
+    out.append(Pair("final_norm", model.language_model.decoder.final_layernorm, _language_tokens))
+    return out
+
+
+def _language_tokens(output, case):
+    """[s, b, h] language activations -> batch-major tokens of the first ``length`` positions."""
+    from mmparity.parity.cases import first_tensor
+
+    t = first_tensor(output)[: case.data["length"]]
+    return t.transpose(0, 1).reshape(-1, t.shape[-1])
+
+
+COMPONENTS = ("pixel_shuffle", "loss_weights", "expansion")
+
+# NOTES.md's pinned (boundaries, labels) for packed-sample loss weights; the expected weights
+# live on the reference side.
+LOSS_WEIGHT_CASES = (([0, 2, 6, 8], [1, -100, 2, 3, 4, 5, -100, 6]),
+                     ([0, 2, 4], [-100, -100, 1, 2]),
+                     ([0, 2, 9], [1, -100, 2]),
+                     ([0, 0, 2, 3], [1, 2, -100]))
+
+# Compact rows for the expansion check: "I" is an image placeholder; tiles per placeholder in
+# reading order; slots per tile. The reference builds its expectation from the same layout.
+EXPANSION_ROWS = ("tttIttttt", "ttIttIttt")
+EXPANSION_TILES = (1, 2, 1)
+EXPANSION_SLOTS_PER_TILE = 3
+
+
+def expansion_inputs(vocab_size: int, seed: int):
+    """Seeded compact ids (placeholders = ``DEFAULT_IMAGE_TOKEN_INDEX``), pre-shifted labels
+    (the next id; a random id after the last token) and a loss mask that is 0 on the last token."""
+    from mmparity.parity import inputs
+
+    length = len(EXPANSION_ROWS[0])
+    gen = inputs.generator(seed + 7727)
+    ids = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), length), generator=gen)
+    for b, row in enumerate(EXPANSION_ROWS):
+        for t, kind in enumerate(row):
+            if kind == "I":
+                ids[b, t] = DEFAULT_IMAGE_TOKEN_INDEX
+    after = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), 1), generator=gen)
+    labels = torch.cat([ids[:, 1:], after], dim=1)
+    loss_mask = torch.ones(ids.shape)
+    loss_mask[:, -1] = 0
+    return ids, labels, loss_mask
+
+
+def component(name: str, model: LLaVAModel, cfg, seed: int) -> torch.Tensor:
+    from mmparity.parity import inputs
+
+    if name == "pixel_shuffle":
+        # A 4x6 grid: non-square, and even on both sides as the 2x2 neighbourhoods need.
+        x = inputs.token_probe(24, model.vision_model.hidden_size, seed).unsqueeze(0)
+        return pixel_shuffle(x, 0.5, h=4, w=6)[0]
+    if name == "loss_weights":
+        return torch.cat([_precalculate_loss_weights(b, l) for b, l in LOSS_WEIGHT_CASES])
+    if name == "expansion":
+        ids, labels, loss_mask = expansion_inputs(cfg.text_config.vocab_size, seed)
+        out = _preprocess_data(None, None, ids, loss_mask, labels, DEFAULT_IMAGE_TOKEN_INDEX,
+                               list(EXPANSION_TILES), img_seq_len=EXPANSION_SLOTS_PER_TILE,
+                               pre_process=False)
+        return torch.stack([out.input_ids.float(), out.labels.float(), out.loss_mask.float()])
+    raise KeyError(name)

@@ -1,0 +1,209 @@
+"""LLaVA: a whole HF ``LlavaForConditionalGeneration`` checkpoint <-> native ``LLaVAModel`` keys.
+
+Three parts, each under its own root on both sides:
+
+* the vision tower: the registered vision family's own table (Pixtral, CLIP, SigLIP, picked by
+  ``vision_config.model_type``), moved under ``vision_model.`` / the tower's HF root with
+  :func:`rules.nested_rules`, not restated here;
+* the projector: ``multi_modal_projector.linear_1`` / ``linear_2`` <-> mcore
+  ``MultimodalProjector`` ``vision_projection.encoder.linear_fc1`` / ``linear_fc2``;
+* the Llama-style language model <-> mcore ``GPTModel`` under ``language_model.``, with the
+  embedding and the output layer padded to :func:`padded_vocab_size` rows (mcore splits the
+  vocabulary evenly across TP ranks). Export trims the padding. Tied embeddings have no
+  ``output_layer`` on the mcore side; HF's ``lm_head.weight`` (the same tensor) is then dropped.
+
+HF layouts:
+
+* ``hf``: the module names of transformers >= 4.52 (``model.vision_tower.``,
+  ``model.multi_modal_projector.``, ``model.language_model.``, ``lm_head``), i.e. what
+  ``LlavaForConditionalGeneration.state_dict()`` returns;
+* ``hf_checkpoint``: what transformers 5 writes with ``save_pretrained`` (and maps back on load):
+  ``vision_tower.``, ``multi_modal_projector.``, ``language_model.model.``,
+  ``language_model.lm_head``;
+* ``hf_v4_checkpoint``: files written by transformers 4 (most hub checkpoints): as
+  ``hf_checkpoint``, but CLIP and SigLIP towers one level deeper, under
+  ``vision_tower.vision_model.``.
+
+The language-model rules come first in the table, so converted state dicts list the language
+model first, as the native module does.
+
+Shared with the native and reference sides because it is pure configuration: which vision family
+a config uses, the padded vocabulary size, whether embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mmparity.converters.ops import FuseQKV, PadRows, fuse_gate_up
+from mmparity.converters.rules import ConversionError, Rule, RuleSet, nested_rules, rename
+
+FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint")
+
+# HF vision_config.model_type -> the registered vision family that owns that tower.
+VISION_FAMILIES = {"pixtral": "pixtral", "clip_vision_model": "clip",
+                   "siglip_vision_model": "siglip"}
+TEXT_MODEL_TYPES = ("llama", "mistral")
+
+# Megatron-LM's default ``make_vocab_size_divisible_by``. The padded size depends on the HF config
+# only (not on the TP size), so one native shape serves every TP size that divides it.
+VOCAB_PAD_MULTIPLE = 128
+
+# Roots per layout: (vision tower, projector, language model body, output head key).
+_ROOTS = {
+    "hf": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.",
+           "lm_head.weight"),
+    "hf_checkpoint": ("vision_tower.", "multi_modal_projector.", "language_model.model.",
+                      "language_model.lm_head.weight"),
+}
+_ROOTS["hf_v4_checkpoint"] = _ROOTS["hf_checkpoint"]
+# transformers 4 kept CLIP / SigLIP towers as ``*VisionModel`` with an inner ``vision_model``.
+_V4_TOWER_INNER = {"clip": "vision_model.", "siglip": "vision_model."}
+
+# Deliberately not converted: persistent buffers older releases saved (CLIP position ids, Llama
+# rotary frequencies); both are recomputed from the config.
+_DROP_BUFFERS = (r"^(.*\.)?embeddings\.position_ids$", r"^(.*\.)?rotary_emb\.inv_freq$")
+
+
+def vision_family(cfg) -> str:
+    """The registered family of ``cfg.vision_config``; ``ValueError`` naming what is supported."""
+    from mmparity import families
+
+    model_type = getattr(getattr(cfg, "vision_config", None), "model_type", None)
+    name = VISION_FAMILIES.get(model_type)
+    registered = [t for t, f in VISION_FAMILIES.items() if f in families.names()]
+    if name is None or name not in families.names():
+        raise ValueError(f"LLaVA vision tower of model_type {model_type!r} is not supported; "
+                         f"registered vision towers: {', '.join(registered)}")
+    return name
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def tied(cfg) -> bool:
+    """Whether ``lm_head`` shares the input embedding (HF reads the top-level config flag)."""
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def text_head_dim(text_cfg) -> int:
+    return getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+
+
+def feature_layer_indices(cfg) -> list[int]:
+    """``vision_feature_layer`` as indices into HF's ``hidden_states`` (0 = the embedding output,
+    k = the output of vision layer k-1), in the order the features are concatenated."""
+    layers = cfg.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    count = cfg.vision_config.num_hidden_layers
+    resolved = [layer + count + 1 if layer < 0 else layer for layer in layers]
+    bad = [layer for layer, index in zip(layers, resolved) if not 0 <= index <= count]
+    if not layers or bad:
+        raise ValueError(f"vision_feature_layer {cfg.vision_feature_layer!r} does not select among "
+                         f"the {count + 1} hidden states of a {count}-layer vision tower")
+    return resolved
+
+
+def vision_layers_run(cfg) -> int:
+    """Vision layers the features depend on; later layers are converted but never run."""
+    return max(feature_layer_indices(cfg))
+
+
+def vision_pair_names(cfg) -> set[str]:
+    """The vision family's paired modules that a LLaVA forward actually runs."""
+    return {"patch_embed", "ln_pre"} | {f"layer.{i}" for i in range(vision_layers_run(cfg))}
+
+
+def _vision_rule_set(cfg) -> RuleSet:
+    from mmparity import families
+
+    return families.get(vision_family(cfg)).converter().rule_set(cfg.vision_config, "hf")
+
+
+def tp_problems(cfg, tp: int) -> list[str]:
+    if tp < 1:
+        return []  # the engine reports a non-positive size itself
+    text = cfg.text_config
+    validate_vision = _vision_rule_set(cfg).validate_tp
+    problems = list(validate_vision(tp)) if validate_vision else []
+    sizes = {"text num_attention_heads": text.num_attention_heads,
+             "text num_key_value_heads": text.num_key_value_heads,
+             "text intermediate_size": text.intermediate_size,
+             "text hidden_size (projector width)": text.hidden_size,
+             "padded vocabulary": padded_vocab_size(text.vocab_size)}
+    problems += [f"tp={tp} does not divide {name}={value}" for name, value in sizes.items()
+                 if value % tp]
+    return problems
+
+
+def language_rules(cfg, lm_root: str, head_key: str) -> tuple:
+    """Llama / Mistral decoder (no biases, RMSNorm, SwiGLU, rotate-half RoPE as HF stores it)."""
+    text = cfg.text_config
+    heads, groups, d = text.num_attention_heads, text.num_key_value_heads, text_head_dim(text)
+    vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
+    hf = lm_root + "layers.{i}."
+    mc = "language_model.decoder.layers.{i}."
+    attn = hf + "self_attn."
+    rules = (
+        Rule("language_model.embedding.word_embeddings.weight", lm_root + "embed_tokens.weight",
+             vocab, "vocab"),
+        rename(mc + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
+        # HF Llama weights are already in rotate-half order, which mcore's non-interleaved RoPE
+        # uses too: no per-head permutation, unlike the Pixtral tower.
+        Rule(mc + "self_attention.linear_qkv.weight",
+             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+             FuseQKV(heads, groups, d), "qkv"),
+        rename(mc + "self_attention.linear_proj.weight", attn + "o_proj.weight", "row"),
+        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
+        Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+             fuse_gate_up(), "gated"),
+        rename(mc + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", "row"),
+        rename("language_model.decoder.final_layernorm.weight", lm_root + "norm.weight"),
+    )
+    if not tied(cfg):
+        rules += (Rule("language_model.output_layer.weight", head_key, vocab, "vocab"),)
+    return rules
+
+
+def projector_rules(cfg, root: str) -> tuple:
+    mc = "vision_projection.encoder."
+    rules = (rename(mc + "linear_fc1.weight", root + "linear_1.weight", "column"),
+             rename(mc + "linear_fc2.weight", root + "linear_2.weight", "row"))
+    if cfg.multimodal_projector_bias:
+        rules += (rename(mc + "linear_fc1.bias", root + "linear_1.bias", "column"),
+                  rename(mc + "linear_fc2.bias", root + "linear_2.bias"))
+    return rules
+
+
+def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
+    if hf_format not in FORMATS:
+        raise ConversionError("unknown LLaVA layout", [f"got {hf_format!r}; known: {FORMATS}"])
+    family = vision_family(cfg)
+    tower, projector, lm_root, head_key = _ROOTS[hf_format]
+    if hf_format == "hf_v4_checkpoint":
+        tower += _V4_TOWER_INNER.get(family, "")
+    vision, vision_vars = nested_rules(_vision_rule_set(cfg), "vision_model.", tower, "vision_")
+    rules = language_rules(cfg, lm_root, head_key) + vision + projector_rules(cfg, projector)
+    drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied(cfg) else ())
+    return RuleSet(rules=rules,
+                   variables={"i": cfg.text_config.num_hidden_layers, **vision_vars},
+                   hf_prefixes=("",), drop_hf=drops, hf_format=hf_format,
+                   validate_tp=lambda tp: tp_problems(cfg, tp))
+
+
+def detect_format(keys) -> str:
+    """The layout of a key set: module names (``model.language_model.*``), a transformers 5
+    checkpoint (``language_model.model.*``) or a transformers 4 one (the same, with a nested
+    ``vision_tower.vision_model.*``)."""
+    keys = list(keys)
+    files = any(k.startswith("language_model.model.") for k in keys)
+    modules = any(k.startswith("model.language_model.") for k in keys)
+    if files and modules:
+        raise ConversionError("ambiguous checkpoint: two LLaVA key layouts present", [
+            "checkpoint files: language_model.model.*", "module names: model.language_model.*",
+            f"pass hf_format explicitly (one of {', '.join(FORMATS)})"])
+    if not files:
+        return "hf"
+    nested = any(k.startswith("vision_tower.vision_model.") for k in keys)
+    return "hf_v4_checkpoint" if nested else "hf_checkpoint"
