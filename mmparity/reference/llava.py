@@ -50,6 +50,17 @@ def tiny_config() -> LlavaConfig:
                        tie_word_embeddings=False)
 
 
+def image_size_problems(cfg, sizes) -> list[str]:
+    """HF LLaVA runs CLIP/SigLIP towers without position interpolation: only their own size works."""
+    vision = cfg.vision_config
+    if vision.model_type not in ("clip_vision_model", "siglip_vision_model"):
+        return []
+    side = vision.image_size
+    return [f"image size {h}x{w}: a LLaVA {vision.model_type} tower only takes {side}x{side} "
+            f"(HF does not interpolate its position embeddings here)" for h, w in sizes
+            if (h, w) != (side, side)]
+
+
 def vision_config(cfg):
     """The family config: a ``LlavaConfig`` itself (the whole model is this family's subject)."""
     if getattr(cfg, "model_type", None) in MODEL_TYPES:
