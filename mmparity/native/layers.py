@@ -85,16 +85,21 @@ class BiasInGemmRowParallelLinear(RowParallelLinear):
 
 def vision_layer_spec(core_attention: type | None = None) -> ModuleSpec:
     """A bidirectional (``no_mask``) transformer layer in the TE key spelling."""
+    return layer_spec(core_attention or BidirectionalCoreAttention, AttnMaskType.no_mask)
+
+
+def layer_spec(core_attention: type, attn_mask_type: AttnMaskType) -> ModuleSpec:
+    """A pre-norm transformer layer whose norms live in the following linears (TE key spelling)."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=IdentityOp,
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.no_mask},
+                params={"attn_mask_type": attn_mask_type},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=NormedColumnParallelLinear,
-                    core_attention=core_attention or BidirectionalCoreAttention,
+                    core_attention=core_attention,
                     linear_proj=BiasInGemmRowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,

@@ -721,20 +721,15 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # noq
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector  # noqa: E402
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
-from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402
+from megatron.core.transformer.mlp import MLPSubmodules  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_layer import (  # noqa: E402
-    TransformerLayer, TransformerLayerSubmodules)
 
 from mmparity.converters import llava as llava_config  # noqa: E402
 from mmparity.native.attention import make_packed_seq_params  # noqa: E402
-from mmparity.native.layers import (NormedColumnParallelLinear, activation_from_hf,  # noqa: E402
-                                    get_bias_dropout_add, tolerate_missing_extra_state,
-                                    vision_transformer_config)
+from mmparity.native.layers import (activation_from_hf, layer_spec,  # noqa: E402
+                                    tolerate_missing_extra_state, vision_transformer_config)
 
 
 class CausalCoreAttention(torch.nn.Module):
@@ -810,28 +805,7 @@ class LanguageRotaryEmbedding(RotaryEmbedding):
 
 def language_layer_spec() -> ModuleSpec:
     """A causal GPT layer in the Transformer Engine key spelling (norms fused into the linears)."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=IdentityOp,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=NormedColumnParallelLinear,
-                    core_attention=CausalCoreAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=IdentityOp,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=NormedColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+    return layer_spec(CausalCoreAttention, AttnMaskType.causal)
 
 
 def _text_config_problems(text) -> list[str]:

@@ -178,8 +178,6 @@ class NativeJob:
 
     @torch.no_grad()
     def run(self, shards: list, layout=None):
-        from mmparity.native import runtime
-
         with exact_float32(self.device, DTYPES[self.dtype]):
             return self._run(shards, layout)
 
@@ -205,8 +203,6 @@ class NativeJob:
 
 def _native_rank(rank: int, world_size: int, job: NativeJob, shards: list):
     """Entry point of one spawned TP rank; only rank 0's (replicated) results are sent back."""
-    from mmparity.native import runtime
-
     result = job.run(shards, layout=(world_size, 1))
     return result if rank == 0 else None
 

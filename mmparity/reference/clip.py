@@ -119,7 +119,6 @@ COMPONENTS = ("patch_embed", "pos_embed")
 
 
 def component(name: str, model, cfg, seed: int) -> torch.Tensor:
-    dtype = next(model.parameters()).dtype
     p = patch_size(cfg)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(p)], cfg.num_channels, seed)[0]
