@@ -23,16 +23,23 @@ import dataclasses
 import os
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from mmparity.converters import pp
-from mmparity.converters.io import CheckpointError, atomic_directory, standalone_tensor, tensor_checksum
+from mmparity.converters.io import (
+    CheckpointError,
+    atomic_directory,
+    checksums_in_background,
+    standalone_tensor,
+    torch_save_without_crc32,
+)
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
+    TRACKER_FILE,
     iteration_dirname,
     legacy_rank_dirname,
     parse_legacy_rank_dirname,
@@ -91,13 +98,17 @@ def write_legacy(
     last_stage_prefixes: Sequence[str] = pp.DEFAULT_LAST_STAGE_PREFIXES,
     iteration: int = 1,
     provenance: Provenance | None = None,
+    extra_files: Mapping[str, str | bytes] | None = None,
+    on_file: Callable[[str, int], None] | None = None,
     force: bool = False,
 ) -> Path:
     """Writes one globally numbered state dict per TP rank as a Megatron-LM legacy checkpoint.
 
     `pp_size > 1` splits the layer stack evenly (or by `layer_counts`) with pre-process keys on the
-    first stage and `last_stage_prefixes` keys on the last. Atomic: `root` appears complete or not
-    at all. Returns `root`.
+    first stage and `last_stage_prefixes` keys on the last. `extra_files` (e.g. the HF config a
+    converter keeps next to the weights) land at the root in the same atomic step; `on_file(path,
+    nbytes)` is called after each rank file is written (progress). Atomic: `root` appears complete
+    or not at all. Returns `root`.
     """
     if not tp_shards:
         raise CheckpointError("no TP shards to write")
@@ -124,15 +135,23 @@ def write_legacy(
                 model = {
                     k: standalone_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in stage_state.items()
                 }
-                torch.save(
-                    {"model": model, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
-                    staging / relative,
-                )
-                records += [
-                    TensorRecord(relative.as_posix(), k, tensor_checksum(v))
-                    for k, v in model.items()
-                    if isinstance(v, torch.Tensor)
-                ]
+                # Hashing overlaps the write: both only read the tensors.
+                checksums = checksums_in_background((k, v) for k, v in model.items() if isinstance(v, torch.Tensor))
+                with torch_save_without_crc32():
+                    torch.save(
+                        {"model": model, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
+                        staging / relative,
+                    )
+                records += [TensorRecord(relative.as_posix(), k, c) for k, c in checksums.result().items()]
+                if on_file is not None:
+                    on_file(relative.as_posix(), sum(v.nbytes for v in model.values() if isinstance(v, torch.Tensor)))
+        for file_name, content in (extra_files or {}).items():
+            if Path(file_name).name != file_name or file_name in (MANIFEST_FILE, TRACKER_FILE) or (staging / file_name).exists():
+                raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
+            if isinstance(content, bytes):
+                (staging / file_name).write_bytes(content)
+            else:
+                (staging / file_name).write_text(content, encoding="utf-8")
         write_tracker(staging, iteration)
         write_manifest(
             staging,
@@ -149,17 +168,22 @@ def write_legacy(
     return Path(root)
 
 
-def load_rank_file(path: str | os.PathLike) -> dict:
-    """The `model` state dict of one `model_optim_rng.pt`, loaded with weights_only=True."""
+def load_rank_file(path: str | os.PathLike, *, mmap: bool = False) -> dict:
+    """The `model` state dict of one `model_optim_rng.pt`, loaded with weights_only=True.
+
+    `mmap=True` maps the file instead of reading it: tensors are backed by the page cache and only
+    the bytes actually used are read, so a converter can stream through a rank file.
+    """
     path = Path(path)
     try:
         # Megatron-LM stores its arguments as an argparse.Namespace: plain attributes, safe to allow.
         with torch.serialization.safe_globals([argparse.Namespace]):
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
     except pickle.UnpicklingError as exc:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module ..."
+        refused = re.search(r"(?i)unsupported (?:global: )?GLOBAL (\S+)", str(exc))
         if refused:
             raise CheckpointError(
                 f"{path}: holds a {refused.group(1)} object, which torch.load(weights_only=True) refuses to unpickle"
@@ -194,13 +218,13 @@ class LegacyCheckpoint:
     files: Mapping[tuple[int, int], Path]  # (tp rank, pp stage) -> model_optim_rng.pt
     manifest: Manifest | None
 
-    def load_rank(self, tp_rank: int, pp_rank: int = 0) -> dict:
-        """The locally numbered state dict of one (TP rank, PP stage)."""
+    def load_rank(self, tp_rank: int, pp_rank: int = 0, *, mmap: bool = False) -> dict:
+        """The locally numbered state dict of one (TP rank, PP stage); `mmap` as in `load_rank_file`."""
         if (tp_rank, pp_rank) not in self.files:
             raise CheckpointError(
                 f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} in a TP={self.tp_size} PP={self.pp_size} checkpoint"
             )
-        return load_rank_file(self.files[tp_rank, pp_rank])
+        return load_rank_file(self.files[tp_rank, pp_rank], mmap=mmap)
 
     def tp_shards(
         self,

@@ -38,14 +38,28 @@ import torch.distributed as dist
 
 from mmparity.checkpoint import _mcore_compat as mc
 from mmparity.checkpoint import torch_dist_files
-from mmparity.checkpoint.layout import CHECKPOINT_VERSION, iteration_dirname, resolve_iteration_dir, write_tracker
-from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, Provenance, TensorRecord, write_manifest
+from mmparity.checkpoint.layout import (
+    CHECKPOINT_VERSION,
+    TRACKER_FILE,
+    iteration_dirname,
+    resolve_iteration_dir,
+    write_tracker,
+)
+from mmparity.checkpoint.manifest import (
+    LAYOUT_TORCH_DIST,
+    MANIFEST_FILE,
+    Manifest,
+    Provenance,
+    TensorRecord,
+    write_manifest,
+)
 from mmparity.converters.io import (
     CheckpointError,
     make_staging_directory,
     publish_staging_directory,
+    checksums_in_background,
     remove_created_directories,
-    tensor_checksum,
+    torch_save_without_crc32,
 )
 
 __all__ = [
@@ -88,20 +102,24 @@ class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
         from torch.distributed.checkpoint import save as dcp_save
 
         by_key, _, _ = mc.replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        self.shard_records = []
-        for shards in by_key.values():
-            for shard in shards:
+        shards = []
+        for key_shards in by_key.values():
+            for shard in key_shards:
                 if not isinstance(shard, mc.ShardedTensor):
                     continue  # ShardedObjects (_extra_state, common_state) are pickles, not weights
                 if shard.flattened_range is not None:
                     raise CheckpointError(f"{shard.key}: flattened (distributed-optimizer) shards are not supported")
-                self.shard_records.append(
-                    TensorRecord(self.checkpoint_name, shard.key, tensor_checksum(shard.data), tuple(shard.global_offset))
-                )
-        # Must come after the checksums: the conversion reshapes shard data in place.
+                shards.append(shard)
+        # Hashed on a worker while DCP writes. The tensor objects are captured now: the conversion
+        # below replaces each shard's `data` with a reshaped view (it never modifies the bytes).
+        checksums = checksums_in_background(
+            ((shard.key, tuple(shard.global_offset)), shard.data) for shard in shards)
         pyt_state_dict = mc.mcore_to_pyt_state_dict(by_key, False)
         writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
-        dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner())
+        with torch_save_without_crc32():
+            dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner())
+        self.shard_records = [TensorRecord(self.checkpoint_name, key, checksum, offset)
+                              for (key, offset), checksum in checksums.result().items()]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,6 +206,7 @@ def save_torch_dist(
     tp_size: int | None = None,
     pp_size: int | None = None,
     content_metadata: Mapping | None = None,
+    extra_files: Mapping[str, str | bytes] | None = None,
     force: bool = False,
 ) -> Path:
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
@@ -196,7 +215,8 @@ def save_torch_dist(
     producing it, so a failure while producing it is agreed on like any other). TP/PP sizes for the
     manifest default to the initialised mcore parallel state. `content_metadata` is passed to mcore
     as is: give it the `metadata` you passed to `sharded_state_dict(metadata=...)`, so Megatron-LM
-    rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys). The
+    rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys).
+    `extra_files` (plain names) are written at the root by rank 0 in the same atomic step. The
     staging directory is created by rank 0 next to `root`, so all ranks must see the same
     filesystem (as Megatron-LM requires).
     """
@@ -258,6 +278,14 @@ def save_torch_dist(
                 if content_metadata is not None:
                     file_common["content_metadata"] = dict(content_metadata)
                 mc.ensure_common_file(staging / iteration_name, file_common)
+                for file_name, content in (extra_files or {}).items():
+                    if Path(file_name).name != file_name or (staging / file_name).exists() or file_name in (
+                        MANIFEST_FILE, TRACKER_FILE):
+                        raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
+                    if isinstance(content, bytes):
+                        (staging / file_name).write_bytes(content)
+                    else:
+                        (staging / file_name).write_text(content, encoding="utf-8")
                 write_tracker(staging, iteration)
                 write_manifest(
                     staging,

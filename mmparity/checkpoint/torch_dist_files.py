@@ -9,16 +9,20 @@ order. So the global tensors are exactly a TP = 1 state dict, apart from one thi
 unstacks those into `decoder.layers.{i}.` keys, giving the TP = 1, PP = 1 state dict a converter
 takes.
 
-Trust: DCP's `.metadata` file is a pickle, read by torch's own reader. Only open torch_dist
-checkpoints you trust; the legacy reader in this package is the weights_only alternative.
+Trust: DCP's `.metadata` file is a pickle. We never hand it to plain `pickle.load` (which is what
+torch's `FileSystemReader` does): `load_metadata` unpickles it with an allow-list of the DCP
+metadata classes, `torch.Size` and dtypes, and refuses anything else. The tensor items themselves
+are read by DCP with `torch.load(weights_only=True)`. Byte items (`_extra_state`, `common_state`)
+are arbitrary pickles and are never read here.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -28,6 +32,8 @@ from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
     "is_torch_dist_dir",
+    "load_metadata",
+    "TorchDistFiles",
     "tensor_metadata",
     "read_tensor",
     "iter_tensors",
@@ -43,25 +49,71 @@ def is_torch_dist_dir(path: str | os.PathLike) -> bool:
     return (path / DIST_CONFIG_FILE).is_file() and (path / ".metadata").is_file()
 
 
+# What a DCP `.metadata` pickle legitimately names: its own dataclasses, torch.Size, dtypes, the
+# memory-format enum and layout lookup, and the checkpoint path. Nothing that runs code on load.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint._extension": {"ExtensionRegistry", "StreamTransformExtension"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        import torch as _torch
+
+        if module == "torch" and isinstance(getattr(_torch, name, None), _torch.dtype):
+            return getattr(_torch, name)
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from DCP metadata")
+
+
+def load_metadata(path: str | os.PathLike):
+    """A torch_dist directory's DCP `Metadata`, unpickled with an allow-list (see the trust note)."""
+    path = Path(path)
+    if not is_torch_dist_dir(path):
+        raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
+    try:
+        with open(path / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable torch_dist metadata ({' '.join(str(exc).split())})") from exc
+    if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
+        raise CheckpointError(f"{path}: .metadata does not hold DCP checkpoint metadata")
+    return metadata
+
+
 def _reader(path: Path):
     from torch.distributed.checkpoint import FileSystemReader
 
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = load_metadata(path)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
     if not is_torch_dist_dir(path):
         raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
-    return FileSystemReader(str(path))
+    return SafeFileSystemReader(str(path))
 
 
 def tensor_metadata(path: str | os.PathLike) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Sharded key -> (dtype, global shape) for every tensor; byte objects (`_extra_state`) are skipped."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
-    try:
-        metadata = _reader(path).read_metadata()
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable torch_dist metadata ({' '.join(str(exc).split())})") from exc
+    metadata = load_metadata(path)
     return {
         key: (entry.properties.dtype, tuple(entry.size))
         for key, entry in sorted(metadata.state_dict_metadata.items())
@@ -118,3 +170,86 @@ def global_state_dict(path: str | os.PathLike, *, layer_prefix: str = "decoder.l
         for index, layer_tensor in enumerate(tensor.unbind(0)):
             state[f"{layer_prefix}{index}.{match.group(1)}"] = layer_tensor
     return state
+
+
+class _RegionPlanner:
+    """The two `LoadPlanner` calls `FileSystemReader.read_data` makes, aimed at one target tensor."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        view = self.target
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, offset, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"{read_item.storage_index.fqn}: a byte object, not a tensor")
+
+
+class TorchDistFiles:
+    """One torch_dist directory opened for many reads: metadata unpickled once (safely), and any
+    rectangular region of a global tensor read without reading the rest.
+
+    `read_region` is what makes per-layer reads of mcore's stacked layer tensors cheap: each layer
+    was written as its own DCP chunk, so reading layer i touches only that chunk's bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = Path(path)
+        self.metadata = load_metadata(self.path)
+        self._reader = _reader(self.path)
+        self._reader.set_up_storage_reader(self.metadata, True)
+        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            key: (entry.properties.dtype, tuple(entry.size))
+            for key, entry in sorted(self.metadata.state_dict_metadata.items())
+            if isinstance(entry, TensorStorageMetadata)
+        }
+
+    def read_region(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        if key not in self.tensors:
+            raise CheckpointError(f"{self.path}: no tensor {key!r} in the checkpoint")
+        dtype, shape = self.tensors[key]
+        offsets, sizes = tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)
+        ):
+            raise CheckpointError(f"{self.path}: region {list(offsets)}+{list(sizes)} is outside {key!r} {list(shape)}")
+        target = torch.empty(sizes, dtype=dtype)
+        if target.numel() == 0:
+            return target
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+        covered = sum(_numel(item.lengths) for item in items)
+        if covered != target.numel():
+            raise CheckpointError(f"{self.path}: the saved chunks of {key!r} do not cover region {list(offsets)}+{list(sizes)}")
+        try:
+            self._reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: cannot read {key!r} ({' '.join(str(exc).split())[:300]})") from exc
+        return target
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self.tensors:
+            raise CheckpointError(f"{self.path}: no tensor {key!r} in the checkpoint")
+        shape = self.tensors[key][1]
+        return self.read_region(key, (0,) * len(shape), shape)
+
+
+def _numel(sizes) -> int:
+    count = 1
+    for n in sizes:
+        count *= int(n)
+    return count

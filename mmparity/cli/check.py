@@ -17,9 +17,16 @@ def add_arguments(parser) -> None:
                         help="an HF save_pretrained directory (config + safetensors, single or sharded)")
     parser.add_argument("--hf-format", metavar="F", default=None,
                         help="HF-side layout of --hf (default: detected from the keys)")
+    parser.add_argument("--mcore", metavar="DIR",
+                        help="check a converted mcore checkpoint (legacy or torch_dist, e.g. from "
+                             "mmparity convert) against the HF reference loaded from --hf (default: the "
+                             "source recorded in its mmparity.json); --tp reshards it")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default=None, metavar="NAME",
+                        help="native attention backend: auto (default), sdpa, math, varlen, flash, te; "
+                             "one that cannot run here is an error")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="run the native model across N tensor-parallel ranks (spawned, or torchrun's)")
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
@@ -81,8 +88,38 @@ def _load_hf(directory: str, family: str, hf_format):
     return cfg, tensors
 
 
+def _load_mcore(args) -> tuple[str, str, list]:
+    """(family, HF reference directory, native rank shards) for ``--mcore DIR``."""
+    from mmparity.checkpoint import MANIFEST_FILE, CheckpointError, read_manifest, resolve_iteration_dir
+    from mmparity.convert import ConvertError, read_mcore_shards
+
+    if len(args.families) > 1:
+        raise UsageError("--mcore checks one checkpoint: give at most one FAMILY")
+    if args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    if not os.path.isdir(args.mcore):
+        raise UsageError(f"--mcore {args.mcore}: no such directory")
+    family = args.families[0] if args.families else None
+    try:
+        family, _config, shards = read_mcore_shards(args.mcore, family, tp=args.tp if args.tp != 1 else None)
+        root = resolve_iteration_dir(args.mcore)[0]
+        manifest = read_manifest(root) if os.path.isfile(os.path.join(root, MANIFEST_FILE)) else None
+    except (ConvertError, CheckpointError) as exc:
+        raise UsageError(f"--mcore {args.mcore}: {exc}") from None
+    hf_dir = args.hf or (manifest.provenance.source_path if manifest is not None else None)
+    if not hf_dir or not os.path.isdir(hf_dir):
+        raise UsageError(f"--mcore {args.mcore}: needs --hf DIR, the HF checkpoint to compare against"
+                         + (f" (its recorded source {hf_dir} is gone)" if hf_dir else ""))
+    # Owned copies: rank shards may be memory-mapped files, and spawned TP ranks receive them pickled.
+    return family, hf_dir, [{k: v.clone() for k, v in shard.items()} for shard in shards]
+
+
 def run(args) -> int:
     quiet_third_party_warnings()
+    native_shards = None
+    if args.mcore:
+        family, args.hf, native_shards = _load_mcore(args)
+        args.families = [family]
     names = _resolve_families(args.families)
     if args.hf and len(names) != 1:
         raise UsageError("--hf needs exactly one FAMILY")
@@ -92,6 +129,13 @@ def run(args) -> int:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: CUDA is not available on this machine")
+    if args.attention_backend is not None:
+        from mmparity.native import attention
+
+        try:
+            attention.set_backend(args.attention_backend, device=args.device, dtype=args.dtype)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
@@ -114,7 +158,7 @@ def run(args) -> int:
         try:
             report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
                                    seed=args.seed, image_sizes=sizes, tp=args.tp,
-                                   components=not args.no_components)
+                                   components=not args.no_components, native_shards=native_shards)
         except ConversionError as exc:  # e.g. a TP size that does not divide the heads
             raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
         if combined is None:

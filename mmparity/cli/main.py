@@ -12,6 +12,9 @@ from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage
 SUBCOMMANDS = {
     "list": ("list_cmd", "list families, their components and HF reference classes"),
     "check": ("check", "parity of native mcore encoders against the HF reference"),
+    "bench": ("bench", "forward time of native encoders against the HF reference"),
+    "convert": ("convert", "convert checkpoints between HF safetensors and mcore (legacy, torch_dist)"),
+    "verify": ("verify", "re-check a checkpoint mmparity wrote against its mmparity.json checksums"),
 }
 
 

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -50,6 +51,8 @@ __all__ = [
     "remove_created_directories",
     "standalone_tensor",
     "tensor_checksum",
+    "checksums_in_background",
+    "torch_save_without_crc32",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -161,6 +164,38 @@ def tensor_checksum(tensor: torch.Tensor) -> TensorChecksum:
     return TensorChecksum(dtype_name(tensor.dtype), tuple(tensor.shape), digest.hexdigest())
 
 
+def checksums_in_background(items: Iterable[tuple[object, torch.Tensor]]):
+    """`{key: tensor_checksum(tensor)}` computed on a worker thread; returns its Future.
+
+    hashlib releases the GIL while hashing, so a writer can start this, write the same tensors,
+    and collect the result: on two cores the sha256 pass then costs almost no wall time.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    items = list(items)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-sha256")
+    try:
+        return pool.submit(lambda: {key: tensor_checksum(tensor) for key, tensor in items})
+    finally:
+        pool.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def torch_save_without_crc32():
+    """`torch.save` (and DCP, which uses it per item) without its zip CRC32 pass.
+
+    The CRC costs a full extra pass over the bytes, `torch.load` never checks it, and the manifest's
+    sha256 per tensor is the stronger check; torch versions without the switch are left as they are.
+    """
+    try:
+        from torch.utils.serialization import config
+        patch = config.patch({"save.compute_crc32": False})
+    except (ImportError, AttributeError, KeyError):
+        patch = contextlib.nullcontext()
+    with patch:
+        yield
+
+
 # --------------------------------------------------------------------------------------------------
 # reading
 
@@ -215,6 +250,7 @@ class SafetensorsCheckpoint:
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory")
         self._handles: dict[str, object] = {}
+        self._mappings: dict[str, tuple] = {}
         self._infos: dict[str, TensorInfo] = {}
         self.index_metadata: dict = {}
         try:
@@ -330,6 +366,43 @@ class SafetensorsCheckpoint:
         except Exception as exc:
             raise CheckpointError(f"{self.directory}: cannot read {name!r} ({_one_line(exc)})") from exc
 
+    def map(self, name: str) -> torch.Tensor:
+        """One whole tensor as a copy-free view of the file, backed by the page cache.
+
+        The tensor owns a storage of exactly its bytes (so `torch.save`, DCP and safetensors write
+        just those), mapped copy-on-write from a read-only descriptor: the checkpoint file can never
+        be modified through it, and the memory it occupies is file cache, not anonymous memory.
+        Falls back to `get` for tensors whose bytes are not aligned for their dtype.
+        """
+        info = self.info(name)
+        if info.file not in self._handles:
+            raise CheckpointError(f"{self.directory}: checkpoint is closed")
+        mapping, data_start, offsets = self._mapping(info.file)
+        begin, end = offsets[name]
+        if end - begin != info.nbytes:
+            raise CheckpointError(f"{self.directory}: {name!r} spans {end - begin} bytes, its header says {info.nbytes}")
+        if info.nbytes == 0 or (data_start + begin) % info.dtype.itemsize:
+            return self.get(name)
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+        return raw.view(info.dtype).view(info.shape)
+
+    def _mapping(self, file_name: str):
+        """(mmap of the file, byte offset of its data section, name -> (begin, end)), made once."""
+        cached = self._mappings.get(file_name)
+        if cached is not None:
+            return cached
+        path = self.directory / file_name
+        try:
+            with open(path, "rb") as f:
+                header_size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_size))
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from exc
+        offsets = {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+        self._mappings[file_name] = cached = (mapping, 8 + header_size, offsets)
+        return cached
+
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """`tensor.narrow(dim, start, stop - start)` reading only those bytes from disk."""
         info = self.info(name)
@@ -378,8 +451,10 @@ class SafetensorsCheckpoint:
     # -- lifetime ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        # safe_open handles unmap when released; dropping our references is the close.
+        # safe_open handles unmap when released; dropping our references is the close. Mappings
+        # handed out by `map` stay valid while a tensor still uses them.
         self._handles = {}
+        self._mappings = {}
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self

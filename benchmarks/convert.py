@@ -1,0 +1,248 @@
+"""Benchmark: `mmparity convert` on a real-size checkpoint against two baselines (not a test).
+
+The checkpoint is the Qwen3.5 vision tower at its published size (depth 27, hidden 1152, 16 heads,
+intermediate 4304, patch 16, temporal patch 2, out_hidden_size 2048 = the language model width of
+Qwen3.5-35B-A3B), synthetic bf16 weights, written as a sharded HF `save_pretrained` layout. Every
+measured job runs in a fresh child process (so imports and earlier jobs do not blur memory), and the
+parent samples the child's RssAnon from /proc every few milliseconds: anonymous memory only, not the
+page cache that reading and writing a checkpoint necessarily goes through.
+
+Jobs, all reading the same (warm) source bytes:
+
+* `copy`: a plain copy of the source files, fsynced (the floor for moving these bytes);
+* `transformers`: `from_pretrained` + `state_dict()` + `save_file`, fsynced (what people do today);
+* `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
+  `torch_dist -> hf`, through `mmparity.convert.convert` (atomic, fsynced, checksummed).
+
+Usage: python benchmarks/convert.py [--workdir DIR] [--depth 27] [--repeat 2] [--max-shard-size 500MB] [--keep]
+Numbers go to docs/convert.md; nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+QWEN35_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+                     patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048,
+                     num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+
+
+def _rss_anon_kb(pid: int | str = "self") -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# child jobs (run as `python benchmarks/convert.py --child JOB ...`)
+
+
+def _fsync_tree(root: Path) -> None:
+    for current, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(current) / name, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if job == "copy":
+        ready = _rss_anon_kb()
+        started = time.perf_counter()
+        Path(dst).mkdir()
+        for path in sorted(Path(src).iterdir()):
+            shutil.copyfile(path, Path(dst) / path.name)
+        _fsync_tree(Path(dst))
+    elif job == "transformers":
+        import torch
+        from safetensors.torch import save_file
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+        ready = _rss_anon_kb()
+        started = time.perf_counter()
+        model = Qwen3_5MoeVisionModel.from_pretrained(src, dtype=torch.bfloat16)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        Path(dst).mkdir()
+        save_file(state, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
+        _fsync_tree(Path(dst))
+    elif job == "convert":
+        import torch  # noqa: F401  (import cost outside the timed region, as for the others)
+
+        from mmparity.convert import ConvertOptions, convert
+
+        from mmparity import families
+
+        options = json.loads(extra[0])
+        # Imports outside the timed region, as for the baselines: they are per process, not per byte.
+        families.get("qwen3_5").reference()
+        if options.get("format") == "torch_dist" and options["to"] == "mcore":
+            families.get("qwen3_5").native()
+            import mmparity.checkpoint.torch_dist  # noqa: F401
+        ready = _rss_anon_kb()
+        started = time.perf_counter()
+        convert(ConvertOptions(src=Path(src), dst=Path(dst), **options))
+    else:
+        raise SystemExit(f"unknown job {job}")
+    return {"seconds": time.perf_counter() - started, "ready_anon_kb": ready}
+
+
+# --------------------------------------------------------------------------------------------------
+# parent
+
+
+def _measure(job: str, src: Path, dst: Path, *extra: str) -> dict:
+    """Runs one child job; returns its timing and the peak RssAnon seen while it ran."""
+    command = [sys.executable, __file__, "--child", job, str(src), str(dst), *extra]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            value = _rss_anon_kb(proc.pid)
+            if value is not None:
+                peak[0] = max(peak[0], value)
+            time.sleep(0.003)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{job} failed ({proc.returncode}):\n{err[-3000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_anon_kb"] = peak[0]
+    return result
+
+
+def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
+    """Synthetic bf16 Qwen3.5 vision tower in HF layout, written tensor by tensor (never all in RAM)."""
+    import torch
+    from transformers import Qwen3_5MoeVisionConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    from mmparity.convert import StreamingSafetensorsWriter
+
+    cfg = Qwen3_5MoeVisionConfig(**{**QWEN35_VISION, "depth": depth})
+    cfg.architectures = ["Qwen3_5MoeVisionModel"]
+    cfg.dtype = "bfloat16"
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Qwen3_5MoeVisionModel(cfg).state_dict().items()}
+    path.mkdir(parents=True)
+    entries = [(k, torch.bfloat16, s) for k, s in shapes.items()]
+    writer = StreamingSafetensorsWriter(path, entries, max_shard_size=max_shard_size)
+    generator = torch.Generator().manual_seed(0)
+    for name, _, shape in entries:
+        writer.write(name, (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16))
+    writer.close()
+    cfg.save_pretrained(path)
+    return writer.total_bytes
+
+
+def _same_tensors(a: Path, b: Path) -> bool:
+    import torch
+
+    from mmparity.converters.io import SafetensorsCheckpoint
+
+    with SafetensorsCheckpoint(a) as x, SafetensorsCheckpoint(b) as y:
+        if x.keys() != y.keys():
+            return False
+        return all(torch.equal(x.get(k), y.get(k)) and x.info(k).dtype == y.info(k).dtype for k in x.keys())
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--max-shard-size", default="500MB",
+                        help="source shard size; the tower is ~0.9 GB, so 500MB makes it a sharded checkpoint")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--depth", type=int, default=QWEN35_VISION["depth"],
+                        help="tower depth; the published 27, or more to see that memory does not grow")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="runs per job; the table shows the fastest run and the highest peak. The "
+                             "first touch of fresh memory is slow on a VM, so one run is noisy")
+    args = parser.parse_args()
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="mmparity-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / f"hf-depth{args.depth}"
+    try:
+        if not src.exists():
+            print("writing the synthetic source checkpoint ...", file=sys.stderr)
+            _make_source(src, args.max_shard_size, args.depth)
+        source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        files = sorted(p.name for p in src.iterdir())
+        print(f"source: {src} ({source_bytes / 1e9:.3f} GB in {', '.join(files)})", file=sys.stderr)
+
+        jobs = [
+            ("copy (baseline)", "copy", src, work / "copy", None),
+            ("transformers from_pretrained+save_file (baseline)", "transformers", src, work / "tf", None),
+            ("hf -> legacy tp1", "convert", src, work / "legacy1", dict(to="mcore", family="qwen3_5", format="legacy")),
+            ("hf -> legacy tp2", "convert", src, work / "legacy2", dict(to="mcore", family="qwen3_5", format="legacy", tp=2)),
+            ("hf -> torch_dist tp1", "convert", src, work / "dist1", dict(to="mcore", family="qwen3_5", format="torch_dist")),
+            ("hf -> torch_dist tp2", "convert", src, work / "dist2", dict(to="mcore", family="qwen3_5", format="torch_dist", tp=2)),
+            ("legacy tp2 -> hf", "convert", work / "legacy2", work / "back_legacy", dict(to="hf", max_shard_size=args.max_shard_size)),
+            ("torch_dist -> hf", "convert", work / "dist1", work / "back_dist", dict(to="hf", max_shard_size=args.max_shard_size)),
+        ]
+        rows = []
+        for label, job, job_src, job_dst, options in jobs:
+            if job_dst.exists():
+                shutil.rmtree(job_dst)
+            print(f"running {label} ...", file=sys.stderr)
+            extra = [json.dumps(options)] if options is not None else []
+            runs = []
+            for attempt in range(max(1, args.repeat)):
+                if attempt and job_dst.exists():
+                    shutil.rmtree(job_dst)
+                runs.append(_measure(job, job_src, job_dst, *extra))
+            result = min(runs, key=lambda r: r["seconds"])
+            result.update(label=label, written=_dir_bytes(job_dst), all_seconds=[r["seconds"] for r in runs],
+                          peak_anon_kb=max(r["peak_anon_kb"] for r in runs))
+            rows.append(result)
+            if job_dst.name in ("copy", "tf", "legacy1", "dist2"):
+                shutil.rmtree(job_dst)  # not needed again; keeps the disk footprint small
+        exact = {name: _same_tensors(src, work / name) for name in ("back_legacy", "back_dist")}
+
+        copy_seconds = rows[0]["seconds"]
+        print(f"\nQwen3.5 vision tower, depth {args.depth}: {source_bytes / 1e9:.3f} GB (bf16, {len(files) - 2} shards), "
+              f"{os.cpu_count()} CPUs, round trips bit-exact: {exact}\n")
+        print("| job | wall s (runs) | GB/s | x copy | peak RssAnon MB | of which imports MB |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for row in rows:
+            runs = ", ".join(f"{s:.2f}" for s in row["all_seconds"])
+            print(f"| {row['label']} | {row['seconds']:.2f} ({runs}) | {source_bytes / row['seconds'] / 1e9:.2f} | "
+                  f"{row['seconds'] / copy_seconds:.2f} | {row['peak_anon_kb'] / 1024:.0f} | "
+                  f"{(row['ready_anon_kb'] or 0) / 1024:.0f} |")
+    finally:
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(_child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])))
+    else:
+        main()

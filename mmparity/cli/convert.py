@@ -1,0 +1,124 @@
+"""``mmparity convert``: HF <-> mcore checkpoints on disk (see ``mmparity.convert`` for how)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mmparity.cli.common import EXIT_OK, UsageError, quiet_third_party_warnings
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--family", metavar="F",
+                        help="model family (required for an HF source; an mcore source names its own)")
+    parser.add_argument("--src", required=True, metavar="PATH",
+                        help="HF save_pretrained directory, or an mcore checkpoint root / iteration directory")
+    parser.add_argument("--dst", required=True, metavar="PATH", help="output directory (must not exist, see --force)")
+    parser.add_argument("--to", required=True, choices=("mcore", "hf"), help="output kind")
+    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size of mcore output")
+    parser.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel size of mcore output")
+    parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
+                        help="mcore output format (default torch_dist)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="cast floating tensors (default: keep each tensor's dtype, bit-exact)")
+    parser.add_argument("--hf-format", metavar="F", default=None,
+                        help="HF-side layout: of the source when converting to mcore (default: detected), "
+                             "of the output with --to hf (default: the source's)")
+    parser.add_argument("--max-shard-size", metavar="S", default=None,
+                        help="largest HF output shard, e.g. 500MB, 5GB (default 5GB)")
+    parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
+    parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
+
+
+class _RichProgress:
+    """Two numbers per phase: tensors done / total and bytes done / total, drawn on stderr."""
+
+    def __init__(self, console=None):
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn, TransferSpeedColumn)
+
+        self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                             TextColumn("{task.fields[count]}"), DownloadColumn(), TransferSpeedColumn(),
+                             TimeElapsedColumn(), console=console or Console(stderr=True))
+        self._task = None
+        self._done, self._total, self._unit = 0, None, "tensors"
+
+    def __enter__(self):
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._bar.stop()
+
+    def _count(self) -> str:
+        return f"{self._done}/{self._total} {self._unit}" if self._total is not None else ""
+
+    def phase(self, description, tensors=None, nbytes=None, unit="tensors"):
+        if self._task is not None:
+            task = self._bar.tasks[-1]
+            self._bar.update(self._task, completed=task.total if task.total is not None else task.completed)
+        self._done, self._total = 0, tensors
+        self._unit = unit
+        self._task = self._bar.add_task(description, total=nbytes, count=self._count())
+
+    def advance(self, tensors=0, nbytes=0):
+        self._done += tensors
+        self._bar.update(self._task, advance=nbytes, count=self._count())
+
+
+class _NoProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc_info):
+        return None
+
+    def phase(self, *args, **kwargs):
+        pass
+
+    def advance(self, *args, **kwargs):
+        pass
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    return str(nbytes)
+
+
+def run(args) -> int:
+    quiet_third_party_warnings()
+    from mmparity.convert import ConvertError, ConvertOptions, convert
+    from mmparity.converters.io import DEFAULT_MAX_SHARD_SIZE
+
+    if args.to == "hf" and args.format is not None:
+        raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
+    if args.to == "mcore" and args.max_shard_size is not None:
+        raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
+    options = ConvertOptions(
+        src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp,
+        format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
+        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
+        force=args.force)
+    interactive = not args.quiet and sys.stderr.isatty()
+    progress = _RichProgress() if interactive else _NoProgress()
+    try:
+        with progress:
+            result = convert(options, progress if interactive else None)
+    except ConvertError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:  # disk full, permissions: the staging directory is already gone
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise UsageError(f"{where}{exc.strerror or exc}") from None
+    except Exception as exc:  # anything else is still one line, and nothing was left behind
+        raise UsageError(f"conversion failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}") from None
+    if not args.quiet:
+        parallel = f" tp={result.tp} pp={result.pp}" if result.layout == "mcore_legacy" else ""
+        rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
+        print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
+              f"{result.tensors} tensors, {_human(result.nbytes)} in {result.seconds:.1f}s ({_human(rate)}/s)")
+    return EXIT_OK

@@ -1,0 +1,225 @@
+"""`mmparity convert` round trips on disk: every family, both mcore formats, whole-VLM sources, and
+mcore checkpoints loaded into native models at other TP sizes (spawned gloo ranks).
+
+Each source is a sharded HF directory of the family's tiny reference model with seeded random
+weights; HF -> mcore (TP 2, PP 2) -> HF must give back every tensor bit for bit, under its own name
+and prefix, with the source's config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmparity import families
+from mmparity.checkpoint import read_manifest, verify
+from mmparity.cli.main import main
+from mmparity.converters.io import load_safetensors_state_dict, save_safetensors_checkpoint
+from mmparity.parity.inputs import random_like_state
+
+
+def save_hf(family: str, path: Path, seed: int = 0, max_shard_size="20KB", cfg=None) -> Path:
+    """The family's tiny reference model as an HF directory (sharded), whatever its class."""
+    fam = families.get(family)
+    cfg = cfg if cfg is not None else fam.tiny_config()
+    model = fam.build_reference(cfg)
+    model.load_state_dict(random_like_state(model.state_dict(), seed=seed))
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(path, max_shard_size=max_shard_size)
+    else:  # a reference wrapper around HF modules (e.g. the Mistral3 vision path)
+        save_safetensors_checkpoint(path, model.state_dict(), max_shard_size=max_shard_size,
+                                    extra_files={"config.json": cfg.to_json_string()})
+    return path
+
+
+def run(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def assert_same_checkpoint(back: Path, src: Path) -> None:
+    expected, got = load_safetensors_state_dict(src), load_safetensors_state_dict(back)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert (back / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: save_hf(name, root / name, seed=i) for i, name in enumerate(families.names())}
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("family", families.names())
+def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(family, fmt, hf_dirs, tmp_path):
+    src = hf_dirs[family]
+    assert (src / "model.safetensors.index.json").exists()  # the source is sharded
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert run("convert", "--family", family, "--src", src, "--dst", mcore, "--to", "mcore",
+               "--tp", 2, "--pp", 2, "--format", fmt, "--quiet") == 0
+    manifest = read_manifest(mcore)
+    assert manifest.provenance.family == family
+    assert (mcore / "hf_config.json").read_bytes() == (src / "config.json").read_bytes()
+    if fmt == "legacy":
+        assert (manifest.tensor_parallel_size, manifest.pipeline_parallel_size) == (2, 2)
+        ranks = sorted(p.name for p in (mcore / "iter_0000001").iterdir())
+        assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert verify(mcore).ok
+    assert run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--max-shard-size", "30KB", "--quiet") == 0
+    assert_same_checkpoint(back, src)
+    assert verify(back).ok
+    assert (back / "model.safetensors.index.json").exists()
+
+
+def test_mcore_to_mcore_reshards_and_changes_format(hf_dirs, tmp_path):
+    src = hf_dirs["pixtral"]
+    assert run("convert", "--family", "pixtral", "--src", src, "--dst", tmp_path / "a", "--to", "mcore",
+               "--format", "legacy", "--tp", 2, "--quiet") == 0
+    assert run("convert", "--src", tmp_path / "a", "--dst", tmp_path / "b", "--to", "mcore",
+               "--format", "torch_dist", "--quiet") == 0
+    assert run("convert", "--src", tmp_path / "b", "--dst", tmp_path / "c", "--to", "mcore",
+               "--format", "legacy", "--tp", 4, "--pp", 2, "--quiet") == 0
+    assert read_manifest(tmp_path / "c").tensor_parallel_size == 4
+    assert run("convert", "--src", tmp_path / "c", "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 0
+    assert_same_checkpoint(tmp_path / "back", src)
+
+
+def test_hf_to_hf_changes_layout_and_shards(hf_dirs, tmp_path):
+    src = hf_dirs["pixtral"]
+    assert run("convert", "--family", "pixtral", "--src", src, "--dst", tmp_path / "mistral", "--to", "hf",
+               "--hf-format", "mistral", "--quiet") == 0
+    keys = load_safetensors_state_dict(tmp_path / "mistral")
+    assert all(k.startswith("vision_encoder.") for k in keys)
+    assert run("convert", "--family", "pixtral", "--src", tmp_path / "mistral", "--dst", tmp_path / "hf", "--to", "hf",
+               "--hf-format", "hf", "--max-shard-size", "25KB", "--quiet") == 0
+    assert_same_checkpoint(tmp_path / "hf", src)
+
+
+def test_dtype_cast_is_recorded_and_applied(hf_dirs, tmp_path):
+    src = hf_dirs["qwen3_5"]
+    assert run("convert", "--family", "qwen3_5", "--src", src, "--dst", tmp_path / "m", "--to", "mcore",
+               "--format", "legacy", "--dtype", "bfloat16", "--quiet") == 0
+    assert read_manifest(tmp_path / "m").provenance.extra["dtype"] == "bfloat16"
+    assert run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 0
+    back, expected = load_safetensors_state_dict(tmp_path / "back"), load_safetensors_state_dict(src)
+    for key, value in expected.items():
+        assert back[key].dtype == torch.bfloat16 and torch.equal(back[key], value.to(torch.bfloat16)), key
+
+
+@pytest.mark.parametrize("kind, shape", [("replicated", (6, 4)), ("column", (8, 3)), ("qkv", (12, 4)),
+                                         ("row", (6, 8)), ("row", (6,)), ("gated", (16, 5)), ("vocab", (8, 2))])
+def test_spilled_rank_views_equal_tp_shard(kind, shape, tmp_path):
+    """The legacy writer spills tp.shard_slices views instead of tp.shard copies: same tensors."""
+    from mmparity.convert import _Scratch
+    from mmparity.converters import tp as tp_mod
+
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(len(kind))).to(torch.bfloat16)
+    scratch = _Scratch(tmp_path / "out")
+    for rank, expected in enumerate(tp_mod.shard(full, kind, 2)):
+        ranges = tp_mod.shard_slices(tuple(full.shape), kind, 2, rank)
+        got = scratch.spill_concatenated([full.narrow(d, a, b - a) for d, a, b in ranges] or [full])
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (kind, rank)
+        assert got.untyped_storage().nbytes() == got.nbytes  # torch.save writes exactly these bytes
+    assert list(tmp_path.iterdir()) == []  # scratch files are never visible
+
+
+# --------------------------------------------------------------------------------------------------
+# whole-VLM sources: only the family's tensors are read, and they go back under the same prefix
+
+
+def _llava_with_pixtral(path: Path) -> Path:
+    """A whole LLaVA checkpoint (Pixtral tower, Llama decoder), saved sharded by transformers."""
+    return save_hf("llava", path, seed=7, max_shard_size="15KB")
+
+
+def _mistral3(path: Path) -> Path:
+    from transformers import Mistral3ForConditionalGeneration
+
+    cfg = families.get("pixtral_large").tiny_config()
+    model = Mistral3ForConditionalGeneration(cfg)
+    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
+    model.save_pretrained(path, max_shard_size="30KB")
+    return path
+
+
+@pytest.mark.parametrize("family, make, prefixes", [
+    ("pixtral", _llava_with_pixtral, ("vision_tower.", "model.vision_tower.")),
+    ("pixtral_large", _mistral3, ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                                  "model.multi_modal_projector.")),
+])
+def test_whole_vlm_source_converts_only_the_family(family, make, prefixes, tmp_path):
+    src = make(tmp_path / "src")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    assert any("language_model" in k for k in index["weight_map"])
+    for fmt in ("legacy", "torch_dist"):
+        mcore, back = tmp_path / f"m-{fmt}", tmp_path / f"b-{fmt}"
+        assert run("convert", "--family", family, "--src", src, "--dst", mcore, "--to", "mcore", "--tp", 2,
+                   "--pp", 2, "--format", fmt, "--quiet") == 0
+        assert run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--quiet") == 0
+        got, whole = load_safetensors_state_dict(back), load_safetensors_state_dict(src)
+        family_part = {k for k in whole if k.startswith(prefixes) and "position_ids" not in k}
+        assert set(got) == family_part
+        assert all(torch.equal(got[k], whole[k]) for k in got)
+        assert (back / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# a checkpoint written at TP 2 loads into native models at TP 1 and TP 4 with the same outputs
+
+
+def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
+    """One spawned rank: for each (family, format, checkpoint), load it at TP 4 and at TP 1, run."""
+    from mmparity.checkpoint.torch_dist import load_torch_dist
+    from mmparity.convert import read_mcore_shards
+    from mmparity.native import runtime
+
+    results = []
+    for family, fmt, path in jobs:
+        fam = families.get(family)
+        cfg = fam.tiny_config()
+        ref_mod, nat_mod = fam.reference(), fam.native()
+        prepare = getattr(ref_mod, "prepare_case", lambda case, cfg: case)
+        cases = [prepare(c, cfg) for c in ref_mod.cases(cfg, 3)]
+        per_tp = {}
+        for tp in (4, 1):
+            runtime.init_parallel(tp, 1)
+            model = fam.build_native(cfg)
+            if fmt == "torch_dist":
+                model.load_state_dict(load_torch_dist(path, model.sharded_state_dict()))
+            else:
+                _, _, shards = read_mcore_shards(path, tp=tp)
+                model.load_state_dict(shards[runtime.tp_rank()], strict=True)
+            with torch.no_grad():
+                per_tp[tp] = [{k: v.float() for k, v in nat_mod.run(model, case).items()} for case in cases]
+        results.append(per_tp)
+    return results if rank == 0 else None
+
+
+def test_tp2_checkpoint_loads_at_tp1_and_tp4_with_the_same_outputs(hf_dirs, tmp_path):
+    from mmparity.native import runtime
+
+    jobs = []
+    # qwen3_5's native merger reports per-rank shapes as global in its sharded_state_dict, so
+    # dist_checkpointing.load cannot load any torch_dist checkpoint into it at TP > 1 (a native-model
+    # issue, not a checkpoint one); kimi_k25 is the second family with a merger and a projector.
+    for family in ("pixtral", "kimi_k25"):
+        for fmt in ("legacy", "torch_dist"):
+            path = tmp_path / f"{family}-{fmt}"
+            assert run("convert", "--family", family, "--src", hf_dirs[family], "--dst", path, "--to", "mcore",
+                       "--tp", 2, "--format", fmt, "--quiet") == 0
+            jobs.append((family, fmt, str(path)))
+    results = runtime.spawn(_native_outputs, 4, jobs)[0]
+    by_job = dict(zip([(f, fmt) for f, fmt, _ in jobs], results))
+    for (family, fmt), per_tp in by_job.items():
+        for tp1, tp4 in zip(per_tp[1], per_tp[4]):
+            for name in tp1:
+                torch.testing.assert_close(tp4[name], tp1[name], rtol=1e-5, atol=1e-5,
+                                           msg=f"{family} {fmt} {name}: TP 4 != TP 1")
+        # Both formats hold the same weights: bit-identical outputs at the same TP size.
+        other = by_job[(family, "torch_dist" if fmt == "legacy" else "legacy")]
+        for a, b in zip(per_tp[1], other[1]):
+            assert all(torch.equal(a[k], b[k]) for k in a), (family, fmt)
