@@ -203,10 +203,9 @@ def test_tp2_checkpoint_loads_at_tp1_and_tp4_with_the_same_outputs(hf_dirs, tmp_
     from mmparity.native import runtime
 
     jobs = []
-    # qwen3_5's native merger reports per-rank shapes as global in its sharded_state_dict, so
-    # dist_checkpointing.load cannot load any torch_dist checkpoint into it at TP > 1 (a native-model
-    # issue, not a checkpoint one); kimi_k25 is the second family with a merger and a projector.
-    for family in ("pixtral", "kimi_k25"):
+    # Three towers with different parallel parts: plain ViT, Qwen's parallel merger MLP, Kimi's
+    # projector.
+    for family in ("pixtral", "qwen3_5", "kimi_k25"):
         for fmt in ("legacy", "torch_dist"):
             path = tmp_path / f"{family}-{fmt}"
             assert run("convert", "--family", family, "--src", hf_dirs[family], "--dst", path, "--to", "mcore",

@@ -24,3 +24,32 @@ def test_tp_negative_control_is_located_across_ranks():
     report = harness.check("pixtral", tp=2, seed=4, components=False, mutate_native=perturb)
     assert not report.passed
     assert {r.first_divergence.module for r in report.failures()} == {"layer.1"}
+
+
+def _sharded_global_shapes(rank: int, world_size: int, names: list) -> dict:
+    """{family: {checkpoint key: global shape}} as the native models declare them at this TP."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from mmparity.native import runtime
+
+    runtime.init_parallel(world_size, 1)
+    out = {}
+    for name in names:
+        fam = families.get(name)
+        model = fam.build_native(fam.tiny_config())
+        out[name] = {sh.key: tuple(sh.global_shape) for sh in nested_values(model.sharded_state_dict())
+                     if isinstance(sh, ShardedTensor)}
+    return out
+
+
+def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
+    """torch_dist stores global tensors: a model whose TP=2 declaration differs cannot reload."""
+    from mmparity.native import runtime
+
+    names = families.names()
+    at_tp2 = runtime.spawn(_sharded_global_shapes, 2, names)[0]
+    at_tp1 = _sharded_global_shapes(0, 1, names)
+    for name in names:
+        mismatched = {k: (at_tp1[name].get(k), v) for k, v in at_tp2[name].items() if at_tp1[name].get(k) != v}
+        assert not mismatched, (name, mismatched)

@@ -35,6 +35,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -215,7 +216,7 @@ class QwenVL2DRotaryEmbedding(torch.nn.Module):
         return torch.cat([half, half], dim=-1)[:, None, None, :]
 
 
-class QwenPatchMerger(torch.nn.Module):
+class QwenPatchMerger(MegatronModule):
     """HF's ``Qwen3_5MoeVisionPatchMerger`` (post-shuffle norm off) in mcore layers.
 
     ``encoder_tokens``: LayerNorm per token, then each m×m block (consecutive in block-first order)
@@ -226,7 +227,10 @@ class QwenPatchMerger(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, hidden_size: int, spatial_merge_size: int,
                  out_hidden_size: int, eps: float = QWEN_NORM_EPS, tp_group=None):
-        super().__init__()
+        # A MegatronModule so that sharded_state_dict() asks its parallel linears for their real
+        # split axes; as a plain Module every tensor would be declared replicated, and a torch_dist
+        # checkpoint written at TP>1 would record per-rank shapes as global ones.
+        super().__init__(config=config)
         self.hidden_size, self.spatial_merge_size = hidden_size, spatial_merge_size
         merged = hidden_size * spatial_merge_size ** 2
         self.patch_norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
