@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_size,
-                                 quiet_third_party_warnings, write_text_atomic)
+                                 quiet_third_party_warnings, select_device_and_backend,
+                                 write_text_atomic)
 
 
 def add_arguments(parser) -> None:
@@ -39,7 +40,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity import bench
-    from mmparity.native import attention
 
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     if args.images is not None and args.images < 1:
@@ -48,16 +48,7 @@ def run(args) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup is not None and args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: CUDA is not available on this machine")
-    if args.attention_backend is not None:
-        try:
-            attention.set_backend(args.attention_backend, device=args.device, dtype=args.dtype)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
     def progress(name: str) -> None:
         if not args.quiet:

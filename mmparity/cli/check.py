@@ -7,7 +7,8 @@ import sys
 import time
 
 from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_size,
-                                 quiet_third_party_warnings, write_text_atomic)
+                                 quiet_third_party_warnings, select_device_and_backend,
+                                 write_text_atomic)
 
 
 def add_arguments(parser) -> None:
@@ -124,18 +125,7 @@ def run(args) -> int:
     if args.hf and len(names) != 1:
         raise UsageError("--hf needs exactly one FAMILY")
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: CUDA is not available on this machine")
-    if args.attention_backend is not None:
-        from mmparity.native import attention
-
-        try:
-            attention.set_backend(args.attention_backend, device=args.device, dtype=args.dtype)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")

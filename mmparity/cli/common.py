@@ -52,3 +52,19 @@ def parse_image_size(text: str) -> tuple[int, int]:
     if height <= 0 or width <= 0:
         raise UsageError(f"image size {text!r} must be positive")
     return height, width
+
+
+def select_device_and_backend(device: str, dtype: str, backend: str | None) -> None:
+    """Refuse a device this machine lacks and an attention backend that cannot run on it."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: CUDA is not available on this machine")
+    if backend is not None:
+        from mmparity.native import attention
+
+        try:
+            attention.set_backend(backend, device=device, dtype=dtype)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
