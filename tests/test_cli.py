@@ -165,3 +165,13 @@ def test_module_entry_point_prints_no_traceback():
 def test_image_smaller_than_a_merge_block(capsys):
     _assert_usage_error(capsys, "check", "pixtral_large", "--image-size", "8x8",
                         match="smaller than one 2x2 merge block")
+
+
+@pytest.mark.parametrize("family", ["siglip", "qwen3_5"])
+def test_check_hf_directory_of_a_standalone_tower(capsys, tmp_path, family):
+    fam = families.get(family)
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
+    model.save_pretrained(tmp_path / family)
+    code, out, err = run_cli(capsys, "check", family, "--hf", str(tmp_path / family), "--quiet")
+    assert code == 0, err + out
