@@ -42,6 +42,9 @@ def quiet_third_party_warnings() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("megatron").setLevel(logging.ERROR)
+    # A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
+    # megatron imports torch.utils.cpp_extension; a user error must still be one line.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def parse_image_size(text: str) -> tuple[int, int]:

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage
+from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage, quiet_third_party_warnings
 
 # subcommand -> module under mmparity.cli exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # Before any subcommand module imports megatron or transformers (some do so at parse time).
+    quiet_third_party_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
