@@ -44,6 +44,7 @@ from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_s
                                     vision_layer_spec, vision_transformer_config)
 from mmparity.native.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
                                  _dynamic_patch_grid_lists)
+from mmparity.native.rope import rope_theta
 
 # HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
 KIMI_NORM_EPS = 1e-5
@@ -381,11 +382,6 @@ def _merge(vc) -> int:
     if kh != kw:
         raise NotImplementedError(f"only square merge kernels are supported, got {kh}x{kw}")
     return kh
-
-
-def rope_theta(vc) -> float:
-    params = getattr(vc, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(vc, "rope_theta", 10000.0)))
 
 
 def head_dim(vc) -> int:

@@ -730,6 +730,7 @@ from mmparity.converters import llava as llava_config  # noqa: E402
 from mmparity.native.attention import make_packed_seq_params  # noqa: E402
 from mmparity.native.layers import (activation_from_hf, layer_spec,  # noqa: E402
                                     tolerate_missing_extra_state, vision_transformer_config)
+from mmparity.native.rope import rope_theta  # noqa: E402
 
 
 class CausalCoreAttention(torch.nn.Module):
@@ -823,11 +824,6 @@ def _text_config_problems(text) -> list[str]:
     if rope_type != "default":
         problems.append(f"rope_type {rope_type!r} (only unscaled RoPE)")
     return problems
-
-
-def rope_theta(text) -> float:
-    params = getattr(text, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(text, "rope_theta", 10000.0)))
 
 
 def language_transformer_config(text, params_dtype: torch.dtype = torch.float32):
@@ -1181,27 +1177,12 @@ LOSS_WEIGHT_CASES = (([0, 2, 6, 8], [1, -100, 2, 3, 4, 5, -100, 6]),
                      ([0, 2, 9], [1, -100, 2]),
                      ([0, 0, 2, 3], [1, 2, -100]))
 
-# Compact rows for the expansion check: "I" is an image placeholder; tiles per placeholder in
-# reading order; slots per tile. The reference builds its expectation from the same layout.
-EXPANSION_ROWS = ("tttIttttt", "ttIttIttt")
-EXPANSION_TILES = (1, 2, 1)
-EXPANSION_SLOTS_PER_TILE = 3
-
-
 def expansion_inputs(vocab_size: int, seed: int):
-    """Seeded compact ids (placeholders = ``DEFAULT_IMAGE_TOKEN_INDEX``), pre-shifted labels
-    (the next id; a random id after the last token) and a loss mask that is 0 on the last token."""
+    """The shared compact batch (``parity.inputs.compact_llava_batch``) and a loss mask that is 0
+    on the last token."""
     from mmparity.parity import inputs
 
-    length = len(EXPANSION_ROWS[0])
-    gen = inputs.generator(seed + 7727)
-    ids = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), length), generator=gen)
-    for b, row in enumerate(EXPANSION_ROWS):
-        for t, kind in enumerate(row):
-            if kind == "I":
-                ids[b, t] = DEFAULT_IMAGE_TOKEN_INDEX
-    after = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), 1), generator=gen)
-    labels = torch.cat([ids[:, 1:], after], dim=1)
+    ids, labels = inputs.compact_llava_batch(vocab_size, seed, DEFAULT_IMAGE_TOKEN_INDEX)
     loss_mask = torch.ones(ids.shape)
     loss_mask[:, -1] = 0
     return ids, labels, loss_mask
@@ -1219,7 +1200,7 @@ def component(name: str, model: LLaVAModel, cfg, seed: int) -> torch.Tensor:
     if name == "expansion":
         ids, labels, loss_mask = expansion_inputs(cfg.text_config.vocab_size, seed)
         out = _preprocess_data(None, None, ids, loss_mask, labels, DEFAULT_IMAGE_TOKEN_INDEX,
-                               list(EXPANSION_TILES), img_seq_len=EXPANSION_SLOTS_PER_TILE,
+                               list(inputs.EXPANSION_TILES), img_seq_len=inputs.EXPANSION_SLOTS_PER_TILE,
                                pre_process=False)
         return torch.stack([out.input_ids.float(), out.labels.float(), out.loss_mask.float()])
     raise KeyError(name)

@@ -10,6 +10,7 @@ import torch
 
 from mmparity.native.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.native.vit import ViTModel
+from mmparity.native.rope import rope_theta
 
 # HF's PixtralRMSNorm instances are built with a literal 1e-5, not a config field.
 PIXTRAL_NORM_EPS = 1e-5
@@ -33,11 +34,6 @@ def transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
         ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm",
         norm_eps=PIXTRAL_NORM_EPS, activation=activation_from_hf(cfg.hidden_act), gated=True,
         bias=False, rotary_interleaved=True, params_dtype=params_dtype)
-
-
-def rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:

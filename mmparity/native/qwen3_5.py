@@ -43,6 +43,7 @@ from mmparity.native.attention import make_packed_seq_params
 from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
                                     vision_layer_spec, vision_transformer_config)
 from mmparity.native.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
+from mmparity.native.rope import rope_theta
 
 # HF builds every LayerNorm of this tower with a literal eps, not a config field.
 QWEN_NORM_EPS = 1e-6
@@ -385,11 +386,6 @@ def table_side(cfg) -> int:
 
 def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:

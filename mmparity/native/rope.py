@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 
 
+def rope_theta(cfg, default: float = 10000.0) -> float:
+    """The RoPE base of an HF config: transformers v5 keeps it in ``rope_parameters``, older
+    configs as a ``rope_theta`` attribute."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", default)))
+
+
 def _grid_ids(h_patches: int, w_patches: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(h_patches, device=device).repeat_interleave(w_patches)
     cols = torch.arange(w_patches, device=device).repeat(h_patches)

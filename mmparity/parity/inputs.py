@@ -132,3 +132,24 @@ def like_model(t: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     """Move a CPU-generated probe to the device and dtype of ``model``'s parameters."""
     param = next(model.parameters())
     return t.to(device=param.device, dtype=param.dtype)
+
+
+# LLaVA expansion check: compact rows ("I" is an image placeholder), tiles per placeholder in
+# reading order, embedding slots per tile. Both sides build from this one layout and recipe.
+EXPANSION_ROWS = ("tttIttttt", "ttIttIttt")
+EXPANSION_TILES = (1, 2, 1)
+EXPANSION_SLOTS_PER_TILE = 3
+
+
+def compact_llava_batch(vocab_size: int, seed: int, placeholder: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded compact ids with ``placeholder`` at the image positions of ``EXPANSION_ROWS`` and
+    pre-shifted labels (the next id; a random id after the last token)."""
+    length = len(EXPANSION_ROWS[0])
+    gen = generator(seed + 7727)
+    ids = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), length), generator=gen)
+    for b, row in enumerate(EXPANSION_ROWS):
+        for t, kind in enumerate(row):
+            if kind == "I":
+                ids[b, t] = placeholder
+    after = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), 1), generator=gen)
+    return ids, torch.cat([ids[:, 1:], after], dim=1)

@@ -245,25 +245,6 @@ COMPONENTS = ("pixel_shuffle", "loss_weights", "expansion")
 PINNED_LOSS_WEIGHTS = ([0.25, 0, 0.125, 0.125, 0.125, 0.125, 0, 0.25], [0, 0, 0.5, 0.5],
                        [0.5, 0, 0.5], [0.5, 0.5, 0])
 
-# The expansion check's layout; must match native/llava.py (EXPANSION_*), which owns the inputs.
-EXPANSION_ROWS = ("tttIttttt", "ttIttIttt")
-EXPANSION_TILES = (1, 2, 1)
-EXPANSION_SLOTS_PER_TILE = 3
-
-
-def _expansion_inputs(vocab_size: int, seed: int):
-    """The native side's seeded compact batch, rebuilt with the same recipe."""
-    length = len(EXPANSION_ROWS[0])
-    gen = inputs.generator(seed + 7727)
-    ids = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), length), generator=gen)
-    for b, row in enumerate(EXPANSION_ROWS):
-        for t, kind in enumerate(row):
-            if kind == "I":
-                ids[b, t] = PLACEHOLDER
-    after = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), 1), generator=gen)
-    return ids, torch.cat([ids[:, 1:], after], dim=1)
-
-
 def expansion_reference(vocab_size: int, seed: int) -> torch.Tensor:
     """[ids, labels, loss mask] after expansion, from the HF convention.
 
@@ -273,13 +254,13 @@ def expansion_reference(vocab_size: int, seed: int) -> torch.Tensor:
     trains it), and the final token keeps its own pre-shifted label, masked (its loss mask is 0).
     Rows are right-padded with id 0, label -100, mask 0.
     """
-    ids, labels = _expansion_inputs(vocab_size, seed)
-    tiles = iter(EXPANSION_TILES)
+    ids, labels = inputs.compact_llava_batch(vocab_size, seed, PLACEHOLDER)
+    tiles = iter(inputs.EXPANSION_TILES)
     rows = []
     for b in range(ids.shape[0]):
         hf = []
         for token in ids[b].tolist():
-            hf += [PLACEHOLDER] * (next(tiles) * EXPANSION_SLOTS_PER_TILE) if token == PLACEHOLDER else [token]
+            hf += [PLACEHOLDER] * (next(tiles) * inputs.EXPANSION_SLOTS_PER_TILE) if token == PLACEHOLDER else [token]
         n = len(hf)
         is_text = [t != PLACEHOLDER for t in hf]
         row_labels, row_mask = [], []
