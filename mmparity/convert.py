@@ -73,6 +73,7 @@ from mmparity.converters.io import (
     SAFETENSORS_SINGLE_FILE,
     CheckpointError,
     SafetensorsCheckpoint,
+    prefault,
     TensorChecksum,
     atomic_directory,
     parse_size,
@@ -715,9 +716,9 @@ class StreamingSafetensorsWriter:
     says so), so each shard's header and byte layout are fixed up front: tensors are assigned to
     shards greedily in the given order (HF's rule, a tensor larger than the limit gets a shard of
     its own), laid out inside a shard by decreasing alignment so every tensor's bytes stay aligned,
-    and each `write` is one `pwrite` to the tensor's offset. Writing and hashing run on a worker
-    thread (both release the GIL) while the caller produces the next tensor; at most two tensors wait
-    for it, so memory holds a few tensors, never a shard. Output names follow `save_pretrained`: `model.safetensors`, or
+    and each `write` is one `pwrite` to the tensor's offset. Writing and hashing run on two worker
+    threads (both release the GIL) while the caller produces the next tensor; at most two tensors wait
+    for them, so memory holds a few tensors, never a shard. Output names follow `save_pretrained`: `model.safetensors`, or
     `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`.
     """
 
@@ -747,7 +748,7 @@ class StreamingSafetensorsWriter:
         self._slots: dict[str, tuple] = {}  # name -> (shard, absolute offset, nbytes, dtype, shape)
         self._remaining = [len(s) for s in shards]
         self._fds: list[int | None] = []
-        self._pool = None
+        self._pool = self._hash_pool = None
         self._inflight: collections.deque = collections.deque()
         self.checksums: dict[str, TensorChecksum] = {}
         self._written: set[str] = set()
@@ -793,20 +794,31 @@ class StreamingSafetensorsWriter:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
+            # Writing and hashing each take about as long as the plain copy; one thread each
+            # (both release the GIL) instead of one doing both halves the writer's critical path.
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-writer")
-        self._inflight.append(self._pool.submit(self._write_one, name, tensor.contiguous()))
-        while len(self._inflight) > 2:
+            self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-sha256")
+        tensor = tensor.contiguous()
+        self._inflight.append(self._pool.submit(self._write_one, name, tensor))
+        self._inflight.append(self._hash_pool.submit(self._hash_one, name, tensor))
+        while len(self._inflight) > 4:
             self._inflight.popleft().result()
 
     def _write_one(self, name: str, tensor: torch.Tensor) -> None:
         number, offset, nbytes, _dtype, _shape = self._slots[name]
         if nbytes:
+            prefault([tensor])
             _pwrite_all(self._fds[number], tensor.reshape(-1).view(torch.uint8).numpy(), offset)
-        self.checksums[name] = tensor_checksum(tensor)
         self._remaining[number] -= 1
         if self._remaining[number] == 0:
+            # A finished shard is flushed now, while later shards are still being converted,
+            # rather than all at once by the final fsync of the staging tree.
+            os.fsync(self._fds[number])
             os.close(self._fds[number])
             self._fds[number] = None
+
+    def _hash_one(self, name: str, tensor: torch.Tensor) -> None:
+        self.checksums[name] = tensor_checksum(tensor)
 
     def _drain(self) -> None:
         while self._inflight:
@@ -842,7 +854,8 @@ class StreamingSafetensorsWriter:
         self._inflight.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-            self._pool = None
+            self._hash_pool.shutdown(wait=True)
+            self._pool = self._hash_pool = None
         for number, fd in enumerate(self._fds):
             if fd is not None:
                 os.close(fd)

@@ -33,6 +33,7 @@ from mmparity.converters.io import (
     CheckpointError,
     atomic_directory,
     checksums_in_background,
+    prefault,
     standalone_tensor,
     torch_save_without_crc32,
 )
@@ -137,6 +138,7 @@ def write_legacy(
                 }
                 # Hashing overlaps the write: both only read the tensors.
                 checksums = checksums_in_background((k, v) for k, v in model.items() if isinstance(v, torch.Tensor))
+                prefault(v for v in model.values() if isinstance(v, torch.Tensor))
                 with torch_save_without_crc32():
                     torch.save(
                         {"model": model, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},

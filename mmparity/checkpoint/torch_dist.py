@@ -58,6 +58,7 @@ from mmparity.converters.io import (
     make_staging_directory,
     publish_staging_directory,
     checksums_in_background,
+    prefault,
     remove_created_directories,
     torch_save_without_crc32,
 )
@@ -114,6 +115,7 @@ class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
         # below replaces each shard's `data` with a reshaped view (it never modifies the bytes).
         checksums = checksums_in_background(
             ((shard.key, tuple(shard.global_offset)), shard.data) for shard in shards)
+        prefault(shard.data for shard in shards)
         pyt_state_dict = mc.mcore_to_pyt_state_dict(by_key, False)
         writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
         with torch_save_without_crc32():

@@ -52,6 +52,7 @@ __all__ = [
     "standalone_tensor",
     "tensor_checksum",
     "checksums_in_background",
+    "prefault",
     "torch_save_without_crc32",
     "dtype_name",
     "dtype_from_name",
@@ -178,6 +179,48 @@ def checksums_in_background(items: Iterable[tuple[object, torch.Tensor]]):
         return pool.submit(lambda: {key: tensor_checksum(tensor) for key, tensor in items})
     finally:
         pool.shutdown(wait=False)
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and we carry on unpopulated
+_PAGE = mmap.PAGESIZE
+_madvise = None
+
+
+def prefault(tensors: Iterable[torch.Tensor]) -> None:
+    """Maps the pages of file-backed tensors into the page table before the kernel copies from them.
+
+    A `write`/`pwrite` from a freshly mapped file takes one page fault per page inside the syscall:
+    measured on this VM at 0.76 GB/s, against 1.84 GB/s once the range is populated (populating
+    500 MB of cached pages costs ~8 ms). Populating is per tensor, never per file, so a source
+    whose other tensors are not converted is not read. Anonymous tensors are already resident;
+    the call is then a cheap walk.
+    """
+    global _madvise
+    if _madvise is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = libc.madvise
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or not tensor.numel():
+            continue
+        begin = tensor.data_ptr()
+        end = begin + tensor.numel() * tensor.element_size()
+        start = begin - begin % _PAGE
+        if _madvise(start, end - start, _MADV_POPULATE_READ) != 0:
+            import ctypes
+            import errno
+
+            if ctypes.get_errno() == errno.EINVAL:
+                _madvise = False  # an older kernel: every later call would fail the same way
+                return
 
 
 @contextlib.contextmanager

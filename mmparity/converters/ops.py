@@ -19,8 +19,22 @@ class LayoutError(ValueError):
     """A tensor does not have the shape an op needs; the message names the op and the shapes."""
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().clone()
+def _own(t: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """`t` as a tensor owning exactly its bytes and sharing none of `inputs`' memory.
+
+    Copies only when it has to: the result of `cat` or of a non-viewable reshape already is such
+    a tensor, and a second copy of every converted byte was a measurable part of convert's time.
+    """
+    if not t.numel():
+        return t.clone()
+    compact = t.contiguous()
+    if compact is not t:
+        return compact  # `contiguous` made a fresh, exact copy
+    storage = t.untyped_storage()
+    if storage.nbytes() == t.numel() * t.element_size() and not any(
+            x.numel() and x.untyped_storage().data_ptr() == storage.data_ptr() for x in inputs):
+        return t
+    return t.clone()
 
 
 def _shapes(ts: Sequence[torch.Tensor]) -> str:
@@ -44,10 +58,10 @@ class Op:
 @dataclass(frozen=True, repr=False)
 class Identity(Op):
     def apply(self, hf):
-        return [_own(hf[0])]
+        return [_own(hf[0], hf)]
 
     def invert(self, mcore):
-        return [_own(mcore[0])]
+        return [_own(mcore[0], mcore)]
 
 
 @dataclass(frozen=True, repr=False)
@@ -58,10 +72,10 @@ class Reshape(Op):
     mcore_shape: tuple
 
     def apply(self, hf):
-        return [_own(_reshape(hf[0], self.mcore_shape, self))]
+        return [_own(_reshape(hf[0], self.mcore_shape, self), hf)]
 
     def invert(self, mcore):
-        return [_own(_reshape(mcore[0], self.hf_shape, self))]
+        return [_own(_reshape(mcore[0], self.hf_shape, self), mcore)]
 
 
 def _reshape(t, shape, op):
@@ -93,14 +107,14 @@ class RopeInterleave(Op):
         self._check(t)
         rest = t.shape[1:]
         halves = t.reshape(self.num_heads, 2, self.head_dim // 2, *rest)
-        return [_own(halves.transpose(1, 2).reshape(t.shape))]
+        return [_own(halves.transpose(1, 2).reshape(t.shape), hf)]
 
     def invert(self, mcore):
         t = mcore[0]
         self._check(t)
         rest = t.shape[1:]
         pairs = t.reshape(self.num_heads, self.head_dim // 2, 2, *rest)
-        return [_own(pairs.transpose(1, 2).reshape(t.shape))]
+        return [_own(pairs.transpose(1, 2).reshape(t.shape), mcore)]
 
     def __repr__(self):
         return f"RopeInterleave(heads={self.num_heads}, head_dim={self.head_dim})"
@@ -147,7 +161,7 @@ class FuseQKV(Op):
         rest = q.shape[1:]
         fused = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest),
                            v.reshape(g, 1, d, *rest)], dim=1)
-        return [_own(fused.reshape(-1, *rest))]
+        return [_own(fused.reshape(-1, *rest), hf)]
 
     def invert(self, mcore):
         t = mcore[0]
@@ -160,7 +174,7 @@ class FuseQKV(Op):
         q = grouped[:, :per].reshape(-1, *rest)
         k = grouped[:, per].reshape(-1, *rest)
         v = grouped[:, per + 1].reshape(-1, *rest)
-        return [_own(op.invert([x])[0] if op else x) for op, x in zip(self.pre, (q, k, v))]
+        return [_own(op.invert([x])[0] if op else x, mcore) for op, x in zip(self.pre, (q, k, v))]
 
     def __repr__(self):
         return f"FuseQKV(heads={self.num_heads}, groups={self.num_groups}, head_dim={self.head_dim})"
@@ -188,7 +202,7 @@ class RegroupQKV(Op):
         return self._fuse.apply(list(torch.split(t, sizes, dim=0)))
 
     def invert(self, mcore):
-        return [_own(torch.cat(self._fuse.invert(mcore), dim=0))]
+        return [_own(torch.cat(self._fuse.invert(mcore), dim=0), mcore)]
 
     def __repr__(self):
         return f"RegroupQKV(heads={self.num_heads}, groups={self.num_groups}, head_dim={self.head_dim})"
@@ -204,13 +218,13 @@ class Concat(Op):
     def apply(self, hf):
         if len({t.shape[self.dim] for t in hf}) != 1:
             raise LayoutError(f"{self!r}: parts must have equal size along dim {self.dim}, got {_shapes(hf)}")
-        return [_own(torch.cat(hf, dim=self.dim))]
+        return [_own(torch.cat(hf, dim=self.dim), hf)]
 
     def invert(self, mcore):
         t = mcore[0]
         if t.shape[self.dim] % self.n_hf:
             raise LayoutError(f"{self!r}: dim {self.dim} of {tuple(t.shape)} does not split in {self.n_hf}")
-        return [_own(x) for x in torch.chunk(t, self.n_hf, dim=self.dim)]
+        return [_own(x, mcore) for x in torch.chunk(t, self.n_hf, dim=self.dim)]
 
     def __repr__(self):
         return f"Concat(n={self.n_hf}, dim={self.dim})"
@@ -251,7 +265,7 @@ class PadRows(Op):
         if t.shape[0] < self.rows:
             raise LayoutError(f"{self!r}: a padded table needs at least {self.rows} rows, "
                               f"got {tuple(t.shape)}")
-        return [_own(t[: self.rows])]
+        return [_own(t[: self.rows], mcore)]
 
     def __repr__(self):
         return f"PadRows(rows={self.rows}, padded={self.padded})"

@@ -26,7 +26,8 @@ class ShardError(ValueError):
 def _split(t: torch.Tensor, tp: int, dim: int, kind: str) -> list[torch.Tensor]:
     if t.dim() <= dim or t.shape[dim] % tp:
         raise ShardError(f"{kind}: dim {dim} of shape {tuple(t.shape)} is not divisible by tp={tp}")
-    return [c.contiguous().clone() for c in torch.chunk(t, tp, dim=dim)]
+    # One copy per chunk: `contiguous().clone()` copied a column chunk twice.
+    return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(t, tp, dim=dim)]
 
 
 def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
@@ -52,7 +53,7 @@ def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
         for r, p in enumerate(parts[1:], start=1):
             if p.shape != parts[0].shape or p.dtype != parts[0].dtype or not torch.equal(p, parts[0]):
                 raise ShardError(f"replicated tensor differs between rank 0 and rank {r}")
-        return parts[0].contiguous().clone()
+        return parts[0].clone(memory_format=torch.contiguous_format)
     if kind in ("column", "qkv", "vocab"):
         return torch.cat(parts, dim=0)
     if kind == "row":
