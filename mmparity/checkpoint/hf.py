@@ -10,8 +10,8 @@ import torch
 
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
 from mmparity.converters.io import (
+    write_extra_files,
     DEFAULT_MAX_SHARD_SIZE,
-    CheckpointError,
     ShardedSafetensorsWriter,
     atomic_directory,
 )
@@ -37,13 +37,7 @@ def write_hf(
         writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
         writer.add_all(tensors)
         written = writer.close()
-        for file_name, content in (extra_files or {}).items():
-            if Path(file_name).name != file_name or file_name in written or file_name == MANIFEST_FILE:
-                raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
-            if isinstance(content, bytes):
-                (staging / file_name).write_bytes(content)
-            else:
-                (staging / file_name).write_text(content, encoding="utf-8")
+        write_extra_files(staging, extra_files, [*written, MANIFEST_FILE])
         write_manifest(
             staging,
             Manifest(

@@ -30,6 +30,7 @@ import torch
 
 from mmparity.converters import pp
 from mmparity.converters.io import (
+    write_extra_files,
     CheckpointError,
     atomic_directory,
     checksums_in_background,
@@ -147,13 +148,7 @@ def write_legacy(
                 records += [TensorRecord(relative.as_posix(), k, c) for k, c in checksums.result().items()]
                 if on_file is not None:
                     on_file(relative.as_posix(), sum(v.nbytes for v in model.values() if isinstance(v, torch.Tensor)))
-        for file_name, content in (extra_files or {}).items():
-            if Path(file_name).name != file_name or file_name in (MANIFEST_FILE, TRACKER_FILE) or (staging / file_name).exists():
-                raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
-            if isinstance(content, bytes):
-                (staging / file_name).write_bytes(content)
-            else:
-                (staging / file_name).write_text(content, encoding="utf-8")
+        write_extra_files(staging, extra_files, (MANIFEST_FILE, TRACKER_FILE))
         write_tracker(staging, iteration)
         write_manifest(
             staging,

@@ -54,6 +54,7 @@ from mmparity.checkpoint.manifest import (
     write_manifest,
 )
 from mmparity.converters.io import (
+    write_extra_files,
     CheckpointError,
     make_staging_directory,
     publish_staging_directory,
@@ -280,14 +281,7 @@ def save_torch_dist(
                 if content_metadata is not None:
                     file_common["content_metadata"] = dict(content_metadata)
                 mc.ensure_common_file(staging / iteration_name, file_common)
-                for file_name, content in (extra_files or {}).items():
-                    if Path(file_name).name != file_name or (staging / file_name).exists() or file_name in (
-                        MANIFEST_FILE, TRACKER_FILE):
-                        raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
-                    if isinstance(content, bytes):
-                        (staging / file_name).write_bytes(content)
-                    else:
-                        (staging / file_name).write_text(content, encoding="utf-8")
+                write_extra_files(staging, extra_files, (MANIFEST_FILE, TRACKER_FILE))
                 write_tracker(staging, iteration)
                 write_manifest(
                     staging,

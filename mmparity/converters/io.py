@@ -680,14 +680,25 @@ def save_safetensors_checkpoint(
         writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size, metadata=metadata)
         writer.add_all(tensors)
         written = set(writer.close())
-        for file_name, content in (extra_files or {}).items():
-            if Path(file_name).name != file_name or file_name in written:
-                raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
-            if isinstance(content, bytes):
-                (staging / file_name).write_bytes(content)
-            else:
-                (staging / file_name).write_text(content, encoding="utf-8")
+        write_extra_files(staging, extra_files, written)
     return writer.checksums
+
+
+def write_extra_files(staging: Path, files: Mapping[str, str | bytes] | None,
+                      reserved: Iterable[str] = ()) -> None:
+    """Small files (e.g. ``config.json``) written next to the tensors in the same atomic step.
+
+    Names must be plain file names that nothing else in the directory uses: an extra file must
+    never shadow a shard, the manifest or the tracker.
+    """
+    reserved = set(reserved)
+    for file_name, content in (files or {}).items():
+        if Path(file_name).name != file_name or file_name in reserved or (staging / file_name).exists():
+            raise CheckpointError(f"extra file name {file_name!r} is not a plain, unused file name")
+        if isinstance(content, bytes):
+            (staging / file_name).write_bytes(content)
+        else:
+            (staging / file_name).write_text(content, encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------
