@@ -201,6 +201,18 @@ def test_cli_detects_and_checks_mistral_native_tensors(tmp_path, capsys):
     mistral = random_mistral_state("pixtral_large", cfg, 9)
     consolidated = {**mistral, **{k: torch.zeros(s) for k, s in LM_KEYS.items()}}
     cfg.save_pretrained(tmp_path)
-    save_file({k: v.contiguous() for k, v in consolidated.items()}, tmp_path / "model.safetensors")
+    # Under Mistral's own file name, as the release ships it.
+    save_file({k: v.contiguous() for k, v in consolidated.items()}, tmp_path / "consolidated.safetensors")
     capsys.readouterr()
     assert main(["check", "pixtral_large", "--hf", str(tmp_path), "--quiet"]) == 0
+
+
+def test_mistral_release_directory_without_hf_config_is_a_clear_error(tmp_path, capsys):
+    from mmparity.cli.main import main
+
+    (tmp_path / "params.json").write_text("{}")
+    save_file({"vision_encoder.ln_pre.weight": torch.ones(4)}, tmp_path / "consolidated.safetensors")
+    capsys.readouterr()
+    assert main(["check", "pixtral", "--hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "params.json is not translated" in err[0]

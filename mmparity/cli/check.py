@@ -57,6 +57,9 @@ def _load_hf(directory: str, family: str, hf_format):
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
     if not os.path.isfile(os.path.join(directory, "config.json")):
+        if os.path.isfile(os.path.join(directory, "params.json")):
+            raise UsageError(f"--hf {directory}: a Mistral-native directory (params.json) needs an HF "
+                             f"config.json beside it: params.json is not translated")
         raise UsageError(f"--hf {directory}: no config.json (expected an HF save_pretrained directory)")
     try:
         from transformers import AutoConfig

@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 SAFETENSORS_SINGLE_FILE = "model.safetensors"
+MISTRAL_CONSOLIDATED_FILE = "consolidated.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 
 # HF's own default for save_pretrained.
@@ -299,9 +300,15 @@ class SafetensorsCheckpoint:
         try:
             single = self.directory / SAFETENSORS_SINGLE_FILE
             index = self.directory / SAFETENSORS_INDEX_FILE
+            consolidated = self.directory / MISTRAL_CONSOLIDATED_FILE
             if single.is_file():
                 self.layout = "single"
                 self._open_single(single)
+            elif consolidated.is_file() and not index.is_file():
+                # Mistral's own release layout: one file under another name (tensor names are the
+                # Mistral-native ones; the family converters detect that layout from the keys).
+                self.layout = "single"
+                self._open_single(consolidated)
             elif index.is_file():
                 self.layout = "sharded"
                 self._open_sharded(index)
