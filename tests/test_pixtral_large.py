@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
-                          PixtralVisionConfig)
+from transformers import Mistral3ForConditionalGeneration
 from transformers.models.mistral3.modeling_mistral3 import Mistral3PatchMerger
 
 from mmparity import converters, families

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import SiglipConfig, SiglipModel, SiglipVisionConfig
+from transformers import SiglipConfig, SiglipModel
 
 from mmparity import converters, families
 from mmparity.converters.siglip import SplitInProj
