@@ -39,7 +39,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.native.attention import make_packed_seq_params
 from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
                                     vision_layer_spec, vision_transformer_config)
 from mmparity.native.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
@@ -349,12 +348,7 @@ class QwenVLViTModel(VisionTower):
         ready for ``merger.encoder_tokens`` / ``merger``.
         """
         tokens, rope, grids, seqlens = self.embed(pixel_values, imgs_sizes)
-        if seqlens is not None and packed_seq_params is None:
-            packed_seq_params = make_packed_seq_params(seqlens, tokens.device)
-        hidden = tokens.transpose(0, 1).contiguous() if self.pre_process else None
-        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb=rope,
-                              packed_seq_params=packed_seq_params)
-        hidden = hidden.transpose(0, 1).contiguous()
+        hidden = self.run_stack(tokens, rope, seqlens, attention_mask, packed_seq_params)
         if seqlens is None:
             return hidden, grids[0][0], grids[0][1]
         return hidden, [h for h, _ in grids], [w for _, w in grids]

@@ -266,6 +266,16 @@ class VisionTower(MegatronModule):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
+    def run_stack(self, tokens: torch.Tensor, rope: torch.Tensor, seqlens: Optional[list],
+                  attention_mask=None, packed_seq_params=None) -> torch.Tensor:
+        """Batch-first tokens through the mcore block; packed input (``seqlens``) attends per image."""
+        if seqlens is not None and packed_seq_params is None:
+            packed_seq_params = make_packed_seq_params(seqlens, tokens.device)
+        hidden = tokens.transpose(0, 1).contiguous() if self.pre_process else None
+        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb=rope,
+                              packed_seq_params=packed_seq_params)
+        return hidden.transpose(0, 1).contiguous()
+
 
 class ViTModel(VisionTower):
     """Generic vision transformer on an mcore TransformerBlock: Pixtral, Pixtral-Large, CLIP, SigLIP.
@@ -423,12 +433,7 @@ class ViTModel(VisionTower):
         ``return_pooled`` (``pooled`` is None without a ``pooling``); pooling reads the encoder
         output, before any merger."""
         tokens, rope, seqlens, grids = self._embed(pixel_values, imgs_sizes)
-        if seqlens is not None and packed_seq_params is None:
-            packed_seq_params = make_packed_seq_params(seqlens, tokens.device)
-        hidden = tokens.transpose(0, 1).contiguous() if self.pre_process else None
-        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb=rope,
-                              packed_seq_params=packed_seq_params)
-        hidden = hidden.transpose(0, 1).contiguous()
+        hidden = self.run_stack(tokens, rope, seqlens, attention_mask, packed_seq_params)
         if not self.post_process:
             return (hidden, None) if return_pooled else hidden
         if self.ln_post_scope == "tokens":
