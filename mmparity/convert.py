@@ -33,7 +33,6 @@ files are unlinked at creation, so even a killed process leaves none behind.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import mmap
@@ -73,11 +72,11 @@ from mmparity.converters.io import (
     SAFETENSORS_SINGLE_FILE,
     CheckpointError,
     SafetensorsCheckpoint,
-    prefault,
-    TensorChecksum,
+    Slot,
+    SlotWriter,
+    pwrite_all,
     atomic_directory,
     parse_size,
-    tensor_checksum,
 )
 from mmparity.converters.ops import Identity, LayoutError
 from mmparity.converters.tp import ShardError
@@ -350,6 +349,10 @@ class _Source:
     def mcore_tensor(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        """The same tensor as consecutive dim-0 pieces, where a source can avoid joining them."""
+        return [self.mcore_tensor(key)]
+
     def provenance_extra(self) -> dict:
         return {"hf_prefix": self.prefix, "hf_format": self.hf_format}
 
@@ -492,19 +495,32 @@ class _LegacySource(_McoreSource):
         if problems:
             raise ConvertError(_problems_line(f"{self.root}: cannot merge the TP={self.tp} legacy checkpoint", problems))
 
-    def mcore_tensor(self, key: str) -> torch.Tensor:
+    def _parts(self, key: str) -> list[torch.Tensor]:
         parts = [self._filter(key, state[key], self.root) for state in self.ranks]
-        if len(parts) == 1:
-            return parts[0]
-        if self.kinds[key] == "replicated":
-            # tp.merge would return a copy; the (file-backed) first rank's tensor is as good once
-            # every rank is known to hold the same bytes.
+        if len(parts) > 1 and self.kinds[key] == "replicated":
             for rank, part in enumerate(parts[1:], start=1):
                 if part.dtype != parts[0].dtype or part.shape != parts[0].shape or not torch.equal(part, parts[0]):
                     raise ConvertError(f"{self.root}: {key}: replicated tensor differs between TP rank 0 and rank {rank}")
+        return parts
+
+    def mcore_tensor(self, key: str) -> torch.Tensor:
+        parts = self._parts(key)
+        if len(parts) == 1 or self.kinds[key] == "replicated":
+            # tp.merge would return a copy; the (file-backed) first rank's tensor is as good once
+            # every rank is known to hold the same bytes.
             return parts[0]
         try:
             return tp_mod.merge(parts, self.kinds[key])
+        except ShardError as exc:
+            raise ConvertError(f"{self.root}: {key}: {exc}") from None
+
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        parts = self._parts(key)
+        if len(parts) == 1:
+            return parts
+        try:
+            pieces = tp_mod.merge_pieces(parts, self.kinds[key])
+            return pieces if pieces is not None else [tp_mod.merge(parts, self.kinds[key])]
         except ShardError as exc:
             raise ConvertError(f"{self.root}: {key}: {exc}") from None
 
@@ -689,7 +705,7 @@ class _Scratch:
             offset = 0
             for piece in pieces:
                 data = piece.detach().contiguous().reshape(-1).view(torch.uint8)
-                _pwrite_all(f.fileno(), data.numpy(), offset)
+                pwrite_all(f.fileno(), data.numpy(), offset)
                 offset += data.numel()
             mapping = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         # frombuffer keeps `mapping` alive for as long as the tensor (or a view of it) lives.
@@ -716,10 +732,9 @@ class StreamingSafetensorsWriter:
     says so), so each shard's header and byte layout are fixed up front: tensors are assigned to
     shards greedily in the given order (HF's rule, a tensor larger than the limit gets a shard of
     its own), laid out inside a shard by decreasing alignment so every tensor's bytes stay aligned,
-    and each `write` is one `pwrite` to the tensor's offset. Writing and hashing run on two worker
-    threads (both release the GIL) while the caller produces the next tensor; at most two tensors wait
-    for them, so memory holds a few tensors, never a shard. Output names follow `save_pretrained`: `model.safetensors`, or
-    `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`.
+    and a `SlotWriter` puts each tensor (or its pieces) at its offset. Output names follow
+    `save_pretrained`: `model.safetensors`, or `model-0000i-of-0000N.safetensors` plus
+    `model.safetensors.index.json`.
     """
 
     def __init__(self, directory: str | os.PathLike, entries: Sequence[tuple[str, torch.dtype, tuple]], *,
@@ -745,17 +760,12 @@ class StreamingSafetensorsWriter:
         count = len(shards)
         self.files = ([SAFETENSORS_SINGLE_FILE] if count == 1 else
                       [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
-        self._slots: dict[str, tuple] = {}  # name -> (shard, absolute offset, nbytes, dtype, shape)
-        self._remaining = [len(s) for s in shards]
-        self._fds: list[int | None] = []
-        self._pool = self._hash_pool = None
-        self._inflight: collections.deque = collections.deque()
-        self.checksums: dict[str, TensorChecksum] = {}
-        self._written: set[str] = set()
         self.weight_map: dict[str, str] = {}
         self.total_bytes = sum(e[3] for s in shards for e in s)
         self.total_parameters = sum(e[3] // e[1].itemsize for s in shards for e in s)
         header_metadata = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+        fds: list[int] = []
+        slots: dict[str, Slot] = {}
         try:
             for number, shard in enumerate(shards):
                 ordered = sorted(shard, key=lambda e: (-e[1].itemsize, e[0]))
@@ -769,73 +779,26 @@ class StreamingSafetensorsWriter:
                 blob += b" " * (-len(blob) % 8)  # so the byte buffer starts 8-aligned
                 start = 8 + len(blob)
                 fd = os.open(self.directory / self.files[number], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-                self._fds.append(fd)
-                _pwrite_all(fd, len(blob).to_bytes(8, "little") + blob, 0)
+                fds.append(fd)
+                pwrite_all(fd, len(blob).to_bytes(8, "little") + blob, 0)
                 os.ftruncate(fd, start + offset)
                 for name, dtype, shape, nbytes in ordered:
-                    self._slots[name] = (number, start + header[name]["data_offsets"][0], nbytes, dtype, shape)
+                    slots[name] = Slot(number, start + header[name]["data_offsets"][0], nbytes, dtype, shape)
                     self.weight_map[name] = self.files[number]
         except BaseException:
-            self.abort()
+            for fd in fds:
+                os.close(fd)
             raise
+        self._slots = SlotWriter(self.directory, fds, slots)
+        self.checksums = self._slots.checksums
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        slot = self._slots.get(name)
-        if slot is None:
-            raise CheckpointError(f"{self.directory}: tensor {name!r} was not announced")
-        if name in self._written:
-            raise CheckpointError(f"{self.directory}: tensor {name!r} written twice")
-        _number, _offset, _nbytes, dtype, shape = slot
-        tensor = tensor.detach().cpu()
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise CheckpointError(f"{name}: announced as {dtype_str(dtype)} {list(shape)}, "
-                                  f"got {dtype_str(tensor.dtype)} {list(tensor.shape)}")
-        self._written.add(name)
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            # Writing and hashing each take about as long as the plain copy; one thread each
-            # (both release the GIL) instead of one doing both halves the writer's critical path.
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-writer")
-            self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-sha256")
-        tensor = tensor.contiguous()
-        self._inflight.append(self._pool.submit(self._write_one, name, tensor))
-        self._inflight.append(self._hash_pool.submit(self._hash_one, name, tensor))
-        while len(self._inflight) > 4:
-            self._inflight.popleft().result()
-
-    def _write_one(self, name: str, tensor: torch.Tensor) -> None:
-        number, offset, nbytes, _dtype, _shape = self._slots[name]
-        if nbytes:
-            prefault([tensor])
-            _pwrite_all(self._fds[number], tensor.reshape(-1).view(torch.uint8).numpy(), offset)
-        self._remaining[number] -= 1
-        if self._remaining[number] == 0:
-            # A finished shard is flushed now, while later shards are still being converted,
-            # rather than all at once by the final fsync of the staging tree.
-            os.fsync(self._fds[number])
-            os.close(self._fds[number])
-            self._fds[number] = None
-
-    def _hash_one(self, name: str, tensor: torch.Tensor) -> None:
-        self.checksums[name] = tensor_checksum(tensor)
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._inflight.popleft().result()
+    def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """`tensor` may also be consecutive pieces of the tensor's C-order bytes."""
+        self._slots.write(name, tensor)
 
     def close(self) -> list[str]:
         """Checks every announced tensor was written, writes the index if sharded; returns file names."""
-        try:
-            self._drain()
-        except BaseException:
-            self.abort()
-            raise
-        missing = sorted(set(self._slots) - set(self.checksums))
-        if missing:
-            self.abort()
-            raise CheckpointError(f"{self.directory}: {len(missing)} announced tensor(s) never written, "
-                                  f"e.g. {', '.join(missing[:4])}")
+        self._slots.close()
         if len(self.files) == 1:
             return list(self.files)
         index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
@@ -846,31 +809,11 @@ class StreamingSafetensorsWriter:
         return list(self.files) + [SAFETENSORS_INDEX_FILE]
 
     def abort(self) -> None:
-        for future in self._inflight:
-            future.cancel()
-        for future in self._inflight:
-            if not future.cancelled():
-                future.exception()  # wait; its error, if any, is the caller's to report
-        self._inflight.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._hash_pool.shutdown(wait=True)
-            self._pool = self._hash_pool = None
-        for number, fd in enumerate(self._fds):
-            if fd is not None:
-                os.close(fd)
-                self._fds[number] = None
+        self._slots.abort()
 
 
 def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while len(view):
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 # --------------------------------------------------------------------------------------------------
@@ -916,6 +859,14 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
         writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size)
         try:
             for step in steps:
+                if type(step.rule.op) is Identity and len(step.mcore_keys) == len(step.hf_keys) == 1:
+                    # A renamed tensor: its TP parts go straight to the file, never joined in memory.
+                    pieces = source.mcore_pieces(step.mcore_keys[0])
+                    writer.write(prefix + step.hf_keys[0], pieces)
+                    progress.advance(1, sum(p.numel() * p.element_size() for p in pieces))
+                    del pieces
+                    heap.check()
+                    continue
                 full = [source.mcore_tensor(k) for k in step.mcore_keys]
                 try:
                     outputs = _invert(step.rule.op, full)
@@ -963,39 +914,47 @@ def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], di
 
 
 def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
-    from mmparity.checkpoint.legacy import write_legacy
+    from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy
 
     order, kinds = _mcore_plan(source, options)
     layout = pipeline_layout(source.family, order)
     counts = layout.layer_counts(options.pp)
     total = sum(source.metas[k].nbytes for k in order)
-    progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}", len(order), total)
-    scratch, heap = _Scratch(options.dst), _heap_budget()
-    shards: list[dict] = [{} for _ in range(options.tp)]
+    entries = [{} for _ in range(options.tp)]
     for key in order:
-        full = source.mcore_tensor(key)
-        if options.tp == 1 or kinds[key] == "replicated":
-            spilled = scratch.spill(full)
-            for shard in shards:
-                shard[key] = spilled  # each rank file gets its own copy when torch.save writes it
-        else:
-            # tp.shard_slices names the rows / columns each rank holds (two row ranges for gated
-            # [gate_r; up_r]): spilling those views directly skips tp.shard's per-rank copies.
-            for rank, shard in enumerate(shards):
-                ranges = tp_mod.shard_slices(tuple(full.shape), kinds[key], options.tp, rank)
-                pieces = [full.narrow(dim, start, stop - start) for dim, start, stop in ranges] or [full]
-                shard[key] = scratch.spill_concatenated(pieces)
-        progress.advance(1, full.numel() * full.element_size())
-        del full
-        heap.check()
-    progress.phase("writing rank files", options.tp * options.pp, None, unit="files")
+        meta = source.metas[key]
+        for rank in range(options.tp):
+            ranges = tp_mod.shard_slices(tuple(meta.shape), kinds[key], options.tp, rank) if options.tp > 1 else []
+            shape = list(meta.shape)
+            if ranges:  # every range of one rank lies along the same dim (gated has two on dim 0)
+                shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
+            entries[rank][key] = (meta.dtype, tuple(shape))
+    progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}", len(order), total)
+    heap = _heap_budget()
     try:
-        write_legacy(
-            options.dst, shards, pp_size=options.pp, layer_counts=counts,
-            layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
-            provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix),
-            extra_files={HF_CONFIG_FILE: source.config_bytes},
-            on_file=lambda _path, _nbytes: progress.advance(1), force=options.force)
+        with atomic_directory(options.dst, force=options.force) as staging:
+            writer = LegacyWriter(staging, entries, pp_size=options.pp, layer_counts=counts,
+                                  layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
+                                  iteration=1)
+            try:
+                for key in order:
+                    full = source.mcore_tensor(key)
+                    for rank in range(options.tp):
+                        # tp.shard_slices names the rows / columns each rank holds (two row ranges
+                        # for gated [gate_r; up_r]); the views go to the file as consecutive pieces.
+                        ranges = (tp_mod.shard_slices(tuple(full.shape), kinds[key], options.tp, rank)
+                                  if options.tp > 1 else [])
+                        pieces = [full.narrow(dim, start, stop - start) for dim, start, stop in ranges] or [full]
+                        writer.write(rank, key, pieces)
+                    progress.advance(1, full.numel() * full.element_size())
+                    del full
+                    heap.check()
+                records = writer.close()
+            finally:
+                writer.abort()
+            finish_legacy(staging, records, tp_size=options.tp, pp_size=options.pp, layer_counts=counts,
+                          iteration=1, extra_files={HF_CONFIG_FILE: source.config_bytes},
+                          provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix))
     except CheckpointError as exc:
         raise ConvertError(str(exc)) from None
     return len(order), total

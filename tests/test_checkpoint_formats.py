@@ -30,6 +30,7 @@ from mmparity.checkpoint import (
 )
 from mmparity.checkpoint.torch_dist_files import global_state_dict
 from mmparity.converters import pp
+from mmparity.converters.io import CHECKSUM_ALGORITHM
 
 NUM_LAYERS = 3
 
@@ -296,7 +297,7 @@ def test_verify_reports_every_difference_in_a_legacy_checkpoint(tmp_path):
     found = sorted((p.key, p.message.split(" ")[0]) for p in report.problems)
     assert found == [
         ("decoder.layers.0.mlp.linear_fc2.weight", "missing"),
-        ("decoder.layers.1.mlp.linear_fc1.weight", "sha256"),
+        ("decoder.layers.1.mlp.linear_fc1.weight", CHECKSUM_ALGORITHM),
         ("embedding.ln_pre.weight", "dtype"),
         ("surprise", "tensor"),
     ]
@@ -326,7 +327,7 @@ def test_verify_hf_checkpoint_and_corruption(tmp_path):
     (root / victim_file).write_bytes(bytes(blob))
     report = verify(root)
     assert [(p.key, p.message) for p in report.problems] == [
-        ("decoder.layers.2.mlp.linear_fc1.weight", "sha256 of the bytes differs")
+        ("decoder.layers.2.mlp.linear_fc1.weight", f"{CHECKSUM_ALGORITHM} of the bytes differs")
     ]
 
     (root / victim_file).write_bytes(bytes(blob[:-10]))  # truncated shard

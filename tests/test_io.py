@@ -23,6 +23,8 @@ from mmparity.converters.io import (
     parse_size,
     save_safetensors_checkpoint,
     tensor_checksum,
+    PieceHasher,
+    TensorChecksum,
 )
 
 
@@ -363,14 +365,14 @@ def test_checksums_see_bytes_dtype_and_shape():
     reference = tensor_checksum(tensor)
     assert tensor_checksum(tensor.clone()) == reference
     assert tensor_checksum(tensor.t().contiguous().t()) == reference  # layout in memory is irrelevant
-    assert tensor_checksum(tensor.reshape(6, 4)).sha256 != reference.sha256
-    assert tensor_checksum(tensor.view(torch.int32)).sha256 != reference.sha256  # same bytes, other dtype
+    assert tensor_checksum(tensor.reshape(6, 4)).digest != reference.digest
+    assert tensor_checksum(tensor.view(torch.int32)).digest != reference.digest  # same bytes, other dtype
     flipped = tensor.clone()
     flipped.view(torch.int32)[2, 3] ^= 1  # one bit
-    assert tensor_checksum(flipped).sha256 != reference.sha256
-    assert reference.differences(tensor_checksum(flipped)) == ["sha256 of the bytes differs"]
+    assert tensor_checksum(flipped).digest != reference.digest
+    assert reference.differences(tensor_checksum(flipped)) == [f"{reference.algorithm} of the bytes differs"]
     assert reference.differences(tensor_checksum(tensor.double())) == ["dtype float64 != expected float32"]
-    assert tensor_checksum(torch.zeros(0, 3)).sha256 != tensor_checksum(torch.zeros(3, 0)).sha256
+    assert tensor_checksum(torch.zeros(0, 3)).digest != tensor_checksum(torch.zeros(3, 0)).digest
     assert tensor_checksum(seeded((3,), 1, torch.bfloat16)).dtype == "bfloat16"
 
 
@@ -394,3 +396,15 @@ def test_io_imports_neither_framework():
     code = ("import sys, mmparity.converters.io, mmparity.converters.pp;"
             "bad = [m for m in ('megatron', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
+    tensor = seeded((6, 5), 3, torch.bfloat16)
+    hasher = PieceHasher(tensor.dtype, tuple(tensor.shape))
+    for piece in tensor.split([1, 3, 2]):
+        hasher.update(piece)
+    assert hasher.result() == tensor_checksum(tensor)
+    # A manifest written with sha256 names it; verification must use the record's algorithm.
+    old = tensor_checksum(tensor, "sha256")
+    assert TensorChecksum.from_json(old.to_json()) == old and "sha256" in old.to_json()
+    assert old.differences(tensor_checksum(tensor, old.algorithm)) == []

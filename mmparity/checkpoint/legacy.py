@@ -30,13 +30,12 @@ import torch
 
 from mmparity.converters import pp
 from mmparity.converters.io import (
-    write_extra_files,
     CheckpointError,
+    Slot,
+    SlotWriter,
     atomic_directory,
-    checksums_in_background,
-    prefault,
-    standalone_tensor,
     torch_save_without_crc32,
+    write_extra_files,
 )
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
@@ -58,7 +57,8 @@ from mmparity.checkpoint.manifest import (
     write_manifest,
 )
 
-__all__ = ["write_legacy", "open_legacy", "read_legacy", "LegacyCheckpoint", "load_rank_file"]
+__all__ = ["write_legacy", "LegacyWriter", "finish_legacy", "open_legacy", "read_legacy", "LegacyCheckpoint",
+           "load_rank_file"]
 
 # Values a weights_only load accepts, and therefore all we are willing to write.
 _PLAIN_VALUES = (torch.Tensor, type(None), bool, int, float, str)
@@ -90,6 +90,127 @@ def _plan_pipeline(
     return pp.even_layer_counts(num_layers, pp_size)
 
 
+class LegacyWriter:
+    """Legacy rank files laid out before any tensor exists, then filled tensor by tensor.
+
+    Each rank file is first written as a `torch.save` skeleton under `torch.serialization.skip_data`:
+    the pickle, zip directory and a reserved (sparse) byte range per storage, from placeholder
+    tensors that are allocated but never touched. The byte ranges are then read back from the zip
+    directory and filled with `pwrite` through a `SlotWriter`, so every byte of the checkpoint is
+    written once, straight from wherever the converter produced it, and nothing needs to hold a
+    rank's tensors at once. The files are exactly what `torch.save` would write for the same dict,
+    except for the zip CRC32 fields (left unset, as `torch_save_without_crc32` leaves them:
+    `torch.load` ignores them, the manifest's per-tensor checksums replace them).
+
+    `rank_entries[tp_rank]` maps every *globally numbered* key of that TP rank to a `(dtype, shape)`
+    pair, or to a plain value (None, int, str …) that goes into the pickle as is.
+    """
+
+    def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, pp_size: int, layer_counts: Sequence[int],
+                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int):
+        if not rank_entries:
+            raise CheckpointError("no TP shards to write")
+        reference_keys = set(rank_entries[0])
+        for tp_rank, entries in enumerate(rank_entries):
+            if not entries:
+                raise CheckpointError(f"TP rank {tp_rank}: expected a non-empty state dict")
+            if set(entries) != reference_keys:
+                diff = sorted(set(entries) ^ reference_keys)
+                raise CheckpointError(f"TP rank {tp_rank} and rank 0 hold different keys, e.g. {', '.join(diff[:8])}")
+        self.staging = Path(staging)
+        self.files: list[str] = []
+        self._local: dict[str, tuple[int, str]] = {}  # slot name -> (file number, local key)
+        slots: dict[str, Slot] = {}
+        fds: list[int] = []
+        iteration_dir = iteration_dirname(iteration)
+        try:
+            for tp_rank, entries in enumerate(rank_entries):
+                # Splitting {key: key} tells where each global key lands, and under which local name.
+                stages = pp.split_pipeline_stages({k: k for k in entries}, layer_counts, layer_prefix=layer_prefix,
+                                                  last_stage_prefixes=last_stage_prefixes)
+                for pp_rank, local_to_global in enumerate(stages):
+                    relative = Path(iteration_dir) / legacy_rank_dirname(tp_rank, pp_rank, pp_size) / LEGACY_FILE
+                    path = self.staging / relative
+                    path.parent.mkdir(parents=True)
+                    number = len(self.files)
+                    self.files.append(relative.as_posix())
+                    tensor_keys = [local for local, key in local_to_global.items() if _is_tensor_entry(entries[key])]
+                    offsets = _write_skeleton(path, {local: entries[key] for local, key in local_to_global.items()},
+                                              iteration)
+                    fds.append(os.open(path, os.O_WRONLY))
+                    for local, (offset, nbytes) in zip(tensor_keys, offsets):
+                        key = local_to_global[local]
+                        dtype, shape = entries[key]
+                        name = self.slot_name(tp_rank, key)
+                        slots[name] = Slot(number, offset, nbytes, dtype, tuple(shape))
+                        self._local[name] = (number, local)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._writer = SlotWriter(self.staging, fds, slots)
+
+    @staticmethod
+    def slot_name(tp_rank: int, key: str) -> str:
+        return f"{tp_rank}:{key}"
+
+    def write(self, tp_rank: int, key: str, pieces) -> None:
+        """TP rank `tp_rank`'s tensor of global key `key`, whole or as consecutive dim-0 pieces."""
+        self._writer.write(self.slot_name(tp_rank, key), pieces)
+
+    def close(self) -> list[TensorRecord]:
+        """Waits for every write; returns the manifest records (per rank file, local key)."""
+        self._writer.close()
+        return [TensorRecord(self.files[number], local, self._writer.checksums[name])
+                for name, (number, local) in self._local.items()]
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def _is_tensor_entry(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.dtype)
+
+
+def _write_skeleton(path: Path, model: Mapping, iteration: int) -> list[tuple[int, int]]:
+    """`torch.save` of `{"model": model, ...}` with every tensor's bytes reserved, not written.
+
+    Returns (offset, nbytes) of each tensor entry's storage in `model` order. torch numbers storages
+    in the order the pickler meets them, which for one fresh storage per tensor is dict order; the
+    sizes read back from the zip directory are checked against that assumption.
+    """
+    placeholders = {}
+    for key, value in model.items():
+        if _is_tensor_entry(value):
+            dtype, shape = value
+            # Allocated, never touched: under skip_data torch.save reads no byte of it, so these
+            # pages are never faulted in and cost no memory.
+            placeholders[key] = torch.empty(tuple(shape), dtype=dtype)
+        elif isinstance(value, _PLAIN_VALUES):
+            placeholders[key] = value
+        else:
+            raise CheckpointError(f"{key}: a {type(value).__name__} could not be read back with "
+                                  "torch.load(weights_only=True)")
+    import warnings
+
+    with warnings.catch_warnings(), torch_save_without_crc32():
+        warnings.simplefilter("ignore")  # skip_data is marked as a prototype
+        with torch.serialization.skip_data():
+            torch.save({"model": placeholders, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}, path)
+    reader = torch._C.PyTorchFileReader(str(path))
+    records = set(reader.get_all_records())
+    result = []
+    tensors = [t for t in placeholders.values() if isinstance(t, torch.Tensor)]
+    for number, tensor in enumerate(tensors):
+        record = f"data/{number}"
+        nbytes = tensor.numel() * tensor.element_size()
+        if record not in records or reader.get_record_size(record) != nbytes:
+            raise CheckpointError(f"{path}: torch.save laid out storage {number} unlike this writer expects "
+                                  "(an unsupported torch version?)")
+        result.append((reader.get_record_offset(record), nbytes))
+    return result
+
+
 def write_legacy(
     root: str | os.PathLike,
     tp_shards: Sequence[Mapping[str, torch.Tensor]],
@@ -109,60 +230,53 @@ def write_legacy(
     `pp_size > 1` splits the layer stack evenly (or by `layer_counts`) with pre-process keys on the
     first stage and `last_stage_prefixes` keys on the last. `extra_files` (e.g. the HF config a
     converter keeps next to the weights) land at the root in the same atomic step; `on_file(path,
-    nbytes)` is called after each rank file is written (progress). Atomic: `root` appears complete
-    or not at all. Returns `root`.
+    nbytes)` is called once per rank file when everything is written (progress). Atomic: `root`
+    appears complete or not at all. Returns `root`.
     """
     if not tp_shards:
         raise CheckpointError("no TP shards to write")
     for tp_rank, state_dict in enumerate(tp_shards):
         _check_writable(tp_rank, state_dict)
-    reference_keys = set(tp_shards[0])
-    for tp_rank, state_dict in enumerate(tp_shards[1:], start=1):
-        if set(state_dict) != reference_keys:
-            diff = sorted(set(state_dict) ^ reference_keys)
-            raise CheckpointError(f"TP rank {tp_rank} and rank 0 hold different keys, e.g. {', '.join(diff[:8])}")
     counts = _plan_pipeline(tp_shards, pp_size, layer_counts, layer_prefix)
-    iteration_dir = iteration_dirname(iteration)
-
-    records: list[TensorRecord] = []
+    entries = [{k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
+               for shard in tp_shards]
     with atomic_directory(root, force=force) as staging:
-        for tp_rank, state_dict in enumerate(tp_shards):
-            stages = pp.split_pipeline_stages(
-                state_dict, counts, layer_prefix=layer_prefix, last_stage_prefixes=last_stage_prefixes
-            )
-            for pp_rank, stage_state in enumerate(stages):
-                relative = Path(iteration_dir) / legacy_rank_dirname(tp_rank, pp_rank, pp_size) / LEGACY_FILE
-                (staging / relative).parent.mkdir(parents=True)
-                # Views would drag their whole base storage into the file; save standalone copies.
-                model = {
-                    k: standalone_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in stage_state.items()
-                }
-                # Hashing overlaps the write: both only read the tensors.
-                checksums = checksums_in_background((k, v) for k, v in model.items() if isinstance(v, torch.Tensor))
-                prefault(v for v in model.values() if isinstance(v, torch.Tensor))
-                with torch_save_without_crc32():
-                    torch.save(
-                        {"model": model, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
-                        staging / relative,
-                    )
-                records += [TensorRecord(relative.as_posix(), k, c) for k, c in checksums.result().items()]
-                if on_file is not None:
-                    on_file(relative.as_posix(), sum(v.nbytes for v in model.values() if isinstance(v, torch.Tensor)))
-        write_extra_files(staging, extra_files, (MANIFEST_FILE, TRACKER_FILE))
-        write_tracker(staging, iteration)
-        write_manifest(
-            staging,
-            Manifest(
-                layout=LAYOUT_LEGACY,
-                tensors=tuple(records),
-                provenance=provenance or Provenance(),
-                tensor_parallel_size=len(tp_shards),
-                pipeline_parallel_size=pp_size,
-                pipeline_layer_counts=tuple(counts) if pp_size > 1 else None,
-                iteration=iteration,
-            ),
-        )
+        writer = LegacyWriter(staging, entries, pp_size=pp_size, layer_counts=counts, layer_prefix=layer_prefix,
+                              last_stage_prefixes=last_stage_prefixes, iteration=iteration)
+        try:
+            for tp_rank, state_dict in enumerate(tp_shards):
+                for key, value in state_dict.items():
+                    if isinstance(value, torch.Tensor):
+                        writer.write(tp_rank, key, value)
+            records = writer.close()
+        finally:
+            writer.abort()
+        finish_legacy(staging, records, tp_size=len(tp_shards), pp_size=pp_size, layer_counts=counts,
+                      iteration=iteration, provenance=provenance, extra_files=extra_files)
+    if on_file is not None:
+        for relative in writer.files:
+            on_file(relative, 0)
     return Path(root)
+
+
+def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: int, pp_size: int,
+                  layer_counts: Sequence[int], iteration: int, provenance: Provenance | None,
+                  extra_files: Mapping[str, str | bytes] | None) -> None:
+    """The small files beside the rank files: extra files, the tracker and the manifest."""
+    write_extra_files(staging, extra_files, (MANIFEST_FILE, TRACKER_FILE))
+    write_tracker(staging, iteration)
+    write_manifest(
+        staging,
+        Manifest(
+            layout=LAYOUT_LEGACY,
+            tensors=tuple(records),
+            provenance=provenance or Provenance(),
+            tensor_parallel_size=tp_size,
+            pipeline_parallel_size=pp_size,
+            pipeline_layer_counts=tuple(layer_counts) if pp_size > 1 else None,
+            iteration=iteration,
+        ),
+    )
 
 
 def load_rank_file(path: str | os.PathLike, *, mmap: bool = False) -> dict:

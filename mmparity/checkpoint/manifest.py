@@ -2,7 +2,7 @@
 
 Every checkpoint mmparity writes carries one at its root: the layout, family, where the weights
 came from, key prefixes, TP/PP sizes, the mmparity version, and a checksum record (dtype, shape,
-sha256 of the bytes) per tensor, or per written shard for torch_dist, where a record also holds
+and an xxh3-128 or sha256 digest of the bytes) per tensor, or per written shard for torch_dist, where a record also holds
 the shard's offset in the global tensor. `verify(dir)` re-reads everything and reports every
 difference instead of stopping at the first.
 
@@ -204,7 +204,7 @@ class VerifyReport:
 
 def _compare(report: VerifyReport, record: TensorRecord, found: torch.Tensor) -> None:
     report.checked += 1
-    for difference in record.checksum.differences(tensor_checksum(found)):
+    for difference in record.checksum.differences(tensor_checksum(found, record.checksum.algorithm)):
         report.problems.append(Problem(record.file, record.key, difference))
 
 

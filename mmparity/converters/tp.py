@@ -64,6 +64,24 @@ def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
+def merge_pieces(parts: list[torch.Tensor], kind: str) -> list[torch.Tensor] | None:
+    """Views of ``parts`` whose concatenation along dim 0 is ``merge(parts, kind)``, or None where
+    the merge interleaves (a row-parallel matrix). Lets a writer put TP parts straight into place
+    instead of concatenating them first. Replicated parts are not compared here."""
+    if not parts:
+        raise ShardError("no shards to merge")
+    if kind == "replicated" or (kind == "row" and parts[0].dim() <= 1):
+        return [parts[0]]
+    if kind in ("column", "qkv", "vocab"):
+        return list(parts)
+    if kind == "gated":
+        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+        return [h[0] for h in halves] + [h[1] for h in halves]
+    if kind == "row":
+        return None
+    raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
+
+
 def shard_slices(shape: tuple, kind: str, tp: int, rank: int) -> list[tuple[int, int, int]]:
     """(dim, start, stop) ranges of the full tensor that rank ``rank`` needs, for lazy reads.
 
