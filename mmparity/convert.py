@@ -372,7 +372,7 @@ class _HFSource(_Source):
         except R.ConversionError as exc:
             raise _from_conversion_error(exc, f"{path}: family {family!r}: ") from None
         self.steps = R.plan(self.rules)
-        self.metas, self._producer, self._cache = {}, {}, {}
+        self.metas, self._producer, self._cache, self._piece_cache = {}, {}, {}, {}
         problems, consumed = [], set()
         for index, step in enumerate(self.steps):
             names = [self.prefix + k for k in step.hf_keys]
@@ -412,6 +412,20 @@ class _HFSource(_Source):
         for other, t in outputs.items():
             if other != key:
                 self._cache[other] = t  # a rule with several mcore outputs: kept until asked for
+        return outputs[key]
+
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        if key in self._piece_cache:
+            return self._piece_cache.pop(key)
+        step = self.steps[self._producer[key]]
+        tensors = [self._filter(n, _file_backed(self.ckpt.map(self.prefix + n)), self.path) for n in step.hf_keys]
+        try:
+            outputs = dict(zip(step.mcore_keys, step.rule.op.apply_pieces(tensors)))
+        except (LayoutError, ShardError, RuntimeError) as exc:
+            raise ConvertError(f"{self.path}: {', '.join(step.hf_keys)}: {exc}") from None
+        for other, pieces in outputs.items():
+            if other != key:
+                self._piece_cache[other] = pieces
         return outputs[key]
 
 
@@ -861,21 +875,17 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
             for step in steps:
                 if type(step.rule.op) is Identity and len(step.mcore_keys) == len(step.hf_keys) == 1:
                     # A renamed tensor: its TP parts go straight to the file, never joined in memory.
-                    pieces = source.mcore_pieces(step.mcore_keys[0])
-                    writer.write(prefix + step.hf_keys[0], pieces)
+                    outputs = [source.mcore_pieces(step.mcore_keys[0])]
+                else:
+                    full = [source.mcore_tensor(k) for k in step.mcore_keys]
+                    try:
+                        outputs = step.rule.op.invert_pieces(full)
+                    except (LayoutError, ShardError, RuntimeError) as exc:
+                        raise ConvertError(f"{', '.join(step.mcore_keys)}: {exc}") from None
+                    del full
+                for key, pieces in zip(step.hf_keys, outputs):
+                    writer.write(prefix + key, pieces)
                     progress.advance(1, sum(p.numel() * p.element_size() for p in pieces))
-                    del pieces
-                    heap.check()
-                    continue
-                full = [source.mcore_tensor(k) for k in step.mcore_keys]
-                try:
-                    outputs = _invert(step.rule.op, full)
-                except (LayoutError, ShardError, RuntimeError) as exc:
-                    raise ConvertError(f"{', '.join(step.mcore_keys)}: {exc}") from None
-                del full
-                for key, t in zip(step.hf_keys, outputs):
-                    writer.write(prefix + key, t)
-                    progress.advance(1, t.numel() * t.element_size())
                 del outputs
                 heap.check()
             writer.close()
@@ -913,6 +923,20 @@ def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], di
     return order, kinds
 
 
+def _narrow_pieces(pieces: Sequence[torch.Tensor], dim: int, start: int, stop: int) -> list[torch.Tensor]:
+    """Views of `start:stop` along `dim` of the tensor that `pieces` form when joined along dim 0."""
+    if dim != 0:
+        return [p.narrow(dim, start, stop - start) for p in pieces]
+    views, offset = [], 0
+    for piece in pieces:
+        rows = piece.shape[0] if piece.dim() else 1
+        lo, hi = max(start, offset), min(stop, offset + rows)
+        if lo < hi:
+            views.append(piece.narrow(0, lo - offset, hi - lo))
+        offset += rows
+    return views
+
+
 def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
     from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy
 
@@ -938,16 +962,16 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                                   iteration=1)
             try:
                 for key in order:
-                    full = source.mcore_tensor(key)
+                    pieces = source.mcore_pieces(key)
+                    shape = tuple(source.metas[key].shape)
                     for rank in range(options.tp):
                         # tp.shard_slices names the rows / columns each rank holds (two row ranges
-                        # for gated [gate_r; up_r]); the views go to the file as consecutive pieces.
-                        ranges = (tp_mod.shard_slices(tuple(full.shape), kinds[key], options.tp, rank)
-                                  if options.tp > 1 else [])
-                        pieces = [full.narrow(dim, start, stop - start) for dim, start, stop in ranges] or [full]
-                        writer.write(rank, key, pieces)
-                    progress.advance(1, full.numel() * full.element_size())
-                    del full
+                        # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
+                        ranges = tp_mod.shard_slices(shape, kinds[key], options.tp, rank) if options.tp > 1 else []
+                        writer.write(rank, key, [view for dim, start, stop in ranges
+                                                 for view in _narrow_pieces(pieces, dim, start, stop)] or pieces)
+                    progress.advance(1, source.metas[key].nbytes)
+                    del pieces
                     heap.check()
                 records = writer.close()
             finally:

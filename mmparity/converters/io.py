@@ -200,6 +200,9 @@ class PieceHasher:
             # Viewing as bytes works for every dtype, including bf16/fp8 that numpy cannot represent.
             self._hash.update(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
+    def update_bytes(self, data) -> None:
+        self._hash.update(data)
+
     def result(self) -> TensorChecksum:
         return TensorChecksum(self.dtype, self.shape, self._hash.hexdigest(), self.algorithm)
 
@@ -265,7 +268,9 @@ def prefault(tensors: Iterable[torch.Tensor]) -> None:
         if tensor.device.type != "cpu" or not tensor.numel():
             continue
         begin = tensor.data_ptr()
-        end = begin + tensor.numel() * tensor.element_size()
+        # The span a (possibly strided) view reaches, not just numel bytes from its start.
+        extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+        end = begin + extent * tensor.element_size()
         start = begin - begin % _PAGE
         if _madvise(start, end - start, _MADV_POPULATE_READ) != 0:
             import ctypes
@@ -887,6 +892,17 @@ class Slot:
     shape: tuple
 
 
+_ROWS_PER_SYSCALL = 512  # well under IOV_MAX (1024 on Linux)
+
+
+def _row_bytes(piece: torch.Tensor):
+    """A 2-D view whose rows are contiguous runs (a column range of a C-order matrix) as a numpy
+    (rows, row bytes) array of uint8, or None for any other layout."""
+    if piece.dim() != 2 or piece.stride(1) != 1 or piece.stride(0) < piece.shape[1] or not piece.numel():
+        return None
+    return piece.view(torch.uint8).numpy()
+
+
 class SlotWriter:
     """Tensors written straight to byte ranges reserved for them in already created files.
 
@@ -938,9 +954,9 @@ class SlotWriter:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-writer")
-        # A non-contiguous piece (a column range of a row-parallel weight) is copied here, on the
-        # producer's thread, so that the worker only moves bytes.
-        pieces = [p.contiguous() for p in pieces]
+        # A column range of a matrix (a row-parallel TP part) is written row by row from where it
+        # is; any other non-contiguous piece is copied here, on the producer's thread.
+        pieces = [p if p.is_contiguous() or _row_bytes(p) is not None else p.contiguous() for p in pieces]
         self._inflight.append(self._pool.submit(self._write_one, name, slot, pieces))
         while len(self._inflight) > self._max_inflight:
             self._inflight.popleft().result()
@@ -949,12 +965,26 @@ class SlotWriter:
         hasher = PieceHasher(slot.dtype, slot.shape)
         prefault(pieces)
         offset = slot.offset
+        fd = self._fds[slot.file]
         for piece in pieces:
-            if piece.numel():
+            if not piece.numel():
+                continue
+            if piece.is_contiguous():
                 data = piece.reshape(-1).view(torch.uint8).numpy()
-                pwrite_all(self._fds[slot.file], data, offset)
+                pwrite_all(fd, data, offset)
+                hasher.update_bytes(data)
                 offset += data.nbytes
-            hasher.update(piece)
+                continue
+            rows = _row_bytes(piece)
+            for first in range(0, rows.shape[0], _ROWS_PER_SYSCALL):
+                chunk = list(rows[first:first + _ROWS_PER_SYSCALL])
+                want = sum(row.nbytes for row in chunk)
+                written = os.pwritev(fd, chunk, offset)
+                if written < want:  # a short write: finish it the slow way
+                    pwrite_all(fd, b"".join(row.tobytes() for row in chunk)[written:], offset + written)
+                for row in chunk:
+                    hasher.update_bytes(row)
+                offset += want
         self.checksums[name] = hasher.result()
         self._remaining[slot.file] -= 1
         if self._remaining[slot.file] == 0:

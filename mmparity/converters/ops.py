@@ -51,6 +51,17 @@ class Op:
     def invert(self, mcore: Tensors) -> Tensors:
         raise NotImplementedError
 
+    # The *_pieces forms give each output as consecutive dim-0 pieces (views of the inputs where
+    # the op only reorders row blocks) instead of one joined tensor: a writer can put the pieces
+    # straight into place, skipping a copy of every byte. Joined with torch.cat they are exactly
+    # `apply` / `invert`.
+
+    def apply_pieces(self, hf: Tensors) -> list[Tensors]:
+        return [[t] for t in self.apply(hf)]
+
+    def invert_pieces(self, mcore: Tensors) -> list[Tensors]:
+        return [[t] for t in self.invert(mcore)]
+
     def __repr__(self) -> str:
         return type(self).__name__
 
@@ -62,6 +73,12 @@ class Identity(Op):
 
     def invert(self, mcore):
         return [_own(mcore[0], mcore)]
+
+    def apply_pieces(self, hf):
+        return [[hf[0]]]
+
+    def invert_pieces(self, mcore):
+        return [[mcore[0]]]
 
 
 @dataclass(frozen=True, repr=False)
@@ -76,6 +93,12 @@ class Reshape(Op):
 
     def invert(self, mcore):
         return [_own(_reshape(mcore[0], self.hf_shape, self), mcore)]
+
+    def apply_pieces(self, hf):
+        return [[_reshape(hf[0], self.mcore_shape, self)]]
+
+    def invert_pieces(self, mcore):
+        return [[_reshape(mcore[0], self.hf_shape, self)]]
 
 
 def _reshape(t, shape, op):
@@ -163,6 +186,20 @@ class FuseQKV(Op):
                            v.reshape(g, 1, d, *rest)], dim=1)
         return [_own(fused.reshape(-1, *rest), hf)]
 
+    def apply_pieces(self, hf):
+        if any(self.pre):
+            return super().apply_pieces(hf)
+        q, k, v = hf
+        g, per, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        expect = (self.num_heads * d, g * d, g * d)
+        if tuple(t.shape[0] for t in (q, k, v)) != expect or self.num_heads % g:
+            raise LayoutError(f"{self!r}: q/k/v leading dims must be {expect}, got {_shapes((q, k, v))}")
+        pieces = []
+        for group in range(g):
+            pieces += [q[group * per * d:(group + 1) * per * d], k[group * d:(group + 1) * d],
+                       v[group * d:(group + 1) * d]]
+        return [pieces]
+
     def invert(self, mcore):
         t = mcore[0]
         g, per, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
@@ -175,6 +212,20 @@ class FuseQKV(Op):
         k = grouped[:, per].reshape(-1, *rest)
         v = grouped[:, per + 1].reshape(-1, *rest)
         return [_own(op.invert([x])[0] if op else x, mcore) for op, x in zip(self.pre, (q, k, v))]
+
+    def invert_pieces(self, mcore):
+        if any(self.pre):
+            return super().invert_pieces(mcore)
+        t = mcore[0]
+        g, per, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        if t.shape[0] != (self.num_heads + 2 * g) * d:
+            raise LayoutError(f"{self!r}: linear_qkv leading dim must be {(self.num_heads + 2 * g) * d}, "
+                              f"got {tuple(t.shape)}")
+        block = (per + 2) * d
+        q = [t[group * block:group * block + per * d] for group in range(g)]
+        k = [t[group * block + per * d:group * block + (per + 1) * d] for group in range(g)]
+        v = [t[group * block + (per + 1) * d:(group + 1) * block] for group in range(g)]
+        return [q, k, v]
 
     def __repr__(self):
         return f"FuseQKV(heads={self.num_heads}, groups={self.num_groups}, head_dim={self.head_dim})"
@@ -204,6 +255,20 @@ class RegroupQKV(Op):
     def invert(self, mcore):
         return [_own(torch.cat(self._fuse.invert(mcore), dim=0), mcore)]
 
+    def apply_pieces(self, hf):
+        t = hf[0]
+        sizes = [self.num_heads * self.head_dim, self.num_groups * self.head_dim,
+                 self.num_groups * self.head_dim]
+        if t.shape[0] != sum(sizes):
+            raise LayoutError(f"{self!r}: fused qkv leading dim must be {sum(sizes)}, got {tuple(t.shape)}")
+        return self._fuse.apply_pieces(list(torch.split(t, sizes, dim=0)))
+
+    def invert_pieces(self, mcore):
+        if any(self.pre):
+            return super().invert_pieces(mcore)
+        q, k, v = self._fuse.invert_pieces(mcore)
+        return [q + k + v]
+
     def __repr__(self):
         return f"RegroupQKV(heads={self.num_heads}, groups={self.num_groups}, head_dim={self.head_dim})"
 
@@ -225,6 +290,21 @@ class Concat(Op):
         if t.shape[self.dim] % self.n_hf:
             raise LayoutError(f"{self!r}: dim {self.dim} of {tuple(t.shape)} does not split in {self.n_hf}")
         return [_own(x, mcore) for x in torch.chunk(t, self.n_hf, dim=self.dim)]
+
+    def apply_pieces(self, hf):
+        if self.dim != 0:
+            return super().apply_pieces(hf)
+        if len({t.shape[self.dim] for t in hf}) != 1:
+            raise LayoutError(f"{self!r}: parts must have equal size along dim {self.dim}, got {_shapes(hf)}")
+        return [list(hf)]
+
+    def invert_pieces(self, mcore):
+        t = mcore[0]
+        if self.dim != 0:
+            return super().invert_pieces(mcore)
+        if t.shape[self.dim] % self.n_hf:
+            raise LayoutError(f"{self!r}: dim {self.dim} of {tuple(t.shape)} does not split in {self.n_hf}")
+        return [[x] for x in torch.chunk(t, self.n_hf, dim=0)]
 
     def __repr__(self):
         return f"Concat(n={self.n_hf}, dim={self.dim})"
