@@ -74,6 +74,7 @@ from mmparity.converters.io import (
     SafetensorsCheckpoint,
     Slot,
     SlotWriter,
+    narrow_pieces,
     pwrite_all,
     atomic_directory,
     parse_size,
@@ -923,20 +924,6 @@ def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], di
     return order, kinds
 
 
-def _narrow_pieces(pieces: Sequence[torch.Tensor], dim: int, start: int, stop: int) -> list[torch.Tensor]:
-    """Views of `start:stop` along `dim` of the tensor that `pieces` form when joined along dim 0."""
-    if dim != 0:
-        return [p.narrow(dim, start, stop - start) for p in pieces]
-    views, offset = [], 0
-    for piece in pieces:
-        rows = piece.shape[0] if piece.dim() else 1
-        lo, hi = max(start, offset), min(stop, offset + rows)
-        if lo < hi:
-            views.append(piece.narrow(0, lo - offset, hi - lo))
-        offset += rows
-    return views
-
-
 def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
     from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy
 
@@ -969,7 +956,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                         # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
                         ranges = tp_mod.shard_slices(shape, kinds[key], options.tp, rank) if options.tp > 1 else []
                         writer.write(rank, key, [view for dim, start, stop in ranges
-                                                 for view in _narrow_pieces(pieces, dim, start, stop)] or pieces)
+                                                 for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
                     progress.advance(1, source.metas[key].nbytes)
                     del pieces
                     heap.check()
@@ -1016,28 +1003,48 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         if problems:
             raise ConvertError(_problems_line(f"{source.family!r}: the native model and the converter disagree", problems))
         progress.phase(f"{source.family} -> torch_dist", len(local_keys), total)
-        scratch, heap = _Scratch(options.dst), _heap_budget()
+        # Every entry gets a meta placeholder of the converted shape; DCP plans from those, and
+        # each tensor is produced from the source only when the writer reaches it.
+        # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
+        # placeholder is kept alive so the key stays unique.
+        key_of: dict[int, tuple[str, torch.Tensor]] = {}
         for local, key in local_keys.items():
             entry = sharded[local]
-            t = scratch.spill(source.mcore_tensor(key))
+            meta = source.metas[key]
+            placeholder = torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta")
+            key_of[placeholder.untyped_storage()._cdata] = (key, placeholder)
             if isinstance(entry, ShardedTensorFactory):
-                sharded[local] = dataclasses.replace(entry, data=t)
+                sharded[local] = dataclasses.replace(entry, data=placeholder)
             else:
-                if tuple(t.shape) != tuple(entry.local_shape):
-                    raise ConvertError(f"{key}: converted shape {list(t.shape)}, the native model expects "
+                if tuple(meta.shape) != tuple(entry.local_shape):
+                    raise ConvertError(f"{key}: converted shape {list(meta.shape)}, the native model expects "
                                        f"{list(entry.local_shape)}")
-                sharded[local] = dataclasses.replace(entry, data=t, dtype=t.dtype)
-            progress.advance(1, t.numel() * t.element_size())
-            del t
+                sharded[local] = dataclasses.replace(entry, data=placeholder, dtype=meta.dtype)
+        heap = _heap_budget()
+
+        source_errors: list[ConvertError] = []
+
+        def produce(target: torch.Tensor) -> tuple:
+            key, placeholder = key_of.get(target.untyped_storage()._cdata, (None, None))
+            try:
+                if key is None:
+                    raise ConvertError(f"internal: a torch_dist shard of shape {list(target.shape)} has no source tensor")
+                pieces = source.mcore_pieces(key)
+            except ConvertError as exc:
+                source_errors.append(exc)  # DCP wraps it in a multi-line report; ours is the one line
+                raise
+            progress.advance(0, sum(p.numel() * p.element_size() for p in pieces))
             heap.check()
+            return placeholder, pieces
+
         del model
-        progress.phase("writing torch_dist (DCP)", None, None)
         try:
             save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options),
                             tp_size=1, pp_size=1, extra_files={HF_CONFIG_FILE: source.config_bytes},
-                            force=options.force)
+                            force=options.force, produce=produce)
         except CheckpointError as exc:
-            raise ConvertError(str(exc)) from None
+            raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
+        progress.advance(len(local_keys), 0)
     return len(local_keys), total
 
 

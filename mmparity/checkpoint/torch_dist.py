@@ -28,12 +28,14 @@ removed.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mmparity.checkpoint import _mcore_compat as mc
@@ -54,12 +56,14 @@ from mmparity.checkpoint.manifest import (
     write_manifest,
 )
 from mmparity.converters.io import (
+    Slot,
+    SlotWriter,
+    narrow_pieces,
+    pwrite_all,
     write_extra_files,
     CheckpointError,
     make_staging_directory,
     publish_staging_directory,
-    checksums_in_background,
-    prefault,
     remove_created_directories,
     torch_save_without_crc32,
 )
@@ -87,42 +91,180 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
+# A meta tensor's bytes, produced on demand: given a meta tensor (a view, reshape or detached alias
+# of a placeholder that a state dict entry was built with), that placeholder and the real tensor
+# of its shape as consecutive dim-0 pieces (see SlotWriter). Placeholders are told apart by their
+# (meta) storage, which every alias shares.
+Producer = Callable[[torch.Tensor], tuple]
+
+
 class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
     """mcore's torch_dist save strategy with synchronous, in-process, device-agnostic I/O.
 
     Also records a checksum of every shard this rank writes (`self.shard_records`), computed from
-    the exact tensors handed to the writer.
+    the exact bytes written. Shard data may be meta tensors when a `produce` callback supplies
+    their bytes: DCP plans from shapes alone, and each tensor is produced only when written.
     """
 
-    def __init__(self, checkpoint_name: str = ""):
+    def __init__(self, checkpoint_name: str = "", produce: Producer | None = None):
         super().__init__("torch_dist", 1)
         self.checkpoint_name = checkpoint_name
+        self.produce = produce
         self.shard_records: list[TensorRecord] = []
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir) -> None:
-        from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint import save as dcp_save
 
         by_key, _, _ = mc.replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        shards = []
+        record_shapes = {}
         for key_shards in by_key.values():
             for shard in key_shards:
                 if not isinstance(shard, mc.ShardedTensor):
                     continue  # ShardedObjects (_extra_state, common_state) are pickles, not weights
                 if shard.flattened_range is not None:
                     raise CheckpointError(f"{shard.key}: flattened (distributed-optimizer) shards are not supported")
-                shards.append(shard)
-        # Hashed on a worker while DCP writes. The tensor objects are captured now: the conversion
-        # below replaces each shard's `data` with a reshaped view (it never modifies the bytes).
-        checksums = checksums_in_background(
-            ((shard.key, tuple(shard.global_offset)), shard.data) for shard in shards)
-        prefault(shard.data for shard in shards)
+                if shard.data.is_meta and self.produce is None:
+                    raise CheckpointError(f"{shard.key}: meta tensor data and nothing to produce its bytes")
+                # DCP indexes a shard by (key, offset); the manifest records it with the shard's own
+                # shape, without the axes mcore prepends for stacked layers.
+                record_shapes[shard.key, tuple(shard.global_offset)] = tuple(shard.data.shape)
         pyt_state_dict = mc.mcore_to_pyt_state_dict(by_key, False)
-        writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
-        with torch_save_without_crc32():
-            dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner())
+        writer = _InPlaceDcpWriter(str(checkpoint_dir), record_shapes, self.produce)
+        dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner())
         self.shard_records = [TensorRecord(self.checkpoint_name, key, checksum, offset)
-                              for (key, offset), checksum in checksums.result().items()]
+                              for (key, offset), checksum in writer.checksums.items()]
+
+
+def _dcp_exception() -> type:
+    """DCP reports a failed write as a `CheckpointException`, which derives from BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _torch_save_frame(dtype: torch.dtype, shape: tuple, scratch_dir: Path) -> tuple[bytes, int, bytes]:
+    """What `torch.save` writes around one contiguous tensor's bytes: (head, nbytes, tail).
+
+    Written once per (dtype, shape) under `skip_data` into a sparse scratch file, so the tensor's
+    bytes are neither needed nor read; the head and tail are the zip entries before and after them.
+    """
+    import tempfile
+    import warnings
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    with tempfile.NamedTemporaryFile(dir=scratch_dir, prefix="mmparity-frame-") as f:
+        with warnings.catch_warnings(), torch_save_without_crc32():
+            warnings.simplefilter("ignore")  # skip_data is marked as a prototype
+            with torch.serialization.skip_data():
+                torch.save(torch.empty(shape, dtype=dtype), f.name)
+        reader = torch._C.PyTorchFileReader(f.name)
+        if reader.get_record_size("data/0") != nbytes:
+            raise CheckpointError(f"torch.save laid out a {dtype} {list(shape)} tensor unlike this writer expects")
+        start = reader.get_record_offset("data/0")
+        f.seek(0)
+        head = f.read(start)
+        f.seek(start + nbytes)
+        tail = f.read()
+    return head, nbytes, tail
+
+
+class _InPlaceDcpWriter:
+    """DCP's `FileSystemWriter` with the data file written by mmparity (one file for this rank).
+
+    DCP plans (which items, which metadata) exactly as for its own writer; only `write_data`
+    differs. Each tensor item is still a complete `torch.save` blob, as DCP's reader expects, but
+    its frame (`_torch_save_frame`) is written around a reserved range that a `SlotWriter` fills
+    from where the bytes are: no per-item pickling of the data, no clone of views, no spill of
+    produced tensors, and writing overlaps producing.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        # Subclassed lazily: importing DCP costs time that only a torch_dist save should pay.
+        if not hasattr(cls, "_impl"):
+            cls._impl = type("_InPlaceDcpWriterImpl", (FileSystemWriter,), {
+                "__init__": _writer_init, "write_data": _writer_write_data})
+        return cls._impl(*args, **kwargs)
+
+
+def _writer_init(self, path: str, record_shapes: Mapping, produce: Producer | None) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    FileSystemWriter.__init__(self, path, single_file_per_rank=True, sync_files=True, thread_count=1)
+    self.record_shapes = dict(record_shapes)
+    self.produce = produce
+    self.checksums: dict = {}
+
+
+def _writer_write_data(self, plan, planner):
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+    directory = Path(self.path)
+    fd = os.open(directory / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    results, jobs, slots, frames = [], [], {}, {}
+    offset = 0
+    try:
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item).getbuffer()
+                pwrite_all(fd, data, offset)
+                length = len(data)
+            else:
+                target = planner.resolve_data(item)  # this shard's tensor, meta or real, DCP's shape
+                shape, dtype = tuple(target.shape), target.dtype
+                if (dtype, shape) not in frames:
+                    frames[dtype, shape] = _torch_save_frame(dtype, shape, directory)
+                head, nbytes, tail = frames[dtype, shape]
+                pwrite_all(fd, head, offset)
+                pwrite_all(fd, tail, offset + len(head) + nbytes)
+                index = (item.index.fqn, tuple(item.index.offset))
+                record_shape = self.record_shapes.get(index, shape)
+                slots[index] = Slot(0, offset + len(head), nbytes, dtype, record_shape)
+                jobs.append((index, target))
+                length = len(head) + nbytes + len(tail)
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(file_name, offset, length)))
+            offset += length
+    except BaseException:
+        os.close(fd)
+        raise
+    writer = SlotWriter(directory, [fd], slots)
+    try:
+        for index, target in jobs:
+            pieces = _bytes_of(target, self.produce)
+            if len(pieces) == 1:
+                # DCP's view of a shard has mcore's prepended axes; the record keeps the shard's shape.
+                pieces = [pieces[0].reshape(slots[index].shape)]
+            writer.write(index, pieces)
+        writer.close()
+    finally:
+        writer.abort()
+    self.checksums = dict(writer.checksums)
+    future = torch.futures.Future()
+    future.set_result(results)
+    return future
+
+
+def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
+    """The pieces of `target`'s C-order bytes; a meta view is looked up in its produced base."""
+    if not target.is_meta:
+        return [target if target.is_contiguous() else target.contiguous()]
+    base, pieces = produce(target)
+    row = math.prod(base.shape[1:]) if base.dim() else 1
+    whole = target.numel() == base.numel() and target.storage_offset() == 0 and target.is_contiguous()
+    if whole:
+        return list(pieces)
+    if target.is_contiguous() and base.dim() and row and target.storage_offset() % row == 0 \
+            and target.numel() % row == 0:
+        # A block of whole rows of the base (one half of a gated FC1, say): select, don't join.
+        first = target.storage_offset() // row
+        return narrow_pieces(pieces, 0, first, first + target.numel() // row)
+    joined = pieces[0] if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces]).view(base.shape)
+    return [joined.as_strided(target.shape, target.stride(), target.storage_offset()).contiguous()]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,6 +353,7 @@ def save_torch_dist(
     content_metadata: Mapping | None = None,
     extra_files: Mapping[str, str | bytes] | None = None,
     force: bool = False,
+    produce: Producer | None = None,
 ) -> Path:
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
 
@@ -221,7 +364,8 @@ def save_torch_dist(
     rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys).
     `extra_files` (plain names) are written at the root by rank 0 in the same atomic step. The
     staging directory is created by rank 0 next to `root`, so all ranks must see the same
-    filesystem (as Megatron-LM requires).
+    filesystem (as Megatron-LM requires). Tensor data may be meta when `produce` gives the bytes of
+    each meta base tensor on demand (a converter streaming from another checkpoint).
     """
     _require_process_group()
     rank = dist.get_rank()
@@ -256,7 +400,7 @@ def save_torch_dist(
 
         _validate_sharding(produced)
 
-        strategy = CpuTorchDistSaveStrategy(iteration_name)
+        strategy = CpuTorchDistSaveStrategy(iteration_name, produce)
         common_state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
         error = None
         try:
@@ -267,7 +411,7 @@ def save_torch_dist(
                 validate_access_integrity=False,  # done above, symmetrically
                 content_metadata=dict(content_metadata) if content_metadata is not None else None,
             )
-        except Exception as exc:
+        except (Exception, _dcp_exception()) as exc:
             error = _one_line(exc)
         _agree(error, "write")
 

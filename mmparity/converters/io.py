@@ -58,6 +58,7 @@ __all__ = [
     "checksums_in_background",
     "prefault",
     "pwrite_all",
+    "narrow_pieces",
     "Slot",
     "SlotWriter",
     "torch_save_without_crc32",
@@ -890,6 +891,20 @@ class Slot:
     nbytes: int
     dtype: torch.dtype
     shape: tuple
+
+
+def narrow_pieces(pieces: Sequence[torch.Tensor], dim: int, start: int, stop: int) -> list[torch.Tensor]:
+    """Views of `start:stop` along `dim` of the tensor that `pieces` form when joined along dim 0."""
+    if dim != 0:
+        return [p.narrow(dim, start, stop - start) for p in pieces]
+    views, offset = [], 0
+    for piece in pieces:
+        rows = piece.shape[0] if piece.dim() else 1
+        lo, hi = max(start, offset), min(stop, offset + rows)
+        if lo < hi:
+            views.append(piece.narrow(0, lo - offset, hi - lo))
+        offset += rows
+    return views
 
 
 _ROWS_PER_SYSCALL = 512  # well under IOV_MAX (1024 on Linux)
