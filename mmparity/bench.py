@@ -6,6 +6,11 @@ family can be measured. Inputs are moved to the device before timing; what ``run
 (dtype casts, re-layout, padding) is part of each side's measured forward. Warm-up first, then
 the median of the repeats: CUDA events on a GPU, ``perf_counter`` on the CPU.
 
+Every timed configuration also gets a parity verdict under the project's tolerance policy
+(:func:`parity_verdict`): in float32 native against HF; in bfloat16 / float16 both sides against
+one more, untimed, forward of HF in float32 on the same weights and inputs. ``--mixed`` times the
+family's packed mixed-size batch (``Published.mixed``; at tiny size :data:`TINY_MIXED_UNITS`).
+
 FLOPs are counted from the config (:func:`count_flops`), the same number for both sides, so that
 achieved TFLOP/s compares like with like: patch embedding, QKV, attention scores and values per
 image (never across images), output projection, MLP (gated or not) and mergers / projectors /
@@ -45,6 +50,10 @@ class Published:
     image_size: tuple
     parent: dict = field(default_factory=dict)
     note: str = ""
+    # ``--mixed``: sizes cycled over ``mixed_images`` images (default one of each), chosen so that
+    # the packed batch carries about as many tokens as the uniform one and the two timings compare.
+    mixed: tuple = ()
+    mixed_images: Optional[int] = None
 
 
 PUBLISHED: dict[str, Published] = {
@@ -54,20 +63,29 @@ PUBLISHED: dict[str, Published] = {
         vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
                     patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048,
                     num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
-        images=8, image_size=(768, 768)),
+        images=8, image_size=(768, 768),
+        # 18272 tokens (uniform: 18432); every side a multiple of patch 16 x merge 2.
+        mixed=((768, 768), (512, 1024), (1024, 512), (640, 640), (896, 448), (384, 768),
+               (1024, 1024), (768, 1152))),
     "kimi_k25": Published(
         source="Kimi-K2.5 MoonViT 27x1152 + projector to the DeepSeek-V3 text width 7168",
         vision=dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4,
                     num_attention_heads=16, num_hidden_layers=27, hidden_size=1152,
                     intermediate_size=4304, hidden_act="gelu_pytorch_tanh", merge_kernel_size=(2, 2)),
         parent={"projection_hidden_size": 1152, "text_config.hidden_size": 7168},
-        images=8, image_size=(896, 896)),
+        images=8, image_size=(896, 896),
+        # 31744 tokens (uniform: 32768); multiples of patch 14 x merge 2.
+        mixed=((896, 896), (672, 1120), (1120, 672), (784, 784), (1008, 1008), (560, 1120),
+               (1120, 1120), (448, 896))),
     "pixtral": Published(
         source="Pixtral-12B vision encoder (24 x 1024, SwiGLU, patch 16)",
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                     num_attention_heads=16, head_dim=64, image_size=1024, patch_size=16,
                     num_channels=3, hidden_act="silu"),
-        images=8, image_size=(1024, 1024)),
+        images=8, image_size=(1024, 1024),
+        # No side above 1024 (the 64x64 RoPE grid), so 12 images for 32224 tokens (uniform: 32768).
+        mixed=((1024, 1024), (1024, 768), (768, 1024), (896, 896), (1024, 512), (512, 1024),
+               (768, 768), (1024, 640), (640, 1024), (960, 960), (832, 832), (512, 512))),
     "siglip": Published(
         source="SigLIP so400m-patch14-384 vision tower (27 x 1152, pooling head)",
         vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
@@ -76,13 +94,20 @@ PUBLISHED: dict[str, Published] = {
         # HF's stride-14 conv drops the last 6 pixels of 384: 378 is the same 27x27 grid, and the
         # native tower refuses sizes that are not a multiple of the patch.
         images=64, image_size=(378, 378),
-        note="378x378 = the 27x27 patch grid HF makes of 384x384"),
+        note="378x378 = the 27x27 patch grid HF makes of 384x384",
+        # Released at one size; mixed sizes go through HF's position interpolation, one HF call per
+        # image. 64 images, 45696 tokens (uniform: 46656).
+        mixed=((378, 378), (224, 224), (448, 448), (434, 434), (280, 504), (504, 280), (336, 336),
+               (308, 462)), mixed_images=64),
     "clip": Published(
         source="CLIP ViT-L/14 vision tower (24 x 1024, patch 14, 224)",
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                     num_attention_heads=16, image_size=224, patch_size=14, num_channels=3,
                     hidden_act="quick_gelu", layer_norm_eps=1e-5, projection_dim=768),
-        images=64, image_size=(224, 224)),
+        images=64, image_size=(224, 224),
+        # As SigLIP: interpolated positions, one HF call per image. 17120 tokens (uniform: 16448).
+        mixed=((224, 224), (168, 168), (280, 280), (196, 308), (308, 196), (252, 252), (140, 280),
+               (224, 168)), mixed_images=64),
 }
 
 
@@ -142,6 +167,44 @@ def default_batch(family: str, size: str, cfg) -> tuple[int, tuple[int, int]]:
     side = side if isinstance(side, int) else 8 * multiple
     side = max(multiple, -(-side // multiple) * multiple)
     return TINY_IMAGES, (side, side)
+
+
+# Tiny ``--mixed`` set, in units of the family's size multiple: 8 images, 6 distinct token counts
+# (2x6 and 6x2 share one), at least 2 units a side so that 2x2 mergers always have a whole block.
+TINY_MIXED_UNITS = ((4, 4), (2, 6), (6, 2), (3, 3), (4, 2), (2, 4), (5, 5), (2, 2))
+
+
+def mixed_batch(family: str, size: str, cfg) -> tuple[int, list]:
+    """(images, sizes) of the family's packed mixed-size batch at ``size`` (``--mixed``);
+    ``BenchError`` when the family has none or refuses it (e.g. LLaVA's fixed-size towers)."""
+    from mmparity.parity.harness import InputError, size_multiple, validate_image_sizes
+
+    if size == "published":
+        spec = PUBLISHED[family]
+        if not spec.mixed:
+            raise BenchError(f"family {family!r} has no mixed-size set in mmparity.bench.PUBLISHED")
+        sizes, images = [tuple(s) for s in spec.mixed], spec.mixed_images or len(spec.mixed)
+    else:
+        multiple = size_multiple(family, cfg)
+        sizes = [(h * multiple, w * multiple) for h, w in TINY_MIXED_UNITS]
+        images = len(sizes)
+    try:
+        validate_image_sizes(family, cfg, sizes)
+    except InputError as exc:
+        raise BenchError(f"mixed sizes: {exc}") from None
+    return images, sizes
+
+
+def with_mixed_sets(names: Sequence[str], size: str) -> tuple[list, list]:
+    """(families that have a mixed set at ``size`` they accept, [{family, reason}] for the rest)."""
+    accepted, refused = [], []
+    for name in names:
+        try:
+            mixed_batch(name, size, bench_config(name, size)[0])
+            accepted.append(name)
+        except BenchError as exc:
+            refused.append({"family": name, "reason": str(exc)})
+    return accepted, refused
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------
@@ -304,6 +367,13 @@ class BenchResult:
     hf: Optional[SideTiming] = None
     rel_l2: Optional[float] = None
     error: Optional[str] = None
+    # {passed, native_rel_l2, hf_rel_l2, tolerance, output, outputs, reference, error?}; None
+    # when not checked (--no-parity) or when the family failed before its first forward.
+    parity: Optional[dict] = None
+
+    @property
+    def parity_failed(self) -> bool:
+        return self.parity is not None and not self.parity["passed"]
 
     @property
     def speedup_vs_hf(self) -> Optional[float]:
@@ -331,15 +401,27 @@ class BenchReport:
     settings: dict = field(default_factory=dict)
     results: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
+    mixed: bool = False
+    parity_checked: bool = True
+    # False while families are still being timed (the CLI writes the JSON after each one, so a
+    # run killed by a time limit still leaves what it measured).
+    complete: bool = False
 
     @property
     def ok(self) -> bool:
+        """Every family was timed (parity aside)."""
         return all(r.error is None for r in self.results)
+
+    @property
+    def passed(self) -> bool:
+        """Every family timed and no parity verdict failed: the exit status of ``mmparity bench``."""
+        return self.ok and not any(r.parity_failed for r in self.results)
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("results",)}
         out["results"] = [r.as_dict() for r in self.results]
         out["ok"] = self.ok
+        out["passed"] = self.passed
         return out
 
     def to_json(self, indent: int = 2) -> str:
@@ -426,8 +508,12 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _build_pair(family: str, cfg, dtype: torch.dtype, device: torch.device, seed: int):
-    """(HF model, native model) on ``device`` in ``dtype``, sharing seeded random weights."""
+def _build_models(family: str, cfg, dtype: torch.dtype, device: torch.device, seed: int,
+                  mutate_native: Optional[Callable[[dict], None]] = None):
+    """(HF model in float32 on the host, native model on ``device`` in ``dtype``), sharing seeded
+    random weights. The HF model stays float32 so that the caller can keep an exact copy as the
+    parity reference before casting it. ``mutate_native`` edits the converted state before it is
+    loaded (negative controls), as in :func:`mmparity.parity.harness.check`."""
     from mmparity import converters
     from mmparity.native import runtime
 
@@ -438,12 +524,74 @@ def _build_pair(family: str, cfg, dtype: torch.dtype, device: torch.device, seed
     ref = fam.build_reference(cfg)
     # The harness's seeded weights: never zeros (METHOD: zeros can time faster than real data).
     shards = converters.hf_to_mcore(family, load_reference_weights(ref, None, seed), cfg, tp_size=1)
+    state = dict(shards[0])
+    del shards
+    if mutate_native is not None:
+        mutate_native(state)
     runtime.init_parallel(1, 1, device=device, seed=seed)
     native = fam.build_native(cfg, params_dtype=dtype)
     native.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
-                            for k, v in shards[0].items()}, strict=True)
-    del shards
-    return ref.to(device=device, dtype=dtype).eval(), native.to(device=device, dtype=dtype).eval()
+                            for k, v in state.items()}, strict=True)
+    del state
+    return ref.eval(), native.to(device=device, dtype=dtype).eval()
+
+
+def _build_pair(family: str, cfg, dtype: torch.dtype, device: torch.device, seed: int):
+    """(HF model, native model) on ``device`` in ``dtype``, sharing seeded random weights."""
+    ref, native = _build_models(family, cfg, dtype, device, seed)
+    return ref.to(device=device, dtype=dtype).eval(), native
+
+
+# --- parity --------------------------------------------------------------------------------------------
+
+PARITY_REFERENCE = "HF in float32 (TF32 off), same weights, inputs and device"
+
+
+def _outputs(out: dict, case) -> dict:
+    """The case's outputs, on the host in float32: kept across the timed runs for the verdict."""
+    return {k: out[k].detach().float().cpu() for k in case.outputs if k in out}
+
+
+def parity_verdict(dtype: torch.dtype, native_out: dict, hf_out: dict,
+                   reference_out: Optional[dict] = None) -> dict:
+    """The project's tolerance policy (:mod:`mmparity.parity.metrics`) on every output both sides
+    produced. float32: native against HF directly. bfloat16 / float16: native and HF, both in that
+    dtype, each against ``reference_out`` (HF in float32); the native error may be at most
+    ``LOW_PRECISION_FACTOR`` x HF's. The top-level numbers are those of the output closest to (or
+    furthest past) its bound; ``outputs`` has them all."""
+    from mmparity.parity import metrics
+
+    low_precision = dtype != torch.float32
+    if low_precision and reference_out is None:
+        raise ValueError("a low-precision parity verdict needs the float32 reference outputs")
+    expected = reference_out if low_precision else hf_out
+    names = [n for n in native_out if n in hf_out and n in expected]
+    if not names:
+        raise ValueError("native and HF share no output to compare")
+    rows = {}
+    for name in names:
+        native_err = metrics.compare(native_out[name], expected[name]).rel_l2
+        hf_err = metrics.compare(hf_out[name], expected[name]).rel_l2 if low_precision else None
+        tol = metrics.tolerance_for(dtype, hf_err)
+        rows[name] = {"passed": native_err <= tol.rel_l2, "native_rel_l2": native_err,
+                      "hf_rel_l2": hf_err, "tolerance": tol.as_dict()}
+
+    def margin(name):
+        bound = rows[name]["tolerance"]["rel_l2"]
+        return rows[name]["native_rel_l2"] / bound if bound > 0 else float("inf")
+
+    decisive = max(names, key=margin)
+    top = {k: v for k, v in rows[decisive].items() if k != "passed"}
+    return {"passed": all(r["passed"] for r in rows.values()), **top, "output": decisive,
+            "outputs": rows, "reference": PARITY_REFERENCE}
+
+
+def _reference_outputs(ref32, run: Callable, case, device: torch.device) -> dict:
+    from mmparity.parity.harness import exact_float32
+
+    ref32 = ref32.to(device=device, dtype=torch.float32)
+    with torch.no_grad(), exact_float32(device, torch.float32):
+        return _outputs(run(ref32, case), case)
 
 
 @dataclass
@@ -458,14 +606,21 @@ class Prepared:
 
 def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = None,
                    image_sizes: Optional[Sequence[tuple[int, int]]] = None, seed: int = 0,
-                   case_name: str = "auto") -> Prepared:
-    """Config, inputs and FLOP count of one family; ``BenchError`` for a request it cannot take."""
+                   case_name: str = "auto", mixed: bool = False) -> Prepared:
+    """Config, inputs and FLOP count of one family; ``BenchError`` for a request it cannot take.
+    ``mixed``: the family's packed mixed-size batch (:func:`mixed_batch`), sizes cycled over
+    ``images`` when given."""
     from mmparity.parity.harness import InputError, validate_image_sizes
 
     cfg, source = bench_config(family, size)
-    default_n, default_size = default_batch(family, size, cfg)
+    if mixed:
+        if image_sizes:
+            raise BenchError("--mixed takes its sizes from the family's mixed set; drop --image-size")
+        default_n, pattern = mixed_batch(family, size, cfg)
+    else:
+        default_n, default_size = default_batch(family, size, cfg)
+        pattern = [tuple(s) for s in (image_sizes or [default_size])]
     n = images or default_n
-    pattern = [tuple(s) for s in (image_sizes or [default_size])]
     sizes = [pattern[i % len(pattern)] for i in range(n)]
     try:
         validate_image_sizes(family, cfg, list(dict.fromkeys(sizes)))
@@ -490,30 +645,48 @@ def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = N
     return Prepared(family, cfg, case, result)
 
 
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cpu", warmup: int = 1,
-                repeats: int = 3, seed: int = 0) -> BenchResult:
-    """Build both sides, check they agree (``rel_l2``, informative) and time them. Errors while
-    building or running are recorded in the result, not raised: one family's failure must not
-    hide the others' numbers."""
+                repeats: int = 3, seed: int = 0, parity: bool = True,
+                mutate_native: Optional[Callable[[dict], None]] = None) -> BenchResult:
+    """Build both sides, time them and judge their parity (:func:`parity_verdict`; for bfloat16 /
+    float16 one more, untimed, forward of HF in float32 after the timings). Errors while building
+    or running are recorded in the result, not raised: one family's failure must not hide the
+    others' numbers; a failed float32 reference forward is recorded in ``parity`` only, so that
+    the timings survive it."""
     from mmparity.native import attention
     from mmparity.parity import metrics
+    from mmparity.parity.harness import exact_float32
 
     result, case, family = prepared.result, prepared.case, prepared.family
     dev = torch.device(device)
+    torch_dtype = DTYPES[dtype]
+    needs_reference = parity and torch_dtype != torch.float32
     fam = families.get(family)
-    ref = native = None
+    ref = native = ref32 = None
     try:
-        ref, native = _build_pair(family, prepared.cfg, DTYPES[dtype], dev, seed)
+        ref32, native = _build_models(family, prepared.cfg, torch_dtype, dev, seed, mutate_native)
+        # A separate copy: HF modules may cache tensors (RoPE tables) in the dtype of their first call.
+        ref = (copy.deepcopy(ref32) if needs_reference else ref32).to(device=dev, dtype=torch_dtype)
+        if not needs_reference:
+            ref32 = None
         case = replace(case, data=_to_device(case.data, dev))
         ref_run, nat_run = fam.reference().run, fam.native().run
-        with torch.no_grad():
+        # TF32 off for these untimed float32 forwards (a no-op otherwise): on CUDA it alone
+        # exceeds the float32 bound. The timed forwards keep the settings the report shows.
+        with torch.no_grad(), exact_float32(dev, torch_dtype):
             with attention.record_kernels() as kernels_used:
-                nat_out = nat_run(native, case)
-            ref_out = ref_run(ref, case)
-            name = next((o for o in case.outputs if o in nat_out and o in ref_out), None)
-            if name is not None:
-                result.rel_l2 = metrics.compare(nat_out[name].float().cpu(), ref_out[name].float().cpu()).rel_l2
-            del nat_out, ref_out
+                nat_out = _outputs(nat_run(native, case), case)
+            ref_out = _outputs(ref_run(ref, case), case)
+        name = next((o for o in case.outputs if o in nat_out and o in ref_out), None)
+        if name is not None:
+            result.rel_l2 = metrics.compare(nat_out[name], ref_out[name]).rel_l2
+        if parity and not needs_reference:
+            result.parity = parity_verdict(torch_dtype, nat_out, ref_out)
+        with torch.no_grad():
             nat_times = time_call(lambda: nat_run(native, case), dev, warmup, repeats)
             ref_times = time_call(lambda: ref_run(ref, case), dev, warmup, repeats)
         total = result.flops["total"]
@@ -521,29 +694,47 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
         hf_attn = getattr(getattr(ref, "config", None), "_attn_implementation", None)
         result.hf = _side(ref_times, result.images, total, {"attn_implementation": hf_attn})
     except Exception as exc:
-        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        result.error = _error_text(exc)
+        ref32 = None
     finally:
-        del ref, native
+        ref = native = None  # freed before the float32 reference takes the device
         _release(dev)
+    if ref32 is not None:
+        try:
+            result.parity = parity_verdict(torch_dtype, nat_out, ref_out,
+                                           _reference_outputs(ref32, fam.reference().run, case, dev))
+        except Exception as exc:  # e.g. out of memory: no verdict is a failed verdict
+            result.parity = {"passed": False, "native_rel_l2": None, "hf_rel_l2": None,
+                             "tolerance": None, "output": None, "outputs": {},
+                             "reference": PARITY_REFERENCE, "error": _error_text(exc)}
+        finally:
+            ref32 = None
+            _release(dev)
     return result
 
 
 def bench_family(family: str, *, size: str = "tiny", images: Optional[int] = None,
                  image_sizes: Optional[Sequence[tuple[int, int]]] = None, dtype: str = "float32",
                  device: str = "cpu", warmup: int = 1, repeats: int = 3, seed: int = 0,
-                 case_name: str = "auto") -> BenchResult:
+                 case_name: str = "auto", mixed: bool = False, parity: bool = True,
+                 mutate_native: Optional[Callable[[dict], None]] = None) -> BenchResult:
     """:func:`prepare_family` then :func:`time_family`."""
     prepared = prepare_family(family, size=size, images=images, image_sizes=image_sizes, seed=seed,
-                              case_name=case_name)
-    return time_family(prepared, dtype=dtype, device=device, warmup=warmup, repeats=repeats, seed=seed)
+                              case_name=case_name, mixed=mixed)
+    return time_family(prepared, dtype=dtype, device=device, warmup=warmup, repeats=repeats, seed=seed,
+                       parity=parity, mutate_native=mutate_native)
 
 
 def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
           images: Optional[int] = None, image_sizes=None, dtype: str = "float32",
           device: str = "cpu", warmup: Optional[int] = None, repeats: Optional[int] = None,
-          seed: int = 0, case_name: str = "auto",
-          progress: Optional[Callable[[str], None]] = None) -> BenchReport:
-    """Benchmark ``family_names`` (default: every registered family that has a config at ``size``)."""
+          seed: int = 0, case_name: str = "auto", mixed: bool = False, parity: bool = True,
+          mutate_native: Optional[Callable[[dict], None]] = None,
+          progress: Optional[Callable[[str], None]] = None,
+          on_result: Optional[Callable[["BenchReport"], None]] = None) -> BenchReport:
+    """Benchmark ``family_names`` (default: every registered family that has a config at ``size``,
+    and with ``mixed`` a mixed-size set it accepts). ``on_result`` sees the report after each
+    family (``complete`` still False)."""
     from mmparity.native import attention
     from mmparity.parity.report import versions
 
@@ -551,6 +742,8 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
         raise BenchError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if size not in SIZES:
         raise BenchError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if mixed and image_sizes:
+        raise BenchError("--mixed takes its sizes from the family's mixed set; drop --image-size")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: CUDA is not available on this machine")
@@ -573,19 +766,29 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
                    for n in registered if n not in PUBLISHED and not requested]
     else:
         names = requested or registered
+    if mixed and not requested:
+        # A family without a mixed set it accepts is skipped, as one without a published config;
+        # asked for by name it is a usage error (raised by prepare_family below).
+        names, refused = with_mixed_sets(names, size)
+        skipped += refused
     report = BenchReport(
         device=str(dev), device_name=(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
         dtype=dtype, size=size, attention_backend=attention.describe_backend(dev, DTYPES[dtype]),
         timer="cuda-events" if dev.type == "cuda" else "perf_counter", warmup=warmup, repeats=repeats,
-        versions=versions(), settings=_settings(dev), skipped=skipped)
+        versions=versions(), settings=_settings(dev), skipped=skipped, mixed=mixed,
+        parity_checked=parity)
     # Every request is checked before anything is built or timed: a usage error costs nothing.
     prepared = [prepare_family(name, size=size, images=images, image_sizes=image_sizes, seed=seed,
-                               case_name=case_name) for name in names]
+                               case_name=case_name, mixed=mixed) for name in names]
     for item in prepared:
         if progress:
             progress(item.family)
         report.results.append(time_family(item, dtype=dtype, device=device, warmup=warmup,
-                                          repeats=repeats, seed=seed))
+                                          repeats=repeats, seed=seed, parity=parity,
+                                          mutate_native=mutate_native))
+        if on_result:
+            on_result(report)
+    report.complete = True
     return report
 
 

@@ -6,8 +6,9 @@
 #   1. installs .whl/*.whl into /tmp/site (no index, no deps) and puts it and this checkout on PYTHONPATH
 #   2. pytest -m gpu                                  (tests/test_gpu.py and any other gpu-marked test)
 #   3. mmparity check --device cuda, bfloat16 and float32, every registered family
-#   4. mmparity bench --size published --device cuda --dtype bfloat16
-#   5. benchmarks/attention_kernels.py on cuda        (where the auto policy should switch kernels)
+#   4. mmparity bench --size published --device cuda --dtype bfloat16, with the parity verdict
+#   5. the same with --mixed: each family's packed mixed-size batch (the real workload), parity too
+#   6. benchmarks/attention_kernels.py on cuda        (where the auto policy should switch kernels)
 # and writes everything under $OUT (default ./gpu_out): at most 8 files, named in [A-Za-z0-9._-].
 # The last lines printed are a summary. Exit status: 0 when every step ran and passed.
 set -uo pipefail
@@ -74,7 +75,7 @@ EOF
     log "imports or CUDA failed: see above"; exit 3
 fi
 
-# 2-5. the checks -----------------------------------------------------------------------------------
+# 2-6. the checks -----------------------------------------------------------------------------------
 step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" --continue-on-collection-errors \
     --junitxml="$OUT/pytest_gpu.xml" tests
 check_dtype() {  # the full check; if it crashed (no report written), again without components
@@ -90,8 +91,13 @@ check_dtype() {  # the full check; if it crashed (no report written), again with
 }
 check_dtype bfloat16
 check_dtype float32
-step bench_published 200 "$PY" -m mmparity bench --size "$BENCH_SIZE" --device "$DEVICE" --dtype bfloat16 \
+# Both benches judge bf16 parity against an fp32 HF forward (exit 1 on a failed verdict) and
+# rewrite their JSON after every family, so a step cut by its limit still reports what it timed.
+step bench_published 180 "$PY" -m mmparity bench --size "$BENCH_SIZE" --device "$DEVICE" --dtype bfloat16 \
     --json "$OUT/bench_published_bfloat16.json"
+# Most wanted first (the targets), in case the step runs out of time.
+step bench_mixed 140 "$PY" -m mmparity bench qwen3_5 kimi_k25 pixtral siglip clip --mixed \
+    --size "$BENCH_SIZE" --device "$DEVICE" --dtype bfloat16 --json "$OUT/bench_mixed_bfloat16.json"
 step attention_kernels 45 "$PY" benchmarks/attention_kernels.py --device "$DEVICE" --dtype bfloat16 \
     --json "$OUT/attention_kernels.json"
 
@@ -112,17 +118,30 @@ for dtype in ("bfloat16", "float32"):
                  for r in rep["results"] if not r["passed"]]
         summary[f"check_{dtype}"] = {"passed": rep["passed"], "results": len(rep["results"]),
                                      "failures": fails, "attention_backend": rep["attention_backend"]}
-bench = load("bench_published_bfloat16.json")
-if bench:
+def parity_of(r):
+    p = r.get("parity")
+    if p is None:
+        return None
+    return {"passed": p["passed"], "output": p.get("output"), "native_rel_l2": p.get("native_rel_l2"),
+            "hf_rel_l2": p.get("hf_rel_l2"), "tolerance": (p.get("tolerance") or {}).get("rel_l2"),
+            "error": p.get("error")}
+def bench_rows(rep):
     nat = lambda r, key: (r["native"] or {}).get(key)  # noqa: E731
-    summary["bench"] = {r["family"]: {"native_ms": rnd(nat(r, "median_ms"), 2),
-                                      "hf_ms": rnd((r["hf"] or {}).get("median_ms"), 2),
-                                      "speedup_vs_hf": rnd(r["speedup_vs_hf"], 2),
-                                      "native_tflops": rnd(nat(r, "tflops"), 1),
-                                      "images": r["images"], "image_size": r["image_sizes"][0],
-                                      "kernels": (nat(r, "detail") or {}).get("attention_kernels"),
-                                      "rel_l2": r["rel_l2"], "error": r["error"]}
-                        for r in bench["results"]}
+    return {r["family"]: {"native_ms": rnd(nat(r, "median_ms"), 2),
+                          "hf_ms": rnd((r["hf"] or {}).get("median_ms"), 2),
+                          "speedup_vs_hf": rnd(r["speedup_vs_hf"], 2),
+                          "native_tflops": rnd(nat(r, "tflops"), 1),
+                          "images": r["images"], "image_size": r["image_sizes"][0],
+                          "sizes": len({tuple(s) for s in r["image_sizes"]}), "tokens": r["tokens"],
+                          "kernels": (nat(r, "detail") or {}).get("attention_kernels"),
+                          "rel_l2": r["rel_l2"], "parity": parity_of(r), "error": r["error"]}
+            for r in rep["results"]}
+for key, name in (("bench", "bench_published_bfloat16.json"), ("bench_mixed", "bench_mixed_bfloat16.json")):
+    rep = load(name)
+    if rep and rep.get("results") is not None:
+        summary[key] = bench_rows(rep)
+        # False: the step was cut short; the families listed are those it finished.
+        summary[key + "_complete"] = rep.get("complete", True)
 kern = load("attention_kernels.json")
 if kern:
     summary["attention_kernels"] = [{"scenario": r["scenario"], "auto": r["auto"], "fastest": r["fastest"],
@@ -134,13 +153,28 @@ for dtype in ("bfloat16", "float32"):
     s = summary.get(f"check_{dtype}")
     if s:
         print(f"check {dtype}: {'PASS' if s['passed'] else 'FAIL'} ({s['results']} results) {s['failures'][:6]}")
-for fam, b in (summary.get("bench") or {}).items():
-    if b["error"]:
-        print(f"bench {fam}: ERROR {b['error']}")
-    else:
-        print(f"bench {fam}: {b['images']}x{b['image_size'][0]}x{b['image_size'][1]} native {b['native_ms']} ms "
-              f"HF {b['hf_ms']} ms speedup {b['speedup_vs_hf']}x native {b['native_tflops']} TFLOP/s "
-              f"rel_l2 {b['rel_l2'] if b['rel_l2'] is None else format(b['rel_l2'], '.2g')} {b['kernels']}")
+def g(value):
+    return "-" if value is None else format(value, ".2g")
+def verdict(p):
+    if p is None:
+        return "parity not checked"
+    if p["error"]:
+        return f"parity FAIL (no fp32 reference: {p['error']})"
+    hf = "" if p["hf_rel_l2"] is None else f", HF {g(p['hf_rel_l2'])}"
+    return (f"parity {'PASS' if p['passed'] else 'FAIL'} ({p['output']} native {g(p['native_rel_l2'])} "
+            f"{'<=' if p['passed'] else '>'} {g(p['tolerance'])}{hf})")
+for key in ("bench", "bench_mixed"):
+    if summary.get(key + "_complete") is False:
+        print(f"{key}: INCOMPLETE (the step stopped early; families below are those it finished)")
+    for fam, b in (summary.get(key) or {}).items():
+        if b["error"]:
+            print(f"{key} {fam}: ERROR {b['error']}")
+            continue
+        batch = (f"{b['images']}x{b['image_size'][0]}x{b['image_size'][1]}" if key == "bench" else
+                 f"{b['sizes']} sizes x {b['images']} images")
+        print(f"{key} {fam}: {batch} {b['tokens']} tokens native {b['native_ms']} ms HF {b['hf_ms']} ms "
+              f"speedup {b['speedup_vs_hf']}x native {b['native_tflops']} TFLOP/s rel_l2 {g(b['rel_l2'])} "
+              f"{verdict(b['parity'])} {b['kernels']}")
 for r in summary.get("attention_kernels") or []:
     print(f"attn {r['scenario']}: auto={r['auto']} fastest={r['fastest']} {r['ms']}")
 EOF

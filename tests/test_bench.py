@@ -1,7 +1,9 @@
-"""``mmparity bench``: the FLOP counter against torch's own counter, published configs, timing, CLI."""
+"""``mmparity bench``: the FLOP counter against torch's own counter, published configs, timing,
+parity verdicts (with a negative control), mixed-size batches, CLI."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -123,7 +125,13 @@ def test_bench_cli_every_family_tiny(tmp_path, capsys):
             assert "not counted" in r["flops"]["note"]
         assert r["native"]["detail"]["attention_kernels"], r["family"]
         assert r["rel_l2"] is not None and r["rel_l2"] < 1e-4  # same weights, fp32
-    assert "timed, 0 failed" in capsys.readouterr().out
+        parity = r["parity"]
+        assert parity["passed"] and parity["hf_rel_l2"] is None, (r["family"], parity)
+        assert parity["native_rel_l2"] <= parity["tolerance"]["rel_l2"] == 1e-5
+        assert parity["output"] in parity["outputs"]
+    assert report["passed"] and report["parity_checked"] and report["complete"]
+    out = capsys.readouterr().out
+    assert "timed, 0 failed" in out and f"parity {len(families.names())}/{len(families.names())} passed" in out
 
 
 def test_bench_mixed_sizes_use_the_packed_path(tmp_path):
@@ -163,3 +171,125 @@ def test_bench_cli_refuses_cuda_without_cuda(capsys):
 
     assert main(["bench", "pixtral", "--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+# --- parity ------------------------------------------------------------------------------------------
+
+def _perturb_first_mlp(state: dict) -> None:
+    """Negative control: one MLP input projection 1.5x too large (every family has one)."""
+    key = sorted(k for k in state if k.endswith("linear_fc1.weight"))[0]
+    state[key] = state[key] * 1.5
+
+
+def test_parity_verdict_applies_the_project_policy():
+    torch.manual_seed(0)
+    ref = {"out": torch.randn(64, 8), "pooled": torch.randn(4, 8)}
+    hf = {k: v + 0.01 * torch.randn_like(v) for k, v in ref.items()}
+    good = {k: v + 0.015 * torch.randn_like(v) for k, v in ref.items()}
+    verdict = bench.parity_verdict(torch.bfloat16, good, hf, ref)
+    assert verdict["passed"] and set(verdict["outputs"]) == {"out", "pooled"}
+    row = verdict["outputs"]["out"]
+    assert row["tolerance"]["rel_l2"] == pytest.approx(2 * row["hf_rel_l2"])
+    bad = dict(good, pooled=ref["pooled"] * 1.5)
+    verdict = bench.parity_verdict(torch.bfloat16, bad, hf, ref)
+    assert not verdict["passed"] and verdict["output"] == "pooled"  # the decisive output is on top
+    assert verdict["native_rel_l2"] > verdict["tolerance"]["rel_l2"]
+    # float32: native against HF directly, the fixed bound, no reference forward needed
+    same = bench.parity_verdict(torch.float32, {"out": ref["out"]}, {"out": ref["out"] * (1 + 1e-7)})
+    assert same["passed"] and same["hf_rel_l2"] is None and same["tolerance"]["rel_l2"] == 1e-5
+    with pytest.raises(ValueError, match="float32 reference"):
+        bench.parity_verdict(torch.bfloat16, good, hf)
+
+
+def test_bf16_parity_passes_for_every_family():
+    report = bench.bench(dtype="bfloat16", repeats=1, warmup=0)
+    assert [r.family for r in report.results] == families.names()
+    for r in report.results:
+        assert r.error is None, r.error
+        p = r.parity
+        assert p["passed"], (r.family, p)
+        assert p["reference"] == bench.PARITY_REFERENCE and "bfloat16" in p["tolerance"]["basis"]
+        # both sides measured against the float32 reference, the bound is 2x HF's own error
+        assert 0 < p["hf_rel_l2"] < 0.1 and p["tolerance"]["rel_l2"] == pytest.approx(2 * p["hf_rel_l2"])
+    assert report.passed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_negative_control_fails_parity_and_exits_1(dtype, tmp_path, capsys, monkeypatch):
+    from mmparity.cli.main import main
+
+    monkeypatch.setattr(bench, "bench", functools.partial(bench.bench, mutate_native=_perturb_first_mlp))
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "pixtral", "--dtype", dtype, "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    (r,) = json.loads(out.read_text())["results"]
+    assert rc == 1
+    assert r["error"] is None and r["native"]["median_ms"] > 0  # timed all the same
+    assert not r["parity"]["passed"] and r["parity"]["native_rel_l2"] > 10 * r["parity"]["tolerance"]["rel_l2"]
+    printed = capsys.readouterr().out
+    assert "FAIL" in printed and "parity 0/1 passed (FAILED: pixtral)" in printed
+
+
+def test_no_parity_skips_the_verdict(tmp_path, capsys):
+    from mmparity.cli.main import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "clip", "--dtype", "bfloat16", "--no-parity", "--repeats", "1", "--warmup", "0",
+                 "--quiet", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["parity_checked"] is False and report["results"][0]["parity"] is None
+    assert "parity not checked" in capsys.readouterr().out
+
+
+def test_report_is_handed_over_after_each_family():
+    seen = []
+    report = bench.bench(["clip", "siglip"], repeats=1, warmup=0,
+                         on_result=lambda rep: seen.append((len(rep.results), rep.complete)))
+    assert seen == [(1, False), (2, False)] and report.complete
+
+
+# --- mixed sizes ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(bench.PUBLISHED))
+def test_published_mixed_sets_are_valid_and_comparable(family):
+    """Every published family has a packed mixed-size set its sizes rules accept, with about the
+    uniform batch's token count (so the two timings compare)."""
+    if family not in families.names():
+        pytest.skip(f"family {family!r} is not registered")
+    cfg = bench.published_config(family)
+    images, sizes = bench.mixed_batch(family, "published", cfg)
+    assert len(set(sizes)) >= 6 and images >= 8
+    shape = bench.tower_shape(family, cfg)
+    tokens = lambda batch: sum((h // shape.patch) * (w // shape.patch) + shape.class_tokens  # noqa: E731
+                               for h, w in batch)
+    uniform_n, uniform_size = bench.default_batch(family, "published", cfg)
+    mixed = [sizes[i % len(sizes)] for i in range(images)]
+    assert 0.9 < tokens(mixed) / tokens([uniform_size] * uniform_n) < 1.1
+
+
+def test_mixed_sets_refused_are_skipped_or_usage_errors(monkeypatch):
+    # One patch a side is below pixtral_large's 2x2 merge block.
+    monkeypatch.setattr(bench, "TINY_MIXED_UNITS", ((1, 1), (2, 2)))
+    accepted, refused = bench.with_mixed_sets(["pixtral", "pixtral_large"], "tiny")
+    assert accepted == ["pixtral"]
+    assert refused[0]["family"] == "pixtral_large" and "merge block" in refused[0]["reason"]
+    with pytest.raises(bench.BenchError, match="mixed sizes"):
+        bench.bench(["pixtral_large"], mixed=True)
+    with pytest.raises(bench.BenchError, match="drop --image-size"):
+        bench.bench(["pixtral"], mixed=True, image_sizes=[(16, 16)])
+
+
+def test_mixed_tiny_runs_packed_with_parity(tmp_path):
+    from mmparity.cli.main import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "pixtral", "siglip", "qwen3_5", "kimi_k25", "--mixed", "--dtype", "bfloat16",
+               "--repeats", "1", "--warmup", "0", "--quiet", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, [(r["family"], r["error"], r["parity"]) for r in report["results"]]
+    assert report["mixed"] is True
+    for r in report["results"]:
+        m = size_multiple(r["family"], families.get(r["family"]).tiny_config())
+        assert r["case"] == "packed" and r["images"] == len(bench.TINY_MIXED_UNITS)
+        assert r["image_sizes"] == [[h * m, w * m] for h, w in bench.TINY_MIXED_UNITS]
+        assert r["parity"]["passed"], (r["family"], r["parity"])
+        assert "grouped" in r["native"]["detail"]["attention_kernels"]  # per-size SDPA on the CPU

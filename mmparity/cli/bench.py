@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_size,
@@ -21,6 +22,13 @@ def add_arguments(parser) -> None:
                         help="images per forward (default: 4 at tiny size, the published batch otherwise)")
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for a mixed batch (sizes cycle over --images)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="time each family's packed mixed-size batch (mmparity.bench.PUBLISHED "
+                             "mixed sets at published size; 8 sizes of the patch multiple at tiny); "
+                             "families without one are skipped")
+    parser.add_argument("--no-parity", dest="parity", action="store_false",
+                        help="skip the parity verdict (in bfloat16/float16 it costs one float32 HF "
+                             "forward per family)")
     parser.add_argument("--case", default="auto", metavar="NAME",
                         help="the family case to time: auto (static batch when all sizes are equal, "
                              "else packed), static or packed")
@@ -55,17 +63,27 @@ def run(args) -> int:
             print(f"mmparity bench: {name} ({args.size}, {args.device}, {args.dtype}) ...",
                   file=sys.stderr, flush=True)
 
+    def write_partial(report) -> None:
+        # After every family: a run killed by a time limit still leaves what it measured.
+        if args.json:
+            write_text_atomic(args.json, report.to_json())
+
+    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if json_dir is not None and not os.path.isdir(json_dir):
+        # Before any timing: the first partial report would otherwise fail after one family.
+        raise UsageError(f"cannot write {args.json}: directory {json_dir} does not exist")
     try:
         report = bench.bench(args.families, size=args.size, images=args.images, image_sizes=sizes,
                              dtype=args.dtype, device=args.device, warmup=args.warmup,
                              repeats=args.repeats, seed=args.seed, case_name=args.case,
-                             progress=progress)
+                             mixed=args.mixed, parity=args.parity, progress=progress,
+                             on_result=write_partial)
     except bench.BenchError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
         write_text_atomic(args.json, report.to_json())
     print_bench(report, quiet=args.quiet, stream=sys.stdout)
-    return EXIT_OK if report.ok else EXIT_FAIL
+    return EXIT_OK if report.passed else EXIT_FAIL
 
 
 def _fmt(value, spec: str = ".3g") -> str:
@@ -79,34 +97,70 @@ def _gflop(result) -> str:
     return "-" if total is None else _fmt(total / 1e9)
 
 
+def _parity_cell(result) -> str:
+    parity = result.parity
+    if parity is None:
+        return "-"
+    if parity.get("error"):
+        return "[red]FAIL (no verdict)[/]"
+    return "PASS" if parity["passed"] else "[red]FAIL[/]"
+
+
+def parity_line(result) -> str:
+    """One line: the verdict and the numbers it rests on (for logs read long after the run)."""
+    parity = result.parity
+    if parity is None:
+        return f"parity {result.family}: not checked"
+    verdict = "PASS" if parity["passed"] else "FAIL"
+    if parity.get("error"):
+        return f"parity {result.family}: FAIL, no float32 reference: {parity['error']}"
+    hf = "" if parity["hf_rel_l2"] is None else f", HF {parity['hf_rel_l2']:.3g}"
+    return (f"parity {result.family}: {verdict} {parity['output']} native rel_l2 "
+            f"{parity['native_rel_l2']:.3g} {'<=' if parity['passed'] else '>'} "
+            f"{parity['tolerance']['rel_l2']:.3g}{hf} ({parity['tolerance']['basis']})")
+
+
 def print_bench(report, quiet: bool = False, stream=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     is_tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
-    console = Console(file=stream, highlight=False, width=None if is_tty else 220)
+    console = Console(file=stream, highlight=False, width=None if is_tty else 230)
     if not quiet:
-        table = Table(title=f"mmparity bench · {report.device_name} · {report.dtype} · {report.size} · "
+        table = Table(title=f"mmparity bench · {report.device_name} · {report.dtype} · {report.size}"
+                            f"{' mixed' if report.mixed else ''} · "
                             f"median of {report.repeats} ({report.timer}) · attention "
                             f"{report.attention_backend}")
         for column in ("family", "case", "images", "tokens", "GFLOP", "native ms", "HF ms",
                        "speedup", "native TFLOP/s", "HF TFLOP/s", "native img/s", "rel_l2",
-                       "native attention"):
+                       "parity", "native attention"):
             table.add_column(column)
         for r in report.results:
             if r.error:
                 table.add_row(r.family, r.case, str(r.images), _fmt(r.tokens, "d"), _gflop(r),
-                              f"[red]{r.error}[/]", "", "", "", "", "", "", "")
+                              f"[red]{r.error}[/]", "", "", "", "", "", "", "", "")
                 continue
             kernels = ", ".join(f"{k}×{v}" for k, v in r.native.detail.get("attention_kernels", {}).items())
             table.add_row(r.family, r.case, str(r.images), _fmt(r.tokens, "d"), _gflop(r),
                           _fmt(r.native.median_ms, ".2f"),
                           _fmt(r.hf.median_ms, ".2f"), _fmt(r.speedup_vs_hf, ".2f") + "x",
                           _fmt(r.native.tflops), _fmt(r.hf.tflops), _fmt(r.native.images_per_s, ".1f"),
-                          _fmt(r.rel_l2), kernels or "-")
+                          _fmt(r.rel_l2), _parity_cell(r), kernels or "-")
         console.print(table)
+        for r in report.results:
+            if not r.error and report.parity_checked:
+                console.print(parity_line(r))
         for s in report.skipped:
             console.print(f"skipped {s['family']}: {s['reason']}")
     failed = [r for r in report.results if r.error]
-    console.print(f"{len(report.results) - len(failed)} timed, {len(failed)} failed, "
-                  f"{len(report.skipped)} skipped")
+    line = (f"{len(report.results) - len(failed)} timed, {len(failed)} failed, "
+            f"{len(report.skipped)} skipped")
+    if report.parity_checked:
+        judged = [r for r in report.results if r.parity is not None]
+        parity_failed = [r.family for r in judged if not r.parity["passed"]]
+        line += f", parity {len(judged) - len(parity_failed)}/{len(judged)} passed"
+        if parity_failed:
+            line += f" (FAILED: {', '.join(parity_failed)})"
+    else:
+        line += ", parity not checked"
+    console.print(line)
