@@ -21,7 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mcore", metavar="DIR",
                         help="check a converted mcore checkpoint (legacy or torch_dist, e.g. from "
                              "mmparity convert) against the HF reference loaded from --hf (default: the "
-                             "source recorded in its mmparity.json); --tp reshards it")
+                             "source recorded in its mmparity.json); a legacy checkpoint runs at its own "
+                             "TP and PP, --tp / --pp reshard it")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
@@ -30,6 +31,9 @@ def add_arguments(parser) -> None:
                              "one that cannot run here is an error")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="run the native model across N tensor-parallel ranks (spawned, or torchrun's)")
+    parser.add_argument("--pp", type=int, default=None, metavar="N",
+                        help="run the native model as N pipeline stages, each loading what "
+                             "'mmparity convert --pp N' writes for it; tp*pp ranks in all (default 1)")
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for several images per batch")
     parser.add_argument("--no-components", action="store_true", help="skip component checks")
@@ -92,9 +96,17 @@ def _load_hf(directory: str, family: str, hf_format):
     return cfg, tensors
 
 
-def _load_mcore(args) -> tuple[str, str, list]:
-    """(family, HF reference directory, native rank shards) for ``--mcore DIR``."""
-    from mmparity.checkpoint import MANIFEST_FILE, CheckpointError, read_manifest, resolve_iteration_dir
+def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
+    """(family, HF reference directory, native rank shards, pipeline size, its per-stage layer
+    counts or None) for ``--mcore DIR``.
+
+    A legacy checkpoint holds one file per (TP rank, stage): it runs at its own pipeline size
+    (and layer split) unless ``--pp`` says otherwise. torch_dist holds global tensors; like its
+    TP size, its pipeline size is only how it was saved, so it runs at ``--pp`` (default 1).
+    """
+    from mmparity.checkpoint import (LAYOUT_LEGACY, MANIFEST_FILE, CheckpointError, open_legacy,
+                                     read_manifest, resolve_iteration_dir)
+    from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
     from mmparity.convert import ConvertError, read_mcore_shards
 
     if len(args.families) > 1:
@@ -108,22 +120,33 @@ def _load_mcore(args) -> tuple[str, str, list]:
         family, _config, shards = read_mcore_shards(args.mcore, family, tp=args.tp if args.tp != 1 else None)
         root = resolve_iteration_dir(args.mcore)[0]
         manifest = read_manifest(root) if os.path.isfile(os.path.join(root, MANIFEST_FILE)) else None
+        stored_pp, stored_counts = 1, None
+        if manifest is not None:
+            if manifest.layout == LAYOUT_LEGACY:
+                stored_pp, stored_counts = manifest.pipeline_parallel_size, manifest.pipeline_layer_counts
+        elif not is_torch_dist_dir(root):
+            stored_pp = open_legacy(args.mcore).pp_size
     except (ConvertError, CheckpointError) as exc:
         raise UsageError(f"--mcore {args.mcore}: {exc}") from None
+    pp = args.pp if args.pp is not None else stored_pp
+    counts = list(stored_counts) if stored_counts and pp == stored_pp else None
     hf_dir = args.hf or (manifest.provenance.source_path if manifest is not None else None)
     if not hf_dir or not os.path.isdir(hf_dir):
         raise UsageError(f"--mcore {args.mcore}: needs --hf DIR, the HF checkpoint to compare against"
                          + (f" (its recorded source {hf_dir} is gone)" if hf_dir else ""))
-    # Owned copies: rank shards may be memory-mapped files, and spawned TP ranks receive them pickled.
-    return family, hf_dir, [{k: v.clone() for k, v in shard.items()} for shard in shards]
+    # Owned copies: rank shards may be memory-mapped files, and spawned ranks receive them pickled.
+    return family, hf_dir, [{k: v.clone() for k, v in shard.items()} for shard in shards], pp, counts
 
 
 def run(args) -> int:
     quiet_third_party_warnings()
-    native_shards = None
+    if args.pp is not None and args.pp < 1:
+        raise UsageError(f"--pp must be >= 1, got {args.pp}")
+    native_shards, layer_counts = None, None
     if args.mcore:
-        family, args.hf, native_shards = _load_mcore(args)
+        family, args.hf, native_shards, args.pp, layer_counts = _load_mcore(args)
         args.families = [family]
+    pp = args.pp or 1
     names = _resolve_families(args.families)
     if args.hf and len(names) != 1:
         raise UsageError("--hf needs exactly one FAMILY")
@@ -134,6 +157,15 @@ def run(args) -> int:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
     from mmparity.converters.rules import ConversionError
     from mmparity.native import runtime
+
+    if args.device == "cuda" and runtime.launched_world_size() == 1:
+        import torch
+
+        # nccl needs one GPU per rank; a rank without one would fail deep inside its set-up.
+        tp = len(native_shards) if native_shards is not None else args.tp
+        if tp * pp > torch.cuda.device_count():
+            raise UsageError(f"TP {tp} x PP {pp} needs {tp * pp} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
     from mmparity.parity import harness
     from mmparity.parity.report import Report
 
@@ -150,13 +182,17 @@ def run(args) -> int:
                 raise UsageError(str(exc)) from None
         try:
             report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
-                                   seed=args.seed, image_sizes=sizes, tp=args.tp,
-                                   components=not args.no_components, native_shards=native_shards)
+                                   seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp,
+                                   layer_counts=layer_counts, components=not args.no_components,
+                                   native_shards=native_shards)
         except ConversionError as exc:  # e.g. a TP size that does not divide the heads
             raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
+        except harness.InputError as exc:  # e.g. more pipeline stages than layers
+            raise UsageError(str(exc)) from None
         if combined is None:
             combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
-                              attention_backend=report.attention_backend, versions=report.versions)
+                              attention_backend=report.attention_backend, versions=report.versions,
+                              tp=report.tp, pp=report.pp)
         combined.results.extend(report.results)
     elapsed = time.perf_counter() - started
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:

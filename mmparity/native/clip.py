@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from mmparity.native.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
+from mmparity.native.layers import (activation_from_hf, numbered_layers, vision_layer_spec,
+                                    vision_transformer_config)
 from mmparity.native.vit import ViTModel
 
 MODEL_TYPES = ("clip_vision_model",)
@@ -75,6 +76,8 @@ def run(model: ViTModel, case) -> dict:
         hidden, pooled = model(rows, imgs_sizes=case.data["sizes"], return_pooled=True)
     else:
         hidden, pooled = model(torch.stack(imgs).to(device, dtype), return_pooled=True)
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
     out = {"last_hidden_state": hidden.reshape(-1, hidden.shape[-1])}
     if pooled is not None:
         out["pooler_output"] = pooled
@@ -109,7 +112,7 @@ def pairs(model: ViTModel, cfg) -> list:
     if model.ln_pre is not None:
         out.append(Pair("ln_pre", model.ln_pre, last_image("tokens", model, tokens_2d)))
     out += [Pair(f"layer.{i}", layer, last_image("tokens", model, sbh_tokens_2d))
-            for i, layer in enumerate(model.decoder.layers)]
+            for i, layer in numbered_layers(model.decoder)]
     if model.ln_post is not None:
         kind = "pooled" if model.ln_post_scope == "pooled" else "tokens"
         out.append(Pair("ln_post", model.ln_post, last_image(kind, model, tokens_2d)))
@@ -125,7 +128,7 @@ def component(name: str, model: ViTModel, cfg, seed: int) -> torch.Tensor:
     from mmparity.parity import inputs
 
     if name == "patch_embed":
-        img = inputs.images([inputs.component_image_size(model.patch_dim)], model.patch_conv.in_channels,
+        img = inputs.images([inputs.component_image_size(model.patch_dim)], model.in_channels,
                             seed)[0]
         tokens, _, _ = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
         return tokens[0]

@@ -40,10 +40,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.converters.kimi_k25 import has_projector, vision_cfg
 from mmparity.native.attention import make_packed_seq_params
-from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
-                                    vision_layer_spec, vision_transformer_config)
+from mmparity.native.layers import (activation_from_hf, numbered_layers,
+                                    tolerate_missing_extra_state, vision_layer_spec,
+                                    vision_transformer_config)
 from mmparity.native.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
-                                 _dynamic_patch_grid_lists)
+                                 _dynamic_patch_grid_lists, check_image_size)
 from mmparity.native.rope import rope_theta
 
 # HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
@@ -107,6 +108,12 @@ def temporal_sincos(num_frames: int, dim: int) -> torch.Tensor:
     return torch.cat([freqs.sin(), freqs.cos()], dim=1)
 
 
+def check_clip_length(num_frames: int, max_frames: int) -> None:
+    if num_frames > max_frames:
+        raise ValueError(f"a clip of {num_frames} frames exceeds the temporal table of "
+                         f"{max_frames} frames (pos_emb_time)")
+
+
 class KimiLearned2DPosEmbed(torch.nn.Module):
     """Learned ``(height, width, H)`` position table, bicubically resampled to each grid.
 
@@ -138,9 +145,7 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
 
     def temporal(self, num_frames: int, device) -> torch.Tensor:
         """(num_frames, H) fp32 rows for a clip; refuses clips longer than the table."""
-        if num_frames > self.max_frames:
-            raise ValueError(f"a clip of {num_frames} frames exceeds the temporal table of "
-                             f"{self.max_frames} frames (pos_emb_time)")
+        check_clip_length(num_frames, self.max_frames)
         return self._time[:num_frames].to(device)
 
     def positions(self, h_patches: int, w_patches: int, num_frames: int, device) -> torch.Tensor:
@@ -232,40 +237,47 @@ class KimiViTModel(VisionTower):
                  *, pos_embed_time: int = 4, merge_size: int = 2,
                  max_patches_per_side: Optional[int] = None):
         super().__init__(config=transformer_config)
-        from megatron.core import parallel_state
+        from mmparity.native import runtime
 
         cfg = transformer_config
         self.patch_dim, self.img_h, self.img_w = patch_dim, img_h, img_w
         self.in_channels = in_channels
         self.hidden_size = cfg.hidden_size
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
-        self.patch_embed = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
-        self.pos_embed = KimiLearned2DPosEmbed(pos_embed_height, pos_embed_width, cfg.hidden_size,
-                                               max_frames=pos_embed_time)
+        self.max_frames = pos_embed_time
+        self.pre_process = runtime.is_first_stage()
+        self.post_process = runtime.is_last_stage()
+        self.patch_embed = self.pos_embed = None
+        if self.pre_process:
+            self.patch_embed = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
+            self.pos_embed = KimiLearned2DPosEmbed(pos_embed_height, pos_embed_width,
+                                                   cfg.hidden_size, max_frames=pos_embed_time)
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         self.rotary_pos_emb = Kimi2DRotaryEmbedding(head_dim, max_patches_per_side, rope_theta)
         self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,
                                         post_layer_norm=True, pre_process=self.pre_process,
                                         post_process=self.post_process)
+        # No parameters: every stage keeps it, for the grid checks that precede the transformer.
         self.merger = KimiPatchMerger(merge_size)
         tolerate_missing_extra_state(self)
 
     def _patch_tokens(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes],
                       num_frames: Optional[Sequence[int]]):
-        """-> (tokens (B, N, H), grids, frames, packed)."""
+        """-> (tokens (B, N, H), or None off the first pipeline stage, grids, frames, packed)."""
         if imgs_sizes is None:
             if num_frames is not None:
                 raise ValueError("num_frames goes with dynamic input; pass static clips as (B, T, C, H, W)")
-            if pixel_values.dim() == 5:
-                batch, frames = pixel_values.shape[:2]
-                tokens, h, w = self.patch_embed(pixel_values.flatten(0, 1))
-                return tokens.reshape(batch, frames * h * w, -1), [(h, w)], [frames], False
-            if pixel_values.dim() != 4:
+            if pixel_values.dim() not in (4, 5):
                 raise ValueError("static input must be (B, C, H, W) images or (B, T, C, H, W) clips, "
                                  f"got shape {tuple(pixel_values.shape)}")
-            tokens, h, w = self.patch_embed(pixel_values)
-            return tokens, [(h, w)], [1], False
+            check_image_size(pixel_values.shape[-2], pixel_values.shape[-1], self.patch_dim)
+            h, w = pixel_values.shape[-2] // self.patch_dim, pixel_values.shape[-1] // self.patch_dim
+            batch, frames = (pixel_values.shape[:2] if pixel_values.dim() == 5
+                             else (pixel_values.shape[0], 1))
+            tokens = None
+            if self.pre_process:
+                tokens, _, _ = self.patch_embed(pixel_values.reshape(-1, *pixel_values.shape[-3:]))
+                tokens = tokens.reshape(batch, frames * h * w, -1)
+            return tokens, [(h, w)], [frames], False
         grids, _ = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
         frames = [1] * len(grids) if num_frames is None else [int(t) for t in num_frames]
         if len(frames) != len(grids) or any(t < 1 for t in frames):
@@ -276,7 +288,8 @@ class KimiViTModel(VisionTower):
         if pixel_values.shape[1] != total:
             raise ValueError(f"imgs_sizes and num_frames describe {total} patches but the input has "
                              f"{pixel_values.shape[1]} rows")
-        return self.patch_embed(pixel_values), grids, frames, True
+        tokens = self.patch_embed(pixel_values) if self.pre_process else None
+        return tokens, grids, frames, True
 
     def encode(self, pixel_values: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                imgs_sizes: Optional[ImageSizes] = None, packed_seq_params=None,
@@ -285,14 +298,15 @@ class KimiViTModel(VisionTower):
         # Refuse what the merger or the temporal table cannot take before running the transformer.
         for (h, w), t in zip(grids, frames):
             self.merger._check(h, w)
-            if t > 1:
-                self.pos_embed.temporal(t, tokens.device)
-        tokens = self.pos_embed(tokens, grids, frames)
-        rope = _cat_rope([self.rotary_pos_emb.for_grid(h, w, t, tokens.device)
+            check_clip_length(t, self.max_frames)
+        device = pixel_values.device
+        if tokens is not None:
+            tokens = self.pos_embed(tokens, grids, frames)
+        rope = _cat_rope([self.rotary_pos_emb.for_grid(h, w, t, device)
                           for (h, w), t in zip(grids, frames)])
         if packed and packed_seq_params is None:
             packed_seq_params = make_packed_seq_params(
-                [t * h * w for (h, w), t in zip(grids, frames)], tokens.device)
+                [t * h * w for (h, w), t in zip(grids, frames)], device)
         hidden = tokens.transpose(0, 1).contiguous() if self.pre_process else None
         hidden = self.decoder(hidden, attention_mask, rotary_pos_emb=rope,
                               packed_seq_params=packed_seq_params)
@@ -356,7 +370,8 @@ class KimiViTWithProjector(KimiViTModel):
         super().__init__(transformer_config, transformer_layer_spec, **kwargs)
         merge = self.merger.merge_size
         self.vision_projection = KimiMultimodalProjector(
-            projection_config, transformer_config.hidden_size, merge * merge, projector_eps)
+            projection_config, transformer_config.hidden_size, merge * merge,
+            projector_eps) if self.post_process else None
         tolerate_missing_extra_state(self)
 
     def encode(self, *args, **kwargs) -> KimiVisionOutput:
@@ -409,7 +424,7 @@ def projection_config(cfg, params_dtype: torch.dtype = torch.float32) -> Transfo
         num_layers=1, hidden_size=cfg.text_config.hidden_size,
         num_attention_heads=vc.num_attention_heads, kv_channels=1, ffn_hidden_size=width,
         normalization="LayerNorm", norm_eps=cfg.projection_layer_norm_eps, activation=F.gelu,
-        gated=False, bias=True, params_dtype=params_dtype)
+        gated=False, bias=True, params_dtype=params_dtype, pipelined_stack=False)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> KimiViTModel:
@@ -442,6 +457,8 @@ def run(model: KimiViTModel, case) -> dict:
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
     if case.name == "projector":
+        if not model.post_process:
+            return {}  # the projector lives on the last pipeline stage
         return {"image_embeds": model.vision_projection(case.data["features"].to(device, dtype))}
     items = case.data["images"]
     if case.data.get("static"):
@@ -449,6 +466,8 @@ def run(model: KimiViTModel, case) -> dict:
     else:
         rows = _rows(items, model.patch_dim).to(device, dtype)
         out = model.encode(rows, imgs_sizes=case.data["sizes"], num_frames=case.data["frames"])
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
     hidden = out.last_hidden_state
     result = {"last_hidden_state": hidden.reshape(-1, hidden.shape[-1]),
               "pooler_output": out.pooler_output.reshape(-1, out.pooler_output.shape[-1])}
@@ -462,7 +481,7 @@ def pairs(model: KimiViTModel, cfg) -> list:
 
     out = [Pair("patch_embed", model.patch_embed, tokens_2d),
            Pair("pos_embed", model.pos_embed, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
     out.append(Pair("final_layernorm", model.decoder.final_layernorm, sbh_tokens_2d))
     if isinstance(model, KimiViTWithProjector):
         out.append(Pair("projector", model.vision_projection, tokens_2d))

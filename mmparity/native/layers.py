@@ -123,8 +123,14 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
                               num_query_groups: int | None = None, kv_channels: int | None = None,
                               rotary_interleaved: bool = False,
                               params_dtype: torch.dtype = torch.float32,
+                              pipelined_stack: bool = True,
                               **overrides) -> TransformerConfig:
-    """The TransformerConfig every native vision tower derives from its HF config."""
+    """The TransformerConfig every native vision tower derives from its HF config.
+
+    Under pipeline parallelism a config with ``pipelined_stack`` describes the layer stack that is
+    split over the stages, as the parallel state's ``layer_counts`` say (mcore's even split when it
+    has none). Projector and head configs, whose ``num_layers`` builds nothing, pass False.
+    """
     fields = dict(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -159,8 +165,21 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
     layout = runtime.current_layout()
     if layout is not None:
         fields.setdefault("tensor_model_parallel_size", layout.tp)
-        fields.setdefault("pipeline_model_parallel_size", layout.pp)
+        fields.setdefault("pipeline_model_parallel_size", runtime.pipeline_size())
+    counts = runtime.stage_layer_counts()
+    if pipelined_stack and counts is not None and fields["pipeline_model_parallel_size"] > 1:
+        if sum(counts) != num_layers:
+            raise ValueError(f"the pipeline split {list(counts)} covers {sum(counts)} layers; this "
+                             f"stack has {num_layers}")
+        for key, value in runtime.uneven_stage_fields(counts).items():
+            fields.setdefault(key, value)
     return TransformerConfig(**fields)
+
+
+def numbered_layers(block) -> list:
+    """``(global index, layer)`` of an mcore block's layers: a pipeline stage holds a slice of the
+    stack, and divergences are named by the layer's place in the whole model."""
+    return [(layer.layer_number - 1, layer) for layer in block.layers]
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ Deliberate deviations from the seed and from the installed megatron-core (0.16.1
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -729,7 +730,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from mmparity.converters import llava as llava_config  # noqa: E402
 from mmparity.native.attention import make_packed_seq_params  # noqa: E402
 from mmparity.native.layers import (activation_from_hf, layer_spec,  # noqa: E402
-                                    tolerate_missing_extra_state, vision_transformer_config)
+                                    numbered_layers, tolerate_missing_extra_state,
+                                    vision_transformer_config)
 from mmparity.native.rope import rope_theta  # noqa: E402
 
 
@@ -847,7 +849,7 @@ def projection_transformer_config(cfg, params_dtype: torch.dtype = torch.float32
         num_layers=1, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
         ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
         activation=activation_from_hf(cfg.projector_hidden_act), gated=False,
-        bias=cfg.multimodal_projector_bias, params_dtype=params_dtype)
+        bias=cfg.multimodal_projector_bias, params_dtype=params_dtype, pipelined_stack=False)
 
 
 class LLaVAModel(MegatronModule):
@@ -874,8 +876,13 @@ class LLaVAModel(MegatronModule):
       logits keep the padded width, as upstream.
     * ``forward`` also takes ``media_token_counts`` (slots per placeholder; see
       :func:`_preprocess_data`), e.g. to feed a prompt in which every image row is its own
-      placeholder. Tile tags, pixel shuffle, sound, pipeline and context parallelism, packed
-      language sequences and KV-cache inference are not implemented.
+      placeholder. Tile tags, pixel shuffle, sound, virtual pipeline and context parallelism,
+      packed language sequences and KV-cache inference are not implemented.
+    * Pipeline parallelism splits the language model's layers, as Megatron-LM does: the vision
+      tower (whole, see ``runtime.single_stage``), the projector and the embedding live on the
+      first stage, the final norm and output layer on the last. Later stages keep only the
+      tower's geometry (patch size, class tokens) to count each image's slots. Tied embeddings
+      are refused under pipeline parallelism (see :func:`pipeline_problems`).
     """
 
     def __init__(self, language_transformer_config, language_transformer_layer_spec,
@@ -889,6 +896,8 @@ class LLaVAModel(MegatronModule):
                  vision_feature_layers: Sequence[int] = (-1,),
                  drop_vision_class_token: bool = False, vocab_size: Optional[int] = None):
         super().__init__(config=language_transformer_config)
+        from mmparity.native import runtime
+
         vocab_size = language_vocab_size if vocab_size is None else vocab_size
         if not 0 < vocab_size <= language_vocab_size:
             raise ValueError(f"vocab_size {vocab_size} must lie in (0, {language_vocab_size}]")
@@ -898,12 +907,18 @@ class LLaVAModel(MegatronModule):
             raise ValueError(f"vision_feature_layers {list(vision_feature_layers)} do not select "
                              f"among the {num_vision_layers + 1} hidden states of the tower")
 
+        self.pre_process, self.post_process = runtime.is_first_stage(), runtime.is_last_stage()
+        if share_embeddings_and_output_weights and not (self.pre_process and self.post_process):
+            raise ValueError("tied embeddings under pipeline parallelism are not supported: the "
+                             "last stage would need its own copy of the output weight")
         # Registration order is the seed's, so state dicts list the language model first.
         self.language_model = GPTModel(
             config=language_transformer_config,
             transformer_layer_spec=language_transformer_layer_spec,
             vocab_size=language_vocab_size,
             max_sequence_length=language_max_sequence_length,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type="rope",
@@ -914,10 +929,13 @@ class LLaVAModel(MegatronModule):
             kv_channels=language_transformer_config.kv_channels, rotary_percent=1.0,
             rotary_interleaved=language_transformer_config.rotary_interleaved,
             rotary_base=language_rotary_base, use_cpu_initialization=True)
-        self.vision_model = vision_model
+        # What later stages need of the tower: how many slots each image fills.
+        self.vision_patch_dim = vision_model.patch_dim
+        self.vision_class_token_len = getattr(vision_model, "class_token_len", 0)
+        self.vision_model = vision_model if self.pre_process else None
         self.vision_projection = MultimodalProjector(
             vision_projection_config, vision_projection_layer_spec, vision_projection_type,
-            vision_projection_input_size)
+            vision_projection_input_size) if self.pre_process else None
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.image_token_index = image_token_index
         self.vocab_size = vocab_size
@@ -940,6 +958,11 @@ class LLaVAModel(MegatronModule):
             input_tensor = input_tensor[0]
         self.language_model.set_input_tensor(input_tensor)
 
+    def pipelined_module(self) -> torch.nn.Module:
+        """Where activations enter and leave a pipeline stage (see ``native.pipeline``): the
+        whole GPTModel, which sizes its RoPE table from the received tensor before its block."""
+        return self.language_model
+
     def freeze(self, freeze_language_model: bool, freeze_vision_model: bool,
                freeze_vision_projection: bool, freeze_sound_model: bool = False,
                freeze_sound_projection: bool = False, unfreeze_router: bool = False) -> None:
@@ -953,7 +976,7 @@ class LLaVAModel(MegatronModule):
                   (freeze_vision_model, self.vision_model),
                   (freeze_vision_projection, self.vision_projection)]
         for freeze, module in chosen:
-            if freeze:
+            if freeze and module is not None:
                 for param in module.parameters():
                     param.requires_grad = False
         if freeze_language_model and unfreeze_router:
@@ -990,6 +1013,17 @@ class LLaVAModel(MegatronModule):
         per_image = self.vision_features(images, imgs_sizes)
         rows = torch.cat(per_image).unsqueeze(1)  # [tokens, 1, h]: sequence-first like upstream
         return self.vision_projection(rows).squeeze(1), [x.shape[0] for x in per_image]
+
+    def image_token_counts(self, images: torch.Tensor, imgs_sizes=None) -> list[int]:
+        """Tokens per image that :meth:`encode_images` would return, from the shapes alone (for
+        pipeline stages without the tower)."""
+        p = self.vision_patch_dim
+        if imgs_sizes is None:
+            grids = [(images.shape[-2] // p, images.shape[-1] // p)] * images.shape[0]
+        else:
+            grids = [(int(h) // p, int(w) // p) for h, w in imgs_sizes]
+        dropped = 1 if self.drop_vision_class_token else 0
+        return [self.vision_class_token_len + h * w - dropped for h, w in grids]
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -1029,25 +1063,32 @@ class LLaVAModel(MegatronModule):
                                       "implemented by this LLaVAModel")
         if image_token_index is None:
             image_token_index = self.image_token_index
-        image_rows = None
+        image_rows = text = None
         if images is not None and images.numel():
-            image_rows, tokens_per_image = self.encode_images(images, imgs_sizes)
+            if self.pre_process:
+                image_rows, tokens_per_image = self.encode_images(images, imgs_sizes)
+            else:
+                tokens_per_image = self.image_token_counts(images, imgs_sizes)
             if media_token_counts is None:
                 media_token_counts = self._slots(tokens_per_image, num_image_tiles)
         if labels is not None and loss_mask is None:
             loss_mask = torch.ones_like(labels, dtype=torch.float32)
 
-        # Placeholders are no vocabulary entries: embed a stand-in, the slots are overwritten.
-        text_ids = input_ids.masked_fill(input_ids == image_token_index, 0)
-        text = self.language_model.embedding(input_ids=text_ids, position_ids=None)
+        if self.pre_process:
+            # Placeholders are no vocabulary entries: embed a stand-in, the slots are overwritten.
+            text_ids = input_ids.masked_fill(input_ids == image_token_index, 0)
+            text = self.language_model.embedding(input_ids=text_ids, position_ids=None).transpose(0, 1)
         combined = _preprocess_data(
-            image_rows, text.transpose(0, 1), input_ids, loss_mask, labels, image_token_index,
+            image_rows, text, input_ids, loss_mask, labels, image_token_index,
             media_token_counts=media_token_counts, position_ids=position_ids,
-            language_max_sequence_length=self._language_max_sequence_length)
+            language_max_sequence_length=self._language_max_sequence_length,
+            pre_process=self.pre_process, post_process=self.post_process)
 
         logits = self.language_model(
             input_ids=None, position_ids=combined.position_ids, attention_mask=attention_mask,
             decoder_input=combined.embeddings, labels=None, runtime_gather_output=False)
+        if not self.post_process:
+            return logits  # this stage's hidden states, for the next stage
         if labels is not None:
             return self._token_loss(logits, combined.labels), combined.loss_mask
         gather = (not self.language_model.parallel_output if runtime_gather_output is None
@@ -1095,7 +1136,13 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> LLaVAModel:
         raise ValueError("vision_feature_select_strategy='default' drops a class token; the "
                          "Pixtral tower has none (HF's LLaVA fails on it): use 'full'")
     text = cfg.text_config
-    vision_model = families.get(vision_name).native().build_native(cfg.vision_config, params_dtype)
+    from mmparity.native import runtime
+
+    # The tower is never split: Megatron-LM keeps it whole on the first stage. Later stages only
+    # read its geometry, from a copy on the meta device that costs no memory.
+    placement = contextlib.nullcontext() if runtime.is_first_stage() else torch.device("meta")
+    with runtime.single_stage(), placement:
+        vision_model = families.get(vision_name).native().build_native(cfg.vision_config, params_dtype)
     layers = llava_config.feature_layer_indices(cfg)
     return LLaVAModel(
         language_transformer_config=language_transformer_config(text, params_dtype),
@@ -1115,6 +1162,15 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> LLaVAModel:
     )
 
 
+def pipeline_problems(cfg, pp: int) -> list[str]:
+    """Why ``cfg`` cannot run over ``pp`` pipeline stages (empty when it can)."""
+    if pp > 1 and llava_config.tied(cfg):
+        return ["tied input and output embeddings (tie_word_embeddings) are not supported under "
+                "pipeline parallelism: Megatron-LM's last stage keeps its own copy of the output "
+                "weight, which the converter does not write"]
+    return []
+
+
 # --- parity glue: how the harness drives this model (framework-free cases in, tensors out) ---
 
 def vision_input(model: LLaVAModel, case, dtype, device):
@@ -1124,7 +1180,7 @@ def vision_input(model: LLaVAModel, case, dtype, device):
     imgs, sizes = case.data["images"], [tuple(s) for s in case.data["sizes"]]
     if len(set(sizes)) == 1:
         return torch.stack(imgs).to(device, dtype), None
-    return inputs.packed_rows(imgs, model.vision_model.patch_dim).to(device, dtype), sizes
+    return inputs.packed_rows(imgs, model.vision_patch_dim).to(device, dtype), sizes
 
 
 def run(model: LLaVAModel, case) -> dict:
@@ -1134,8 +1190,11 @@ def run(model: LLaVAModel, case) -> dict:
     ids = case.data["input_ids"].to(device)
     common = dict(num_image_tiles=case.data["num_image_tiles"], imgs_sizes=sizes)
     logits = model(images, ids, None, None, runtime_gather_output=True, **common)
-    loss, mask = model(images, ids, None, None, labels=case.data["labels"].to(device),
-                       loss_mask=case.data["loss_mask"].to(device), **common)
+    with_loss = model(images, ids, None, None, labels=case.data["labels"].to(device),
+                      loss_mask=case.data["loss_mask"].to(device), **common)
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
+    loss, mask = with_loss
     # Compact rows padded to a rectangle expand past the HF rows; causality keeps the positions
     # before the cut independent of what follows.
     keep, vocab = case.data["length"], model.vocab_size
@@ -1149,13 +1208,15 @@ def pairs(model: LLaVAModel, cfg) -> list:
     from mmparity import families
     from mmparity.parity.cases import Pair, tokens_2d
 
-    vision = families.get(llava_config.vision_family(cfg)).native()
-    run_names = llava_config.vision_pair_names(cfg)
-    out = [Pair(f"vision.{p.name}", p.module, p.extract)
-           for p in vision.pairs(model.vision_model, cfg.vision_config) if p.name in run_names]
+    out = []
+    if model.vision_model is not None:
+        vision = families.get(llava_config.vision_family(cfg)).native()
+        run_names = llava_config.vision_pair_names(cfg)
+        out += [Pair(f"vision.{p.name}", p.module, p.extract)
+                for p in vision.pairs(model.vision_model, cfg.vision_config) if p.name in run_names]
     out.append(Pair("projector", model.vision_projection, tokens_2d))
     out += [Pair(f"layer.{i}", layer, _language_tokens)
-            for i, layer in enumerate(model.language_model.decoder.layers)]
+            for i, layer in numbered_layers(model.language_model.decoder)]
     out.append(Pair("final_norm", model.language_model.decoder.final_layernorm, _language_tokens))
     return out
 

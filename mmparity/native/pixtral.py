@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from mmparity.native.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
+from mmparity.native.layers import (activation_from_hf, numbered_layers, vision_layer_spec,
+                                    vision_transformer_config)
 from mmparity.native.vit import ViTModel
 from mmparity.native.rope import rope_theta
 
@@ -59,6 +60,8 @@ def run(model: ViTModel, case) -> dict:
     else:
         rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
         out = model(rows, imgs_sizes=case.data["sizes"])
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
     return {"last_hidden_state": out.reshape(-1, out.shape[-1])}
 
 
@@ -66,7 +69,7 @@ def pairs(model: ViTModel, cfg) -> list:
     from mmparity.parity.cases import Pair, sbh_tokens_2d, tokens_2d
 
     out = [Pair("patch_embed", model.patch_conv, tokens_2d), Pair("ln_pre", model.ln_pre, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
     return out
 
 

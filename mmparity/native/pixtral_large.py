@@ -28,26 +28,37 @@ class PixtralLargeVisionModel(MegatronModule):
     """``vision_model`` (ViTModel with merger) -> ``vision_projection`` (mcore MultimodalProjector).
 
     Static ``(B, C, H, W)`` -> ``(B, M, text_hidden)``; dynamic pre-patchified rows with
-    ``imgs_sizes`` -> ``(1, ΣM, text_hidden)``, each image merged on its own grid.
+    ``imgs_sizes`` -> ``(1, ΣM, text_hidden)``, each image merged on its own grid. Under pipeline
+    parallelism the projector, like the merger, lives on the last stage; earlier stages return
+    the stage's hidden states.
     """
 
     def __init__(self, vision_model: ViTModel, projector_config, projector_input_size: int):
         super().__init__(config=vision_model.config)
         self.vision_model = vision_model
+        self.pre_process, self.post_process = vision_model.pre_process, vision_model.post_process
         self.vision_projection = MultimodalProjector(
             projector_config,
             MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            "mlp", projector_input_size)
+            "mlp", projector_input_size) if self.post_process else None
         tolerate_missing_extra_state(self)
 
     @property
     def patch_dim(self) -> int:
         return self.vision_model.patch_dim
 
+    def set_input_tensor(self, input_tensor) -> None:
+        self.vision_model.set_input_tensor(input_tensor)
+
+    def pipelined_module(self) -> torch.nn.Module:
+        return self.vision_model.pipelined_module()
+
     def forward(self, pixel_values: torch.Tensor, imgs_sizes=None, packed_seq_params=None,
                 return_merged: bool = False):
         merged = self.vision_model(pixel_values, imgs_sizes=imgs_sizes,
                                    packed_seq_params=packed_seq_params)
+        if not self.post_process:
+            return (merged, None) if return_merged else merged
         projected = self.vision_projection(merged)
         return (merged, projected) if return_merged else projected
 
@@ -77,7 +88,8 @@ def projector_config(cfg, params_dtype: torch.dtype = torch.float32):
         num_layers=1, hidden_size=text.hidden_size, num_attention_heads=heads, kv_channels=1,
         ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
         activation=activation_from_hf(cfg.projector_hidden_act), gated=False,
-        bias=bool(cfg.multimodal_projector_bias), params_dtype=params_dtype)
+        bias=bool(cfg.multimodal_projector_bias), params_dtype=params_dtype,
+        pipelined_stack=False)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> PixtralLargeVisionModel:
@@ -112,6 +124,8 @@ def run(model: PixtralLargeVisionModel, case) -> dict:
     else:
         rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
         merged, projected = model(rows, imgs_sizes=case.data["sizes"], return_merged=True)
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
     return {"merger": merged.reshape(-1, merged.shape[-1]),
             "projector": projected.reshape(-1, projected.shape[-1])}
 
@@ -120,14 +134,16 @@ def pairs(model: PixtralLargeVisionModel, cfg) -> list:
     from mmparity.parity.cases import Pair, tokens_2d
 
     vit = model.vision_model
-    return pixtral.pairs(vit, cfg.vision_config) + [
-        Pair("merger_norm", vit.merger.norm, tokens_2d),
-        Pair("merger", vit.merger, tokens_2d),
-        Pair("projector", model.vision_projection, tokens_2d),
-    ]
+    out = pixtral.pairs(vit, cfg.vision_config)
+    if vit.merger is not None:
+        out += [Pair("merger_norm", vit.merger.norm, tokens_2d), Pair("merger", vit.merger, tokens_2d)]
+    out.append(Pair("projector", model.vision_projection, tokens_2d))
+    return out
 
 
 COMPONENTS = ("merger",)
+# Components whose module lives on the last pipeline stage (the others run on the first).
+LAST_STAGE_COMPONENTS = ("merger",)
 
 
 def merger_grids():

@@ -39,8 +39,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
-                                    vision_layer_spec, vision_transformer_config)
+from mmparity.native.layers import (activation_from_hf, numbered_layers,
+                                    tolerate_missing_extra_state, vision_layer_spec,
+                                    vision_transformer_config)
 from mmparity.native.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
 from mmparity.native.rope import rope_theta
 
@@ -282,7 +283,7 @@ class QwenVLViTModel(VisionTower):
                  out_hidden_size: int = 2048, num_pos_per_side: int = 48,
                  rope_theta: float = 10000.0, pg_collection=None, vp_stage: Optional[int] = None):
         super().__init__(config=transformer_config)
-        from megatron.core import parallel_state
+        from mmparity.native import runtime
 
         cfg = transformer_config
         self.patch_dim, self.temporal_patch_size = patch_dim, temporal_patch_size
@@ -290,11 +291,13 @@ class QwenVLViTModel(VisionTower):
         self.img_h, self.img_w = img_h, img_w
         self.hidden_size = cfg.hidden_size
         self.out_hidden_size = cfg.hidden_size * spatial_merge_size ** 2
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
-        self.patch_embed = QwenPatchEmbedding(in_channels, cfg.hidden_size, patch_dim,
-                                              temporal_patch_size, cfg.params_dtype)
-        self.pos_embed = QwenLearnedPosEmbed(num_pos_per_side, cfg.hidden_size, cfg.params_dtype)
+        self.pre_process = runtime.is_first_stage()
+        self.post_process = runtime.is_last_stage()
+        self.patch_embed = self.pos_embed = None
+        if self.pre_process:
+            self.patch_embed = QwenPatchEmbedding(in_channels, cfg.hidden_size, patch_dim,
+                                                  temporal_patch_size, cfg.params_dtype)
+            self.pos_embed = QwenLearnedPosEmbed(num_pos_per_side, cfg.hidden_size, cfg.params_dtype)
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         self.rotary_pos_emb = QwenVL2DRotaryEmbedding(head_dim, rope_theta)
         self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,
@@ -302,20 +305,25 @@ class QwenVLViTModel(VisionTower):
                                         post_process=self.post_process,
                                         pg_collection=pg_collection, vp_stage=vp_stage)
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        self.merger = QwenPatchMerger(cfg, cfg.hidden_size, spatial_merge_size, out_hidden_size,
-                                      tp_group=tp_group)
+        self.merger = (QwenPatchMerger(cfg, cfg.hidden_size, spatial_merge_size, out_hidden_size,
+                                       tp_group=tp_group) if self.post_process else None)
         tolerate_missing_extra_state(self)
 
     def embed(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):
         """-> (tokens (B, N, H) block-first with position embedding, rotary (N, 1, 1, d), grids,
-        seqlens or None)."""
+        seqlens or None). Off the first pipeline stage ``tokens`` is None: grids and RoPE follow
+        from the input's shape, the embedding weights live on the first stage."""
         m = self.spatial_merge_size
+        tokens = None
         if imgs_sizes is None:
             if pixel_values.dim() != 4:
                 raise ValueError("pre-patchified rows need imgs_sizes (pixel (H, W) per image); "
                                  f"got shape {tuple(pixel_values.shape)} without it")
-            tokens, h, w = self.patch_embed(pixel_values)
-            tokens = block_first(tokens, h, w, m)
+            check_image_size(pixel_values.shape[-2], pixel_values.shape[-1], self.patch_dim)
+            h, w = pixel_values.shape[-2] // self.patch_dim, pixel_values.shape[-1] // self.patch_dim
+            check_grid(h, w, m)
+            if self.pre_process:
+                tokens = block_first(self.patch_embed(pixel_values)[0], h, w, m)
             grids, seqlens = [(h, w)], None
         else:
             if pixel_values.dim() == 2:
@@ -329,16 +337,20 @@ class QwenVLViTModel(VisionTower):
             if pixel_values.shape[1] != sum(seqlens):
                 raise ValueError(f"imgs_sizes describe {sum(seqlens)} patches but the input has "
                                  f"{pixel_values.shape[1]} rows")
-            tokens = self.patch_embed(pixel_values)
-        device = tokens.device
+            if self.pre_process:
+                tokens = self.patch_embed(pixel_values)
+        device = pixel_values.device
         pos, rope = [], []
         for h, w in grids:
             rows, cols = block_first_ids(h, w, m, device)
-            pos.append(self.pos_embed.lookup(rows, cols, h, w))
+            if self.pre_process:
+                pos.append(self.pos_embed.lookup(rows, cols, h, w))
             rope.append(self.rotary_pos_emb(rows, cols))
-        pos_t = pos[0] if len(pos) == 1 else torch.cat(pos, dim=0)
         rope_t = rope[0] if len(rope) == 1 else torch.cat(rope, dim=0)
-        return tokens + pos_t.to(tokens.dtype), rope_t, grids, seqlens
+        if tokens is not None:
+            pos_t = pos[0] if len(pos) == 1 else torch.cat(pos, dim=0)
+            tokens = tokens + pos_t.to(tokens.dtype)
+        return tokens, rope_t, grids, seqlens
 
     def encode(self, pixel_values: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                imgs_sizes: Optional[ImageSizes] = None, packed_seq_params=None):
@@ -424,6 +436,8 @@ def run(model: QwenVLViTModel, case) -> dict:
     else:
         rows = patch_rows(model, case).to(param.device, param.dtype)
         hidden, h, w = model.encode(rows, imgs_sizes=case.data["sizes"])
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
     tokens = model.merger.encoder_tokens(hidden, h, w)
     pooled = model.merger(hidden, h, w)
     return {"last_hidden_state": tokens.reshape(-1, tokens.shape[-1]),
@@ -444,7 +458,9 @@ def pairs(model: QwenVLViTModel, cfg) -> list:
     from mmparity.parity.cases import Pair, sbh_tokens_2d, tokens_2d
 
     out = [Pair("patch_embed", model.patch_embed, _patch_embed_tokens)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
+    if model.merger is None:
+        return out
     out.append(Pair("merger.norm", model.merger.patch_norm, tokens_2d))
     if model.merger.linear_fc1.weight.shape[0] == model.out_hidden_size:
         # Under TP the column-parallel fc1 output is a per-rank slice: nothing whole to compare.
@@ -454,6 +470,8 @@ def pairs(model: QwenVLViTModel, cfg) -> list:
 
 
 COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "block_first", "merger")
+# Components whose module lives on the last pipeline stage (the others run on the first).
+LAST_STAGE_COMPONENTS = ("merger",)
 
 
 def apply_mcore_rope(model: QwenVLViTModel, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -4,15 +4,21 @@ mcore's tensor-parallel layers read the global parallel state even at world size
 native model is built inside :func:`parallel_context` (or after :func:`init_parallel`). A single
 process gets an in-memory store, so nothing listens on a port; under ``torchrun`` (RANK and
 WORLD_SIZE set) the launcher's rendezvous is used as is.
+
+Pipeline parallelism: native models ask :func:`is_first_stage` / :func:`is_last_stage` which
+pre- and post-process modules to build, and :func:`pipeline_size` / :func:`stage_layer_counts`
+how their layer stack is split. :func:`single_stage` builds a sub-model whole on one stage
+(LLaVA's vision tower, which Megatron-LM keeps on the first stage with the embedding).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue as queue_module
 import socket
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,10 +31,13 @@ class ParallelLayout:
     world_size: int
     rank: int
     backend: str
+    # Layers of the pipelined stack on each stage; None means mcore's even split.
+    layer_counts: tuple[int, ...] | None = None
 
 
 _layout: ParallelLayout | None = None
 _we_created_process_group = False
+_single_stage_depth = 0
 
 
 def default_backend(device: str | torch.device | None = None) -> str:
@@ -42,17 +51,22 @@ def current_layout() -> ParallelLayout | None:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu",
-                  seed: int = 0) -> ParallelLayout:
+                  seed: int = 0, layer_counts: Sequence[int] | None = None) -> ParallelLayout:
     """Initialise torch.distributed (if needed) and mcore's model-parallel groups.
 
-    Re-initialising with the same sizes is a no-op; different sizes tear the old groups down first,
-    because mcore keeps exactly one global layout.
+    Re-initialising with the same sizes keeps the groups (only ``layer_counts`` is replaced);
+    different sizes tear the old groups down first, because mcore keeps exactly one global layout.
+    ``layer_counts`` (one count per stage) is how models built afterwards split their pipelined
+    layer stack; see :func:`uneven_stage_fields` for which splits mcore can build.
     """
     global _layout, _we_created_process_group
     from megatron.core import parallel_state
 
+    counts = _checked_layer_counts(layer_counts, pp)
     if _layout is not None and (_layout.tp, _layout.pp) == (tp, pp):
         _seed_everything(seed, device)
+        if _layout.layer_counts != counts:
+            _layout = replace(_layout, layer_counts=counts)
         return _layout
     if _layout is not None:
         parallel_state.destroy_model_parallel()
@@ -75,8 +89,79 @@ def init_parallel(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _seed_everything(seed, device)
     _layout = ParallelLayout(tp=tp, pp=pp, world_size=world_size, rank=dist.get_rank(),
-                             backend=backend)
+                             backend=backend, layer_counts=counts)
     return _layout
+
+
+def _checked_layer_counts(layer_counts: Sequence[int] | None, pp: int) -> tuple[int, ...] | None:
+    if layer_counts is None:
+        return None
+    counts = tuple(int(c) for c in layer_counts)
+    if len(counts) != pp or any(c < 1 for c in counts):
+        raise ValueError(f"layer_counts {list(counts)} must give every one of the {pp} pipeline "
+                         "stages at least one layer")
+    return counts
+
+
+def uneven_stage_fields(layer_counts: Sequence[int]) -> dict:
+    """``TransformerConfig`` fields under which mcore builds exactly ``layer_counts`` per stage.
+
+    mcore can make only the first and / or the last stage differ from the rest (its
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``); anything else
+    raises ``ValueError`` naming the split.
+    """
+    counts = [int(c) for c in layer_counts]
+    if len(set(counts)) <= 1:
+        return {}
+    if len(set(counts[1:])) == 1:
+        return {"num_layers_in_first_pipeline_stage": counts[0]}
+    if len(set(counts[:-1])) == 1:
+        return {"num_layers_in_last_pipeline_stage": counts[-1]}
+    if len(set(counts[1:-1])) == 1:
+        return {"num_layers_in_first_pipeline_stage": counts[0],
+                "num_layers_in_last_pipeline_stage": counts[-1]}
+    raise ValueError(f"per-stage layer counts {counts} cannot be built by mcore, which can only "
+                     "make the first and the last pipeline stage differ from the others")
+
+
+@contextlib.contextmanager
+def single_stage():
+    """Build the modules inside whole, as if there were no pipeline: every layer of their stacks,
+    their pre- and post-process parts. For a sub-model that lives entirely on one stage."""
+    global _single_stage_depth
+    _single_stage_depth += 1
+    try:
+        yield
+    finally:
+        _single_stage_depth -= 1
+
+
+def pipeline_size() -> int:
+    """Pipeline stages that models built now are split over (1 inside :func:`single_stage`)."""
+    if _single_stage_depth or _layout is None:
+        return 1
+    return _layout.pp
+
+
+def pipeline_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank() if pipeline_size() > 1 else 0
+
+
+def is_first_stage() -> bool:
+    """Whether models built now own their pre-process modules (embeddings, pre-norm)."""
+    return pipeline_rank() == 0
+
+
+def is_last_stage() -> bool:
+    """Whether models built now own their post-process modules (final norms, heads, mergers)."""
+    return pipeline_rank() == pipeline_size() - 1
+
+
+def stage_layer_counts() -> tuple[int, ...] | None:
+    """The per-stage split of the pipelined layer stack, or None for mcore's even split."""
+    return _layout.layer_counts if pipeline_size() > 1 else None
 
 
 def teardown_parallel() -> None:
@@ -132,7 +217,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+                 warning_filters: list) -> None:
+    import warnings
+
+    # A fresh interpreter starts with default filters; keep the parent's (the CLI silences the
+    # optional-kernel warnings megatron prints on import, once per rank otherwise).
+    warnings.filters[:] = warning_filters
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -151,27 +242,48 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return their results.
 
     Each process sees torchrun-style environment variables, so :func:`init_parallel` rendezvouses
-    exactly as it would under ``torchrun``. ``fn`` must be importable (module level).
+    exactly as it would under ``torchrun``. ``fn`` must be importable (module level). When a rank
+    fails (or dies without a word) the others are stopped: under pipeline parallelism they would
+    otherwise wait forever for activations the failed rank will never send.
     """
+    import warnings
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    results_queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, queue))
+    procs = [ctx.Process(target=_spawn_entry,
+                         args=(r, world_size, port, fn, args, results_queue, list(warnings.filters)))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
     results: dict[int, object] = {}
     errors: list[str] = []
-    for _ in procs:
-        rank, status, payload = queue.get()
-        if status == "ok":
-            results[rank] = payload
-        else:
-            errors.append(f"rank {rank}: {payload}")
-    for proc in procs:
-        proc.join()
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, status, payload = results_queue.get(timeout=1.0)
+            except queue_module.Empty:
+                silent = [r for r, proc in enumerate(procs)
+                          if r not in results and proc.exitcode not in (None, 0)]
+                if silent:
+                    errors.extend(f"rank {r}: exited with code {procs[r].exitcode} without a result"
+                                  for r in silent)
+                    break
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}: {payload}")
+                break
+    finally:
+        if errors:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+        for proc in procs:
+            proc.join()
     if errors:
         raise RuntimeError("spawned ranks failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -253,6 +253,10 @@ class VisionTower(MegatronModule):
     """What every native tower shares: the nominal patch count and the pipeline entry point.
 
     Subclasses set ``img_h``, ``img_w``, ``patch_dim`` and ``decoder`` (an mcore TransformerBlock).
+    Under pipeline parallelism a tower builds its pre-process modules (patch embedding, class
+    token, position embedding, ``ln_pre``) only on the first stage and its post-process modules
+    (final norms, heads, mergers, projectors) only on the last; the absent ones are None.
+    Parameter-free work (patch grids, RoPE tables, sequence lengths) runs on every stage.
     """
 
     @property
@@ -266,11 +270,16 @@ class VisionTower(MegatronModule):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
+    def pipelined_module(self) -> torch.nn.Module:
+        """Where activations enter and leave a pipeline stage (see ``native.pipeline``)."""
+        return self.decoder
+
     def run_stack(self, tokens: torch.Tensor, rope: torch.Tensor, seqlens: Optional[list],
                   attention_mask=None, packed_seq_params=None) -> torch.Tensor:
         """Batch-first tokens through the mcore block; packed input (``seqlens``) attends per image."""
         if seqlens is not None and packed_seq_params is None:
-            packed_seq_params = make_packed_seq_params(seqlens, tokens.device)
+            device = tokens.device if tokens is not None else next(self.decoder.parameters()).device
+            packed_seq_params = make_packed_seq_params(seqlens, device)
         hidden = tokens.transpose(0, 1).contiguous() if self.pre_process else None
         hidden = self.decoder(hidden, attention_mask, rotary_pos_emb=rope,
                               packed_seq_params=packed_seq_params)
@@ -316,7 +325,7 @@ class ViTModel(VisionTower):
                  ln_post_eps: Optional[float] = None, pooling: Optional[str] = None,
                  merger_norm_eps: Optional[float] = None):
         super().__init__(config=transformer_config)
-        from megatron.core import parallel_state
+        from mmparity.native import runtime
 
         cfg = transformer_config
         problems = []
@@ -344,18 +353,22 @@ class ViTModel(VisionTower):
         self.pos_emb_type = pos_emb_type
         self.class_token_len = class_token_len if add_class_token else 0
         self.ln_post_scope, self.pooling = ln_post, pooling
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
-        self.patch_conv = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, patch_embed_bias)
-        if self.class_token_len:
+        self.in_channels = in_channels
+        self.pre_process = runtime.is_first_stage()
+        self.post_process = runtime.is_last_stage()
+        pre, post = self.pre_process, self.post_process
+        self.patch_conv = (PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, patch_embed_bias)
+                           if pre else None)
+        if self.class_token_len and pre:
             self.class_token = torch.nn.Parameter(
                 torch.zeros(1, self.class_token_len, cfg.hidden_size, dtype=cfg.params_dtype))
-        if pos_emb_type == "learned_absolute":
+        self.position_embeddings = None
+        if pos_emb_type == "learned_absolute" and pre:
             self.position_embeddings = LearnedPositionEmbedding(
                 img_h // patch_dim, img_w // patch_dim, cfg.hidden_size, self.class_token_len,
                 cfg.params_dtype)
         self.ln_pre = (VisionNorm(cfg.hidden_size, ln_pre_eps or cfg.layernorm_epsilon,
-                                  cfg.normalization, cfg.params_dtype) if ln_pre else None)
+                                  cfg.normalization, cfg.params_dtype) if ln_pre and pre else None)
         self.rotary_pos_emb = None
         if pos_emb_type == "rope2d":
             head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -365,10 +378,10 @@ class ViTModel(VisionTower):
                                         post_layer_norm=False, pre_process=self.pre_process,
                                         post_process=self.post_process)
         self.ln_post = (VisionNorm(cfg.hidden_size, ln_post_eps or cfg.layernorm_epsilon,
-                                   cfg.normalization, cfg.params_dtype) if ln_post else None)
-        self.head = AttentionPoolingHead(cfg) if pooling == "attention" else None
+                                   cfg.normalization, cfg.params_dtype) if ln_post and post else None)
+        self.head = AttentionPoolingHead(cfg) if pooling == "attention" and post else None
         self.merger = (PixtralLargePatchMerger(cfg, spatial_merge_size, merger_norm_eps)
-                       if use_merger else None)
+                       if use_merger and post else None)
         tolerate_missing_extra_state(self)
 
     def _position(self, tokens: torch.Tensor, h_patches: int, w_patches: int) -> torch.Tensor:
@@ -381,11 +394,25 @@ class ViTModel(VisionTower):
         return tokens
 
     def _embed(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes]):
+        """-> (tokens, or None off the first pipeline stage, rope, seqlens, grids).
+
+        Grids, RoPE and sequence lengths follow from the input's shape alone, so every stage
+        computes them; only the first stage owns the weights that embed the pixels.
+        """
+        device = pixel_values.device
+        tokens = None
         if imgs_sizes is None:
-            tokens, h_patches, w_patches = self.patch_conv(pixel_values)
-            grids = [(h_patches, w_patches)] * tokens.shape[0]
-            tokens = self._position(tokens, h_patches, w_patches)
-            rope = (self.rotary_pos_emb(h_patches, w_patches, tokens.device)
+            if pixel_values.dim() != 4:
+                raise ValueError("static input must be images of shape (B, C, H, W); pass "
+                                 "pre-patchified rows with imgs_sizes")
+            check_image_size(pixel_values.shape[-2], pixel_values.shape[-1], self.patch_dim)
+            h_patches, w_patches = (pixel_values.shape[-2] // self.patch_dim,
+                                    pixel_values.shape[-1] // self.patch_dim)
+            grids = [(h_patches, w_patches)] * pixel_values.shape[0]
+            if self.pre_process:
+                tokens, _, _ = self.patch_conv(pixel_values)
+                tokens = self._position(tokens, h_patches, w_patches)
+            rope = (self.rotary_pos_emb(h_patches, w_patches, device)
                     if self.rotary_pos_emb is not None else None)
             seqlens = None
         else:
@@ -395,12 +422,13 @@ class ViTModel(VisionTower):
             if pixel_values.shape[1] != sum(counts):
                 raise ValueError(f"imgs_sizes describe {sum(counts)} patches but the input has "
                                  f"{pixel_values.shape[1]} rows")
-            tokens = self.patch_conv(pixel_values)
-            if self.class_token_len or self.pos_emb_type == "learned_absolute":
-                parts = [self._position(t.unsqueeze(0), h, w)
-                         for t, (h, w) in zip(tokens[0].split(counts), grids)]
-                tokens = torch.cat(parts, dim=1)
-            rope = (_cat_rope([self.rotary_pos_emb(h, w, tokens.device) for h, w in grids])
+            if self.pre_process:
+                tokens = self.patch_conv(pixel_values)
+                if self.class_token_len or self.pos_emb_type == "learned_absolute":
+                    parts = [self._position(t.unsqueeze(0), h, w)
+                             for t, (h, w) in zip(tokens[0].split(counts), grids)]
+                    tokens = torch.cat(parts, dim=1)
+            rope = (_cat_rope([self.rotary_pos_emb(h, w, device) for h, w in grids])
                     if self.rotary_pos_emb is not None else None)
             seqlens = [self.class_token_len + n for n in counts]
         if self.ln_pre is not None:

@@ -7,6 +7,7 @@ each is measured against the float32 reference (see :mod:`mmparity.parity.metric
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from contextlib import contextmanager
 from typing import Callable, Iterable, Optional
@@ -66,10 +67,14 @@ def _canonical(outputs: dict) -> dict:
 
 
 class Side:
-    """One model plus how to run it and which of its modules pair up."""
+    """One model plus how to run it and which of its modules pair up.
+
+    Pairs whose module is None (built on another pipeline stage) are left out.
+    """
 
     def __init__(self, model, run: Callable, pairs: list):
-        self.model, self.run_fn, self.pairs = model, run, pairs
+        self.model, self.run_fn = model, run
+        self.pairs = [pair for pair in pairs if pair.module is not None]
 
     @torch.no_grad()
     def run(self, case: Case) -> tuple[dict, dict]:
@@ -103,14 +108,20 @@ def check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str 
 def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
           device: str = "cpu", seed: int = 0, image_sizes=None, components: bool = True,
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
-          native_shards: Optional[list] = None, tp: int = 1) -> Report:
+          native_shards: Optional[list] = None, tp: int = 1, pp: int = 1,
+          layer_counts: Optional[list] = None) -> Report:
     """Parity of one family; returns a :class:`Report` (no printing, no exit codes).
 
     ``hf_state``: HF-layout weights of the reference model (keys as the reference module expects);
     random seeded weights when None. ``mutate_native`` edits each converted mcore rank state before
-    it is loaded (negative controls). ``native_shards`` bypasses the converter (e.g. shards read
-    from an mcore checkpoint on disk; their count sets the TP size). ``tp > 1`` runs the native
-    model across that many spawned ranks (gloo on CPU, nccl on CUDA) on the converter's shards.
+    it is loaded (negative controls; keys are globally numbered, before any pipeline split).
+    ``native_shards`` bypasses the converter (e.g. shards read from an mcore checkpoint on disk;
+    their count sets the TP size). ``tp * pp > 1`` runs the native model across that many ranks
+    (spawned, gloo on CPU, nccl on CUDA; or the ranks of a ``torchrun`` of exactly that size).
+    Under ``pp > 1`` each rank loads the state of its (TP rank, pipeline stage) exactly as
+    ``mmparity convert --pp`` splits it (``layer_counts`` overrides the split, e.g. with the
+    counts a checkpoint recorded) and the stages run one after another.
+    Raises :class:`InputError` for a pipeline the model cannot take.
     """
     from mmparity import converters
     from mmparity.native import attention
@@ -132,21 +143,23 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if mutate_native is not None:
         for shard in native_shards:
             mutate_native(shard)
+    stage_shards, counts = split_stages(family, cfg, native_shards, pp, layer_counts)
 
     prepare = getattr(ref_mod, "prepare_case", lambda case, cfg: case)
     cases = [prepare(case, cfg) for case in ref_mod.cases(cfg, seed, image_sizes)]
     component_names = tuple(getattr(ref_mod, "COMPONENTS", ())) if components else ()
-    job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed)
+    job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts)
     from mmparity.native import runtime
 
-    if tp == 1 or runtime.launched_world_size() == tp:
-        # In-process: TP=1, or every rank of a ``torchrun --nproc-per-node tp`` launch.
-        native_cases, native_components = job.run(native_shards, layout=(tp, 1))
+    world = tp * pp
+    if world == 1 or runtime.launched_world_size() == world:
+        # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
+        native_cases, native_components = job.run(stage_shards, layout=(tp, pp))
     else:
-        native_cases, native_components = runtime.spawn(_native_rank, tp, job, native_shards)[0]
+        native_cases, native_components = runtime.spawn(_native_rank, world, job, stage_shards)[0]
 
     ref32 = _move(ref, device, torch.float32)
-    report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp,
+    report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp,
                     attention_backend=attention.describe_backend(device, torch_dtype))
     ref32_side = Side(ref32, ref_mod.run, ref_mod.pairs(ref32, cfg))
     ref_lp_side = None
@@ -169,23 +182,72 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     return report
 
 
-class NativeJob:
-    """Everything the native side needs, picklable so that spawned TP ranks can run it too."""
+def split_stages(family: str, cfg, shards: list, pp: int,
+                 layer_counts: Optional[list] = None) -> tuple[list, Optional[list]]:
+    """Per-TP-rank, globally numbered mcore states -> ``(states[stage][tp_rank], layer counts)``.
 
-    def __init__(self, family, cfg, cases, components, dtype, device, seed):
+    The split is the converter's (``mmparity convert --pp``: the same pipelined stack, the same
+    keys on the last stage, the same per-stage counts), so each rank loads exactly what its file in
+    a legacy checkpoint holds. Counts are None at ``pp == 1``. Raises :class:`InputError` when the
+    model cannot be pipelined that way.
+    """
+    from mmparity.converters import pp as pp_mod
+    from mmparity.convert import ConvertError, pipeline_layout
+    from mmparity.native import runtime
+
+    if pp < 1:
+        raise InputError(f"--pp must be >= 1, got {pp}")
+    if pp == 1:
+        return [shards], None
+    # Converter shards list their keys in plan order, which is what pipeline_layout reads.
+    layout = pipeline_layout(family, list(shards[0]))
+    try:
+        counts = list(layer_counts) if layer_counts is not None else layout.layer_counts(pp)
+    except ConvertError as exc:
+        raise InputError(f"{family}: {exc}") from None
+    if len(counts) != pp or sum(counts) != layout.num_layers or min(counts) < 1:
+        raise InputError(f"{family}: per-stage layer counts {counts} do not split the "
+                         f"{layout.num_layers} layers of {layout.layer_prefix} over {pp} stages")
+    problems = []
+    try:
+        runtime.uneven_stage_fields(counts)
+    except ValueError as exc:
+        problems.append(f"--pp {pp} on {layout.num_layers} layers: {exc}")
+    native_problems = getattr(families.get(family).native(), "pipeline_problems", None)
+    if native_problems is not None:
+        problems += native_problems(cfg, pp)
+    if problems:
+        raise InputError(f"{family}: {'; '.join(problems)}")
+    per_rank = [pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
+                                             last_stage_prefixes=layout.last_stage_keys)
+                for shard in shards]
+    return [[stages[stage] for stages in per_rank] for stage in range(pp)], counts
+
+
+class NativeJob:
+    """Everything the native side needs, picklable so that spawned ranks can run it too."""
+
+    def __init__(self, family, cfg, cases, components, dtype, device, seed, layer_counts=None):
         self.family, self.cfg, self.cases, self.components = family, cfg, cases, components
         self.dtype, self.device, self.seed = dtype, device, seed
+        self.layer_counts = layer_counts
 
     @torch.no_grad()
-    def run(self, shards: list, layout=None):
+    def run(self, stage_shards: list, layout=None):
         with exact_float32(self.device, DTYPES[self.dtype]):
-            return self._run(shards, layout)
+            return self._run(stage_shards, layout)
 
-    def _run(self, shards: list, layout=None):
-        from mmparity.native import runtime
+    def _run(self, stage_shards: list, layout=None):
+        """``stage_shards[stage][tp_rank]``: the state each rank loads. Returns the outputs and
+        the paired-module captures per case, and the components, merged over the stages."""
+        from mmparity.native import pipeline, runtime
 
         if layout is not None:
-            runtime.init_parallel(*layout, device=self.device, seed=self.seed)
+            runtime.init_parallel(*layout, device=self.device, seed=self.seed,
+                                  layer_counts=self.layer_counts)
+        pp = len(stage_shards)
+        stage = runtime.pipeline_rank()
+        shards = stage_shards[stage]
         state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
         torch_dtype = DTYPES[self.dtype]
         fam = families.get(self.family)
@@ -195,15 +257,39 @@ class NativeJob:
                                 for k, v in state.items()}, strict=True)
         native = _move(native, self.device, torch_dtype)
         side = Side(native, nat_mod.run, nat_mod.pairs(native, self.cfg))
-        case_results = [side.run(case) for case in self.cases]
+        with pipeline.StageLink(native) if pp > 1 else contextlib.nullcontext():
+            case_results = [side.run(case) for case in self.cases]
+        last_stage_components = set(getattr(nat_mod, "LAST_STAGE_COMPONENTS", ()))
+        mine = [name for name in self.components
+                if (name in last_stage_components and stage == pp - 1)
+                or (name not in last_stage_components and stage == 0)]
         component_results = {name: nat_mod.component(name, native, self.cfg, self.seed).float().cpu()
-                             for name in self.components}
-        return case_results, component_results
+                             for name in mine}
+        if pp == 1:
+            return case_results, component_results
+        return _merge_stages(pipeline.gather_stage_results((case_results, component_results)), pp)
 
 
-def _native_rank(rank: int, world_size: int, job: NativeJob, shards: list):
-    """Entry point of one spawned TP rank; only rank 0's (replicated) results are sent back."""
-    result = job.run(shards, layout=(world_size, 1))
+def _merge_stages(gathered: list, pp: int):
+    """Outputs from the last stage, paired-module captures and components from every stage (TP
+    rank 0 of each: TP ranks hold the same replicated activations)."""
+    by_stage = {stage: result for stage, tp_rank, result in gathered if tp_rank == 0}
+    last_cases, _ = by_stage[pp - 1]
+    merged_cases, merged_components = [], {}
+    for index, (outputs, _) in enumerate(last_cases):
+        modules = {}
+        for stage in range(pp):
+            modules.update(by_stage[stage][0][index][1])
+        merged_cases.append((outputs, modules))
+    for stage in range(pp):
+        merged_components.update(by_stage[stage][1])
+    return merged_cases, merged_components
+
+
+def _native_rank(rank: int, world_size: int, job: NativeJob, stage_shards: list):
+    """Entry point of one spawned rank; only rank 0's (merged) results are sent back."""
+    tp = len(stage_shards[0])
+    result = job.run(stage_shards, layout=(tp, world_size // tp))
     return result if rank == 0 else None
 
 

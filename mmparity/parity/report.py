@@ -50,6 +50,7 @@ class Report:
     results: list = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     tp: int = 1
+    pp: int = 1
 
     @property
     def passed(self) -> bool:
@@ -65,6 +66,7 @@ class Report:
             "dtype": self.dtype,
             "seed": self.seed,
             "tp": self.tp,
+            "pp": self.pp,
             "attention_backend": self.attention_backend,
             "passed": self.passed,
             "results": [r.as_dict() for r in self.results],

@@ -1,0 +1,134 @@
+"""Pipeline-parallel parity (``check --pp``): each stage on its own gloo rank, against HF.
+
+Spawned ranks cost seconds each to start, so the TP=1, PP=2 checks share one two-rank spawn: every
+rank runs ``harness.check`` in-process, exactly as under ``torchrun --nproc-per-node 2``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmparity import families
+from mmparity.cli.main import main
+from mmparity.native import runtime
+from mmparity.parity import harness
+from mmparity.parity.inputs import random_like_state
+
+STAGE_1_WEIGHT = "decoder.layers.1.mlp.linear_fc2.weight"  # layer 1 of 2: the second stage's
+
+
+def _perturb_stage_1(state):
+    state[STAGE_1_WEIGHT] = state[STAGE_1_WEIGHT].clone()
+    state[STAGE_1_WEIGHT][0, 0] += 0.5
+
+
+def _with_layers(family: str, layers: int):
+    cfg = families.get(family).tiny_config()
+    (cfg.text_config if family == "llava" else cfg).num_hidden_layers = layers
+    return cfg
+
+
+def _pp2_checks(rank: int, world_size: int, plan: list) -> dict | None:
+    out = {label: harness.check(family, pp=2, seed=5, **kwargs) for label, family, kwargs in plan}
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def pp2_reports():
+    plan = [(name, name, {}) for name in families.names()]
+    # 3 layers over 2 stages: [2, 1], the first stage takes the remainder, as convert splits it.
+    plan += [("pixtral 3 layers", "pixtral", {"cfg": _with_layers("pixtral", 3), "components": False}),
+             ("llava 3 layers", "llava", {"cfg": _with_layers("llava", 3), "components": False}),
+             ("pixtral perturbed", "pixtral", {"mutate_native": _perturb_stage_1, "components": False})]
+    return runtime.spawn(_pp2_checks, 2, plan)[0]
+
+
+def _failures(report):
+    return [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
+
+
+@pytest.mark.parametrize("family", families.names())
+def test_check_pp2_passes_for_every_family(pp2_reports, family):
+    report = pp2_reports[family]
+    assert (report.tp, report.pp) == (1, 2)
+    assert report.passed, _failures(report)
+    # Module pairs and components came from both stages.
+    reference = families.get(family).reference()
+    checks = {r.check for r in report.results}
+    assert {f"component:{name}" for name in getattr(reference, "COMPONENTS", ())} <= checks
+    modules = {row["module"] for row in report.results[0].modules}
+    assert {"layer.0", "layer.1"} <= modules
+
+
+def test_uneven_split_passes(pp2_reports):
+    for label in ("pixtral 3 layers", "llava 3 layers"):
+        report = pp2_reports[label]
+        assert report.passed, (label, _failures(report))
+        modules = {row["module"] for row in report.results[0].modules}
+        assert {"layer.0", "layer.1", "layer.2"} <= modules, label
+
+
+def test_negative_control_on_the_second_stage_is_located(pp2_reports):
+    report = pp2_reports["pixtral perturbed"]
+    assert not report.passed
+    assert {r.first_divergence.module for r in report.failures()} == {"layer.1"}
+
+
+def test_tp2_pp2_passes():
+    report = harness.check("pixtral", tp=2, pp=2, seed=5, components=False)
+    assert (report.tp, report.pp) == (2, 2)
+    assert report.passed, _failures(report)
+
+
+def test_unbuildable_pipelines_are_input_errors():
+    # 6 layers over 4 stages split [2, 2, 1, 1]: mcore can only make the first / last stage differ.
+    with pytest.raises(harness.InputError, match=r"\[2, 2, 1, 1\] cannot be built"):
+        harness.check("pixtral", _with_layers("pixtral", 6), pp=4, components=False)
+    tied = families.get("llava").tiny_config()
+    tied.tie_word_embeddings = True
+    with pytest.raises(harness.InputError, match="tied input and output embeddings"):
+        harness.check("llava", tied, pp=2, components=False)
+
+
+def test_uneven_stage_fields():
+    assert runtime.uneven_stage_fields([2, 2]) == {}
+    assert runtime.uneven_stage_fields([2, 1]) == {"num_layers_in_first_pipeline_stage": 2}
+    assert runtime.uneven_stage_fields([2, 2, 1]) == {"num_layers_in_last_pipeline_stage": 1}
+    assert runtime.uneven_stage_fields([3, 2, 2, 1]) == {"num_layers_in_first_pipeline_stage": 3,
+                                                         "num_layers_in_last_pipeline_stage": 1}
+
+
+def _run_cli(capsys, *argv):
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--pp", "3"), "--pp 3 is more pipeline stages than the 2 layers"),
+    (("--pp", "0"), "--pp must be >= 1"),
+    (("--tp", "3", "--pp", "2"), "tp=3 does not divide num_attention_heads=4"),
+])
+def test_cli_pipeline_errors_exit_2(capsys, argv, message):
+    code, out, err = _run_cli(capsys, "check", "pixtral", *argv)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_path):
+    fam = families.get("pixtral")
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
+    model.save_pretrained(tmp_path / "hf")
+    code, _, err = _run_cli(capsys, "convert", "--src", str(tmp_path / "hf"), "--dst",
+                            str(tmp_path / "legacy"), "--to", "mcore", "--family", "pixtral",
+                            "--format", "legacy", "--pp", "2", "--quiet")
+    assert code == 0, err
+    code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components",
+                              "--json", str(tmp_path / "report.json"), "--quiet")
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
