@@ -4,6 +4,8 @@ controls, TP=2) live in test_families.py / test_multirank.py; these are the LLaV
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -235,6 +237,44 @@ def test_default_parity_compares_every_stage():
         "vision.patch_embed", "vision.ln_pre", "vision.layer.0", "vision.layer.1", "projector",
         "layer.0", "layer.1", "final_norm"}
     assert {"component:pixel_shuffle", "component:loss_weights", "component:expansion"} <= set(by_check)
+
+
+# An odd number of images of different, mostly non-square sizes (patch 8): 16, 12, 12, 9 and 8
+# tokens. Before the fix the case put placeholder k round-robin over the two rows while both
+# models fill placeholders in reading order, so the rows disagreed (logits rel_l2 ~0.7).
+MIXED_SIZES = [(32, 32), (16, 48), (48, 16), (24, 24), (32, 16)]
+
+
+def _image_runs(row, image_token_index) -> list[int]:
+    """Lengths of the runs of image tokens in one row, left to right."""
+    return [len(list(run)) for is_image, run in
+            itertools.groupby(row, key=lambda t: t == image_token_index) if is_image]
+
+
+def test_mixed_size_case_places_images_in_reading_order():
+    """Image k fills the k-th placeholder in reading order on both sides: HF's image-token runs
+    are the images' token counts in order, and the native expansion of the compact ids puts its
+    image slots exactly where HF's are."""
+    from mmparity.native import llava as native_llava
+
+    cfg = families.get("llava").tiny_config()
+    ref_mod = families.get("llava").reference()
+    (case,) = ref_mod.cases(cfg, seed=3, image_sizes=MIXED_SIZES)
+    data = case.data
+    hf_ids = data["hf_input_ids"]
+    runs = [n for row in hf_ids.tolist() for n in _image_runs(row, cfg.image_token_index)]
+    assert runs == [ref_mod.tokens_per_image(cfg, s) for s in MIXED_SIZES]
+    out = native_llava._preprocess_data(
+        None, None, data["input_ids"], data["loss_mask"], data["labels"],
+        media_token_counts=runs, pre_process=False)
+    keep = data["length"]
+    native_slots = out.input_ids[:, :keep] == native_llava.DEFAULT_IMAGE_TOKEN_INDEX
+    assert torch.equal(native_slots, hf_ids == cfg.image_token_index)
+
+
+def test_parity_with_an_odd_number_of_mixed_size_images():
+    report = harness.check("llava", seed=0, image_sizes=MIXED_SIZES, components=False)
+    assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
 
 
 @pytest.mark.parametrize("tower,feature_layer,strategy,tied", [

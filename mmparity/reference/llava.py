@@ -114,7 +114,8 @@ def default_image_sizes(cfg) -> list[tuple[int, int]]:
 
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     """One batch of two rows: row 0 holds one image between text, row 1 one placeholder of two
-    tiles (with the default sizes) between text; rows are padded with text to equal length."""
+    tiles (with the default sizes) between text; rows are padded with text to equal length. With
+    explicit sizes every image is its own placeholder, the first half (rounded up) in row 0."""
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
     side = _configured_size(cfg)
     if llava_config.vision_family(cfg) not in VARIABLE_SIZE_TOWERS and any(s != side for s in sizes):
@@ -145,10 +146,21 @@ def _text_tokens(cfg, count: int, gen) -> list[int]:
 
 
 def _rows(cfg, slots: list[int], seed: int):
-    """Compact rows (placeholders round-robin over two rows, text around each) and their HF
-    expansion; the shorter row gets extra trailing text so both rows have the same length."""
+    """Compact rows (placeholders in reading order: the first half, rounded up, in row 0, the
+    rest in row 1; text around each) and their HF expansion; the shorter row gets extra trailing
+    text so both rows have the same length.
+
+    Placeholder k must be the k-th in reading order (row-major over the batch): that is the
+    order in which both models consume the images. mcore's ``num_image_tiles`` and its image
+    embeddings fill the placeholders row by row, and HF's ``masked_scatter`` fills the flattened
+    image-token mask with the concatenated image features, checking only the total count. A
+    layout that puts image k anywhere else (e.g. round-robin over the rows) gives each side a
+    different, equally wrong, input: the native rows expand to other lengths, and HF silently
+    spreads one image's features over another image's slots.
+    """
     gen = inputs.generator(seed + 4099)
-    placed = [[k for k in range(len(slots)) if k % 2 == b] for b in range(2)]
+    first = (len(slots) + 1) // 2
+    placed = [list(range(first)), list(range(first, len(slots)))]
     segments = [[3 + b] + [2] * max(len(p) - 1, 0) + [4] for b, p in enumerate(placed)]
     expanded = [sum(s) + sum(slots[k] for k in p) for s, p in zip(segments, placed)]
     for b in range(2):
