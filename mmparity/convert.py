@@ -74,7 +74,9 @@ from mmparity.converters.io import (
     SafetensorsCheckpoint,
     Slot,
     SlotWriter,
+    joined,
     narrow_pieces,
+    route_pieces,
     pwrite_all,
     atomic_directory,
     parse_size,
@@ -293,10 +295,23 @@ class PipelineLayout:
         if pp > 1 and pp > self.num_layers:
             raise ConvertError(f"--pp {pp} is more pipeline stages than the {self.num_layers} layers of "
                                f"{self.layer_prefix}")
-        # Megatron-LM splits evenly; an uneven remainder goes to the first stages (and the counts
-        # are recorded in the manifest, so reading back needs no hint).
-        base, extra = divmod(self.num_layers, pp)
-        return [base + (1 if stage < extra else 0) for stage in range(pp)]
+        return buildable_layer_counts(self.num_layers, pp)
+
+
+def buildable_layer_counts(num_layers: int, pp: int) -> list[int]:
+    """A split of `num_layers` over `pp` stages that mcore can build.
+
+    Megatron-LM splits evenly; otherwise it only takes explicit sizes for the first and last stage
+    (`num_layers_in_first/last_pipeline_stage`) with the middle stages even. So the middle stages
+    get `num_layers // pp` each and the rest is shared by the ends, the first taking the larger
+    half: 7 over 2 -> [4, 3], 7 over 3 -> [3, 2, 2], 6 over 4 -> [2, 1, 1, 2]. The counts are
+    recorded in the manifest, so reading back needs no hint.
+    """
+    base = num_layers // pp
+    if pp == 1 or num_layers % pp == 0:
+        return [base] * pp
+    ends = num_layers - base * (pp - 2)
+    return [ends - ends // 2] + [base] * (pp - 2) + [ends // 2]
 
 
 def pipeline_layout(family: str, mcore_keys: Sequence[str]) -> PipelineLayout:
@@ -534,8 +549,7 @@ class _LegacySource(_McoreSource):
         if len(parts) == 1:
             return parts
         try:
-            pieces = tp_mod.merge_pieces(parts, self.kinds[key])
-            return pieces if pieces is not None else [tp_mod.merge(parts, self.kinds[key])]
+            return tp_mod.merge_pieces(parts, self.kinds[key])
         except ShardError as exc:
             raise ConvertError(f"{self.root}: {key}: {exc}") from None
 
@@ -874,16 +888,24 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
         writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size)
         try:
             for step in steps:
-                if type(step.rule.op) is Identity and len(step.mcore_keys) == len(step.hf_keys) == 1:
-                    # A renamed tensor: its TP parts go straight to the file, never joined in memory.
-                    outputs = [source.mcore_pieces(step.mcore_keys[0])]
+                outputs = None
+                if len(step.mcore_keys) == 1:
+                    # An op that only moves row blocks (a rename, q/k/v regrouping, a gated split)
+                    # takes its rows straight from the source's pieces, TP parts included.
+                    key = step.mcore_keys[0]
+                    pieces = source.mcore_pieces(key)
+                    outputs = route_pieces(step.rule.op.invert_pieces, pieces, source.metas[key].shape,
+                                           source.metas[key].dtype)
+                    full = [joined(pieces)] if outputs is None else None
+                    del pieces
                 else:
                     full = [source.mcore_tensor(k) for k in step.mcore_keys]
+                if outputs is None:
                     try:
                         outputs = step.rule.op.invert_pieces(full)
                     except (LayoutError, ShardError, RuntimeError) as exc:
                         raise ConvertError(f"{', '.join(step.mcore_keys)}: {exc}") from None
-                    del full
+                del full
                 for key, pieces in zip(step.hf_keys, outputs):
                     writer.write(prefix + key, pieces)
                     progress.advance(1, sum(p.numel() * p.element_size() for p in pieces))

@@ -83,13 +83,23 @@ def test_tp2_pp2_passes():
 
 
 def test_unbuildable_pipelines_are_input_errors():
-    # 6 layers over 4 stages split [2, 2, 1, 1]: mcore can only make the first / last stage differ.
+    # A split written elsewhere, [2, 2, 1, 1]: mcore can only make the first / last stage differ.
     with pytest.raises(harness.InputError, match=r"\[2, 2, 1, 1\] cannot be built"):
-        harness.check("pixtral", _with_layers("pixtral", 6), pp=4, components=False)
+        harness.check("pixtral", _with_layers("pixtral", 6), pp=4, layer_counts=[2, 2, 1, 1], components=False)
     tied = families.get("llava").tiny_config()
     tied.tie_word_embeddings = True
     with pytest.raises(harness.InputError, match="tied input and output embeddings"):
         harness.check("llava", tied, pp=2, components=False)
+
+
+def test_convert_only_writes_splits_mcore_can_build():
+    from mmparity.convert import buildable_layer_counts
+
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            counts = buildable_layer_counts(layers, stages)
+            assert sum(counts) == layers and len(counts) == stages and min(counts) >= 1
+            runtime.uneven_stage_fields(counts)  # raises for a split mcore cannot build
 
 
 def test_uneven_stage_fields():

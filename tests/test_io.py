@@ -408,3 +408,44 @@ def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
     old = tensor_checksum(tensor, "sha256")
     assert TensorChecksum.from_json(old.to_json()) == old and "sha256" in old.to_json()
     assert old.differences(tensor_checksum(tensor, old.algorithm)) == []
+
+
+def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
+    from mmparity.converters.io import Slot, SlotWriter, route_pieces
+    from mmparity.converters.ops import RegroupQKV
+    from mmparity.converters.tp import ColumnJoin, merge, shard
+
+    whole = seeded((6, 10), 5, torch.bfloat16)
+    parts = shard(whole, "row", 2)
+    cases = {
+        "join": [ColumnJoin(parts)],  # a row-parallel matrix merged without the copy
+        "runs": [whole[:, 3:7], whole[:, 7:9]],  # column ranges written row by row
+        "rows": list(whole.split([1, 4, 1])),
+    }
+    expected = {"join": merge(parts, "row"), "rows": whole,
+                # two column ranges one after the other, each row by row: 6x4 then 6x2 elements
+                "runs": torch.cat([whole[:, 3:7].reshape(-1), whole[:, 7:9].reshape(-1)]).view(6, 6)}
+    slots, offset = {}, 16
+    for name, tensor in expected.items():
+        slots[name] = Slot(0, offset, tensor.numel() * 2, tensor.dtype, tuple(tensor.shape))
+        offset += tensor.numel() * 2 + 5
+    fd = os.open(tmp_path / "blob", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, offset)
+    writer = SlotWriter(tmp_path, [fd], slots)
+    for name, pieces in cases.items():
+        writer.write(name, pieces)
+    writer.close()
+    blob = (tmp_path / "blob").read_bytes()
+    for name, tensor in expected.items():
+        slot = slots[name]
+        found = torch.frombuffer(bytearray(blob[slot.offset:slot.offset + slot.nbytes]), dtype=torch.bfloat16)
+        assert torch.equal(found.view(tensor.shape), tensor), name
+        assert writer.checksums[name] == tensor_checksum(tensor), name
+
+    # q/k/v regrouping only moves row blocks: routed through TP parts it needs no joined copy.
+    op = RegroupQKV(num_heads=4, num_groups=2, head_dim=3)
+    fused = seeded((24, 5), 6)
+    mcore = op.apply([fused])[0]
+    routed = route_pieces(op.invert_pieces, list(mcore.split([12, 12])), tuple(mcore.shape), mcore.dtype)
+    assert routed is not None and all(p.data_ptr() != 0 for p in routed[0])
+    assert torch.equal(torch.cat(routed[0]), fused)

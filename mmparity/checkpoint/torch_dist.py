@@ -58,6 +58,7 @@ from mmparity.checkpoint.manifest import (
 from mmparity.converters.io import (
     Slot,
     SlotWriter,
+    joined,
     narrow_pieces,
     pwrite_all,
     write_extra_files,
@@ -130,7 +131,10 @@ class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
                 record_shapes[shard.key, tuple(shard.global_offset)] = tuple(shard.data.shape)
         pyt_state_dict = mc.mcore_to_pyt_state_dict(by_key, False)
         writer = _InPlaceDcpWriter(str(checkpoint_dir), record_shapes, self.produce)
-        dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner())
+        # One rank has nobody to agree plans with: DCP's gather/scatter of the plan (a pickle round
+        # trip of every write item) is skipped.
+        dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner(),
+                 no_dist=dist.get_world_size() == 1)
         self.shard_records = [TensorRecord(self.checkpoint_name, key, checksum, offset)
                               for (key, offset), checksum in writer.checksums.items()]
 
@@ -236,7 +240,7 @@ def _writer_write_data(self, plan, planner):
     try:
         for index, target in jobs:
             pieces = _bytes_of(target, self.produce)
-            if len(pieces) == 1:
+            if len(pieces) == 1 and isinstance(pieces[0], torch.Tensor):
                 # DCP's view of a shard has mcore's prepended axes; the record keeps the shard's shape.
                 pieces = [pieces[0].reshape(slots[index].shape)]
             writer.write(index, pieces)
@@ -253,6 +257,7 @@ def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
     """The pieces of `target`'s C-order bytes; a meta view is looked up in its produced base."""
     if not target.is_meta:
         return [target if target.is_contiguous() else target.contiguous()]
+    # (pieces may hold a ColumnJoin: the whole base and row blocks of it keep it as it is)
     base, pieces = produce(target)
     row = math.prod(base.shape[1:]) if base.dim() else 1
     whole = target.numel() == base.numel() and target.storage_offset() == 0 and target.is_contiguous()
@@ -263,8 +268,8 @@ def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
         # A block of whole rows of the base (one half of a gated FC1, say): select, don't join.
         first = target.storage_offset() // row
         return narrow_pieces(pieces, 0, first, first + target.numel() // row)
-    joined = pieces[0] if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces]).view(base.shape)
-    return [joined.as_strided(target.shape, target.stride(), target.storage_offset()).contiguous()]
+    whole_base = joined(pieces).reshape(base.shape)
+    return [whole_base.as_strided(target.shape, target.stride(), target.storage_offset()).contiguous()]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from mmparity.converters.tp import ColumnJoin, as_tensor
 from safetensors.torch import save_file
 
 __all__ = [
@@ -59,6 +61,8 @@ __all__ = [
     "prefault",
     "pwrite_all",
     "narrow_pieces",
+    "route_pieces",
+    "joined",
     "Slot",
     "SlotWriter",
     "torch_save_without_crc32",
@@ -893,6 +897,42 @@ class Slot:
     shape: tuple
 
 
+def route_pieces(op_on_one_input, pieces: Sequence, shape: tuple, dtype: torch.dtype) -> list[list] | None:
+    """The outputs of a one-input layout op as pieces of `pieces` (the input, joined along dim 0),
+    when the op only selects blocks of whole rows; None when it does anything else.
+
+    The op runs once on a meta tensor of the input's shape: each output view's storage offset and
+    shape say which rows it takes, and those rows are cut from `pieces` without joining them.
+    """
+    if not len(shape):
+        return None
+    probe = torch.empty(tuple(shape), dtype=dtype, device="meta")
+    try:
+        outputs = op_on_one_input([probe])
+    except Exception:
+        return None
+    row = math.prod(shape[1:]) if len(shape) else 1
+    routed_outputs = []
+    for output in outputs:
+        routed = []
+        for view in output:
+            if (not isinstance(view, torch.Tensor) or not view.is_meta or view.dim() != len(shape)
+                    or view.untyped_storage()._cdata != probe.untyped_storage()._cdata
+                    or not view.is_contiguous() or tuple(view.shape[1:]) != tuple(shape[1:])
+                    or not row or view.storage_offset() % row):
+                return None
+            first = view.storage_offset() // row
+            routed += narrow_pieces(pieces, 0, first, first + view.shape[0])
+        routed_outputs.append(routed)
+    return routed_outputs
+
+
+def joined(pieces: Sequence) -> torch.Tensor:
+    """`pieces` as one tensor (a copy unless there is a single plain piece)."""
+    tensors = [as_tensor(p) for p in pieces]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
 def narrow_pieces(pieces: Sequence[torch.Tensor], dim: int, start: int, stop: int) -> list[torch.Tensor]:
     """Views of `start:stop` along `dim` of the tensor that `pieces` form when joined along dim 0."""
     if dim != 0:
@@ -911,11 +951,27 @@ _ROWS_PER_SYSCALL = 512  # well under IOV_MAX (1024 on Linux)
 
 
 def _row_bytes(piece: torch.Tensor):
-    """A 2-D view whose rows are contiguous runs (a column range of a C-order matrix) as a numpy
-    (rows, row bytes) array of uint8, or None for any other layout."""
+    """A 2-D view whose rows are contiguous runs (a column range of a C-order matrix, or any
+    contiguous matrix) as a numpy (rows, row bytes) array of uint8, or None for any other layout."""
     if piece.dim() != 2 or piece.stride(1) != 1 or piece.stride(0) < piece.shape[1] or not piece.numel():
         return None
-    return piece.view(torch.uint8).numpy()
+    return piece.detach().cpu().view(torch.uint8).numpy()
+
+
+def _writable(piece):
+    """`piece` as the writer takes it: contiguous, row runs, or a ColumnJoin of row runs; anything
+    else is copied here, on the producer's thread, so that the worker only moves bytes."""
+    if isinstance(piece, ColumnJoin):
+        return ColumnJoin([p if _row_bytes(p) is not None else p.contiguous() for p in piece.parts])
+    return piece if piece.is_contiguous() or _row_bytes(piece) is not None else piece.contiguous()
+
+
+def _pwritev_all(fd: int, buffers: list, offset: int) -> int:
+    want = sum(b.nbytes for b in buffers)
+    written = os.pwritev(fd, buffers, offset)
+    if written < want:  # a short write: finish it the slow way
+        pwrite_all(fd, b"".join(b.tobytes() for b in buffers)[written:], offset + written)
+    return offset + want
 
 
 class SlotWriter:
@@ -955,8 +1011,8 @@ class SlotWriter:
             raise CheckpointError(f"{self.directory}: tensor {name!r} was not announced")
         if name in self._written:
             raise CheckpointError(f"{self.directory}: tensor {name!r} written twice")
-        pieces = [pieces] if isinstance(pieces, torch.Tensor) else list(pieces)
-        pieces = [p.detach().cpu() for p in pieces]
+        pieces = [pieces] if isinstance(pieces, (torch.Tensor, ColumnJoin)) else list(pieces)
+        pieces = [p if isinstance(p, ColumnJoin) else p.detach().cpu() for p in pieces]
         numel = sum(p.numel() for p in pieces)
         shapes_fit = (len(pieces) == 1 and tuple(pieces[0].shape) == slot.shape) or (
             len(pieces) > 1 and numel == math.prod(slot.shape))
@@ -971,35 +1027,33 @@ class SlotWriter:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmparity-writer")
         # A column range of a matrix (a row-parallel TP part) is written row by row from where it
         # is; any other non-contiguous piece is copied here, on the producer's thread.
-        pieces = [p if p.is_contiguous() or _row_bytes(p) is not None else p.contiguous() for p in pieces]
+        pieces = [_writable(p) for p in pieces]
         self._inflight.append(self._pool.submit(self._write_one, name, slot, pieces))
         while len(self._inflight) > self._max_inflight:
             self._inflight.popleft().result()
 
     def _write_one(self, name: str, slot: Slot, pieces: list) -> None:
         hasher = PieceHasher(slot.dtype, slot.shape)
-        prefault(pieces)
+        prefault(q for p in pieces for q in (p.parts if isinstance(p, ColumnJoin) else [p]))
         offset = slot.offset
         fd = self._fds[slot.file]
         for piece in pieces:
             if not piece.numel():
                 continue
-            if piece.is_contiguous():
+            if isinstance(piece, torch.Tensor) and piece.is_contiguous():
                 data = piece.reshape(-1).view(torch.uint8).numpy()
                 pwrite_all(fd, data, offset)
                 hasher.update_bytes(data)
                 offset += data.nbytes
                 continue
-            rows = _row_bytes(piece)
-            for first in range(0, rows.shape[0], _ROWS_PER_SYSCALL):
-                chunk = list(rows[first:first + _ROWS_PER_SYSCALL])
-                want = sum(row.nbytes for row in chunk)
-                written = os.pwritev(fd, chunk, offset)
-                if written < want:  # a short write: finish it the slow way
-                    pwrite_all(fd, b"".join(row.tobytes() for row in chunk)[written:], offset + written)
-                for row in chunk:
-                    hasher.update_bytes(row)
-                offset += want
+            # Row runs: of one column range, or of every part of a ColumnJoin side by side.
+            parts = [_row_bytes(p) for p in (piece.parts if isinstance(piece, ColumnJoin) else [piece]) if p.numel()]
+            step = max(1, _ROWS_PER_SYSCALL // len(parts))
+            for first in range(0, parts[0].shape[0], step):
+                chunk = [part[row] for row in range(first, min(first + step, parts[0].shape[0])) for part in parts]
+                offset = _pwritev_all(fd, chunk, offset)
+                for run in chunk:
+                    hasher.update_bytes(run)
         self.checksums[name] = hasher.result()
         self._remaining[slot.file] -= 1
         if self._remaining[slot.file] == 0:

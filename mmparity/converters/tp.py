@@ -64,9 +64,55 @@ def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def merge_pieces(parts: list[torch.Tensor], kind: str) -> list[torch.Tensor] | None:
-    """Views of ``parts`` whose concatenation along dim 0 is ``merge(parts, kind)``, or None where
-    the merge interleaves (a row-parallel matrix). Lets a writer put TP parts straight into place
+class ColumnJoin:
+    """2-D tensors side by side, ``torch.cat(parts, dim=1)``, without making the copy.
+
+    A row-parallel matrix merged from its TP parts is this: every row of the whole is the parts'
+    rows one after another. Writers that understand it write those row runs straight from the
+    parts; ``tensor()`` makes the copy for everyone else.
+    """
+
+    def __init__(self, parts):
+        parts = list(parts)
+        if not parts or any(p.dim() != 2 for p in parts) or len({p.shape[0] for p in parts}) != 1 \
+                or len({p.dtype for p in parts}) != 1:
+            raise ShardError(f"column join needs 2-D parts of equal rows and dtype, got "
+                             f"{[tuple(p.shape) for p in parts]}")
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.shape = torch.Size((parts[0].shape[0], sum(p.shape[1] for p in parts)))
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def element_size(self) -> int:
+        return self.parts[0].element_size()
+
+    def narrow(self, dim: int, start: int, length: int):
+        if dim == 0:
+            return ColumnJoin([p.narrow(0, start, length) for p in self.parts])
+        picked, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start, offset), min(start + length, offset + part.shape[1])
+            if lo < hi:
+                picked.append(part.narrow(1, lo - offset, hi - lo))
+            offset += part.shape[1]
+        return picked[0] if len(picked) == 1 else ColumnJoin(picked)
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat(self.parts, dim=1)
+
+
+def as_tensor(piece) -> torch.Tensor:
+    return piece.tensor() if isinstance(piece, ColumnJoin) else piece
+
+
+def merge_pieces(parts: list[torch.Tensor], kind: str) -> list:
+    """Pieces whose concatenation along dim 0 is ``merge(parts, kind)``: views of ``parts``, or one
+    ``ColumnJoin`` for a row-parallel matrix. Lets a writer put TP parts straight into place
     instead of concatenating them first. Replicated parts are not compared here."""
     if not parts:
         raise ShardError("no shards to merge")
@@ -78,7 +124,7 @@ def merge_pieces(parts: list[torch.Tensor], kind: str) -> list[torch.Tensor] | N
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         return [h[0] for h in halves] + [h[1] for h in halves]
     if kind == "row":
-        return None
+        return [ColumnJoin(parts)]
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
