@@ -618,6 +618,22 @@ def test_torch_dist_global_tensors_are_the_tp1_state_dict(torch_dist_checkpoints
         assert_same_tensors(global_state_dict(out / name / iteration), expected)
 
 
+def test_torch_dist_regions_map_in_place_and_match_dcps_reader(torch_dist_checkpoints, monkeypatch):
+    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+
+    files = TorchDistFiles(torch_dist_checkpoints / "A" / "iter_0000007")
+    mapped = {}
+    for key, (_dtype, shape) in files.tensors.items():
+        for chunk in files.metadata.state_dict_metadata[key].chunks:
+            region = (key, tuple(chunk.offsets), tuple(chunk.sizes))
+            mapped[region] = files.read_region(*region)
+    # Our writer aligns every tensor's bytes, so each saved chunk is a view of the file.
+    assert all(not t.untyped_storage().resizable() for t in mapped.values())
+    monkeypatch.setattr(TorchDistFiles, "_mapped_chunk", lambda *args: None)
+    for region, tensor in mapped.items():
+        assert torch.equal(files.read_region(*region), tensor), region
+
+
 def test_torch_dist_verify_and_corruption(torch_dist_checkpoints, tmp_path):
     import shutil
 

@@ -66,7 +66,6 @@ from mmparity.converters.io import (
     make_staging_directory,
     publish_staging_directory,
     remove_created_directories,
-    torch_save_without_crc32,
 )
 
 __all__ = [
@@ -146,38 +145,12 @@ def _dcp_exception() -> type:
     return CheckpointException
 
 
-def _torch_save_frame(dtype: torch.dtype, shape: tuple, scratch_dir: Path) -> tuple[bytes, int, bytes]:
-    """What `torch.save` writes around one contiguous tensor's bytes: (head, nbytes, tail).
-
-    Written once per (dtype, shape) under `skip_data` into a sparse scratch file, so the tensor's
-    bytes are neither needed nor read; the head and tail are the zip entries before and after them.
-    """
-    import tempfile
-    import warnings
-
-    nbytes = math.prod(shape) * dtype.itemsize
-    with tempfile.NamedTemporaryFile(dir=scratch_dir, prefix="mmparity-frame-") as f:
-        with warnings.catch_warnings(), torch_save_without_crc32():
-            warnings.simplefilter("ignore")  # skip_data is marked as a prototype
-            with torch.serialization.skip_data():
-                torch.save(torch.empty(shape, dtype=dtype), f.name)
-        reader = torch._C.PyTorchFileReader(f.name)
-        if reader.get_record_size("data/0") != nbytes:
-            raise CheckpointError(f"torch.save laid out a {dtype} {list(shape)} tensor unlike this writer expects")
-        start = reader.get_record_offset("data/0")
-        f.seek(0)
-        head = f.read(start)
-        f.seek(start + nbytes)
-        tail = f.read()
-    return head, nbytes, tail
-
-
 class _InPlaceDcpWriter:
     """DCP's `FileSystemWriter` with the data file written by mmparity (one file for this rank).
 
     DCP plans (which items, which metadata) exactly as for its own writer; only `write_data`
     differs. Each tensor item is still a complete `torch.save` blob, as DCP's reader expects, but
-    its frame (`_torch_save_frame`) is written around a reserved range that a `SlotWriter` fills
+    its frame (`torch_dist_files.torch_save_frame`) is written around a reserved range that a `SlotWriter` fills
     from where the bytes are: no per-item pickling of the data, no clone of views, no spill of
     produced tensors, and writing overlaps producing.
     """
@@ -221,8 +194,11 @@ def _writer_write_data(self, plan, planner):
                 target = planner.resolve_data(item)  # this shard's tensor, meta or real, DCP's shape
                 shape, dtype = tuple(target.shape), target.dtype
                 if (dtype, shape) not in frames:
-                    frames[dtype, shape] = _torch_save_frame(dtype, shape, directory)
-                head, nbytes, tail = frames[dtype, shape]
+                    frames[dtype, shape] = torch_dist_files.torch_save_frame(dtype, shape)
+                head, nbytes, tail = frames[dtype, shape][:3]
+                # Blobs are padded apart so each tensor's bytes start 64-byte aligned in the file,
+                # as torch.save aligns them inside its own: a reader can then map them in place.
+                offset += -(offset + len(head)) % 64
                 pwrite_all(fd, head, offset)
                 pwrite_all(fd, tail, offset + len(head) + nbytes)
                 index = (item.index.fqn, tuple(item.index.offset))

@@ -18,6 +18,7 @@ are arbitrary pickles and are never read here.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -172,6 +173,75 @@ def global_state_dict(path: str | os.PathLike, *, layer_prefix: str = "decoder.l
     return state
 
 
+def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, bytes, bytes]:
+    """What `torch.save` (without CRC32) writes around one contiguous tensor's bytes:
+    (head, nbytes, tail, the data.pkl record), cached per (dtype, shape).
+
+    Made under `skip_data` in a sparse scratch file, so no tensor bytes are needed or read. DCP
+    stores every tensor item as such a blob: a writer puts the frame around bytes it writes in
+    place, a reader compares data.pkl to tell a plain contiguous tensor it may map directly.
+    """
+    key = (dtype, tuple(int(n) for n in shape))
+    cached = _FRAMES.get(key)
+    if cached is not None:
+        return cached
+    import tempfile
+
+    from mmparity.converters.io import torch_save_without_crc32
+
+    nbytes = _numel(key[1]) * dtype.itemsize
+    # PyTorchFileWriter derives the archive name from the file name and refuses a leading dot.
+    with tempfile.NamedTemporaryFile(prefix="mmparity-frame-") as f:
+        with warnings.catch_warnings(), torch_save_without_crc32():
+            warnings.simplefilter("ignore")  # skip_data is marked as a prototype
+            with torch.serialization.skip_data():
+                torch.save(torch.empty(key[1], dtype=dtype), f.name)
+        reader = torch._C.PyTorchFileReader(f.name)
+        if reader.get_record_size("data/0") != nbytes:
+            raise CheckpointError(f"torch.save laid out a {dtype} {list(shape)} tensor unlike mmparity expects")
+        start = reader.get_record_offset("data/0")
+        pickled = reader.get_record("data.pkl")
+        f.seek(0)
+        head = f.read(start)
+        f.seek(start + nbytes)
+        tail = f.read()
+    _FRAMES[key] = cached = (head, nbytes, tail, pickled)
+    return cached
+
+
+_FRAMES: dict = {}
+
+
+class _FileRegion(io.RawIOBase):
+    """A byte range of a mapped file as a read-only stream: only the bytes read are touched."""
+
+    def __init__(self, mapping, start: int, length: int):
+        super().__init__()
+        self.mapping, self.start, self.length, self.position = mapping, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = base + position
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self.length - self.position))
+        begin = self.start + self.position
+        data = self.mapping[begin:begin + count]
+        buffer[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
 class _RegionPlanner:
     """The two `LoadPlanner` calls `FileSystemReader.read_data` makes, aimed at one target tensor."""
 
@@ -206,6 +276,7 @@ class TorchDistFiles:
         self.metadata = load_metadata(self.path)
         self._reader = _reader(self.path)
         self._reader.set_up_storage_reader(self.metadata, True)
+        self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             key: (entry.properties.dtype, tuple(entry.size))
             for key, entry in sorted(self.metadata.state_dict_metadata.items())
@@ -225,6 +296,10 @@ class TorchDistFiles:
             o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)
         ):
             raise CheckpointError(f"{self.path}: region {list(offsets)}+{list(sizes)} is outside {key!r} {list(shape)}")
+        if _numel(sizes):
+            mapped = self._mapped_chunk(key, offsets, sizes, dtype)
+            if mapped is not None:
+                return mapped
         target = torch.empty(sizes, dtype=dtype)
         if target.numel() == 0:
             return target
@@ -240,6 +315,43 @@ class TorchDistFiles:
         except Exception as exc:
             raise CheckpointError(f"{self.path}: cannot read {key!r} ({' '.join(str(exc).split())[:300]})") from exc
         return target
+
+    def _mapped_chunk(self, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """A region that is exactly one saved chunk, stored as a plain contiguous tensor, as a view
+        of the file (page cache, copy-on-write, nothing read up front); None for anything else,
+        which then goes through DCP's reader (two copies: a buffered read and torch.load's)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        chunks = self.metadata.state_dict_metadata[key].chunks
+        if not any(tuple(c.offsets) == offsets and tuple(c.sizes) == sizes for c in chunks):
+            return None
+        info = self._reader.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        try:
+            mapping = self._mapping(info.relative_path)
+            blob = torch._C.PyTorchFileReader(_FileRegion(mapping, info.offset, info.length))
+            pickled = blob.get_record("data.pkl")
+            start = info.offset + blob.get_record_offset("data/0")
+        except Exception:
+            return None  # not the blob we know how to map: DCP's reader decides
+        _head, nbytes, _tail, expected = torch_save_frame(dtype, sizes)
+        # The same pickle as torch.save of a fresh contiguous tensor of this dtype and shape: no
+        # storage offset, no strides of a transposed view, CPU. Anything else is read by DCP.
+        if pickled != expected or start % dtype.itemsize or start + nbytes > info.offset + info.length:
+            return None
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+        return raw.view(dtype).view(sizes)
+
+    def _mapping(self, relative_path: str):
+        mapping = self._files.get(relative_path)
+        if mapping is None:
+            import mmap
+
+            with open(self.path / relative_path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._files[relative_path] = mapping
+        return mapping
 
     def read(self, key: str) -> torch.Tensor:
         if key not in self.tensors:
