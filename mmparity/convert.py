@@ -2,16 +2,16 @@
 
 One pipeline, three kinds of source and three kinds of target, joined by the rule engine:
 
-    source (HF dir | legacy dir | torch_dist dir)  --mcore_tensor(key)-->  target writer
+    source (HF dir | legacy dir | torch_dist dir)  --mcore_pieces(key)-->  target writer
 
 Every source answers one question, "the full (TP = 1, globally numbered) mcore tensor of this key",
-one key at a time: an HF source runs the rule step that produces the key (`op.apply` on the HF
-tensors it reads with `SafetensorsCheckpoint.get`); a legacy source memory-maps its rank files
+one key at a time: an HF source runs the rule step that produces the key (`op.apply_pieces` on the
+HF tensors it maps with `SafetensorsCheckpoint.map`); a legacy source memory-maps its rank files
 (`torch.load(mmap=True, weights_only=True)`) and merges the key's TP parts; a torch_dist source
-reads just that layer's chunk of mcore's stacked tensor. A target walks the family's `plan()`:
-the HF writer inverts each step and streams the result into safetensors shards whose headers were
-laid out in advance; the mcore writers shard each tensor for TP and hand it to the checkpoint layer
-(`checkpoint.write_legacy`, `checkpoint.save_torch_dist`).
+maps just that layer's chunk of mcore's stacked tensor. A target walks the family's `plan()`:
+the HF writer inverts each step into safetensors shards whose headers were laid out in advance;
+the mcore writers shard each tensor for TP into legacy rank files (`checkpoint.LegacyWriter`) or
+a DCP data file (`checkpoint.save_torch_dist` with a producer).
 
 Everything that can be known before reading a byte is checked first, on `meta` tensors: missing,
 unexpected and mis-shaped tensors (against the shapes the HF config implies, via the reference
@@ -19,26 +19,22 @@ model built on the meta device), layout-op failures, TP sizes that do not divide
 pipeline splits. Only then is the destination's staging directory created; output becomes visible
 by one rename when complete, and any failure leaves nothing behind.
 
-Memory. HF output never holds more than the tensors of one rule step: headers are computed from the
-dry run, and each tensor is `pwrite`-n to its place and dropped. The mcore formats force more:
-legacy stores one `torch.save` pickle per (TP rank, PP stage), which needs every tensor of that
-rank at once, and torch_dist's writer (DCP, via mcore's sharded state dict) needs the whole state
-dict before it writes. Instead of holding that state in anonymous memory, each converted tensor is
-*spilled*: copied into a shared memory map of an unlinked scratch file on the destination's
-filesystem (`_Scratch`). Those pages are file-backed page cache, written back or dropped by the
-kernel under pressure, so anonymous memory stays at about one tensor whatever the checkpoint size;
-the cost is one extra memcpy per byte and, transiently, disk space for the scratch copy. The scratch
-files are unlinked at creation, so even a killed process leaves none behind.
+Memory and bytes. No target holds more than a few tensors: each format's layout is fixed from the
+dry run before any tensor exists (safetensors headers; a `torch.save` skeleton per legacy rank
+file written under `skip_data`; DCP's plan made from meta placeholders), and a `SlotWriter` puts
+every tensor straight into its reserved byte range. Sources hand tensors over as *pieces*, views
+of the file mappings they read from: a layout op that only moves row blocks (renames, q/k/v
+regrouping, gated halves), a TP split or a TP merge selects pieces instead of copying, so most
+bytes go from the source's page cache to the destination's without passing through a Python-side
+copy. Only ops that really permute elements (RoPE interleaving, a non-row-block TP split) copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -420,7 +416,7 @@ class _HFSource(_Source):
         if key in self._cache:
             return self._cache.pop(key)
         step = self.steps[self._producer[key]]
-        tensors = [self._filter(n, _file_backed(self.ckpt.map(self.prefix + n)), self.path) for n in step.hf_keys]
+        tensors = [self._filter(n, self.ckpt.map(self.prefix + n), self.path) for n in step.hf_keys]
         try:
             outputs = dict(zip(step.mcore_keys, _apply(step.rule.op, tensors)))
         except (LayoutError, ShardError, RuntimeError) as exc:
@@ -434,7 +430,7 @@ class _HFSource(_Source):
         if key in self._piece_cache:
             return self._piece_cache.pop(key)
         step = self.steps[self._producer[key]]
-        tensors = [self._filter(n, _file_backed(self.ckpt.map(self.prefix + n)), self.path) for n in step.hf_keys]
+        tensors = [self._filter(n, self.ckpt.map(self.prefix + n), self.path) for n in step.hf_keys]
         try:
             outputs = dict(zip(step.mcore_keys, step.rule.op.apply_pieces(tensors)))
         except (LayoutError, ShardError, RuntimeError) as exc:
@@ -504,7 +500,7 @@ class _LegacySource(_McoreSource):
             stages = [ckpt.load_rank(tp_rank, stage, mmap=True) for stage in range(ckpt.pp_size)]
             merged = (pp_mod.merge_pipeline_stages(stages, counts, layer_prefix=layer_prefix)
                       if ckpt.pp_size > 1 else stages[0])
-            self.ranks.append({k: _file_backed(v) for k, v in R.to_te_spelling(merged).items()
+            self.ranks.append({k: v for k, v in R.to_te_spelling(merged).items()
                                if isinstance(v, torch.Tensor)})
         self._check_keys(set().union(*self.ranks), "legacy")
         problems = list(self.rules.validate_tp(self.tp)) if self.rules.validate_tp else []
@@ -685,61 +681,6 @@ def _check_shapes(source: _Source) -> None:
             problems.append(f"{named} is {list(meta.shape)}, the config implies {list(want)}")
     if problems:
         raise ConvertError(_problems_line(f"{source.path}: shape mismatch with its HF config", problems))
-
-
-# --------------------------------------------------------------------------------------------------
-# spilling converted tensors out of anonymous memory
-
-
-def _file_backed(t: torch.Tensor) -> torch.Tensor:
-    """Marks a tensor whose storage is exactly its bytes in a file mapping (a source checkpoint
-    mapped by `SafetensorsCheckpoint.map` or `torch.load(mmap=True)`, or a spill): no need to spill it."""
-    t._mmparity_file_backed = True
-    return t
-
-
-class _Scratch:
-    """File-backed homes for tensors that a format needs all at once (see the module docstring).
-
-    Each tensor is written with `pwrite` into its own unlinked temporary file (`O_TMPFILE` where the
-    filesystem has it) on the destination's filesystem, then mapped shared, so its pages are file
-    cache the kernel can write back there. A tensor owning exactly its mapping also keeps
-    `torch.save` and DCP from copying it again. Tensors already mapped from a source file pass
-    through untouched.
-    """
-
-    def __init__(self, near: Path):
-        directory = Path(near).absolute().parent
-        while not directory.exists():
-            directory = directory.parent
-        self.directory = directory
-
-    def spill(self, t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        if (getattr(t, "_mmparity_file_backed", False) and t.is_contiguous()
-                and t.untyped_storage().nbytes() == nbytes):
-            return t
-        t = t.detach()
-        return self.spill_concatenated([t])
-
-    def spill_concatenated(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-        """`torch.cat(pieces)` (along dim 0) spilled, written piece by piece: no concatenated copy,
-        and a contiguous piece (a view of a row range) is written straight from where it is."""
-        first = pieces[0]
-        shape = (sum(p.shape[0] for p in pieces), *first.shape[1:]) if len(pieces) > 1 else tuple(first.shape)
-        nbytes = sum(p.numel() * p.element_size() for p in pieces)
-        if nbytes == 0:
-            return torch.cat(list(pieces)) if len(pieces) > 1 else first.detach().clone()
-        with tempfile.TemporaryFile(dir=self.directory, prefix=".mmparity-scratch-") as f:
-            offset = 0
-            for piece in pieces:
-                data = piece.detach().contiguous().reshape(-1).view(torch.uint8)
-                pwrite_all(f.fileno(), data.numpy(), offset)
-                offset += data.numel()
-            mapping = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # frombuffer keeps `mapping` alive for as long as the tensor (or a view of it) lives.
-        raw = torch.frombuffer(mapping, dtype=torch.uint8)
-        return _file_backed(raw.view(first.dtype).view(shape))
 
 
 # --------------------------------------------------------------------------------------------------
