@@ -67,6 +67,7 @@ from mmparity.converters.io import (
     SAFETENSORS_INDEX_FILE,
     SAFETENSORS_SINGLE_FILE,
     CheckpointError,
+    FileRanges,
     SafetensorsCheckpoint,
     Slot,
     SlotWriter,
@@ -365,6 +366,10 @@ class _Source:
         """The same tensor as consecutive dim-0 pieces, where a source can avoid joining them."""
         return [self.mcore_tensor(key)]
 
+    def locate(self, piece) -> tuple[int, int] | None:
+        """(fd, offset) of the source file bytes a piece shows, if it is a view of them."""
+        return None
+
     def provenance_extra(self) -> dict:
         return {"hf_prefix": self.prefix, "hf_format": self.hf_format}
 
@@ -425,6 +430,9 @@ class _HFSource(_Source):
             if other != key:
                 self._cache[other] = t  # a rule with several mcore outputs: kept until asked for
         return outputs[key]
+
+    def locate(self, piece) -> tuple[int, int] | None:
+        return self.ckpt.file_ranges.locate(piece)
 
     def mcore_pieces(self, key: str) -> list[torch.Tensor]:
         if key in self._piece_cache:
@@ -488,6 +496,7 @@ class _LegacySource(_McoreSource):
         self.path = path
         ckpt = open_legacy(path)
         self._init_common(ckpt.root, ckpt.manifest, family, filt)
+        self.file_ranges = FileRanges()
         self.tp = ckpt.tp_size
         extra = dict(ckpt.manifest.provenance.extra or {}) if ckpt.manifest else {}
         layout = pipeline_layout(self.family, self.order)
@@ -497,7 +506,8 @@ class _LegacySource(_McoreSource):
         for tp_rank in range(ckpt.tp_size):
             # mmap: only the header pickle is read now; tensor bytes come from the page cache when
             # a step needs them.
-            stages = [ckpt.load_rank(tp_rank, stage, mmap=True) for stage in range(ckpt.pp_size)]
+            stages = [ckpt.load_rank(tp_rank, stage, mmap=True, file_ranges=self.file_ranges)
+                      for stage in range(ckpt.pp_size)]
             merged = (pp_mod.merge_pipeline_stages(stages, counts, layer_prefix=layer_prefix)
                       if ckpt.pp_size > 1 else stages[0])
             self.ranks.append({k: v for k, v in R.to_te_spelling(merged).items()
@@ -552,6 +562,9 @@ class _LegacySource(_McoreSource):
     def rank_states(self) -> list[dict]:
         return self.ranks
 
+    def locate(self, piece) -> tuple[int, int] | None:
+        return self.file_ranges.locate(piece)
+
 
 def _merged_shape(shape: tuple, kind: str, tp: int) -> tuple:
     if kind == "replicated" or tp == 1 or not shape:
@@ -600,6 +613,9 @@ class _TorchDistSource(_McoreSource):
             t = self.files.read_region(ckpt_key, (layer,) + (0,) * len(meta.shape), (1,) + meta.shape)
             t = t.reshape(meta.shape)
         return self._filter(key, t, self.root)
+
+    def locate(self, piece) -> tuple[int, int] | None:
+        return self.files.file_ranges.locate(piece)
 
 
 def _source_kind(path: Path) -> str:
@@ -708,7 +724,8 @@ class StreamingSafetensorsWriter:
     """
 
     def __init__(self, directory: str | os.PathLike, entries: Sequence[tuple[str, torch.dtype, tuple]], *,
-                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, metadata: Mapping[str, str] | None = None):
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, metadata: Mapping[str, str] | None = None,
+                 locate=None):
         self.directory = Path(directory)
         limit = parse_size(max_shard_size)
         if not entries:
@@ -759,7 +776,7 @@ class StreamingSafetensorsWriter:
             for fd in fds:
                 os.close(fd)
             raise
-        self._slots = SlotWriter(self.directory, fds, slots)
+        self._slots = SlotWriter(self.directory, fds, slots, locate=locate)
         self.checksums = self._slots.checksums
 
     def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
@@ -826,7 +843,8 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
                             source_path=str(source.path), extra=source.provenance_extra() | {"hf_format": fmt, "hf_prefix": prefix})
     heap = _heap_budget()
     with atomic_directory(options.dst, force=options.force) as staging:
-        writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size)
+        writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size,
+                                            locate=source.locate)
         try:
             for step in steps:
                 outputs = None
@@ -909,7 +927,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
         with atomic_directory(options.dst, force=options.force) as staging:
             writer = LegacyWriter(staging, entries, pp_size=options.pp, layer_counts=counts,
                                   layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
-                                  iteration=1)
+                                  iteration=1, locate=source.locate)
             try:
                 for key in order:
                     pieces = source.mcore_pieces(key)
@@ -1004,7 +1022,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         try:
             save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options),
                             tp_size=1, pp_size=1, extra_files={HF_CONFIG_FILE: source.config_bytes},
-                            force=options.force, produce=produce)
+                            force=options.force, produce=produce, locate=source.locate)
         except CheckpointError as exc:
             raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
         progress.advance(len(local_keys), 0)

@@ -449,3 +449,18 @@ def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
     routed = route_pieces(op.invert_pieces, list(mcore.split([12, 12])), tuple(mcore.shape), mcore.dtype)
     assert routed is not None and all(p.data_ptr() != 0 for p in routed[0])
     assert torch.equal(torch.cat(routed[0]), fused)
+
+
+def test_file_ranges_locate_only_views_of_registered_mappings(tmp_path):
+    state = {"a": seeded((8, 6), 1), "b": seeded((5,), 2, torch.bfloat16)}
+    save_safetensors_checkpoint(tmp_path / "ckpt", state)
+    ckpt = SafetensorsCheckpoint(tmp_path / "ckpt")
+    a = ckpt.map("a")
+    fd, offset = ckpt.file_ranges.locate(a)
+    assert os.pread(fd, a.nbytes, offset) == a.contiguous().view(torch.uint8).numpy().tobytes()
+    fd, offset = ckpt.file_ranges.locate(a[2:5])  # a row block is a range of the file too
+    assert os.pread(fd, a[2:5].nbytes, offset) == a[2:5].contiguous().view(torch.uint8).numpy().tobytes()
+    assert ckpt.file_ranges.locate(a[:, 1:3]) is None  # not contiguous
+    assert ckpt.file_ranges.locate(a.clone()) is None  # anonymous memory
+    ckpt.close()
+    assert ckpt.file_ranges.locate(a) is None  # closed: never trusted again

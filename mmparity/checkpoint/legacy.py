@@ -107,7 +107,7 @@ class LegacyWriter:
     """
 
     def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, pp_size: int, layer_counts: Sequence[int],
-                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int):
+                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int, locate=None):
         if not rank_entries:
             raise CheckpointError("no TP shards to write")
         reference_keys = set(rank_entries[0])
@@ -148,7 +148,7 @@ class LegacyWriter:
             for fd in fds:
                 os.close(fd)
             raise
-        self._writer = SlotWriter(self.staging, fds, slots)
+        self._writer = SlotWriter(self.staging, fds, slots, locate=locate)
 
     @staticmethod
     def slot_name(tp_rank: int, key: str) -> str:
@@ -279,7 +279,7 @@ def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: in
     )
 
 
-def load_rank_file(path: str | os.PathLike, *, mmap: bool = False) -> dict:
+def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=None) -> dict:
     """The `model` state dict of one `model_optim_rng.pt`, loaded with weights_only=True.
 
     `mmap=True` maps the file instead of reading it: tensors are backed by the page cache and only
@@ -316,7 +316,25 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False) -> dict:
     model = payload["model"]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: 'model' is a {type(model).__name__}, not a state dict")
+    if mmap and file_ranges is not None:
+        _register_mapping(path, model, file_ranges)
     return model
+
+
+def _register_mapping(path: Path, model: Mapping, file_ranges) -> None:
+    """Tells `file_ranges` where torch.load(mmap=True) mapped `path`, so writers can copy tensor
+    bytes file to file. torch maps the whole file from offset 0 and each storage is a view at its
+    zip record's offset; the mapping's address is recovered from those and checked against all of
+    them (nothing is registered if anything does not fit)."""
+    reader = torch._C.PyTorchFileReader(str(path))
+    offsets = {reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
+    pointers = {v.untyped_storage().data_ptr() for v in model.values()
+                if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
+    if not offsets or not pointers:
+        return
+    base = min(pointers) - min(offsets)
+    if all(p - base in offsets for p in pointers):
+        file_ranges.add(base, path.stat().st_size, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,13 +347,13 @@ class LegacyCheckpoint:
     files: Mapping[tuple[int, int], Path]  # (tp rank, pp stage) -> model_optim_rng.pt
     manifest: Manifest | None
 
-    def load_rank(self, tp_rank: int, pp_rank: int = 0, *, mmap: bool = False) -> dict:
+    def load_rank(self, tp_rank: int, pp_rank: int = 0, *, mmap: bool = False, file_ranges=None) -> dict:
         """The locally numbered state dict of one (TP rank, PP stage); `mmap` as in `load_rank_file`."""
         if (tp_rank, pp_rank) not in self.files:
             raise CheckpointError(
                 f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} in a TP={self.tp_size} PP={self.pp_size} checkpoint"
             )
-        return load_rank_file(self.files[tp_rank, pp_rank], mmap=mmap)
+        return load_rank_file(self.files[tp_rank, pp_rank], mmap=mmap, file_ranges=file_ranges)
 
     def tp_shards(
         self,

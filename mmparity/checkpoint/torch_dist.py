@@ -106,10 +106,11 @@ class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
     their bytes: DCP plans from shapes alone, and each tensor is produced only when written.
     """
 
-    def __init__(self, checkpoint_name: str = "", produce: Producer | None = None):
+    def __init__(self, checkpoint_name: str = "", produce: Producer | None = None, locate=None):
         super().__init__("torch_dist", 1)
         self.checkpoint_name = checkpoint_name
         self.produce = produce
+        self.locate = locate
         self.shard_records: list[TensorRecord] = []
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir) -> None:
@@ -129,7 +130,7 @@ class CpuTorchDistSaveStrategy(mc.TorchDistSaveShardedStrategy):
                 # shape, without the axes mcore prepends for stacked layers.
                 record_shapes[shard.key, tuple(shard.global_offset)] = tuple(shard.data.shape)
         pyt_state_dict = mc.mcore_to_pyt_state_dict(by_key, False)
-        writer = _InPlaceDcpWriter(str(checkpoint_dir), record_shapes, self.produce)
+        writer = _InPlaceDcpWriter(str(checkpoint_dir), record_shapes, self.produce, self.locate)
         # One rank has nobody to agree plans with: DCP's gather/scatter of the plan (a pickle round
         # trip of every write item) is skipped.
         dcp_save(pyt_state_dict, storage_writer=writer, planner=mc.make_save_planner(),
@@ -165,12 +166,13 @@ class _InPlaceDcpWriter:
         return cls._impl(*args, **kwargs)
 
 
-def _writer_init(self, path: str, record_shapes: Mapping, produce: Producer | None) -> None:
+def _writer_init(self, path: str, record_shapes: Mapping, produce: Producer | None, locate=None) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     FileSystemWriter.__init__(self, path, single_file_per_rank=True, sync_files=True, thread_count=1)
     self.record_shapes = dict(record_shapes)
     self.produce = produce
+    self.locate = locate
     self.checksums: dict = {}
 
 
@@ -199,11 +201,9 @@ def _writer_write_data(self, plan, planner):
                 # Blobs are padded apart so each tensor's bytes start 64-byte aligned in the file,
                 # as torch.save aligns them inside its own: a reader can then map them in place.
                 offset += -(offset + len(head)) % 64
-                pwrite_all(fd, head, offset)
-                pwrite_all(fd, tail, offset + len(head) + nbytes)
                 index = (item.index.fqn, tuple(item.index.offset))
                 record_shape = self.record_shapes.get(index, shape)
-                slots[index] = Slot(0, offset + len(head), nbytes, dtype, record_shape)
+                slots[index] = Slot(0, offset + len(head), nbytes, dtype, record_shape, head, tail)
                 jobs.append((index, target))
                 length = len(head) + nbytes + len(tail)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -212,7 +212,7 @@ def _writer_write_data(self, plan, planner):
     except BaseException:
         os.close(fd)
         raise
-    writer = SlotWriter(directory, [fd], slots)
+    writer = SlotWriter(directory, [fd], slots, locate=self.locate)
     try:
         for index, target in jobs:
             pieces = _bytes_of(target, self.produce)
@@ -335,6 +335,7 @@ def save_torch_dist(
     extra_files: Mapping[str, str | bytes] | None = None,
     force: bool = False,
     produce: Producer | None = None,
+    locate=None,
 ) -> Path:
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
 
@@ -346,7 +347,8 @@ def save_torch_dist(
     `extra_files` (plain names) are written at the root by rank 0 in the same atomic step. The
     staging directory is created by rank 0 next to `root`, so all ranks must see the same
     filesystem (as Megatron-LM requires). Tensor data may be meta when `produce` gives the bytes of
-    each meta base tensor on demand (a converter streaming from another checkpoint).
+    each meta base tensor on demand (a converter streaming from another checkpoint); `locate` says
+    which of those are views of source files, so they are copied file to file.
     """
     _require_process_group()
     rank = dist.get_rank()
@@ -381,7 +383,7 @@ def save_torch_dist(
 
         _validate_sharding(produced)
 
-        strategy = CpuTorchDistSaveStrategy(iteration_name, produce)
+        strategy = CpuTorchDistSaveStrategy(iteration_name, produce, locate)
         common_state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
         error = None
         try:

@@ -277,6 +277,9 @@ class TorchDistFiles:
         self._reader = _reader(self.path)
         self._reader.set_up_storage_reader(self.metadata, True)
         self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
+        from mmparity.converters.io import FileRanges
+
+        self.file_ranges = FileRanges()  # where mapped chunks live in the files
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             key: (entry.properties.dtype, tuple(entry.size))
             for key, entry in sorted(self.metadata.state_dict_metadata.items())
@@ -348,9 +351,12 @@ class TorchDistFiles:
         if mapping is None:
             import mmap
 
+            from mmparity.converters.io import mapping_address
+
             with open(self.path / relative_path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._files[relative_path] = mapping
+            self.file_ranges.add(mapping_address(mapping), len(mapping), self.path / relative_path)
         return mapping
 
     def read(self, key: str) -> torch.Tensor:

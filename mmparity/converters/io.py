@@ -60,6 +60,9 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "prefault",
     "pwrite_all",
+    "copy_file_range_all",
+    "FileRanges",
+    "mapping_address",
     "narrow_pieces",
     "route_pieces",
     "joined",
@@ -325,6 +328,48 @@ def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
     return infos
 
 
+class FileRanges:
+    """Which file bytes a tensor view shows, for tensors that are views of read-only file mappings.
+
+    A writer that knows a piece is bytes `[offset, offset + n)` of an open file can copy it with
+    `copy_file_range` (page cache to page cache inside the kernel) instead of `pwrite` from user
+    memory; on this project's VMs that is the difference between ~3.7 GB/s and ~0.4 GB/s into a
+    new file. A source registers each mapping it makes, with a descriptor of the same file, for as
+    long as it lives; `locate` answers only for a contiguous tensor lying wholly inside one.
+    """
+
+    def __init__(self):
+        self._ranges: list[tuple[int, int, int]] = []  # (start address, end address, fd)
+
+    def add(self, base_address: int, length: int, path: str | os.PathLike) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        self._ranges.append((base_address, base_address + length, fd))
+
+    def locate(self, piece) -> tuple[int, int] | None:
+        """(fd, file offset) of a contiguous CPU tensor inside a registered mapping, else None."""
+        if not isinstance(piece, torch.Tensor) or piece.device.type != "cpu" or not piece.is_contiguous():
+            return None
+        begin = piece.data_ptr()
+        end = begin + piece.numel() * piece.element_size()
+        for start, stop, fd in self._ranges:
+            if start <= begin and end <= stop:
+                return fd, begin - start
+        return None
+
+    def close(self) -> None:
+        for _start, _stop, fd in self._ranges:
+            os.close(fd)
+        self._ranges = []
+
+    def __del__(self):
+        self.close()
+
+
+def mapping_address(mapping) -> int:
+    """The address of an mmap object's first byte (where tensors made from it point)."""
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() if len(mapping) else 0
+
+
 class SafetensorsCheckpoint:
     """Read-only view of a `save_pretrained` safetensors directory.
 
@@ -341,6 +386,7 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.directory}: not a directory")
         self._handles: dict[str, object] = {}
         self._mappings: dict[str, tuple] = {}
+        self.file_ranges = FileRanges()  # where `map`'s tensors live in the files
         self._infos: dict[str, TensorInfo] = {}
         self.index_metadata: dict = {}
         try:
@@ -496,6 +542,7 @@ class SafetensorsCheckpoint:
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from exc
         offsets = {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+        self.file_ranges.add(mapping_address(mapping), len(mapping), path)
         self._mappings[file_name] = cached = (mapping, 8 + header_size, offsets)
         return cached
 
@@ -551,6 +598,7 @@ class SafetensorsCheckpoint:
         # handed out by `map` stay valid while a tensor still uses them.
         self._handles = {}
         self._mappings = {}
+        self.file_ranges.close()
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self
@@ -879,6 +927,10 @@ class Slot:
     nbytes: int
     dtype: torch.dtype
     shape: tuple
+    # Bytes of the container written right before and after the tensor's (not hashed): a writer
+    # that frames every tensor (DCP's torch.save blobs) then writes each blob in one sequential go.
+    head: bytes = b""
+    tail: bytes = b""
 
 
 def route_pieces(op_on_one_input, pieces: Sequence, shape: tuple, dtype: torch.dtype) -> list[list] | None:
@@ -950,6 +1002,16 @@ def _writable(piece):
     return piece if piece.is_contiguous() or _row_bytes(piece) is not None else piece.contiguous()
 
 
+def copy_file_range_all(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
+    """`count` bytes from one file to another inside the kernel (page cache to page cache)."""
+    while count:
+        copied = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+        if copied <= 0:
+            raise CheckpointError(f"copy_file_range stopped with {count} bytes left (source file shorter "
+                                  "than its header says?)")
+        src_offset, dst_offset, count = src_offset + copied, dst_offset + copied, count - copied
+
+
 def _pwritev_all(fd: int, buffers: list, offset: int) -> int:
     want = sum(b.nbytes for b in buffers)
     written = os.pwritev(fd, buffers, offset)
@@ -975,7 +1037,8 @@ class SlotWriter:
 
     WORKERS = 2
 
-    def __init__(self, directory: Path, fds: list[int], slots: Mapping[str, Slot], *, max_inflight: int = 4):
+    def __init__(self, directory: Path, fds: list[int], slots: Mapping[str, Slot], *, max_inflight: int = 4,
+                 locate=None):
         self.directory = Path(directory)
         self._fds: list[int | None] = list(fds)
         self.slots = dict(slots)
@@ -985,6 +1048,7 @@ class SlotWriter:
         self._pool = None
         self._inflight: collections.deque = collections.deque()
         self._max_inflight = max_inflight
+        self._locate = locate  # piece -> (fd, offset) of the file bytes it shows, or None
         self._lock = threading.Lock()
         self._written: set[str] = set()
         self.checksums: dict[str, TensorChecksum] = {}
@@ -1026,12 +1090,18 @@ class SlotWriter:
         prefault(q for p in pieces for q in (p.parts if isinstance(p, ColumnJoin) else [p]))
         offset = slot.offset
         fd = self._fds[slot.file]
+        if slot.head:
+            pwrite_all(fd, slot.head, offset - len(slot.head))
         for piece in pieces:
             if not piece.numel():
                 continue
             if isinstance(piece, torch.Tensor) and piece.is_contiguous():
                 data = piece.reshape(-1).view(torch.uint8).numpy()
-                pwrite_all(fd, data, offset)
+                found = self._locate(piece) if self._locate is not None else None
+                if found is not None:
+                    copy_file_range_all(found[0], found[1], fd, offset, data.nbytes)
+                else:
+                    pwrite_all(fd, data, offset)
                 hasher.update_bytes(data)
                 offset += data.nbytes
                 continue
@@ -1043,6 +1113,8 @@ class SlotWriter:
                 offset = _pwritev_all(fd, chunk, offset)
                 for run in chunk:
                     hasher.update_bytes(run)
+        if slot.tail:
+            pwrite_all(fd, slot.tail, slot.offset + slot.nbytes)
         self.checksums[name] = hasher.result()
         with self._lock:
             self._remaining[slot.file] -= 1
