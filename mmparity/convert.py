@@ -389,7 +389,7 @@ class _HFSource(_Source):
         except R.ConversionError as exc:
             raise _from_conversion_error(exc, f"{path}: family {family!r}: ") from None
         self.steps = R.plan(self.rules)
-        self.metas, self._producer, self._cache, self._piece_cache = {}, {}, {}, {}
+        self.metas, self._producer, self._piece_cache = {}, {}, {}
         problems, consumed = [], set()
         for index, step in enumerate(self.steps):
             names = [self.prefix + k for k in step.hf_keys]
@@ -418,18 +418,7 @@ class _HFSource(_Source):
                            for key, i in self._producer.items()}
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
-        if key in self._cache:
-            return self._cache.pop(key)
-        step = self.steps[self._producer[key]]
-        tensors = [self._filter(n, self.ckpt.map(self.prefix + n), self.path) for n in step.hf_keys]
-        try:
-            outputs = dict(zip(step.mcore_keys, _apply(step.rule.op, tensors)))
-        except (LayoutError, ShardError, RuntimeError) as exc:
-            raise ConvertError(f"{self.path}: {', '.join(step.hf_keys)}: {exc}") from None
-        for other, t in outputs.items():
-            if other != key:
-                self._cache[other] = t  # a rule with several mcore outputs: kept until asked for
-        return outputs[key]
+        return joined(self.mcore_pieces(key))
 
     def locate(self, piece) -> tuple[int, int] | None:
         return self.ckpt.file_ranges.locate(piece)
@@ -445,7 +434,7 @@ class _HFSource(_Source):
             raise ConvertError(f"{self.path}: {', '.join(step.hf_keys)}: {exc}") from None
         for other, pieces in outputs.items():
             if other != key:
-                self._piece_cache[other] = pieces
+                self._piece_cache[other] = pieces  # a rule with several mcore outputs: kept until asked for
         return outputs[key]
 
 
