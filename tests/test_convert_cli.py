@@ -323,8 +323,9 @@ def test_verify_exit_codes(capsys, pixtral_hf, pixtral_legacy, tmp_path):
 def test_check_mcore_passes_and_locates_a_perturbed_tensor(capsys, pixtral_hf, pixtral_legacy, tmp_path):
     code, out, err = run_cli(capsys, "check", "--mcore", pixtral_legacy, "--no-components")
     assert code == 0, out + err  # --hf defaults to the source recorded in the manifest
+    # Merged to one rank, in-process: the stored layout already ran above.
     code, out, err = run_cli(capsys, "check", "pixtral", "--mcore", pixtral_legacy, "--hf", pixtral_hf, "--tp", "1",
-                             "--no-components", "--quiet")
+                             "--pp", "1", "--no-components", "--quiet")
     assert code == 0, out + err
 
     import shutil
@@ -336,7 +337,8 @@ def test_check_mcore_passes_and_locates_a_perturbed_tensor(capsys, pixtral_hf, p
     payload = torch.load(rank_file, weights_only=True)
     payload["model"]["decoder.layers.0.mlp.linear_fc2.weight"][0, 0] += 0.5
     torch.save(payload, rank_file)
-    code, out, err = run_cli(capsys, "check", "--mcore", bad, "--hf", pixtral_hf, "--no-components")
+    code, out, err = run_cli(capsys, "check", "--mcore", bad, "--hf", pixtral_hf, "--tp", "1", "--pp", "1",
+                             "--no-components")
     assert code == 1, out + err
     assert "layer.1" in out and "FAIL" in out
     code, _, err = run_cli(capsys, "check", "--mcore", tmp_path / "absent")
