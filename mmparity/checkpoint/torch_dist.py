@@ -212,6 +212,9 @@ def _writer_write_data(self, plan, planner):
     except BaseException:
         os.close(fd)
         raise
+    # Sized up front, as the other formats' files are: writers then fill a file of known length
+    # instead of extending it from two threads out of order.
+    os.ftruncate(fd, offset)
     writer = SlotWriter(directory, [fd], slots, locate=self.locate)
     try:
         for index, target in jobs:
