@@ -35,17 +35,14 @@ from mmparity.converters.io import (
     SlotWriter,
     atomic_directory,
     torch_save_without_crc32,
-    write_extra_files,
 )
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
-    TRACKER_FILE,
     iteration_dirname,
     legacy_rank_dirname,
     parse_legacy_rank_dirname,
     resolve_iteration_dir,
-    write_tracker,
 )
 from mmparity.checkpoint.manifest import (
     LAYOUT_LEGACY,
@@ -54,7 +51,7 @@ from mmparity.checkpoint.manifest import (
     Provenance,
     TensorRecord,
     read_manifest,
-    write_manifest,
+    write_mcore_root,
 )
 
 __all__ = ["write_legacy", "LegacyWriter", "finish_legacy", "open_legacy", "read_legacy", "LegacyCheckpoint",
@@ -263,9 +260,7 @@ def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: in
                   layer_counts: Sequence[int], iteration: int, provenance: Provenance | None,
                   extra_files: Mapping[str, str | bytes] | None) -> None:
     """The small files beside the rank files: extra files, the tracker and the manifest."""
-    write_extra_files(staging, extra_files, (MANIFEST_FILE, TRACKER_FILE))
-    write_tracker(staging, iteration)
-    write_manifest(
+    write_mcore_root(
         staging,
         Manifest(
             layout=LAYOUT_LEGACY,
@@ -276,6 +271,7 @@ def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: in
             pipeline_layer_counts=tuple(layer_counts) if pp_size > 1 else None,
             iteration=iteration,
         ),
+        extra_files,
     )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import mmparity
-from mmparity.converters.io import CheckpointError, TensorChecksum, tensor_checksum
+from mmparity.converters.io import CheckpointError, TensorChecksum, tensor_checksum, write_extra_files
 
 __all__ = [
     "MANIFEST_FILE",
@@ -153,6 +153,17 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
         json.dump(manifest.to_json(), f, indent=1)
         f.write("\n")
     return path
+
+
+def write_mcore_root(staging: str | os.PathLike, manifest: Manifest,
+                     extra_files: Mapping[str, str | bytes] | None = None) -> None:
+    """The small files at an mcore checkpoint's root, beside its iteration directory: extra files
+    (e.g. the HF config), Megatron-LM's tracker naming the iteration, and the manifest."""
+    from mmparity.checkpoint.layout import TRACKER_FILE, write_tracker
+
+    write_extra_files(Path(staging), extra_files, (MANIFEST_FILE, TRACKER_FILE))
+    write_tracker(Path(staging), manifest.iteration)
+    write_manifest(staging, manifest)
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

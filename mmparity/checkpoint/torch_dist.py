@@ -42,18 +42,15 @@ from mmparity.checkpoint import _mcore_compat as mc
 from mmparity.checkpoint import torch_dist_files
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
-    TRACKER_FILE,
     iteration_dirname,
     resolve_iteration_dir,
-    write_tracker,
 )
 from mmparity.checkpoint.manifest import (
     LAYOUT_TORCH_DIST,
-    MANIFEST_FILE,
     Manifest,
     Provenance,
     TensorRecord,
-    write_manifest,
+    write_mcore_root,
 )
 from mmparity.converters.io import (
     Slot,
@@ -61,7 +58,6 @@ from mmparity.converters.io import (
     joined,
     narrow_pieces,
     pwrite_all,
-    write_extra_files,
     CheckpointError,
     make_staging_directory,
     publish_staging_directory,
@@ -411,9 +407,7 @@ def save_torch_dist(
                 if content_metadata is not None:
                     file_common["content_metadata"] = dict(content_metadata)
                 mc.ensure_common_file(staging / iteration_name, file_common)
-                write_extra_files(staging, extra_files, (MANIFEST_FILE, TRACKER_FILE))
-                write_tracker(staging, iteration)
-                write_manifest(
+                write_mcore_root(
                     staging,
                     Manifest(
                         layout=LAYOUT_TORCH_DIST,
@@ -423,6 +417,7 @@ def save_torch_dist(
                         pipeline_parallel_size=pp_size,
                         iteration=iteration,
                     ),
+                    extra_files,
                 )
                 publish_staging_directory(staging, root, force=force)
             except Exception as exc:

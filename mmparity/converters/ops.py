@@ -244,24 +244,22 @@ class RegroupQKV(Op):
     def _fuse(self):
         return FuseQKV(self.num_heads, self.num_groups, self.head_dim, self.pre)
 
-    def apply(self, hf):
-        t = hf[0]
+    def _split(self, t):
+        """HF's fused rows -> the q, k, v row blocks (views)."""
         sizes = [self.num_heads * self.head_dim, self.num_groups * self.head_dim,
                  self.num_groups * self.head_dim]
         if t.shape[0] != sum(sizes):
             raise LayoutError(f"{self!r}: fused qkv leading dim must be {sum(sizes)}, got {tuple(t.shape)}")
-        return self._fuse.apply(list(torch.split(t, sizes, dim=0)))
+        return list(torch.split(t, sizes, dim=0))
+
+    def apply(self, hf):
+        return self._fuse.apply(self._split(hf[0]))
 
     def invert(self, mcore):
         return [_own(torch.cat(self._fuse.invert(mcore), dim=0), mcore)]
 
     def apply_pieces(self, hf):
-        t = hf[0]
-        sizes = [self.num_heads * self.head_dim, self.num_groups * self.head_dim,
-                 self.num_groups * self.head_dim]
-        if t.shape[0] != sum(sizes):
-            raise LayoutError(f"{self!r}: fused qkv leading dim must be {sum(sizes)}, got {tuple(t.shape)}")
-        return self._fuse.apply_pieces(list(torch.split(t, sizes, dim=0)))
+        return self._fuse.apply_pieces(self._split(hf[0]))
 
     def invert_pieces(self, mcore):
         if any(self.pre):
