@@ -273,6 +273,39 @@ def prefault(tensors: Iterable[torch.Tensor]) -> None:
                 return
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = None
+
+
+def start_writeback(fd: int, offset: int, count: int) -> None:
+    """Asks the kernel to start writing a just-filled byte range to disk, without waiting for it.
+
+    A writer that only fsyncs at the end fills the page cache first and then waits for the whole
+    file to reach the disk: on this VM 0.9 GB took ~0.34 s to fill by `copy_file_range` and another
+    ~0.28 s in `fsync`. Starting writeback range by range overlaps the two (0.47 s in all,
+    benchmarks/convert.py); the final fsync still gives the durability guarantee. Not Linux, or a
+    filesystem that refuses: nothing happens and the fsync does all the work, as before.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _sync_file_range = libc.sync_file_range
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range and count > 0:
+        if _sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE) != 0:
+            import ctypes
+            import errno
+
+            if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE):
+                _sync_file_range = False  # unsupported here: every later call would fail the same way
+
+
 @contextlib.contextmanager
 def torch_save_without_crc32():
     """`torch.save` (and DCP, which uses it per item) without its zip CRC32 pass.
@@ -1115,6 +1148,7 @@ class SlotWriter:
                     hasher.update_bytes(run)
         if slot.tail:
             pwrite_all(fd, slot.tail, slot.offset + slot.nbytes)
+        start_writeback(fd, slot.offset - len(slot.head), len(slot.head) + slot.nbytes + len(slot.tail))
         self.checksums[name] = hasher.result()
         with self._lock:
             self._remaining[slot.file] -= 1
