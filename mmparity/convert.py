@@ -1008,13 +1008,16 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             return placeholder, pieces
 
         del model
+    # The sharded state dict is complete: mcore's groups are freed (in the background) while the
+    # write runs under the default group alone.
+    with runtime.process_group():
         try:
             save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options),
                             tp_size=1, pp_size=1, extra_files={HF_CONFIG_FILE: source.config_bytes},
                             force=options.force, produce=produce, locate=source.locate)
         except CheckpointError as exc:
             raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
-        progress.advance(len(local_keys), 0)
+    progress.advance(len(local_keys), 0)
     return len(local_keys), total
 
 

@@ -17,6 +17,7 @@ import contextlib
 import os
 import queue as queue_module
 import socket
+import threading
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -74,19 +75,16 @@ def init_parallel(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu
 
     backend = default_backend(device)
     if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend=backend)
-        else:
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        _init_default_group(backend)
         _we_created_process_group = True
     world_size = dist.get_world_size()
     if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-parallel {tp} x pipeline-parallel {pp}")
+    # The extra gloo groups are for the distributed optimizer's CPU-side traffic, which nothing
+    # here runs; each one costs time to make and to free.
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False)
     _seed_everything(seed, device)
     _layout = ParallelLayout(tp=tp, pp=pp, world_size=world_size, rank=dist.get_rank(),
                              backend=backend, layer_counts=counts)
@@ -164,6 +162,35 @@ def stage_layer_counts() -> tuple[int, ...] | None:
     return _layout.layer_counts if pipeline_size() > 1 else None
 
 
+def _init_default_group(backend: str) -> None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _destroy_all_groups() -> None:
+    """`dist.destroy_process_group()`, with the groups' own teardown moved off the caller's thread.
+
+    mcore makes ~18 groups even at world size 1, and freeing a gloo group waits for its transport
+    thread to notice (up to 10 ms each, ~0.1 s in all, measured here). Unregistering them is
+    instant; the last references go to a thread that frees them while the caller goes on (the
+    frees release the GIL). The thread is not a daemon, so the interpreter waits for it at exit.
+    """
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    groups = list(registry) if isinstance(registry, dict) else []
+    dist.destroy_process_group()
+    if groups:
+        threading.Thread(target=_free_groups, args=(groups,), name="mmparity-free-groups").start()
+
+
+def _free_groups(groups: list) -> None:
+    while groups:
+        groups.pop()
+
+
 def teardown_parallel() -> None:
     """Destroy mcore's groups and, when this module created it, the default process group."""
     global _layout, _we_created_process_group
@@ -173,8 +200,27 @@ def teardown_parallel() -> None:
         parallel_state.destroy_model_parallel()
     _layout = None
     if _we_created_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+        _destroy_all_groups()
     _we_created_process_group = False
+
+
+@contextlib.contextmanager
+def process_group(device: str | torch.device = "cpu"):
+    """torch.distributed's default group for a block, without mcore's model-parallel groups.
+
+    For collective work that builds no model (writing a checkpoint whose sharded state dict is
+    already made). An initialised group is used as is and left alone; one made here is destroyed
+    at the end.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    _init_default_group(default_backend(device))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            _destroy_all_groups()
 
 
 @contextlib.contextmanager
@@ -217,8 +263,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# How long a rank that has sent its result waits for the parent to take it before exiting anyway.
+_RESULT_PICKUP_TIMEOUT_S = 300.0
+
+
 def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-                 warning_filters: list) -> None:
+                 warning_filters: list, picked_up) -> None:
     import warnings
 
     # A fresh interpreter starts with default filters; keep the parent's (the CLI silences the
@@ -230,6 +280,9 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
     try:
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
+        # Tensors in the result travel as handles to this process's memory (shared-memory file
+        # descriptors, CUDA IPC), served by this process: it must outlive the parent's unpickling.
+        picked_up.wait(_RESULT_PICKUP_TIMEOUT_S)
     except BaseException as exc:  # the parent re-raises with the rank attached
         import traceback
 
@@ -252,9 +305,10 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
 
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
+    picked_up = ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_spawn_entry,
-                         args=(r, world_size, port, fn, args, results_queue, list(warnings.filters)))
+                         args=(r, world_size, port, fn, args, results_queue, list(warnings.filters), picked_up))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -278,6 +332,7 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
                 errors.append(f"rank {rank}: {payload}")
                 break
     finally:
+        picked_up.set()
         if errors:
             for proc in procs:
                 if proc.is_alive():
