@@ -14,7 +14,7 @@ Jobs, all reading the same (warm) source bytes:
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
   `torch_dist -> hf`, through `mmparity.convert.convert` (atomic, fsynced, checksummed).
 
-Usage: python benchmarks/convert.py [--workdir DIR] [--depth 27] [--repeat 2] [--max-shard-size 500MB] [--keep]
+Usage: python benchmarks/convert.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -96,6 +96,10 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         if options.get("format") == "torch_dist" and options["to"] == "mcore":
             families.get("qwen3_5").native()
             import mmparity.checkpoint.torch_dist  # noqa: F401
+            # mcore imports these inside its first TransformerLayer build (~0.05 s, most of it
+            # torch.compile setting up in megatron.core.activations): an import like the others.
+            import megatron.core.transformer.moe.experts  # noqa: F401
+            import megatron.core.transformer.moe.moe_layer  # noqa: F401
         ready = _rss_anon_kb()
         started = time.perf_counter()
         convert(ConvertOptions(src=Path(src), dst=Path(dst), **options))
@@ -106,6 +110,14 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # parent
+
+
+def _settle(seconds: float) -> None:
+    """Lets the disk finish what earlier runs left it (writeback, and the discards a deleted output
+    issues on a filesystem mounted with `discard`) so that no run pays for the one before it: at
+    1.7 GB the same job otherwise swung between 1.2 s and 4.6 s here, the plain copy too."""
+    os.sync()
+    time.sleep(seconds)
 
 
 def _measure(job: str, src: Path, dst: Path, *extra: str) -> dict:
@@ -181,6 +193,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--depth", type=int, default=QWEN35_VISION["depth"],
                         help="tower depth; the published 27, or more to see that memory does not grow")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds to wait after a sync before every run (see _settle)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs per job; the table shows the fastest run and the highest peak. The "
                              "first touch of fresh memory is slow on a VM, so one run is noisy")
@@ -217,6 +231,7 @@ def main() -> None:
             for attempt in range(max(1, args.repeat)):
                 if attempt and job_dst.exists():
                     shutil.rmtree(job_dst)
+                _settle(args.settle)
                 runs.append(_measure(job, job_src, job_dst, *extra))
             result = min(runs, key=lambda r: r["seconds"])
             result.update(label=label, written=_dir_bytes(job_dst), all_seconds=[r["seconds"] for r in runs],

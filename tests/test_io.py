@@ -464,3 +464,25 @@ def test_file_ranges_locate_only_views_of_registered_mappings(tmp_path):
     assert ckpt.file_ranges.locate(a.clone()) is None  # anonymous memory
     ckpt.close()
     assert ckpt.file_ranges.locate(a) is None  # closed: never trusted again
+
+
+def test_start_writeback_is_harmless_where_it_cannot_apply(tmp_path):
+    from mmparity.converters import io
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10000)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        io.start_writeback(fd, 0, 10000)
+        io.start_writeback(fd, 5000, 0)
+    finally:
+        os.close(fd)
+    read_end, write_end = os.pipe()
+    try:
+        io.start_writeback(write_end, 0, 100)  # a pipe: the kernel says ESPIPE, nothing happens
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert path.read_bytes() == b"x" * 10000
+    if sys.platform == "linux":
+        assert io._sync_file_range, "one fd's refusal must not switch writeback off for every file"

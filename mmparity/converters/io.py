@@ -302,8 +302,8 @@ def start_writeback(fd: int, offset: int, count: int) -> None:
             import ctypes
             import errno
 
-            if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE):
-                _sync_file_range = False  # unsupported here: every later call would fail the same way
+            if ctypes.get_errno() == errno.ENOSYS:
+                _sync_file_range = False  # no such syscall: every later call would fail the same way
 
 
 @contextlib.contextmanager

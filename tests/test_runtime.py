@@ -1,0 +1,52 @@
+"""native.runtime: process groups come and go cleanly, and spawned ranks hand tensors back."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from mmparity.native import runtime
+
+
+def _leave_parallel_state():
+    if runtime.current_layout() is not None:
+        runtime.teardown_parallel()
+    assert not dist.is_initialized()
+
+
+def test_process_group_is_made_for_the_block_and_a_new_one_can_follow_at_once():
+    _leave_parallel_state()
+    with runtime.process_group():
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        gathered = [None]
+        dist.all_gather_object(gathered, "here")
+        assert gathered == ["here"]
+    assert not dist.is_initialized()
+    # The old groups may still be being freed in the background: a new layout must not care.
+    with runtime.parallel_context(1, 1):
+        assert dist.is_initialized()
+        with runtime.process_group():  # an existing group is used, not replaced or destroyed
+            assert runtime.current_layout() is not None
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    for thread in threading.enumerate():
+        if thread.name == "mmparity-free-groups":
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+
+
+def _return_tensors(rank: int, world_size: int, count: int) -> list[torch.Tensor]:
+    runtime.init_parallel(world_size, 1)  # as a check rank does; spawn's teardown then frees it
+    return [torch.full((7,), float(rank * count + i)) for i in range(count)]
+
+
+def test_spawned_ranks_hand_back_tensors_that_live_in_their_memory():
+    # torch's queue sends each tensor as a handle that the sending process serves; the parent
+    # fetches them one by one while unpickling, so a rank that exits right after sending loses
+    # the later ones (FileNotFoundError in the parent). Many tensors make that window wide.
+    count = 300
+    results = runtime.spawn(_return_tensors, 2, count)
+    for rank, tensors in enumerate(results):
+        assert [t[0].item() for t in tensors] == [float(rank * count + i) for i in range(count)]
