@@ -180,7 +180,9 @@ def _destroy_all_groups() -> None:
     frees release the GIL). The thread is not a daemon, so the interpreter waits for it at exit.
     """
     registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
-    groups = list(registry) if isinstance(registry, dict) else []
+    # Only gloo's frees are known to be safe next to a new group being made: NCCL communicators
+    # are torn down where they are released, as torch does it.
+    groups = list(registry) if isinstance(registry, dict) and dist.get_backend() == "gloo" else []
     dist.destroy_process_group()
     if groups:
         threading.Thread(target=_free_groups, args=(groups,), name="mmparity-free-groups").start()
