@@ -227,6 +227,9 @@ def main() -> None:
                         help="tower depth; the published 27, or more to see that memory does not grow")
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds to wait after a sync before every run (see _settle)")
+    parser.add_argument("--paired", action="store_true",
+                        help="also run the plain copy right before every job run and report the job's "
+                             "time over that copy's (for disks whose speed drifts within a round)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs per job; the table shows the fastest run and the highest peak. The "
                              "first touch of fresh memory is slow on a VM, so one run is noisy")
@@ -264,9 +267,17 @@ def main() -> None:
                 if job_dst.exists():
                     shutil.rmtree(job_dst)
                 extra = [json.dumps(options)] if options is not None else []
+                paired = None
+                if args.paired and job != "copy":
+                    pair_dst = work / "copy_pair"
+                    _warm(src)
+                    _settle(args.settle)
+                    paired = _measure("copy", src, pair_dst)["seconds"]
+                    shutil.rmtree(pair_dst)
                 _warm(job_src)
                 _settle(args.settle)
                 runs[label].append(_measure(job, job_src, job_dst, *extra))
+                runs[label][-1]["paired_copy_seconds"] = paired
                 runs[label][-1]["written"] = _dir_bytes(job_dst)
                 # Outputs no later job reads go at once (the round trips' are compared at the end):
                 # it keeps the disk footprint, and what the page cache must hold, small.
@@ -285,12 +296,18 @@ def main() -> None:
         copy_seconds, floor_seconds = rows[0]["seconds"], rows[1]["seconds"]
         print(f"\nQwen3.5 vision tower, depth {args.depth}: {source_bytes / 1e9:.3f} GB (bf16, {len(files) - 2} shards), "
               f"{os.cpu_count()} CPUs, round trips bit-exact: {exact}\n")
-        print("| job | wall s (runs) | GB/s | x copy | x floor | peak RssAnon MB | of which imports MB |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        paired_column = args.paired
+        print("| job | wall s (runs) | GB/s | x copy | x floor |" + (" x the copy just before (runs) |" if paired_column else "")
+              + " peak RssAnon MB | of which imports MB |")
+        print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if paired_column else "") + " ---: | ---: |")
         for row in rows:
             listed = ", ".join(f"{s:.2f}" for s in row["all_seconds"])
+            pairs = ""
+            if paired_column:
+                ratios = [r["seconds"] / r["paired_copy_seconds"] for r in runs[row["label"]] if r["paired_copy_seconds"]]
+                pairs = (f" {min(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) |" if ratios else " 1.00 |")
             print(f"| {row['label']} | {row['seconds']:.2f} ({listed}) | {source_bytes / row['seconds'] / 1e9:.2f} | "
-                  f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} | "
+                  f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} |{pairs} "
                   f"{row['peak_anon_kb'] / 1024:.0f} | "
                   f"{(row['ready_anon_kb'] or 0) / 1024:.0f} |")
     finally:
