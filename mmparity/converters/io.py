@@ -282,9 +282,10 @@ def start_writeback(fd: int, offset: int, count: int) -> None:
 
     A writer that only fsyncs at the end fills the page cache first and then waits for the whole
     file to reach the disk: on this VM 0.9 GB took ~0.34 s to fill by `copy_file_range` and another
-    ~0.28 s in `fsync`. Starting writeback range by range overlaps the two (0.47 s in all,
-    benchmarks/convert.py); the final fsync still gives the durability guarantee. Not Linux, or a
-    filesystem that refuses: nothing happens and the fsync does all the work, as before.
+    ~0.28 s in `fsync`. Starting writeback range by range overlaps the two (0.42-0.47 s in all: the
+    `copy_writeback` job of benchmarks/convert.py); the final fsync still gives the durability
+    guarantee. Not Linux, or a filesystem that refuses: nothing happens and the fsync does all the
+    work, as before.
     """
     global _sync_file_range
     if _sync_file_range is None:

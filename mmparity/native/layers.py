@@ -155,7 +155,8 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
         hidden_dropout=0.0,
         use_cpu_initialization=True,
         # A model built on the meta device only describes shapes and sharding (the converter's
-        # torch_dist planning); running the init kernels on it costs ~40% of the build.
+        # torch_dist planning); running the init kernels on it was most of the build (Qwen3.5's
+        # tower: 0.05 s with them, 0.014 s without).
         perform_initialization=torch.get_default_device().type != "meta",
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
