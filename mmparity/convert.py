@@ -1070,13 +1070,15 @@ class _HeapBudget:
 
     def __init__(self, budget: int = 128 * 2**20):
         import ctypes
-        import ctypes.util
+
+        from mmparity.converters.io import libc as load_libc
 
         self.budget = budget
         self._libc = None
+        libc = load_libc()
+        if libc is None:
+            return
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
             class MallInfo2(ctypes.Structure):
                 _fields_ = [(name, ctypes.c_size_t) for name in (
                     "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -1085,7 +1087,7 @@ class _HeapBudget:
             libc.mallinfo2.restype = MallInfo2
             libc.malloc_trim.argtypes = [ctypes.c_size_t]
             self._libc = libc
-        except (OSError, AttributeError):
+        except AttributeError:  # a libc without mallinfo2 (not glibc, or glibc < 2.33)
             pass
 
     def check(self) -> None:

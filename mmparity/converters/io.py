@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
+import errno
+import functools
 import hashlib
 import json
 import math
@@ -229,6 +233,24 @@ def tensor_checksum(tensor: torch.Tensor, algorithm: str = CHECKSUM_ALGORITHM) -
     return hasher.result()
 
 
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library, errno kept for `ctypes.get_errno()`; None where there is none to load."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _libc_function(name: str, argtypes: list):
+    """A libc function with its argument types set, or False where this libc lacks it."""
+    function = getattr(libc(), name, None)
+    if function is None:
+        return False
+    function.argtypes = argtypes
+    return function
+
+
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and we carry on unpopulated
 _PAGE = mmap.PAGESIZE
 _madvise = None
@@ -245,15 +267,7 @@ def prefault(tensors: Iterable[torch.Tensor]) -> None:
     """
     global _madvise
     if _madvise is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _madvise = libc.madvise
-        except (OSError, AttributeError):
-            _madvise = False
+        _madvise = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
     if not _madvise:
         return
     for tensor in tensors:
@@ -265,9 +279,6 @@ def prefault(tensors: Iterable[torch.Tensor]) -> None:
         end = begin + extent * tensor.element_size()
         start = begin - begin % _PAGE
         if _madvise(start, end - start, _MADV_POPULATE_READ) != 0:
-            import ctypes
-            import errno
-
             if ctypes.get_errno() == errno.EINVAL:
                 _madvise = False  # an older kernel: every later call would fail the same way
                 return
@@ -289,20 +300,10 @@ def start_writeback(fd: int, offset: int, count: int) -> None:
     """
     global _sync_file_range
     if _sync_file_range is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _sync_file_range = libc.sync_file_range
-        except (OSError, AttributeError):
-            _sync_file_range = False
+        _sync_file_range = _libc_function(
+            "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
     if _sync_file_range and count > 0:
         if _sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE) != 0:
-            import ctypes
-            import errno
-
             if ctypes.get_errno() == errno.ENOSYS:
                 _sync_file_range = False  # no such syscall: every later call would fail the same way
 
