@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from mmparity.bench import time_call
+from mmparity.parity.bench import time_call
 from mmparity.native import attention
 from mmparity.native import attention_backends as kernels
 

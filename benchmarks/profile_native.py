@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from mmparity import bench, families
+    from mmparity import families
+    from mmparity.parity import bench
     from mmparity.parity.harness import DTYPES
 
     device = torch.device(args.device)

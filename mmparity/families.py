@@ -50,7 +50,7 @@ class Family:
         Uses the parallel state already initialised (any TP size); initialises TP=1 on CPU if there
         is none, since mcore layers cannot be built without one.
         """
-        from mmparity.native import runtime
+        from mmparity import runtime
 
         if runtime.current_layout() is None:
             runtime.init_parallel(1, 1)

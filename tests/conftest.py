@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 def _single_process_parallel_state():
     """Every test starts from TP=1 mcore state so a test that changed it cannot leak."""
     yield
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     layout = runtime.current_layout()
     if layout is not None and (layout.tp, layout.pp) != (1, 1):

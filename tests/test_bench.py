@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmparity import bench, families
+from mmparity import families
+from mmparity.parity import bench
 from mmparity.native import attention
 from mmparity.parity.harness import size_multiple
 

@@ -12,7 +12,7 @@ import pytest
 
 from mmparity import families
 from mmparity.cli.main import main
-from mmparity.native import runtime
+from mmparity import runtime
 from mmparity.parity import harness
 from mmparity.parity.inputs import random_like_state
 
@@ -93,7 +93,7 @@ def test_unbuildable_pipelines_are_input_errors():
 
 
 def test_convert_only_writes_splits_mcore_can_build():
-    from mmparity.convert import buildable_layer_counts
+    from mmparity.checkpoint.streaming import buildable_layer_counts
 
     for layers in range(1, 13):
         for stages in range(1, layers + 1):

@@ -17,7 +17,7 @@ import torch
 from mmparity import families
 from mmparity.checkpoint import read_manifest, verify
 from mmparity.cli.main import main
-from mmparity.converters.io import load_safetensors_state_dict, save_safetensors_checkpoint
+from mmparity.checkpoint.fsio import load_safetensors_state_dict, save_safetensors_checkpoint
 from mmparity.parity.inputs import random_like_state
 
 
@@ -172,8 +172,8 @@ def test_whole_vlm_source_converts_only_the_family(family, make, prefixes, tmp_p
 def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
     """One spawned rank: for each (family, format, checkpoint), load it at TP 4 and at TP 1, run."""
     from mmparity.checkpoint.torch_dist import load_torch_dist
-    from mmparity.convert import read_mcore_shards
-    from mmparity.native import runtime
+    from mmparity.checkpoint.streaming import read_mcore_shards
+    from mmparity import runtime
 
     results = []
     for family, fmt, path in jobs:
@@ -198,7 +198,7 @@ def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
 
 
 def test_tp2_checkpoint_loads_at_tp1_and_tp4_with_the_same_outputs(hf_dirs, tmp_path):
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     jobs = []
     # Three towers with different parallel parts: plain ViT, Qwen's parallel merger MLP, Kimi's

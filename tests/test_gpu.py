@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from mmparity import bench, families
+from mmparity import families
+from mmparity.parity import bench
 from mmparity.native import attention
 from mmparity.native import attention_backends as kernels
 from mmparity.parity import harness

@@ -1,4 +1,4 @@
-"""converters.io: streaming safetensors reading, sharded writing, atomic directories, checksums."""
+"""checkpoint.fsio: streaming safetensors reading, sharded writing, atomic directories, checksums."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mmparity.converters.io import (
+from mmparity.checkpoint.fsio import (
     SAFETENSORS_INDEX_FILE,
     SAFETENSORS_SINGLE_FILE,
     CheckpointError,
@@ -393,7 +393,7 @@ def test_parse_size_rejects_nonsense(text):
 def test_io_imports_neither_framework():
     import subprocess
 
-    code = ("import sys, mmparity.converters.io, mmparity.converters.pp;"
+    code = ("import sys, mmparity.checkpoint.fsio, mmparity.converters.pp;"
             "bad = [m for m in ('megatron', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
@@ -411,7 +411,7 @@ def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
 
 
 def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
-    from mmparity.converters.io import Slot, SlotWriter, route_pieces
+    from mmparity.checkpoint.fsio import Slot, SlotWriter, route_pieces
     from mmparity.converters.ops import RegroupQKV
     from mmparity.converters.tp import ColumnJoin, merge, shard
 
@@ -467,7 +467,7 @@ def test_file_ranges_locate_only_views_of_registered_mappings(tmp_path):
 
 
 def test_start_writeback_is_harmless_where_it_cannot_apply(tmp_path):
-    from mmparity.converters import io
+    from mmparity.checkpoint import fsio as io
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10000)

@@ -31,7 +31,7 @@ def _sharded_global_shapes(rank: int, world_size: int, names: list) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     runtime.init_parallel(world_size, 1)
     out = {}
@@ -45,7 +45,7 @@ def _sharded_global_shapes(rank: int, world_size: int, names: list) -> dict:
 
 def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
     """torch_dist stores global tensors: a model whose TP=2 declaration differs cannot reload."""
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     names = families.names()
     at_tp2 = runtime.spawn(_sharded_global_shapes, 2, names)[0]

@@ -1,4 +1,4 @@
-"""native.runtime: process groups come and go cleanly, and spawned ranks hand tensors back."""
+"""runtime: process groups come and go cleanly, and spawned ranks hand tensors back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from mmparity.native import runtime
+from mmparity import runtime
 
 
 def _leave_parallel_state():

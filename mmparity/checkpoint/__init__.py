@@ -34,7 +34,7 @@ from mmparity.checkpoint.manifest import (
 )
 from mmparity.checkpoint.torch_dist_files import global_state_dict as torch_dist_global_state_dict
 from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
-from mmparity.converters.io import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError
 
 __all__ = [
     "CHECKPOINT_VERSION",

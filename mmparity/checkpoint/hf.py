@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
-from mmparity.converters.io import (
+from mmparity.checkpoint.fsio import (
     write_extra_files,
     DEFAULT_MAX_SHARD_SIZE,
     ShardedSafetensorsWriter,

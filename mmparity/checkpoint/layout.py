@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from mmparity.converters.io import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError
 
 __all__ = [
     "TRACKER_FILE",

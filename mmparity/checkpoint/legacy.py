@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from mmparity.converters import pp
-from mmparity.converters.io import (
+from mmparity.checkpoint.fsio import (
     CheckpointError,
     Slot,
     SlotWriter,

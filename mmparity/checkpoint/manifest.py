@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import mmparity
-from mmparity.converters.io import CheckpointError, TensorChecksum, tensor_checksum, write_extra_files
+from mmparity.checkpoint.fsio import CheckpointError, TensorChecksum, tensor_checksum, write_extra_files
 
 __all__ = [
     "MANIFEST_FILE",

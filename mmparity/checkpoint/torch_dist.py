@@ -52,7 +52,7 @@ from mmparity.checkpoint.manifest import (
     TensorRecord,
     write_mcore_root,
 )
-from mmparity.converters.io import (
+from mmparity.checkpoint.fsio import (
     Slot,
     SlotWriter,
     joined,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mmparity.converters.io import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
@@ -187,7 +187,7 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, byte
         return cached
     import tempfile
 
-    from mmparity.converters.io import torch_save_without_crc32
+    from mmparity.checkpoint.fsio import torch_save_without_crc32
 
     nbytes = _numel(key[1]) * dtype.itemsize
     # PyTorchFileWriter derives the archive name from the file name and refuses a leading dot.
@@ -277,7 +277,7 @@ class TorchDistFiles:
         self._reader = _reader(self.path)
         self._reader.set_up_storage_reader(self.metadata, True)
         self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
-        from mmparity.converters.io import FileRanges
+        from mmparity.checkpoint.fsio import FileRanges
 
         self.file_ranges = FileRanges()  # where mapped chunks live in the files
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
@@ -351,7 +351,7 @@ class TorchDistFiles:
         if mapping is None:
             import mmap
 
-            from mmparity.converters.io import mapping_address
+            from mmparity.checkpoint.fsio import mapping_address
 
             with open(self.path / relative_path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

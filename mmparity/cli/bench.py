@@ -23,7 +23,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for a mixed batch (sizes cycle over --images)")
     parser.add_argument("--mixed", action="store_true",
-                        help="time each family's packed mixed-size batch (mmparity.bench.PUBLISHED "
+                        help="time each family's packed mixed-size batch (mmparity.parity.bench.PUBLISHED "
                              "mixed sets at published size; 8 sizes of the patch multiple at tiny); "
                              "families without one are skipped")
     parser.add_argument("--no-parity", dest="parity", action="store_false",
@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     quiet_third_party_warnings()
-    from mmparity import bench
+    from mmparity.parity import bench
 
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     if args.images is not None and args.images < 1:

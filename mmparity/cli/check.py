@@ -55,7 +55,7 @@ def _resolve_families(requested: list[str]) -> list[str]:
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout) from an HF directory."""
     from mmparity import converters, families
-    from mmparity.converters.io import CheckpointError, open_safetensors_checkpoint
+    from mmparity.checkpoint.fsio import CheckpointError, open_safetensors_checkpoint
     from mmparity.converters.rules import ConversionError
 
     if not os.path.isdir(directory):
@@ -107,7 +107,7 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
     from mmparity.checkpoint import (LAYOUT_LEGACY, MANIFEST_FILE, CheckpointError, open_legacy,
                                      read_manifest, resolve_iteration_dir)
     from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
-    from mmparity.convert import ConvertError, read_mcore_shards
+    from mmparity.checkpoint.streaming import ConvertError, read_mcore_shards
 
     if len(args.families) > 1:
         raise UsageError("--mcore checks one checkpoint: give at most one FAMILY")
@@ -156,7 +156,7 @@ def run(args) -> int:
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
     from mmparity.converters.rules import ConversionError
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     if args.device == "cuda" and runtime.launched_world_size() == 1:
         import torch

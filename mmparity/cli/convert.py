@@ -1,4 +1,4 @@
-"""``mmparity convert``: HF <-> mcore checkpoints on disk (see ``mmparity.convert`` for how)."""
+"""``mmparity convert``: HF <-> mcore checkpoints on disk (see ``mmparity.checkpoint.streaming`` for how)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def _human(nbytes: int) -> str:
 
 def run(args) -> int:
     quiet_third_party_warnings()
-    from mmparity.convert import ConvertError, ConvertOptions, convert
-    from mmparity.converters.io import DEFAULT_MAX_SHARD_SIZE
+    from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert
+    from mmparity.checkpoint.fsio import DEFAULT_MAX_SHARD_SIZE
 
     if args.to == "hf" and args.format is not None:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from mmparity.converters.io import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError
 
 __all__ = [
     "DEFAULT_LAYER_PREFIX",

@@ -237,7 +237,7 @@ class KimiViTModel(VisionTower):
                  *, pos_embed_time: int = 4, merge_size: int = 2,
                  max_patches_per_side: Optional[int] = None):
         super().__init__(config=transformer_config)
-        from mmparity.native import runtime
+        from mmparity import runtime
 
         cfg = transformer_config
         self.patch_dim, self.img_h, self.img_w = patch_dim, img_h, img_w

@@ -164,7 +164,7 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
         fp16=params_dtype == torch.float16,
     )
     fields.update(overrides)
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     layout = runtime.current_layout()
     if layout is not None:

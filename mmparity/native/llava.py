@@ -896,7 +896,7 @@ class LLaVAModel(MegatronModule):
                  vision_feature_layers: Sequence[int] = (-1,),
                  drop_vision_class_token: bool = False, vocab_size: Optional[int] = None):
         super().__init__(config=language_transformer_config)
-        from mmparity.native import runtime
+        from mmparity import runtime
 
         vocab_size = language_vocab_size if vocab_size is None else vocab_size
         if not 0 < vocab_size <= language_vocab_size:
@@ -1136,7 +1136,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> LLaVAModel:
         raise ValueError("vision_feature_select_strategy='default' drops a class token; the "
                          "Pixtral tower has none (HF's LLaVA fails on it): use 'full'")
     text = cfg.text_config
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     # The tower is never split: Megatron-LM keeps it whole on the first stage. Later stages only
     # read its geometry, from a copy on the meta device that costs no memory.

@@ -78,7 +78,7 @@ def _feature_layer_is_last(cfg) -> bool:
 
 def projector_config(cfg, params_dtype: torch.dtype = torch.float32):
     """TransformerConfig of the projector MLP: text hidden -> text hidden, the projector's act."""
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     text = cfg.text_config
     layout = runtime.current_layout()

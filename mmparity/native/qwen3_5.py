@@ -283,7 +283,7 @@ class QwenVLViTModel(VisionTower):
                  out_hidden_size: int = 2048, num_pos_per_side: int = 48,
                  rope_theta: float = 10000.0, pg_collection=None, vp_stage: Optional[int] = None):
         super().__init__(config=transformer_config)
-        from mmparity.native import runtime
+        from mmparity import runtime
 
         cfg = transformer_config
         self.patch_dim, self.temporal_patch_size = patch_dim, temporal_patch_size

@@ -325,7 +325,7 @@ class ViTModel(VisionTower):
                  ln_post_eps: Optional[float] = None, pooling: Optional[str] = None,
                  merger_norm_eps: Optional[float] = None):
         super().__init__(config=transformer_config)
-        from mmparity.native import runtime
+        from mmparity import runtime
 
         cfg = transformer_config
         problems = []

@@ -149,7 +149,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     cases = [prepare(case, cfg) for case in ref_mod.cases(cfg, seed, image_sizes)]
     component_names = tuple(getattr(ref_mod, "COMPONENTS", ())) if components else ()
     job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts)
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     world = tp * pp
     if world == 1 or runtime.launched_world_size() == world:
@@ -192,8 +192,8 @@ def split_stages(family: str, cfg, shards: list, pp: int,
     model cannot be pipelined that way.
     """
     from mmparity.converters import pp as pp_mod
-    from mmparity.convert import ConvertError, pipeline_layout
-    from mmparity.native import runtime
+    from mmparity.checkpoint.streaming import ConvertError, pipeline_layout
+    from mmparity import runtime
 
     if pp < 1:
         raise InputError(f"--pp must be >= 1, got {pp}")
@@ -240,7 +240,8 @@ class NativeJob:
     def _run(self, stage_shards: list, layout=None):
         """``stage_shards[stage][tp_rank]``: the state each rank loads. Returns the outputs and
         the paired-module captures per case, and the components, merged over the stages."""
-        from mmparity.native import pipeline, runtime
+        from mmparity import runtime
+        from mmparity.native import pipeline
 
         if layout is not None:
             runtime.init_parallel(*layout, device=self.device, seed=self.seed,

@@ -294,7 +294,7 @@ def start_writeback(fd: int, offset: int, count: int) -> None:
     A writer that only fsyncs at the end fills the page cache first and then waits for the whole
     file to reach the disk: on this VM 0.9 GB took ~0.34 s to fill by `copy_file_range` and another
     ~0.28 s in `fsync`. Starting writeback range by range overlaps the two (0.42-0.47 s in all: the
-    `copy_writeback` job of benchmarks/convert.py); the final fsync still gives the durability
+    `copy_writeback` job of benchmarks/convert_throughput.py); the final fsync still gives the durability
     guarantee. Not Linux, or a filesystem that refuses: nothing happens and the fsync does all the
     work, as before.
     """
@@ -1111,7 +1111,7 @@ class SlotWriter:
             from concurrent.futures import ThreadPoolExecutor
 
             # Two writers: on this kind of VM one thread's pwrite into the page cache runs at
-            # 2-5 GB/s from run to run, two threads at a steady ~4.8 GB/s (benchmarks/convert.py).
+            # 2-5 GB/s from run to run, two threads at a steady ~4.8 GB/s (benchmarks/convert_throughput.py).
             self._pool = ThreadPoolExecutor(max_workers=self.WORKERS, thread_name_prefix="mmparity-writer")
         # A column range of a matrix (a row-parallel TP part) is written row by row from where it
         # is; any other non-contiguous piece is copied here, on the producer's thread.

@@ -15,9 +15,9 @@ Jobs, all reading the same (warm) source bytes:
   the converters' own overhead shows (column `x floor`);
 * `transformers`: `from_pretrained` + `state_dict()` + `save_file`, fsynced (what people do today);
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
-  `torch_dist -> hf`, through `mmparity.convert.convert` (atomic, fsynced, checksummed).
+  `torch_dist -> hf`, through `mmparity.checkpoint.streaming.convert` (atomic, fsynced, checksummed).
 
-Usage: python benchmarks/convert.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep]
+Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -51,7 +51,7 @@ def _rss_anon_kb(pid: int | str = "self") -> int | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# child jobs (run as `python benchmarks/convert.py --child JOB ...`)
+# child jobs (run as `python benchmarks/convert_throughput.py --child JOB ...`)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -75,7 +75,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
             shutil.copyfile(path, Path(dst) / path.name)
         _fsync_tree(Path(dst))
     elif job == "copy_writeback":
-        from mmparity.converters.io import copy_file_range_all, start_writeback
+        from mmparity.checkpoint.fsio import copy_file_range_all, start_writeback
 
         ready = _rss_anon_kb()
         started = time.perf_counter()
@@ -107,7 +107,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
     elif job == "convert":
         import torch  # noqa: F401  (import cost outside the timed region, as for the others)
 
-        from mmparity.convert import ConvertOptions, convert
+        from mmparity.checkpoint.streaming import ConvertOptions, convert
 
         from mmparity import families
 
@@ -184,7 +184,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
     from transformers import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    from mmparity.convert import StreamingSafetensorsWriter
+    from mmparity.checkpoint.streaming import StreamingSafetensorsWriter
 
     cfg = Qwen3_5MoeVisionConfig(**{**QWEN35_VISION, "depth": depth})
     cfg.architectures = ["Qwen3_5MoeVisionModel"]
@@ -205,7 +205,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
 def _same_tensors(a: Path, b: Path) -> bool:
     import torch
 
-    from mmparity.converters.io import SafetensorsCheckpoint
+    from mmparity.checkpoint.fsio import SafetensorsCheckpoint
 
     with SafetensorsCheckpoint(a) as x, SafetensorsCheckpoint(b) as y:
         if x.keys() != y.keys():

@@ -182,7 +182,7 @@ def mixed_batch(family: str, size: str, cfg) -> tuple[int, list]:
     if size == "published":
         spec = PUBLISHED[family]
         if not spec.mixed:
-            raise BenchError(f"family {family!r} has no mixed-size set in mmparity.bench.PUBLISHED")
+            raise BenchError(f"family {family!r} has no mixed-size set in mmparity.parity.bench.PUBLISHED")
         sizes, images = [tuple(s) for s in spec.mixed], spec.mixed_images or len(spec.mixed)
     else:
         multiple = size_multiple(family, cfg)
@@ -515,7 +515,7 @@ def _build_models(family: str, cfg, dtype: torch.dtype, device: torch.device, se
     parity reference before casting it. ``mutate_native`` edits the converted state before it is
     loaded (negative controls), as in :func:`mmparity.parity.harness.check`."""
     from mmparity import converters
-    from mmparity.native import runtime
+    from mmparity import runtime
 
     from mmparity.parity.harness import load_reference_weights
 
@@ -631,7 +631,7 @@ def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = N
     shape = tower_shape(family, cfg)
     if shape is None:
         flops = {"total": None, "parts": {},
-                 "note": f"not counted: no FLOP formula for family {family!r} in mmparity.bench.FAMILY_SHAPES"}
+                 "note": f"not counted: no FLOP formula for family {family!r} in mmparity.parity.bench.FAMILY_SHAPES"}
         try:
             patch, extra = _base_shape(cfg).patch, 0
         except AttributeError:
@@ -762,7 +762,7 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
             raise BenchError(f"no published config for {', '.join(map(repr, missing))}; "
                              f"published: {', '.join(PUBLISHED)}")
         names = requested or [n for n in registered if n in PUBLISHED]
-        skipped = [{"family": n, "reason": "no published config in mmparity.bench.PUBLISHED"}
+        skipped = [{"family": n, "reason": "no published config in mmparity.parity.bench.PUBLISHED"}
                    for n in registered if n not in PUBLISHED and not requested]
     else:
         names = requested or registered

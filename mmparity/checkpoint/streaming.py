@@ -62,7 +62,7 @@ from mmparity.checkpoint.manifest import (
 from mmparity.converters import pp as pp_mod
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
-from mmparity.converters.io import (
+from mmparity.checkpoint.fsio import (
     DEFAULT_MAX_SHARD_SIZE,
     SAFETENSORS_INDEX_FILE,
     SAFETENSORS_SINGLE_FILE,
@@ -944,7 +944,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
 def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
     from mmparity.checkpoint import _mcore_compat as mc
     from mmparity.checkpoint.torch_dist import save_torch_dist
-    from mmparity.native import runtime
+    from mmparity import runtime
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     order, _ = _mcore_plan(source, options)
@@ -1071,7 +1071,7 @@ class _HeapBudget:
     def __init__(self, budget: int = 128 * 2**20):
         import ctypes
 
-        from mmparity.converters.io import libc as load_libc
+        from mmparity.checkpoint.fsio import libc as load_libc
 
         self.budget = budget
         self._libc = None
