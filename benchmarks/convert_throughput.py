@@ -113,9 +113,8 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
 
         options = json.loads(extra[0])
         # Imports outside the timed region, as for the baselines: they are per process, not per byte.
-        families.get("qwen3_5").reference()
+        families.get("qwen3_5").hooks  # loads the reference and native modules with the family
         if options.get("format") == "torch_dist" and options["to"] == "mcore":
-            families.get("qwen3_5").native()
             import mmparity.checkpoint.torch_dist  # noqa: F401
             # mcore imports these inside its first TransformerLayer build (~0.05 s, most of it
             # torch.compile setting up in megatron.core.activations): an import like the others.
@@ -184,7 +183,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
     from transformers import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    from mmparity.checkpoint.streaming import StreamingSafetensorsWriter
+    from mmparity.checkpoint.fsio import StreamingSafetensorsWriter
 
     cfg = Qwen3_5MoeVisionConfig(**{**QWEN35_VISION, "depth": depth})
     cfg.architectures = ["Qwen3_5MoeVisionModel"]

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         prepared = bench.prepare_family(family, size=args.size)
         _, native = bench._build_pair(family, prepared.cfg, DTYPES[args.dtype], device, seed=0)
         case = replace(prepared.case, data=bench._to_device(prepared.case.data, device))
-        run_native = families.get(family).native().run
+        run_native = families.get(family).hooks.native.run
 
         def forward():
             with torch.no_grad():

@@ -1,16 +1,29 @@
-"""The family registry: one frozen :class:`Family` record per model family, nothing else.
+"""The family registry: one :class:`Family` per model family, in one dict literal.
 
-A family is this entry plus one same-named module in each of ``mmparity.native``,
-``mmparity.reference`` and ``mmparity.converters``. Modules are imported only when used, so
-listing families costs neither transformers nor megatron.
+A family is its entry here plus its modules: ``mmparity.reference.<name>`` (the HF model),
+``mmparity.native.<name>`` (the mcore model), ``mmparity.converters.<name>`` (the key tables) and
+``mmparity.cases.<name>``, whose ``hooks(towers)`` returns the typed
+:class:`~mmparity.cases.core.FamilyHooks` record every generic part reads. The entry itself holds
+only display data, so listing families imports neither transformers nor megatron; the hooks load
+on first use and are checked then (a missing or mistyped hook fails naming the family).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
+
+from mmparity import runtime
+from mmparity.cases.core import FamilyHooks
+from mmparity.converters.rules import (RuleSet, convert_hf_to_mcore, convert_mcore_to_hf, detect_prefix,
+                                       expected_keys, to_local_spelling)
+
+
+class FamilyError(TypeError):
+    """A family's module does not provide a valid hook record."""
 
 
 @dataclass(frozen=True)
@@ -18,31 +31,41 @@ class Family:
     name: str
     summary: str
     reference_classes: tuple
-    components: tuple
-    module: str = ""  # same-named module under native/, reference/, converters/
+    # What ``check`` compares, for ``mmparity list``: paired modules and components.
+    compared: tuple = ()
     checkpoint_note: str = ""
-    extra: dict = field(default_factory=dict)
+    _hooks: list = field(default_factory=list, repr=False, compare=False)
 
     @property
-    def module_name(self) -> str:
-        return self.module or self.name
-
-    def native(self):
-        return importlib.import_module(f"mmparity.native.{self.module_name}")
-
-    def reference(self):
-        return importlib.import_module(f"mmparity.reference.{self.module_name}")
-
-    def converter(self):
-        return importlib.import_module(f"mmparity.converters.{self.module_name}")
+    def hooks(self) -> FamilyHooks:
+        """The family's hooks, loaded and checked on first use."""
+        if not self._hooks:
+            module = importlib.import_module(f"mmparity.cases.{self.name}")
+            try:
+                hooks = module.hooks(tower_of)
+            except TypeError as exc:  # a required hook left out of the record
+                raise FamilyError(f"family {self.name!r}: {exc}") from None
+            if not isinstance(hooks, FamilyHooks):
+                raise FamilyError(f"family {self.name!r}: mmparity.cases.{self.name}.hooks() returned "
+                                  f"{type(hooks).__name__}, not FamilyHooks")
+            try:
+                hooks.check(self.name)
+            except TypeError as exc:
+                raise FamilyError(str(exc)) from None
+            self._hooks.append(hooks)
+        return self._hooks[0]
 
     def tiny_config(self):
         """The family's built-in HF config: tiny, with deliberately awkward sizes."""
-        return self.reference().tiny_config()
+        return self.hooks.tiny_config()
+
+    def family_config(self, cfg):
+        """The family's config inside ``cfg`` (itself, or a whole-VLM config's sub-config)."""
+        return self.hooks.family_config(cfg)
 
     def build_reference(self, cfg):
         """The HF transformers module for ``cfg``, fp32, in eval mode."""
-        return self.reference().build(cfg)
+        return self.hooks.build_reference(cfg)
 
     def build_native(self, cfg, params_dtype: torch.dtype = torch.float32):
         """The native mcore module for ``cfg`` in eval mode.
@@ -50,11 +73,47 @@ class Family:
         Uses the parallel state already initialised (any TP size); initialises TP=1 on CPU if there
         is none, since mcore layers cannot be built without one.
         """
-        from mmparity import runtime
-
         if runtime.current_layout() is None:
             runtime.init_parallel(1, 1)
-        return self.native().build_native(cfg, params_dtype=params_dtype).eval()
+        return self.hooks.build_native(cfg, params_dtype=params_dtype).eval()
+
+    # --- conversion by name -------------------------------------------------------------------
+
+    def rule_set(self, cfg, hf_format: str | None = None, keys=None) -> RuleSet:
+        """The family's table for ``cfg`` in ``hf_format`` (detected from ``keys`` when None)."""
+        return self.hooks.converter.rules(cfg, hf_format, keys, family=self.name)
+
+    def hf_to_mcore(self, hf_state_dict: Mapping[str, torch.Tensor], cfg, tp_size: int = 1,
+                    hf_format: str | None = None, spelling: str = "te") -> list[dict]:
+        """HF state dict -> one mcore state dict per TP rank (Transformer Engine key spelling by
+        default).
+
+        ``hf_format`` picks the HF-side layout; by default it is detected from the keys. Prefixes of
+        whole-VLM checkpoints (``model.vision_tower.`` …) are detected; the other parts of such a
+        checkpoint are dropped explicitly, anything unexpected is an error.
+        """
+        if spelling not in ("te", "local"):
+            raise ValueError(f"spelling must be 'te' or 'local', got {spelling!r}")
+        shards = convert_hf_to_mcore(self.rule_set(cfg, hf_format, keys=hf_state_dict.keys()),
+                                     hf_state_dict, tp_size)
+        return [to_local_spelling(s) for s in shards] if spelling == "local" else shards
+
+    def mcore_to_hf(self, shards: Sequence[Mapping[str, torch.Tensor]], cfg,
+                    hf_format: str | None = None, prefix: str = "") -> dict:
+        """Per-rank mcore state dicts (either key spelling) -> HF state dict, keys under ``prefix``."""
+        return convert_mcore_to_hf(self.rule_set(cfg, hf_format), shards, prefix=prefix)
+
+    def select_tensors(self, cfg, state: Mapping[str, torch.Tensor],
+                       hf_format: str | None = None) -> tuple[dict, str, str]:
+        """From a (possibly whole-VLM) HF state dict, the family's tensors with the prefix stripped.
+
+        Returns ``(tensors, prefix, hf_format)``. Missing tensors are not an error here (conversion
+        reports them); tensors outside the family are simply not selected.
+        """
+        rules = self.rule_set(cfg, hf_format, keys=state.keys())
+        prefix = detect_prefix(rules, state.keys())
+        hf_keys, _ = expected_keys(rules)
+        return ({k: state[prefix + k] for k in hf_keys if prefix + k in state}, prefix, rules.hf_format)
 
 
 _REGISTRY: dict[str, Family] = {
@@ -62,14 +121,14 @@ _REGISTRY: dict[str, Family] = {
         name="pixtral",
         summary="Pixtral vision encoder (2D RoPE, RMSNorm, SwiGLU), static and packed mixed sizes",
         reference_classes=("PixtralVisionModel",),
-        components=("patch_embed", "rope2d", "ln_pre", "layers", "packed attention"),
+        compared=("patch_embed", "rope2d", "ln_pre", "layers", "packed attention"),
     ),
     "clip": Family(
         name="clip",
         summary="CLIP vision encoder (class token, learned positions resampled for other sizes, "
                 "pre-LayerNorm, quick_gelu), last_hidden_state and pooled class token",
         reference_classes=("CLIPVisionModel",),
-        components=("patch_embed", "pos_embed", "ln_pre", "layers", "ln_post", "packed attention"),
+        compared=("patch_embed", "pos_embed", "ln_pre", "layers", "ln_post", "packed attention"),
         checkpoint_note="CLIPVisionModel, or the vision_model.* of a whole CLIPModel / the "
                         "vision tower of a LLaVA checkpoint (the rest is dropped)",
     ),
@@ -78,7 +137,7 @@ _REGISTRY: dict[str, Family] = {
         summary="SigLIP vision encoder (learned positions resampled for other sizes, tanh GELU, "
                 "post-LayerNorm) and its attention-pooling head",
         reference_classes=("SiglipVisionModel",),
-        components=("patch_embed", "pos_embed", "layers", "ln_post", "head", "packed attention"),
+        compared=("patch_embed", "pos_embed", "layers", "ln_post", "head", "packed attention"),
         checkpoint_note="SiglipVisionModel, or the vision_model.* of a whole SiglipModel (the text "
                         "model and logit scale / bias are dropped)",
     ),
@@ -87,8 +146,8 @@ _REGISTRY: dict[str, Family] = {
         summary="Pixtral-Large / Mistral3 vision path: Pixtral tower, RMSNorm + 2x2 patch merger, "
                 "MLP projector; static and packed mixed sizes",
         reference_classes=("PixtralVisionModel", "Mistral3MultiModalProjector"),
-        components=("patch_embed", "ln_pre", "layers", "merger_norm", "merger", "projector",
-                    "packed attention"),
+        compared=("patch_embed", "ln_pre", "layers", "merger_norm", "merger", "projector",
+                  "packed attention"),
         checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint (vision tower + "
                         "multi_modal_projector, language model dropped), HF or Mistral-native "
                         "consolidated.safetensors layout",
@@ -98,8 +157,8 @@ _REGISTRY: dict[str, Family] = {
         summary="Qwen3.5-MoE VL vision tower (Conv3d patches, resampled learned positions, 2D RoPE, "
                 "block-first order, 2x2 merger), static and packed mixed sizes",
         reference_classes=("Qwen3_5MoeVisionModel",),
-        components=("patch_embed", "pos_embed", "rope2d", "block_first", "layers", "merger",
-                    "packed attention"),
+        compared=("patch_embed", "pos_embed", "rope2d", "block_first", "layers", "merger",
+                  "packed attention"),
         checkpoint_note="standalone vision tower, or a whole Qwen3_5MoeForConditionalGeneration "
                         "checkpoint (model.visual.*) whose language model is dropped",
     ),
@@ -108,8 +167,8 @@ _REGISTRY: dict[str, Family] = {
         summary="Kimi-K2.5 MoonViT (bicubic learned positions, interleaved 2D RoPE, LayerNorm, 2x2 "
                 "merger with temporal mean) and projector; static, packed mixed sizes, video clips",
         reference_classes=("Kimi_K25VisionModel", "Kimi_K25MultimodalProjection"),
-        components=("patch_embed", "pos_embed", "rope2d", "layers", "final_layernorm", "merger",
-                    "projector", "packed attention"),
+        compared=("patch_embed", "pos_embed", "rope2d", "layers", "final_layernorm", "merger",
+                  "projector", "packed attention"),
         checkpoint_note="HF layout (Kimi_K25VisionModel, or a whole Kimi_K25ForConditionalGeneration "
                         "checkpoint: tower + mm_projector, language model dropped) or the original "
                         "release layout (encoder.blocks.N.wqkv …, mm_projector.proj.* or Kimi-VL's "
@@ -120,8 +179,8 @@ _REGISTRY: dict[str, Family] = {
         summary="LLaVA: a registered vision tower (Pixtral, CLIP, SigLIP; vision_feature_layer, "
                 "select strategy), MLP projector, Llama-style GPT decoder; logits and per-token loss",
         reference_classes=("LlavaForConditionalGeneration",),
-        components=("pixel_shuffle", "loss_weights", "expansion", "vision layers", "projector",
-                    "layers", "final_norm"),
+        compared=("pixel_shuffle", "loss_weights", "expansion", "vision layers", "projector",
+                  "layers", "final_norm"),
         checkpoint_note="whole LlavaForConditionalGeneration checkpoint (module names, or files "
                         "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
                         "for TP and trimmed on export; tied or untied lm_head",
@@ -143,3 +202,17 @@ def get(name: str) -> Family:
         return _REGISTRY[name]
     except KeyError:
         raise UnknownFamilyError(f"unknown family {name!r}; valid families: {', '.join(names())}") from None
+
+
+def tower_of(cfg) -> FamilyHooks:
+    """The hooks of the registered family whose LLaVA-tower adapter takes ``cfg.vision_config``."""
+    model_type = getattr(getattr(cfg, "vision_config", None), "model_type", None)
+    towers = {}
+    for family in _REGISTRY.values():
+        tower = family.hooks.llava_tower
+        if tower is not None:
+            towers[tower.model_type] = family.hooks
+    if model_type not in towers:
+        raise ValueError(f"LLaVA vision tower of model_type {model_type!r} is not supported; "
+                         f"registered vision towers: {', '.join(towers)}")
+    return towers[model_type]

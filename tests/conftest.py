@@ -1,13 +1,9 @@
 import os
-import warnings
 
 import pytest
 import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-warnings.filterwarnings("ignore", category=UserWarning)
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from mmparity.native import attention
-from mmparity.native import attention_backends as kernels
+from mmparity.native.core import attention
+from mmparity.native.core import attention_backends as kernels
 
 # Mixed sizes with groups that are back to back, interleaved and singletons; GQA 6 heads / 2 groups.
 SEQLENS = [[7], [4, 4, 4], [5, 9, 5, 1, 9, 9], [3, 3, 8, 3], [2, 11]]
@@ -138,6 +138,7 @@ def test_set_backend_refuses_unknown_and_unavailable(monkeypatch):
     assert attention.describe_backend("cuda").startswith("varlen: torch ")
 
 
+@pytest.mark.slow
 def test_backend_choice_reaches_spawned_processes_through_the_environment(monkeypatch):
     attention.set_backend("math")
     assert attention.get_backend() == "math"
@@ -369,14 +370,14 @@ def test_transformer_engine_adapter(monkeypatch):
 # --- end to end ------------------------------------------------------------------------------------------
 
 def test_native_pixtral_agrees_across_cpu_backends():
-    from mmparity import converters, families
-    from mmparity.parity import inputs
-    from mmparity.parity.inputs import random_like_state
+    from mmparity import families
+    from mmparity.cases import inputs
+    from mmparity.cases.inputs import random_like_state
 
     fam = families.get("pixtral")
     cfg = fam.tiny_config()
     native = fam.build_native(cfg)
-    native.load_state_dict(converters.hf_to_mcore("pixtral", random_like_state(
+    native.load_state_dict(families.get("pixtral").hf_to_mcore(random_like_state(
         fam.build_reference(cfg).state_dict(), 3), cfg)[0])
     sizes = [(16, 24), (40, 8), (16, 24)]
     rows = inputs.packed_rows(inputs.images(sizes, 3, seed=5), 8)

@@ -11,8 +11,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mmparity import families
+from mmparity.hfconfig import vision_sub_config
 from mmparity.parity import bench
-from mmparity.native import attention
+from mmparity.native.core import attention
 from mmparity.parity.harness import size_multiple
 
 
@@ -39,18 +40,20 @@ def _counted_native_flops(family: str, case_name: str, sizes):
     native = fam.build_native(cfg).requires_grad_(False)
     # The math backend computes attention as two matmuls, which torch's counter sees.
     with attention.use_backend("math"), torch.no_grad(), FlopCounterMode(display=False) as counter:
-        fam.native().run(native, case)
+        fam.hooks.native.run(native, case)
     return counter.get_total_flops(), bench.count_flops(bench.tower_shape(family, cfg),
                                                         bench._case_sizes(case))
 
 
-@pytest.mark.parametrize("family", families.names())
+COUNTED = [name for name in families.names() if families.get(name).hooks.flop_shape is not None]
+
+
+@pytest.mark.parametrize("family", COUNTED)
 def test_flop_count_equals_torch_counter_on_the_native_model(family):
-    """Exact for every family, up to two documented native economies: a still image's Conv3d folded
-    over identical frames (Qwen), and a packed pooling head that runs on padded segments."""
+    """Exact for every family with a FLOP formula, up to two documented native economies: a still
+    image's Conv3d folded over identical frames (Qwen), and a packed pooling head that runs on
+    padded segments."""
     cfg = families.get(family).tiny_config()
-    if family not in bench.FAMILY_SHAPES:
-        pytest.skip(f"no FLOP formula for {family!r}: the bench reports its FLOPs as not counted")
     m = size_multiple(family, cfg)
     shape = bench.tower_shape(family, cfg)
     fold = shape.temporal > 1
@@ -65,16 +68,22 @@ def test_flop_count_equals_torch_counter_on_the_native_model(family):
         assert counted == expected, (case_name, counted, analytic)
 
 
-@pytest.mark.parametrize("family", sorted(bench.PUBLISHED))
+@pytest.mark.parametrize("family", sorted(set(families.names()) - set(COUNTED)))
+def test_families_without_a_formula_report_flops_as_not_counted(family):
+    prepared = bench.prepare_family(family)
+    assert prepared.result.flops["total"] is None
+    assert "no FLOP formula" in prepared.result.flops["note"]
+
+
+@pytest.mark.parametrize("family", bench.published_families())
 def test_published_configs_build(family):
-    if family not in families.names():
-        pytest.skip(f"family {family!r} is not registered")
     cfg = bench.published_config(family)
     shape = bench.tower_shape(family, cfg)
     expected = {"qwen3_5": (27, 1152), "kimi_k25": (27, 1152), "pixtral": (24, 1024),
                 "siglip": (27, 1152), "clip": (24, 1024)}[family]
     assert (shape.layers, shape.hidden) == expected
-    assert type(bench._vision(cfg)) is type(bench._vision(families.get(family).tiny_config()))
+    tiny = families.get(family).tiny_config()
+    assert type(vision_sub_config(cfg)) is type(vision_sub_config(tiny))
     images, size = bench.default_batch(family, "published", cfg)
     m = size_multiple(family, cfg)
     assert size[0] % m == 0 and size[1] % m == 0 and images >= 8
@@ -119,7 +128,7 @@ def test_bench_cli_every_family_tiny(tmp_path, capsys):
     for r in report["results"]:
         assert r["error"] is None and r["native"]["median_ms"] > 0 and r["hf"]["median_ms"] > 0
         assert r["speedup_vs_hf"] == pytest.approx(r["hf"]["median_ms"] / r["native"]["median_ms"])
-        if r["family"] in bench.FAMILY_SHAPES:
+        if r["family"] in COUNTED:
             assert r["flops"]["total"] > 0 and r["native"]["tflops"] > 0
         else:
             assert r["flops"]["total"] is None and r["native"]["tflops"] is None
@@ -250,7 +259,7 @@ def test_report_is_handed_over_after_each_family():
 
 # --- mixed sizes ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", sorted(bench.PUBLISHED))
+@pytest.mark.parametrize("family", bench.published_families())
 def test_published_mixed_sets_are_valid_and_comparable(family):
     """Every published family has a packed mixed-size set its sizes rules accept, with about the
     uniform batch's token count (so the two timings compare)."""

@@ -13,8 +13,9 @@ import pytest
 from mmparity import families
 from mmparity.cli.main import main
 from mmparity import runtime
+from mmparity.converters.pp import buildable_layer_counts
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.inputs import random_like_state
 
 STAGE_1_WEIGHT = "decoder.layers.1.mlp.linear_fc2.weight"  # layer 1 of 2: the second stage's
 
@@ -49,19 +50,20 @@ def _failures(report):
     return [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", families.names())
 def test_check_pp2_passes_for_every_family(pp2_reports, family):
     report = pp2_reports[family]
     assert (report.tp, report.pp) == (1, 2)
     assert report.passed, _failures(report)
     # Module pairs and components came from both stages.
-    reference = families.get(family).reference()
     checks = {r.check for r in report.results}
-    assert {f"component:{name}" for name in getattr(reference, "COMPONENTS", ())} <= checks
+    assert {f"component:{name}" for name in families.get(family).hooks.components} <= checks
     modules = {row["module"] for row in report.results[0].modules}
     assert {"layer.0", "layer.1"} <= modules
 
 
+@pytest.mark.slow
 def test_uneven_split_passes(pp2_reports):
     for label in ("pixtral 3 layers", "llava 3 layers"):
         report = pp2_reports[label]
@@ -70,12 +72,14 @@ def test_uneven_split_passes(pp2_reports):
         assert {"layer.0", "layer.1", "layer.2"} <= modules, label
 
 
+@pytest.mark.slow
 def test_negative_control_on_the_second_stage_is_located(pp2_reports):
     report = pp2_reports["pixtral perturbed"]
     assert not report.passed
     assert {r.first_divergence.module for r in report.failures()} == {"layer.1"}
 
 
+@pytest.mark.slow
 def test_tp2_pp2_passes():
     report = harness.check("pixtral", tp=2, pp=2, seed=5, components=False)
     assert (report.tp, report.pp) == (2, 2)
@@ -93,8 +97,6 @@ def test_unbuildable_pipelines_are_input_errors():
 
 
 def test_convert_only_writes_splits_mcore_can_build():
-    from mmparity.checkpoint.streaming import buildable_layer_counts
-
     for layers in range(1, 13):
         for stages in range(1, layers + 1):
             counts = buildable_layer_counts(layers, stages)
@@ -128,6 +130,7 @@ def test_cli_pipeline_errors_exit_2(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_path):
     fam = families.get("pixtral")
     model = fam.build_reference(fam.tiny_config())

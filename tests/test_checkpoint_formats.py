@@ -112,20 +112,20 @@ def test_pipeline_stage_holds_the_right_global_layers():
 
 def test_pipeline_errors_are_loud():
     state = mcore_state_dict()
-    with pytest.raises(CheckpointError, match="do not split evenly"):
-        pp.even_layer_counts(3, 2)
-    with pytest.raises(CheckpointError, match="beyond the 2-layer split"):
+    with pytest.raises(pp.PipelineError, match="must be >= 1"):
+        pp.buildable_layer_counts(3, 0)
+    with pytest.raises(pp.PipelineError, match="beyond the 2-layer split"):
         pp.split_pipeline_stages(state, [1, 1])
-    with pytest.raises(CheckpointError, match="outside"):
+    with pytest.raises(pp.PipelineError, match="outside"):
         pp.global_to_local(3, [1, 2])
-    with pytest.raises(CheckpointError, match="no local layer"):
+    with pytest.raises(pp.PipelineError, match="no local layer"):
         pp.local_to_global(0, 1, [1, 2])
     stages = pp.split_pipeline_stages(state, [1, 2])
     stages[1]["embedding.ln_pre.weight"] = state["embedding.ln_pre.weight"] + 1
-    with pytest.raises(CheckpointError, match="different values"):
+    with pytest.raises(pp.PipelineError, match="different values"):
         pp.merge_pipeline_stages(stages, [1, 2])
     gappy = {"decoder.layers.0.x": torch.zeros(1), "decoder.layers.2.x": torch.zeros(1)}
-    with pytest.raises(CheckpointError, match="gaps"):
+    with pytest.raises(pp.PipelineError, match="gaps"):
         pp.infer_layer_counts([gappy])
 
 
@@ -226,10 +226,17 @@ def test_legacy_refuses_unwritable_input_before_touching_disk(tmp_path, shards, 
     assert entries(tmp_path) == []
 
 
-def test_legacy_uneven_pipeline_without_counts_is_refused(tmp_path):
-    with pytest.raises(CheckpointError, match="split evenly"):
-        write_legacy(tmp_path / "ckpt", [mcore_state_dict()], pp_size=2)
-    assert entries(tmp_path) == []
+def test_legacy_uneven_pipeline_without_counts_uses_the_one_split_policy(tmp_path):
+    """3 layers over 2 stages: the split `convert --pp` makes (and mcore can build), recorded."""
+    root = tmp_path / "ckpt"
+    state = mcore_state_dict()
+    write_legacy(root, [state], pp_size=2)
+    assert pp.buildable_layer_counts(3, 2) == [2, 1]
+    assert read_manifest(root).pipeline_layer_counts == (2, 1)
+    first_stage = open_legacy(root).load_rank(tp_rank=0, pp_rank=0)
+    assert sorted(k for k in first_stage if "layers" in k)[-1].startswith("decoder.layers.1.")
+    (loaded,) = read_legacy(root)
+    assert_same_tensors(loaded, state)
 
 
 class NotAllowedInWeightsOnly:
@@ -592,6 +599,7 @@ def _te_spelling(name: str) -> str:
                 .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 
 
+@pytest.mark.slow
 def test_torch_dist_tp2_write_reloads_at_tp1_and_back(torch_dist_checkpoints):
     out = torch_dist_checkpoints
     # The worker asserted bit-exact loads at the other TP size; here: the layout on disk.
@@ -610,6 +618,7 @@ def test_torch_dist_tp2_write_reloads_at_tp1_and_back(torch_dist_checkpoints):
     assert common_b["content_metadata"] == {"singleton_local_shards": False}
 
 
+@pytest.mark.slow
 def test_torch_dist_global_tensors_are_the_tp1_state_dict(torch_dist_checkpoints):
     out = torch_dist_checkpoints
     for name in ("A", "B"):
@@ -618,6 +627,7 @@ def test_torch_dist_global_tensors_are_the_tp1_state_dict(torch_dist_checkpoints
         assert_same_tensors(global_state_dict(out / name / iteration), expected)
 
 
+@pytest.mark.slow
 def test_torch_dist_regions_map_in_place_and_match_dcps_reader(torch_dist_checkpoints, monkeypatch):
     from mmparity.checkpoint.torch_dist_files import TorchDistFiles
 
@@ -634,6 +644,7 @@ def test_torch_dist_regions_map_in_place_and_match_dcps_reader(torch_dist_checkp
         assert torch.equal(files.read_region(*region), tensor), region
 
 
+@pytest.mark.slow
 def test_torch_dist_verify_and_corruption(torch_dist_checkpoints, tmp_path):
     import shutil
 
@@ -664,6 +675,7 @@ def test_torch_dist_verify_and_corruption(torch_dist_checkpoints, tmp_path):
     assert len(report.problems) == 1 and "not checked" in report.problems[0].message
 
 
+@pytest.mark.slow
 def test_torch_dist_single_process_loads_tp2_checkpoint_and_round_trips(torch_dist_checkpoints, tmp_path):
     _spawn(_one_rank_worker, 1, tmp_path, torch_dist_checkpoints)
     assert verify(torch_dist_checkpoints / "C").ok

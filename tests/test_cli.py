@@ -12,7 +12,7 @@ import torch
 
 from mmparity import families
 from mmparity.cli.main import main
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.inputs import random_like_state
 
 
 def run_cli(capsys, *argv):

@@ -8,18 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
 
-from mmparity import converters, families
+from mmparity import families
 from mmparity.converters.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
-from tests.strategies import clip_configs
-
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-def tp_sizes(cfg) -> list[int]:
-    return [d for d in range(1, cfg.num_attention_heads + 1)
-            if cfg.num_attention_heads % d == 0 and cfg.intermediate_size % d == 0]
+from mmparity.cases.inputs import random_like_state
+from tests.strategies import config_and_tp
 
 
 def tiny_state(seed: int = 0):
@@ -30,36 +23,30 @@ def tiny_state(seed: int = 0):
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
-def test_round_trip_bit_exact_for_random_configs_and_tp(data):
-    cfg = data.draw(clip_configs())
-    tp = data.draw(st.sampled_from(tp_sizes(cfg)))
-    dtype = data.draw(st.sampled_from(DTYPES))
-    sd = {k: v.to(dtype) for k, v in random_like_state(
-        families.get("clip").build_reference(cfg).state_dict(), data.draw(st.integers(0, 999))).items()}
-    shards = converters.hf_to_mcore("clip", sd, cfg, tp_size=tp)
+def test_shards_have_mcore_shapes_for_random_configs_and_tp(data):
+    """Round trips are tests/test_converters.py's, for every family; here the per-rank shapes."""
+    cfg, tp = data.draw(config_and_tp("clip"))
+    sd = random_like_state(families.get("clip").build_reference(cfg).state_dict(), data.draw(st.integers(0, 999)))
+    shards = families.get("clip").hf_to_mcore(sd, cfg, tp_size=tp)
     assert len(shards) == tp
     heads_per_rank = cfg.num_attention_heads // tp
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     qkv = shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert qkv.shape == (3 * heads_per_rank * head_dim, cfg.hidden_size)
     assert shards[-1]["class_token"].shape == (1, 1, cfg.hidden_size)
-    back = converters.mcore_to_hf("clip", shards, cfg)
-    assert set(back) == set(sd)
-    for key, value in sd.items():
-        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
 
 
 @pytest.mark.parametrize("prefix", ["vision_model.", "model.vision_model.", "vision_tower.",
                                     "model.vision_tower.", "vision_tower.vision_model."])
 def test_vision_tower_found_under_every_vlm_prefix(prefix):
     cfg, sd = tiny_state()
-    expected = converters.hf_to_mcore("clip", sd, cfg)[0]
+    expected = families.get("clip").hf_to_mcore(sd, cfg)[0]
     wrapped = {prefix + k: v for k, v in sd.items()}
     wrapped["language_model.model.embed_tokens.weight"] = torch.zeros(3, 2)
     wrapped["multi_modal_projector.linear_1.weight"] = torch.zeros(2, 2)
-    got = converters.hf_to_mcore("clip", wrapped, cfg)[0]
+    got = families.get("clip").hf_to_mcore(wrapped, cfg)[0]
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-    back = converters.mcore_to_hf("clip", [got], cfg, prefix=prefix)
+    back = families.get("clip").mcore_to_hf([got], cfg, prefix=prefix)
     assert all(torch.equal(back[prefix + k], v) for k, v in sd.items())
 
 
@@ -67,10 +54,10 @@ def test_ambiguous_prefixes_and_stray_tensors_are_loud():
     cfg, sd = tiny_state()
     both = {**sd, **{"vision_model." + k: v for k, v in sd.items()}}
     with pytest.raises(ConversionError, match="ambiguous"):
-        converters.hf_to_mcore("clip", both, cfg)
+        families.get("clip").hf_to_mcore(both, cfg)
     stray = {**sd, "embeddings.extra_token": torch.zeros(4)}
     with pytest.raises(ConversionError, match="unconsumed source tensor embeddings.extra_token"):
-        converters.hf_to_mcore("clip", stray, cfg)
+        families.get("clip").hf_to_mcore(stray, cfg)
 
 
 def test_whole_clip_model_checkpoint_drops_text_side():
@@ -82,10 +69,10 @@ def test_whole_clip_model_checkpoint_drops_text_side():
     # transformers 4 checkpoints also carry the persistent position-id buffers
     sd["vision_model.embeddings.position_ids"] = torch.arange(26)[None]
     sd["text_model.embeddings.position_ids"] = torch.arange(12)[None]
-    shard = converters.hf_to_mcore("clip", sd, whole)[0]
+    shard = families.get("clip").hf_to_mcore(sd, whole)[0]
     own = {k[len("vision_model."):]: v for k, v in sd.items()
            if k.startswith("vision_model.") and not k.endswith("position_ids")}
-    expected = converters.hf_to_mcore("clip", own, vision)[0]
+    expected = families.get("clip").hf_to_mcore(own, vision)[0]
     assert shard.keys() == expected.keys() and all(torch.equal(shard[k], expected[k]) for k in shard)
 
 
@@ -105,8 +92,8 @@ def test_cli_checks_a_saved_whole_clip_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("grid", [(3, 7), (8, 2), (1, 1), (5, 5), (6, 6)])
 def test_learned_positions_resample_exactly_like_hf(grid):
-    from mmparity.native.vit import LearnedPositionEmbedding
-    from mmparity.reference import clip as ref_clip
+    from mmparity.native.core.vit import LearnedPositionEmbedding
+    from mmparity.cases import clip as ref_clip
 
     fam = families.get("clip")
     cfg = fam.tiny_config()

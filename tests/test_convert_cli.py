@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from mmparity import families
 from mmparity.cli.main import main
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.inputs import random_like_state
 
 
 def run_cli(capsys, *argv):
@@ -182,11 +182,11 @@ def _rewrite(src: Path, edit) -> None:
     (lambda s: s.__setitem__("ln_pre.weight", torch.ones(40)),
      "ln_pre.weight -> ln_pre.weight is [40], the config implies [48]"),
     (lambda s: s.__setitem__("transformer.layers.1.attention.q_proj.weight", torch.ones(40, 48)),
-     "transformer.layers.1.attention.q_proj.weight [40, 48]"),
+     "transformer.layers.1.attention.q_proj.weight (40, 48)"),
     (lambda s: s.pop("transformer.layers.1.attention.k_proj.weight"),
      "missing source tensor transformer.layers.1.attention.k_proj.weight"),
     (lambda s: s.__setitem__("transformer.layers.0.attention.extra.weight", torch.ones(2)),
-     "unexpected source tensor transformer.layers.0.attention.extra.weight"),
+     "unconsumed source tensor transformer.layers.0.attention.extra.weight"),
 ])
 def test_shape_mismatch_missing_and_unexpected_tensors(capsys, pixtral_single, tmp_path, edit, match):
     src = copy_dir(pixtral_single, tmp_path / "src")

@@ -18,7 +18,7 @@ from mmparity import families
 from mmparity.checkpoint import read_manifest, verify
 from mmparity.cli.main import main
 from mmparity.checkpoint.fsio import load_safetensors_state_dict, save_safetensors_checkpoint
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.inputs import random_like_state
 
 
 def save_hf(family: str, path: Path, seed: int = 0, max_shard_size="20KB", cfg=None) -> Path:
@@ -179,9 +179,8 @@ def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
     for family, fmt, path in jobs:
         fam = families.get(family)
         cfg = fam.tiny_config()
-        ref_mod, nat_mod = fam.reference(), fam.native()
-        prepare = getattr(ref_mod, "prepare_case", lambda case, cfg: case)
-        cases = [prepare(c, cfg) for c in ref_mod.cases(cfg, 3)]
+        hooks = fam.hooks
+        cases = [hooks.prepare_case(c, cfg) for c in hooks.cases(cfg, 3)]
         per_tp = {}
         for tp in (4, 1):
             runtime.init_parallel(tp, 1)
@@ -192,11 +191,12 @@ def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
                 _, _, shards = read_mcore_shards(path, tp=tp)
                 model.load_state_dict(shards[runtime.tp_rank()], strict=True)
             with torch.no_grad():
-                per_tp[tp] = [{k: v.float() for k, v in nat_mod.run(model, case).items()} for case in cases]
+                per_tp[tp] = [{k: v.float() for k, v in hooks.native.run(model, case).items()} for case in cases]
         results.append(per_tp)
     return results if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_loads_at_tp1_and_tp4_with_the_same_outputs(hf_dirs, tmp_path):
     from mmparity import runtime
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmparity import converters, families
+from mmparity import families
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.inputs import random_like_state
 
 FAMILIES = families.names()
 
@@ -21,14 +21,9 @@ def test_unknown_family_lists_valid_names():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_registry_entry_is_complete(family):
-    fam = families.get(family)
-    ref, nat, conv = fam.reference(), fam.native(), fam.converter()
-    for name in ("tiny_config", "vision_config", "build", "cases", "run", "pairs", "component", "COMPONENTS"):
-        assert hasattr(ref, name), f"reference/{family}.py lacks {name}"
-    for name in ("build_native", "run", "pairs", "component", "COMPONENTS"):
-        assert hasattr(nat, name), f"native/{family}.py lacks {name}"
-    assert hasattr(conv, "rule_set") and conv.FORMATS
-    assert set(ref.COMPONENTS) == set(nat.COMPONENTS)
+    hooks = families.get(family).hooks  # loading checks every hook's presence and type
+    assert hooks.converter.formats
+    assert set(hooks.last_stage_components) <= set(hooks.components)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -36,7 +31,7 @@ def test_native_loads_converted_weights_strictly(family):
     fam = families.get(family)
     cfg = fam.tiny_config()
     sd = random_like_state(fam.build_reference(cfg).state_dict(), seed=1)
-    shard = converters.hf_to_mcore(family, sd, cfg)[0]
+    shard = families.get(family).hf_to_mcore(sd, cfg)[0]
     native = fam.build_native(cfg)
     native.load_state_dict(shard, strict=True)
     loaded = native.state_dict()

@@ -15,8 +15,8 @@ import torch
 
 from mmparity import families
 from mmparity.parity import bench
-from mmparity.native import attention
-from mmparity.native import attention_backends as kernels
+from mmparity.native.core import attention
+from mmparity.native.core import attention_backends as kernels
 from mmparity.parity import harness
 
 pytestmark = pytest.mark.gpu

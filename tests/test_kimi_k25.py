@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import converters, families
+from mmparity import families
 from mmparity.converters import kimi_k25 as conv
 from mmparity.converters.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
-from tests.strategies import kimi_configs
+from mmparity.cases.inputs import random_like_state
+from tests.strategies import family_configs
 
 FAMILY = "kimi_k25"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -110,7 +110,7 @@ def release_layout(hf: dict, cfg, variant: str = "release") -> dict:
 
 @st.composite
 def config_and_tp(draw):
-    cfg = draw(kimi_configs())
+    cfg = draw(family_configs(FAMILY))
     return cfg, draw(st.sampled_from([t for t in (1, 2, 3, 4) if not conv.tp_problems(cfg, t)]))
 
 
@@ -141,7 +141,7 @@ def test_cases_cover_the_resampling_identity_and_video_paths():
     vc = cfg.vision_config
     table = (vc.pos_emb_height, vc.pos_emb_width)
     p = vc.patch_size
-    by_name = {c.name: c for c in _fam().reference().cases(cfg, 0)}
+    by_name = {c.name: c for c in _fam().hooks.cases(cfg, 0)}
     grids = lambda case: [(h // p, w // p) for h, w in case.data["sizes"]]  # noqa: E731
     static = grids(by_name["static"])
     assert static[0][0] != static[0][1] and all(a != b for a, b in zip(static[0], table))
@@ -153,7 +153,7 @@ def test_cases_cover_the_resampling_identity_and_video_paths():
 
 
 def test_user_image_sizes_and_low_precision_pass():
-    assert _fam().reference().image_size_multiple(_fam().tiny_config()) == 10
+    assert _fam().hooks.image_size_multiple(_fam().tiny_config()) == 10
     sized = harness.check(FAMILY, image_sizes=[(20, 30), (40, 10)], components=False)
     assert sized.passed, [(r.check, r.metrics) for r in sized.failures()]
     bf16 = harness.check(FAMILY, dtype="bfloat16")
@@ -204,10 +204,10 @@ def test_layouts_give_identical_mcore_tensors_and_round_trip_bit_exact(data):
     shards = {}
     for fmt, state in layouts.items():
         assert conv.detect_format(state) == fmt
-        shards[fmt] = converters.hf_to_mcore(FAMILY, state, cfg, tp_size=tp_size)
+        shards[fmt] = families.get(FAMILY).hf_to_mcore(state, cfg, tp_size=tp_size)
         _equal_shards(shards[fmt], shards["hf"])
     for fmt, state in layouts.items():  # mcore -> either layout, from any source layout
-        _equal_states(converters.mcore_to_hf(FAMILY, shards["release"], cfg, hf_format=fmt), state)
+        _equal_states(families.get(FAMILY).mcore_to_hf(shards["release"], cfg, hf_format=fmt), state)
 
 
 def _whole_model(cfg, seed=0):
@@ -224,24 +224,24 @@ def test_whole_model_checkpoint_drops_the_language_model_explicitly():
     assert any(k.startswith("model.language_model.") for k in full) and "lm_head.weight" in full
     ours = {k[len("model."):]: v for k, v in full.items()
             if k.startswith(("model.vision_tower.", "model.mm_projector."))}
-    _equal_shards(converters.hf_to_mcore(FAMILY, full, cfg, tp_size=2),
-                  converters.hf_to_mcore(FAMILY, ours, cfg, tp_size=2))
+    _equal_shards(families.get(FAMILY).hf_to_mcore(full, cfg, tp_size=2),
+                  families.get(FAMILY).hf_to_mcore(ours, cfg, tp_size=2))
     # A vision config reads the tower out of the same checkpoint and drops the projector too.
-    tower = converters.hf_to_mcore(FAMILY, full, cfg.vision_config)[0]
+    tower = families.get(FAMILY).hf_to_mcore(full, cfg.vision_config)[0]
     assert not any(k.startswith("vision_projection.") for k in tower)
     assert tower["pos_embed.weight"].shape == (6, 6, 48)
-    back = converters.mcore_to_hf(FAMILY, [tower], cfg.vision_config, prefix="model.vision_tower.")
+    back = families.get(FAMILY).mcore_to_hf([tower], cfg.vision_config, prefix="model.vision_tower.")
     assert all(torch.equal(v, full[k]) for k, v in back.items())
 
     stray = dict(full, **{"model.vision_tower.extra.weight": torch.zeros(3)})
     del stray["model.mm_projector.in_proj.bias"]
     with pytest.raises(ConversionError) as info:
-        converters.hf_to_mcore(FAMILY, stray, cfg)
+        families.get(FAMILY).hf_to_mcore(stray, cfg)
     text = str(info.value)
     assert "missing source tensor model.mm_projector.in_proj.bias" in text
     assert "unconsumed source tensor model.vision_tower.extra.weight (3,)" in text
     with pytest.raises(ConversionError, match="tp=3 does not divide num_attention_heads=4"):
-        converters.hf_to_mcore(FAMILY, full, cfg, tp_size=3)
+        families.get(FAMILY).hf_to_mcore(full, cfg, tp_size=3)
 
 
 def test_release_layout_is_what_transformers_loads(tmp_path):
@@ -252,8 +252,8 @@ def test_release_layout_is_what_transformers_loads(tmp_path):
     cfg = _fam().tiny_config()
     model = _whole_model(cfg, seed=4)
     full = model.state_dict()
-    shards = converters.hf_to_mcore(FAMILY, full, cfg, tp_size=2)
-    release = converters.mcore_to_hf(FAMILY, shards, cfg, hf_format="release")
+    shards = families.get(FAMILY).hf_to_mcore(full, cfg, tp_size=2)
+    release = families.get(FAMILY).mcore_to_hf(shards, cfg, hf_format="release")
     assert "vision_tower.encoder.blocks.0.wqkv.weight" in release
     assert "mm_projector.proj.0.weight" in release
     release.update({"language_model.model." + k[len("model.language_model."):]: v
@@ -265,8 +265,8 @@ def test_release_layout_is_what_transformers_loads(tmp_path):
     loaded = Kimi_K25ForConditionalGeneration.from_pretrained(tmp_path).state_dict()
     _equal_states(loaded, full)
     # A vision config takes the tower out of the same release checkpoint.
-    _equal_shards(converters.hf_to_mcore(FAMILY, release, cfg.vision_config, tp_size=2),
-                  converters.hf_to_mcore(FAMILY, full, cfg.vision_config, tp_size=2))
+    _equal_shards(families.get(FAMILY).hf_to_mcore(release, cfg.vision_config, tp_size=2),
+                  families.get(FAMILY).hf_to_mcore(full, cfg.vision_config, tp_size=2))
 
 
 def test_transformers_save_pretrained_output_converts_and_checks(tmp_path):
@@ -280,9 +280,9 @@ def test_transformers_save_pretrained_output_converts_and_checks(tmp_path):
     model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert conv.detect_format(saved) == "hf_saved"
-    shards = converters.hf_to_mcore(FAMILY, saved, cfg)
-    _equal_shards(shards, converters.hf_to_mcore(FAMILY, model.state_dict(), cfg))
-    written = converters.mcore_to_hf(FAMILY, shards, cfg, hf_format="hf_saved")
+    shards = families.get(FAMILY).hf_to_mcore(saved, cfg)
+    _equal_shards(shards, families.get(FAMILY).hf_to_mcore(model.state_dict(), cfg))
+    written = families.get(FAMILY).mcore_to_hf(shards, cfg, hf_format="hf_saved")
     _equal_states(written, {k: v for k, v in saved.items() if not k.startswith("language_model.")})
     assert main(["check", FAMILY, "--hf", str(tmp_path), "--quiet", "--no-components"]) == 0
 
@@ -333,7 +333,7 @@ def test_adapter_output_feeds_the_converter():
     native = adapter.from_hf(dict(kimi_vl, **{"language_model.lm_head.weight": torch.zeros(4, 40)}))
     restored = adapter.to_hf(native)
     assert conv.detect_format(restored) == "kimi_vl"
-    _equal_shards(converters.hf_to_mcore(FAMILY, restored, cfg), converters.hf_to_mcore(FAMILY, hf, cfg))
+    _equal_shards(families.get(FAMILY).hf_to_mcore(restored, cfg), families.get(FAMILY).hf_to_mcore(hf, cfg))
 
 
 # --- native building blocks --------------------------------------------------------------------
@@ -342,7 +342,7 @@ def test_adapter_output_feeds_the_converter():
 def native():
     cfg = _fam().tiny_config()
     model = _fam().build_native(cfg)
-    model.load_state_dict(converters.hf_to_mcore(FAMILY, _state(cfg, seed=8), cfg)[0], strict=True)
+    model.load_state_dict(families.get(FAMILY).hf_to_mcore(_state(cfg, seed=8), cfg)[0], strict=True)
     return model
 
 
@@ -388,7 +388,7 @@ def test_merger_layout_and_temporal_mean(native):
 
 
 def test_static_and_packed_inputs_agree(native):
-    from mmparity.native.kimi_k25 import _rows
+    from mmparity.cases.kimi_k25 import _rows
 
     gen = torch.Generator().manual_seed(3)
     images = torch.randn(2, 3, 20, 30, generator=gen)

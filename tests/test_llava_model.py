@@ -11,12 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmparity import converters, families
-from mmparity.converters import llava as llava_conv
+from mmparity import families
+from mmparity.cases import llava as llava_cases
+from mmparity.hfconfig import padded_vocab_size, tied_embeddings
+from mmparity.native import llava_preprocess
 from mmparity.converters.rules import ConversionError
 from mmparity.parity import harness
 from mmparity.parity.harness import load_reference_weights
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.inputs import random_like_state
 
 TOWERS = [name for name in ("pixtral", "clip", "siglip") if name in families.names()]
 FAST = settings(max_examples=25, deadline=None, derandomize=True,
@@ -89,7 +91,7 @@ def llava_configs(draw):
 @st.composite
 def llava_config_and_tp(draw):
     cfg = draw(llava_configs())
-    fitting = [tp for tp in (1, 2, 4, 8) if not llava_conv.tp_problems(cfg, tp)]
+    fitting = [tp for tp in (1, 2, 4, 8) if not families.get("llava").rule_set(cfg).validate_tp(tp)]
     return cfg, draw(st.sampled_from(fitting))
 
 
@@ -120,7 +122,7 @@ def as_checkpoint_files(state: dict, cfg, v4: bool) -> dict:
 
 
 def without_tied_head(state: dict, cfg) -> dict:
-    return {k: v for k, v in state.items() if not (llava_conv.tied(cfg) and k == "lm_head.weight")}
+    return {k: v for k, v in state.items() if not (tied_embeddings(cfg) and k == "lm_head.weight")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,36 +136,36 @@ def without_tied_head(state: dict, cfg) -> dict:
 def test_round_trip_bit_exact_for_random_configs_and_tp(case, dtype, seed):
     cfg, tp_size = case
     state = {k: v.to(dtype) for k, v in hf_state(cfg, seed).items()}
-    shards = converters.hf_to_mcore("llava", state, cfg, tp_size=tp_size)
+    shards = families.get("llava").hf_to_mcore(state, cfg, tp_size=tp_size)
     assert len(shards) == tp_size
     keys = list(shards[0])
     # Language model first, as the native module registers it (the generic negative controls
     # pick the first matching key).
     first_vision = min(i for i, k in enumerate(keys) if k.startswith("vision_model."))
     assert all(k.startswith("language_model.") for k in keys[:first_vision])
-    assert ("language_model.output_layer.weight" in keys) != llava_conv.tied(cfg)
-    padded = llava_conv.padded_vocab_size(cfg.text_config.vocab_size)
+    assert ("language_model.output_layer.weight" in keys) != tied_embeddings(cfg)
+    padded = padded_vocab_size(cfg.text_config.vocab_size)
     table = torch.cat([s["language_model.embedding.word_embeddings.weight"] for s in shards])
     assert table.shape[0] == padded and not table[cfg.text_config.vocab_size:].any()
 
-    back = converters.mcore_to_hf("llava", shards, cfg)
+    back = families.get("llava").mcore_to_hf(shards, cfg)
     expected = without_tied_head(state, cfg)
     assert set(back) == set(expected)
     for key, value in expected.items():
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
     # ... and mcore -> HF -> mcore is the identity on the shards too
-    again = converters.hf_to_mcore("llava", back, cfg, tp_size=tp_size)
+    again = families.get("llava").hf_to_mcore(back, cfg, tp_size=tp_size)
     assert all(torch.equal(a[k], b[k]) for a, b in zip(shards, again) for k in a)
 
     # Checkpoint files (transformers 5 and 4 layouts) are detected and give the same shards.
     for v4, fmt in ((False, "hf_checkpoint"), (True, "hf_v4_checkpoint")):
         files = as_checkpoint_files(state, cfg, v4)
         if cfg.vision_config.model_type != "pixtral" or not v4:
-            assert converters.detect_hf_format("llava", files) == fmt
-        from_files = converters.hf_to_mcore("llava", files, cfg, tp_size=tp_size, hf_format=fmt)
+            assert families.get("llava").hooks.converter.detect(files) == fmt
+        from_files = families.get("llava").hf_to_mcore(files, cfg, tp_size=tp_size, hf_format=fmt)
         assert all(torch.equal(a[k], b[k]) for a, b in zip(shards, from_files) for k in a)
-        written = converters.mcore_to_hf("llava", shards, cfg, hf_format=fmt)
-        tied_head = {"language_model.lm_head.weight"} if llava_conv.tied(cfg) else set()
+        written = families.get("llava").mcore_to_hf(shards, cfg, hf_format=fmt)
+        tied_head = {"language_model.lm_head.weight"} if tied_embeddings(cfg) else set()
         assert set(written) == set(files) - tied_head
         assert all(torch.equal(written[k], files[k]) for k in written)
 
@@ -172,7 +174,7 @@ def test_generic_negative_controls_pick_language_model_keys():
     """test_families.py perturbs the first ``layers.1.*linear_fc2.weight`` / ``layers.0.*linear_qkv
     .weight`` key and expects ``layer.1`` / ``layer.0``: the language layers' pair names."""
     cfg = families.get("llava").tiny_config()
-    (shard,) = converters.hf_to_mcore("llava", hf_state(cfg), cfg)
+    (shard,) = families.get("llava").hf_to_mcore(hf_state(cfg), cfg)
 
     def first(layer, suffix):
         return next(k for k in shard if f"layers.{layer}." in k and k.endswith(suffix))
@@ -187,11 +189,11 @@ def test_export_trims_any_vocabulary_padding():
     """An mcore table padded to another multiple (e.g. Megatron-LM's 128·TP) still exports."""
     cfg = families.get("llava").tiny_config()
     state = hf_state(cfg, 3)
-    (shard,) = converters.hf_to_mcore("llava", state, cfg)
+    (shard,) = families.get("llava").hf_to_mcore(state, cfg)
     for key in ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"):
         assert shard[key].shape == (128, 40)
         shard[key] = torch.cat([shard[key], torch.randn(128, 40)])  # 256 rows, junk past 101
-    back = converters.mcore_to_hf("llava", [shard], cfg)
+    back = families.get("llava").mcore_to_hf([shard], cfg)
     assert torch.equal(back["lm_head.weight"], state["lm_head.weight"])
     assert torch.equal(back["model.language_model.embed_tokens.weight"],
                        state["model.language_model.embed_tokens.weight"])
@@ -200,7 +202,7 @@ def test_export_trims_any_vocabulary_padding():
 def test_tp_that_does_not_fit_lists_every_problem():
     cfg = families.get("llava").tiny_config()
     with pytest.raises(ConversionError) as info:
-        converters.hf_to_mcore("llava", hf_state(cfg), cfg, tp_size=3)
+        families.get("llava").hf_to_mcore(hf_state(cfg), cfg, tp_size=3)
     message = str(info.value)
     for part in ("num_attention_heads=4", "text num_key_value_heads=2", "padded vocabulary=128"):
         assert part in message, message
@@ -212,7 +214,7 @@ def test_unexpected_and_missing_tensors_are_reported():
     state["model.language_model.layers.0.self_attn.rotary_scale"] = torch.ones(3)
     del state["model.multi_modal_projector.linear_2.bias"]
     with pytest.raises(ConversionError) as info:
-        converters.hf_to_mcore("llava", state, cfg)
+        families.get("llava").hf_to_mcore(state, cfg)
     assert "unconsumed source tensor model.language_model.layers.0.self_attn.rotary_scale" in str(info.value)
     assert "missing source tensor model.multi_modal_projector.linear_2.bias" in str(info.value)
 
@@ -255,20 +257,17 @@ def test_mixed_size_case_places_images_in_reading_order():
     """Image k fills the k-th placeholder in reading order on both sides: HF's image-token runs
     are the images' token counts in order, and the native expansion of the compact ids puts its
     image slots exactly where HF's are."""
-    from mmparity.native import llava as native_llava
-
     cfg = families.get("llava").tiny_config()
-    ref_mod = families.get("llava").reference()
-    (case,) = ref_mod.cases(cfg, seed=3, image_sizes=MIXED_SIZES)
+    (case,) = families.get("llava").hooks.cases(cfg, seed=3, image_sizes=MIXED_SIZES)
     data = case.data
     hf_ids = data["hf_input_ids"]
     runs = [n for row in hf_ids.tolist() for n in _image_runs(row, cfg.image_token_index)]
-    assert runs == [ref_mod.tokens_per_image(cfg, s) for s in MIXED_SIZES]
-    out = native_llava._preprocess_data(
+    assert runs == [llava_cases.tokens_per_image(cfg, s, families.tower_of) for s in MIXED_SIZES]
+    out = llava_preprocess._preprocess_data(
         None, None, data["input_ids"], data["loss_mask"], data["labels"],
         media_token_counts=runs, pre_process=False)
     keep = data["length"]
-    native_slots = out.input_ids[:, :keep] == native_llava.DEFAULT_IMAGE_TOKEN_INDEX
+    native_slots = out.input_ids[:, :keep] == llava_preprocess.DEFAULT_IMAGE_TOKEN_INDEX
     assert torch.equal(native_slots, hf_ids == cfg.image_token_index)
 
 
@@ -300,7 +299,7 @@ def _pair(cfg, seed=0):
     ref = fam.build_reference(cfg)
     state = load_reference_weights(ref, None, seed)
     native = fam.build_native(cfg)
-    native.load_state_dict(converters.hf_to_mcore("llava", state, cfg)[0], strict=True)
+    native.load_state_dict(families.get("llava").hf_to_mcore(state, cfg)[0], strict=True)
     return ref, native
 
 
@@ -312,13 +311,11 @@ def _rel_l2(a, b) -> float:
 def test_native_loss_equals_transformers_causal_lm_loss():
     """HF's own loss (mean over its trained tokens) equals the native masked mean once HF stops
     training what mcore masks: each last image slot and each row's final token."""
-    from mmparity.native import llava as native_llava
-
     cfg = families.get("llava").tiny_config()
     ref, native = _pair(cfg, seed=4)
-    (case,) = families.get("llava").reference().cases(cfg, seed=4)
+    (case,) = families.get("llava").hooks.cases(cfg, seed=4)
     data = case.data
-    images, sizes = native_llava.vision_input(native, case, torch.float32, "cpu")
+    images, sizes = llava_cases.vision_input(native, case, torch.float32, "cpu")
     loss, mask = native(images, data["input_ids"], None, None, labels=data["labels"],
                         loss_mask=data["loss_mask"], num_image_tiles=data["num_image_tiles"],
                         imgs_sizes=sizes)
@@ -328,7 +325,7 @@ def test_native_loss_equals_transformers_causal_lm_loss():
     trained = hf_ids != cfg.image_token_index
     trained[:, 1:] &= hf_ids[:, :-1] != cfg.image_token_index  # the token after an image
     hf_labels = hf_ids.masked_fill(~trained, -100)
-    batch, padded = families.get("llava").reference()._pixel_values(cfg, case, torch.float32, "cpu").values()
+    batch, padded = llava_cases._pixel_values(cfg, case, torch.float32, "cpu", families.tower_of).values()
     hf_loss = ref(input_ids=hf_ids, pixel_values=batch, image_sizes=padded, labels=hf_labels).loss
     native_mean = (loss * mask).sum() / mask.sum()
     assert mask.sum() == (hf_labels[:, 1:] != -100).sum()
@@ -439,15 +436,13 @@ def test_freeze_sets_requires_grad_per_part(native_model, lm, vision, projection
 
 
 def test_frozen_parts_get_no_gradient(native_model):
-    from mmparity.native import llava as native_llava
-
     model = native_model
     model.requires_grad_(True)
     model.zero_grad(set_to_none=True)
     model.freeze(freeze_language_model=False, freeze_vision_model=True, freeze_vision_projection=False)
     cfg = families.get("llava").tiny_config()
-    (case,) = families.get("llava").reference().cases(cfg, seed=1)
-    images, sizes = native_llava.vision_input(model, case, torch.float32, "cpu")
+    (case,) = families.get("llava").hooks.cases(cfg, seed=1)
+    images, sizes = llava_cases.vision_input(model, case, torch.float32, "cpu")
     loss, mask = model(images, case.data["input_ids"], None, None, labels=case.data["labels"],
                        loss_mask=case.data["loss_mask"], num_image_tiles=case.data["num_image_tiles"],
                        imgs_sizes=sizes)
@@ -483,7 +478,7 @@ def test_unregistered_vision_tower_is_named():
     cfg = LlavaConfig(vision_config=SiglipVisionConfig(), text_config=families.get("llava").tiny_config().text_config)
     cfg.vision_config.model_type = "dinov2"
     with pytest.raises(ValueError, match="'dinov2' is not supported; registered vision towers: pixtral"):
-        llava_conv.vision_family(cfg)
+        families.get("llava").hf_to_mcore({}, cfg)
 
 
 def test_cli_checks_a_saved_tied_checkpoint(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""LLaVA preprocessing (mmparity.native.llava) against NOTES.md's pinned values, the installed
+"""LLaVA preprocessing (mmparity.native.llava_preprocess) against values worked out by hand, the installed
 megatron-core, transformers' InternVL / causal-LM loss, and an independent list-based reference.
 
 Hypothesis strategies live here rather than in tests/strategies.py because this file is the only
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmparity.native import llava
+from mmparity.native import llava_preprocess as llava
 
 IMG = llava.DEFAULT_IMAGE_TOKEN_INDEX
 IGNORE = llava.IGNORE_INDEX
@@ -51,7 +51,7 @@ def hf_pixel_shuffle():
 # pixel shuffle
 # ------------------------------------------------------------------------------------------
 
-GOLDEN_GRID = torch.arange(24.0).reshape(1, 24, 1)  # NOTES.md: a 4x6 grid of arange(24)
+GOLDEN_GRID = torch.arange(24.0).reshape(1, 24, 1)  # a 4x6 grid of arange(24)
 GOLDEN_SPATIAL = [
     [0, 1, 6, 7],
     [2, 3, 8, 9],
@@ -261,7 +261,7 @@ def test_pixel_shuffle_dynamic_res_rejects():
 
 
 def test_preprocess_notes_worked_example():
-    # ids [0,1,2,<img>,4,5,6,7], labels [1..8], 2 tiles of L=3 (NOTES.md)
+    # ids [0,1,2,<img>,4,5,6,7], labels [1..8], 2 tiles of L=3
     ids = torch.tensor([[0, 1, 2, IMG, 4, 5, 6, 7]])
     labels = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     text = torch.arange(8.0).reshape(1, 8, 1).repeat(1, 1, 2)
@@ -456,7 +456,7 @@ def _tiles_per_row(case):
 
 
 def reference_expansion(rows, slots_per_image, labels, loss_mask):
-    """The seed's rules spelled out token by token, with Python lists."""
+    """Upstream's rules (Megatron-LM ``llava_model.py``) spelled out token by token, with Python lists."""
     slots = iter(slots_per_image)
     expanded = []
     for b, row in enumerate(rows):

@@ -16,12 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mmparity import converters, families
+from mmparity import families
 from mmparity.converters.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
-from tests.strategies import pixtral_configs
-from tests.test_pixtral_large import mistral3_configs, tp_sizes as mistral3_tp_sizes
+from mmparity.cases.inputs import random_like_state
+from tests.strategies import family_configs, tp_sizes
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -109,9 +108,9 @@ def _assert_same_shards(a: list, b: list):
 def _check_layouts_agree(family, cfg, tp, dtype, seed):
     mistral = random_mistral_state(family, cfg, seed, dtype)
     hf = hf_state_of(family, mistral, cfg)
-    from_mistral = converters.hf_to_mcore(family, mistral, cfg, tp_size=tp)
-    _assert_same_shards(from_mistral, converters.hf_to_mcore(family, hf, cfg, tp_size=tp))
-    back = converters.mcore_to_hf(family, from_mistral, cfg, hf_format="mistral")
+    from_mistral = families.get(family).hf_to_mcore(mistral, cfg, tp_size=tp)
+    _assert_same_shards(from_mistral, families.get(family).hf_to_mcore(hf, cfg, tp_size=tp))
+    back = families.get(family).mcore_to_hf(from_mistral, cfg, hf_format="mistral")
     assert back.keys() == mistral.keys()
     for key, value in mistral.items():
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
@@ -120,7 +119,7 @@ def _check_layouts_agree(family, cfg, tp, dtype, seed):
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_pixtral_both_layouts_give_identical_mcore_and_mistral_round_trips(data):
-    cfg = data.draw(pixtral_configs())
+    cfg = data.draw(family_configs("pixtral"))
     tps = [d for d in (1, 2, 3, 4, 6) if cfg.num_attention_heads % d == 0
            and cfg.intermediate_size % d == 0]
     _check_layouts_agree("pixtral", cfg, data.draw(st.sampled_from(tps)),
@@ -130,8 +129,8 @@ def test_pixtral_both_layouts_give_identical_mcore_and_mistral_round_trips(data)
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_pixtral_large_both_layouts_give_identical_mcore_and_mistral_round_trips(data):
-    cfg = data.draw(mistral3_configs())
-    _check_layouts_agree("pixtral_large", cfg, data.draw(st.sampled_from(mistral3_tp_sizes(cfg))),
+    cfg = data.draw(family_configs("pixtral_large"))
+    _check_layouts_agree("pixtral_large", cfg, data.draw(st.sampled_from(tp_sizes("pixtral_large", cfg))),
                          data.draw(st.sampled_from(DTYPES)), data.draw(st.integers(0, 999)))
 
 
@@ -154,16 +153,16 @@ def test_detect_format_and_whole_consolidated_checkpoints():
     cfg = families.get("pixtral_large").tiny_config()
     mistral = random_mistral_state("pixtral_large", cfg, 1)
     consolidated = {**mistral, **{k: torch.zeros(s) for k, s in LM_KEYS.items()}}
-    assert converters.detect_hf_format("pixtral_large", consolidated) == "mistral"
-    assert converters.detect_hf_format("pixtral", consolidated) == "mistral"
+    assert families.get("pixtral_large").hooks.converter.detect(consolidated) == "mistral"
+    assert families.get("pixtral").hooks.converter.detect(consolidated) == "mistral"
     hf = hf_state_of("pixtral_large", mistral, cfg)
-    assert converters.detect_hf_format("pixtral_large", hf) == "hf"
+    assert families.get("pixtral_large").hooks.converter.detect(hf) == "hf"
     # the language model is dropped; the Pixtral family also drops the adapter and the merger
-    _assert_same_shards(converters.hf_to_mcore("pixtral_large", consolidated, cfg),
-                        converters.hf_to_mcore("pixtral_large", hf, cfg))
+    _assert_same_shards(families.get("pixtral_large").hf_to_mcore(consolidated, cfg),
+                        families.get("pixtral_large").hf_to_mcore(hf, cfg))
     hf_tower = {k[len("vision_tower."):]: v for k, v in hf.items() if k.startswith("vision_tower.")}
-    _assert_same_shards(converters.hf_to_mcore("pixtral", consolidated, cfg.vision_config),
-                        converters.hf_to_mcore("pixtral", hf_tower, cfg.vision_config))
+    _assert_same_shards(families.get("pixtral").hf_to_mcore(consolidated, cfg.vision_config),
+                        families.get("pixtral").hf_to_mcore(hf_tower, cfg.vision_config))
 
 
 def test_mixed_layouts_and_stray_tensors_are_loud():
@@ -171,14 +170,14 @@ def test_mixed_layouts_and_stray_tensors_are_loud():
     mistral = random_mistral_state("pixtral_large", cfg, 1)
     hf = hf_state_of("pixtral_large", mistral, cfg)
     with pytest.raises(ConversionError, match="both Mistral-native and HF"):
-        converters.hf_to_mcore("pixtral_large", {**mistral, **hf}, cfg)
+        families.get("pixtral_large").hf_to_mcore({**mistral, **hf}, cfg)
     stray = {**mistral, "vision_encoder.transformer.layers.0.attention.wqkv.weight": torch.zeros(2)}
     with pytest.raises(ConversionError, match="unconsumed source tensor vision_encoder.transformer"):
-        converters.hf_to_mcore("pixtral_large", stray, cfg, hf_format="mistral")
+        families.get("pixtral_large").hf_to_mcore(stray, cfg, hf_format="mistral")
     missing = dict(mistral)
     del missing["pre_mm_projector_norm.weight"]
     with pytest.raises(ConversionError, match="missing source tensor pre_mm_projector_norm.weight"):
-        converters.hf_to_mcore("pixtral_large", missing, cfg)
+        families.get("pixtral_large").hf_to_mcore(missing, cfg)
 
 
 @pytest.mark.parametrize("family", ["pixtral", "pixtral_large"])
@@ -186,7 +185,7 @@ def test_parity_through_the_mistral_layout(family):
     fam = families.get(family)
     cfg = fam.tiny_config()
     mistral = random_mistral_state(family, cfg, 5)
-    shards = converters.hf_to_mcore(family, mistral, cfg, hf_format="mistral")
+    shards = families.get(family).hf_to_mcore(mistral, cfg, hf_format="mistral")
     report = harness.check(family, cfg, hf_state_of(family, mistral, cfg), seed=5,
                            native_shards=shards, components=False)
     assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]

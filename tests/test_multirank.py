@@ -7,6 +7,8 @@ import pytest
 from mmparity import families
 from mmparity.parity import harness
 
+pytestmark = pytest.mark.slow  # spawns TP/PP ranks
+
 
 @pytest.mark.parametrize("family", families.names())
 def test_check_tp2_passes_for_every_family(family):

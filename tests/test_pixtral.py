@@ -1,14 +1,15 @@
-"""Pixtral specifics: the seed's grid helpers, packed attention isolation, RoPE table."""
+"""Pixtral specifics: the ViT's grid helpers, packed attention isolation, RoPE table."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mmparity import converters, families
-from mmparity.native.vit import _cat_rope, _dynamic_patch_grid, _dynamic_patch_grid_lists
-from mmparity.parity import harness, inputs
-from mmparity.parity.inputs import random_like_state
+from mmparity import families
+from mmparity.native.core.vit import _cat_rope, _dynamic_patch_grid, _dynamic_patch_grid_lists
+from mmparity.parity import harness
+from mmparity.cases import inputs
+from mmparity.cases.inputs import random_like_state
 from mmparity.parity.metrics import compare
 
 
@@ -49,7 +50,7 @@ def loaded_native():
     cfg = fam.tiny_config()
     sd = random_like_state(fam.build_reference(cfg).state_dict(), seed=11)
     native = fam.build_native(cfg)
-    native.load_state_dict(converters.hf_to_mcore("pixtral", sd, cfg)[0])
+    native.load_state_dict(families.get("pixtral").hf_to_mcore(sd, cfg)[0])
     return cfg, native
 
 

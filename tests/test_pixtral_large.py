@@ -11,41 +11,26 @@ from hypothesis import strategies as st
 from transformers import Mistral3ForConditionalGeneration
 from transformers.models.mistral3.modeling_mistral3 import Mistral3PatchMerger
 
-from mmparity import converters, families
-from mmparity.native.mergers import fold_blocks
+from mmparity import families
+from mmparity.native.core.mergers import fold_blocks
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
-from tests.strategies import mistral3_configs
-
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-def tp_sizes(cfg) -> list[int]:
-    v = cfg.vision_config
-    return [d for d in range(1, v.num_attention_heads + 1)
-            if v.num_attention_heads % d == 0 and v.intermediate_size % d == 0
-            and cfg.text_config.hidden_size % d == 0]
+from mmparity.cases.inputs import random_like_state
+from tests.strategies import config_and_tp
 
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
-def test_round_trip_bit_exact_for_random_configs_and_tp(data):
-    cfg = data.draw(mistral3_configs())
-    tp = data.draw(st.sampled_from(tp_sizes(cfg)))
-    dtype = data.draw(st.sampled_from(DTYPES))
-    sd = {k: v.to(dtype) for k, v in random_like_state(
-        families.get("pixtral_large").build_reference(cfg).state_dict(),
-        data.draw(st.integers(0, 999))).items()}
-    shards = converters.hf_to_mcore("pixtral_large", sd, cfg, tp_size=tp)
+def test_merger_and_projector_shard_as_mcore_expects(data):
+    """Round trips are tests/test_converters.py's, for every family; here the per-rank shapes."""
+    cfg, tp = data.draw(config_and_tp("pixtral_large"))
+    sd = random_like_state(families.get("pixtral_large").build_reference(cfg).state_dict(),
+                           data.draw(st.integers(0, 999)))
+    shards = families.get("pixtral_large").hf_to_mcore(sd, cfg, tp_size=tp)
     m = cfg.spatial_merge_size
     h = cfg.vision_config.hidden_size
     assert shards[0]["vision_model.merger.merging_layer.weight"].shape == (h, h * m * m)
     assert shards[0]["vision_projection.encoder.linear_fc1.weight"].shape == (
         cfg.text_config.hidden_size // tp, h)
-    back = converters.mcore_to_hf("pixtral_large", shards, cfg)
-    assert set(back) == set(sd)
-    for key, value in sd.items():
-        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
 
 
 @settings(max_examples=25, deadline=None)
@@ -163,9 +148,9 @@ def test_whole_mistral3_checkpoint_converts_without_its_language_model(mistral3_
     cfg = model.config
     in_memory = model.state_dict()  # transformers 5 keeps model.vision_tower.* in memory
     assert any(k.startswith("model.language_model.") for k in in_memory)
-    shards = converters.hf_to_mcore("pixtral_large", in_memory, cfg, tp_size=2)
+    shards = families.get("pixtral_large").hf_to_mcore(in_memory, cfg, tp_size=2)
     assert not any("language" in k for k in shards[0])
-    back = converters.mcore_to_hf("pixtral_large", shards, cfg, prefix="model.")
+    back = families.get("pixtral_large").mcore_to_hf(shards, cfg, prefix="model.")
     assert set(back) == {k for k in in_memory if k.startswith(("model.vision_tower.",
                                                                "model.multi_modal_projector."))}
     assert all(torch.equal(back[k], in_memory[k]) for k in back)

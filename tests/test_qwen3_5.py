@@ -8,12 +8,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import converters, families
+from mmparity import families
+from mmparity.cases import qwen3_5 as qwen_cases
+from mmparity.native import qwen3_5 as native_qwen
 from mmparity.converters.ops import RegroupQKV
 from mmparity.converters.rules import ConversionError
-from mmparity.parity import harness, inputs
-from mmparity.parity.inputs import random_like_state
-from tests.strategies import qwen3_5_configs
+from mmparity.parity import harness
+from mmparity.cases import inputs
+from mmparity.cases.inputs import random_like_state
+from tests.strategies import family_configs, tp_sizes
 
 FAMILY = "qwen3_5"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -39,17 +42,11 @@ def pair():
     state = random_like_state(ref.state_dict(), seed=11)
     ref.load_state_dict(state)
     native = fam().build_native(cfg)
-    native.load_state_dict(converters.hf_to_mcore(FAMILY, state, cfg)[0], strict=True)
+    native.load_state_dict(families.get(FAMILY).hf_to_mcore(state, cfg)[0], strict=True)
     return cfg, ref, native
 
 
 # --- conversion ----------------------------------------------------------------------------------
-
-def _tps(cfg) -> list[int]:
-    merged = cfg.hidden_size * cfg.spatial_merge_size ** 2
-    return [t for t in range(1, cfg.num_heads + 1)
-            if cfg.num_heads % t == 0 and cfg.intermediate_size % t == 0 and merged % t == 0]
-
 
 # A whole Qwen3_5MoeForConditionalGeneration also holds these; none of them is the tower's.
 NON_VISION = {"model.language_model.layers.0.mlp.experts.gate_up_proj": (2, 16, 8),
@@ -62,8 +59,8 @@ NON_VISION = {"model.language_model.layers.0.mlp.experts.gate_up_proj": (2, 16, 
 def test_round_trip_bit_exact_over_configs_tp_dtypes_and_vlm_prefixes(data):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    cfg = data.draw(qwen3_5_configs())
-    tp_size = data.draw(st.sampled_from(_tps(cfg)))
+    cfg = data.draw(family_configs(FAMILY))
+    tp_size = data.draw(st.sampled_from(tp_sizes(FAMILY, cfg)))
     dtype = data.draw(st.sampled_from(DTYPES))
     prefix = data.draw(st.sampled_from(["", "visual.", "model.visual."]))
     shapes = Qwen3_5MoeVisionModel(cfg).state_dict()
@@ -72,9 +69,9 @@ def test_round_trip_bit_exact_over_configs_tp_dtypes_and_vlm_prefixes(data):
     checkpoint = dict(vision)
     if prefix:
         checkpoint.update({k: torch.zeros(s) for k, s in NON_VISION.items()})
-    shards = converters.hf_to_mcore(FAMILY, checkpoint, cfg, tp_size=tp_size)
+    shards = families.get(FAMILY).hf_to_mcore(checkpoint, cfg, tp_size=tp_size)
     assert len(shards) == tp_size
-    back = converters.mcore_to_hf(FAMILY, shards, cfg, prefix=prefix)
+    back = families.get(FAMILY).mcore_to_hf(shards, cfg, prefix=prefix)
     assert set(back) == set(vision)
     for key, value in vision.items():
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
@@ -85,7 +82,7 @@ def test_every_parameter_kind_shards_as_mcore_expects(tp_size):
     cfg = tiny()
     heads, hd, layers = cfg.num_heads, cfg.hidden_size // cfg.num_heads, cfg.depth
     sd = random_like_state(fam().build_reference(cfg).state_dict(), seed=3)
-    shards = converters.hf_to_mcore(FAMILY, sd, cfg, tp_size=tp_size)
+    shards = families.get(FAMILY).hf_to_mcore(sd, cfg, tp_size=tp_size)
     per = heads // tp_size
 
     def rows(t, r):
@@ -154,26 +151,26 @@ def test_whole_vlm_checkpoint_reads_only_the_tower_and_drops_the_rest():
             return super().__getitem__(key)
 
     recorded = Recording(whole)
-    selected, prefix, _ = converters.select_family_tensors(FAMILY, whole_cfg, recorded)
+    selected, prefix, _ = families.get(FAMILY).select_tensors(whole_cfg, recorded)
     assert prefix == "model.visual." and recorded.read == {"model.visual." + k for k in tower}
     assert set(selected) == set(tower)
 
-    from_whole = converters.hf_to_mcore(FAMILY, whole, whole_cfg, tp_size=2)
-    from_tower = converters.hf_to_mcore(FAMILY, tower, vision, tp_size=2)
+    from_whole = families.get(FAMILY).hf_to_mcore(whole, whole_cfg, tp_size=2)
+    from_tower = families.get(FAMILY).hf_to_mcore(tower, vision, tp_size=2)
     for a, b in zip(from_whole, from_tower):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    back = converters.mcore_to_hf(FAMILY, from_whole, vision, prefix="model.visual.")
+    back = families.get(FAMILY).mcore_to_hf(from_whole, vision, prefix="model.visual.")
     assert set(back) == {"model.visual." + k for k in tower}
 
     stray = dict(whole, **{"model.visual.extra.weight": torch.zeros(2)})
     with pytest.raises(ConversionError, match=r"unconsumed source tensor model\.visual\.extra\.weight"):
-        converters.hf_to_mcore(FAMILY, stray, vision)
+        families.get(FAMILY).hf_to_mcore(stray, vision)
 
 
 def test_tp_that_does_not_fit_names_the_sizes():
     sd = random_like_state(fam().build_reference(tiny()).state_dict(), seed=0)
     with pytest.raises(ConversionError, match=r"tp=5 does not divide num_heads.* = 4") as info:
-        converters.hf_to_mcore(FAMILY, sd, tiny(), tp_size=5)
+        families.get(FAMILY).hf_to_mcore(sd, tiny(), tp_size=5)
     assert "intermediate_size (mlp.linear_fc1 / linear_fc2) = 44" in str(info.value)
     assert "(merger.linear_fc1 / linear_fc2) = 192" in str(info.value)
 
@@ -275,7 +272,7 @@ def test_check_passes_every_case_and_component():
     # The packed case spans the learned table: one grid inside it, one beyond it on both axes.
     cfg = tiny()
     g, p = int(cfg.num_position_embeddings ** 0.5), cfg.patch_size
-    grids = [(h // p, w // p) for h, w in fam().reference().default_image_sizes(cfg)]
+    grids = [(h // p, w // p) for h, w in qwen_cases.default_image_sizes(cfg)]
     assert len(set(grids)) >= 3
     assert any(h < g and w < g for h, w in grids) and any(h > g and w > g for h, w in grids)
 
@@ -316,7 +313,7 @@ def test_bad_inputs_are_clear_errors(pair):
     bad = tiny()
     bad.num_position_embeddings = 24
     with pytest.raises(ValueError, match="num_position_embeddings=24 is not a perfect square"):
-        fam().native().build_native(bad)
+        native_qwen.build_native(bad)
 
 
 def test_low_precision_within_policy():

@@ -8,35 +8,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import SiglipConfig, SiglipModel
 
-from mmparity import converters, families
+from mmparity import families
 from mmparity.converters.siglip import SplitInProj
 from mmparity.parity import harness
-from mmparity.parity.inputs import random_like_state
-from tests.strategies import siglip_configs
-
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-def tp_sizes(cfg) -> list[int]:
-    return [d for d in range(1, cfg.num_attention_heads + 1)
-            if cfg.num_attention_heads % d == 0 and cfg.intermediate_size % d == 0]
+from mmparity.cases.inputs import random_like_state
+from tests.strategies import config_and_tp
 
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
-def test_round_trip_bit_exact_for_random_configs_and_tp(data):
-    cfg = data.draw(siglip_configs())
-    tp = data.draw(st.sampled_from(tp_sizes(cfg)))
-    dtype = data.draw(st.sampled_from(DTYPES))
-    sd = {k: v.to(dtype) for k, v in random_like_state(
-        families.get("siglip").build_reference(cfg).state_dict(), data.draw(st.integers(0, 999))).items()}
-    shards = converters.hf_to_mcore("siglip", sd, cfg, tp_size=tp)
+def test_pooling_head_is_converted_exactly_when_configured(data):
+    """Round trips are tests/test_converters.py's, for every family; here the head's presence."""
+    cfg, tp = data.draw(config_and_tp("siglip"))
+    sd = random_like_state(families.get("siglip").build_reference(cfg).state_dict(), data.draw(st.integers(0, 999)))
+    shards = families.get("siglip").hf_to_mcore(sd, cfg, tp_size=tp)
     assert len(shards) == tp
     assert any(k.startswith("head.") for k in shards[0]) == cfg.vision_use_head
-    back = converters.mcore_to_hf("siglip", shards, cfg)
-    assert set(back) == set(sd)
-    for key, value in sd.items():
-        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -58,7 +45,7 @@ def test_pooling_head_kv_rows_shard_as_whole_heads(tp):
         assert torch.equal(kv[:, 0].reshape(-1, hidden), k[mine])
         assert torch.equal(kv[:, 1].reshape(-1, hidden), v[mine])
         assert torch.equal(linear_q.chunk(tp)[rank], q[mine])
-    shards = converters.hf_to_mcore("siglip", sd, cfg, tp_size=tp)
+    shards = families.get("siglip").hf_to_mcore(sd, cfg, tp_size=tp)
     assert shards[0]["head.attention.linear_kv.weight"].shape == (2 * cfg.hidden_size // tp, cfg.hidden_size)
 
 
@@ -69,9 +56,9 @@ def test_whole_siglip_model_checkpoint_drops_text_and_logit_parameters():
         vocab_size=50, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     sd = random_like_state(SiglipModel(whole).state_dict(), seed=4)
     assert "logit_bias" in sd and any(k.startswith("text_model.") for k in sd)
-    shard = converters.hf_to_mcore("siglip", sd, whole)[0]
+    shard = families.get("siglip").hf_to_mcore(sd, whole)[0]
     own = {k[len("vision_model."):]: v for k, v in sd.items() if k.startswith("vision_model.")}
-    expected = converters.hf_to_mcore("siglip", own, vision)[0]
+    expected = families.get("siglip").hf_to_mcore(own, vision)[0]
     assert shard.keys() == expected.keys() and all(torch.equal(shard[k], expected[k]) for k in shard)
 
 

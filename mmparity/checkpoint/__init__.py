@@ -25,13 +25,11 @@ from mmparity.checkpoint.manifest import (
     LAYOUT_TORCH_DIST,
     MANIFEST_FILE,
     Manifest,
-    Problem,
     Provenance,
     TensorRecord,
-    VerifyReport,
     read_manifest,
-    verify,
 )
+from mmparity.checkpoint.verify import Problem, VerifyReport, verify
 from mmparity.checkpoint.torch_dist_files import global_state_dict as torch_dist_global_state_dict
 from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
 from mmparity.checkpoint.fsio import CheckpointError

@@ -83,8 +83,11 @@ def _plan_pipeline(
         if len(counts) != pp_size:
             raise CheckpointError(f"{len(counts)} per-stage layer counts given for pipeline size {pp_size}")
         return counts
-    (num_layers,) = pp.infer_layer_counts([tp_shards[0]], layer_prefix=layer_prefix)
-    return pp.even_layer_counts(num_layers, pp_size)
+    try:
+        (num_layers,) = pp.infer_layer_counts([tp_shards[0]], layer_prefix=layer_prefix)
+        return pp.buildable_layer_counts(num_layers, pp_size)
+    except pp.PipelineError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 class LegacyWriter:
@@ -123,8 +126,11 @@ class LegacyWriter:
         try:
             for tp_rank, entries in enumerate(rank_entries):
                 # Splitting {key: key} tells where each global key lands, and under which local name.
-                stages = pp.split_pipeline_stages({k: k for k in entries}, layer_counts, layer_prefix=layer_prefix,
-                                                  last_stage_prefixes=last_stage_prefixes)
+                try:
+                    stages = pp.split_pipeline_stages({k: k for k in entries}, layer_counts, layer_prefix=layer_prefix,
+                                                      last_stage_prefixes=last_stage_prefixes)
+                except pp.PipelineError as exc:
+                    raise CheckpointError(str(exc)) from None
                 for pp_rank, local_to_global in enumerate(stages):
                     relative = Path(iteration_dir) / legacy_rank_dirname(tp_rank, pp_rank, pp_size) / LEGACY_FILE
                     path = self.staging / relative
@@ -363,7 +369,10 @@ class LegacyCheckpoint:
         shards = []
         for tp_rank in range(self.tp_size):
             stages = [self.load_rank(tp_rank, pp_rank) for pp_rank in range(self.pp_size)]
-            shards.append(pp.merge_pipeline_stages(stages, layer_counts, layer_prefix=layer_prefix))
+            try:
+                shards.append(pp.merge_pipeline_stages(stages, layer_counts, layer_prefix=layer_prefix))
+            except pp.PipelineError as exc:
+                raise CheckpointError(str(exc)) from None
         return shards
 
 

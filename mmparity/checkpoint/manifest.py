@@ -3,11 +3,8 @@
 Every checkpoint mmparity writes carries one at its root: the layout, family, where the weights
 came from, key prefixes, TP/PP sizes, the mmparity version, and a checksum record (dtype, shape,
 and an xxh3-128 or sha256 digest of the bytes) per tensor, or per written shard for torch_dist, where a record also holds
-the shard's offset in the global tensor. `verify(dir)` re-reads everything and reports every
-difference instead of stopping at the first.
-
-Pure: reads legacy files with `torch.load(weights_only=True)`, safetensors with `safe_open`,
-torch_dist with torch's own DCP reader (see `torch_dist_files` for the trust note).
+the shard's offset in the global tensor. `mmparity.checkpoint.verify` re-reads everything
+against it.
 """
 
 from __future__ import annotations
@@ -15,14 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import torch
-
 import mmparity
-from mmparity.checkpoint.fsio import CheckpointError, TensorChecksum, tensor_checksum, write_extra_files
+from mmparity.checkpoint.fsio import CheckpointError, TensorChecksum, write_extra_files
 
 __all__ = [
     "MANIFEST_FILE",
@@ -34,9 +28,6 @@ __all__ = [
     "Manifest",
     "write_manifest",
     "read_manifest",
-    "Problem",
-    "VerifyReport",
-    "verify",
     "key_prefixes",
 ]
 
@@ -184,152 +175,3 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 # verification
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    file: str
-    key: str | None
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.file}:{self.key}" if self.key is not None else self.file
-        return f"{where}: {self.message}"
-
-
-@dataclasses.dataclass
-class VerifyReport:
-    directory: Path
-    layout: str
-    checked: int = 0
-    problems: list[Problem] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def __str__(self) -> str:
-        head = f"{self.directory} ({self.layout}): {self.checked} tensor records checked"
-        if self.ok:
-            return f"{head}, all match"
-        return "\n".join([f"{head}, {len(self.problems)} problem(s)"] + [f"  {p}" for p in self.problems])
-
-
-def _compare(report: VerifyReport, record: TensorRecord, found: torch.Tensor) -> None:
-    report.checked += 1
-    for difference in record.checksum.differences(tensor_checksum(found, record.checksum.algorithm)):
-        report.problems.append(Problem(record.file, record.key, difference))
-
-
-def _unexpected(report: VerifyReport, file: str, keys: Iterable[str]) -> None:
-    for key in sorted(keys):
-        report.problems.append(Problem(file, key, "tensor present in the checkpoint but not in the manifest"))
-
-
-def _verify_hf(root: Path, by_file: Mapping[str, list[TensorRecord]], report: VerifyReport) -> None:
-    from safetensors import safe_open
-
-    for file_name, records in sorted(by_file.items()):
-        try:
-            handle = safe_open(str(root / file_name), framework="pt", device="cpu")
-            present = set(handle.keys())
-        except Exception as exc:
-            report.problems.append(Problem(file_name, None, f"unreadable ({' '.join(str(exc).split())}); {len(records)} tensor(s) not checked"))
-            continue
-        for record in records:
-            if record.key not in present:
-                report.problems.append(Problem(file_name, record.key, "missing from the file"))
-                continue
-            try:
-                found = handle.get_tensor(record.key)
-            except Exception as exc:
-                report.problems.append(Problem(file_name, record.key, f"unreadable ({' '.join(str(exc).split())})"))
-                continue
-            _compare(report, record, found)
-        _unexpected(report, file_name, present - {r.key for r in records})
-
-
-def _verify_legacy(root: Path, by_file: Mapping[str, list[TensorRecord]], report: VerifyReport) -> None:
-    from mmparity.checkpoint.legacy import load_rank_file
-
-    for file_name, records in sorted(by_file.items()):
-        try:
-            model = load_rank_file(root / file_name)
-        except CheckpointError as exc:
-            report.problems.append(Problem(file_name, None, f"{exc}; {len(records)} tensor(s) not checked"))
-            continue
-        for record in records:
-            found = model.get(record.key)
-            if not isinstance(found, torch.Tensor):
-                report.problems.append(Problem(file_name, record.key, "missing from the file"))
-                continue
-            _compare(report, record, found)
-        tensors = {k for k, v in model.items() if isinstance(v, torch.Tensor)}
-        _unexpected(report, file_name, tensors - {r.key for r in records})
-
-
-def _shard_of(global_tensor: torch.Tensor, record: TensorRecord) -> torch.Tensor:
-    """The region a record describes: leading offsets index prepended (layer) axes."""
-    offset, shape = record.offset or (), record.checksum.shape
-    prepended = len(offset) - len(shape)
-    if prepended < 0 or global_tensor.dim() != len(offset):
-        raise CheckpointError(f"offset {list(offset)} does not fit global shape {list(global_tensor.shape)}")
-    index = tuple(offset[:prepended]) + tuple(slice(o, o + n) for o, n in zip(offset[prepended:], shape))
-    return global_tensor[index]
-
-
-def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], report: VerifyReport) -> None:
-    from mmparity.checkpoint import torch_dist_files
-
-    for dir_name, records in sorted(by_file.items()):
-        path = root / dir_name
-        try:
-            metadata = torch_dist_files.tensor_metadata(path)
-        except CheckpointError as exc:
-            report.problems.append(Problem(dir_name, None, f"{exc}; {len(records)} shard record(s) not checked"))
-            continue
-        by_key: dict[str, list[TensorRecord]] = defaultdict(list)
-        for record in records:
-            by_key[record.key].append(record)
-        for key, key_records in sorted(by_key.items()):
-            if key not in metadata:
-                report.problems.append(Problem(dir_name, key, "missing from the checkpoint"))
-                continue
-            try:
-                global_tensor = torch_dist_files.read_tensor(path, key, metadata)
-            except CheckpointError as exc:
-                report.problems.append(Problem(dir_name, key, str(exc)))
-                continue
-            for record in key_records:
-                try:
-                    found = _shard_of(global_tensor, record)
-                except CheckpointError as exc:
-                    report.problems.append(Problem(dir_name, key, str(exc)))
-                    continue
-                _compare(report, record, found)
-        _unexpected(report, dir_name, set(metadata) - set(by_key) - {"common_state"})
-
-
-def verify(directory: str | os.PathLike) -> VerifyReport:
-    """Re-reads every tensor named in `mmparity.json` and lists every way it differs.
-
-    Raises `CheckpointError` only when there is no usable manifest; damage to the checkpoint itself
-    (missing files, unreadable files, changed bytes, extra tensors) is reported, not raised.
-    """
-    root = Path(directory)
-    manifest = read_manifest(root)
-    report = VerifyReport(root, manifest.layout)
-    by_file: dict[str, list[TensorRecord]] = defaultdict(list)
-    for record in manifest.tensors:
-        by_file[record.file].append(record)
-    for file_name in sorted(by_file):
-        if not (root / file_name).exists():
-            report.problems.append(Problem(file_name, None, f"missing; {len(by_file[file_name])} record(s) not checked"))
-    present = {f: r for f, r in by_file.items() if (root / f).exists()}
-    if manifest.layout == LAYOUT_HF:
-        _verify_hf(root, present, report)
-    elif manifest.layout == LAYOUT_LEGACY:
-        _verify_legacy(root, present, report)
-    elif manifest.layout == LAYOUT_TORCH_DIST:
-        _verify_torch_dist(root, present, report)
-    else:
-        raise CheckpointError(f"{root / MANIFEST_FILE}: unknown layout {manifest.layout!r}")
-    return report

@@ -32,22 +32,24 @@ copy. Only ops that really permute elements (RoPE interleaving, a non-row-block 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from pathlib import Path
 
 import torch
 
-from mmparity import families
+from mmparity import families, runtime
+from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import (
     LEGACY_FILE,
     TRACKER_FILE,
     parse_legacy_rank_dirname,
     resolve_iteration_dir,
 )
+from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
 from mmparity.checkpoint.manifest import (
     LAYOUT_HF,
     LAYOUT_LEGACY,
@@ -59,26 +61,17 @@ from mmparity.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
+from mmparity.checkpoint.torch_dist_files import TorchDistFiles, is_torch_dist_dir
 from mmparity.converters import pp as pp_mod
+from mmparity.converters.pp import PipelineError
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
-from mmparity.checkpoint.fsio import (
-    DEFAULT_MAX_SHARD_SIZE,
-    SAFETENSORS_INDEX_FILE,
-    SAFETENSORS_SINGLE_FILE,
-    CheckpointError,
-    FileRanges,
-    SafetensorsCheckpoint,
-    Slot,
-    SlotWriter,
-    joined,
-    narrow_pieces,
-    route_pieces,
-    pwrite_all,
-    atomic_directory,
-    parse_size,
-)
-from mmparity.converters.ops import Identity, LayoutError
+from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX_FILE,
+                                      SAFETENSORS_SINGLE_FILE, CheckpointError, FileRanges,
+                                      SafetensorsCheckpoint, StreamingSafetensorsWriter, joined,
+                                      narrow_pieces, route_pieces, atomic_directory, heap_budget,
+                                      parse_size)
+from mmparity.converters.ops import LayoutError
 from mmparity.converters.tp import ShardError
 
 __all__ = [
@@ -89,7 +82,6 @@ __all__ = [
     "convert",
     "open_source",
     "read_mcore_shards",
-    "StreamingSafetensorsWriter",
     "HF_CONFIG_FILE",
     "DTYPES",
 ]
@@ -111,7 +103,6 @@ MCORE_FORMATS = ("torch_dist", "legacy")
 _NOT_MODEL_KEYS = re.compile(r"^(optimizer\.|rng_state|rerun_state_machine_state|common_state)")
 # mcore's stacked layer tensors: `<root>decoder.layers.<name>` without a layer number.
 _STACKED_KEY = re.compile(r"^((?:.*\.)?decoder\.layers\.)(?!\d+\.)(.+)$")
-_LAYER_KEY = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.")
 _MAX_PROBLEMS_SHOWN = 4
 
 
@@ -202,16 +193,6 @@ def _te_key(key: str) -> str | None:
     return spelled[0] if spelled else None
 
 
-def _apply(op, tensors: list) -> list:
-    # Identity would clone; the tensors here are already ours (freshly read or merged), so a copy
-    # would only cost time and memory.
-    return list(tensors) if type(op) is Identity else op.apply(tensors)
-
-
-def _invert(op, tensors: list) -> list:
-    return list(tensors) if type(op) is Identity else op.invert(tensors)
-
-
 class _TensorFilter:
     """Cast and NaN/Inf check applied to every source tensor as it is read."""
 
@@ -249,98 +230,31 @@ def _load_family_config(config_path: Path, family: str, where: Path):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConvertError(f"{config_path}: cannot read the HF config: {first}") from None
     try:
-        cfg = families.get(family).reference().vision_config(full)
+        cfg = families.get(family).family_config(full)
     except ValueError as exc:
         raise ConvertError(f"{where}: {exc} (family {family!r})") from None
     return cfg, config_path.read_bytes()
 
 
 def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
-    from mmparity import converters
-
     try:
-        return converters.rule_set_for(family, cfg, hf_format, keys=keys)
+        return families.get(family).rule_set(cfg, hf_format, keys=keys)
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
 
 
 def _kinds(rule_set: R.RuleSet) -> dict[str, str]:
-    return {key: kind for step in R.plan(rule_set) for key, kind in zip(step.mcore_keys, step.rule.tp)}
+    return {key: kind for step in R.plan_steps(rule_set) for key, kind in zip(step.mcore_keys, step.rule.tp)}
 
 
 def _mcore_order(rule_set: R.RuleSet) -> list[str]:
-    return [key for step in R.plan(rule_set) for key in step.mcore_keys]
+    return [key for step in R.plan_steps(rule_set) for key in step.mcore_keys]
 
 
 def _validate_tp(rule_set: R.RuleSet, tp: int) -> None:
     problems = list(rule_set.validate_tp(tp)) if rule_set.validate_tp else []
     if problems:
         raise ConvertError(_problems_line(f"--tp {tp} does not fit this model", problems))
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineLayout:
-    """Which layer stack a pipeline splits, and which other keys live on the last stage."""
-
-    layer_prefix: str
-    num_layers: int
-    last_stage_keys: tuple
-
-    def layer_counts(self, pp: int) -> list[int]:
-        if pp < 1:
-            raise ConvertError(f"--pp must be >= 1, got {pp}")
-        if pp > 1 and pp > self.num_layers:
-            raise ConvertError(f"--pp {pp} is more pipeline stages than the {self.num_layers} layers of "
-                               f"{self.layer_prefix}")
-        return buildable_layer_counts(self.num_layers, pp)
-
-
-def buildable_layer_counts(num_layers: int, pp: int) -> list[int]:
-    """A split of `num_layers` over `pp` stages that mcore can build.
-
-    Megatron-LM splits evenly; otherwise it only takes explicit sizes for the first and last stage
-    (`num_layers_in_first/last_pipeline_stage`) with the middle stages even. So the middle stages
-    get `num_layers // pp` each and the rest is shared by the ends, the first taking the larger
-    half: 7 over 2 -> [4, 3], 7 over 3 -> [3, 2, 2], 6 over 4 -> [2, 1, 1, 2]. The counts are
-    recorded in the manifest, so reading back needs no hint.
-    """
-    base = num_layers // pp
-    if pp == 1 or num_layers % pp == 0:
-        return [base] * pp
-    ends = num_layers - base * (pp - 2)
-    return [ends - ends // 2] + [base] * (pp - 2) + [ends // 2]
-
-
-def pipeline_layout(family: str, mcore_keys: Sequence[str]) -> PipelineLayout:
-    """The pipelined stack of a family's mcore keys (in plan order).
-
-    One `decoder.layers.` stack: that one, and every non-layer key planned after its layers (final
-    norm, merger, projector, head) is post-process, on the last stage. Several stacks (a VLM): the
-    language model's, as Megatron-LM pipelines it, with the encoder and projector on the first
-    stage; only the language model's own final norm and output layer go last. A family can name its
-    stack with `PIPELINE_LAYER_PREFIX` in its converter module.
-    """
-    stacks: dict[str, set] = {}
-    for key in mcore_keys:
-        match = _LAYER_KEY.match(key)
-        if match:
-            stacks.setdefault(match.group(1), set()).add(int(match.group(2)))
-    declared = getattr(families.get(family).converter(), "PIPELINE_LAYER_PREFIX", None)
-    if declared is not None:
-        prefix = declared
-    elif not stacks:
-        return PipelineLayout(pp_mod.DEFAULT_LAYER_PREFIX, 0, ())
-    elif len(stacks) == 1:
-        prefix = next(iter(stacks))
-    elif "language_model.decoder.layers." in stacks:
-        prefix = "language_model.decoder.layers."
-    else:
-        prefix = max(stacks, key=lambda p: len(stacks[p]))
-    root = "" if len(stacks) <= 1 else prefix[: -len("decoder.layers.")]
-    first = next((i for i, k in enumerate(mcore_keys) if k.startswith(prefix)), len(mcore_keys))
-    last = tuple(k for i, k in enumerate(mcore_keys)
-                 if i > first and k.startswith(root) and not k.startswith(prefix))
-    return PipelineLayout(prefix, len(stacks.get(prefix, ())), last)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,6 +272,7 @@ class _Source:
     hf_format: str  # the HF layout the weights came from (and go back to by default)
     prefix: str  # the HF key prefix they came from
     metas: dict  # mcore key -> Meta, in plan order
+    hf_sources: Mapping = MappingProxyType({})  # mcore key -> the HF keys it is made from
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         raise NotImplementedError
@@ -365,6 +280,10 @@ class _Source:
     def mcore_pieces(self, key: str) -> list[torch.Tensor]:
         """The same tensor as consecutive dim-0 pieces, where a source can avoid joining them."""
         return [self.mcore_tensor(key)]
+
+    def produce(self, key: str) -> tuple[list, list]:
+        """(``mcore_pieces(key)``, the source tensors they were made from) for the engine's loop."""
+        return self.mcore_pieces(key), []
 
     def locate(self, piece) -> tuple[int, int] | None:
         """(fd, offset) of the source file bytes a piece shows, if it is a view of them."""
@@ -388,34 +307,18 @@ class _HFSource(_Source):
             self.prefix = R.detect_prefix(self.rules, infos)
         except R.ConversionError as exc:
             raise _from_conversion_error(exc, f"{path}: family {family!r}: ") from None
-        self.steps = R.plan(self.rules)
-        self.metas, self._producer, self._piece_cache = {}, {}, {}
-        problems, consumed = [], set()
-        for index, step in enumerate(self.steps):
-            names = [self.prefix + k for k in step.hf_keys]
-            missing = [n for n in names if n not in infos]
-            if missing:
-                problems += [f"missing source tensor {n}" for n in missing]
-                continue
-            consumed.update(names)
-            inputs = [filt.meta(Meta(infos[n].dtype, infos[n].shape)).tensor() for n in names]
-            try:
-                outputs = _apply(step.rule.op, inputs)
-            except (LayoutError, ShardError, RuntimeError, ValueError) as exc:
-                shapes = ", ".join(f"{n} {list(infos[n].shape)}" for n in names)
-                problems.append(f"{shapes}: {exc}")
-                continue
-            for key, t in zip(step.mcore_keys, outputs):
-                self.metas[key] = _meta_of(t)
-                self._producer[key] = index
-        drops = [re.compile(p) for p in self.rules.drop_hf]
-        problems += [f"unexpected source tensor {k} {list(info.shape)}" for k, info in infos.items()
-                     if k not in consumed and not any(d.match(k) for d in drops)]
-        if problems:
+        # The engine's plan, made from the file headers alone: the one totality check.
+        metas = {name: filt.meta(Meta(info.dtype, info.shape)).tensor() for name, info in infos.items()}
+        try:
+            self.plan = R.plan_hf_to_mcore(self.rules, metas, 1, self.prefix)
+        except R.ConversionError as exc:
             raise ConvertError(_problems_line(f"{path}: not a complete {family!r} checkpoint "
-                                              f"({self.hf_format!r} layout)", problems))
-        self.hf_sources = {key: [self.prefix + k for k in self.steps[i].hf_keys]
-                           for key, i in self._producer.items()}
+                                              f"({self.hf_format!r} layout)", exc.problems)) from None
+        self.metas = {key: _meta_of(t) for key, t in self.plan.outputs.items()}
+        self.hf_sources = {key: self.plan.source_keys(key) for key in self.plan.outputs}
+        prefix = self.prefix
+        self.runner = R.StepRunner(self.plan, lambda name: self._filter(name[len(prefix):], self.ckpt.map(name),
+                                                                        self.path))
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         return joined(self.mcore_pieces(key))
@@ -423,19 +326,15 @@ class _HFSource(_Source):
     def locate(self, piece) -> tuple[int, int] | None:
         return self.ckpt.file_ranges.locate(piece)
 
-    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
-        if key in self._piece_cache:
-            return self._piece_cache.pop(key)
-        step = self.steps[self._producer[key]]
-        tensors = [self._filter(n, self.ckpt.map(self.prefix + n), self.path) for n in step.hf_keys]
+    def produce(self, key: str) -> tuple[list, list]:
         try:
-            outputs = dict(zip(step.mcore_keys, step.rule.op.apply_pieces(tensors)))
+            return self.runner.run(key)
         except (LayoutError, ShardError, RuntimeError) as exc:
-            raise ConvertError(f"{self.path}: {', '.join(step.hf_keys)}: {exc}") from None
-        for other, pieces in outputs.items():
-            if other != key:
-                self._piece_cache[other] = pieces  # a rule with several mcore outputs: kept until asked for
-        return outputs[key]
+            hf_keys = [k[len(self.prefix):] for k in self.plan.source_keys(key)]
+            raise ConvertError(f"{self.path}: {', '.join(hf_keys)}: {exc}") from None
+
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        return self.produce(key)[0]
 
 
 def _manifest_family(manifest: Manifest | None, family: str | None, where: Path) -> str:
@@ -459,8 +358,8 @@ class _McoreSource(_Source):
         self.cfg, self.config_bytes = _load_family_config(root / HF_CONFIG_FILE, self.family, root)
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
         recorded = extra.get("hf_format") or (manifest.provenance.source_format if manifest else None)
-        module = families.get(self.family).converter()
-        self.hf_format = recorded if recorded in module.FORMATS else module.FORMATS[0]
+        formats = families.get(self.family).hooks.converter.formats
+        self.hf_format = recorded if recorded in formats else formats[0]
         self.prefix = str(extra.get("hf_prefix") or "")
         self.rules = _rule_set(self.family, self.cfg, self.hf_format)
         self.kinds = _kinds(self.rules)
@@ -470,7 +369,7 @@ class _McoreSource(_Source):
         present = set(present)
         expected = set(self.order)
         problems = [f"missing mcore tensor {k}" for k in self.order if k not in present]
-        problems += [f"unexpected mcore tensor {k}" for k in sorted(present - expected)]
+        problems += [f"unconsumed mcore tensor {k}" for k in sorted(present - expected)]
         if problems:
             raise ConvertError(_problems_line(f"{self.root}: not a complete {self.family!r} {what} checkpoint",
                                               problems))
@@ -480,15 +379,13 @@ class _LegacySource(_McoreSource):
     layout = LAYOUT_LEGACY
 
     def __init__(self, path: Path, family: str | None, filt: _TensorFilter):
-        from mmparity.checkpoint.legacy import open_legacy
-
         self.path = path
         ckpt = open_legacy(path)
         self._init_common(ckpt.root, ckpt.manifest, family, filt)
         self.file_ranges = FileRanges()
         self.tp = ckpt.tp_size
         extra = dict(ckpt.manifest.provenance.extra or {}) if ckpt.manifest else {}
-        layout = pipeline_layout(self.family, self.order)
+        layout = pp_mod.pipeline_layout(self.order)
         layer_prefix = extra.get("pipeline_layer_prefix") or layout.layer_prefix
         counts = ckpt.manifest.pipeline_layer_counts if ckpt.manifest else None
         self.ranks: list[dict] = []
@@ -523,9 +420,10 @@ class _LegacySource(_McoreSource):
     def _parts(self, key: str) -> list[torch.Tensor]:
         parts = [self._filter(key, state[key], self.root) for state in self.ranks]
         if len(parts) > 1 and self.kinds[key] == "replicated":
-            for rank, part in enumerate(parts[1:], start=1):
-                if part.dtype != parts[0].dtype or part.shape != parts[0].shape or not torch.equal(part, parts[0]):
-                    raise ConvertError(f"{self.root}: {key}: replicated tensor differs between TP rank 0 and rank {rank}")
+            try:
+                tp_mod.check_replicated(parts)
+            except ShardError as exc:
+                raise ConvertError(f"{self.root}: {key}: {exc}") from None
         return parts
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
@@ -568,8 +466,6 @@ class _TorchDistSource(_McoreSource):
     layout = LAYOUT_TORCH_DIST
 
     def __init__(self, path: Path, family: str | None, filt: _TensorFilter):
-        from mmparity.checkpoint.torch_dist_files import TorchDistFiles
-
         self.path = path
         root, iteration_dir, _ = resolve_iteration_dir(path)
         manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
@@ -625,8 +521,6 @@ def _source_kind(path: Path) -> str:
                            f"nor an mcore checkpoint ({TRACKER_FILE})") from None
     if any(parse_legacy_rank_dirname(p.name) for p in iteration_dir.iterdir()):
         return "legacy"
-    from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
-
     if is_torch_dist_dir(iteration_dir):
         return "torch_dist"
     raise ConvertError(f"{iteration_dir}: neither legacy rank directories (mp_rank_*/{LEGACY_FILE}) "
@@ -660,17 +554,15 @@ def _expected_mcore_shapes(family: str, cfg) -> dict | None:
     size (a norm, a position table) would otherwise pass. None when the reference cannot be built
     on meta (then the op checks are all there is).
     """
-    from mmparity import converters
-
     try:
         with torch.device("meta"):
             reference = families.get(family).build_reference(cfg)
         state = dict(reference.state_dict())
-        rules = converters.rule_set_for(family, cfg, None)
-        shards = R.convert_hf_to_mcore(rules, state, 1, prefix="")
+        rules = families.get(family).rule_set(cfg, None)
+        outputs = R.plan_hf_to_mcore(rules, state, 1, prefix="").outputs
     except Exception:
         return None
-    return {key: tuple(t.shape) for key, t in shards[0].items()}
+    return {key: tuple(t.shape) for key, t in outputs.items()}
 
 
 def _check_shapes(source: _Source) -> None:
@@ -681,7 +573,7 @@ def _check_shapes(source: _Source) -> None:
     for key, meta in source.metas.items():
         want = expected.get(key)
         if want is not None and tuple(meta.shape) != want:
-            origin = getattr(source, "hf_sources", {}).get(key)
+            origin = source.hf_sources.get(key)
             named = f"{', '.join(origin)} -> {key}" if origin else key
             problems.append(f"{named} is {list(meta.shape)}, the config implies {list(want)}")
     if problems:
@@ -692,116 +584,16 @@ def _check_shapes(source: _Source) -> None:
 # HF output: safetensors shards streamed into place
 
 
-_SAFETENSORS_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-
-
-class StreamingSafetensorsWriter:
-    """HF safetensors shards written tensor by tensor, in any order, without buffering.
-
-    Every tensor's name, dtype and shape is known before any is produced (the converter's dry run
-    says so), so each shard's header and byte layout are fixed up front: tensors are assigned to
-    shards greedily in the given order (HF's rule, a tensor larger than the limit gets a shard of
-    its own), laid out inside a shard by decreasing alignment so every tensor's bytes stay aligned,
-    and a `SlotWriter` puts each tensor (or its pieces) at its offset. Output names follow
-    `save_pretrained`: `model.safetensors`, or `model-0000i-of-0000N.safetensors` plus
-    `model.safetensors.index.json`.
-    """
-
-    def __init__(self, directory: str | os.PathLike, entries: Sequence[tuple[str, torch.dtype, tuple]], *,
-                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, metadata: Mapping[str, str] | None = None,
-                 locate=None):
-        self.directory = Path(directory)
-        limit = parse_size(max_shard_size)
-        if not entries:
-            raise CheckpointError(f"{self.directory}: refusing to write a checkpoint with no tensors")
-        names = [name for name, _, _ in entries]
-        if len(set(names)) != len(names):
-            raise CheckpointError(f"{self.directory}: a tensor name appears twice")
-        shards: list[list] = []
-        size = 0
-        for name, dtype, shape in entries:
-            if dtype not in _SAFETENSORS_CODES:
-                raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors")
-            nbytes = Meta(dtype, tuple(shape)).nbytes
-            if not shards or (shards[-1] and size + nbytes > limit):
-                shards.append([])
-                size = 0
-            shards[-1].append((name, dtype, tuple(shape), nbytes))
-            size += nbytes
-        count = len(shards)
-        self.files = ([SAFETENSORS_SINGLE_FILE] if count == 1 else
-                      [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
-        self.weight_map: dict[str, str] = {}
-        self.total_bytes = sum(e[3] for s in shards for e in s)
-        self.total_parameters = sum(e[3] // e[1].itemsize for s in shards for e in s)
-        header_metadata = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
-        fds: list[int] = []
-        slots: dict[str, Slot] = {}
-        try:
-            for number, shard in enumerate(shards):
-                ordered = sorted(shard, key=lambda e: (-e[1].itemsize, e[0]))
-                header: dict = {"__metadata__": header_metadata}
-                offset = 0
-                for name, dtype, shape, nbytes in ordered:
-                    header[name] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape),
-                                    "data_offsets": [offset, offset + nbytes]}
-                    offset += nbytes
-                blob = json.dumps(header, separators=(",", ":")).encode()
-                blob += b" " * (-len(blob) % 8)  # so the byte buffer starts 8-aligned
-                start = 8 + len(blob)
-                fd = os.open(self.directory / self.files[number], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-                fds.append(fd)
-                pwrite_all(fd, len(blob).to_bytes(8, "little") + blob, 0)
-                os.ftruncate(fd, start + offset)
-                for name, dtype, shape, nbytes in ordered:
-                    slots[name] = Slot(number, start + header[name]["data_offsets"][0], nbytes, dtype, shape)
-                    self.weight_map[name] = self.files[number]
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        self._slots = SlotWriter(self.directory, fds, slots, locate=locate)
-        self.checksums = self._slots.checksums
-
-    def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """`tensor` may also be consecutive pieces of the tensor's C-order bytes."""
-        self._slots.write(name, tensor)
-
-    def close(self) -> list[str]:
-        """Checks every announced tensor was written, writes the index if sharded; returns file names."""
-        self._slots.close()
-        if len(self.files) == 1:
-            return list(self.files)
-        index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
-                 "weight_map": dict(sorted(self.weight_map.items()))}
-        with open(self.directory / SAFETENSORS_INDEX_FILE, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
-        return list(self.files) + [SAFETENSORS_INDEX_FILE]
-
-    def abort(self) -> None:
-        self._slots.abort()
-
-
-def dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # --------------------------------------------------------------------------------------------------
 # targets
 
 
 def _hf_target_format(source: _Source, requested: str | None) -> str:
-    module = families.get(source.family).converter()
+    formats = families.get(source.family).hooks.converter.formats
     fmt = requested or source.hf_format
-    if fmt not in module.FORMATS:
+    if fmt not in formats:
         raise ConvertError(f"--hf-format {fmt!r} is not a layout of family {source.family!r}; "
-                           f"it knows {', '.join(module.FORMATS)}")
+                           f"it knows {', '.join(formats)}")
     return fmt
 
 
@@ -809,33 +601,21 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
     fmt = _hf_target_format(source, options.hf_format)
     rules = _rule_set(source.family, source.cfg, fmt)
     prefix = source.prefix if source.prefix in rules.hf_prefixes else ""
-    steps = R.plan(rules)
-    entries, problems = [], []
-    for step in steps:
-        missing = [k for k in step.mcore_keys if k not in source.metas]
-        if missing:
-            problems += [f"no mcore tensor {k} for {', '.join(step.hf_keys)}" for k in missing]
-            continue
-        try:
-            outputs = _invert(step.rule.op, [source.metas[k].tensor() for k in step.mcore_keys])
-        except (LayoutError, ShardError, RuntimeError, ValueError) as exc:
-            problems.append(f"{', '.join(f'{k} {list(source.metas[k].shape)}' for k in step.mcore_keys)}: {exc}")
-            continue
-        entries += [(prefix + key, t.dtype, tuple(t.shape)) for key, t in zip(step.hf_keys, outputs)]
-    unused = sorted(set(source.metas) - {k for s in steps for k in s.mcore_keys})
-    problems += [f"mcore tensor {k} has no place in the {fmt!r} layout" for k in unused]
-    if problems:
-        raise ConvertError(_problems_line(f"cannot lay out {source.family!r} as HF {fmt!r}", problems))
+    try:
+        plan = R.plan_mcore_to_hf(rules, {k: meta.tensor() for k, meta in source.metas.items()}, prefix)
+    except R.ConversionError as exc:
+        raise ConvertError(_problems_line(f"cannot lay out {source.family!r} as HF {fmt!r}", exc.problems)) from None
+    entries = [(key, t.dtype, tuple(t.shape)) for key, t in plan.outputs.items()]
     total = sum(Meta(d, s).nbytes for _, d, s in entries)
     progress.phase(f"{source.family} -> hf", len(entries), total)
     provenance = Provenance(family=source.family, source_layout=source.layout, source_format=fmt,
                             source_path=str(source.path), extra=source.provenance_extra() | {"hf_format": fmt, "hf_prefix": prefix})
-    heap = _heap_budget()
+    heap = heap_budget()
     with atomic_directory(options.dst, force=options.force) as staging:
         writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size,
                                             locate=source.locate)
         try:
-            for step in steps:
+            for step in plan.steps:
                 outputs = None
                 if len(step.mcore_keys) == 1:
                     # An op that only moves row blocks (a rename, q/k/v regrouping, a gated split)
@@ -882,7 +662,7 @@ def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], di
     rules = _rule_set(source.family, source.cfg, source.hf_format)
     _validate_tp(rules, options.tp)
     order, kinds = _mcore_order(rules), _kinds(rules)
-    problems = [f"no mcore tensor {k}" for k in order if k not in source.metas]
+    problems = [f"missing mcore tensor {k}" for k in order if k not in source.metas]
     for key in order:
         if key in source.metas and options.tp > 1:
             try:
@@ -895,10 +675,8 @@ def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], di
 
 
 def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
-    from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy
-
     order, kinds = _mcore_plan(source, options)
-    layout = pipeline_layout(source.family, order)
+    layout = pp_mod.pipeline_layout(order)
     counts = layout.layer_counts(options.pp)
     total = sum(source.metas[k].nbytes for k in order)
     entries = [{} for _ in range(options.tp)]
@@ -911,25 +689,25 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
             entries[rank][key] = (meta.dtype, tuple(shape))
     progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}", len(order), total)
-    heap = _heap_budget()
+    heap = heap_budget()
     try:
         with atomic_directory(options.dst, force=options.force) as staging:
             writer = LegacyWriter(staging, entries, pp_size=options.pp, layer_counts=counts,
                                   layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
                                   iteration=1, locate=source.locate)
+            def put(key: str, kind: str, pieces: list, inputs: list) -> None:
+                shape = tuple(source.metas[key].shape)
+                for rank in range(options.tp):
+                    # tp.shard_slices names the rows / columns each rank holds (two row ranges
+                    # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
+                    ranges = tp_mod.shard_slices(shape, kind, options.tp, rank) if options.tp > 1 else []
+                    writer.write(rank, key, [view for dim, start, stop in ranges
+                                             for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
+                progress.advance(1, source.metas[key].nbytes)
+                heap.check()
+
             try:
-                for key in order:
-                    pieces = source.mcore_pieces(key)
-                    shape = tuple(source.metas[key].shape)
-                    for rank in range(options.tp):
-                        # tp.shard_slices names the rows / columns each rank holds (two row ranges
-                        # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
-                        ranges = tp_mod.shard_slices(shape, kinds[key], options.tp, rank) if options.tp > 1 else []
-                        writer.write(rank, key, [view for dim, start, stop in ranges
-                                                 for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
-                    progress.advance(1, source.metas[key].nbytes)
-                    del pieces
-                    heap.check()
+                R.stream_to_mcore(order, kinds, source.produce, put)
                 records = writer.close()
             finally:
                 writer.abort()
@@ -944,12 +722,11 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
 def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
     from mmparity.checkpoint import _mcore_compat as mc
     from mmparity.checkpoint.torch_dist import save_torch_dist
-    from mmparity import runtime
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     order, _ = _mcore_plan(source, options)
     # torch_dist stores global tensors: the TP/PP sizes only had to fit (checked above).
-    pipeline_layout(source.family, order).layer_counts(options.pp)
+    pp_mod.pipeline_layout(order).layer_counts(options.pp)
     total = sum(source.metas[k].nbytes for k in order)
     with runtime.parallel_context(1, 1):
         # The model only supplies mcore's sharding metadata (keys, layer offsets, the swiglu
@@ -990,7 +767,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
                     raise ConvertError(f"{key}: converted shape {list(meta.shape)}, the native model expects "
                                        f"{list(entry.local_shape)}")
                 sharded[local] = dataclasses.replace(entry, data=placeholder, dtype=meta.dtype)
-        heap = _heap_budget()
+        heap = heap_budget()
 
         source_errors: list[ConvertError] = []
 
@@ -1057,58 +834,8 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise ConvertError(f"{dst}: already exists; pass --force to replace it")
 
 
-class _HeapBudget:
-    """Keeps freed heap memory from piling up while tensors stream through.
-
-    Tensor-sized blocks freed back to glibc's heap are reused by later tensors, which is fast; but a
-    stream of differently sized tensors fragments the heap, and the free part of it stays resident
-    (measured: 800 MB free heap, all anonymous memory, after streaming a 0.9 GB checkpoint). Serving
-    every large block from its own mapping instead (a fixed mmap threshold) bounds memory but pays
-    fresh page faults on every tensor, 2-3x slower here. So: keep the heap, and when its free part
-    exceeds `budget` bytes, `malloc_trim` hands the free pages back. No-op without glibc.
-    """
-
-    def __init__(self, budget: int = 128 * 2**20):
-        import ctypes
-
-        from mmparity.checkpoint.fsio import libc as load_libc
-
-        self.budget = budget
-        self._libc = None
-        libc = load_libc()
-        if libc is None:
-            return
-        try:
-            class MallInfo2(ctypes.Structure):
-                _fields_ = [(name, ctypes.c_size_t) for name in (
-                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                    "fordblks", "keepcost")]
-
-            libc.mallinfo2.restype = MallInfo2
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            self._libc = libc
-        except AttributeError:  # a libc without mallinfo2 (not glibc, or glibc < 2.33)
-            pass
-
-    def check(self) -> None:
-        if self._libc is not None and self._libc.mallinfo2().fordblks > self.budget:
-            self._libc.malloc_trim(0)
-
-
-_HEAP = None
-
-
-def _heap_budget() -> _HeapBudget:
-    global _HEAP
-    if _HEAP is None:
-        _HEAP = _HeapBudget()
-    return _HEAP
-
-
 def convert(options: ConvertOptions, progress: Progress | None = None) -> ConvertResult:
     """Converts `options.src` into `options.dst`; raises `ConvertError` (one line) on any problem."""
-    from mmparity.families import UnknownFamilyError
-
     progress = progress or Progress()
     started = time.perf_counter()
     try:
@@ -1131,7 +858,7 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         else:
             count, nbytes = _write_torch_dist(source, options, progress)
             layout, tp, pp = LAYOUT_TORCH_DIST, 1, 1
-    except (CheckpointError, UnknownFamilyError) as exc:
+    except (CheckpointError, PipelineError, UnknownFamilyError) as exc:
         raise ConvertError(str(exc)) from None
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
@@ -1165,6 +892,6 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
                 full = source.mcore_tensor(key)
                 for shard, part in zip(shards, tp_mod.shard(full, source.kinds[key], target)):
                     shard[key] = part
-    except (CheckpointError, ShardError) as exc:
+    except (CheckpointError, PipelineError, ShardError) as exc:
         raise ConvertError(str(exc)) from None
     return source.family, source.root / HF_CONFIG_FILE, shards

@@ -11,7 +11,7 @@ from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_siz
 
 
 def add_arguments(parser) -> None:
-    from mmparity.native.attention import BACKENDS
+    from mmparity.native.core.attention import BACKENDS
 
     parser.add_argument("families", nargs="*", metavar="FAMILY",
                         help="families to time (default: every registered family with a config at --size)")
@@ -23,7 +23,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for a mixed batch (sizes cycle over --images)")
     parser.add_argument("--mixed", action="store_true",
-                        help="time each family's packed mixed-size batch (mmparity.parity.bench.PUBLISHED "
+                        help="time each family's packed mixed-size batch (the family record's published config, "
                              "mixed sets at published size; 8 sizes of the patch multiple at tiny); "
                              "families without one are skipped")
     parser.add_argument("--no-parity", dest="parity", action="store_false",

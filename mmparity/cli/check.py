@@ -54,7 +54,7 @@ def _resolve_families(requested: list[str]) -> list[str]:
 
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout) from an HF directory."""
-    from mmparity import converters, families
+    from mmparity import families
     from mmparity.checkpoint.fsio import CheckpointError, open_safetensors_checkpoint
     from mmparity.converters.rules import ConversionError
 
@@ -73,7 +73,7 @@ def _load_hf(directory: str, family: str, hf_format):
         raise UsageError(f"--hf {directory}: cannot read config.json: {str(exc).splitlines()[0]}") from None
     fam = families.get(family)
     try:
-        cfg = fam.reference().vision_config(full_cfg)
+        cfg = fam.family_config(full_cfg)
     except ValueError as exc:
         raise UsageError(f"--hf {directory}: {exc} (family {family!r})") from None
     try:
@@ -82,14 +82,14 @@ def _load_hf(directory: str, family: str, hf_format):
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
     try:
-        tensors, _prefix, fmt = converters.select_family_tensors(family, cfg, state, hf_format)
-        default_format = fam.converter().FORMATS[0]
+        tensors, _prefix, fmt = fam.select_tensors(cfg, state, hf_format)
+        default_format = fam.hooks.converter.formats[0]
         if fmt != default_format:
             # The reference only loads its own layout: go through mcore, exactly as a user would.
-            shards = converters.hf_to_mcore(family, tensors, cfg, hf_format=fmt)
-            tensors = converters.mcore_to_hf(family, shards, cfg, hf_format=default_format)
+            shards = fam.hf_to_mcore(tensors, cfg, hf_format=fmt)
+            tensors = fam.mcore_to_hf(shards, cfg, hf_format=default_format)
         else:
-            converters.hf_to_mcore(family, tensors, cfg, hf_format=fmt)  # totality, before any model
+            fam.hf_to_mcore(tensors, cfg, hf_format=fmt)  # totality, before any model
     except ConversionError as exc:
         raise UsageError(f"--hf {directory}: {exc.title}: "
                          f"{'; '.join(exc.problems[:5])}") from None

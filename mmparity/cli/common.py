@@ -65,7 +65,7 @@ def select_device_and_backend(device: str, dtype: str, backend: str | None) -> N
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: CUDA is not available on this machine")
     if backend is not None:
-        from mmparity.native import attention
+        from mmparity.native.core import attention
 
         try:
             attention.set_backend(backend, device=device, dtype=dtype)

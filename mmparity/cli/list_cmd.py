@@ -14,7 +14,7 @@ def run(args) -> int:
 
     rows = [families.get(n) for n in families.names()]
     if args.json:
-        print(json.dumps([{"family": f.name, "summary": f.summary, "components": list(f.components),
+        print(json.dumps([{"family": f.name, "summary": f.summary, "components": list(f.compared),
                            "reference_classes": list(f.reference_classes)} for f in rows], indent=2))
         return 0
     from rich.console import Console
@@ -24,6 +24,6 @@ def run(args) -> int:
     for column in ("family", "HF reference", "components", "summary"):
         table.add_column(column)
     for fam in rows:
-        table.add_row(fam.name, ", ".join(fam.reference_classes), ", ".join(fam.components), fam.summary)
+        table.add_row(fam.name, ", ".join(fam.reference_classes), ", ".join(fam.compared), fam.summary)
     Console().print(table)
     return 0

@@ -9,7 +9,8 @@ SigLIP (:mod:`mmparity.converters.siglip`) is this table plus overrides.
 from __future__ import annotations
 
 from mmparity.converters.ops import FuseQKV, Reshape
-from mmparity.converters.rules import Rule, RuleSet, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
 
@@ -57,15 +58,8 @@ def encoder_layer_rules(cfg) -> tuple:
     )
 
 
-def vision_config(cfg):
-    if getattr(cfg, "model_type", None) == "clip_vision_model":
-        return cfg
-    sub = getattr(cfg, "vision_config", None)
-    return sub if getattr(sub, "model_type", None) == "clip_vision_model" else cfg
-
-
 def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
-    cfg = vision_config(cfg)
+    cfg = tower_config_or_self(cfg, "clip_vision_model")
     hidden = cfg.hidden_size
     rules = (
         # HF keeps one class token as a vector; mcore as (1, class_token_len, H).
@@ -80,3 +74,6 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     )
     return RuleSet(rules=rules, variables={"i": cfg.num_hidden_layers}, hf_prefixes=HF_PREFIXES,
                    drop_hf=DROP_HF, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp))
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set)

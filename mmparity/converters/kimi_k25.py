@@ -33,19 +33,11 @@ import re
 from typing import Iterable, Mapping
 
 from mmparity.converters.ops import FuseQKV, RegroupQKV, RopeInterleave
-from mmparity.converters.rules import ConversionError, Rule, RuleSet, rename
+from mmparity.hfconfig import has_vision_sub_config as has_projector
+from mmparity.hfconfig import vision_sub_config as vision_cfg
+from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, rename
 
 FORMATS = ("hf", "release", "kimi_vl", "hf_saved")
-
-
-def vision_cfg(cfg):
-    """The vision sub-config of a whole Kimi-K2.5 config, or the vision config itself."""
-    return getattr(cfg, "vision_config", None) or cfg
-
-
-def has_projector(cfg) -> bool:
-    """A whole-model config (vision + text) carries the projector; a vision config does not."""
-    return getattr(cfg, "vision_config", None) is not None
 
 
 # Per layout: names relative to the vision tower, and the projector's pre_norm / fc1 / fc2.
@@ -170,7 +162,7 @@ def detect_format(keys: Iterable[str]) -> str:
 class KimiVLStateDictAdapter:
     """Key re-prefixing between a release-layout checkpoint and a native Kimi-VL module.
 
-    The semantics of NeMo Automodel's ``KimiVLStateDictAdapter`` (seed 002) for names:
+    The semantics of NeMo Automodel's ``KimiVLStateDictAdapter`` (``nemo_automodel/components/models/kimivl/model.py``) for names:
     ``from_hf`` puts ``vision_tower.*``, ``multi_modal_projector.*`` (and Kimi-K2.5's
     ``mm_projector.*``) and ``language_model.*`` under ``model.``; ``to_hf`` strips it. Tensors are
     passed through untouched; the language model's inner names are kept as they are.
@@ -214,3 +206,6 @@ class KimiVLStateDictAdapter:
     def to_hf(self, state_dict: Mapping, **kwargs) -> dict:
         """Native names -> release names."""
         return self._convert(state_dict, False, kwargs.get("exclude_key_regex"))
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format)

@@ -27,27 +27,20 @@ HF layouts:
 The language-model rules come first in the table, so converted state dicts list the language
 model first, as the native module does.
 
-Shared with the native and reference sides because it is pure configuration: which vision family
-a config uses, the padded vocabulary size, whether embeddings are tied.
+Which vision family a config uses is the registry's business: :func:`converter` takes a lookup.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 from mmparity.converters.ops import FuseQKV, PadRows, fuse_gate_up
-from mmparity.converters.rules import ConversionError, Rule, RuleSet, nested_rules, rename
+from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, nested_rules, rename
+from mmparity.hfconfig import head_dim, padded_vocab_size, tied_embeddings
 
 FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint")
-
-# HF vision_config.model_type -> the registered vision family that owns that tower.
-VISION_FAMILIES = {"pixtral": "pixtral", "clip_vision_model": "clip",
-                   "siglip_vision_model": "siglip"}
-TEXT_MODEL_TYPES = ("llama", "mistral")
-
-# Megatron-LM's default ``make_vocab_size_divisible_by``. The padded size depends on the HF config
-# only (not on the TP size), so one native shape serves every TP size that divides it.
-VOCAB_PAD_MULTIPLE = 128
 
 # Roots per layout: (vision tower, projector, language model body, output head key).
 _ROOTS = {
@@ -57,75 +50,30 @@ _ROOTS = {
                       "language_model.lm_head.weight"),
 }
 _ROOTS["hf_v4_checkpoint"] = _ROOTS["hf_checkpoint"]
-# transformers 4 kept CLIP / SigLIP towers as ``*VisionModel`` with an inner ``vision_model``.
-_V4_TOWER_INNER = {"clip": "vision_model.", "siglip": "vision_model."}
 
 # Deliberately not converted: persistent buffers older releases saved (CLIP position ids, Llama
 # rotary frequencies); both are recomputed from the config.
 _DROP_BUFFERS = (r"^(.*\.)?embeddings\.position_ids$", r"^(.*\.)?rotary_emb\.inv_freq$")
 
 
-def vision_family(cfg) -> str:
-    """The registered family of ``cfg.vision_config``; ``ValueError`` naming what is supported."""
-    from mmparity import families
+@dataclass(frozen=True)
+class Tower:
+    """What the LLaVA table needs of its vision tower's family: that family's converter, and the
+    extra root transformers 4 nested that tower under (``vision_model.`` for CLIP and SigLIP)."""
 
-    model_type = getattr(getattr(cfg, "vision_config", None), "model_type", None)
-    name = VISION_FAMILIES.get(model_type)
-    registered = [t for t, f in VISION_FAMILIES.items() if f in families.names()]
-    if name is None or name not in families.names():
-        raise ValueError(f"LLaVA vision tower of model_type {model_type!r} is not supported; "
-                         f"registered vision towers: {', '.join(registered)}")
-    return name
+    converter: ConverterSpec
+    v4_checkpoint_root: str = ""
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
-    return -(-vocab_size // multiple) * multiple
+def _vision_rule_set(cfg, tower: Tower) -> RuleSet:
+    return tower.converter.rule_set(cfg.vision_config, "hf")
 
 
-def tied(cfg) -> bool:
-    """Whether ``lm_head`` shares the input embedding (HF reads the top-level config flag)."""
-    return bool(getattr(cfg, "tie_word_embeddings", False))
-
-
-def text_head_dim(text_cfg) -> int:
-    return getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-
-
-def feature_layer_indices(cfg) -> list[int]:
-    """``vision_feature_layer`` as indices into HF's ``hidden_states`` (0 = the embedding output,
-    k = the output of vision layer k-1), in the order the features are concatenated."""
-    layers = cfg.vision_feature_layer
-    layers = [layers] if isinstance(layers, int) else list(layers)
-    count = cfg.vision_config.num_hidden_layers
-    resolved = [layer + count + 1 if layer < 0 else layer for layer in layers]
-    bad = [layer for layer, index in zip(layers, resolved) if not 0 <= index <= count]
-    if not layers or bad:
-        raise ValueError(f"vision_feature_layer {cfg.vision_feature_layer!r} does not select among "
-                         f"the {count + 1} hidden states of a {count}-layer vision tower")
-    return resolved
-
-
-def vision_layers_run(cfg) -> int:
-    """Vision layers the features depend on; later layers are converted but never run."""
-    return max(feature_layer_indices(cfg))
-
-
-def vision_pair_names(cfg) -> set[str]:
-    """The vision family's paired modules that a LLaVA forward actually runs."""
-    return {"patch_embed", "ln_pre"} | {f"layer.{i}" for i in range(vision_layers_run(cfg))}
-
-
-def _vision_rule_set(cfg) -> RuleSet:
-    from mmparity import families
-
-    return families.get(vision_family(cfg)).converter().rule_set(cfg.vision_config, "hf")
-
-
-def tp_problems(cfg, tp: int) -> list[str]:
+def tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
     if tp < 1:
         return []  # the engine reports a non-positive size itself
     text = cfg.text_config
-    validate_vision = _vision_rule_set(cfg).validate_tp
+    validate_vision = _vision_rule_set(cfg, tower).validate_tp
     problems = list(validate_vision(tp)) if validate_vision else []
     sizes = {"text num_attention_heads": text.num_attention_heads,
              "text num_key_value_heads": text.num_key_value_heads,
@@ -140,7 +88,7 @@ def tp_problems(cfg, tp: int) -> list[str]:
 def language_rules(cfg, lm_root: str, head_key: str) -> tuple:
     """Llama / Mistral decoder (no biases, RMSNorm, SwiGLU, rotate-half RoPE as HF stores it)."""
     text = cfg.text_config
-    heads, groups, d = text.num_attention_heads, text.num_key_value_heads, text_head_dim(text)
+    heads, groups, d = text.num_attention_heads, text.num_key_value_heads, head_dim(text)
     vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
     hf = lm_root + "layers.{i}."
     mc = "language_model.decoder.layers.{i}."
@@ -161,7 +109,7 @@ def language_rules(cfg, lm_root: str, head_key: str) -> tuple:
         rename(mc + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", "row"),
         rename("language_model.decoder.final_layernorm.weight", lm_root + "norm.weight"),
     )
-    if not tied(cfg):
+    if not tied_embeddings(cfg):
         rules += (Rule("language_model.output_layer.weight", head_key, vocab, "vocab"),)
     return rules
 
@@ -176,20 +124,20 @@ def projector_rules(cfg, root: str) -> tuple:
     return rules
 
 
-def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
+def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
     if hf_format not in FORMATS:
         raise ConversionError("unknown LLaVA layout", [f"got {hf_format!r}; known: {FORMATS}"])
-    family = vision_family(cfg)
-    tower, projector, lm_root, head_key = _ROOTS[hf_format]
+    tower_root, projector, lm_root, head_key = _ROOTS[hf_format]
     if hf_format == "hf_v4_checkpoint":
-        tower += _V4_TOWER_INNER.get(family, "")
-    vision, vision_vars = nested_rules(_vision_rule_set(cfg), "vision_model.", tower, "vision_")
+        tower_root += tower.v4_checkpoint_root
+    vision, vision_vars = nested_rules(_vision_rule_set(cfg, tower), "vision_model.", tower_root,
+                                       "vision_")
     rules = language_rules(cfg, lm_root, head_key) + vision + projector_rules(cfg, projector)
-    drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied(cfg) else ())
+    drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
     return RuleSet(rules=rules,
                    variables={"i": cfg.text_config.num_hidden_layers, **vision_vars},
                    hf_prefixes=("",), drop_hf=drops, hf_format=hf_format,
-                   validate_tp=lambda tp: tp_problems(cfg, tp))
+                   validate_tp=lambda tp: tp_problems(cfg, tp, tower))
 
 
 def detect_format(keys) -> str:
@@ -207,3 +155,9 @@ def detect_format(keys) -> str:
         return "hf"
     nested = any(k.startswith("vision_tower.vision_model.") for k in keys)
     return "hf_v4_checkpoint" if nested else "hf_checkpoint"
+
+
+def converter(tower_of: Callable[[object], Tower]) -> ConverterSpec:
+    """LLaVA's converter, given how to find the tower of a config (the family registry knows)."""
+    return ConverterSpec(formats=FORMATS, rule_set=lambda cfg, fmt: rule_set(cfg, fmt, tower_of(cfg)),
+                         detect_format=detect_format)

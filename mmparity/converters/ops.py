@@ -144,23 +144,6 @@ class RopeInterleave(Op):
 
 
 @dataclass(frozen=True, repr=False)
-class Chain(Op):
-    """One-to-one ops applied in order (inverted in reverse order)."""
-
-    ops: tuple
-
-    def apply(self, hf):
-        for op in self.ops:
-            hf = op.apply(hf)
-        return hf
-
-    def invert(self, mcore):
-        for op in reversed(self.ops):
-            mcore = op.invert(mcore)
-        return mcore
-
-
-@dataclass(frozen=True, repr=False)
 class FuseQKV(Op):
     """Separate q, k, v (weights or biases) -> mcore ``linear_qkv`` in per-query-group order.
 

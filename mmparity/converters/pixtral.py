@@ -17,7 +17,8 @@ from __future__ import annotations
 import re
 
 from mmparity.converters.ops import FuseQKV, RopeInterleave, fuse_gate_up
-from mmparity.converters.rules import ConversionError, Rule, RuleSet, rename
+from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, rename
+from mmparity.hfconfig import head_dim, tower_config_or_self
 
 FORMATS = ("hf", "mistral")
 
@@ -48,18 +49,6 @@ def detect_format(keys) -> str:
             "HF: " + ", ".join(sorted(k for k in keys if _HF_KEY.match(k))[:3]),
             "pass hf_format='hf' or 'mistral' explicitly"])
     return "mistral" if mistral else "hf"
-
-
-def vision_config(cfg):
-    """Pixtral's own config, or the ``vision_config`` of a VLM config (LLaVA, Mistral3)."""
-    if getattr(cfg, "model_type", None) == "pixtral":
-        return cfg
-    sub = getattr(cfg, "vision_config", None)
-    return sub if getattr(sub, "model_type", None) == "pixtral" else cfg
-
-
-def head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def tp_problems(cfg, tp: int) -> list[str]:
@@ -113,7 +102,7 @@ def tower_rules(cfg, hf_format: str, hf_root: str = "", mcore_root: str = "") ->
 
 
 def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
-    cfg = vision_config(cfg)
+    cfg = tower_config_or_self(cfg, "pixtral")
     if hf_format == "mistral":
         prefixes, drops = MISTRAL_PREFIXES, MISTRAL_DROP_LM + MISTRAL_DROP_ADAPTER
     else:
@@ -121,3 +110,6 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     return RuleSet(rules=tower_rules(cfg, hf_format), variables={"i": cfg.num_hidden_layers},
                    hf_prefixes=prefixes, drop_hf=drops, hf_format=hf_format,
                    validate_tp=lambda tp: tp_problems(cfg, tp))
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from mmparity.converters import pixtral
 from mmparity.converters.pixtral import detect_format  # noqa: F401  (same key evidence)
-from mmparity.converters.rules import ConversionError, RuleSet, rename
+from mmparity.converters.rules import ConversionError, ConverterSpec, RuleSet, rename
 
 FORMATS = ("hf", "mistral")
 
@@ -73,3 +73,6 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     return RuleSet(rules=tuple(rules), variables={"i": cfg.vision_config.num_hidden_layers},
                    hf_prefixes=prefixes, drop_hf=drops, hf_format=hf_format,
                    validate_tp=lambda tp: tp_problems(cfg, tp))
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format)

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
-
-from mmparity.checkpoint.fsio import CheckpointError
 
 __all__ = [
     "DEFAULT_LAYER_PREFIX",
     "DEFAULT_LAST_STAGE_PREFIXES",
-    "even_layer_counts",
+    "PipelineError",
+    "PipelineLayout",
+    "buildable_layer_counts",
+    "pipeline_layout",
     "stage_offsets",
     "global_to_local",
     "local_to_global",
@@ -37,22 +39,82 @@ DEFAULT_LAYER_PREFIX = "decoder.layers."
 DEFAULT_LAST_STAGE_PREFIXES: tuple[str, ...] = ("decoder.final_layernorm.", "decoder.final_norm.")
 
 
-def even_layer_counts(num_layers: int, pp_size: int) -> list[int]:
-    """mcore's default split: every stage gets `num_layers / pp_size` layers (must divide)."""
-    if pp_size < 1:
-        raise CheckpointError(f"pipeline size must be >= 1, got {pp_size}")
-    if num_layers < 0 or num_layers % pp_size:
-        raise CheckpointError(
-            f"{num_layers} layers do not split evenly over {pp_size} pipeline stages; "
-            "pass explicit per-stage layer counts"
-        )
-    return [num_layers // pp_size] * pp_size
+class PipelineError(ValueError):
+    """A pipeline split that cannot be made or undone; the message is one line."""
+
+
+def buildable_layer_counts(num_layers: int, pp: int) -> list[int]:
+    """The one split of `num_layers` over `pp` stages used everywhere: one that mcore can build.
+
+    Megatron-LM splits evenly; otherwise it only takes explicit sizes for the first and last stage
+    (`num_layers_in_first/last_pipeline_stage`) with the middle stages even. So the middle stages
+    get `num_layers // pp` each and the rest is shared by the ends, the first taking the larger
+    half: 7 over 2 -> [4, 3], 7 over 3 -> [3, 2, 2], 6 over 4 -> [2, 1, 1, 2]. Checkpoints record
+    the counts, so reading back needs no hint.
+    """
+    if pp < 1:
+        raise PipelineError(f"--pp must be >= 1, got {pp}")
+    if num_layers < 0:
+        raise PipelineError(f"a layer count must be >= 0, got {num_layers}")
+    base = num_layers // pp
+    if pp == 1 or num_layers % pp == 0:
+        return [base] * pp
+    ends = num_layers - base * (pp - 2)
+    return [ends - ends // 2] + [base] * (pp - 2) + [ends // 2]
+
+
+_LAYER_KEY = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.")
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which layer stack a pipeline splits, and which other keys live on the last stage."""
+
+    layer_prefix: str
+    num_layers: int
+    last_stage_keys: tuple
+
+    def layer_counts(self, pp: int) -> list[int]:
+        if pp < 1:
+            raise PipelineError(f"--pp must be >= 1, got {pp}")
+        if pp > 1 and pp > self.num_layers:
+            raise PipelineError(f"--pp {pp} is more pipeline stages than the {self.num_layers} layers of "
+                                f"{self.layer_prefix}")
+        return buildable_layer_counts(self.num_layers, pp)
+
+
+def pipeline_layout(mcore_keys: Sequence[str]) -> PipelineLayout:
+    """The pipelined stack of a family's mcore keys (in plan order).
+
+    One `decoder.layers.` stack: that one, and every non-layer key planned after its layers (final
+    norm, merger, projector, head) is post-process, on the last stage. Several stacks (a VLM): the
+    language model's, as Megatron-LM pipelines it, with the encoder and projector on the first
+    stage; only the language model's own final norm and output layer go last.
+    """
+    stacks: dict[str, set] = {}
+    for key in mcore_keys:
+        match = _LAYER_KEY.match(key)
+        if match:
+            stacks.setdefault(match.group(1), set()).add(int(match.group(2)))
+    if not stacks:
+        return PipelineLayout(DEFAULT_LAYER_PREFIX, 0, ())
+    if len(stacks) == 1:
+        prefix = next(iter(stacks))
+    elif "language_model.decoder.layers." in stacks:
+        prefix = "language_model.decoder.layers."
+    else:
+        prefix = max(stacks, key=lambda p: len(stacks[p]))
+    root = "" if len(stacks) <= 1 else prefix[: -len("decoder.layers.")]
+    first = next((i for i, k in enumerate(mcore_keys) if k.startswith(prefix)), len(mcore_keys))
+    last = tuple(k for i, k in enumerate(mcore_keys)
+                 if i > first and k.startswith(root) and not k.startswith(prefix))
+    return PipelineLayout(prefix, len(stacks.get(prefix, ())), last)
 
 
 def _checked_counts(layer_counts: Sequence[int]) -> list[int]:
     counts = [int(c) for c in layer_counts]
     if not counts or any(c < 0 for c in counts):
-        raise CheckpointError(f"per-stage layer counts must be a non-empty list of counts >= 0, got {list(layer_counts)}")
+        raise PipelineError(f"per-stage layer counts must be a non-empty list of counts >= 0, got {list(layer_counts)}")
     return counts
 
 
@@ -69,7 +131,7 @@ def global_to_local(global_index: int, layer_counts: Sequence[int]) -> tuple[int
     """Global layer number -> (stage, local layer number)."""
     counts = _checked_counts(layer_counts)
     if not 0 <= global_index < sum(counts):
-        raise CheckpointError(f"layer {global_index} is outside a {sum(counts)}-layer stack split {counts}")
+        raise PipelineError(f"layer {global_index} is outside a {sum(counts)}-layer stack split {counts}")
     for stage, offset in enumerate(stage_offsets(counts)):
         if global_index < offset + counts[stage]:
             return stage, global_index - offset
@@ -80,9 +142,9 @@ def local_to_global(stage: int, local_index: int, layer_counts: Sequence[int]) -
     """(stage, local layer number) -> global layer number; the inverse of `global_to_local`."""
     counts = _checked_counts(layer_counts)
     if not 0 <= stage < len(counts):
-        raise CheckpointError(f"stage {stage} does not exist in a {len(counts)}-stage pipeline")
+        raise PipelineError(f"stage {stage} does not exist in a {len(counts)}-stage pipeline")
     if not 0 <= local_index < counts[stage]:
-        raise CheckpointError(f"stage {stage} has {counts[stage]} layers; there is no local layer {local_index}")
+        raise PipelineError(f"stage {stage} has {counts[stage]} layers; there is no local layer {local_index}")
     return stage_offsets(counts)[stage] + local_index
 
 
@@ -120,7 +182,7 @@ def split_pipeline_stages(
         stage, local = global_to_local(global_index, counts)
         stages[stage][f"{layer_prefix}{local}.{match.group(2)}"] = value
     if out_of_range:
-        raise CheckpointError(
+        raise PipelineError(
             f"{len(out_of_range)} key(s) name layers beyond the {total}-layer split {counts}: "
             f"{', '.join(sorted(out_of_range)[:8])}"
         )
@@ -141,7 +203,7 @@ def infer_layer_counts(
         indices = {int(m.group(1)) for key in state_dict if (m := pattern.match(key))}
         if indices and indices != set(range(max(indices) + 1)):
             gaps = sorted(set(range(max(indices) + 1)) - indices)
-            raise CheckpointError(f"stage {len(counts)} has local layers {sorted(indices)} with gaps at {gaps}")
+            raise PipelineError(f"stage {len(counts)} has local layers {sorted(indices)} with gaps at {gaps}")
         counts.append(max(indices) + 1 if indices else 0)
     return counts
 
@@ -163,7 +225,7 @@ def merge_pipeline_stages(
         else infer_layer_counts(stage_state_dicts, layer_prefix=layer_prefix)
     )
     if len(counts) != len(stage_state_dicts):
-        raise CheckpointError(f"{len(stage_state_dicts)} stage state dicts but layer counts for {len(counts)} stages")
+        raise PipelineError(f"{len(stage_state_dicts)} stage state dicts but layer counts for {len(counts)} stages")
     pattern = _layer_key_pattern(layer_prefix)
     merged: dict[str, torch.Tensor] = {}
     conflicts = []
@@ -184,7 +246,7 @@ def merge_pipeline_stages(
                 continue
             merged[key] = value
     if conflicts:
-        raise CheckpointError(
+        raise PipelineError(
             f"{len(conflicts)} key(s) appear on several pipeline stages with different values: "
             f"{', '.join(sorted(conflicts)[:8])}"
         )

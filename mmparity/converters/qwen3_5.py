@@ -12,7 +12,8 @@ permutation. The Conv3d kernel and the position table keep their shapes.
 from __future__ import annotations
 
 from mmparity.converters.ops import RegroupQKV
-from mmparity.converters.rules import Rule, RuleSet, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.hfconfig import head_dim
 
 FORMATS = ("hf",)
 
@@ -24,10 +25,6 @@ def _vision(cfg):
     """Accept the vision config or a whole-VLM config that carries it (attribute access only)."""
     sub = getattr(cfg, "vision_config", None)
     return sub if sub is not None and hasattr(sub, "num_position_embeddings") else cfg
-
-
-def head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def tp_problems(cfg, tp: int) -> list[str]:
@@ -73,3 +70,6 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     )
     return RuleSet(rules=rules, variables={"i": cfg.num_hidden_layers}, hf_prefixes=HF_PREFIXES,
                    drop_hf=DROP_HF, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp))
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set)

@@ -89,6 +89,37 @@ class RuleSet:
         return [dict(zip(names, combo)) for combo in itertools.product(*ranges)]
 
 
+@dataclass(frozen=True)
+class ConverterSpec:
+    """What one family's converter module offers: its HF layouts and a rule table per layout.
+
+    ``rule_set(cfg, hf_format)`` builds the table for a config; ``detect_format(keys)`` names the
+    layout a key set is in (without it, every checkpoint is taken to be in ``formats[0]``).
+    """
+
+    formats: tuple
+    rule_set: Callable[[object, str], RuleSet]
+    detect_format: Callable[[list], str] | None = None
+
+    def __post_init__(self):
+        if not self.formats:
+            raise ValueError("a converter needs at least one HF layout")
+
+    def detect(self, keys) -> str:
+        """Which HF-side layout (e.g. ``hf`` or ``mistral``) a key set is in, from the keys alone."""
+        return self.detect_format(list(keys)) if self.detect_format else self.formats[0]
+
+    def rules(self, cfg, hf_format: str | None = None, keys=None, *, family: str = "") -> RuleSet:
+        """The table for ``cfg`` in ``hf_format``; detected from ``keys`` when not given.
+        ``family`` names the family in errors."""
+        if hf_format is None:
+            hf_format = self.detect(keys) if keys is not None else self.formats[0]
+        if hf_format not in self.formats:
+            raise ConversionError(f"unknown HF layout for family {family!r}",
+                                  [f"got {hf_format!r}; this family knows {', '.join(self.formats)}"])
+        return self.rule_set(cfg, hf_format)
+
+
 def _fill(pattern: str, binding: Mapping[str, int]) -> str:
     return _VAR.sub(lambda m: str(binding[m.group(1)]), pattern)
 
@@ -102,7 +133,7 @@ class Step:
     mcore_keys: list
 
 
-def plan(rule_set: RuleSet) -> list[Step]:
+def plan_steps(rule_set: RuleSet) -> list[Step]:
     steps = []
     for rule in rule_set.rules:
         for binding in rule_set.bindings(rule.hf + rule.mcore):
@@ -113,7 +144,7 @@ def plan(rule_set: RuleSet) -> list[Step]:
 
 def expected_keys(rule_set: RuleSet) -> tuple[list[str], list[str]]:
     """(HF keys without prefix, mcore keys) that a complete checkpoint of this config has."""
-    steps = plan(rule_set)
+    steps = plan_steps(rule_set)
     return ([k for s in steps for k in s.hf_keys], [k for s in steps for k in s.mcore_keys])
 
 
@@ -172,50 +203,182 @@ def detect_prefix(rule_set: RuleSet, keys: Iterable[str]) -> str:
     return found[0]
 
 
-# --- the two directions -----------------------------------------------------------------------
+# --- the engine: plan (the one totality check), then stream through a sink ---------------------
+
+# Everything a layout op or a TP split raises for tensors that do not fit it.
+_FIT_ERRORS = (LayoutError, ShardError, RuntimeError, ValueError)
+
 
 def _shape(t) -> str:
     return str(tuple(t.shape)) if hasattr(t, "shape") else "?"
 
 
-def convert_hf_to_mcore(rule_set: RuleSet, hf_state: Mapping[str, torch.Tensor], tp_size: int = 1,
-                        prefix: str | None = None) -> list[dict]:
-    """HF state dict -> ``tp_size`` mcore state dicts (TE spelling)."""
+def _meta(t) -> torch.Tensor:
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+def _tp_problems(rule_set: RuleSet, tp_size: int) -> list[str]:
     problems = list(rule_set.validate_tp(tp_size)) if rule_set.validate_tp else []
     if tp_size < 1:
         problems.append(f"tp_size must be >= 1, got {tp_size}")
+    return problems
+
+
+@dataclass
+class Plan:
+    """A checked conversion: every output tensor (its shape and dtype at TP = 1, as a meta tensor)
+    and, for each, the step of the table that produces it and the source keys that step reads.
+
+    Made before any byte is read, from the sources' shapes alone; whoever executes it (the
+    in-memory API, the streaming checkpoint writers) only reads, applies and writes.
+    """
+
+    steps: list  # [Step] whose sources are all present, in table order
+    sources: dict  # step index -> source keys, with the source prefix
+    outputs: dict  # output key -> meta tensor, in table order
+    producer: dict  # output key -> step index
+    kinds: dict  # mcore key -> TP kind
+    prefix: str = ""
+
+    def source_keys(self, key: str) -> list[str]:
+        return self.sources[self.producer[key]]
+
+
+def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
+                     prefix: str | None = None) -> Plan:
+    """The conversion of HF tensors ``source`` (anything with ``.shape`` and ``.dtype``, keyed by
+    full HF name) to mcore, checked: every source tensor is consumed exactly once or dropped by an
+    explicit pattern, every op and TP split fits its tensors. Raises one :class:`ConversionError`
+    listing every problem."""
+    problems = _tp_problems(rule_set, tp_size)
     if problems:
         raise ConversionError("tensor-parallel size does not fit this model", problems)
     if prefix is None:
-        prefix = detect_prefix(rule_set, hf_state.keys())
-    steps = plan(rule_set)
+        prefix = detect_prefix(rule_set, source.keys())
+    plan = Plan([], {}, {}, {}, {}, prefix)
     consumed: set[str] = set()
-    shards: list[dict] = [{} for _ in range(tp_size)]
-    for step in steps:
+    for step in plan_steps(rule_set):
         keys = [prefix + k for k in step.hf_keys]
-        missing = [k for k in keys if k not in hf_state]
+        missing = [k for k in keys if k not in source]
         if missing:
             problems += [f"missing source tensor {k}" for k in missing]
             continue
         consumed.update(keys)
-        tensors = [hf_state[k] for k in keys]
+        inputs = [source[k] for k in keys]
         try:
-            outs = step.rule.op.apply(tensors)
-            for key, kind, tensor in zip(step.mcore_keys, step.rule.tp, outs):
-                for rank, part in enumerate(tp_mod.shard(tensor, kind, tp_size)):
-                    shards[rank][key] = part
-        except (LayoutError, ShardError, RuntimeError) as exc:
-            problems.append(f"{', '.join(f'{k} {_shape(t)}' for k, t in zip(keys, tensors))}: {exc}")
-    problems += _unconsumed(rule_set, hf_state, consumed)
+            outputs = step.rule.op.apply([_meta(t) for t in inputs])
+            for kind, t in zip(step.rule.tp, outputs):
+                if tp_size > 1:
+                    tp_mod.shard(t, kind, tp_size)
+        except _FIT_ERRORS as exc:
+            problems.append(f"{', '.join(f'{k} {_shape(t)}' for k, t in zip(keys, inputs))}: {exc}")
+            continue
+        index = len(plan.steps)
+        plan.steps.append(step)
+        plan.sources[index] = keys
+        for key, kind, t in zip(step.mcore_keys, step.rule.tp, outputs):
+            plan.outputs[key], plan.producer[key], plan.kinds[key] = t, index, kind
+    drops = [re.compile(p) for p in rule_set.drop_hf]
+    problems += [f"unconsumed source tensor {k} {_shape(v)}" for k, v in source.items()
+                 if k not in consumed and not any(d.match(k) for d in drops)]
     if problems:
         raise ConversionError("HF -> mcore conversion is not total", problems)
-    return shards
+    return plan
 
 
-def _unconsumed(rule_set: RuleSet, hf_state: Mapping, consumed: set) -> list[str]:
-    drops = [re.compile(p) for p in rule_set.drop_hf]
-    return [f"unconsumed source tensor {k} {_shape(v)}" for k, v in hf_state.items()
-            if k not in consumed and not any(d.match(k) for d in drops)]
+def plan_mcore_to_hf(rule_set: RuleSet, source: Mapping, prefix: str = "") -> Plan:
+    """The conversion of whole (TP = 1) mcore tensors ``source`` to HF keys under ``prefix``,
+    checked as :func:`plan_hf_to_mcore`: every mcore tensor has its place, every op fits."""
+    problems: list[str] = []
+    plan = Plan([], {}, {}, {}, {}, prefix)
+    consumed: set[str] = set()
+    for step in plan_steps(rule_set):
+        missing = [k for k in step.mcore_keys if k not in source]
+        if missing:
+            problems += [f"missing mcore tensor {k}" for k in missing]
+            continue
+        consumed.update(step.mcore_keys)
+        inputs = [source[k] for k in step.mcore_keys]
+        try:
+            outputs = step.rule.op.invert([_meta(t) for t in inputs])
+        except _FIT_ERRORS as exc:
+            problems.append(f"{', '.join(f'{k} {_shape(t)}' for k, t in zip(step.mcore_keys, inputs))}: {exc}")
+            continue
+        index = len(plan.steps)
+        plan.steps.append(step)
+        plan.sources[index] = list(step.mcore_keys)
+        for key, kind in zip(step.mcore_keys, step.rule.tp):
+            plan.kinds[key] = kind
+        for key, t in zip(step.hf_keys, outputs):
+            plan.outputs[prefix + key], plan.producer[prefix + key] = t, index
+    problems += [f"unconsumed mcore tensor {k} {_shape(v)}" for k, v in source.items() if k not in consumed]
+    if problems:
+        raise ConversionError("mcore -> HF conversion is not total", problems)
+    return plan
+
+
+class StepRunner:
+    """The mcore tensors of an HF -> mcore :class:`Plan`, one key at a time, as consecutive dim-0
+    pieces (views of what ``read(hf_key)`` returns, where the op only moves row blocks).
+
+    A step with several outputs runs once; its other outputs wait until they are asked for.
+    """
+
+    def __init__(self, plan: Plan, read: Callable[[str], torch.Tensor]):
+        self.plan, self.read = plan, read
+        self._waiting: dict[str, tuple] = {}
+
+    def run(self, key: str) -> tuple[list, list]:
+        """(the pieces of ``key``, the source tensors its step read)."""
+        if key in self._waiting:
+            return self._waiting.pop(key)
+        step = self.plan.steps[self.plan.producer[key]]
+        inputs = [self.read(k) for k in self.plan.source_keys(key)]
+        outputs = dict(zip(step.mcore_keys, step.rule.op.apply_pieces(inputs)))
+        for other, pieces in outputs.items():
+            if other != key:
+                self._waiting[other] = (pieces, inputs)
+        return outputs[key], inputs
+
+    def pieces(self, key: str) -> list:
+        return self.run(key)[0]
+
+
+class MemorySink:
+    """Collects streamed mcore tensors as one state dict per TP rank (TE key spelling)."""
+
+    def __init__(self, tp_size: int):
+        self.tp_size = tp_size
+        self.shards: list[dict] = [{} for _ in range(tp_size)]
+
+    def put(self, key: str, kind: str, pieces: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=0)
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        if storage is not None and any(t.numel() and t.untyped_storage().data_ptr() == storage for t in inputs):
+            tensor = tensor.clone(memory_format=torch.contiguous_format)  # never alias the source
+        for rank, part in enumerate(tp_mod.shard(tensor, kind, self.tp_size)):
+            self.shards[rank][key] = part
+
+
+def stream_to_mcore(keys: Iterable[str], kinds: Mapping[str, str], produce: Callable, put: Callable) -> None:
+    """Every mcore tensor of ``keys`` in order: ``put(key, tp_kind, *produce(key))``, where
+    ``produce`` gives (pieces, the source tensors they came from). The one loop that the in-memory
+    API and the checkpoint writers run."""
+    for key in keys:
+        pieces, inputs = produce(key)
+        put(key, kinds[key], pieces, inputs)
+
+
+def convert_hf_to_mcore(rule_set: RuleSet, hf_state: Mapping[str, torch.Tensor], tp_size: int = 1,
+                        prefix: str | None = None) -> list[dict]:
+    """HF state dict -> ``tp_size`` mcore state dicts (TE spelling)."""
+    plan = plan_hf_to_mcore(rule_set, hf_state, tp_size, prefix)
+    sink = MemorySink(tp_size)
+    try:
+        stream_to_mcore(plan.outputs, plan.kinds, StepRunner(plan, hf_state.__getitem__).run, sink.put)
+    except _FIT_ERRORS as exc:  # value-dependent failures a shape-only plan cannot foresee
+        raise ConversionError("HF -> mcore conversion is not total", [str(exc)]) from None
+    return sink.shards
 
 
 def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.Tensor]],
@@ -225,27 +388,32 @@ def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.T
         raise ConversionError("mcore -> HF conversion needs at least one shard", ["got none"])
     ranks = [to_te_spelling(s) for s in shards]
     problems = list(rule_set.validate_tp(len(ranks))) if rule_set.validate_tp else []
-    out: dict = {}
-    consumed: set[str] = set()
-    for step in plan(rule_set):
-        missing = [(r, k) for k in step.mcore_keys for r, s in enumerate(ranks) if k not in s]
-        if missing:
-            problems += [f"missing mcore tensor {k} on TP rank {r}" for r, k in missing]
-            continue
-        consumed.update(step.mcore_keys)
-        try:
-            full = [tp_mod.merge([s[k] for s in ranks], kind)
-                    for k, kind in zip(step.mcore_keys, step.rule.tp)]
-            for key, tensor in zip(step.hf_keys, step.rule.op.invert(full)):
-                out[prefix + key] = tensor
-        except (LayoutError, ShardError, RuntimeError) as exc:
-            shapes = ", ".join(f"{k} {_shape(ranks[0][k])}" for k in step.mcore_keys)
-            problems.append(f"{shapes}: {exc}")
-    for r, s in enumerate(ranks):
-        problems += [f"unconsumed mcore tensor {k} {_shape(v)} on TP rank {r}"
-                     for k, v in s.items() if k not in consumed]
+    kinds = {k: kind for step in plan_steps(rule_set) for k, kind in zip(step.mcore_keys, step.rule.tp)}
+    merged: dict = {}
+    for key, value in ranks[0].items():
+        absent = [r for r, s in enumerate(ranks) if key not in s]
+        if absent:
+            problems += [f"missing mcore tensor {key} on TP rank {r}" for r in absent]
+        elif key not in kinds:
+            merged[key] = value  # no rule takes it: the plan reports it
+        else:
+            try:
+                merged[key] = tp_mod.merge([s[key] for s in ranks], kinds[key])
+            except _FIT_ERRORS as exc:
+                problems.append(f"{key} {_shape(value)}: {exc}")
+    for r, s in enumerate(ranks[1:], start=1):
+        problems += [f"unconsumed mcore tensor {k} {_shape(v)} on TP rank {r}" for k, v in s.items()
+                     if k not in ranks[0]]
+    try:
+        plan = plan_mcore_to_hf(rule_set, merged, prefix)
+    except ConversionError as exc:
+        problems += exc.problems
     if problems:
         raise ConversionError("mcore -> HF conversion is not total", problems)
+    out: dict = {}
+    for index, step in enumerate(plan.steps):
+        for key, tensor in zip(step.hf_keys, step.rule.op.invert([merged[k] for k in plan.sources[index]])):
+            out[prefix + key] = tensor
     return out
 
 

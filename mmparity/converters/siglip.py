@@ -13,7 +13,8 @@ import torch
 
 from mmparity.converters import clip
 from mmparity.converters.ops import LayoutError, Op
-from mmparity.converters.rules import Rule, RuleSet, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
 HF_PREFIXES = clip.HF_PREFIXES
@@ -62,13 +63,6 @@ class SplitInProj(Op):
         return f"SplitInProj(heads={self.num_heads}, head_dim={self.head_dim})"
 
 
-def vision_config(cfg):
-    if getattr(cfg, "model_type", None) == "siglip_vision_model":
-        return cfg
-    sub = getattr(cfg, "vision_config", None)
-    return sub if getattr(sub, "model_type", None) == "siglip_vision_model" else cfg
-
-
 def head_rules(cfg) -> tuple:
     split = SplitInProj(cfg.num_attention_heads, clip.head_dim(cfg))
     hf, mc = "head.", "head."
@@ -90,7 +84,7 @@ def head_rules(cfg) -> tuple:
 
 
 def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
-    cfg = vision_config(cfg)
+    cfg = tower_config_or_self(cfg, "siglip_vision_model")
     rules = (
         rename("patch_conv.conv.weight", "embeddings.patch_embedding.weight"),
         rename("patch_conv.conv.bias", "embeddings.patch_embedding.bias"),
@@ -103,3 +97,6 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     return RuleSet(rules=rules, variables={"i": cfg.num_hidden_layers}, hf_prefixes=HF_PREFIXES,
                    drop_hf=DROP_HF, hf_format=hf_format,
                    validate_tp=lambda tp: clip.tp_problems(cfg, tp))
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set)

@@ -45,14 +45,19 @@ def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
+def check_replicated(parts: list[torch.Tensor]) -> None:
+    """Every rank's copy of a replicated tensor holds the same bytes (the one check of it)."""
+    for r, p in enumerate(parts[1:], start=1):
+        if p.shape != parts[0].shape or p.dtype != parts[0].dtype or not torch.equal(p, parts[0]):
+            raise ShardError(f"replicated tensor differs between rank 0 and rank {r}")
+
+
 def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
     """Per-rank tensors -> full tensor; replicated parts must agree bit for bit."""
     if not parts:
         raise ShardError("no shards to merge")
     if kind == "replicated":
-        for r, p in enumerate(parts[1:], start=1):
-            if p.shape != parts[0].shape or p.dtype != parts[0].dtype or not torch.equal(p, parts[0]):
-                raise ShardError(f"replicated tensor differs between rank 0 and rank {r}")
+        check_replicated(parts)
         return parts[0].clone(memory_format=torch.contiguous_format)
     if kind in ("column", "qkv", "vocab"):
         return torch.cat(parts, dim=0)

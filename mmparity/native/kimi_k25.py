@@ -1,6 +1,6 @@
 """Native Kimi-K2.5 MoonViT and its multimodal projector on an mcore ``TransformerBlock``.
 
-Follows the API of megatron-core's ``models.vision.vit_model`` (seed 000: ``Kimi2DRotaryEmbedding``,
+Follows the API of Megatron-LM ``megatron/core/models/vision/vit_model.py`` (``Kimi2DRotaryEmbedding``,
 ``KimiLearned2DPosEmbed``, ``KimiPatchMerger``, ``KimiViTModel``). The parity reference is
 transformers 5.24 ``Kimi_K25VisionModel`` + ``Kimi_K25MultimodalProjection``.
 
@@ -10,13 +10,13 @@ and interleaved 2D RoPE -> final LayerNorm -> 2x2 grouping, mean over a clip's f
 -> ``(B, N/4, 4H)``. :class:`KimiViTWithProjector` appends the projector (LayerNorm over H on each
 of the 4 sub-tokens, Linear 4H->4H, erf GELU, Linear 4H->text hidden).
 
-Deliberate deviations from the seed:
+Deliberate deviations from that module:
 
 - Video clips (T > 1 frames per item) are supported the way HF 5.24 runs them: every frame of a
   clip adds the temporal row of its index (frame 0 adds sin(0)‖cos(0) = [0…0, 1…1], not nothing),
   one attention segment spans the whole clip, and the merger averages each 2x2 block over the
   frames. The seed skips the temporal term and only handles T = 1.
-- RoPE angles are computed from the patch ids, with no table: the seed's cap (``img_h // patch``,
+- RoPE angles are computed from the patch ids, with no table: upstream's cap (``img_h // patch``,
   64 for Kimi) would refuse grids that HF and the release model accept. ``max_patches_per_side``
   is an optional bound that raises instead of clamping.
 - The RoPE inverse frequencies and the temporal sin‖cos rows are plain fp32 tensors, not module
@@ -38,14 +38,15 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.converters.kimi_k25 import has_projector, vision_cfg
-from mmparity.native.attention import make_packed_seq_params
-from mmparity.native.layers import (activation_from_hf, numbered_layers,
-                                    tolerate_missing_extra_state, vision_layer_spec,
-                                    vision_transformer_config)
-from mmparity.native.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
+from mmparity.hfconfig import has_vision_sub_config as has_projector
+from mmparity.hfconfig import vision_sub_config as vision_cfg
+from mmparity.native.core.attention import make_packed_seq_params
+from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
+                                         vision_layer_spec, vision_transformer_config)
+from mmparity.native.core.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
                                  _dynamic_patch_grid_lists, check_image_size)
-from mmparity.native.rope import rope_theta
+from mmparity.hfconfig import rope_theta
+from mmparity import runtime
 
 # HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
 KIMI_NORM_EPS = 1e-5
@@ -122,7 +123,7 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
     kernel with clamped borders; antialias would change values by O(1) when shrinking). A clip of
     T > 1 frames also adds the temporal row of each frame's index; a still image adds none.
 
-    ``forward(h, w, device)`` is the seed's API (the ``(h·w, H)`` table); ``forward(tokens, grids,
+    ``forward(h, w, device)`` is upstream's API (the ``(h·w, H)`` table); ``forward(tokens, grids,
     frames)`` adds the terms to patch tokens and is what the model calls, so that a forward hook
     sees the embedded tokens.
     """
@@ -237,8 +238,6 @@ class KimiViTModel(VisionTower):
                  *, pos_embed_time: int = 4, merge_size: int = 2,
                  max_patches_per_side: Optional[int] = None):
         super().__init__(config=transformer_config)
-        from mmparity import runtime
-
         cfg = transformer_config
         self.patch_dim, self.img_h, self.img_w = patch_dim, img_h, img_w
         self.in_channels = in_channels
@@ -441,96 +440,3 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> KimiViTModel
     else:
         model = KimiViTModel(tcfg, vision_layer_spec(), **kwargs)
     return model.to(params_dtype)
-
-
-# --- parity glue: how the harness drives this model (framework-free cases in, tensors out) ---
-
-def _rows(items: Sequence[torch.Tensor], patch: int) -> torch.Tensor:
-    """Images (C, H, W) and clips (T, C, H, W) -> packed rows (1, ΣN, C·P·P), frames in order."""
-    from mmparity.parity import inputs
-
-    frames = [f for item in items for f in (item if item.dim() == 4 else item.unsqueeze(0))]
-    return inputs.packed_rows(frames, patch)
-
-
-def run(model: KimiViTModel, case) -> dict:
-    param = next(model.parameters())
-    dtype, device = param.dtype, param.device
-    if case.name == "projector":
-        if not model.post_process:
-            return {}  # the projector lives on the last pipeline stage
-        return {"image_embeds": model.vision_projection(case.data["features"].to(device, dtype))}
-    items = case.data["images"]
-    if case.data.get("static"):
-        out = model.encode(torch.stack(items).to(device, dtype))
-    else:
-        rows = _rows(items, model.patch_dim).to(device, dtype)
-        out = model.encode(rows, imgs_sizes=case.data["sizes"], num_frames=case.data["frames"])
-    if not model.post_process:
-        return {}  # an earlier pipeline stage: the last one holds the outputs
-    hidden = out.last_hidden_state
-    result = {"last_hidden_state": hidden.reshape(-1, hidden.shape[-1]),
-              "pooler_output": out.pooler_output.reshape(-1, out.pooler_output.shape[-1])}
-    if out.image_embeds is not None:
-        result["image_embeds"] = out.image_embeds.reshape(-1, out.image_embeds.shape[-1])
-    return {k: v for k, v in result.items() if k in case.outputs}
-
-
-def pairs(model: KimiViTModel, cfg) -> list:
-    from mmparity.parity.cases import Pair, sbh_tokens_2d, tokens_2d
-
-    out = [Pair("patch_embed", model.patch_embed, tokens_2d),
-           Pair("pos_embed", model.pos_embed, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
-    out.append(Pair("final_layernorm", model.decoder.final_layernorm, sbh_tokens_2d))
-    if isinstance(model, KimiViTWithProjector):
-        out.append(Pair("projector", model.vision_projection, tokens_2d))
-    return out
-
-
-COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "merger")
-
-
-def apply_mcore_rope(model: KimiViTModel, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """mcore's own RoPE application on (N, heads, hd) activations in its interleaved layout."""
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb(q.unsqueeze(1), freqs, model.config).squeeze(1)
-
-
-def component(name: str, model: KimiViTModel, cfg, seed: int) -> torch.Tensor:
-    from mmparity.converters.ops import RopeInterleave
-    from mmparity.parity import inputs
-
-    vc = vision_cfg(cfg)
-    param = next(model.parameters())
-    if name == "patch_embed":
-        img = inputs.images([inputs.component_image_size(model.patch_dim)], 3, seed)[0]
-        tokens, _, _ = model.patch_embed(img.unsqueeze(0).to(param.device, param.dtype))
-        return tokens[0]
-    if name == "pos_embed":
-        grids, frames = _split_thw(inputs.component_grids_thw((vc.pos_emb_height, vc.pos_emb_width),
-                                                              vc.pos_emb_time))
-        total = sum(t * h * w for (h, w), t in zip(grids, frames))
-        zeros = torch.zeros(1, total, vc.hidden_size, dtype=param.dtype, device=param.device)
-        return model.pos_embed(zeros, grids, frames)[0]
-    if name == "rope2d":
-        heads, hd = vc.num_attention_heads, head_dim(vc)
-        q = inputs.rope_probe(heads, hd, inputs.COMPONENT_GRID, seed)
-        n = q.shape[0]
-        # HF rows are rotate-half permuted per head; the converter undoes that on q/k weights,
-        # here the same permutation is applied to activations.
-        op = RopeInterleave(heads, hd)
-        q_mcore = op.apply([q.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
-        freqs = model.rotary_pos_emb.for_grid(*inputs.COMPONENT_GRID, 1, param.device)
-        rotated = apply_mcore_rope(model, q_mcore.to(freqs.device, param.dtype), freqs)
-        return op.invert([rotated.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
-    if name == "merger":
-        grids, frames = _split_thw(inputs.MERGER_GRIDS_THW)
-        hidden = inputs.token_probe(sum(t * h * w for (h, w), t in zip(grids, frames)), vc.hidden_size, seed)
-        return model.merger.merge_packed(hidden.unsqueeze(0).to(param.device, param.dtype), grids, frames)[0]
-    raise KeyError(name)
-
-
-def _split_thw(grids_thw) -> tuple[list, list]:
-    return [(h, w) for _, h, w in grids_thw], [t for t, _, _ in grids_thw]

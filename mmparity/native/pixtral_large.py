@@ -1,9 +1,9 @@
 """Native Pixtral-Large vision path: Pixtral ``ViTModel`` with the 2x2 merger, then mcore's projector.
 
 HF Mistral3 splits this differently: its vision tower ends at the encoder, and the pre-merge
-RMSNorm and the patch merger live in ``multi_modal_projector``. Here, as in the seed, norm and
-merger belong to the ViT (``vision_model.merger``) and the projector is mcore's
-``MultimodalProjector`` of type ``mlp`` (``vision_projection.encoder.linear_fc1/linear_fc2``, the
+RMSNorm and the patch merger live in ``multi_modal_projector``. Here, as in Megatron-LM's
+``megatron/core/models/vision/vit_model.py``, norm and merger belong to the ViT
+(``vision_model.merger``) and the projector is mcore's ``MultimodalProjector`` of type ``mlp`` (``vision_projection.encoder.linear_fc1/linear_fc2``, the
 names mcore's ``LLaVAModel`` uses). The merger norm's epsilon is the *text* config's
 ``rms_norm_eps``, as in HF.
 """
@@ -16,10 +16,12 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
+from mmparity.hfconfig import rope_theta
 from mmparity.native import pixtral
-from mmparity.native.layers import (activation_from_hf, tolerate_missing_extra_state,
+from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
                                     vision_layer_spec, vision_transformer_config)
-from mmparity.native.vit import ViTModel
+from mmparity.native.core.vit import ViTModel
+from mmparity import runtime
 
 MODEL_TYPES = ("mistral3",)
 
@@ -78,8 +80,6 @@ def _feature_layer_is_last(cfg) -> bool:
 
 def projector_config(cfg, params_dtype: torch.dtype = torch.float32):
     """TransformerConfig of the projector MLP: text hidden -> text hidden, the projector's act."""
-    from mmparity import runtime
-
     text = cfg.text_config
     layout = runtime.current_layout()
     # The projector has no attention, but TransformerConfig demands a head count that TP divides.
@@ -105,67 +105,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> PixtralLarge
                    patch_dim=pixtral._patch(vision), img_h=img_h, img_w=img_w,
                    in_channels=vision.num_channels, patch_embed_bias=False, ln_pre=True,
                    ln_pre_eps=pixtral.PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
-                   rope_theta=pixtral.rope_theta(vision), use_merger=True,
+                   rope_theta=rope_theta(vision), use_merger=True,
                    spatial_merge_size=cfg.spatial_merge_size,
                    merger_norm_eps=cfg.text_config.rms_norm_eps)
     return PixtralLargeVisionModel(vit, projector_config(cfg, params_dtype), vision.hidden_size)
-
-
-# --- parity glue ---------------------------------------------------------------------------------
-
-def run(model: PixtralLargeVisionModel, case) -> dict:
-    from mmparity.parity import inputs
-
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    imgs = case.data["images"]
-    if case.name == "static":
-        merged, projected = model(torch.stack(imgs).to(device, dtype), return_merged=True)
-    else:
-        rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
-        merged, projected = model(rows, imgs_sizes=case.data["sizes"], return_merged=True)
-    if not model.post_process:
-        return {}  # an earlier pipeline stage: the last one holds the outputs
-    return {"merger": merged.reshape(-1, merged.shape[-1]),
-            "projector": projected.reshape(-1, projected.shape[-1])}
-
-
-def pairs(model: PixtralLargeVisionModel, cfg) -> list:
-    from mmparity.parity.cases import Pair, tokens_2d
-
-    vit = model.vision_model
-    out = pixtral.pairs(vit, cfg.vision_config)
-    if vit.merger is not None:
-        out += [Pair("merger_norm", vit.merger.norm, tokens_2d), Pair("merger", vit.merger, tokens_2d)]
-    out.append(Pair("projector", model.vision_projection, tokens_2d))
-    return out
-
-
-COMPONENTS = ("merger",)
-# Components whose module lives on the last pipeline stage (the others run on the first).
-LAST_STAGE_COMPONENTS = ("merger",)
-
-
-def merger_grids():
-    """The reference side uses the same grids: one odd (last row / column dropped), one even."""
-    from mmparity.parity import inputs
-
-    return (inputs.COMPONENT_GRID, (4, 6))
-
-
-def merger_probe(hidden: int, seed: int) -> torch.Tensor:
-    from mmparity.parity import inputs
-
-    n = sum(h * w for h, w in merger_grids())
-    return torch.randn(n, hidden, generator=inputs.generator(seed + 104729))
-
-
-def component(name: str, model: PixtralLargeVisionModel, cfg, seed: int) -> torch.Tensor:
-    """The merger alone, without its norm: exactly what HF ``Mistral3PatchMerger`` computes."""
-    if name == "merger":
-        from mmparity.parity import inputs
-
-        merger = model.vision_model.merger
-        tokens = merger_probe(merger.hidden_size, seed)
-        return merger.merge(inputs.like_model(tokens, model), merger_grids())
-    raise KeyError(name)

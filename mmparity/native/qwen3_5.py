@@ -11,7 +11,7 @@ packed (pre-patchified) input is taken as is; static ``(B, C, H, W)`` pixels are
 the patch embedding. Position embedding and RoPE are evaluated at the block-first (row, col) ids,
 so nothing is reordered twice.
 
-API follows seed 000 (``core.models.vision.vit_model``). Deliberate deviations:
+API follows Megatron-LM ``megatron/core/models/vision/vit_model.py``. Deliberate deviations:
 
 * No cap on the image size. RoPE angles are computed from the ids (no table), and the position
   embedding resamples to any grid, larger than the learned table included — as HF does. ``img_h``
@@ -39,11 +39,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.native.layers import (activation_from_hf, numbered_layers,
-                                    tolerate_missing_extra_state, vision_layer_spec,
-                                    vision_transformer_config)
-from mmparity.native.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
-from mmparity.native.rope import rope_theta
+from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
+                                         vision_layer_spec, vision_transformer_config)
+from mmparity.native.core.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
+from mmparity.hfconfig import rope_theta
+from mmparity import runtime
 
 # HF builds every LayerNorm of this tower with a literal eps, not a config field.
 QWEN_NORM_EPS = 1e-6
@@ -283,8 +283,6 @@ class QwenVLViTModel(VisionTower):
                  out_hidden_size: int = 2048, num_pos_per_side: int = 48,
                  rope_theta: float = 10000.0, pg_collection=None, vp_stage: Optional[int] = None):
         super().__init__(config=transformer_config)
-        from mmparity import runtime
-
         cfg = transformer_config
         self.patch_dim, self.temporal_patch_size = patch_dim, temporal_patch_size
         self.spatial_merge_size = spatial_merge_size
@@ -412,105 +410,3 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> QwenVLViTMod
                           spatial_merge_size=cfg.spatial_merge_size,
                           out_hidden_size=cfg.out_hidden_size, num_pos_per_side=g,
                           rope_theta=rope_theta(cfg))
-
-
-# --- parity glue ---------------------------------------------------------------------------------
-
-def patch_rows(model: QwenVLViTModel, case) -> torch.Tensor:
-    """The packed rows a case feeds: single-frame (C·P·P) or HF-processor (C·T·P·P) width."""
-    from mmparity.parity import inputs
-
-    p, m = model.patch_dim, model.spatial_merge_size
-    if case.data["layout"] == "frame_rows":
-        clips = [img.unsqueeze(0) for img in case.data["images"]]
-    else:
-        clips = case.data["clips"]
-    return torch.cat([inputs.block_first_patch_rows(c, p, m) for c in clips]).unsqueeze(0)
-
-
-def run(model: QwenVLViTModel, case) -> dict:
-    param = next(model.parameters())
-    if case.data["layout"] == "pixels":
-        pixels = torch.stack(case.data["images"]).to(param.device, param.dtype)
-        hidden, h, w = model.encode(pixels)
-    else:
-        rows = patch_rows(model, case).to(param.device, param.dtype)
-        hidden, h, w = model.encode(rows, imgs_sizes=case.data["sizes"])
-    if not model.post_process:
-        return {}  # an earlier pipeline stage: the last one holds the outputs
-    tokens = model.merger.encoder_tokens(hidden, h, w)
-    pooled = model.merger(hidden, h, w)
-    return {"last_hidden_state": tokens.reshape(-1, tokens.shape[-1]),
-            "pooler_output": pooled.reshape(-1, pooled.shape[-1])}
-
-
-def _patch_embed_tokens(output, case):
-    """Static pixels come out raster with their grid; rows come out block-first already."""
-    if isinstance(output, tuple):
-        tokens, h, w = output
-        merge = case.data["merge"]
-        tokens = block_first(tokens, h, w, merge)
-        return tokens.reshape(-1, tokens.shape[-1])
-    return output.reshape(-1, output.shape[-1])
-
-
-def pairs(model: QwenVLViTModel, cfg) -> list:
-    from mmparity.parity.cases import Pair, sbh_tokens_2d, tokens_2d
-
-    out = [Pair("patch_embed", model.patch_embed, _patch_embed_tokens)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
-    if model.merger is None:
-        return out
-    out.append(Pair("merger.norm", model.merger.patch_norm, tokens_2d))
-    if model.merger.linear_fc1.weight.shape[0] == model.out_hidden_size:
-        # Under TP the column-parallel fc1 output is a per-rank slice: nothing whole to compare.
-        out.append(Pair("merger.linear_fc1", model.merger.linear_fc1, tokens_2d))
-    out.append(Pair("merger.linear_fc2", model.merger.linear_fc2, tokens_2d))
-    return out
-
-
-COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "block_first", "merger")
-# Components whose module lives on the last pipeline stage (the others run on the first).
-LAST_STAGE_COMPONENTS = ("merger",)
-
-
-def apply_mcore_rope(model: QwenVLViTModel, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """mcore's own RoPE application on (N, heads, hd) activations."""
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb(q.unsqueeze(1), freqs, model.config).squeeze(1)
-
-
-@torch.no_grad()
-def component(name: str, model: QwenVLViTModel, cfg, seed: int) -> torch.Tensor:
-    from mmparity.parity import inputs
-
-    param = next(model.parameters())
-    m = model.spatial_merge_size
-    grids = inputs.grids_around_table(table_side(cfg), m)
-    ids = [block_first_ids(h, w, m, param.device) for h, w in grids]
-    if name == "patch_embed":
-        h, w = grids[-1]
-        img = inputs.images([(h * model.patch_dim, w * model.patch_dim)], cfg.in_channels, seed)[0]
-        tokens, h, w = model.patch_embed(img.unsqueeze(0).to(param.device, param.dtype))
-        return block_first(tokens, h, w, m)[0]
-    if name == "pos_embed":
-        return torch.cat([model.pos_embed.lookup(r, c, h, w) for (r, c), (h, w) in zip(ids, grids)])
-    if name == "rope2d":
-        total = sum(h * w for h, w in grids)
-        q = inputs.rope_probe(cfg.num_attention_heads, head_dim(cfg), (total, 1), seed)
-        freqs = torch.cat([model.rotary_pos_emb(r, c) for r, c in ids])
-        return apply_mcore_rope(model, q.to(param.device, param.dtype), freqs)
-    if name == "block_first":
-        out = []
-        for h, w in grids:
-            rows = torch.arange(h).repeat_interleave(w)
-            cols = torch.arange(w).repeat(h)
-            raster = torch.stack([rows, cols], dim=-1).unsqueeze(0)
-            out.append(block_first(raster, h, w, m)[0])
-        return torch.cat(out).float()
-    if name == "merger":
-        x = inputs.token_probe(sum(h * w for h, w in grids), cfg.hidden_size, seed)
-        return model.merger(x.unsqueeze(0).to(param.device, param.dtype),
-                            [h for h, _ in grids], [w for _, w in grids])[0]
-    raise KeyError(name)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from mmparity.native import clip
-from mmparity.native.clip import COMPONENTS, component, pairs, run  # noqa: F401
-from mmparity.native.layers import vision_layer_spec
-from mmparity.native.vit import ViTModel
+from mmparity.native.core.layers import vision_layer_spec
+from mmparity.native.core.vit import ViTModel
 
 MODEL_TYPES = ("siglip_vision_model",)
 

@@ -31,84 +31,19 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from mmparity import families
+from mmparity import families, runtime
+from mmparity.cases import inputs
+from mmparity.cases.core import TowerShape
+from mmparity.hfconfig import first_int, vision_sub_config
+from mmparity.native.core import attention
+from mmparity.parity import metrics
+from mmparity.parity.harness import (InputError, exact_float32, load_reference_weights, size_multiple,
+                                     validate_image_sizes)
+from mmparity.parity.report import versions
 
 SIZES = ("tiny", "published")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_IMAGES = 4
-
-
-@dataclass(frozen=True)
-class Published:
-    """A family's released vision config: ``vision`` kwargs for the class of the family's own
-    vision config, ``parent`` dotted overrides of a whole-model tiny config (``text_config.…``),
-    and the benchmark's default batch."""
-
-    source: str
-    vision: dict
-    images: int
-    image_size: tuple
-    parent: dict = field(default_factory=dict)
-    note: str = ""
-    # ``--mixed``: sizes cycled over ``mixed_images`` images (default one of each), chosen so that
-    # the packed batch carries about as many tokens as the uniform one and the two timings compare.
-    mixed: tuple = ()
-    mixed_images: Optional[int] = None
-
-
-PUBLISHED: dict[str, Published] = {
-    "qwen3_5": Published(
-        source="Qwen3.5 vision tower (Qwen/Qwen3.5-35B-A3B vision_config; out_hidden_size 2048 "
-               "assumed for that checkpoint's text width)",
-        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
-                    patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048,
-                    num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
-        images=8, image_size=(768, 768),
-        # 18272 tokens (uniform: 18432); every side a multiple of patch 16 x merge 2.
-        mixed=((768, 768), (512, 1024), (1024, 512), (640, 640), (896, 448), (384, 768),
-               (1024, 1024), (768, 1152))),
-    "kimi_k25": Published(
-        source="Kimi-K2.5 MoonViT 27x1152 + projector to the DeepSeek-V3 text width 7168",
-        vision=dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4,
-                    num_attention_heads=16, num_hidden_layers=27, hidden_size=1152,
-                    intermediate_size=4304, hidden_act="gelu_pytorch_tanh", merge_kernel_size=(2, 2)),
-        parent={"projection_hidden_size": 1152, "text_config.hidden_size": 7168},
-        images=8, image_size=(896, 896),
-        # 31744 tokens (uniform: 32768); multiples of patch 14 x merge 2.
-        mixed=((896, 896), (672, 1120), (1120, 672), (784, 784), (1008, 1008), (560, 1120),
-               (1120, 1120), (448, 896))),
-    "pixtral": Published(
-        source="Pixtral-12B vision encoder (24 x 1024, SwiGLU, patch 16)",
-        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                    num_attention_heads=16, head_dim=64, image_size=1024, patch_size=16,
-                    num_channels=3, hidden_act="silu"),
-        images=8, image_size=(1024, 1024),
-        # No side above 1024 (the 64x64 RoPE grid), so 12 images for 32224 tokens (uniform: 32768).
-        mixed=((1024, 1024), (1024, 768), (768, 1024), (896, 896), (1024, 512), (512, 1024),
-               (768, 768), (1024, 640), (640, 1024), (960, 960), (832, 832), (512, 512))),
-    "siglip": Published(
-        source="SigLIP so400m-patch14-384 vision tower (27 x 1152, pooling head)",
-        vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                    num_attention_heads=16, image_size=384, patch_size=14, num_channels=3,
-                    hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=True),
-        # HF's stride-14 conv drops the last 6 pixels of 384: 378 is the same 27x27 grid, and the
-        # native tower refuses sizes that are not a multiple of the patch.
-        images=64, image_size=(378, 378),
-        note="378x378 = the 27x27 patch grid HF makes of 384x384",
-        # Released at one size; mixed sizes go through HF's position interpolation, one HF call per
-        # image. 64 images, 45696 tokens (uniform: 46656).
-        mixed=((378, 378), (224, 224), (448, 448), (434, 434), (280, 504), (504, 280), (336, 336),
-               (308, 462)), mixed_images=64),
-    "clip": Published(
-        source="CLIP ViT-L/14 vision tower (24 x 1024, patch 14, 224)",
-        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                    num_attention_heads=16, image_size=224, patch_size=14, num_channels=3,
-                    hidden_act="quick_gelu", layer_norm_eps=1e-5, projection_dim=768),
-        images=64, image_size=(224, 224),
-        # As SigLIP: interpolated positions, one HF call per image. 17120 tokens (uniform: 16448).
-        mixed=((224, 224), (168, 168), (280, 280), (196, 308), (308, 196), (252, 252), (140, 280),
-               (224, 168)), mixed_images=64),
-}
 
 
 class BenchError(ValueError):
@@ -117,18 +52,19 @@ class BenchError(ValueError):
 
 # --- configs ----------------------------------------------------------------------------------------
 
-def _vision(cfg):
-    return getattr(cfg, "vision_config", None) or cfg
+def published_families() -> list[str]:
+    """The registered families whose record names a released size."""
+    return [name for name in families.names() if families.get(name).hooks.published is not None]
 
 
 def published_config(family: str):
     """The family's config at its released size, of the same classes as its tiny config."""
-    if family not in PUBLISHED:
+    spec = families.get(family).hooks.published
+    if spec is None:
         raise BenchError(f"family {family!r} has no published config in the bench; "
-                         f"published: {', '.join(PUBLISHED)}")
-    spec = PUBLISHED[family]
+                         f"published: {', '.join(published_families())}")
     tiny = families.get(family).tiny_config()
-    vision = type(_vision(tiny))(**spec.vision)
+    vision = type(vision_sub_config(tiny))(**spec.vision)
     if getattr(tiny, "vision_config", None) is None:
         return vision
     cfg = copy.deepcopy(tiny)
@@ -149,8 +85,8 @@ def bench_config(family: str, size: str):
     if size not in SIZES:
         raise BenchError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if size == "published":
-        spec = PUBLISHED.get(family)
         cfg = published_config(family)
+        spec = families.get(family).hooks.published
         return cfg, spec.source + (f"; {spec.note}" if spec.note else "")
     return families.get(family).tiny_config(), "tiny config (mmparity.reference)"
 
@@ -158,12 +94,10 @@ def bench_config(family: str, size: str):
 def default_batch(family: str, size: str, cfg) -> tuple[int, tuple[int, int]]:
     """(images, (H, W)) when the caller gives none: the published batch, or a small tiny one."""
     if size == "published":
-        spec = PUBLISHED[family]
+        spec = families.get(family).hooks.published
         return spec.images, tuple(spec.image_size)
-    from mmparity.parity.harness import size_multiple
-
     multiple = size_multiple(family, cfg)
-    side = getattr(_vision(cfg), "image_size", None)
+    side = getattr(vision_sub_config(cfg), "image_size", None)
     side = side if isinstance(side, int) else 8 * multiple
     side = max(multiple, -(-side // multiple) * multiple)
     return TINY_IMAGES, (side, side)
@@ -177,12 +111,10 @@ TINY_MIXED_UNITS = ((4, 4), (2, 6), (6, 2), (3, 3), (4, 2), (2, 4), (5, 5), (2, 
 def mixed_batch(family: str, size: str, cfg) -> tuple[int, list]:
     """(images, sizes) of the family's packed mixed-size batch at ``size`` (``--mixed``);
     ``BenchError`` when the family has none or refuses it (e.g. LLaVA's fixed-size towers)."""
-    from mmparity.parity.harness import InputError, size_multiple, validate_image_sizes
-
     if size == "published":
-        spec = PUBLISHED[family]
+        spec = families.get(family).hooks.published
         if not spec.mixed:
-            raise BenchError(f"family {family!r} has no mixed-size set in mmparity.parity.bench.PUBLISHED")
+            raise BenchError(f"family {family!r} has no mixed-size set in its published config")
         sizes, images = [tuple(s) for s in spec.mixed], spec.mixed_images or len(spec.mixed)
     else:
         multiple = size_multiple(family, cfg)
@@ -209,80 +141,23 @@ def with_mixed_sets(names: Sequence[str], size: str) -> tuple[list, list]:
 
 # --- FLOPs ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TowerShape:
-    """What the FLOP count needs from a config. ``merger``: (in, out) linears applied to each
-    merged token (``merge`` x ``merge`` patches); ``head``: ``"attention_pool"`` for SigLIP's."""
-
-    hidden: int
-    layers: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    gated: bool
-    patch: int
-    channels: int
-    temporal: int = 1
-    class_tokens: int = 0
-    merge: int = 1
-    merger: tuple = ()
-    head: Optional[str] = None
-
-
-def _int(value) -> int:
-    return value if isinstance(value, int) else int(value[0])
-
-
 def _base_shape(cfg) -> TowerShape:
-    vc = _vision(cfg)
+    vc = vision_sub_config(cfg)
     heads = vc.num_attention_heads
     return TowerShape(
         hidden=vc.hidden_size, layers=vc.num_hidden_layers, heads=heads,
         groups=getattr(vc, "num_key_value_heads", None) or heads,
         head_dim=getattr(vc, "head_dim", None) or vc.hidden_size // heads,
-        ffn=vc.intermediate_size, gated=False, patch=_int(vc.patch_size),
+        ffn=vc.intermediate_size, gated=False, patch=first_int(vc.patch_size),
         channels=getattr(vc, "num_channels", None) or getattr(vc, "in_channels", None) or 3,
-        temporal=_int(getattr(vc, "temporal_patch_size", None) or 1))
-
-
-def _pixtral_large(cfg, s: TowerShape) -> TowerShape:
-    m, text = cfg.spatial_merge_size, cfg.text_config.hidden_size
-    # merger Linear(m²H -> H), then the projector's linear_1 (H -> text) and linear_2 (text -> text)
-    return replace(s, gated=True, merge=m, merger=((s.hidden * m * m, s.hidden), (s.hidden, text), (text, text)))
-
-
-def _qwen3_5(cfg, s: TowerShape) -> TowerShape:
-    m = _vision(cfg).spatial_merge_size
-    wide = s.hidden * m * m
-    return replace(s, merge=m, merger=((wide, wide), (wide, _vision(cfg).out_hidden_size)))
-
-
-def _kimi_k25(cfg, s: TowerShape) -> TowerShape:
-    mh, mw = _vision(cfg).merge_kernel_size
-    if mh != mw:
-        raise NotImplementedError("non-square merge kernels are not counted")
-    s = replace(s, merge=mh, channels=3)
-    if getattr(cfg, "text_config", None) is None:
-        return s  # tower only: 2x2 grouping has no FLOPs
-    wide = s.hidden * mh * mw
-    return replace(s, merger=((wide, wide), (wide, cfg.text_config.hidden_size)))
-
-
-FAMILY_SHAPES: dict[str, Callable] = {
-    "pixtral": lambda cfg, s: replace(s, gated=True),
-    "pixtral_large": _pixtral_large,
-    "clip": lambda cfg, s: replace(s, class_tokens=1),
-    "siglip": lambda cfg, s: replace(s, head="attention_pool" if _vision(cfg).vision_use_head else None),
-    "qwen3_5": _qwen3_5,
-    "kimi_k25": _kimi_k25,
-}
+        temporal=first_int(getattr(vc, "temporal_patch_size", None) or 1))
 
 
 def tower_shape(family: str, cfg) -> Optional[TowerShape]:
-    """The family's shape for :func:`count_flops`; ``None`` for a family without a formula here
-    (e.g. a whole VLM): its FLOPs and TFLOP/s are then reported as not counted, never guessed."""
-    shape_fn = FAMILY_SHAPES.get(family)
+    """The family's shape for :func:`count_flops`; ``None`` for a family whose record has no FLOP
+    formula (e.g. a whole VLM): its FLOPs and TFLOP/s are then reported as not counted, never
+    guessed."""
+    shape_fn = families.get(family).hooks.flop_shape
     return None if shape_fn is None else shape_fn(cfg, _base_shape(cfg))
 
 
@@ -444,8 +319,6 @@ def _resize_static(case, sizes: list, seed: int):
     Every per-image list in the case data (same length as ``images``) is cycled to the new count;
     the images themselves are fresh seeded pixels of the case's own shape.
     """
-    from mmparity.parity import inputs
-
     data = dict(case.data)
     have = len(data["images"])
     want = len(sizes)
@@ -464,10 +337,9 @@ def _resize_static(case, sizes: list, seed: int):
 def bench_case(family: str, cfg, sizes: list, seed: int, case_name: str = "auto"):
     """The family's case for ``sizes``: ``static`` (one batch tensor) when every image has one
     size and the family has a static case, else ``packed``; ``case_name`` forces one."""
-    fam = families.get(family)
-    ref_mod = fam.reference()
+    hooks = families.get(family).hooks
     try:
-        by_name = {case.name: case for case in ref_mod.cases(cfg, seed, sizes)}
+        by_name = {case.name: case for case in hooks.cases(cfg, seed, sizes)}
     except ValueError as exc:  # the family refuses these sizes
         raise BenchError(f"{family}: {exc}") from None
     if case_name == "auto":
@@ -481,8 +353,7 @@ def bench_case(family: str, cfg, sizes: list, seed: int, case_name: str = "auto"
         if len(set(map(tuple, sizes))) != 1:
             raise BenchError("the static case needs every image of one size")
         case = _resize_static(case, sizes, seed)
-    prepare = getattr(ref_mod, "prepare_case", lambda c, _cfg: c)
-    return prepare(case, cfg)
+    return hooks.prepare_case(case, cfg)
 
 
 def _case_sizes(case) -> list:
@@ -514,16 +385,11 @@ def _build_models(family: str, cfg, dtype: torch.dtype, device: torch.device, se
     random weights. The HF model stays float32 so that the caller can keep an exact copy as the
     parity reference before casting it. ``mutate_native`` edits the converted state before it is
     loaded (negative controls), as in :func:`mmparity.parity.harness.check`."""
-    from mmparity import converters
-    from mmparity import runtime
-
-    from mmparity.parity.harness import load_reference_weights
-
     fam = families.get(family)
     torch.manual_seed(seed)
     ref = fam.build_reference(cfg)
     # The harness's seeded weights: never zeros (METHOD: zeros can time faster than real data).
-    shards = converters.hf_to_mcore(family, load_reference_weights(ref, None, seed), cfg, tp_size=1)
+    shards = fam.hf_to_mcore(load_reference_weights(ref, None, seed), cfg, tp_size=1)
     state = dict(shards[0])
     del shards
     if mutate_native is not None:
@@ -559,8 +425,6 @@ def parity_verdict(dtype: torch.dtype, native_out: dict, hf_out: dict,
     dtype, each against ``reference_out`` (HF in float32); the native error may be at most
     ``LOW_PRECISION_FACTOR`` x HF's. The top-level numbers are those of the output closest to (or
     furthest past) its bound; ``outputs`` has them all."""
-    from mmparity.parity import metrics
-
     low_precision = dtype != torch.float32
     if low_precision and reference_out is None:
         raise ValueError("a low-precision parity verdict needs the float32 reference outputs")
@@ -587,8 +451,6 @@ def parity_verdict(dtype: torch.dtype, native_out: dict, hf_out: dict,
 
 
 def _reference_outputs(ref32, run: Callable, case, device: torch.device) -> dict:
-    from mmparity.parity.harness import exact_float32
-
     ref32 = ref32.to(device=device, dtype=torch.float32)
     with torch.no_grad(), exact_float32(device, torch.float32):
         return _outputs(run(ref32, case), case)
@@ -610,8 +472,6 @@ def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = N
     """Config, inputs and FLOP count of one family; ``BenchError`` for a request it cannot take.
     ``mixed``: the family's packed mixed-size batch (:func:`mixed_batch`), sizes cycled over
     ``images`` when given."""
-    from mmparity.parity.harness import InputError, validate_image_sizes
-
     cfg, source = bench_config(family, size)
     if mixed:
         if image_sizes:
@@ -631,7 +491,7 @@ def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = N
     shape = tower_shape(family, cfg)
     if shape is None:
         flops = {"total": None, "parts": {},
-                 "note": f"not counted: no FLOP formula for family {family!r} in mmparity.parity.bench.FAMILY_SHAPES"}
+                 "note": f"not counted: the record of family {family!r} has no FLOP formula"}
         try:
             patch, extra = _base_shape(cfg).patch, 0
         except AttributeError:
@@ -657,10 +517,6 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
     or running are recorded in the result, not raised: one family's failure must not hide the
     others' numbers; a failed float32 reference forward is recorded in ``parity`` only, so that
     the timings survive it."""
-    from mmparity.native import attention
-    from mmparity.parity import metrics
-    from mmparity.parity.harness import exact_float32
-
     result, case, family = prepared.result, prepared.case, prepared.family
     dev = torch.device(device)
     torch_dtype = DTYPES[dtype]
@@ -674,7 +530,7 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
         if not needs_reference:
             ref32 = None
         case = replace(case, data=_to_device(case.data, dev))
-        ref_run, nat_run = fam.reference().run, fam.native().run
+        ref_run, nat_run = fam.hooks.reference.run, fam.hooks.native.run
         # TF32 off for these untimed float32 forwards (a no-op otherwise): on CUDA it alone
         # exceeds the float32 bound. The timed forwards keep the settings the report shows.
         with torch.no_grad(), exact_float32(dev, torch_dtype):
@@ -702,7 +558,7 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
     if ref32 is not None:
         try:
             result.parity = parity_verdict(torch_dtype, nat_out, ref_out,
-                                           _reference_outputs(ref32, fam.reference().run, case, dev))
+                                           _reference_outputs(ref32, fam.hooks.reference.run, case, dev))
         except Exception as exc:  # e.g. out of memory: no verdict is a failed verdict
             result.parity = {"passed": False, "native_rel_l2": None, "hf_rel_l2": None,
                              "tolerance": None, "output": None, "outputs": {},
@@ -735,9 +591,6 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
     """Benchmark ``family_names`` (default: every registered family that has a config at ``size``,
     and with ``mixed`` a mixed-size set it accepts). ``on_result`` sees the report after each
     family (``complete`` still False)."""
-    from mmparity.native import attention
-    from mmparity.parity.report import versions
-
     if dtype not in DTYPES:
         raise BenchError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if size not in SIZES:
@@ -757,13 +610,14 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
                          f"{', '.join(registered)}")
     skipped = []
     if size == "published":
-        missing = [n for n in requested if n not in PUBLISHED]
+        published = published_families()
+        missing = [n for n in requested if n not in published]
         if missing:
             raise BenchError(f"no published config for {', '.join(map(repr, missing))}; "
-                             f"published: {', '.join(PUBLISHED)}")
-        names = requested or [n for n in registered if n in PUBLISHED]
-        skipped = [{"family": n, "reason": "no published config in mmparity.parity.bench.PUBLISHED"}
-                   for n in registered if n not in PUBLISHED and not requested]
+                             f"published: {', '.join(published)}")
+        names = requested or published
+        skipped = [{"family": n, "reason": "no published config in its family record"}
+                   for n in registered if n not in published and not requested]
     else:
         names = requested or registered
     if mixed and not requested:

@@ -1,6 +1,6 @@
 """``check``: convert the HF weights with the real converter, run both sides, compare, localise.
 
-Never prints. Every check goes through :func:`mmparity.converters.hf_to_mcore`, so a parity pass
+Never prints. Every check goes through the family's converter (:meth:`Family.hf_to_mcore`), so a parity pass
 also vouches for the conversion. For low-precision dtypes both models also run in that dtype and
 each is measured against the float32 reference (see :mod:`mmparity.parity.metrics`).
 """
@@ -14,10 +14,13 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from mmparity import families
+from mmparity import families, runtime
+from mmparity.converters import pp as pp_mod
+from mmparity.hfconfig import first_int, vision_sub_config
+from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
-from mmparity.parity.cases import Case
-from mmparity.parity.inputs import random_like_state
+from mmparity.cases.core import Case
+from mmparity.cases.inputs import random_like_state
 from mmparity.parity.report import Divergence, Report, Result, versions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,21 +126,18 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     counts a checkpoint recorded) and the stages run one after another.
     Raises :class:`InputError` for a pipeline the model cannot take.
     """
-    from mmparity import converters
-    from mmparity.native import attention
-
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     fam = families.get(family)
-    ref_mod = fam.reference()
+    hooks = fam.hooks
     cfg = cfg if cfg is not None else fam.tiny_config()
     torch.manual_seed(seed)
 
     ref = fam.build_reference(cfg)
     used_state = load_reference_weights(ref, hf_state, seed)
     if native_shards is None:
-        native_shards = converters.hf_to_mcore(family, used_state, cfg, tp_size=tp, hf_format=hf_format)
+        native_shards = fam.hf_to_mcore(used_state, cfg, tp_size=tp, hf_format=hf_format)
     tp = len(native_shards)
     native_shards = [dict(s) for s in native_shards]
     if mutate_native is not None:
@@ -145,12 +145,9 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             mutate_native(shard)
     stage_shards, counts = split_stages(family, cfg, native_shards, pp, layer_counts)
 
-    prepare = getattr(ref_mod, "prepare_case", lambda case, cfg: case)
-    cases = [prepare(case, cfg) for case in ref_mod.cases(cfg, seed, image_sizes)]
-    component_names = tuple(getattr(ref_mod, "COMPONENTS", ())) if components else ()
+    cases = [hooks.prepare_case(case, cfg) for case in hooks.cases(cfg, seed, image_sizes)]
+    component_names = hooks.components if components else ()
     job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts)
-    from mmparity import runtime
-
     world = tp * pp
     if world == 1 or runtime.launched_world_size() == world:
         # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
@@ -161,11 +158,11 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     ref32 = _move(ref, device, torch.float32)
     report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp,
                     attention_backend=attention.describe_backend(device, torch_dtype))
-    ref32_side = Side(ref32, ref_mod.run, ref_mod.pairs(ref32, cfg))
+    ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
         ref_lp = _move(copy.deepcopy(ref), device, torch_dtype)
-        ref_lp_side = Side(ref_lp, ref_mod.run, ref_mod.pairs(ref_lp, cfg))
+        ref_lp_side = Side(ref_lp, hooks.reference.run, hooks.reference.pairs(ref_lp, cfg))
 
     for case, native_result in zip(cases, native_cases):
         reference = ref32_side.run(case)
@@ -174,8 +171,8 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                                             reference, native_result, low_precision, torch_dtype))
     with torch.no_grad():
         for name in component_names:
-            expected = ref_mod.component(name, ref32, cfg, seed).float().cpu()
-            lp = (ref_mod.component(name, ref_lp_side.model, cfg, seed).float().cpu()
+            expected = hooks.reference.component(name, ref32, cfg, seed).float().cpu()
+            lp = (hooks.reference.component(name, ref_lp_side.model, cfg, seed).float().cpu()
                   if ref_lp_side else None)
             report.results.append(_compare_component(fam.name, name, native_components[name],
                                                      expected, lp, torch_dtype))
@@ -191,19 +188,15 @@ def split_stages(family: str, cfg, shards: list, pp: int,
     a legacy checkpoint holds. Counts are None at ``pp == 1``. Raises :class:`InputError` when the
     model cannot be pipelined that way.
     """
-    from mmparity.converters import pp as pp_mod
-    from mmparity.checkpoint.streaming import ConvertError, pipeline_layout
-    from mmparity import runtime
-
     if pp < 1:
         raise InputError(f"--pp must be >= 1, got {pp}")
     if pp == 1:
         return [shards], None
     # Converter shards list their keys in plan order, which is what pipeline_layout reads.
-    layout = pipeline_layout(family, list(shards[0]))
+    layout = pp_mod.pipeline_layout(list(shards[0]))
     try:
         counts = list(layer_counts) if layer_counts is not None else layout.layer_counts(pp)
-    except ConvertError as exc:
+    except pp_mod.PipelineError as exc:
         raise InputError(f"{family}: {exc}") from None
     if len(counts) != pp or sum(counts) != layout.num_layers or min(counts) < 1:
         raise InputError(f"{family}: per-stage layer counts {counts} do not split the "
@@ -213,9 +206,7 @@ def split_stages(family: str, cfg, shards: list, pp: int,
         runtime.uneven_stage_fields(counts)
     except ValueError as exc:
         problems.append(f"--pp {pp} on {layout.num_layers} layers: {exc}")
-    native_problems = getattr(families.get(family).native(), "pipeline_problems", None)
-    if native_problems is not None:
-        problems += native_problems(cfg, pp)
+    problems += families.get(family).hooks.pipeline_problems(cfg, pp)
     if problems:
         raise InputError(f"{family}: {'; '.join(problems)}")
     per_rank = [pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
@@ -240,9 +231,6 @@ class NativeJob:
     def _run(self, stage_shards: list, layout=None):
         """``stage_shards[stage][tp_rank]``: the state each rank loads. Returns the outputs and
         the paired-module captures per case, and the components, merged over the stages."""
-        from mmparity import runtime
-        from mmparity.native import pipeline
-
         if layout is not None:
             runtime.init_parallel(*layout, device=self.device, seed=self.seed,
                                   layer_counts=self.layer_counts)
@@ -252,19 +240,19 @@ class NativeJob:
         state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
         torch_dtype = DTYPES[self.dtype]
         fam = families.get(self.family)
-        nat_mod = fam.native()
+        hooks = fam.hooks
         native = fam.build_native(self.cfg, params_dtype=torch_dtype)
         native.load_state_dict({k: v.to(torch_dtype) if torch.is_tensor(v) else v
                                 for k, v in state.items()}, strict=True)
         native = _move(native, self.device, torch_dtype)
-        side = Side(native, nat_mod.run, nat_mod.pairs(native, self.cfg))
+        side = Side(native, hooks.native.run, hooks.native.pairs(native, self.cfg))
         with pipeline.StageLink(native) if pp > 1 else contextlib.nullcontext():
             case_results = [side.run(case) for case in self.cases]
-        last_stage_components = set(getattr(nat_mod, "LAST_STAGE_COMPONENTS", ()))
+        last_stage_components = set(hooks.last_stage_components)
         mine = [name for name in self.components
                 if (name in last_stage_components and stage == pp - 1)
                 or (name not in last_stage_components and stage == 0)]
-        component_results = {name: nat_mod.component(name, native, self.cfg, self.seed).float().cpu()
+        component_results = {name: hooks.native.component(name, native, self.cfg, self.seed).float().cpu()
                              for name in mine}
         if pp == 1:
             return case_results, component_results
@@ -350,16 +338,11 @@ def _compare_component(family, name, actual, expected, low_precision, dtype) -> 
 
 def size_multiple(family: str, cfg) -> int:
     """Image sides must be a multiple of this: the patch size, times the merge size if any."""
-    fam = families.get(family)
-    ref_mod = fam.reference()
-    custom = getattr(ref_mod, "image_size_multiple", None)
+    custom = families.get(family).hooks.image_size_multiple
     if custom is not None:
         return custom(cfg)
-    vision = getattr(cfg, "vision_config", None) or cfg
-    patch = getattr(vision, "patch_size", 1)
-    patch = patch if isinstance(patch, int) else patch[0]
-    merge = getattr(vision, "spatial_merge_size", None) or 1
-    return patch * merge
+    merge = getattr(vision_sub_config(cfg), "spatial_merge_size", None) or 1
+    return _patch(cfg) * merge
 
 
 class InputError(ValueError):
@@ -375,13 +358,10 @@ def validate_image_sizes(family: str, cfg, sizes) -> None:
                          f"(the patch size{', times the merge size,' if multiple != _patch(cfg) else ''} "
                          f"of family {family!r})")
     # Family-specific limits beyond divisibility (e.g. a 2x2 merger needs at least a 2x2 grid).
-    extra = getattr(families.get(family).reference(), "image_size_problems", None)
-    problems = extra(cfg, sizes) if extra else []
+    problems = families.get(family).hooks.image_size_problems(cfg, sizes)
     if problems:
         raise InputError(f"family {family!r}: {'; '.join(problems)}")
 
 
 def _patch(cfg) -> int:
-    vision = getattr(cfg, "vision_config", None) or cfg
-    patch = getattr(vision, "patch_size", 1)
-    return patch if isinstance(patch, int) else patch[0]
+    return first_int(getattr(vision_sub_config(cfg), "patch_size", 1))

@@ -15,8 +15,6 @@ import torch
 from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig, PixtralVisionModel
 from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
-from mmparity.parity import inputs
-from mmparity.parity.cases import Case, Pair, tokens_2d
 from mmparity.reference import pixtral
 
 MODEL_TYPES = ("mistral3",)
@@ -65,89 +63,3 @@ def build(cfg) -> Mistral3VisionReference:
 
 def patch_size(cfg) -> int:
     return pixtral.patch_size(cfg.vision_config)
-
-
-def image_size_problems(cfg, sizes) -> list[str]:
-    """The merger needs at least one whole merge block per image (HF drops odd edge rows/cols)."""
-    p, m = patch_size(cfg), cfg.spatial_merge_size
-    return [f"image size {h}x{w} gives a {h // p}x{w // p} patch grid, smaller than one "
-            f"{m}x{m} merge block (need at least {m * p}x{m * p} pixels)"
-            for h, w in sizes if h // p < m or w // p < m]
-
-
-def default_image_sizes(cfg) -> list[tuple[int, int]]:
-    """Odd grids (the merger drops their last row / column, as ``F.unfold`` does), non-square."""
-    p = patch_size(cfg)
-    return [(5 * p, 7 * p), (4 * p, 6 * p), (7 * p, 2 * p)]
-
-
-def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
-    cfg = vision_config(cfg)
-    sizes = list(image_sizes or default_image_sizes(cfg))
-    channels = cfg.vision_config.num_channels
-    imgs = inputs.images(sizes, channels, seed)
-    out = [Case("packed", {"images": imgs, "sizes": sizes}, OUTPUTS,
-                description=f"{len(sizes)} images {', '.join(f'{h}x{w}' for h, w in sizes)} in one "
-                            "packed pass, merged per image")]
-    static_sizes = [sizes[0]] * 2
-    static_imgs = inputs.images(static_sizes, channels, seed + 1)
-    out.append(Case("static", {"images": static_imgs, "sizes": static_sizes}, OUTPUTS,
-                    description=f"static batch of 2 images {static_sizes[0][0]}x{static_sizes[0][1]}"))
-    return out
-
-
-def prepare_case(case: Case, cfg) -> Case:
-    case.data.setdefault("patch", patch_size(cfg))
-    return case
-
-
-def run(model: Mistral3VisionReference, case: Case) -> dict:
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    batch, sizes = inputs.pad_batch(case.data["images"])
-    image_sizes = torch.tensor(sizes)
-    out = model.vision_tower(batch.to(device, dtype), image_sizes=image_sizes,
-                             output_hidden_states=True)
-    layer = model.config.vision_feature_layer
-    if not isinstance(layer, int):
-        raise NotImplementedError("several vision_feature_layer values are not supported")
-    features = out.hidden_states[layer]
-    seen = {}
-    handle = model.multi_modal_projector.patch_merger.register_forward_hook(
-        lambda module, args, output: seen.__setitem__("merger", output))
-    try:
-        projected = model.multi_modal_projector(features.squeeze(0), image_sizes)
-    finally:
-        handle.remove()
-    return {"merger": seen["merger"], "projector": projected}
-
-
-def pairs(model: Mistral3VisionReference, cfg) -> list[Pair]:
-    proj = model.multi_modal_projector
-    return pixtral.pairs(model.vision_tower, cfg.vision_config) + [
-        Pair("merger_norm", proj.norm, tokens_2d),
-        Pair("merger", proj.patch_merger, tokens_2d),
-        Pair("projector", proj, tokens_2d),
-    ]
-
-
-COMPONENTS = ("merger",)
-# Grids of the merger component (the native side uses the same): one odd (last row / column
-# dropped), one even.
-MERGER_GRIDS = (inputs.COMPONENT_GRID, (4, 6))
-
-
-def merger_probe(hidden: int, seed: int) -> torch.Tensor:
-    """Seeded packed tokens (ΣN, hidden) for the images of :data:`MERGER_GRIDS`."""
-    n = sum(h * w for h, w in MERGER_GRIDS)
-    return torch.randn(n, hidden, generator=inputs.generator(seed + 104729))
-
-
-def component(name: str, model: Mistral3VisionReference, cfg, seed: int) -> torch.Tensor:
-    if name == "merger":
-        merger = model.multi_modal_projector.patch_merger
-        p = patch_size(cfg)
-        tokens = merger_probe(cfg.vision_config.hidden_size, seed)
-        sizes = torch.tensor([(h * p, w * p) for h, w in MERGER_GRIDS])
-        return merger(inputs.like_model(tokens, model), sizes)
-    raise KeyError(name)

@@ -1,7 +1,7 @@
 """Generic native ViT (Pixtral, Pixtral-Large, CLIP, SigLIP) on an mcore ``TransformerBlock``.
 
-Follows the API of megatron-core's ``models.vision.vit_model`` (seed 000). Deliberate deviations
-are listed on each class. Where the seed's upstream design and the HF function differ, the HF
+Follows the API of Megatron-LM ``megatron/core/models/vision/vit_model.py``. Deliberate deviations
+are listed on each class. Where upstream's design and the HF function differ, the HF
 function wins (it is the parity reference) and the class docstring says so.
 """
 
@@ -19,10 +19,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.native.attention import BidirectionalCoreAttention, make_packed_seq_params
-from mmparity.native.layers import NormedColumnParallelLinear, layer_norm, tolerate_missing_extra_state
-from mmparity.native.mergers import fold_blocks
-from mmparity.native.rope import Pixtral2DRotaryEmbedding
+from mmparity.native.core.attention import BidirectionalCoreAttention, make_packed_seq_params
+from mmparity.native.core.layers import NormedColumnParallelLinear, layer_norm, tolerate_missing_extra_state
+from mmparity.native.core.mergers import fold_blocks
+from mmparity.native.core.rope import Pixtral2DRotaryEmbedding
+from mmparity import runtime
 
 ImageSizes = Union[Sequence[Tuple[int, int]], torch.Tensor]
 
@@ -151,7 +152,7 @@ class PixtralLargePatchMerger(torch.nn.Module):
     at row r, column s of the block), the order ``F.unfold`` produces; blocks are row-major.
     :meth:`merge` is the merger without the norm (exactly ``Mistral3PatchMerger``).
 
-    Deviations from the seed: ``norm_eps`` is explicit, because HF takes the epsilon from the *text*
+    Deviations from upstream: ``norm_eps`` is explicit, because HF takes the epsilon from the *text*
     config (``rms_norm_eps``), not from the vision tower's norms; ``forward`` also takes per-image
     ``grids`` for a packed (dynamic-resolution) sequence. A grid side that ``spatial_merge_size``
     does not divide loses its last row / column, as ``F.unfold`` (and so HF) does.
@@ -202,7 +203,7 @@ class AttentionPoolingHead(MegatronModule):
     ``linear_q``, ``linear_kv`` with per-head ``[k_h; v_h]`` rows, ``linear_proj``), then
     ``x + MLP(LayerNorm(x))`` with the norm fused into ``mlp.linear_fc1`` as in the encoder layers.
     Returns the first probe's vector per image, as HF ``SiglipMultiheadAttentionPoolingHead``.
-    Not in the seed, whose ViTModel has no pooling head.
+    Not in Megatron-LM, whose ``ViTModel`` has no pooling head.
     """
 
     def __init__(self, config: TransformerConfig, num_probes: int = 1):
@@ -297,11 +298,11 @@ class ViTModel(VisionTower):
 
     Order of the embedding stage: patch conv -> class token(s) prepended -> learned position
     embedding added (resampled per image when the grid differs from ``img_h, img_w``) -> ``ln_pre``.
-    This is HF CLIP's order. The seed's upstream design normalises with ``ln_pre`` before adding
+    This is HF CLIP's order. Upstream's design normalises with ``ln_pre`` before adding
     the class token and position embedding, which is a different function for CLIP; for Pixtral
     (no class token, RoPE) both orders coincide.
 
-    Beyond the seed (HF-equivalent behaviour the seed's ViTModel lacks):
+    Beyond upstream (HF-equivalent behaviour its ViTModel lacks):
 
     * ``ln_post``: ``"tokens"`` normalises every output token (SigLIP ``post_layernorm``);
       ``"pooled"`` normalises only the pooled vector (CLIP applies ``post_layernorm`` to the class
@@ -310,7 +311,7 @@ class ViTModel(VisionTower):
       attention-pooling head); read it with ``forward(..., return_pooled=True)``.
     * ``merger_norm_eps``: the merger's RMSNorm epsilon (HF takes it from the text config).
 
-    Other deviations from the seed: ``imgs_sizes`` may also accompany an already-patchified input
+    Other deviations from upstream: ``imgs_sizes`` may also accompany an already-patchified input
     only (no padded pixel canvas), and the rope table size is validated rather than silently
     clamped.
     """
@@ -325,8 +326,6 @@ class ViTModel(VisionTower):
                  ln_post_eps: Optional[float] = None, pooling: Optional[str] = None,
                  merger_norm_eps: Optional[float] = None):
         super().__init__(config=transformer_config)
-        from mmparity import runtime
-
         cfg = transformer_config
         problems = []
         if pos_emb_type not in POS_EMB_TYPES:

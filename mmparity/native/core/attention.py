@@ -45,7 +45,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from mmparity.native import attention_backends as kernels
+from mmparity.native.core import attention_backends as kernels
 
 BACKENDS = ("auto", "sdpa", "math", "varlen", "flash", "te")
 # Backends that name exactly one optional kernel.

@@ -9,13 +9,6 @@ from __future__ import annotations
 import torch
 
 
-def rope_theta(cfg, default: float = 10000.0) -> float:
-    """The RoPE base of an HF config: transformers v5 keeps it in ``rope_parameters``, older
-    configs as a ``rope_theta`` attribute."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", default)))
-
-
 def _grid_ids(h_patches: int, w_patches: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(h_patches, device=device).repeat_interleave(w_patches)
     cols = torch.arange(w_patches, device=device).repeat(h_patches)
@@ -29,7 +22,7 @@ class Pixtral2DRotaryEmbedding(torch.nn.Module):
     each repeated twice in place for mcore's interleaved rotation. HF ``PixtralVisionModel`` uses
     the same angles in rotate-half layout on per-head-permuted q/k weights (see the converter).
 
-    Deviation from the seed: ``max_patches_per_side`` is validated, not used to cap a table — the
+    Deviation from Megatron-LM ``megatron/core/models/vision/vit_model.py``: ``max_patches_per_side`` is validated, not used to cap a table — the
     angles are computed from the ids directly, so a larger grid is refused with a clear message
     instead of silently indexing past the table.
     """

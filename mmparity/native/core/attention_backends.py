@@ -6,7 +6,7 @@ head ``i`` reads key/value group ``i // (h // g)`` as in mcore's fused QKV layou
 causally. Nothing here pads to the longest segment: on the H200, masked padded SDPA over 8 mixed
 images cost 4.0 ms per layer against 1.08 ms for one SDPA call per image.
 
-Which kernel runs for a batch is decided in :mod:`mmparity.native.attention`; this module only
+Which kernel runs for a batch is decided in :mod:`mmparity.native.core.attention`; this module only
 computes and answers "can this kernel run here, and if not, why".
 """
 

@@ -28,7 +28,8 @@ try:  # mcore moved this helper between releases; both spellings behave the same
 except ImportError:  # pragma: no cover
     from megatron.core.transformer.fused_bias_dropout import get_bias_dropout_add
 
-from mmparity.native.attention import BidirectionalCoreAttention
+from mmparity.native.core.attention import BidirectionalCoreAttention
+from mmparity import runtime
 
 
 def get_pg_size(group) -> int:
@@ -164,8 +165,6 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
         fp16=params_dtype == torch.float16,
     )
     fields.update(overrides)
-    from mmparity import runtime
-
     layout = runtime.current_layout()
     if layout is not None:
         fields.setdefault("tensor_model_parallel_size", layout.tp)

@@ -1,0 +1,409 @@
+"""LLaVA parity: one two-row batch in both conventions (mcore's compact ids with placeholders,
+HF's expanded ids), each side's paired modules (the tower's own pairs under ``vision.``) and the
+preprocessing components, and the family's hook record.
+
+Compared outputs: ``logits`` at every position over the real vocabulary; ``loss_mask``, mcore's
+expanded mask, on the HF side derived from its convention (a position trains iff it is text and
+the next token is text; mcore also masks the last image slot, which HF trains, and the final
+token, which has no next token inside the row); ``token_loss``, HF's shifted per-token cross
+entropy at the positions the mask keeps.
+
+The tower is any registered family with a :class:`~mmparity.cases.core.LlavaTower` adapter,
+found through the registry's ``towers`` lookup.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlavaConfig
+from transformers.models.internvl.modeling_internvl import InternVLModel
+
+from mmparity.cases import inputs
+from mmparity.cases.core import Case, FamilyHooks, Pair, Side, TowerLookup, first_tensor, tokens_2d
+from mmparity.converters import llava as converter
+from mmparity.hfconfig import first_int, image_hw, tied_embeddings, vision_layers_run
+from mmparity.native import llava as native
+from mmparity.native.core.layers import numbered_layers
+from mmparity.native.llava_preprocess import (DEFAULT_IMAGE_TOKEN_INDEX, _precalculate_loss_weights,
+                                             _preprocess_data, pixel_shuffle)
+from mmparity.reference import llava as reference
+from mmparity.reference.llava import IGNORE_INDEX, OUTPUTS, PLACEHOLDER
+
+COMPONENTS = ("pixel_shuffle", "loss_weights", "expansion")
+
+
+def vision_pair_names(cfg) -> set[str]:
+    """The vision family's paired modules that a LLaVA forward actually runs."""
+    return {"patch_embed", "ln_pre"} | {f"layer.{i}" for i in range(vision_layers_run(cfg))}
+
+
+# --- the reference side (transformers) -----------------------------------------------------------
+
+
+def image_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
+    """HF LLaVA runs fixed-size towers (CLIP, SigLIP) without position interpolation: only their
+    own size works."""
+    vision = cfg.vision_config
+    if towers(cfg).llava_tower.variable_size:
+        return []
+    side = vision.image_size
+    return [f"image size {h}x{w}: a LLaVA {vision.model_type} tower only takes {side}x{side} "
+            f"(HF does not interpolate its position embeddings here)" for h, w in sizes
+            if (h, w) != (side, side)]
+
+
+def tokens_per_image(cfg, size, towers: TowerLookup) -> int:
+    """Image embedding slots per image: its patches, plus the class token(s) the tower prepends,
+    minus the first token when the select strategy is ``default``."""
+    p = first_int(cfg.vision_config.patch_size)
+    count = (size[0] // p) * (size[1] // p) + towers(cfg).llava_tower.class_token_len
+    return count - (cfg.vision_feature_select_strategy == "default")
+
+
+def default_image_sizes(cfg, towers: TowerLookup) -> list[tuple[int, int]]:
+    """Three images: odd, non-square grids where the tower takes any size, else its own size."""
+    if towers(cfg).llava_tower.variable_size:
+        p = first_int(cfg.vision_config.patch_size)
+        return [(3 * p, 5 * p), (5 * p, 2 * p), (2 * p, 4 * p)]
+    return [image_hw(cfg.vision_config)] * 3
+
+
+def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup) -> list[Case]:
+    """One batch of two rows: row 0 holds one image between text, row 1 one placeholder of two
+    tiles (with the default sizes) between text; rows are padded with text to equal length. With
+    explicit sizes every image is its own placeholder, the first half (rounded up) in row 0."""
+    sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg, towers))]
+    side = image_hw(cfg.vision_config)
+    if not towers(cfg).llava_tower.variable_size and any(s != side for s in sizes):
+        raise ValueError(f"HF LLaVA runs this {cfg.vision_config.model_type} tower at its "
+                         f"configured image size {side[0]}x{side[1]} only")
+    tiles = [1, 2] if image_sizes is None and len(sizes) == 3 else [1] * len(sizes)
+    imgs = inputs.images(sizes, cfg.vision_config.num_channels, seed)
+    ends = torch.tensor(tiles).cumsum(0).tolist()
+    slots = [sum(tokens_per_image(cfg, s, towers) for s in sizes[end - n:end]) for n, end in zip(tiles, ends)]
+    compact, hf_ids = _rows(cfg, slots, seed)
+    length = len(hf_ids[0])
+    data = {
+        "images": imgs, "sizes": sizes, "num_image_tiles": tiles, "length": length,
+        **_mcore_side(cfg, compact, seed),
+        "hf_input_ids": torch.tensor(hf_ids),
+    }
+    data["hf_labels"] = data["hf_input_ids"].masked_fill(
+        data["hf_input_ids"] == cfg.image_token_index, IGNORE_INDEX)
+    described = ", ".join(f"{h}x{w}" for h, w in sizes)
+    return [Case("sample", data, OUTPUTS,
+                 description=f"2 rows of {length} tokens, images {described} in tiles {tiles}")]
+
+
+def _text_tokens(cfg, count: int, gen) -> list[int]:
+    """Seeded text ids, never the image token (HF would read it as an image slot)."""
+    ids = torch.randint(0, cfg.text_config.vocab_size - 1, (count,), generator=gen)
+    return (ids + (ids >= cfg.image_token_index).long()).tolist()
+
+
+def _rows(cfg, slots: list[int], seed: int):
+    """Compact rows (placeholders in reading order: the first half, rounded up, in row 0, the
+    rest in row 1; text around each) and their HF expansion; the shorter row gets extra trailing
+    text so both rows have the same length.
+
+    Placeholder k must be the k-th in reading order (row-major over the batch): that is the
+    order in which both models consume the images. mcore's ``num_image_tiles`` and its image
+    embeddings fill the placeholders row by row, and HF's ``masked_scatter`` fills the flattened
+    image-token mask with the concatenated image features, checking only the total count. A
+    layout that puts image k anywhere else (e.g. round-robin over the rows) gives each side a
+    different, equally wrong, input: the native rows expand to other lengths, and HF silently
+    spreads one image's features over another image's slots.
+    """
+    gen = inputs.generator(seed + 4099)
+    first = (len(slots) + 1) // 2
+    placed = [list(range(first)), list(range(first, len(slots)))]
+    segments = [[3 + b] + [2] * max(len(p) - 1, 0) + [4] for b, p in enumerate(placed)]
+    expanded = [sum(s) + sum(slots[k] for k in p) for s, p in zip(segments, placed)]
+    for b in range(2):
+        segments[b][-1] += max(expanded) - expanded[b]
+    compact, hf = [], []
+    for b in range(2):
+        row, hf_row = [], []
+        for index, segment in enumerate(segments[b]):
+            words = _text_tokens(cfg, segment, gen)
+            row += words
+            hf_row += words
+            if index < len(placed[b]):
+                row.append(PLACEHOLDER)
+                hf_row += [cfg.image_token_index] * slots[placed[b][index]]
+        compact.append(row)
+        hf.append(hf_row)
+    return compact, hf
+
+
+def _mcore_side(cfg, compact: list[list[int]], seed: int) -> dict:
+    """mcore's compact batch: ids, pre-shifted labels (the next compact id) and loss mask.
+
+    Rows whose images take fewer slots are longer in compact form; they are padded with text to
+    a rectangle, which expands past the HF row's end (the native side keeps the first
+    ``length`` positions). Each row's final real token has no next token to check against in
+    the HF row, so its loss is masked, and so is the padding.
+    """
+    gen = inputs.generator(seed + 8191)
+    width = max(len(r) for r in compact)
+    ids = torch.tensor([r + _text_tokens(cfg, width - len(r), gen) for r in compact])
+    after = torch.tensor(_text_tokens(cfg, ids.shape[0], gen)).view(-1, 1)
+    labels = torch.cat([ids[:, 1:], after], dim=1)
+    loss_mask = torch.zeros(ids.shape)
+    for b, row in enumerate(compact):
+        loss_mask[b, : len(row) - 1] = 1
+    return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask}
+
+
+def prepare_case(case: Case, cfg, towers: TowerLookup) -> Case:
+    return towers(cfg).prepare_case(case, cfg.vision_config)
+
+
+def _pixel_values(cfg, case: Case, dtype, device, towers: TowerLookup) -> dict:
+    if towers(cfg).llava_tower.variable_size:
+        batch, sizes = inputs.pad_batch(case.data["images"])
+        return {"pixel_values": batch.to(device, dtype), "image_sizes": torch.tensor(sizes)}
+    return {"pixel_values": torch.stack(case.data["images"]).to(device, dtype)}
+
+
+def expected_loss_mask(hf_ids: torch.Tensor, image_token_index: int) -> torch.Tensor:
+    """mcore's expanded loss mask from HF ids: text followed by text (so never the final token)."""
+    text = hf_ids != image_token_index
+    mask = torch.zeros_like(text)
+    mask[:, :-1] = text[:, :-1] & text[:, 1:]
+    return mask
+
+
+def reference_run(model, case: Case, towers: TowerLookup) -> dict:
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    hf_ids = case.data["hf_input_ids"].to(device)
+    out = model(input_ids=hf_ids, **_pixel_values(cfg, case, dtype, device, towers))
+    logits = out.logits.float()
+    vocab = logits.shape[-1]
+    # HF's causal-LM loss before reduction: position p predicts labels[p + 1].
+    shifted = F.cross_entropy(logits[:, :-1].reshape(-1, vocab),
+                              case.data["hf_labels"][:, 1:].reshape(-1).to(device),
+                              ignore_index=IGNORE_INDEX, reduction="none").view(hf_ids.shape[0], -1)
+    per_token = torch.cat([shifted, shifted.new_zeros(hf_ids.shape[0], 1)], dim=1)
+    mask = expected_loss_mask(hf_ids, cfg.image_token_index)
+    return {"logits": logits.reshape(-1, vocab),
+            "loss_mask": mask.reshape(-1).float(),
+            "token_loss": (per_token * mask).reshape(-1)}
+
+
+def reference_pairs(model, cfg, towers: TowerLookup) -> list[Pair]:
+    run_names = vision_pair_names(cfg)
+    out = [Pair(f"vision.{p.name}", p.module, p.extract)
+           for p in towers(cfg).reference.pairs(model.model.vision_tower, cfg.vision_config)
+           if p.name in run_names]
+    out.append(Pair("projector", model.model.multi_modal_projector, tokens_2d))
+    out += [Pair(f"layer.{i}", layer, tokens_2d)
+            for i, layer in enumerate(model.model.language_model.layers)]
+    out.append(Pair("final_norm", model.model.language_model.norm, tokens_2d))
+    return out
+
+
+# Packed-sample loss weights worked out by hand, in the order of LOSS_WEIGHT_CASES.
+PINNED_LOSS_WEIGHTS = ([0.25, 0, 0.125, 0.125, 0.125, 0.125, 0, 0.25], [0, 0, 0.5, 0.5],
+                       [0.5, 0, 0.5], [0.5, 0.5, 0])
+
+
+def expansion_reference(vocab_size: int, seed: int) -> torch.Tensor:
+    """[ids, labels, loss mask] after expansion, from the HF convention.
+
+    HF's processor repeats each image token once per slot; its labels are the ids with -100 on
+    image tokens, shifted inside the loss. mcore's label at p is therefore HF's at p + 1, with
+    two differences: the last image slot still carries the next text token but is masked (HF
+    trains it), and the final token keeps its own pre-shifted label, masked (its loss mask is 0).
+    Rows are right-padded with id 0, label -100, mask 0.
+    """
+    ids, labels = inputs.compact_llava_batch(vocab_size, seed, PLACEHOLDER)
+    tiles = iter(inputs.EXPANSION_TILES)
+    rows = []
+    for b in range(ids.shape[0]):
+        hf = []
+        for token in ids[b].tolist():
+            hf += [PLACEHOLDER] * (next(tiles) * inputs.EXPANSION_SLOTS_PER_TILE) if token == PLACEHOLDER else [token]
+        n = len(hf)
+        is_text = [t != PLACEHOLDER for t in hf]
+        row_labels, row_mask = [], []
+        for p in range(n):
+            if p == n - 1:
+                row_labels.append(int(labels[b, -1]))
+                row_mask.append(0)
+            elif not is_text[p + 1]:
+                row_labels.append(IGNORE_INDEX)
+                row_mask.append(0)
+            else:
+                row_labels.append(hf[p + 1])
+                row_mask.append(int(is_text[p]))
+        rows.append((hf, row_labels, row_mask))
+    width = max(len(r[0]) for r in rows)
+    out = torch.zeros(3, len(rows), width)
+    out[1] = IGNORE_INDEX
+    for b, (hf, row_labels, row_mask) in enumerate(rows):
+        out[0, b, : len(hf)] = torch.tensor(hf, dtype=torch.float32)
+        out[1, b, : len(hf)] = torch.tensor(row_labels, dtype=torch.float32)
+        out[2, b, : len(hf)] = torch.tensor(row_mask, dtype=torch.float32)
+    return out
+
+
+def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
+    if name == "pixel_shuffle":
+        hidden = cfg.vision_config.hidden_size
+        x = inputs.token_probe(24, hidden, seed).view(1, 4, 6, hidden)
+        # InternVL's method reads nothing from self.
+        return InternVLModel.pixel_shuffle(None, x, 0.5).reshape(-1, 4 * hidden)
+    if name == "loss_weights":
+        return torch.tensor([w for case in PINNED_LOSS_WEIGHTS for w in case])
+    if name == "expansion":
+        return expansion_reference(cfg.text_config.vocab_size, seed)
+    raise KeyError(name)
+
+
+# --- the native side (mcore) ---------------------------------------------------------------------
+
+
+def vision_input(model, case, dtype, device):
+    """Equal-size images as a static batch, mixed sizes as one packed pass with their sizes."""
+    imgs, sizes = case.data["images"], [tuple(s) for s in case.data["sizes"]]
+    if len(set(sizes)) == 1:
+        return torch.stack(imgs).to(device, dtype), None
+    return inputs.packed_rows(imgs, model.vision_patch_dim).to(device, dtype), sizes
+
+
+def native_run(model, case) -> dict:
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    images, sizes = vision_input(model, case, dtype, device)
+    ids = case.data["input_ids"].to(device)
+    common = dict(num_image_tiles=case.data["num_image_tiles"], imgs_sizes=sizes)
+    logits = model(images, ids, None, None, runtime_gather_output=True, **common)
+    with_loss = model(images, ids, None, None, labels=case.data["labels"].to(device),
+                      loss_mask=case.data["loss_mask"].to(device), **common)
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
+    loss, mask = with_loss
+    # Compact rows padded to a rectangle expand past the HF rows; causality keeps the positions
+    # before the cut independent of what follows.
+    keep, vocab = case.data["length"], model.vocab_size
+    mask = mask[:, :keep]
+    return {"logits": logits[:, :keep, :vocab].reshape(-1, vocab),
+            "loss_mask": mask.reshape(-1).float(),
+            "token_loss": (loss[:, :keep] * mask).reshape(-1)}
+
+
+def native_pairs(model, cfg, towers: TowerLookup) -> list:
+    out = []
+    if model.vision_model is not None:
+        run_names = vision_pair_names(cfg)
+        out += [Pair(f"vision.{p.name}", p.module, p.extract)
+                for p in towers(cfg).native.pairs(model.vision_model, cfg.vision_config)
+                if p.name in run_names]
+    out.append(Pair("projector", model.vision_projection, tokens_2d))
+    out += [Pair(f"layer.{i}", layer, _language_tokens)
+            for i, layer in numbered_layers(model.language_model.decoder)]
+    out.append(Pair("final_norm", model.language_model.decoder.final_layernorm, _language_tokens))
+    return out
+
+
+def _language_tokens(output, case):
+    """[s, b, h] language activations -> batch-major tokens of the first ``length`` positions."""
+    t = first_tensor(output)[: case.data["length"]]
+    return t.transpose(0, 1).reshape(-1, t.shape[-1])
+
+
+# (boundaries, labels) of packed samples whose loss weights PINNED_LOSS_WEIGHTS states.
+LOSS_WEIGHT_CASES = (([0, 2, 6, 8], [1, -100, 2, 3, 4, 5, -100, 6]),
+                     ([0, 2, 4], [-100, -100, 1, 2]),
+                     ([0, 2, 9], [1, -100, 2]),
+                     ([0, 0, 2, 3], [1, 2, -100]))
+
+
+def expansion_inputs(vocab_size: int, seed: int):
+    """The shared compact batch (``cases.inputs.compact_llava_batch``) and a loss mask that is 0
+    on the last token."""
+    ids, labels = inputs.compact_llava_batch(vocab_size, seed, DEFAULT_IMAGE_TOKEN_INDEX)
+    loss_mask = torch.ones(ids.shape)
+    loss_mask[:, -1] = 0
+    return ids, labels, loss_mask
+
+
+def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
+    if name == "pixel_shuffle":
+        # A 4x6 grid: non-square, and even on both sides as the 2x2 neighbourhoods need.
+        x = inputs.token_probe(24, model.vision_model.hidden_size, seed).unsqueeze(0)
+        return pixel_shuffle(x, 0.5, h=4, w=6)[0]
+    if name == "loss_weights":
+        return torch.cat([_precalculate_loss_weights(b, l) for b, l in LOSS_WEIGHT_CASES])
+    if name == "expansion":
+        ids, labels, loss_mask = expansion_inputs(cfg.text_config.vocab_size, seed)
+        out = _preprocess_data(None, None, ids, loss_mask, labels, DEFAULT_IMAGE_TOKEN_INDEX,
+                               list(inputs.EXPANSION_TILES), img_seq_len=inputs.EXPANSION_SLOTS_PER_TILE,
+                               pre_process=False)
+        return torch.stack([out.input_ids.float(), out.labels.float(), out.loss_mask.float()])
+    raise KeyError(name)
+
+
+# --- the registry's record -------------------------------------------------------------------------
+
+def pipeline_problems(cfg, pp: int) -> list[str]:
+    """Why ``cfg`` cannot run over ``pp`` pipeline stages (empty when it can)."""
+    if pp > 1 and tied_embeddings(cfg):
+        return ["tied input and output embeddings (tie_word_embeddings) are not supported under "
+                "pipeline parallelism: Megatron-LM's last stage keeps its own copy of the output "
+                "weight, which the converter does not write"]
+    return []
+
+
+def random_config(pick):
+    """Whole-LLaVA configs on the tiny Pixtral tower: tower depth, feature layers, GQA, a head_dim
+    that is not hidden/heads, a vocabulary that needs padding or not, tied head, projector bias.
+    (tests/test_llava_model.py also varies the tower family.)"""
+    vision = reference.tiny_config().vision_config
+    vision.num_hidden_layers = pick(range(1, 4))
+    index = range(-(vision.num_hidden_layers + 1), vision.num_hidden_layers + 1)
+    feature_layer = pick(index)
+    if pick([False, True]):
+        feature_layer = [feature_layer, pick(index)]
+    groups = pick([1, 2])
+    heads = groups * pick([1, 2, 3])
+    vocab = pick([5, 101, 128, 257])
+    tied = pick([False, True])
+    # transformers insists on hidden % heads == 0 even with an explicit head_dim
+    text = LlamaConfig(vocab_size=vocab, hidden_size=heads * 4 * pick([1, 2, 3]),
+                       intermediate_size=2 * pick(range(1, 13)), num_hidden_layers=pick([1, 2]),
+                       num_attention_heads=heads, num_key_value_heads=groups, head_dim=pick([4, 6]),
+                       tie_word_embeddings=tied)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=pick(range(vocab)),
+                       vision_feature_layer=feature_layer, vision_feature_select_strategy="full",
+                       multimodal_projector_bias=pick([False, True]), tie_word_embeddings=tied)
+
+
+def hooks(towers: TowerLookup) -> FamilyHooks:
+    def build_native(cfg, params_dtype=torch.float32):
+        tower = towers(cfg)
+        return native.build_native(cfg, params_dtype, build_tower=tower.build_native,
+                                   tower_packs_images=tower.llava_tower.variable_size,
+                                   tower_name=tower.llava_tower.model_type)
+
+    def tower_of(cfg) -> converter.Tower:
+        tower = towers(cfg)
+        return converter.Tower(tower.converter, tower.llava_tower.v4_checkpoint_root)
+
+    return FamilyHooks(
+        tiny_config=reference.tiny_config, family_config=reference.vision_config,
+        build_reference=reference.build, build_native=build_native,
+        converter=converter.converter(tower_of), cases=partial(cases, towers=towers),
+        reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
+                       reference_component),
+        native=Side(native_run, partial(native_pairs, towers=towers), native_component),
+        random_config=random_config, components=COMPONENTS,
+        prepare_case=partial(prepare_case, towers=towers),
+        image_size_problems=partial(image_size_problems, towers=towers),
+        pipeline_problems=pipeline_problems)

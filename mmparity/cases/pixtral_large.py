@@ -1,0 +1,176 @@
+"""Pixtral-Large parity: packed and static cases through tower, merger and projector, each side's
+paired modules, the merger component, and the family's hook record."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+from mmparity.cases import inputs, pixtral
+from mmparity.cases.core import Case, FamilyHooks, Pair, Side, TowerShape, tokens_2d
+from mmparity.converters import pixtral_large as converter
+from mmparity.native import pixtral_large as native
+from mmparity.reference import pixtral_large as reference
+from mmparity.reference.pixtral_large import OUTPUTS, patch_size, vision_config
+
+COMPONENTS = ("merger",)
+# Components whose module lives on the last pipeline stage (the others run on the first).
+LAST_STAGE_COMPONENTS = ("merger",)
+# Grids of the merger component, the same on both sides: one odd (last row / column dropped),
+# one even.
+MERGER_GRIDS = (inputs.COMPONENT_GRID, (4, 6))
+
+
+def image_size_problems(cfg, sizes) -> list[str]:
+    """The merger needs at least one whole merge block per image (HF drops odd edge rows/cols)."""
+    p, m = patch_size(cfg), cfg.spatial_merge_size
+    return [f"image size {h}x{w} gives a {h // p}x{w // p} patch grid, smaller than one "
+            f"{m}x{m} merge block (need at least {m * p}x{m * p} pixels)"
+            for h, w in sizes if h // p < m or w // p < m]
+
+
+def default_image_sizes(cfg) -> list[tuple[int, int]]:
+    """Odd grids (the merger drops their last row / column, as ``F.unfold`` does), non-square."""
+    p = patch_size(cfg)
+    return [(5 * p, 7 * p), (4 * p, 6 * p), (7 * p, 2 * p)]
+
+
+def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+    cfg = vision_config(cfg)
+    sizes = list(image_sizes or default_image_sizes(cfg))
+    channels = cfg.vision_config.num_channels
+    imgs = inputs.images(sizes, channels, seed)
+    out = [Case("packed", {"images": imgs, "sizes": sizes}, OUTPUTS,
+                description=f"{len(sizes)} images {', '.join(f'{h}x{w}' for h, w in sizes)} in one "
+                            "packed pass, merged per image")]
+    static_sizes = [sizes[0]] * 2
+    static_imgs = inputs.images(static_sizes, channels, seed + 1)
+    out.append(Case("static", {"images": static_imgs, "sizes": static_sizes}, OUTPUTS,
+                    description=f"static batch of 2 images {static_sizes[0][0]}x{static_sizes[0][1]}"))
+    return out
+
+
+def prepare_case(case: Case, cfg) -> Case:
+    case.data.setdefault("patch", patch_size(cfg))
+    return case
+
+
+def merger_probe(hidden: int, seed: int) -> torch.Tensor:
+    """Seeded packed tokens (ΣN, hidden) for the images of :data:`MERGER_GRIDS`."""
+    n = sum(h * w for h, w in MERGER_GRIDS)
+    return torch.randn(n, hidden, generator=inputs.generator(seed + 104729))
+
+
+# --- the reference side (transformers) -----------------------------------------------------------
+
+
+def reference_run(model, case: Case) -> dict:
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    batch, sizes = inputs.pad_batch(case.data["images"])
+    image_sizes = torch.tensor(sizes)
+    out = model.vision_tower(batch.to(device, dtype), image_sizes=image_sizes,
+                             output_hidden_states=True)
+    layer = model.config.vision_feature_layer
+    if not isinstance(layer, int):
+        raise NotImplementedError("several vision_feature_layer values are not supported")
+    features = out.hidden_states[layer]
+    seen = {}
+    handle = model.multi_modal_projector.patch_merger.register_forward_hook(
+        lambda module, args, output: seen.__setitem__("merger", output))
+    try:
+        projected = model.multi_modal_projector(features.squeeze(0), image_sizes)
+    finally:
+        handle.remove()
+    return {"merger": seen["merger"], "projector": projected}
+
+
+def reference_pairs(model, cfg) -> list[Pair]:
+    proj = model.multi_modal_projector
+    return pixtral.reference_pairs(model.vision_tower, cfg.vision_config) + [
+        Pair("merger_norm", proj.norm, tokens_2d),
+        Pair("merger", proj.patch_merger, tokens_2d),
+        Pair("projector", proj, tokens_2d),
+    ]
+
+
+def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
+    if name == "merger":
+        merger = model.multi_modal_projector.patch_merger
+        p = patch_size(cfg)
+        tokens = merger_probe(cfg.vision_config.hidden_size, seed)
+        sizes = torch.tensor([(h * p, w * p) for h, w in MERGER_GRIDS])
+        return merger(inputs.like_model(tokens, model), sizes)
+    raise KeyError(name)
+
+
+# --- the native side (mcore) ---------------------------------------------------------------------
+
+
+def native_run(model, case) -> dict:
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    imgs = case.data["images"]
+    if case.name == "static":
+        merged, projected = model(torch.stack(imgs).to(device, dtype), return_merged=True)
+    else:
+        rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
+        merged, projected = model(rows, imgs_sizes=case.data["sizes"], return_merged=True)
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
+    return {"merger": merged.reshape(-1, merged.shape[-1]),
+            "projector": projected.reshape(-1, projected.shape[-1])}
+
+
+def native_pairs(model, cfg) -> list:
+    vit = model.vision_model
+    out = pixtral.native_pairs(vit, cfg.vision_config)
+    if vit.merger is not None:
+        out += [Pair("merger_norm", vit.merger.norm, tokens_2d), Pair("merger", vit.merger, tokens_2d)]
+    out.append(Pair("projector", model.vision_projection, tokens_2d))
+    return out
+
+
+def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
+    """The merger alone, without its norm: exactly what HF ``Mistral3PatchMerger`` computes."""
+    if name == "merger":
+        merger = model.vision_model.merger
+        tokens = merger_probe(merger.hidden_size, seed)
+        return merger.merge(inputs.like_model(tokens, model), MERGER_GRIDS)
+    raise KeyError(name)
+
+
+# --- the registry's record -------------------------------------------------------------------------
+
+def random_config(pick) -> Mistral3Config:
+    heads = pick([1, 2, 4, 6])
+    head_dim = pick([4, 8, 12])
+    vision = PixtralVisionConfig(hidden_size=heads * head_dim, intermediate_size=pick(range(1, 7)) * 12,
+                                 num_hidden_layers=pick(range(1, 3)), num_attention_heads=heads,
+                                 image_size=64, patch_size=8, hidden_act="silu")
+    text = MistralConfig(hidden_size=pick([8, 12, 24, 40]), intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=4, vocab_size=16, rms_norm_eps=1e-5)
+    return Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=pick([1, 2, 3]),
+                          multimodal_projector_bias=pick([False, True]))
+
+
+def flop_shape(cfg, base: TowerShape) -> TowerShape:
+    m, text = cfg.spatial_merge_size, cfg.text_config.hidden_size
+    # merger Linear(m²H -> H), then the projector's linear_1 (H -> text) and linear_2 (text -> text)
+    return replace(base, gated=True, merge=m,
+                   merger=((base.hidden * m * m, base.hidden), (base.hidden, text), (text, text)))
+
+
+def hooks(towers) -> FamilyHooks:
+    return FamilyHooks(
+        tiny_config=reference.tiny_config, family_config=reference.vision_config,
+        build_reference=reference.build, build_native=native.build_native,
+        converter=converter.SPEC, cases=cases,
+        reference=Side(reference_run, reference_pairs, reference_component),
+        native=Side(native_run, native_pairs, native_component),
+        random_config=random_config, components=COMPONENTS,
+        last_stage_components=LAST_STAGE_COMPONENTS, prepare_case=prepare_case,
+        image_size_problems=image_size_problems, flop_shape=flop_shape)

@@ -1,0 +1,89 @@
+"""SigLIP parity: CLIP's cases with SigLIP's outputs, paired modules and position check, and the
+family's hook record."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from transformers import SiglipVisionConfig
+
+from mmparity.cases import clip, inputs
+from mmparity.cases.core import Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, tokens_2d
+from mmparity.converters import siglip as converter
+from mmparity.hfconfig import vision_sub_config
+from mmparity.native import siglip as native
+from mmparity.reference import siglip as reference
+from mmparity.reference.siglip import vision_config
+
+COMPONENTS = clip.COMPONENTS
+
+
+def outputs(cfg) -> tuple:
+    cfg = vision_config(cfg)
+    return ("last_hidden_state", "pooler_output") if cfg.vision_use_head else ("last_hidden_state",)
+
+
+def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+    return clip.make_cases(vision_config(cfg), seed, image_sizes, outputs(cfg))
+
+
+# --- the reference side (transformers) -------------------------------------------------------------
+
+def reference_pairs(model, cfg) -> list[Pair]:
+    out = [Pair("patch_embed", model.embeddings.patch_embedding, clip.conv_tokens)]
+    out += [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(model.encoder.layers)]
+    out.append(Pair("ln_post", model.post_layernorm, tokens_2d))
+    if getattr(model, "head", None) is not None:
+        out.append(Pair("head", model.head, tokens_2d))
+    return out
+
+
+def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
+    cfg = vision_config(cfg)
+    if name == "pos_embed":
+        return clip.interpolated_positions(model.embeddings, cfg, inputs.COMPONENT_GRID, 0)
+    return clip.reference_component(name, model, cfg, seed)
+
+
+# --- the registry's record -------------------------------------------------------------------------
+
+def random_config(pick) -> SiglipVisionConfig:
+    heads = pick([1, 2, 3, 4, 6])
+    head_dim = pick([4, 8, 12])
+    patch = pick([4, 8])
+    return SiglipVisionConfig(hidden_size=heads * head_dim, intermediate_size=pick(range(1, 8)) * 12,
+                              num_hidden_layers=pick(range(1, 4)), num_attention_heads=heads,
+                              image_size=patch * pick(range(2, 6)), patch_size=patch,
+                              vision_use_head=pick([False, True]))
+
+
+PUBLISHED = Published(
+    source="SigLIP so400m-patch14-384 vision tower (27 x 1152, pooling head)",
+    vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                num_attention_heads=16, image_size=384, patch_size=14, num_channels=3,
+                hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=True),
+    # HF's stride-14 conv drops the last 6 pixels of 384: 378 is the same 27x27 grid, and the
+    # native tower refuses sizes that are not a multiple of the patch.
+    images=64, image_size=(378, 378),
+    note="378x378 = the 27x27 patch grid HF makes of 384x384",
+    # Released at one size; mixed sizes go through HF's position interpolation, one HF call per
+    # image. 64 images, 45696 tokens (uniform: 46656).
+    mixed=((378, 378), (224, 224), (448, 448), (434, 434), (280, 504), (504, 280), (336, 336),
+           (308, 462)), mixed_images=64)
+
+
+def flop_shape(cfg, base: TowerShape) -> TowerShape:
+    return replace(base, head="attention_pool" if vision_sub_config(cfg).vision_use_head else None)
+
+
+def hooks(towers) -> FamilyHooks:
+    return FamilyHooks(
+        tiny_config=reference.tiny_config, family_config=reference.vision_config,
+        build_reference=reference.build, build_native=native.build_native,
+        converter=converter.SPEC, cases=cases,
+        reference=Side(clip.reference_run, reference_pairs, reference_component),
+        native=Side(clip.native_run, clip.native_pairs, clip.native_component),
+        random_config=random_config, components=COMPONENTS, prepare_case=clip.prepare_case,
+        flop_shape=flop_shape, published=PUBLISHED,
+        llava_tower=LlavaTower(model_type="siglip_vision_model", v4_checkpoint_root="vision_model."))

@@ -1,0 +1,93 @@
+"""Facts read off Hugging Face config objects, shared by every layer.
+
+Attribute access only: nothing here imports transformers or megatron, so the converters, the
+native models and the reference models read a config the same way.
+"""
+
+from __future__ import annotations
+
+
+def first_int(value) -> int:
+    """A size that HF configs give either as an int or as a (h, w) / (t, h, w) sequence."""
+    return value if isinstance(value, int) else int(value[0])
+
+
+def image_hw(cfg) -> tuple[int, int]:
+    size = cfg.image_size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def head_dim(cfg) -> int:
+    """The per-head width: an explicit ``head_dim`` when the config sets one, else hidden / heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_theta(cfg, default: float = 10000.0) -> float:
+    """The RoPE base: transformers v5 keeps it in ``rope_parameters``, older configs as a
+    ``rope_theta`` attribute."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", default)))
+
+
+def vision_sub_config(cfg):
+    """A whole-model config's ``vision_config``, or ``cfg`` itself when it has none."""
+    return getattr(cfg, "vision_config", None) or cfg
+
+
+def has_vision_sub_config(cfg) -> bool:
+    return getattr(cfg, "vision_config", None) is not None
+
+
+def tower_config(cfg, model_types: tuple, parent_types: tuple, what: str):
+    """The config of model_type in ``model_types``: ``cfg`` itself, or the ``vision_config`` of a
+    config whose model_type is in ``parent_types``; ``ValueError`` naming ``what`` otherwise."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in model_types:
+        return cfg
+    sub = getattr(cfg, "vision_config", None)
+    if model_type in parent_types and getattr(sub, "model_type", None) in model_types:
+        return sub
+    raise ValueError(f"config of model_type {model_type!r} is not a {what} model")
+
+
+def tower_config_or_self(cfg, model_type: str):
+    """Lenient :func:`tower_config` for key planning: an unrecognised config is taken as the tower's."""
+    if getattr(cfg, "model_type", None) == model_type:
+        return cfg
+    sub = getattr(cfg, "vision_config", None)
+    return sub if getattr(sub, "model_type", None) == model_type else cfg
+
+
+# --- LLaVA ----------------------------------------------------------------------------------------
+
+# Megatron-LM's default ``make_vocab_size_divisible_by``. The padded size depends on the HF config
+# only (not on the TP size), so one native shape serves every TP size that divides it.
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def tied_embeddings(cfg) -> bool:
+    """Whether ``lm_head`` shares the input embedding (HF reads the top-level config flag)."""
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def feature_layer_indices(cfg) -> list[int]:
+    """``vision_feature_layer`` as indices into HF's ``hidden_states`` (0 = the embedding output,
+    k = the output of vision layer k-1), in the order the features are concatenated."""
+    layers = cfg.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    count = cfg.vision_config.num_hidden_layers
+    resolved = [layer + count + 1 if layer < 0 else layer for layer in layers]
+    bad = [layer for layer, index in zip(layers, resolved) if not 0 <= index <= count]
+    if not layers or bad:
+        raise ValueError(f"vision_feature_layer {cfg.vision_feature_layer!r} does not select among "
+                         f"the {count + 1} hidden states of a {count}-layer vision tower")
+    return resolved
+
+
+def vision_layers_run(cfg) -> int:
+    """Vision layers the features depend on; later layers are converted but never run."""
+    return max(feature_layer_indices(cfg))

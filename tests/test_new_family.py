@@ -1,0 +1,203 @@
+"""A family written here, in the test, and registered for its duration: the generic machinery (hook
+validation, conversion both ways, the parity harness with its localisation, the test strategies,
+the bench) picks it up with nothing else edited. docs/families.md walks through the
+same steps for a real family.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmparity import families
+from mmparity.cases.core import Case, FamilyHooks, Pair, Side, tokens_2d
+from mmparity.converters.ops import fuse_gate_up
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.parity import bench, harness
+from tests.strategies import config_and_tp, family_configs
+
+
+@dataclass
+class ToyConfig:
+    """Stands in for an HF config: a stack of gated MLP blocks."""
+
+    hidden_size: int = 6
+    intermediate_size: int = 4
+    num_hidden_layers: int = 2
+    model_type: str = "toy"
+
+
+class ReferenceBlock(torch.nn.Module):
+    def __init__(self, cfg: ToyConfig):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ReferenceToy(torch.nn.Module):
+    """The "HF" side: separate gate / up projections, HF-style names."""
+
+    def __init__(self, cfg: ToyConfig):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ReferenceBlock(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+class NativeLayer(torch.nn.Module):
+    def __init__(self, cfg: ToyConfig):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.linear_fc2 = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        return x + self.linear_fc2(torch.nn.functional.silu(gate) * up)
+
+
+class NativeToy(torch.nn.Module):
+    """The "mcore" side: fused ``[gate; up]`` as ``linear_fc1``, mcore-style names."""
+
+    def __init__(self, cfg: ToyConfig):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(NativeLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, x):
+        for layer in self.decoder.layers:
+            x = layer(x)
+        return x
+
+
+def rule_set(cfg: ToyConfig, hf_format: str) -> RuleSet:
+    mc, hf = "decoder.layers.{i}.", "layers.{i}."
+    return RuleSet(
+        rules=(Rule(mc + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                    fuse_gate_up(), "gated"),
+               rename(mc + "linear_fc2.weight", hf + "down_proj.weight", "row")),
+        variables={"i": cfg.num_hidden_layers}, hf_format=hf_format,
+        validate_tp=lambda tp: [f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}"]
+        if tp > 0 and cfg.intermediate_size % tp else [])
+
+
+def cases(cfg, seed, image_sizes=None):
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return [Case("tokens", {"x": x}, description="5 random tokens")]
+
+
+def run(model, case):
+    param = next(model.parameters())
+    return {"last_hidden_state": model(case.data["x"].to(param.device, param.dtype))}
+
+
+def reference_pairs(model, cfg):
+    return [Pair(f"layer.{i}", block, tokens_2d) for i, block in enumerate(model.layers)]
+
+
+def native_pairs(model, cfg):
+    return [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+
+
+def no_component(name, model, cfg, seed):
+    raise KeyError(name)
+
+
+def random_config(pick) -> ToyConfig:
+    return ToyConfig(hidden_size=pick([2, 3, 6]), intermediate_size=pick([1, 2, 4, 6]),
+                     num_hidden_layers=pick([1, 2, 3]))
+
+
+def hooks(towers) -> FamilyHooks:
+    return FamilyHooks(
+        tiny_config=ToyConfig, family_config=lambda cfg: cfg,
+        build_reference=lambda cfg: ReferenceToy(cfg).eval(),
+        build_native=lambda cfg, params_dtype=torch.float32: NativeToy(cfg).to(params_dtype),
+        converter=ConverterSpec(formats=("hf",), rule_set=rule_set), cases=cases,
+        reference=Side(run, reference_pairs, no_component), native=Side(run, native_pairs, no_component),
+        random_config=random_config, image_size_multiple=lambda cfg: 1)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """Registers the toy family as `mmparity.cases.toy` plus one registry entry, for one test."""
+    module = types.ModuleType("mmparity.cases.toy")
+    module.hooks = hooks
+    monkeypatch.setitem(sys.modules, "mmparity.cases.toy", module)
+    monkeypatch.setitem(families._REGISTRY, "toy", families.Family(
+        name="toy", summary="a stack of gated MLP blocks", reference_classes=("ReferenceToy",)))
+    return families.get("toy")
+
+
+def test_the_registry_lists_and_validates_it(toy):
+    assert "toy" in families.names()
+    assert toy.hooks.converter.formats == ("hf",)
+
+
+def test_conversion_both_ways_is_exact(toy):
+    cfg = toy.tiny_config()
+    state = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+             for k, v in toy.build_reference(cfg).state_dict().items()}
+    shards = toy.hf_to_mcore(state, cfg, tp_size=2)
+    assert shards[0]["decoder.layers.0.linear_fc1.weight"].shape == (4, 6)
+    back = toy.mcore_to_hf(shards, cfg)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_parity_harness_checks_it_and_locates_a_fault(toy):
+    assert harness.check("toy", seed=3).passed
+
+    def perturb(state):
+        state["decoder.layers.1.linear_fc2.weight"] = state["decoder.layers.1.linear_fc2.weight"] + 0.5
+
+    report = harness.check("toy", seed=3, mutate_native=perturb)
+    assert not report.passed
+    assert {r.first_divergence.module for r in report.failures()} == {"layer.1"}
+
+
+def test_strategies_draw_from_its_record(toy):
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
+    def property_(data):
+        cfg, tp = data.draw(config_and_tp("toy"))
+        assert isinstance(cfg, ToyConfig) and cfg.intermediate_size % tp == 0
+
+    property_()
+    assert family_configs("toy") is not None
+
+
+def test_the_bench_leaves_its_flops_uncounted_and_unpublished(toy):
+    assert bench.tower_shape("toy", toy.tiny_config()) is None
+    assert "toy" not in bench.published_families()
+
+
+def test_a_missing_required_hook_fails_naming_the_family(monkeypatch):
+    def incomplete(towers):
+        complete = hooks(towers)
+        return FamilyHooks(**{**complete.__dict__, "converter": None})
+
+    def missing(towers):
+        fields = dict(hooks(towers).__dict__)
+        del fields["cases"]
+        return FamilyHooks(**fields)
+
+    for name, make in (("toy_bad", incomplete), ("toy_missing", missing)):
+        module = types.ModuleType(f"mmparity.cases.{name}")
+        module.hooks = make
+        monkeypatch.setitem(sys.modules, f"mmparity.cases.{name}", module)
+        monkeypatch.setitem(families._REGISTRY, name, families.Family(name=name, summary="", reference_classes=()))
+        with pytest.raises(families.FamilyError, match=name):
+            families.get(name).hooks
+
