@@ -4,14 +4,17 @@ One pipeline, three kinds of source and three kinds of target, joined by the rul
 
     source (HF dir | legacy dir | torch_dist dir)  --mcore_pieces(key)-->  target writer
 
+The conversion itself is the engine of `mmparity.converters.rules`, the same one the in-memory
+API runs: its plans (`plan_hf_to_mcore`, `plan_mcore_to_hf`) are the one totality check, and its
+loops (`stream_to_mcore`, `stream_to_hf`) drive the writers here instead of an in-memory sink.
 Every source answers one question, "the full (TP = 1, globally numbered) mcore tensor of this key",
-one key at a time: an HF source runs the rule step that produces the key (`op.apply_pieces` on the
-HF tensors it maps with `SafetensorsCheckpoint.map`); a legacy source memory-maps its rank files
+one key at a time: an HF source runs the engine's `StepRunner` (`op.apply_pieces` on the HF
+tensors it maps with `SafetensorsCheckpoint.map`); a legacy source memory-maps its rank files
 (`torch.load(mmap=True, weights_only=True)`) and merges the key's TP parts; a torch_dist source
-maps just that layer's chunk of mcore's stacked tensor. A target walks the family's `plan()`:
-the HF writer inverts each step into safetensors shards whose headers were laid out in advance;
-the mcore writers shard each tensor for TP into legacy rank files (`checkpoint.LegacyWriter`) or
-a DCP data file (`checkpoint.save_torch_dist` with a producer).
+maps just that layer's chunk of mcore's stacked tensor. The HF writer inverts each step into
+safetensors shards whose headers were laid out in advance; the mcore writers shard each tensor for
+TP into legacy rank files (`checkpoint.LegacyWriter`) or a DCP data file
+(`checkpoint.save_torch_dist` with a producer).
 
 Everything that can be known before reading a byte is checked first, on `meta` tensors: missing,
 unexpected and mis-shaped tensors (against the shapes the HF config implies, via the reference
@@ -614,31 +617,15 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
     with atomic_directory(options.dst, force=options.force) as staging:
         writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size,
                                             locate=source.locate)
+
+        def put(key: str, pieces: list) -> None:
+            writer.write(key, pieces)
+            progress.advance(1, sum(p.numel() * p.element_size() for p in pieces))
+
         try:
-            for step in plan.steps:
-                outputs = None
-                if len(step.mcore_keys) == 1:
-                    # An op that only moves row blocks (a rename, q/k/v regrouping, a gated split)
-                    # takes its rows straight from the source's pieces, TP parts included.
-                    key = step.mcore_keys[0]
-                    pieces = source.mcore_pieces(key)
-                    outputs = route_pieces(step.rule.op.invert_pieces, pieces, source.metas[key].shape,
-                                           source.metas[key].dtype)
-                    full = [joined(pieces)] if outputs is None else None
-                    del pieces
-                else:
-                    full = [source.mcore_tensor(k) for k in step.mcore_keys]
-                if outputs is None:
-                    try:
-                        outputs = step.rule.op.invert_pieces(full)
-                    except (LayoutError, ShardError, RuntimeError) as exc:
-                        raise ConvertError(f"{', '.join(step.mcore_keys)}: {exc}") from None
-                del full
-                for key, pieces in zip(step.hf_keys, outputs):
-                    writer.write(prefix + key, pieces)
-                    progress.advance(1, sum(p.numel() * p.element_size() for p in pieces))
-                del outputs
-                heap.check()
+            # An op that only moves row blocks (a rename, q/k/v regrouping, a gated split) takes
+            # its rows straight from the source's pieces, TP parts included (route_pieces).
+            R.stream_to_hf(plan, source.mcore_pieces, put, route=route_pieces, step_done=heap.check)
             writer.close()
         finally:
             writer.abort()

@@ -235,6 +235,7 @@ class Plan:
 
     steps: list  # [Step] whose sources are all present, in table order
     sources: dict  # step index -> source keys, with the source prefix
+    inputs: dict  # source key -> meta tensor
     outputs: dict  # output key -> meta tensor, in table order
     producer: dict  # output key -> step index
     kinds: dict  # mcore key -> TP kind
@@ -255,7 +256,7 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         raise ConversionError("tensor-parallel size does not fit this model", problems)
     if prefix is None:
         prefix = detect_prefix(rule_set, source.keys())
-    plan = Plan([], {}, {}, {}, {}, prefix)
+    plan = Plan([], {}, {}, {}, {}, {}, prefix)
     consumed: set[str] = set()
     for step in plan_steps(rule_set):
         keys = [prefix + k for k in step.hf_keys]
@@ -266,7 +267,8 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         consumed.update(keys)
         inputs = [source[k] for k in keys]
         try:
-            outputs = step.rule.op.apply([_meta(t) for t in inputs])
+            metas = [_meta(t) for t in inputs]
+            outputs = step.rule.op.apply(metas)
             for kind, t in zip(step.rule.tp, outputs):
                 if tp_size > 1:
                     tp_mod.shard(t, kind, tp_size)
@@ -276,6 +278,7 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         index = len(plan.steps)
         plan.steps.append(step)
         plan.sources[index] = keys
+        plan.inputs.update(zip(keys, metas))
         for key, kind, t in zip(step.mcore_keys, step.rule.tp, outputs):
             plan.outputs[key], plan.producer[key], plan.kinds[key] = t, index, kind
     drops = [re.compile(p) for p in rule_set.drop_hf]
@@ -290,7 +293,7 @@ def plan_mcore_to_hf(rule_set: RuleSet, source: Mapping, prefix: str = "") -> Pl
     """The conversion of whole (TP = 1) mcore tensors ``source`` to HF keys under ``prefix``,
     checked as :func:`plan_hf_to_mcore`: every mcore tensor has its place, every op fits."""
     problems: list[str] = []
-    plan = Plan([], {}, {}, {}, {}, prefix)
+    plan = Plan([], {}, {}, {}, {}, {}, prefix)
     consumed: set[str] = set()
     for step in plan_steps(rule_set):
         missing = [k for k in step.mcore_keys if k not in source]
@@ -300,13 +303,15 @@ def plan_mcore_to_hf(rule_set: RuleSet, source: Mapping, prefix: str = "") -> Pl
         consumed.update(step.mcore_keys)
         inputs = [source[k] for k in step.mcore_keys]
         try:
-            outputs = step.rule.op.invert([_meta(t) for t in inputs])
+            metas = [_meta(t) for t in inputs]
+            outputs = step.rule.op.invert(metas)
         except _FIT_ERRORS as exc:
             problems.append(f"{', '.join(f'{k} {_shape(t)}' for k, t in zip(step.mcore_keys, inputs))}: {exc}")
             continue
         index = len(plan.steps)
         plan.steps.append(step)
         plan.sources[index] = list(step.mcore_keys)
+        plan.inputs.update(zip(step.mcore_keys, metas))
         for key, kind in zip(step.mcore_keys, step.rule.tp):
             plan.kinds[key] = kind
         for key, t in zip(step.hf_keys, outputs):
@@ -352,12 +357,28 @@ class MemorySink:
         self.shards: list[dict] = [{} for _ in range(tp_size)]
 
     def put(self, key: str, kind: str, pieces: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
-        tensor = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=0)
-        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
-        if storage is not None and any(t.numel() and t.untyped_storage().data_ptr() == storage for t in inputs):
-            tensor = tensor.clone(memory_format=torch.contiguous_format)  # never alias the source
+        tensor = owned(pieces, storages(inputs))
         for rank, part in enumerate(tp_mod.shard(tensor, kind, self.tp_size)):
             self.shards[rank][key] = part
+
+
+def join(pieces: Sequence) -> torch.Tensor:
+    """Consecutive dim-0 pieces as one tensor (the piece itself when there is one)."""
+    tensors = [tp_mod.as_tensor(p) for p in pieces]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+def owned(pieces: Sequence, source_storages: set[int]) -> torch.Tensor:
+    """``join(pieces)``, copied if it would share memory with a source (``storages(sources)``):
+    what the in-memory API returns never aliases what it was given."""
+    tensor = join(pieces)
+    if tensor.numel() and tensor.untyped_storage().data_ptr() in source_storages:
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 def stream_to_mcore(keys: Iterable[str], kinds: Mapping[str, str], produce: Callable, put: Callable) -> None:
@@ -381,6 +402,49 @@ def convert_hf_to_mcore(rule_set: RuleSet, hf_state: Mapping[str, torch.Tensor],
     return sink.shards
 
 
+def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[str, list], None], *,
+                 route: Callable | None = None, step_done: Callable[[], None] | None = None) -> None:
+    """Every HF tensor of an mcore -> HF ``plan``, in table order: ``put(hf_key, pieces)``. The one
+    loop that the in-memory API and the HF checkpoint writer run.
+
+    ``pieces_of(mcore_key)`` gives a whole (TP = 1) mcore tensor as dim-0 pieces. ``route(op,
+    pieces, shape, dtype)``, where given, may take a one-input op's outputs straight from those
+    pieces (None when the op does more than select rows); otherwise they are joined first.
+    """
+    for index, step in enumerate(plan.steps):
+        keys = plan.sources[index]
+        outputs = full = None
+        if len(keys) == 1:
+            pieces = pieces_of(keys[0])
+            meta = plan.inputs[keys[0]]
+            if route is not None:
+                outputs = route(step.rule.op.invert_pieces, pieces, tuple(meta.shape), meta.dtype)
+            if outputs is None:
+                full = [join(pieces)]
+            del pieces
+        else:
+            full = [join(pieces_of(k)) for k in keys]
+        if outputs is None:
+            try:
+                outputs = step.rule.op.invert_pieces(full)
+            except _FIT_ERRORS as exc:
+                raise ConversionError("mcore -> HF conversion is not total", [f"{', '.join(keys)}: {exc}"]) from None
+        del full
+        for key, pieces in zip(step.hf_keys, outputs):
+            put(plan.prefix + key, pieces)
+        del outputs
+        if step_done is not None:
+            step_done()
+
+
+def _merged_meta(parts: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
+    """The meta tensor of ``tp.merge(parts, kind)``, checking replicated copies agree."""
+    if kind == "replicated" or (kind == "row" and parts[0].dim() <= 1):
+        tp_mod.check_replicated(parts)
+        return _meta(parts[0])
+    return tp_mod.merge([_meta(p) for p in parts], kind)
+
+
 def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.Tensor]],
                         prefix: str = "") -> dict:
     """Per-rank mcore state dicts (either key spelling) -> one HF state dict."""
@@ -398,7 +462,7 @@ def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.T
             merged[key] = value  # no rule takes it: the plan reports it
         else:
             try:
-                merged[key] = tp_mod.merge([s[key] for s in ranks], kinds[key])
+                merged[key] = _merged_meta([s[key] for s in ranks], kinds[key])
             except _FIT_ERRORS as exc:
                 problems.append(f"{key} {_shape(value)}: {exc}")
     for r, s in enumerate(ranks[1:], start=1):
@@ -410,10 +474,13 @@ def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.T
         problems += exc.problems
     if problems:
         raise ConversionError("mcore -> HF conversion is not total", problems)
+    sources = storages(t for s in ranks for t in s.values() if isinstance(t, torch.Tensor))
     out: dict = {}
-    for index, step in enumerate(plan.steps):
-        for key, tensor in zip(step.hf_keys, step.rule.op.invert([merged[k] for k in plan.sources[index]])):
-            out[prefix + key] = tensor
+
+    def put(key: str, pieces: list) -> None:
+        out[key] = owned(pieces, sources)
+
+    stream_to_hf(plan, lambda key: tp_mod.merge_pieces([s[key] for s in ranks], kinds[key]), put)
     return out
 
 
