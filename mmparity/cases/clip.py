@@ -11,7 +11,7 @@ from transformers import CLIPVisionConfig
 
 from mmparity.cases import inputs
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
-                                 first_tensor, sbh_tokens_2d, tokens_2d)
+                                 first_tensor, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.converters import clip as converter
 from mmparity.native import clip as native
 from mmparity.native.core.layers import numbered_layers
@@ -46,9 +46,7 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     return make_cases(cfg, seed, image_sizes, OUTPUTS)
 
 
-def prepare_case(case: Case, cfg) -> Case:
-    case.data.setdefault("patch", patch_size(cfg))
-    return case
+prepare_case = recording_patch(patch_size)
 
 
 # --- the reference side (transformers) -----------------------------------------------------------
@@ -176,14 +174,16 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
 
 # --- the registry's record -------------------------------------------------------------------------
 
+def random_tower_config(pick, config_class, **extra):
+    """A random CLIP-like tower config (CLIP, SigLIP): heads, widths, depth, patch and grid."""
+    heads, head_dim, patch = pick([1, 2, 3, 4, 6]), pick([4, 8, 12]), pick([4, 8])
+    return config_class(hidden_size=heads * head_dim, intermediate_size=pick(range(1, 8)) * 12,
+                        num_hidden_layers=pick(range(1, 4)), num_attention_heads=heads,
+                        image_size=patch * pick(range(2, 6)), patch_size=patch, **extra)
+
+
 def random_config(pick) -> CLIPVisionConfig:
-    heads = pick([1, 2, 3, 4, 6])
-    head_dim = pick([4, 8, 12])
-    patch = pick([4, 8])
-    return CLIPVisionConfig(hidden_size=heads * head_dim, intermediate_size=pick(range(1, 8)) * 12,
-                            num_hidden_layers=pick(range(1, 4)), num_attention_heads=heads,
-                            image_size=patch * pick(range(2, 6)), patch_size=patch,
-                            hidden_act=pick(["quick_gelu", "gelu"]))
+    return random_tower_config(pick, CLIPVisionConfig, hidden_act=pick(["quick_gelu", "gelu"]))
 
 
 PUBLISHED = Published(
@@ -202,13 +202,11 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=native.build_native,
-        converter=converter.SPEC, cases=cases,
+    return module_hooks(
+        reference, native, converter.SPEC, cases=cases, random_config=random_config,
         reference=Side(reference_run, reference_pairs, reference_component),
         native=Side(native_run, native_pairs, native_component),
-        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+        components=COMPONENTS, prepare_case=prepare_case,
         flop_shape=flop_shape, published=PUBLISHED,
         llava_tower=LlavaTower(model_type="clip_vision_model", class_token_len=CLASS_TOKEN_LEN,
                                v4_checkpoint_root="vision_model."))

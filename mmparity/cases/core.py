@@ -59,6 +59,16 @@ def keep_case(case: Case, cfg) -> Case:
     return case
 
 
+def recording_patch(patch_size: Callable[[Any], int]) -> Callable[[Case, Any], Case]:
+    """A ``prepare_case`` that records ``patch_size(cfg)`` in the case, for extractors that
+    crop patch grids."""
+    def prepare_case(case: Case, cfg) -> Case:
+        case.data.setdefault("patch", patch_size(cfg))
+        return case
+
+    return prepare_case
+
+
 def no_problems(*unused) -> list:
     return []
 
@@ -178,6 +188,15 @@ class FamilyHooks:
                 ok = callable(value) or (value is None and f.default is None)
             if not ok:
                 raise TypeError(f"family {family!r}: hook {f.name!r} is {value!r}, which does not fit")
+
+
+def module_hooks(reference_module, native_module, converter: ConverterSpec, /, **hooks) -> FamilyHooks:
+    """The usual record: the config, builders and converter from the family's reference module
+    (``tiny_config``, ``vision_config``, ``build``), native module (``build_native``) and
+    converter spec; every other hook as given."""
+    return FamilyHooks(tiny_config=reference_module.tiny_config, family_config=reference_module.vision_config,
+                       build_reference=reference_module.build, build_native=native_module.build_native,
+                       converter=converter, **hooks)
 
 
 # How a composite family (LLaVA) finds the registered family of a vision tower: given the whole

@@ -15,7 +15,8 @@ from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 from transformers.models.kimi_k25.modeling_kimi_k25 import apply_rotary_pos_emb_vision
 
 from mmparity.cases import inputs
-from mmparity.cases.core import Case, FamilyHooks, Pair, Published, Side, TowerShape, sbh_tokens_2d, tokens_2d
+from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks,
+                                 recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.converters import kimi_k25 as converter
 from mmparity.converters.ops import RopeInterleave
 from mmparity.hfconfig import has_vision_sub_config as has_projector
@@ -91,9 +92,7 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     return out
 
 
-def prepare_case(case: Case, cfg) -> Case:
-    case.data.setdefault("patch", patch_size(cfg))
-    return case
+prepare_case = recording_patch(patch_size)
 
 
 # --- the reference side (transformers) -----------------------------------------------------------
@@ -310,11 +309,9 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=native.build_native,
-        converter=converter.SPEC, cases=cases,
+    return module_hooks(
+        reference, native, converter.SPEC, cases=cases, random_config=random_config,
         reference=Side(reference_run, reference_pairs, reference_component),
         native=Side(native_run, native_pairs, native_component),
-        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+        components=COMPONENTS, prepare_case=prepare_case,
         image_size_multiple=image_size_multiple, flop_shape=flop_shape, published=PUBLISHED)

@@ -398,7 +398,7 @@ def hooks(towers: TowerLookup) -> FamilyHooks:
 
     return FamilyHooks(
         tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=build_native,
+        build_reference=reference.build, build_native=build_native,  # the tower comes from towers
         converter=converter.converter(tower_of), cases=partial(cases, towers=towers),
         reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
                        reference_component),

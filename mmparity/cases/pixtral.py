@@ -12,7 +12,7 @@ from transformers.models.pixtral.modeling_pixtral import PixtralVisionRotaryEmbe
 
 from mmparity.cases import inputs
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
-                                 first_tensor, sbh_tokens_2d, tokens_2d)
+                                 first_tensor, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.converters import pixtral as converter
 from mmparity.converters.ops import RopeInterleave
 from mmparity.native import pixtral as native
@@ -42,9 +42,7 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     return out
 
 
-def prepare_case(case: Case, cfg) -> Case:
-    case.data.setdefault("patch", patch_size(cfg))
-    return case
+prepare_case = recording_patch(patch_size)
 
 
 # --- the reference side (transformers) -----------------------------------------------------------
@@ -170,12 +168,10 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=native.build_native,
-        converter=converter.SPEC, cases=cases,
+    return module_hooks(
+        reference, native, converter.SPEC, cases=cases, random_config=random_config,
         reference=Side(reference_run, reference_pairs, reference_component),
         native=Side(native_run, native_pairs, native_component),
-        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+        components=COMPONENTS, prepare_case=prepare_case,
         flop_shape=flop_shape, published=PUBLISHED,
         llava_tower=LlavaTower(model_type="pixtral", variable_size=True))

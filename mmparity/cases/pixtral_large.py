@@ -9,7 +9,8 @@ import torch
 from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
 from mmparity.cases import inputs, pixtral
-from mmparity.cases.core import Case, FamilyHooks, Pair, Side, TowerShape, tokens_2d
+from mmparity.cases.core import (Case, FamilyHooks, Pair, Side, TowerShape, module_hooks,
+                                 recording_patch, tokens_2d)
 from mmparity.converters import pixtral_large as converter
 from mmparity.native import pixtral_large as native
 from mmparity.reference import pixtral_large as reference
@@ -52,9 +53,7 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     return out
 
 
-def prepare_case(case: Case, cfg) -> Case:
-    case.data.setdefault("patch", patch_size(cfg))
-    return case
+prepare_case = recording_patch(patch_size)
 
 
 def merger_probe(hidden: int, seed: int) -> torch.Tensor:
@@ -165,12 +164,10 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=native.build_native,
-        converter=converter.SPEC, cases=cases,
+    return module_hooks(
+        reference, native, converter.SPEC, cases=cases, random_config=random_config,
         reference=Side(reference_run, reference_pairs, reference_component),
         native=Side(native_run, native_pairs, native_component),
-        random_config=random_config, components=COMPONENTS,
+        components=COMPONENTS,
         last_stage_components=LAST_STAGE_COMPONENTS, prepare_case=prepare_case,
         image_size_problems=image_size_problems, flop_shape=flop_shape)

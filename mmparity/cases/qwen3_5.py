@@ -18,7 +18,8 @@ from transformers.vision_utils import (get_vision_interpolation_indices_and_weig
                                        get_vision_position_ids)
 
 from mmparity.cases import inputs
-from mmparity.cases.core import Case, FamilyHooks, Pair, Published, Side, TowerShape, sbh_tokens_2d, tokens_2d
+from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks,
+                                 sbh_tokens_2d, tokens_2d)
 from mmparity.converters import qwen3_5 as converter
 from mmparity.hfconfig import first_int as _int
 from mmparity.hfconfig import vision_sub_config
@@ -286,11 +287,9 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=native.build_native,
-        converter=converter.SPEC, cases=cases,
+    return module_hooks(
+        reference, native, converter.SPEC, cases=cases, random_config=random_config,
         reference=Side(reference_run, reference_pairs, reference_component),
         native=Side(native_run, native_pairs, native_component),
-        random_config=random_config, components=COMPONENTS,
+        components=COMPONENTS,
         last_stage_components=LAST_STAGE_COMPONENTS, flop_shape=flop_shape, published=PUBLISHED)

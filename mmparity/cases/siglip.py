@@ -9,7 +9,8 @@ import torch
 from transformers import SiglipVisionConfig
 
 from mmparity.cases import clip, inputs
-from mmparity.cases.core import Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, tokens_2d
+from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
+                                 module_hooks, tokens_2d)
 from mmparity.converters import siglip as converter
 from mmparity.hfconfig import vision_sub_config
 from mmparity.native import siglip as native
@@ -49,13 +50,7 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
 # --- the registry's record -------------------------------------------------------------------------
 
 def random_config(pick) -> SiglipVisionConfig:
-    heads = pick([1, 2, 3, 4, 6])
-    head_dim = pick([4, 8, 12])
-    patch = pick([4, 8])
-    return SiglipVisionConfig(hidden_size=heads * head_dim, intermediate_size=pick(range(1, 8)) * 12,
-                              num_hidden_layers=pick(range(1, 4)), num_attention_heads=heads,
-                              image_size=patch * pick(range(2, 6)), patch_size=patch,
-                              vision_use_head=pick([False, True]))
+    return clip.random_tower_config(pick, SiglipVisionConfig, vision_use_head=pick([False, True]))
 
 
 PUBLISHED = Published(
@@ -78,12 +73,10 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=native.build_native,
-        converter=converter.SPEC, cases=cases,
+    return module_hooks(
+        reference, native, converter.SPEC, cases=cases, random_config=random_config,
         reference=Side(clip.reference_run, reference_pairs, reference_component),
         native=Side(clip.native_run, clip.native_pairs, clip.native_component),
-        random_config=random_config, components=COMPONENTS, prepare_case=clip.prepare_case,
+        components=COMPONENTS, prepare_case=clip.prepare_case,
         flop_shape=flop_shape, published=PUBLISHED,
         llava_tower=LlavaTower(model_type="siglip_vision_model", v4_checkpoint_root="vision_model."))
