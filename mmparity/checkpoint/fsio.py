@@ -1037,14 +1037,37 @@ def _writable(piece):
     return piece if piece.is_contiguous() or _row_bytes(piece) is not None else piece.contiguous()
 
 
+# What copy_file_range answers when the kernel cannot copy between these two files at all (another
+# filesystem, one that does not implement it, an old kernel): the bytes then go through user space.
+# Any other error is a real one and propagates.
+_COPY_UNSUPPORTED = frozenset({errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+_COPY_CHUNK = 8 * 2**20
+
+
 def copy_file_range_all(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """`count` bytes from one file to another inside the kernel (page cache to page cache)."""
+    """`count` bytes from one file to another inside the kernel (page cache to page cache), or by
+    `pread`/`pwrite` where the kernel cannot copy between the two (e.g. across filesystems)."""
     while count:
-        copied = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+        try:
+            copied = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+        except OSError as exc:
+            if exc.errno not in _COPY_UNSUPPORTED:
+                raise
+            _copy_through_user_space(src_fd, src_offset, dst_fd, dst_offset, count)
+            return
         if copied <= 0:
             raise CheckpointError(f"copy_file_range stopped with {count} bytes left (source file shorter "
                                   "than its header says?)")
         src_offset, dst_offset, count = src_offset + copied, dst_offset + copied, count - copied
+
+
+def _copy_through_user_space(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
+    while count:
+        data = os.pread(src_fd, min(count, _COPY_CHUNK), src_offset)
+        if not data:
+            raise CheckpointError(f"source file ended with {count} bytes left to copy (shorter than its header says?)")
+        pwrite_all(dst_fd, data, dst_offset)
+        src_offset, dst_offset, count = src_offset + len(data), dst_offset + len(data), count - len(data)
 
 
 def _pwritev_all(fd: int, buffers: list, offset: int) -> int:
