@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
-        parser.print_help()
-        return EXIT_USAGE
+        # A usage error like any other: on stderr, so a script capturing stdout sees nothing.
+        parser.print_usage(sys.stderr)
+        return fail_usage(f"a subcommand is required ({', '.join(SUBCOMMANDS)}); see mmparity --help")
     module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command][0]}")
     try:
         return module.run(args)
