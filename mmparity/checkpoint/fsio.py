@@ -30,6 +30,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -105,6 +106,46 @@ def _name_list(names: Iterable[str]) -> str:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+# --------------------------------------------------------------------------------------------------
+# what a checkpoint may name: regular files, inside itself
+
+
+def require_regular_file(path: str | os.PathLike, what: str = "file") -> os.stat_result:
+    """`stat`s `path` (never opens it) and refuses anything but a regular file.
+
+    Opening a FIFO blocks until someone writes to it, and a device or socket is no checkpoint: they
+    are refused before any `open`, so a hostile directory cannot make a reader hang. Symlinks are
+    followed (HF's cache links every file to a blob elsewhere).
+    """
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot stat {what} ({exc.strerror})") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise CheckpointError(f"{path}: not a regular file (a {_file_kind(status.st_mode)}); a checkpoint's "
+                              f"{what} must be a plain file")
+    return status
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def is_plain_relative_path(name: object) -> bool:
+    """True for a relative path that stays inside the directory it is relative to (no `..`
+    component, not absolute, not empty): how every path a checkpoint names must look."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return False
+    path = Path(name)
+    return not path.is_absolute() and ".." not in path.parts and path.parts != ()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from mmparity.checkpoint.fsio import (
     Slot,
     SlotWriter,
     atomic_directory,
+    require_regular_file,
     torch_save_without_crc32,
 )
 from mmparity.checkpoint.layout import (
@@ -282,6 +283,7 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     the bytes actually used are read, so a converter can stream through a rank file.
     """
     path = Path(path)
+    require_regular_file(path, "rank file")
     try:
         # Megatron-LM stores its arguments as an argparse.Namespace: plain attributes, safe to allow.
         with torch.serialization.safe_globals([argparse.Namespace]):
@@ -312,25 +314,43 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     model = payload["model"]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: 'model' is a {type(model).__name__}, not a state dict")
-    if mmap and file_ranges is not None:
-        _register_mapping(path, model, file_ranges)
+    if mmap:
+        base = _check_mapped_spans(path, model)
+        if file_ranges is not None and base is not None:
+            file_ranges.add(base, path.stat().st_size, path)
     return model
 
 
-def _register_mapping(path: Path, model: Mapping, file_ranges) -> None:
-    """Tells `file_ranges` where torch.load(mmap=True) mapped `path`, so writers can copy tensor
-    bytes file to file. torch maps the whole file from offset 0 and each storage is a view at its
-    zip record's offset; the mapping's address is recovered from those and checked against all of
-    them (nothing is registered if anything does not fit)."""
+def _check_mapped_spans(path: Path, model: Mapping) -> int | None:
+    """Checks that every tensor torch.load(mmap=True) made lies inside its own storage record, and
+    returns the mapping's address (None when no tensor has bytes).
+
+    A plain load reads each record and refuses a storage larger than it; a mapped load takes the
+    storage size from the pickle and maps that many bytes at the record's offset, so a record
+    shorter than its tensor would be filled from whatever follows it in the file. torch maps the
+    whole file from offset 0 and each storage is a view at its record's offset: the mapping's
+    address is recovered from those, and every storage must then start at a record and fit in it
+    (torch itself checks that a tensor fits in its storage). Reads the zip directory, no data.
+    """
     reader = torch._C.PyTorchFileReader(str(path))
-    offsets = {reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
-    pointers = {v.untyped_storage().data_ptr() for v in model.values()
+    records = {reader.get_record_offset(r): (r, reader.get_record_size(r))
+               for r in reader.get_all_records() if r.startswith("data/")}
+    storages = {k: v.untyped_storage() for k, v in model.items()
                 if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
-    if not offsets or not pointers:
-        return
-    base = min(pointers) - min(offsets)
-    if all(p - base in offsets for p in pointers):
-        file_ranges.add(base, path.stat().st_size, path)
+    if not storages:
+        return None
+    if not records:
+        raise CheckpointError(f"{path}: tensors with bytes but no storage records")
+    base = min(s.data_ptr() for s in storages.values()) - min(records)
+    for key, storage in sorted(storages.items()):
+        found = records.get(storage.data_ptr() - base)
+        if found is None:
+            raise CheckpointError(f"{path}: tensor {key!r} is not mapped at any storage record of the file")
+        record, size = found
+        if storage.nbytes() > size:
+            raise CheckpointError(f"{path}: tensor {key!r} needs {storage.nbytes()} bytes but its storage record "
+                                  f"{record} holds {size} (a truncated or altered file)")
+    return base
 
 
 @dataclasses.dataclass(frozen=True)
