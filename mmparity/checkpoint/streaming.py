@@ -76,6 +76,7 @@ from mmparity.checkpoint.fsio import (
     route_pieces,
     pwrite_all,
     atomic_directory,
+    check_source_dtypes,
     parse_size,
 )
 from mmparity.converters.ops import Identity, LayoutError
@@ -408,6 +409,7 @@ class _HFSource(_Source):
             for key, t in zip(step.mcore_keys, outputs):
                 self.metas[key] = _meta_of(t)
                 self._producer[key] = index
+        check_source_dtypes(path, {n: infos[n].dtype for n in consumed})
         drops = [re.compile(p) for p in self.rules.drop_hf]
         problems += [f"unexpected source tensor {k} {list(info.shape)}" for k, info in infos.items()
                      if k not in consumed and not any(d.match(k) for d in drops)]
@@ -502,6 +504,7 @@ class _LegacySource(_McoreSource):
             self.ranks.append({k: v for k, v in R.to_te_spelling(merged).items()
                                if isinstance(v, torch.Tensor)})
         self._check_keys(set().union(*self.ranks), "legacy")
+        check_source_dtypes(ckpt.iteration_dir, {k: t.dtype for state in self.ranks for k, t in state.items()})
         problems = list(self.rules.validate_tp(self.tp)) if self.rules.validate_tp else []
         self.metas = {}
         for key in self.order:
@@ -591,6 +594,7 @@ class _TorchDistSource(_McoreSource):
                 if local is not None:
                     self.index[local] = (ckpt_key, None, Meta(dtype, tuple(shape)))
         self._check_keys(self.index, "torch_dist")
+        check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order}
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
