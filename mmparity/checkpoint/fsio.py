@@ -248,8 +248,13 @@ class TensorChecksum:
         algorithm = next((a for a in CHECKSUM_ALGORITHMS if a in record), None)
         if algorithm is None:
             raise KeyError(f"no checksum ({' or '.join(CHECKSUM_ALGORITHMS)})")
-        return cls(str(record["dtype"]), tuple(int(n) for n in record["shape"]), str(record[algorithm]),
-                   algorithm)
+        shape, dtype, digest = record.get("shape"), record.get("dtype"), record[algorithm]
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in shape):
+            raise ValueError(f"shape {shape!r} is not a list of sizes")
+        if not isinstance(dtype, str) or not isinstance(digest, str):
+            raise ValueError(f"dtype {dtype!r} and {algorithm} {digest!r} must be strings")
+        return cls(dtype, tuple(shape), digest, algorithm)
 
     def differences(self, other: TensorChecksum) -> list[str]:
         """Human-readable reasons why `other` (found) is not `self` (expected); empty if equal."""

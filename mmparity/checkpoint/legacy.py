@@ -413,7 +413,7 @@ def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) 
                 files[tp_rank, pp_rank] = path_of_rank
     if absent:
         raise CheckpointError(f"{iteration_dir}: incomplete TP={tp_size} PP={pp_size} grid, missing {', '.join(absent[:8])}")
-    manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
+    manifest = read_manifest(root) if os.path.lexists(root / MANIFEST_FILE) else None
     return LegacyCheckpoint(root, iteration_dir, found_iteration, tp_size, pp_size, files, manifest)
 
 
