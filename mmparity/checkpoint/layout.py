@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError, require_regular_file
 
 __all__ = [
     "TRACKER_FILE",
@@ -72,6 +72,7 @@ def write_tracker(root: Path, iteration: int | str) -> None:
 
 def read_tracker(root: Path) -> int | str:
     path = Path(root) / TRACKER_FILE
+    require_regular_file(path, "tracker file")
     try:
         text = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
