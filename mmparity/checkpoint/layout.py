@@ -30,6 +30,7 @@ __all__ = [
     "write_tracker",
     "read_tracker",
     "resolve_iteration_dir",
+    "checkpoint_extent",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -107,3 +108,16 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | str | None =
     if not iteration_dir.is_dir():
         raise CheckpointError(f"{iteration_dir}: iteration directory does not exist")
     return path, iteration_dir, iteration
+
+
+def checkpoint_extent(path: str | os.PathLike) -> Path:
+    """The directory whose files a checkpoint at `path` is read from, resolved.
+
+    An mcore iteration directory given directly is read together with its root (the HF config, the
+    manifest and the tracker live there): a destination anywhere inside that root would overwrite
+    what the source still needs. Anything else is read from `path` itself.
+    """
+    path = Path(path).resolve()
+    if path.is_dir() and (_ITERATION_DIR.match(path.name) or path.name == RELEASE) and not (path / TRACKER_FILE).exists():
+        return path.parent
+    return path

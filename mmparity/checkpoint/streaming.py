@@ -45,6 +45,7 @@ from mmparity import families
 from mmparity.checkpoint.layout import (
     LEGACY_FILE,
     TRACKER_FILE,
+    checkpoint_extent,
     parse_legacy_rank_dirname,
     resolve_iteration_dir,
 )
@@ -1054,9 +1055,10 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
-    a, b = src.resolve(), dst.resolve()
+    a, b = checkpoint_extent(src), dst.resolve()
     if a == b or a in b.parents or b in a.parents:
-        raise ConvertError(f"destination {dst} overlaps the source {src}; choose a separate directory")
+        raise ConvertError(f"destination {dst} overlaps the source {src} (which is read from {a}); "
+                           "choose a separate directory")
     if os.path.lexists(dst) and not force:
         raise ConvertError(f"{dst}: already exists; pass --force to replace it")
 
