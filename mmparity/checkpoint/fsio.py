@@ -22,17 +22,21 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import fcntl
 import functools
 import hashlib
 import json
+import logging
 import math
 import mmap
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -58,7 +62,13 @@ __all__ = [
     "fsync_tree",
     "make_staging_directory",
     "publish_staging_directory",
+    "discard_staging_directory",
+    "recover_destination",
     "remove_created_directories",
+    "require_regular_file",
+    "is_plain_relative_path",
+    "check_source_dtypes",
+    "SOURCE_DTYPE_POLICY",
     "standalone_tensor",
     "tensor_checksum",
     "PieceHasher",
@@ -940,15 +950,118 @@ def _current_umask() -> int:
     return mask
 
 
+# --------------------------------------------------------------------------------------------------
+# publishing: crash-safe at every instant
+#
+# A destination is always either the old complete checkpoint or the new complete one. The new one is
+# written into a hidden sibling `.<name>.tmp-<pid>-<random>`, locked (`flock`) by its writer for as
+# long as it lives, and published by one `renameat2(RENAME_EXCHANGE)`: the old checkpoint stays in
+# place until the new one takes its name, then the old one (now under the staging name) is removed.
+# Where the filesystem cannot exchange (EINVAL, e.g. NFS), the old one is first renamed aside to
+# `.<name>.old-<pid>-<random>/old`; a writer killed between that rename and the next leaves no
+# destination, and the next run to the same destination puts the old one back. Litter of dead
+# writers (their lock is free and their pid gone) is removed by the next run to the same destination
+# and reported on the `mmparity` logger.
+
+_log = logging.getLogger("mmparity.checkpoint")
+_STAGING_LOCKS: dict[str, int] = {}  # staging path -> descriptor holding its flock
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2 = None
+
+
+def _litter_pattern(name: str) -> re.Pattern:
+    return re.compile(rf"^\.{re.escape(name)}\.(tmp|old)-(?:(\d+)-)?[a-z0-9_]{{8}}$")
+
+
+def _lock(path: Path) -> int | None:
+    """A descriptor holding an exclusive flock on directory `path`, or None if another holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(path: Path) -> None:
+    fd = _STAGING_LOCKS.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def recover_destination(destination: str | os.PathLike) -> list[str]:
+    """Cleans up after writers to `destination` that died: puts back an old checkpoint a killed
+    `--force` publish had moved aside (when nothing took its place), and removes their staging and
+    displaced directories. Leaves alone everything a live writer holds. Returns what it did, one
+    line each (also logged)."""
+    destination = Path(destination).absolute()
+    parent = destination.parent
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    pattern = _litter_pattern(destination.name)
+    notes = []
+    for entry in entries:
+        match = pattern.match(entry)
+        if match is None:
+            continue
+        kind, pid = match.group(1), int(match.group(2)) if match.group(2) else None
+        if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
+            continue
+        path = parent / entry
+        fd = _lock(path)
+        if fd is None:
+            continue  # a live writer holds it
+        try:
+            owner = f"pid {pid}" if pid is not None else "a writer"
+            if kind == "old" and not os.path.lexists(destination) and os.path.lexists(path / "old"):
+                os.replace(path / "old", destination)
+                _fsync_path(parent)
+                notes.append(f"restored {destination} from {entry}, where {owner} (killed while replacing it) "
+                             "had moved it")
+            _remove(path)
+            notes.append(f"removed {parent / entry}, left by {owner}, which is no longer running")
+        finally:
+            os.close(fd)
+    for note in notes:
+        _log.warning(note)
+    return notes
+
+
 def make_staging_directory(destination: str | os.PathLike, *, force: bool = False) -> tuple[Path, list[Path]]:
-    """Checks `destination` may be written and creates an empty sibling staging directory.
+    """Checks `destination` may be written and creates an empty, locked sibling staging directory.
 
     Returns the staging path and the parent directories created on the way (so a failed write can
     remove them again). Split out of `atomic_directory` so multi-process writers can create the
     staging directory on one rank and share its name.
     """
     destination = Path(destination).absolute()
-    if destination.exists() and not force:
+    recover_destination(destination)
+    if os.path.lexists(destination) and not force:
         raise CheckpointError(f"{destination}: already exists; pass force=True to replace it")
     created: list[Path] = []
     missing = []
@@ -960,12 +1073,16 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
         directory.mkdir()
         created.append(directory)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{os.getpid()}-", dir=destination.parent))
+        fd = _lock(staging)
+        if fd is not None:
+            _STAGING_LOCKS[str(staging)] = fd
         # mkdtemp creates 0700; a published checkpoint should get the usual permissions.
         os.chmod(staging, 0o777 & ~_current_umask())
     except BaseException:
         remove_created_directories(created)
         raise
+    fault_point("staged")
     return staging, created
 
 
@@ -975,36 +1092,82 @@ def remove_created_directories(created: list[Path]) -> None:
             directory.rmdir()  # only if still empty: never delete what someone else put there
 
 
+def discard_staging_directory(staging: Path, created: list[Path]) -> None:
+    """Undoes `make_staging_directory` after a failure."""
+    shutil.rmtree(staging, ignore_errors=True)
+    _unlock(staging)
+    remove_created_directories(created)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps the names `a` and `b` (both exist); False where this system cannot."""
+    global _renameat2
+    if "noexchange" in _FAULTS:
+        return False
+    if _renameat2 is None:
+        _renameat2 = _libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                                  ctypes.c_uint])
+    if not _renameat2:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # a filesystem (or kernel) without RENAME_EXCHANGE
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def publish_staging_directory(staging: Path, destination: str | os.PathLike, *, force: bool = False) -> None:
-    """fsyncs `staging` and renames it to `destination`, replacing an old one only if `force`."""
+    """fsyncs `staging` and gives it the name `destination`, replacing an old one only if `force`;
+    at every instant `destination` is the old checkpoint or the new one (see above)."""
     destination = Path(destination).absolute()
     fsync_tree(staging)
-    displaced = None
-    if os.path.lexists(destination):
-        if not force:
-            raise CheckpointError(f"{destination}: appeared while writing; pass force=True to replace it")
-        # os.replace cannot overwrite a non-empty directory, so move the old one aside first and
-        # delete it only once the new one is in place.
-        displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
-        os.replace(destination, displaced / "old")
-    try:
+    fault_point("synced")
+    if not os.path.lexists(destination):
         os.replace(staging, destination)
-    except BaseException:
-        if displaced is not None:
+        fault_point("published")
+        _fsync_path(destination.parent)
+        _unlock(staging)
+        return
+    if not force:
+        raise CheckpointError(f"{destination}: appeared while writing; pass force=True to replace it")
+    if _exchange(staging, destination):
+        fault_point("published")
+        _fsync_path(destination.parent)
+        _unlock(staging)
+        _remove(staging)  # the old checkpoint, under the staging name
+        fault_point("removed")
+        return
+    # os.replace cannot overwrite a non-empty directory: the old one goes aside first, and is
+    # deleted only once the new one is in place.
+    displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-{os.getpid()}-", dir=destination.parent))
+    fd = _lock(displaced)
+    try:
+        os.replace(destination, displaced / "old")
+        fault_point("aside")
+        try:
+            os.replace(staging, destination)
+        except BaseException:
             os.replace(displaced / "old", destination)
+            raise
+        fault_point("published")
+        _fsync_path(destination.parent)
+        _unlock(staging)
+        _remove(displaced)
+        fault_point("removed")
+    finally:
+        if fd is not None:
+            os.close(fd)
+        if not os.path.lexists(displaced / "old"):
             shutil.rmtree(displaced, ignore_errors=True)
-        raise
-    _fsync_path(destination.parent)
-    if displaced is not None:
-        shutil.rmtree(displaced, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
     """Yields an empty staging directory that becomes `destination` only if the block succeeds.
 
-    The staging directory is a hidden sibling of `destination` (same filesystem, so the final
-    `os.replace` is atomic). On success everything is fsynced before the rename; on any exception
+    The staging directory is a hidden sibling of `destination` (same filesystem, so publishing is
+    one atomic rename). On success everything is fsynced before the rename; on any exception
     (KeyboardInterrupt included) the staging directory and any parent directories created for it
     are removed, leaving the filesystem as it was.
     """
@@ -1013,9 +1176,34 @@ def atomic_directory(destination: str | os.PathLike, *, force: bool = False) -> 
         yield staging
         publish_staging_directory(staging, destination, force=force)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_created_directories(created)
+        discard_staging_directory(staging, created)
         raise
+
+
+# --------------------------------------------------------------------------------------------------
+# fault injection (tests only)
+#
+# `MMPARITY_FAULT` makes a writer die or stop at a chosen point, so tests can check the publishing
+# invariant at every point of a real conversion: comma-separated `kill@N` (SIGKILL at the N-th point
+# reached), `kill@NAME` (at the first point of that name: staged, tensor, synced, aside, published,
+# removed), `pause@N` / `pause@NAME` (sleep there until a signal arrives), `noexchange` (publish as
+# on a filesystem without RENAME_EXCHANGE). Unset, a point is one counter increment.
+
+_FAULTS = frozenset(filter(None, os.environ.get("MMPARITY_FAULT", "").split(",")))
+_fault_points_reached = 0
+
+
+def fault_point(name: str) -> None:
+    global _fault_points_reached
+    if not _FAULTS:
+        return
+    _fault_points_reached += 1
+    for action in ("kill", "pause"):
+        if f"{action}@{_fault_points_reached}" in _FAULTS or f"{action}@{name}" in _FAULTS:
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                time.sleep(3600)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1218,6 +1406,7 @@ class SlotWriter:
         self._inflight.append(self._pool.submit(self._write_one, name, slot, pieces))
         while len(self._inflight) > self._max_inflight:
             self._inflight.popleft().result()
+        fault_point("tensor")
 
     def _write_one(self, name: str, slot: Slot, pieces: list) -> None:
         hasher = PieceHasher(slot.dtype, slot.shape)

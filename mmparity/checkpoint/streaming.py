@@ -79,6 +79,7 @@ from mmparity.checkpoint.fsio import (
     atomic_directory,
     check_source_dtypes,
     parse_size,
+    recover_destination,
 )
 from mmparity.converters.ops import Identity, LayoutError
 from mmparity.converters.tp import ShardError
@@ -1055,6 +1056,7 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
+    recover_destination(dst)  # a killed earlier run may have left the old destination aside
     a, b = checkpoint_extent(src), dst.resolve()
     if a == b or a in b.parents or b in a.parents:
         raise ConvertError(f"destination {dst} overlaps the source {src} (which is read from {a}); "
