@@ -215,8 +215,8 @@ def write_legacy(
     *,
     pp_size: int = 1,
     layer_counts: Sequence[int] | None = None,
-    layer_prefix: str = pp.DEFAULT_LAYER_PREFIX,
-    last_stage_prefixes: Sequence[str] = pp.DEFAULT_LAST_STAGE_PREFIXES,
+    layer_prefix: str | None = None,
+    last_stage_prefixes: Sequence[str] | None = None,
     iteration: int = 1,
     provenance: Provenance | None = None,
     extra_files: Mapping[str, str | bytes] | None = None,
@@ -231,6 +231,9 @@ def write_legacy(
     nbytes)` is called once per rank file when everything is written (progress). Atomic: `root`
     appears complete or not at all. Returns `root`.
     """
+    # Defaults resolved here, not at import: converters.pp imports this package (a cycle #13 removes).
+    layer_prefix = pp.DEFAULT_LAYER_PREFIX if layer_prefix is None else layer_prefix
+    last_stage_prefixes = pp.DEFAULT_LAST_STAGE_PREFIXES if last_stage_prefixes is None else last_stage_prefixes
     if not tp_shards:
         raise CheckpointError("no TP shards to write")
     for tp_rank, state_dict in enumerate(tp_shards):
@@ -375,9 +378,10 @@ class LegacyCheckpoint:
         self,
         layer_counts: Sequence[int] | None = None,
         *,
-        layer_prefix: str = pp.DEFAULT_LAYER_PREFIX,
+        layer_prefix: str | None = None,
     ) -> list[dict]:
         """One globally numbered state dict per TP rank (the input `mcore_to_hf` takes)."""
+        layer_prefix = pp.DEFAULT_LAYER_PREFIX if layer_prefix is None else layer_prefix
         if layer_counts is None and self.manifest is not None and self.manifest.pipeline_layer_counts:
             layer_counts = self.manifest.pipeline_layer_counts
         shards = []
