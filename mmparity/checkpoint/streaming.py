@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from mmparity import families
+from mmparity.checkpoint.hf import bound_config
 from mmparity.checkpoint.layout import (
     LEGACY_FILE,
     TRACKER_FILE,
@@ -255,6 +256,7 @@ def _load_family_config(config_path: Path, family: str, where: Path):
         cfg = families.get(family).reference().vision_config(full)
     except ValueError as exc:
         raise ConvertError(f"{where}: {exc} (family {family!r})") from None
+    bound_config(cfg, config_path, where)
     return cfg, config_path.read_bytes()
 
 
