@@ -432,6 +432,7 @@ class TensorInfo:
 
 
 def _open_safetensors_file(path: Path):
+    require_regular_file(path, "safetensors file")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # SafetensorError is not importable under a stable name
@@ -514,15 +515,15 @@ class SafetensorsCheckpoint:
             single = self.directory / SAFETENSORS_SINGLE_FILE
             index = self.directory / SAFETENSORS_INDEX_FILE
             consolidated = self.directory / MISTRAL_CONSOLIDATED_FILE
-            if single.is_file():
+            if os.path.lexists(single):  # a FIFO or directory under that name is refused by name
                 self.layout = "single"
                 self._open_single(single)
-            elif consolidated.is_file() and not index.is_file():
+            elif os.path.lexists(consolidated) and not os.path.lexists(index):
                 # Mistral's own release layout: one file under another name (tensor names are the
                 # Mistral-native ones; the family converters detect that layout from the keys).
                 self.layout = "single"
                 self._open_single(consolidated)
-            elif index.is_file():
+            elif os.path.lexists(index):
                 self.layout = "sharded"
                 self._open_sharded(index)
             else:
@@ -541,6 +542,7 @@ class SafetensorsCheckpoint:
         self._infos = _header_infos(handle, path, path.name)
 
     def _open_sharded(self, index_path: Path) -> None:
+        require_regular_file(index_path, "index")
         try:
             with open(index_path, encoding="utf-8") as f:
                 index = json.load(f)
@@ -558,7 +560,7 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{index_path}: shard name {file_name!r} is not a plain file name")
             names_by_file.setdefault(file_name, set()).add(name)
 
-        missing = [f for f in names_by_file if not (self.directory / f).is_file()]
+        missing = [f for f in names_by_file if not os.path.lexists(self.directory / f)]
         if missing:
             raise CheckpointError(f"{index_path}: index names missing shard file(s) {_name_list(missing)}")
 
@@ -644,6 +646,9 @@ class SafetensorsCheckpoint:
         begin, end = offsets[name]
         if end - begin != info.nbytes:
             raise CheckpointError(f"{self.directory}: {name!r} spans {end - begin} bytes, its header says {info.nbytes}")
+        if not 0 <= begin <= end <= len(mapping) - data_start:
+            raise CheckpointError(f"{self.directory / info.file}: {name!r} lies at bytes {begin}..{end} of a data "
+                                  f"section of {len(mapping) - data_start} (a truncated file?)")
         if info.nbytes == 0 or (data_start + begin) % info.dtype.itemsize:
             return self.get(name)
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
