@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import tempfile
 import threading
@@ -196,11 +197,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 # words, test), the first matching pattern decides. A model weight is floating: a container that
 # labels one as an integer tensor (a header relabelled I32, DCP metadata claiming int32) lies, and
 # converting it would truncate the values or write an integer tensor into a float checkpoint. Only
-# tensors that are integer state by nature may be anything else.
-# TODO(#13): per-family entries belong beside each family's rule table; this is the default for all.
+# tensors that are integer state by nature (Transformer Engine's serialized `_extra_state`, position
+# ids, counters) may be anything else. This is the default for every family; entries of one family
+# would sit beside its rule table once the architecture of #13 gives them a place.
 SOURCE_DTYPE_POLICY: tuple[tuple[re.Pattern, str, object], ...] = (
-    (re.compile(r"(^|\.)_extra_state$"), "any dtype", lambda dtype: True),  # Transformer Engine's own state
-    (re.compile(r"(^|\.)(position_ids|num_batches_tracked)$"), "any dtype", lambda dtype: True),
+    (re.compile(r"(^|\.)(_extra_state|position_ids|num_batches_tracked)$"), "any dtype", lambda dtype: True),
     (re.compile(r""), "a floating-point dtype", lambda dtype: dtype.is_floating_point),
 )
 
@@ -959,13 +960,13 @@ def _current_umask() -> int:
 # publishing: crash-safe at every instant
 #
 # A destination is always either the old complete checkpoint or the new complete one. The new one is
-# written into a hidden sibling `.<name>.tmp-<pid>-<random>`, locked (`flock`) by its writer for as
+# written into a hidden sibling `.<name>.tmp-<host>.<pid>-<random>`, locked (`flock`) by its writer for as
 # long as it lives, and published by one `renameat2(RENAME_EXCHANGE)`: the old checkpoint stays in
 # place until the new one takes its name, then the old one (now under the staging name) is removed.
 # Where the filesystem cannot exchange (EINVAL, e.g. NFS), the old one is first renamed aside to
-# `.<name>.old-<pid>-<random>/old`; a writer killed between that rename and the next leaves no
+# `.<name>.old-<host>.<pid>-<random>/old`; a writer killed between that rename and the next leaves no
 # destination, and the next run to the same destination puts the old one back. Litter of dead
-# writers (their lock is free and their pid gone) is removed by the next run to the same destination
+# writers (on this host, their lock free and their pid gone) is removed by the next run to the same destination
 # and reported on the `mmparity` logger.
 
 _log = logging.getLogger("mmparity.checkpoint")
@@ -976,7 +977,19 @@ _renameat2 = None
 
 
 def _litter_pattern(name: str) -> re.Pattern:
-    return re.compile(rf"^\.{re.escape(name)}\.(tmp|old)-(?:(\d+)-)?[a-z0-9_]{{8}}$")
+    # The owner part is absent in the names of writers before the owner was recorded.
+    return re.compile(rf"^\.{re.escape(name)}\.(tmp|old)-(?:([A-Za-z0-9_-]+)\.(\d+)-)?[a-z0-9_]{{8}}$")
+
+
+@functools.cache
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _owner() -> str:
+    """`<host>.<pid>` for staging names: a pid only says something about a writer on this host (a
+    shared filesystem may hold another machine's live staging directory)."""
+    return f"{_host()}.{os.getpid()}"
 
 
 def _lock(path: Path) -> int | None:
@@ -1034,9 +1047,9 @@ def recover_destination(destination: str | os.PathLike) -> list[str]:
         match = pattern.match(entry)
         if match is None:
             continue
-        kind, pid = match.group(1), int(match.group(2)) if match.group(2) else None
-        if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
-            continue
+        kind, host, pid = match.group(1), match.group(2), int(match.group(3)) if match.group(3) else None
+        if pid is not None and (host != _host() or pid == os.getpid() or _pid_alive(pid)):
+            continue  # another host's writer, or one alive here
         path = parent / entry
         fd = _lock(path)
         if fd is None:
@@ -1078,7 +1091,7 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
         directory.mkdir()
         created.append(directory)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{os.getpid()}-", dir=destination.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{_owner()}-", dir=destination.parent))
         fd = _lock(staging)
         if fd is not None:
             _STAGING_LOCKS[str(staging)] = fd
@@ -1145,7 +1158,7 @@ def publish_staging_directory(staging: Path, destination: str | os.PathLike, *, 
         return
     # os.replace cannot overwrite a non-empty directory: the old one goes aside first, and is
     # deleted only once the new one is in place.
-    displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-{os.getpid()}-", dir=destination.parent))
+    displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-{_owner()}-", dir=destination.parent))
     fd = _lock(displaced)
     try:
         os.replace(destination, displaced / "old")

@@ -1058,11 +1058,11 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
-    recover_destination(dst)  # a killed earlier run may have left the old destination aside
     a, b = checkpoint_extent(src), dst.resolve()
     if a == b or a in b.parents or b in a.parents:
         raise ConvertError(f"destination {dst} overlaps the source {src} (which is read from {a}); "
                            "choose a separate directory")
+    recover_destination(dst)  # a killed earlier run may have left the old destination aside
     if os.path.lexists(dst) and not force:
         raise ConvertError(f"{dst}: already exists; pass --force to replace it")
 
