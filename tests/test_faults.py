@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mmparity import families
 from mmparity.cli.main import main
@@ -360,7 +359,6 @@ def test_check_arguments_out_of_range(case):
 
 @pytest.mark.parametrize("option", ["--json", "--junit"])
 def test_check_report_path_is_a_directory(capsys, tmp_path, option):
-    started = time.perf_counter()
     code, out, err = run_cli(capsys, "check", FAMILY, "--no-components", option, tmp_path)
     one_line_error(code, out, err, option, tmp_path)
     assert out == ""  # refused before any check ran
