@@ -24,3 +24,18 @@ def _single_process_parallel_state():
     layout = runtime.current_layout()
     if layout is not None and (layout.tp, layout.pp) != (1, 1):
         runtime.teardown_parallel()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many faults tests/test_faults.py tried and how many the tool handled (issue #14)."""
+    stats = terminalreporter.stats
+    outcome = {}
+    for kind in ("passed", "failed", "error", "skipped"):
+        for report in stats.get(kind, []):
+            if getattr(report, "when", "call") in ("call", "setup") and "test_faults.py" in report.nodeid:
+                outcome[report.nodeid] = kind
+    if outcome:
+        counts = {kind: sum(1 for k in outcome.values() if k == kind) for kind in ("passed", "failed", "error", "skipped")}
+        tried = len(outcome) - counts["skipped"]
+        terminalreporter.write_line(f"fault injection: {tried} bad inputs / faults tried, {counts['passed']} handled, "
+                                    f"{counts['failed'] + counts['error']} not handled, {counts['skipped']} skipped")

@@ -22,16 +22,22 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import fcntl
 import functools
 import hashlib
 import json
+import logging
 import math
 import mmap
 import os
 import re
 import shutil
+import signal
+import socket
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -58,7 +64,13 @@ __all__ = [
     "fsync_tree",
     "make_staging_directory",
     "publish_staging_directory",
+    "discard_staging_directory",
+    "recover_destination",
     "remove_created_directories",
+    "require_regular_file",
+    "is_plain_relative_path",
+    "check_source_dtypes",
+    "SOURCE_DTYPE_POLICY",
     "standalone_tensor",
     "tensor_checksum",
     "PieceHasher",
@@ -109,6 +121,46 @@ def _one_line(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# what a checkpoint may name: regular files, inside itself
+
+
+def require_regular_file(path: str | os.PathLike, what: str = "file") -> os.stat_result:
+    """`stat`s `path` (never opens it) and refuses anything but a regular file.
+
+    Opening a FIFO blocks until someone writes to it, and a device or socket is no checkpoint: they
+    are refused before any `open`, so a hostile directory cannot make a reader hang. Symlinks are
+    followed (HF's cache links every file to a blob elsewhere).
+    """
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot stat {what} ({exc.strerror})") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise CheckpointError(f"{path}: not a regular file (a {_file_kind(status.st_mode)}); a checkpoint's "
+                              f"{what} must be a plain file")
+    return status
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def is_plain_relative_path(name: object) -> bool:
+    """True for a relative path that stays inside the directory it is relative to (no `..`
+    component, not absolute, not empty): how every path a checkpoint names must look."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return False
+    path = Path(name)
+    return not path.is_absolute() and ".." not in path.parts and path.parts != ()
+
+
+# --------------------------------------------------------------------------------------------------
 # dtypes and checksums
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -140,6 +192,36 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype name {name!r}")
     return dtype
+
+
+# Which dtypes a conversion accepts for a tensor it reads, as data: (key pattern, accepted dtypes in
+# words, test), the first matching pattern decides. A model weight is floating: a container that
+# labels one as an integer tensor (a header relabelled I32, DCP metadata claiming int32) lies, and
+# converting it would truncate the values or write an integer tensor into a float checkpoint. Only
+# tensors that are integer state by nature (Transformer Engine's serialized `_extra_state`, position
+# ids, counters) may be anything else. This is the default for every family; entries of one family
+# would sit beside its rule table once the architecture of #13 gives them a place.
+SOURCE_DTYPE_POLICY: tuple[tuple[re.Pattern, str, object], ...] = (
+    (re.compile(r"(^|\.)(_extra_state|position_ids|num_batches_tracked)$"), "any dtype", lambda dtype: True),
+    (re.compile(r""), "a floating-point dtype", lambda dtype: dtype.is_floating_point),
+)
+
+
+def check_source_dtypes(where: str | os.PathLike, dtypes: Mapping[str, torch.dtype]) -> None:
+    """Refuses source tensors whose declared dtype `SOURCE_DTYPE_POLICY` does not accept (reads no
+    data: `dtypes` come from headers); one line naming every offender."""
+    bad = []
+    for name, dtype in dtypes.items():
+        for pattern, accepted, accepts in SOURCE_DTYPE_POLICY:
+            if pattern.search(name):
+                if not accepts(dtype):
+                    bad.append(f"{name} is {dtype_name(dtype)}, expected {accepted}")
+                break
+    if bad:
+        bad.sort()
+        more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise CheckpointError(f"{where}: the checkpoint declares a dtype a model weight cannot have: "
+                              f"{'; '.join(bad[:4])}{more} (a relabelled header or metadata?)")
 
 
 def _xxh3_128():
@@ -178,8 +260,13 @@ class TensorChecksum:
         algorithm = next((a for a in CHECKSUM_ALGORITHMS if a in record), None)
         if algorithm is None:
             raise KeyError(f"no checksum ({' or '.join(CHECKSUM_ALGORITHMS)})")
-        return cls(str(record["dtype"]), tuple(int(n) for n in record["shape"]), str(record[algorithm]),
-                   algorithm)
+        shape, dtype, digest = record.get("shape"), record.get("dtype"), record[algorithm]
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in shape):
+            raise ValueError(f"shape {shape!r} is not a list of sizes")
+        if not isinstance(dtype, str) or not isinstance(digest, str):
+            raise ValueError(f"dtype {dtype!r} and {algorithm} {digest!r} must be strings")
+        return cls(dtype, tuple(shape), digest, algorithm)
 
     def differences(self, other: TensorChecksum) -> list[str]:
         """Human-readable reasons why `other` (found) is not `self` (expected); empty if equal."""
@@ -347,6 +434,7 @@ class TensorInfo:
 
 
 def _open_safetensors_file(path: Path):
+    require_regular_file(path, "safetensors file")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # SafetensorError is not importable under a stable name
@@ -429,15 +517,15 @@ class SafetensorsCheckpoint:
             single = self.directory / SAFETENSORS_SINGLE_FILE
             index = self.directory / SAFETENSORS_INDEX_FILE
             consolidated = self.directory / MISTRAL_CONSOLIDATED_FILE
-            if single.is_file():
+            if os.path.lexists(single):  # a FIFO or directory under that name is refused by name
                 self.layout = "single"
                 self._open_single(single)
-            elif consolidated.is_file() and not index.is_file():
+            elif os.path.lexists(consolidated) and not os.path.lexists(index):
                 # Mistral's own release layout: one file under another name (tensor names are the
                 # Mistral-native ones; the family converters detect that layout from the keys).
                 self.layout = "single"
                 self._open_single(consolidated)
-            elif index.is_file():
+            elif os.path.lexists(index):
                 self.layout = "sharded"
                 self._open_sharded(index)
             else:
@@ -456,6 +544,7 @@ class SafetensorsCheckpoint:
         self._infos = _header_infos(handle, path, path.name)
 
     def _open_sharded(self, index_path: Path) -> None:
+        require_regular_file(index_path, "index")
         try:
             with open(index_path, encoding="utf-8") as f:
                 index = json.load(f)
@@ -473,7 +562,7 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{index_path}: shard name {file_name!r} is not a plain file name")
             names_by_file.setdefault(file_name, set()).add(name)
 
-        missing = [f for f in names_by_file if not (self.directory / f).is_file()]
+        missing = [f for f in names_by_file if not os.path.lexists(self.directory / f)]
         if missing:
             raise CheckpointError(f"{index_path}: index names missing shard file(s) {_name_list(missing)}")
 
@@ -559,6 +648,9 @@ class SafetensorsCheckpoint:
         begin, end = offsets[name]
         if end - begin != info.nbytes:
             raise CheckpointError(f"{self.directory}: {name!r} spans {end - begin} bytes, its header says {info.nbytes}")
+        if not 0 <= begin <= end <= len(mapping) - data_start:
+            raise CheckpointError(f"{self.directory / info.file}: {name!r} lies at bytes {begin}..{end} of a data "
+                                  f"section of {len(mapping) - data_start} (a truncated file?)")
         if info.nbytes == 0 or (data_start + begin) % info.dtype.itemsize:
             return self.get(name)
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
@@ -865,15 +957,130 @@ def _current_umask() -> int:
     return mask
 
 
+# --------------------------------------------------------------------------------------------------
+# publishing: crash-safe at every instant
+#
+# A destination is always either the old complete checkpoint or the new complete one. The new one is
+# written into a hidden sibling `.<name>.tmp-<host>.<pid>-<random>`, locked (`flock`) by its writer for as
+# long as it lives, and published by one `renameat2(RENAME_EXCHANGE)`: the old checkpoint stays in
+# place until the new one takes its name, then the old one (now under the staging name) is removed.
+# Where the filesystem cannot exchange (EINVAL, e.g. NFS), the old one is first renamed aside to
+# `.<name>.old-<host>.<pid>-<random>/old`; a writer killed between that rename and the next leaves no
+# destination, and the next run to the same destination puts the old one back. Litter of dead
+# writers (on this host, their lock free and their pid gone) is removed by the next run to the same destination
+# and reported on the `mmparity` logger.
+
+_log = logging.getLogger("mmparity.checkpoint")
+_STAGING_LOCKS: dict[str, int] = {}  # staging path -> descriptor holding its flock
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2 = None
+
+
+def _litter_pattern(name: str) -> re.Pattern:
+    # The owner part is absent in the names of writers before the owner was recorded.
+    return re.compile(rf"^\.{re.escape(name)}\.(tmp|old)-(?:([A-Za-z0-9_-]+)\.(\d+)-)?[a-z0-9_]{{8}}$")
+
+
+@functools.cache
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _owner() -> str:
+    """`<host>.<pid>` for staging names: a pid only says something about a writer on this host (a
+    shared filesystem may hold another machine's live staging directory)."""
+    return f"{_host()}.{os.getpid()}"
+
+
+def _lock(path: Path) -> int | None:
+    """A descriptor holding an exclusive flock on directory `path`, or None if another holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(path: Path) -> None:
+    fd = _STAGING_LOCKS.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def recover_destination(destination: str | os.PathLike) -> list[str]:
+    """Cleans up after writers to `destination` that died: puts back an old checkpoint a killed
+    `--force` publish had moved aside (when nothing took its place), and removes their staging and
+    displaced directories. Leaves alone everything a live writer holds. Returns what it did, one
+    line each (also logged)."""
+    destination = Path(destination).absolute()
+    parent = destination.parent
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    pattern = _litter_pattern(destination.name)
+    notes = []
+    for entry in entries:
+        match = pattern.match(entry)
+        if match is None:
+            continue
+        kind, host, pid = match.group(1), match.group(2), int(match.group(3)) if match.group(3) else None
+        if pid is not None and (host != _host() or pid == os.getpid() or _pid_alive(pid)):
+            continue  # another host's writer, or one alive here
+        path = parent / entry
+        fd = _lock(path)
+        if fd is None:
+            continue  # a live writer holds it
+        try:
+            owner = f"pid {pid}" if pid is not None else "a writer"
+            if kind == "old" and not os.path.lexists(destination) and os.path.lexists(path / "old"):
+                os.replace(path / "old", destination)
+                _fsync_path(parent)
+                notes.append(f"restored {destination} from {entry}, where {owner} (killed while replacing it) "
+                             "had moved it")
+            _remove(path)
+            notes.append(f"removed {parent / entry}, left by {owner}, which is no longer running")
+        finally:
+            os.close(fd)
+    for note in notes:
+        _log.warning(note)
+    return notes
+
+
 def make_staging_directory(destination: str | os.PathLike, *, force: bool = False) -> tuple[Path, list[Path]]:
-    """Checks `destination` may be written and creates an empty sibling staging directory.
+    """Checks `destination` may be written and creates an empty, locked sibling staging directory.
 
     Returns the staging path and the parent directories created on the way (so a failed write can
     remove them again). Split out of `atomic_directory` so multi-process writers can create the
     staging directory on one rank and share its name.
     """
     destination = Path(destination).absolute()
-    if destination.exists() and not force:
+    recover_destination(destination)
+    if os.path.lexists(destination) and not force:
         raise CheckpointError(f"{destination}: already exists; pass force=True to replace it")
     created: list[Path] = []
     missing = []
@@ -885,12 +1092,16 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
         directory.mkdir()
         created.append(directory)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{_owner()}-", dir=destination.parent))
+        fd = _lock(staging)
+        if fd is not None:
+            _STAGING_LOCKS[str(staging)] = fd
         # mkdtemp creates 0700; a published checkpoint should get the usual permissions.
         os.chmod(staging, 0o777 & ~_current_umask())
     except BaseException:
         remove_created_directories(created)
         raise
+    fault_point("staged")
     return staging, created
 
 
@@ -900,36 +1111,82 @@ def remove_created_directories(created: list[Path]) -> None:
             directory.rmdir()  # only if still empty: never delete what someone else put there
 
 
+def discard_staging_directory(staging: Path, created: list[Path]) -> None:
+    """Undoes `make_staging_directory` after a failure."""
+    shutil.rmtree(staging, ignore_errors=True)
+    _unlock(staging)
+    remove_created_directories(created)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps the names `a` and `b` (both exist); False where this system cannot."""
+    global _renameat2
+    if "noexchange" in _FAULTS:
+        return False
+    if _renameat2 is None:
+        _renameat2 = _libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                                  ctypes.c_uint])
+    if not _renameat2:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # a filesystem (or kernel) without RENAME_EXCHANGE
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def publish_staging_directory(staging: Path, destination: str | os.PathLike, *, force: bool = False) -> None:
-    """fsyncs `staging` and renames it to `destination`, replacing an old one only if `force`."""
+    """fsyncs `staging` and gives it the name `destination`, replacing an old one only if `force`;
+    at every instant `destination` is the old checkpoint or the new one (see above)."""
     destination = Path(destination).absolute()
     fsync_tree(staging)
-    displaced = None
-    if os.path.lexists(destination):
-        if not force:
-            raise CheckpointError(f"{destination}: appeared while writing; pass force=True to replace it")
-        # os.replace cannot overwrite a non-empty directory, so move the old one aside first and
-        # delete it only once the new one is in place.
-        displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
-        os.replace(destination, displaced / "old")
-    try:
+    fault_point("synced")
+    if not os.path.lexists(destination):
         os.replace(staging, destination)
-    except BaseException:
-        if displaced is not None:
+        fault_point("published")
+        _fsync_path(destination.parent)
+        _unlock(staging)
+        return
+    if not force:
+        raise CheckpointError(f"{destination}: appeared while writing; pass force=True to replace it")
+    if _exchange(staging, destination):
+        fault_point("published")
+        _fsync_path(destination.parent)
+        _unlock(staging)
+        _remove(staging)  # the old checkpoint, under the staging name
+        fault_point("removed")
+        return
+    # os.replace cannot overwrite a non-empty directory: the old one goes aside first, and is
+    # deleted only once the new one is in place.
+    displaced = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-{_owner()}-", dir=destination.parent))
+    fd = _lock(displaced)
+    try:
+        os.replace(destination, displaced / "old")
+        fault_point("aside")
+        try:
+            os.replace(staging, destination)
+        except BaseException:
             os.replace(displaced / "old", destination)
+            raise
+        fault_point("published")
+        _fsync_path(destination.parent)
+        _unlock(staging)
+        _remove(displaced)
+        fault_point("removed")
+    finally:
+        if fd is not None:
+            os.close(fd)
+        if not os.path.lexists(displaced / "old"):
             shutil.rmtree(displaced, ignore_errors=True)
-        raise
-    _fsync_path(destination.parent)
-    if displaced is not None:
-        shutil.rmtree(displaced, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
     """Yields an empty staging directory that becomes `destination` only if the block succeeds.
 
-    The staging directory is a hidden sibling of `destination` (same filesystem, so the final
-    `os.replace` is atomic). On success everything is fsynced before the rename; on any exception
+    The staging directory is a hidden sibling of `destination` (same filesystem, so publishing is
+    one atomic rename). On success everything is fsynced before the rename; on any exception
     (KeyboardInterrupt included) the staging directory and any parent directories created for it
     are removed, leaving the filesystem as it was.
     """
@@ -938,9 +1195,34 @@ def atomic_directory(destination: str | os.PathLike, *, force: bool = False) -> 
         yield staging
         publish_staging_directory(staging, destination, force=force)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_created_directories(created)
+        discard_staging_directory(staging, created)
         raise
+
+
+# --------------------------------------------------------------------------------------------------
+# fault injection (tests only)
+#
+# `MMPARITY_FAULT` makes a writer die or stop at a chosen point, so tests can check the publishing
+# invariant at every point of a real conversion: comma-separated `kill@N` (SIGKILL at the N-th point
+# reached), `kill@NAME` (at the first point of that name: staged, tensor, synced, aside, published,
+# removed), `pause@N` / `pause@NAME` (sleep there until a signal arrives), `noexchange` (publish as
+# on a filesystem without RENAME_EXCHANGE). Unset, a point is one counter increment.
+
+_FAULTS = frozenset(filter(None, os.environ.get("MMPARITY_FAULT", "").split(",")))
+_fault_points_reached = 0
+
+
+def fault_point(name: str) -> None:
+    global _fault_points_reached
+    if not _FAULTS:
+        return
+    _fault_points_reached += 1
+    for action in ("kill", "pause"):
+        if f"{action}@{_fault_points_reached}" in _FAULTS or f"{action}@{name}" in _FAULTS:
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                time.sleep(3600)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1038,14 +1320,37 @@ def _writable(piece):
     return piece if piece.is_contiguous() or _row_bytes(piece) is not None else piece.contiguous()
 
 
+# What copy_file_range answers when the kernel cannot copy between these two files at all (another
+# filesystem, one that does not implement it, an old kernel): the bytes then go through user space.
+# Any other error is a real one and propagates.
+_COPY_UNSUPPORTED = frozenset({errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+_COPY_CHUNK = 8 * 2**20
+
+
 def copy_file_range_all(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """`count` bytes from one file to another inside the kernel (page cache to page cache)."""
+    """`count` bytes from one file to another inside the kernel (page cache to page cache), or by
+    `pread`/`pwrite` where the kernel cannot copy between the two (e.g. across filesystems)."""
     while count:
-        copied = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+        try:
+            copied = os.copy_file_range(src_fd, dst_fd, count, src_offset, dst_offset)
+        except OSError as exc:
+            if exc.errno not in _COPY_UNSUPPORTED:
+                raise
+            _copy_through_user_space(src_fd, src_offset, dst_fd, dst_offset, count)
+            return
         if copied <= 0:
             raise CheckpointError(f"copy_file_range stopped with {count} bytes left (source file shorter "
                                   "than its header says?)")
         src_offset, dst_offset, count = src_offset + copied, dst_offset + copied, count - copied
+
+
+def _copy_through_user_space(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
+    while count:
+        data = os.pread(src_fd, min(count, _COPY_CHUNK), src_offset)
+        if not data:
+            raise CheckpointError(f"source file ended with {count} bytes left to copy (shorter than its header says?)")
+        pwrite_all(dst_fd, data, dst_offset)
+        src_offset, dst_offset, count = src_offset + len(data), dst_offset + len(data), count - len(data)
 
 
 def _pwritev_all(fd: int, buffers: list, offset: int) -> int:
@@ -1120,6 +1425,7 @@ class SlotWriter:
         self._inflight.append(self._pool.submit(self._write_one, name, slot, pieces))
         while len(self._inflight) > self._max_inflight:
             self._inflight.popleft().result()
+        fault_point("tensor")
 
     def _write_one(self, name: str, slot: Slot, pieces: list) -> None:
         hasher = PieceHasher(slot.dtype, slot.shape)

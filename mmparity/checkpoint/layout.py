@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError, require_regular_file
 
 __all__ = [
     "TRACKER_FILE",
@@ -30,6 +30,7 @@ __all__ = [
     "write_tracker",
     "read_tracker",
     "resolve_iteration_dir",
+    "checkpoint_extent",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -72,6 +73,7 @@ def write_tracker(root: Path, iteration: int | str) -> None:
 
 def read_tracker(root: Path) -> int | str:
     path = Path(root) / TRACKER_FILE
+    require_regular_file(path, "tracker file")
     try:
         text = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -106,3 +108,16 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | str | None =
     if not iteration_dir.is_dir():
         raise CheckpointError(f"{iteration_dir}: iteration directory does not exist")
     return path, iteration_dir, iteration
+
+
+def checkpoint_extent(path: str | os.PathLike) -> Path:
+    """The directory whose files a checkpoint at `path` is read from, resolved.
+
+    An mcore iteration directory given directly is read together with its root (the HF config, the
+    manifest and the tracker live there): a destination anywhere inside that root would overwrite
+    what the source still needs. Anything else is read from `path` itself.
+    """
+    path = Path(path).resolve()
+    if path.is_dir() and (_ITERATION_DIR.match(path.name) or path.name == RELEASE) and not (path / TRACKER_FILE).exists():
+        return path.parent
+    return path

@@ -34,6 +34,7 @@ from mmparity.checkpoint.fsio import (
     Slot,
     SlotWriter,
     atomic_directory,
+    require_regular_file,
     torch_save_without_crc32,
 )
 from mmparity.checkpoint.layout import (
@@ -220,8 +221,8 @@ def write_legacy(
     *,
     pp_size: int = 1,
     layer_counts: Sequence[int] | None = None,
-    layer_prefix: str = pp.DEFAULT_LAYER_PREFIX,
-    last_stage_prefixes: Sequence[str] = pp.DEFAULT_LAST_STAGE_PREFIXES,
+    layer_prefix: str | None = None,
+    last_stage_prefixes: Sequence[str] | None = None,
     iteration: int = 1,
     provenance: Provenance | None = None,
     extra_files: Mapping[str, str | bytes] | None = None,
@@ -236,6 +237,9 @@ def write_legacy(
     nbytes)` is called once per rank file when everything is written (progress). Atomic: `root`
     appears complete or not at all. Returns `root`.
     """
+    # Defaults resolved here, not at import: converters.pp imports this package (a cycle #13 removes).
+    layer_prefix = pp.DEFAULT_LAYER_PREFIX if layer_prefix is None else layer_prefix
+    last_stage_prefixes = pp.DEFAULT_LAST_STAGE_PREFIXES if last_stage_prefixes is None else last_stage_prefixes
     if not tp_shards:
         raise CheckpointError("no TP shards to write")
     for tp_rank, state_dict in enumerate(tp_shards):
@@ -288,6 +292,7 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     the bytes actually used are read, so a converter can stream through a rank file.
     """
     path = Path(path)
+    require_regular_file(path, "rank file")
     try:
         # Megatron-LM stores its arguments as an argparse.Namespace: plain attributes, safe to allow.
         with torch.serialization.safe_globals([argparse.Namespace]):
@@ -318,25 +323,43 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     model = payload["model"]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: 'model' is a {type(model).__name__}, not a state dict")
-    if mmap and file_ranges is not None:
-        _register_mapping(path, model, file_ranges)
+    if mmap:
+        base = _check_mapped_spans(path, model)
+        if file_ranges is not None and base is not None:
+            file_ranges.add(base, path.stat().st_size, path)
     return model
 
 
-def _register_mapping(path: Path, model: Mapping, file_ranges) -> None:
-    """Tells `file_ranges` where torch.load(mmap=True) mapped `path`, so writers can copy tensor
-    bytes file to file. torch maps the whole file from offset 0 and each storage is a view at its
-    zip record's offset; the mapping's address is recovered from those and checked against all of
-    them (nothing is registered if anything does not fit)."""
+def _check_mapped_spans(path: Path, model: Mapping) -> int | None:
+    """Checks that every tensor torch.load(mmap=True) made lies inside its own storage record, and
+    returns the mapping's address (None when no tensor has bytes).
+
+    A plain load reads each record and refuses a storage larger than it; a mapped load takes the
+    storage size from the pickle and maps that many bytes at the record's offset, so a record
+    shorter than its tensor would be filled from whatever follows it in the file. torch maps the
+    whole file from offset 0 and each storage is a view at its record's offset: the mapping's
+    address is recovered from those, and every storage must then start at a record and fit in it
+    (torch itself checks that a tensor fits in its storage). Reads the zip directory, no data.
+    """
     reader = torch._C.PyTorchFileReader(str(path))
-    offsets = {reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
-    pointers = {v.untyped_storage().data_ptr() for v in model.values()
+    records = {reader.get_record_offset(r): (r, reader.get_record_size(r))
+               for r in reader.get_all_records() if r.startswith("data/")}
+    storages = {k: v.untyped_storage() for k, v in model.items()
                 if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
-    if not offsets or not pointers:
-        return
-    base = min(pointers) - min(offsets)
-    if all(p - base in offsets for p in pointers):
-        file_ranges.add(base, path.stat().st_size, path)
+    if not storages:
+        return None
+    if not records:
+        raise CheckpointError(f"{path}: tensors with bytes but no storage records")
+    base = min(s.data_ptr() for s in storages.values()) - min(records)
+    for key, storage in sorted(storages.items()):
+        found = records.get(storage.data_ptr() - base)
+        if found is None:
+            raise CheckpointError(f"{path}: tensor {key!r} is not mapped at any storage record of the file")
+        record, size = found
+        if storage.nbytes() > size:
+            raise CheckpointError(f"{path}: tensor {key!r} needs {storage.nbytes()} bytes but its storage record "
+                                  f"{record} holds {size} (a truncated or altered file)")
+    return base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,9 +384,10 @@ class LegacyCheckpoint:
         self,
         layer_counts: Sequence[int] | None = None,
         *,
-        layer_prefix: str = pp.DEFAULT_LAYER_PREFIX,
+        layer_prefix: str | None = None,
     ) -> list[dict]:
         """One globally numbered state dict per TP rank (the input `mcore_to_hf` takes)."""
+        layer_prefix = pp.DEFAULT_LAYER_PREFIX if layer_prefix is None else layer_prefix
         if layer_counts is None and self.manifest is not None and self.manifest.pipeline_layer_counts:
             layer_counts = self.manifest.pipeline_layer_counts
         shards = []
@@ -402,7 +426,7 @@ def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) 
                 files[tp_rank, pp_rank] = path_of_rank
     if absent:
         raise CheckpointError(f"{iteration_dir}: incomplete TP={tp_size} PP={pp_size} grid, missing {', '.join(absent[:8])}")
-    manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
+    manifest = read_manifest(root) if os.path.lexists(root / MANIFEST_FILE) else None
     return LegacyCheckpoint(root, iteration_dir, found_iteration, tp_size, pp_size, files, manifest)
 
 

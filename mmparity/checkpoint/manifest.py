@@ -16,7 +16,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import mmparity
-from mmparity.checkpoint.fsio import CheckpointError, TensorChecksum, write_extra_files
+from mmparity.checkpoint.fsio import (
+    CheckpointError,
+    TensorChecksum,
+    is_plain_relative_path,
+    require_regular_file,
+    write_extra_files,
+)
 
 __all__ = [
     "MANIFEST_FILE",
@@ -71,11 +77,14 @@ class TensorRecord:
     @classmethod
     def from_json(cls, record: Mapping) -> TensorRecord:
         offset = record.get("offset")
+        if offset is not None and (not isinstance(offset, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in offset)):
+            raise ValueError(f"offset {offset!r} is not a list of positions")
         return cls(
-            str(record["file"]),
-            str(record["key"]),
+            _expect(record["file"], str, "file"),
+            _expect(record["key"], str, "key"),
             TensorChecksum.from_json(record),
-            tuple(int(n) for n in offset) if offset is not None else None,
+            tuple(offset) if offset is not None else None,
         )
 
 
@@ -115,25 +124,56 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Mapping) -> Manifest:
-        source = data.get("source") or {}
+        """Parses a manifest, checking every field's type: a manifest is input like any other, and
+        a wrong one must be one clear error, never an exception from deep inside a reader."""
+        data = _expect(data, dict, "the manifest")
+        source = _expect(data.get("source") or {}, dict, "source")
         counts = data.get("pipeline_layer_counts")
+        tensors = _expect(data.get("tensors"), list, "tensors")
+        records = []
+        for number, record in enumerate(tensors):
+            record = _expect(record, dict, f"tensors[{number}]")
+            if not is_plain_relative_path(record.get("file")):
+                raise ValueError(f"tensors[{number}] names file {record.get('file')!r}, which is not a path inside "
+                                 "the checkpoint directory")
+            records.append(TensorRecord.from_json(record))
+        optional_str = {name: _expect(value, (str, type(None)), name) for name, value in (
+            ("family", data.get("family")), ("source.layout", source.get("layout")),
+            ("source.format", source.get("format")), ("source.path", source.get("path")))}
         return cls(
-            layout=str(data["layout"]),
-            tensors=tuple(TensorRecord.from_json(r) for r in data["tensors"]),
+            layout=_expect(data.get("layout"), str, "layout"),
+            tensors=tuple(records),
             provenance=Provenance(
-                family=data.get("family"),
-                source_layout=source.get("layout"),
-                source_format=source.get("format"),
-                source_path=source.get("path"),
-                key_prefixes=tuple(data.get("key_prefixes") or ()),
-                extra=data.get("extra") or {},
+                family=optional_str["family"],
+                source_layout=optional_str["source.layout"],
+                source_format=optional_str["source.format"],
+                source_path=optional_str["source.path"],
+                key_prefixes=tuple(_expect(data.get("key_prefixes") or [], list, "key_prefixes")),
+                extra=_expect(data.get("extra") or {}, dict, "extra"),
             ),
-            tensor_parallel_size=int(data.get("tensor_parallel_size", 1)),
-            pipeline_parallel_size=int(data.get("pipeline_parallel_size", 1)),
-            pipeline_layer_counts=tuple(int(c) for c in counts) if counts else None,
-            iteration=data.get("iteration"),
+            tensor_parallel_size=_positive(data.get("tensor_parallel_size", 1), "tensor_parallel_size"),
+            pipeline_parallel_size=_positive(data.get("pipeline_parallel_size", 1), "pipeline_parallel_size"),
+            pipeline_layer_counts=(tuple(_positive(c, "pipeline_layer_counts")
+                                         for c in _expect(counts, list, "pipeline_layer_counts"))
+                                   if counts is not None else None),
+            iteration=_expect(data.get("iteration"), (int, str, type(None)), "iteration"),
             mmparity_version=str(data.get("mmparity_version", "unknown")),
         )
+
+
+def _expect(value, types, what: str):
+    """`value` if it has one of `types` (never a bool: JSON's true is no number here)."""
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) or not isinstance(value, types):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise ValueError(f"{what} is {json.dumps(value)[:60]}, expected {names}")
+    return value
+
+
+def _positive(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} is {json.dumps(value)[:60]}, expected a positive integer")
+    return value
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
@@ -159,19 +199,20 @@ def write_mcore_root(staging: str | os.PathLike, manifest: Manifest,
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     path = Path(directory) / MANIFEST_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path}: no {MANIFEST_FILE}; this checkpoint was not written by mmparity")
+    require_regular_file(path, "manifest")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         if data.get("schema") != MANIFEST_SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {MANIFEST_SCHEMA}")
-        return Manifest.from_json(data)
+        manifest = Manifest.from_json(data)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable manifest ({' '.join(str(exc).split())})") from exc
-
-
-# --------------------------------------------------------------------------------------------------
-# verification
-
-
+    if not manifest.tensors:
+        raise CheckpointError(f"{path}: the manifest lists no tensors, so it certifies nothing; re-create the "
+                              "checkpoint with mmparity convert")
+    return manifest

@@ -45,10 +45,12 @@ from pathlib import Path
 import torch
 
 from mmparity import families, runtime
+from mmparity.checkpoint.hf import bound_config
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import (
     LEGACY_FILE,
     TRACKER_FILE,
+    checkpoint_extent,
     parse_legacy_rank_dirname,
     resolve_iteration_dir,
 )
@@ -73,7 +75,7 @@ from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX_
                                       SAFETENSORS_SINGLE_FILE, CheckpointError, FileRanges,
                                       SafetensorsCheckpoint, StreamingSafetensorsWriter, joined,
                                       narrow_pieces, route_pieces, atomic_directory, heap_budget,
-                                      parse_size)
+                                      parse_size, check_source_dtypes, recover_destination)
 from mmparity.converters.ops import LayoutError
 from mmparity.converters.tp import ShardError
 
@@ -236,6 +238,7 @@ def _load_family_config(config_path: Path, family: str, where: Path):
         cfg = families.get(family).family_config(full)
     except ValueError as exc:
         raise ConvertError(f"{where}: {exc} (family {family!r})") from None
+    bound_config(cfg, config_path, where)
     return cfg, config_path.read_bytes()
 
 
@@ -319,6 +322,8 @@ class _HFSource(_Source):
                                               f"({self.hf_format!r} layout)", exc.problems)) from None
         self.metas = {key: _meta_of(t) for key, t in self.plan.outputs.items()}
         self.hf_sources = {key: self.plan.source_keys(key) for key in self.plan.outputs}
+        consumed = {name for names in self.hf_sources.values() for name in names}
+        check_source_dtypes(path, {name: infos[name].dtype for name in consumed})
         prefix = self.prefix
         self.runner = R.StepRunner(self.plan, lambda name: self._filter(name[len(prefix):], self.ckpt.map(name),
                                                                         self.path))
@@ -402,6 +407,7 @@ class _LegacySource(_McoreSource):
             self.ranks.append({k: v for k, v in R.to_te_spelling(merged).items()
                                if isinstance(v, torch.Tensor)})
         self._check_keys(set().union(*self.ranks), "legacy")
+        check_source_dtypes(ckpt.iteration_dir, {k: t.dtype for state in self.ranks for k, t in state.items()})
         problems = list(self.rules.validate_tp(self.tp)) if self.rules.validate_tp else []
         self.metas = {}
         for key in self.order:
@@ -490,6 +496,7 @@ class _TorchDistSource(_McoreSource):
                 if local is not None:
                     self.index[local] = (ckpt_key, None, Meta(dtype, tuple(shape)))
         self._check_keys(self.index, "torch_dist")
+        check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order}
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
@@ -814,9 +821,11 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
-    a, b = src.resolve(), dst.resolve()
+    a, b = checkpoint_extent(src), dst.resolve()
     if a == b or a in b.parents or b in a.parents:
-        raise ConvertError(f"destination {dst} overlaps the source {src}; choose a separate directory")
+        raise ConvertError(f"destination {dst} overlaps the source {src} (which is read from {a}); "
+                           "choose a separate directory")
+    recover_destination(dst)  # a killed earlier run may have left the old destination aside
     if os.path.lexists(dst) and not force:
         raise ConvertError(f"{dst}: already exists; pass --force to replace it")
 

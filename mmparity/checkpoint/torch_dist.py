@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,9 +58,9 @@ from mmparity.checkpoint.fsio import (
     narrow_pieces,
     pwrite_all,
     CheckpointError,
+    discard_staging_directory,
     make_staging_directory,
     publish_staging_directory,
-    remove_created_directories,
 )
 
 __all__ = [
@@ -425,8 +424,7 @@ def save_torch_dist(
         _agree(error, "publish")
     except BaseException:
         if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            remove_created_directories(created)
+            discard_staging_directory(staging, created)
         raise
     return root
 

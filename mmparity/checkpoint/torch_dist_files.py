@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio import CheckpointError, is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
@@ -47,7 +47,8 @@ _COMMON_STATE_KEY = "common_state"
 
 def is_torch_dist_dir(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return (path / DIST_CONFIG_FILE).is_file() and (path / ".metadata").is_file()
+    # .metadata only has to be there: what it is (a FIFO, say) is load_metadata's to refuse, by name.
+    return (path / DIST_CONFIG_FILE).is_file() and os.path.lexists(path / ".metadata")
 
 
 # What a DCP `.metadata` pickle legitimately names: its own dataclasses, torch.Size, dtypes, the
@@ -82,6 +83,7 @@ def load_metadata(path: str | os.PathLike):
     path = Path(path)
     if not is_torch_dist_dir(path):
         raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
+    require_regular_file(path / ".metadata", "DCP metadata")
     try:
         with open(path / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -89,7 +91,42 @@ def load_metadata(path: str | os.PathLike):
         raise CheckpointError(f"{path}: unreadable torch_dist metadata ({' '.join(str(exc).split())})") from exc
     if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
         raise CheckpointError(f"{path}: .metadata does not hold DCP checkpoint metadata")
+    _check_storage(path, metadata)
     return metadata
+
+
+def _check_storage(path: Path, metadata) -> None:
+    """Every byte range `.metadata` names lies in a regular file inside the checkpoint directory.
+
+    DCP's reader opens `path / relative_path` as it finds it: a `../..` path would read another
+    checkpoint's data (and certify it), a FIFO would block the reader forever, a range past the end
+    of its file fails deep inside DCP. All checked here from names and `stat`, before any open.
+    """
+    sizes: dict[str, int] = {}
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path / '.metadata'}: storage_data is a {type(storage).__name__}, not a dict")
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", index)
+        relative = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not is_plain_relative_path(relative):
+            raise CheckpointError(f"{path / '.metadata'}: {fqn!r} is stored in {relative!r}, a path outside the "
+                                  "checkpoint directory; refusing to read it")
+        if relative not in sizes:
+            sizes[relative] = require_regular_file(path / relative, "data file").st_size
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)):
+            raise CheckpointError(f"{path / '.metadata'}: {fqn!r} has an invalid byte range {offset!r}+{length!r}")
+        if offset + length > sizes[relative]:
+            raise CheckpointError(f"{path / relative}: holds {sizes[relative]} bytes, but .metadata places {fqn!r} "
+                                  f"at bytes {offset}..{offset + length} (a truncated file?)")
+
+
+def _dcp_exception() -> type:
+    """DCP reports a failed read as a `CheckpointException`, which derives from BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def _reader(path: Path):
@@ -138,7 +175,9 @@ def read_tensor(path: str | os.PathLike, key: str, metadata: dict | None = None)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
             dcp.load(target, storage_reader=_reader(path), no_dist=True)
-    except Exception as exc:
+    except CheckpointError:
+        raise
+    except (Exception, _dcp_exception()) as exc:
         raise CheckpointError(f"{path}: cannot read {key!r} ({' '.join(str(exc).split())[:300]})") from exc
     return target[key]
 
@@ -315,7 +354,7 @@ class TorchDistFiles:
             self._reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
         except CheckpointError:
             raise
-        except Exception as exc:
+        except (Exception, _dcp_exception()) as exc:
             raise CheckpointError(f"{self.path}: cannot read {key!r} ({' '.join(str(exc).split())[:300]})") from exc
         return target
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from mmparity.checkpoint import torch_dist_files
-from mmparity.checkpoint.fsio import CheckpointError, tensor_checksum
+from mmparity.checkpoint.fsio import CheckpointError, require_regular_file, tensor_checksum
 from mmparity.checkpoint.legacy import load_rank_file
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE,
                                           TensorRecord, read_manifest)
@@ -144,6 +144,28 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
         _unexpected(report, dir_name, set(metadata) - set(by_key) - {"common_state"})
 
 
+# What holds weights in any layout: safetensors shards, legacy rank files, and torch_dist data files
+# with their metadata (a torch_dist record names the directory of those, so that is the unit).
+_DATA_FILE_NAMES = ("model_optim_rng.pt",)
+_DATA_SUFFIXES = (".safetensors",)
+_DIST_FILE_SUFFIXES = (".distcp",)
+
+
+def _data_units(root: Path) -> set[str]:
+    """Every weight-holding file under `root` (relative paths), torch_dist files by their directory:
+    what a manifest must cover for `verify` to certify the directory."""
+    units = set()
+    for current, directories, files in os.walk(root):
+        directories.sort()
+        relative = Path(current).relative_to(root)
+        for name in files:
+            if name.endswith(_DIST_FILE_SUFFIXES) or name == ".metadata":
+                units.add(relative.as_posix())
+            elif name.endswith(_DATA_SUFFIXES) or name in _DATA_FILE_NAMES:
+                units.add((relative / name).as_posix())
+    return units
+
+
 def verify(directory: str | os.PathLike) -> VerifyReport:
     """Re-reads every tensor named in `mmparity.json` and lists every way it differs.
 
@@ -156,10 +178,21 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
     by_file: dict[str, list[TensorRecord]] = defaultdict(list)
     for record in manifest.tensors:
         by_file[record.file].append(record)
-    for file_name in sorted(by_file):
-        if not (root / file_name).exists():
-            report.problems.append(Problem(file_name, None, f"missing; {len(by_file[file_name])} record(s) not checked"))
-    present = {f: r for f, r in by_file.items() if (root / f).exists()}
+    present = {}
+    for file_name, records in sorted(by_file.items()):
+        path = root / file_name
+        if not os.path.lexists(path):
+            report.problems.append(Problem(file_name, None, f"missing; {len(records)} record(s) not checked"))
+            continue
+        if manifest.layout != LAYOUT_TORCH_DIST:  # a torch_dist record names its directory
+            try:
+                require_regular_file(path, "data file")
+            except CheckpointError as exc:
+                report.problems.append(Problem(file_name, None, f"{exc}; {len(records)} record(s) not checked"))
+                continue
+        present[file_name] = records
+    for unit in sorted(_data_units(root) - set(by_file)):
+        report.problems.append(Problem(unit, None, "data file not covered by the manifest: nothing certifies it"))
     if manifest.layout == LAYOUT_HF:
         _verify_hf(root, present, report)
     elif manifest.layout == LAYOUT_LEGACY:

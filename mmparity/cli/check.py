@@ -6,8 +6,8 @@ import os
 import sys
 import time
 
-from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_size,
-                                 quiet_third_party_warnings, select_device_and_backend,
+from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed,
+                                 parse_image_size, quiet_third_party_warnings, select_device_and_backend,
                                  write_text_atomic)
 
 
@@ -55,7 +55,8 @@ def _resolve_families(requested: list[str]) -> list[str]:
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout) from an HF directory."""
     from mmparity import families
-    from mmparity.checkpoint.fsio import CheckpointError, open_safetensors_checkpoint
+    from mmparity.checkpoint.fsio import CheckpointError, check_source_dtypes, open_safetensors_checkpoint
+    from mmparity.checkpoint.hf import bound_config
     from mmparity.converters.rules import ConversionError
 
     if not os.path.isdir(directory):
@@ -77,6 +78,7 @@ def _load_hf(directory: str, family: str, hf_format):
     except ValueError as exc:
         raise UsageError(f"--hf {directory}: {exc} (family {family!r})") from None
     try:
+        bound_config(cfg, os.path.join(directory, "config.json"), directory)
         with open_safetensors_checkpoint(directory) as ckpt:
             state = ckpt.state_dict()
     except CheckpointError as exc:
@@ -93,7 +95,31 @@ def _load_hf(directory: str, family: str, hf_format):
     except ConversionError as exc:
         raise UsageError(f"--hf {directory}: {exc.title}: "
                          f"{'; '.join(exc.problems[:5])}") from None
+    try:
+        check_source_dtypes(directory, {k: v.dtype for k, v in tensors.items()})
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+    _refuse_unbacked_parameters(family, cfg, tensors, directory)
     return cfg, tensors
+
+
+def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> None:
+    """The check builds real models from `cfg`: refuse, before allocating them, a config that implies
+    more parameters than the checkpoint holds (counted on the meta device, where building is free)."""
+    import torch
+
+    from mmparity import families
+
+    present = sum(t.numel() for t in tensors.values())
+    try:
+        with torch.device("meta"):
+            implied = sum(p.numel() for p in families.get(family).build_reference(cfg).parameters())
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"--hf {directory}: config.json describes no buildable {family!r} model "
+                         f"({' '.join(str(exc).split())[:200]})") from None
+    if implied > present:
+        raise UsageError(f"--hf {directory}: config.json implies {implied} parameters, the checkpoint holds "
+                         f"{present}; config and weights do not belong together")
 
 
 def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
@@ -142,6 +168,11 @@ def run(args) -> int:
     quiet_third_party_warnings()
     if args.pp is not None and args.pp < 1:
         raise UsageError(f"--pp must be >= 1, got {args.pp}")
+    check_seed(args.seed)
+    for option, path in (("--json", args.json), ("--junit", args.junit)):
+        if path:
+            check_output_path(option, path)
+    sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     native_shards, layer_counts = None, None
     if args.mcore:
         family, args.hf, native_shards, args.pp, layer_counts = _load_mcore(args)
@@ -150,7 +181,6 @@ def run(args) -> int:
     names = _resolve_families(args.families)
     if args.hf and len(names) != 1:
         raise UsageError("--hf needs exactly one FAMILY")
-    sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
     if args.tp < 1:
@@ -199,11 +229,11 @@ def run(args) -> int:
         return EXIT_OK if combined.passed else EXIT_FAIL  # under torchrun only rank 0 reports
 
     if args.json:
-        write_text_atomic(args.json, combined.to_json())
+        write_text_atomic(args.json, combined.to_json(), "--json")
     if args.junit:
         from mmparity.cli.render import junit_xml
 
-        write_text_atomic(args.junit, junit_xml(combined, elapsed))
+        write_text_atomic(args.junit, junit_xml(combined, elapsed), "--junit")
     from mmparity.cli.render import print_report
 
     print_report(combined, elapsed, quiet=args.quiet, stream=sys.stdout)

@@ -18,20 +18,46 @@ def fail_usage(message: str) -> int:
     return EXIT_USAGE
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write a whole file or nothing: a temporary sibling renamed into place."""
+def check_output_path(option: str, path: str) -> None:
+    """Refuses, before any work, a report path that cannot become a file: a directory, or one in
+    a directory that does not exist."""
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; name a file to write the report to")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise UsageError(f"cannot write {path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".mmparity-", dir=directory)
+        raise UsageError(f"{option} {path}: directory {directory} does not exist")
+
+
+def write_text_atomic(path: str, text: str, option: str = "") -> None:
+    """Write a whole file or nothing: a temporary sibling renamed into place. A failure (disk full,
+    permissions) is a usage error naming the path; nothing is left behind."""
+    where = f"{option} {path}" if option else str(path)
+    check_output_path(option or "cannot write", path)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".mmparity-", dir=os.path.dirname(os.path.abspath(path)))
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot write the report ({exc.strerror or exc})") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+
+
+# Past these an image is no parity input but a memory bomb: 2**26 pixels in float32 are 800 MB for
+# the image alone, before a single patch embedding.
+MAX_IMAGE_SIDE = 2**14
+MAX_IMAGE_PIXELS = 2**26
+# torch.manual_seed takes 64-bit seeds; keep to the range every seeded generator accepts.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: int) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed {seed}: must be between 0 and {MAX_SEED}")
+    return seed
 
 
 def quiet_third_party_warnings() -> None:
@@ -54,6 +80,9 @@ def parse_image_size(text: str) -> tuple[int, int]:
         raise UsageError(f"image size {text!r} is not of the form HxW (e.g. 48x80)") from None
     if height <= 0 or width <= 0:
         raise UsageError(f"image size {text!r} must be positive")
+    if max(height, width) > MAX_IMAGE_SIDE or height * width > MAX_IMAGE_PIXELS:
+        raise UsageError(f"image size {text!r} is too large: at most {MAX_IMAGE_SIDE} pixels a side and "
+                         f"{MAX_IMAGE_PIXELS} in all")
     return height, width
 
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
+import signal
 import sys
+import threading
 
 from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage, quiet_third_party_warnings
 
@@ -35,21 +39,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is so that every cleanup runs, as for SIGINT."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+class _StderrNotes(logging.Handler):
+    """What the library reports along the way (e.g. litter of killed runs it removed), one line
+    each on whatever `sys.stderr` is at the time."""
+
+    def emit(self, record):
+        print(f"mmparity: {record.getMessage()}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _terminating_signals_interrupt():
+    """A kill from a scheduler (SIGTERM) or a closed terminal (SIGHUP) must clean up like Ctrl-C:
+    staging directories removed, nothing half-written left. Restored on exit, so that an embedding
+    program (or a test runner) keeps its own handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv=None) -> int:
+    with _terminating_signals_interrupt():
+        try:
+            return _main(argv)
+        except KeyboardInterrupt as exc:  # also while parsing and importing
+            return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+
+
+def _main(argv) -> int:
     # Before any subcommand module imports megatron or transformers (some do so at parse time).
     quiet_third_party_warnings()
+    notes = logging.getLogger("mmparity")
+    if not any(isinstance(h, _StderrNotes) for h in notes.handlers):
+        notes.addHandler(_StderrNotes())
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
-        parser.print_help()
-        return EXIT_USAGE
+        # A usage error like any other: on stderr, so a script capturing stdout sees nothing.
+        parser.print_usage(sys.stderr)
+        return fail_usage(f"a subcommand is required ({', '.join(SUBCOMMANDS)}); see mmparity --help")
     module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command][0]}")
     try:
         return module.run(args)
     except UsageError as exc:
         return fail_usage(str(exc))
-    except KeyboardInterrupt:
-        return fail_usage("interrupted")
 
 
 if __name__ == "__main__":
