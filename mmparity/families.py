@@ -11,7 +11,8 @@ on first use and are checked then (a missing or mistyped hook fails naming the f
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 import torch
@@ -34,26 +35,23 @@ class Family:
     # What ``check`` compares, for ``mmparity list``: paired modules and components.
     compared: tuple = ()
     checkpoint_note: str = ""
-    _hooks: list = field(default_factory=list, repr=False, compare=False)
 
-    @property
+    @cached_property
     def hooks(self) -> FamilyHooks:
         """The family's hooks, loaded and checked on first use."""
-        if not self._hooks:
-            module = importlib.import_module(f"mmparity.cases.{self.name}")
-            try:
-                hooks = module.hooks(tower_of)
-            except TypeError as exc:  # a required hook left out of the record
-                raise FamilyError(f"family {self.name!r}: {exc}") from None
-            if not isinstance(hooks, FamilyHooks):
-                raise FamilyError(f"family {self.name!r}: mmparity.cases.{self.name}.hooks() returned "
-                                  f"{type(hooks).__name__}, not FamilyHooks")
-            try:
-                hooks.check(self.name)
-            except TypeError as exc:
-                raise FamilyError(str(exc)) from None
-            self._hooks.append(hooks)
-        return self._hooks[0]
+        module = importlib.import_module(f"mmparity.cases.{self.name}")
+        try:
+            hooks = module.hooks(tower_of)
+        except TypeError as exc:  # a required hook left out of the record
+            raise FamilyError(f"family {self.name!r}: {exc}") from None
+        if not isinstance(hooks, FamilyHooks):
+            raise FamilyError(f"family {self.name!r}: mmparity.cases.{self.name}.hooks() returned "
+                              f"{type(hooks).__name__}, not FamilyHooks")
+        try:
+            hooks.check(self.name)
+        except TypeError as exc:
+            raise FamilyError(str(exc)) from None
+        return hooks
 
     def tiny_config(self):
         """The family's built-in HF config: tiny, with deliberately awkward sizes."""

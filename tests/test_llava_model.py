@@ -19,6 +19,7 @@ from mmparity.converters.rules import ConversionError
 from mmparity.parity import harness
 from mmparity.parity.harness import load_reference_weights
 from mmparity.cases.inputs import random_like_state
+from tests.strategies import tp_sizes
 
 TOWERS = [name for name in ("pixtral", "clip", "siglip") if name in families.names()]
 FAST = settings(max_examples=25, deadline=None, derandomize=True,
@@ -91,8 +92,7 @@ def llava_configs(draw):
 @st.composite
 def llava_config_and_tp(draw):
     cfg = draw(llava_configs())
-    fitting = [tp for tp in (1, 2, 4, 8) if not families.get("llava").rule_set(cfg).validate_tp(tp)]
-    return cfg, draw(st.sampled_from(fitting))
+    return cfg, draw(st.sampled_from(tp_sizes("llava", cfg)))
 
 
 def hf_state(cfg, seed: int = 0) -> dict:

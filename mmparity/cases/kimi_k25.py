@@ -25,7 +25,7 @@ from mmparity.native import kimi_k25 as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.native.kimi_k25 import KimiViTWithProjector, head_dim
 from mmparity.reference import kimi_k25 as reference
-from mmparity.reference.kimi_k25 import CHANNELS, KimiK25VisionReference, _tower, patch_size
+from mmparity.reference.kimi_k25 import CHANNELS, KimiK25VisionReference, patch_size, vision_tower
 
 COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "merger")
 
@@ -113,7 +113,7 @@ def reference_run(model, case: Case) -> dict:
         vc = model.config.vision_config
         features = case.data["features"].view(-1, 4, vc.hidden_size).to(device, dtype)
         return {"image_embeds": model.mm_projector(features).squeeze(1)}
-    tower = _tower(model)
+    tower = vision_tower(model)
     pixels, grid_thw = _pixel_values(case, case.data["patch"])
     out = tower(pixels.to(device, dtype), grid_thw=grid_thw.to(device))
     result = {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output.flatten(1)}
@@ -127,7 +127,7 @@ def _conv_tokens(output, case: Case):
 
 
 def reference_pairs(model, cfg) -> list[Pair]:
-    tower = _tower(model)
+    tower = vision_tower(model)
     out = [Pair("patch_embed", tower.patch_embed.proj, _conv_tokens),
            Pair("pos_embed", tower.patch_embed.pos_emb, tokens_2d)]
     out += [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(tower.layers)]
@@ -147,14 +147,14 @@ def rope_reference(model, cfg, seed: int, grid: tuple[int, int]) -> torch.Tensor
     rows, cols = torch.meshgrid(torch.arange(h, device=q.device), torch.arange(w, device=q.device),
                                 indexing="ij")
     position_ids = torch.stack([rows.flatten(), cols.flatten()], dim=-1)
-    cos, sin = _tower(model).rotary_emb(q, position_ids)
+    cos, sin = vision_tower(model).rotary_emb(q, position_ids)
     rotated, _ = apply_rotary_pos_emb_vision(q.unsqueeze(0), q.unsqueeze(0), cos, sin)
     return rotated[0]
 
 
 def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     vc = vision_cfg(cfg)
-    tower = _tower(model)
+    tower = vision_tower(model)
     param = next(model.parameters())
     p = patch_size(cfg)
     if name == "patch_embed":

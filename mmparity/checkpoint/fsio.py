@@ -1500,7 +1500,6 @@ class SlotWriter:
                 self._fds[number] = None
 
 
-
 # --- safetensors output laid out in advance ------------------------------------------------------
 
 # The inverse of _SAFETENSORS_DTYPES: what a writer puts in a header.

@@ -883,11 +883,9 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
         else:
             target = tp or 1
             _validate_tp(source.rules, target)
-            shards = [{} for _ in range(target)]
-            for key in source.order:
-                full = source.mcore_tensor(key)
-                for shard, part in zip(shards, tp_mod.shard(full, source.kinds[key], target)):
-                    shard[key] = part
+            sink = R.MemorySink(target)
+            R.stream_to_mcore(source.order, source.kinds, source.produce, sink.put)
+            shards = sink.shards
     except (CheckpointError, PipelineError, ShardError) as exc:
         raise ConvertError(str(exc)) from None
     return source.family, source.root / HF_CONFIG_FILE, shards

@@ -2,7 +2,7 @@
 
 No class token and no ``pre_layrnorm``; the patch conv has a bias; ``post_layernorm`` applies to
 every token; with ``vision_use_head`` the attention-pooling head maps onto an mcore
-``CrossAttention`` + ``MLP`` (see ``native.vit.AttentionPoolingHead``).
+``CrossAttention`` + ``MLP`` (see ``native.core.vit.AttentionPoolingHead``).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class LLaVAModel(MegatronModule):
         self.language_model.set_input_tensor(input_tensor)
 
     def pipelined_module(self) -> torch.nn.Module:
-        """Where activations enter and leave a pipeline stage (see ``native.pipeline``): the
+        """Where activations enter and leave a pipeline stage (see ``native.core.pipeline``): the
         whole GPTModel, which sizes its RoPE table from the received tensor before its block."""
         return self.language_model
 

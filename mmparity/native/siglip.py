@@ -3,7 +3,7 @@
 Patch conv with bias, no class token, no ``ln_pre``, tanh-GELU MLP, learned absolute positions
 (resampled as HF's ``interpolate_pos_encoding=True``), ``ln_post`` on every token (HF
 ``post_layernorm`` is part of ``last_hidden_state``), and with ``vision_use_head`` the
-attention-pooling head (``native.vit.AttentionPoolingHead``) for ``pooler_output``.
+attention-pooling head (``native.core.vit.AttentionPoolingHead``) for ``pooler_output``.
 """
 
 from __future__ import annotations

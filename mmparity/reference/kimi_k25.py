@@ -62,7 +62,7 @@ def build(cfg):
     return model.float().eval()
 
 
-def _tower(model):
+def vision_tower(model):
     return model.vision_tower if isinstance(model, KimiK25VisionReference) else model
 
 

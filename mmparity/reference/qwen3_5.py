@@ -2,8 +2,8 @@
 
 HF takes pre-patchified rows in the image processor's layout (block-first, width C·T·P·P) plus
 ``grid_thw``. Its ``last_hidden_state`` is the stack output *before* the merger; the native tower's
-output is after the merger's norm and 2×2 grouping, so :func:`run` applies HF's own merger norm and
-grouping to compare like with like. ``pooler_output`` is HF's whole merger.
+output is after the merger's norm and 2×2 grouping, so ``cases.qwen3_5.reference_run`` applies
+HF's own merger norm and grouping to compare like with like. ``pooler_output`` is HF's whole merger.
 """
 
 from __future__ import annotations

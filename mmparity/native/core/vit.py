@@ -272,7 +272,7 @@ class VisionTower(MegatronModule):
         self.decoder.set_input_tensor(input_tensor)
 
     def pipelined_module(self) -> torch.nn.Module:
-        """Where activations enter and leave a pipeline stage (see ``native.pipeline``)."""
+        """Where activations enter and leave a pipeline stage (see ``native.core.pipeline``)."""
         return self.decoder
 
     def run_stack(self, tokens: torch.Tensor, rope: torch.Tensor, seqlens: Optional[list],
