@@ -22,6 +22,7 @@ from mmparity.parity import inputs
 from mmparity.parity.cases import Case, first_tensor, sbh_tokens_2d, tokens_2d
 from mmparity.parity.metrics import compare, fp32_tolerance
 from mmparity.upstream import keymap, models
+from mmparity.upstream.te_stand_ins import cuda_calls_on_host
 
 TOLERANCE = fp32_tolerance().rel_l2
 # Megatron's class family -> the mmparity family whose HF model and converter it is fed from.
@@ -81,6 +82,9 @@ def family_cases(family: str, cfg, seed: int) -> list[Case]:
         for c in odd:
             c.name = f"odd_{c.name}"
         cases += odd
+    elif family == "llava" and cfg.vision_config.model_type != "pixtral":
+        side = cfg.vision_config.image_size
+        cases = ref.cases(cfg, seed, image_sizes=[(side, side)] * 2)
     else:
         cases = ref.cases(cfg, seed)
     prepare = getattr(ref, "prepare_case", None)
@@ -137,7 +141,41 @@ def megatron_outputs(family: str, model, case: Case, cfg) -> dict:
             if projected is not None:
                 out["image_embeds"] = projected
             return {k: v for k, v in out.items() if k in case.outputs}
+        if family == "llava":
+            return _llava_outputs(model, case, cfg)
     raise KeyError(family)
+
+
+def _llava_outputs(model, case: Case, cfg) -> dict:
+    """Stock ``LLaVAModel`` on the compact batch (one -200 placeholder per image): logits, and
+    with labels the per-token loss and Megatron's expanded loss mask, cut to HF's row length."""
+    images = torch.stack(case.data["images"])
+    images = images.to(next(model.parameters()).dtype)
+    ids = case.data["input_ids"]
+    tiles = torch.tensor(case.data["num_image_tiles"], dtype=torch.int)
+    with cuda_calls_on_host():
+        logits, _ = model(images, ids, None, None, num_image_tiles=tiles,
+                          runtime_gather_output=True)
+        loss, mask = model(images, ids, None, None, labels=case.data["labels"],
+                           loss_mask=case.data["loss_mask"], num_image_tiles=tiles)
+    keep, vocab = case.data["length"], cfg.text_config.vocab_size
+    mask = mask[:, :keep]
+    return {"logits": logits[:, :keep, :vocab].reshape(-1, vocab),
+            "loss_mask": mask.reshape(-1).float(),
+            "token_loss": (loss[:, :keep] * mask).reshape(-1)}
+
+
+def llava_clip_config():
+    """LLaVA with the CLIP tiny tower (what stock megatron-core's LLaVAModel can build): features
+    from the penultimate layer, class token dropped (``default``), the llava tiny text model."""
+    from transformers import LlavaConfig
+
+    base = families.get("llava").tiny_config()
+    return LlavaConfig(vision_config=families.get("clip").tiny_config(),
+                       text_config=base.text_config, image_token_index=base.image_token_index,
+                       projector_hidden_act="gelu", vision_feature_layer=-2,
+                       vision_feature_select_strategy="default", multimodal_projector_bias=True,
+                       tie_word_embeddings=False)
 
 
 # --- module pairs: where Megatron first departs from HF -----------------------------------------
@@ -277,7 +315,7 @@ def _map_options(options: dict) -> dict:
 
 
 def _build_options(family: str, options: dict) -> dict:
-    out = {}
+    out = {"parallel_output": False} if family == "llava" else {}
     if family == "kimi_k25" and "kimi_projection" in options:
         out["projection"] = options["kimi_projection"]
     return out

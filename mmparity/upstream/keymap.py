@@ -150,18 +150,15 @@ def to_megatron(family: str, shards: Sequence[Mapping[str, torch.Tensor]], cfg, 
                 ) -> tuple[list[dict], dict]:
     """mmparity's per-TP-rank state dicts -> (Megatron's per-rank state dicts, side tensors).
 
-    Side tensors are whole (TP-merged is not needed: every one of them is replicated today, which
-    is checked)."""
+    ``side`` maps each mmparity key with no Megatron place to its per-rank pieces, as mmparity
+    wrote them (the SigLIP head is TP-split, CLIP's ``ln_post`` replicated)."""
     rule_list = rules(family, cfg, **options)
     tp = len(shards)
     out = [dict() for _ in range(tp)]
     side: dict = {}
     for key in shards[0]:
         if any(isinstance(r, Side) and _match(r.pattern, key) for r in rule_list):
-            pieces = [s[key] for s in shards]
-            if any(not torch.equal(pieces[0], p) for p in pieces[1:]):
-                raise ValueError(f"side tensor {key} differs between TP ranks")
-            side[key] = pieces[0]
+            side[key] = [s[key] for s in shards]
             continue
         new = key
         for r in rule_list:
@@ -184,7 +181,7 @@ def to_megatron(family: str, shards: Sequence[Mapping[str, torch.Tensor]], cfg, 
     for r in rule_list:
         if isinstance(r, Tile):
             for rank in range(tp):
-                out[rank][r.target] = side[r.source].repeat(r.times)
+                out[rank][r.target] = side[r.source][rank].repeat(r.times)
     return out, side
 
 
@@ -219,9 +216,9 @@ def from_megatron(family: str, megatron: Sequence[Mapping[str, torch.Tensor]], s
                 pieces = list(padded.chunk(tp, dim=0))
         for rank, piece in enumerate(pieces):
             out[rank][old] = piece
-    for key, tensor in side.items():
+    for key, pieces in side.items():
         for rank in range(tp):
-            out[rank][key] = tensor
+            out[rank][key] = pieces[rank]
     return out
 
 

@@ -305,10 +305,23 @@ def vit_layer_spec() -> ModuleSpec:
 
 
 def gpt_layer_spec() -> ModuleSpec:
-    """Megatron-LM's GPT layer spec with TE (causal), TE swapped for the stand-ins when needed."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    """Megatron-LM's dense GPT layer spec with TE (causal, norms fused into ``linear_qkv`` and
+    ``linear_fc1``).
 
-    return _checked(substitute_te(get_gpt_layer_with_transformer_engine_spec()))
+    With TE importable this is ``get_gpt_layer_with_transformer_engine_spec()`` itself. Without
+    it megatron-core cannot even assemble that spec (its TE backend provider is not defined), so
+    the equivalent is derived from the ViT TE spec, which for a dense layer without
+    ``qk_layernorm`` has the same modules and differs only in the causal mask."""
+    if HAVE_TE:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = vit_layer_spec()
+    attention = spec.submodules.self_attention
+    causal = dataclasses.replace(attention, params={**attention.params,
+                                                    "attn_mask_type": AttnMaskType.causal})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                   self_attention=causal))
 
 
 def projector_spec():
@@ -360,14 +373,37 @@ def buildable_without_te(*modules):
                 defaults = tuple(TENorm if d is torch.nn.LayerNorm else d
                                  for d in clip_cls.__init__.__defaults__)
                 swap(clip_cls.__init__, "__defaults__", defaults)
-        if not torch.cuda.is_available():
-            swap(torch.Tensor, "cuda", _stay_on_host)
-        yield
+        with cuda_calls_on_host():
+            yield
     finally:
         for obj, attr, value in reversed(saved):
             setattr(obj, attr, value)
 
 
+@contextlib.contextmanager
+def cuda_calls_on_host():
+    """On a machine without CUDA, let Megatron's hard-wired CUDA placements stay on the host.
+
+    ``CLIPViTModel`` calls ``.cuda()`` on its position ids when built, and ``GPTModel``'s
+    ``RotaryEmbedding`` moves its frequencies to ``torch.cuda.current_device()`` on its first
+    forward. Inside this context ``Tensor.cuda`` returns the tensor itself and
+    ``torch.cuda.current_device()`` names the CPU. With CUDA present it changes nothing.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.Tensor.cuda, torch.cuda.current_device)
+    torch.Tensor.cuda = _stay_on_host
+    torch.cuda.current_device = _host_device
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.cuda.current_device = saved
+
+
 def _stay_on_host(tensor: torch.Tensor, *unused, **unused_kw) -> torch.Tensor:
-    """``Tensor.cuda`` on a machine without CUDA, only while Megatron's classes are being built."""
     return tensor
+
+
+def _host_device() -> str:
+    return "cpu"
