@@ -403,3 +403,12 @@ def test_kimi_tower_matches_projector_has_no_exact_place(tp):
             assert m["rel_l2"] <= TOL, (name, m)
     if tp == 1:
         assert mi.first_divergence(study.modules)["module"] == "projector"
+
+
+@needs_main
+def test_main_llava_cannot_build_a_vit_model_tower():
+    """Discrepancy 5 (found here): Megatron-LM main's LLaVAModel dispatches pixtral-vit,
+    pixtral-vit-large, qwen-vl and kimi-vit to vit_model, then asks clip_vit_model's
+    get_num_image_embeddings for the tower's token count, which knows none of them."""
+    with pytest.raises(NotImplementedError, match="unknown vision model type pixtral-vit"):
+        models.build("llava", families.get("llava").tiny_config())
