@@ -32,7 +32,8 @@ def config_for(family: str):
         # Stock LLaVAModel builds CLIP-like towers only, and Megatron-LM main's LLaVAModel cannot
         # be built with a pixtral-vit tower (see docs/megatron.md): the llava record is the
         # llava tiny text model with the clip tiny tower.
-        return llava_clip_config(), "llava tiny text model + clip tiny tower (vision_feature_layer -2, default select)"
+        return llava_clip_config(), ("llava tiny text model + clip tiny tower "
+                                     "(vision_feature_layer -2, default select)")
     return families.get(family).tiny_config(), f"{family} tiny config"
 
 

@@ -2,7 +2,8 @@
 today's converter, mapped to Megatron's layout, loaded strictly into Megatron's own class, run on
 the native check's cases, compared with HF (rel_l2, max_abs per output; first diverging module).
 
-    PYTHONPATH=$PWD[:/path/to/Megatron-LM] python scripts/megatron_parity.py [--tp 1 2] [--json F] [FAMILY ...]
+    PYTHONPATH=$PWD[:/path/to/Megatron-LM] python scripts/megatron_parity.py \
+        [--tp 1 2] [--json F] [FAMILY ...]
 
 Families whose class is not importable are reported as skipped. ``clip_vit`` is Megatron-LM
 main's ViTModel in CLIP mode; ``llava`` is the stock LLaVAModel with the CLIP tiny tower;

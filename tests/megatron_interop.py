@@ -19,7 +19,7 @@ import torch
 
 from mmparity import converters, families, runtime
 from mmparity.parity import inputs
-from mmparity.parity.cases import Case, first_tensor, sbh_tokens_2d, tokens_2d
+from mmparity.parity.cases import Case, sbh_tokens_2d, tokens_2d
 from mmparity.parity.metrics import compare, fp32_tolerance
 from mmparity.upstream import keymap, models
 from mmparity.upstream.te_stand_ins import cuda_calls_on_host

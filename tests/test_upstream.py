@@ -244,7 +244,8 @@ def test_stand_in_attention_packed_gqa_causal():
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # (s, h, d)
         scores = torch.einsum("qhd,khd->hqk", q, k) / 2.0
         if causal:
-            scores = scores.masked_fill(~torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(), -torch.inf)
+            above = ~torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+            scores = scores.masked_fill(above, -torch.inf)
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
     bidir = te_stand_ins.TEDotProductAttention(cfg, 1, AttnMaskType.no_mask, "self")

@@ -417,13 +417,14 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
             vision_projection_layer_spec=te_stand_ins.projector_spec(),
             vision_projection_type="mlp",
             share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
-            language_position_embedding_type="rope", language_rotary_base=int(rope_theta(text)),
+            language_position_embedding_type="rope", language_rotary_base=rope_theta(text),
             img_h=img_h, img_w=img_w, patch_dim=_first(vc.patch_size),
             parallel_output=parallel_output)
     return model.eval()
 
 
-BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_siglip, "pixtral": build_pixtral,
+BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_siglip,
+            "pixtral": build_pixtral,
             "pixtral_large": build_pixtral_large, "qwen3_5": build_qwen3_5,
             "kimi_k25": build_kimi_k25, "llava": build_llava}
 
