@@ -160,6 +160,29 @@ def test_keymap_inverts_exactly(family, tp):
         assert all(torch.equal(back[rank][k], shards[rank][k]) for k in shards[rank]), (family, rank)
 
 
+def test_layout_differences_name_every_moved_key():
+    record = recorded("qwen3_5")
+    moved = json.loads(json.dumps(record))
+    entry = moved["tensors"].pop("merger.linear_fc1.weight")
+    entry["split_dim"], entry["tp2"] = 0, [[96, 192], [96, 192]]
+    moved["tensors"]["merger.linear_fc1.weight"] = entry
+    moved["tensors"]["merger.extra.weight"] = moved["tensors"].pop("merger.linear_fc2.bias")
+    lines = layout.differences(record, moved)
+    assert len(lines) == 3 and any("changed: merger.linear_fc1.weight" in x for x in lines)
+    assert any("missing in Megatron now: merger.linear_fc2.bias" in x for x in lines)
+    assert any("new in Megatron now: merger.extra.weight" in x for x in lines)
+
+
+def test_strict_load_refuses_anything_but_missing_extra_state():
+    module = torch.nn.Linear(3, 2)
+    with pytest.raises(mi.LoadError, match="unexpected"):
+        mi.load_strict(module, {**module.state_dict(), "extra.weight": torch.zeros(1)})
+    with pytest.raises(mi.LoadError, match="missing"):
+        mi.load_strict(module, {"weight": module.weight.detach()})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        mi.load_strict(module, {"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})
+
+
 def test_padded_vocab_follows_megatron_lm():
     assert [keymap.padded_vocab_size(101, tp) for tp in (1, 2, 4)] == [128, 256, 512]
     assert keymap.padded_vocab_size(256, 2) == 256 and keymap.padded_vocab_size(257, 1) == 384
