@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from megatron.core import package_info  # noqa: E402
+
 from mmparity import families  # noqa: E402
 from mmparity.upstream import layout, models  # noqa: E402
 from tests.megatron_interop import llava_clip_config  # noqa: E402
@@ -45,8 +47,6 @@ def main(argv: list[str]) -> int:
         print(f"unknown families {unknown}; known: {', '.join(FAMILIES)}", file=sys.stderr)
         return 2
     OUT.mkdir(parents=True, exist_ok=True)
-    from megatron.core import package_info
-
     for family in wanted:
         if not models.available(family):
             print(f"{family}: skipped ({models.INSTALL_HINT})")

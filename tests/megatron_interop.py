@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from transformers import LlavaConfig
 
 from mmparity import converters, families, runtime
 from mmparity.parity import inputs
 from mmparity.parity.cases import Case, sbh_tokens_2d, tokens_2d
 from mmparity.parity.metrics import compare, fp32_tolerance
+from mmparity.reference import qwen3_5 as ref_qwen
+from mmparity.reference.clip import conv_tokens
 from mmparity.upstream import keymap, models
 from mmparity.upstream.te_stand_ins import cuda_calls_on_host
 
@@ -118,8 +121,6 @@ def megatron_outputs(family: str, model, case: Case, cfg) -> dict:
             merged = models.run_vit(model.vision_model, case.data["images"]).tokens
             return {"merger": merged, "projector": model.vision_projection(merged)}
         if family == "qwen3_5":
-            from mmparity.reference import qwen3_5 as ref_qwen
-
             rows, grid_thw = ref_qwen.processor_rows(case, cfg)
             grids = [(h, w) for _, h, w in grid_thw.tolist()]
             if case.data["layout"] == "pixels":
@@ -168,8 +169,6 @@ def _llava_outputs(model, case: Case, cfg) -> dict:
 def llava_clip_config():
     """LLaVA with the CLIP tiny tower (what stock megatron-core's LLaVAModel can build): features
     from the penultimate layer, class token dropped (``default``), the llava tiny text model."""
-    from transformers import LlavaConfig
-
     base = families.get("llava").tiny_config()
     return LlavaConfig(vision_config=families.get("clip").tiny_config(),
                        text_config=base.text_config, image_token_index=base.image_token_index,
@@ -191,8 +190,6 @@ def _drop_class_rows(extract, class_len: int, tokens_per_image: int):
 def megatron_pairs(family: str, model, cfg) -> list[tuple[str, torch.nn.Module, object]]:
     """(name, Megatron module, extractor) for the names HF's ``pairs`` use; static case only."""
     if family in ("clip", "siglip"):
-        from mmparity.reference.clip import conv_tokens
-
         out = [("patch_embed", model.conv1, conv_tokens)]
         if model.ln_pre is not None:
             out.append(("ln_pre", model.ln_pre, tokens_2d))

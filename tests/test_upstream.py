@@ -23,9 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.extensions import transformer_engine as te_ext
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
+from megatron.core.transformer.enums import AttnMaskType
 
 from mmparity import converters, families, runtime
 from mmparity.parity.metrics import compare
+from mmparity.reference.llava import expected_loss_mask
 from mmparity.upstream import keymap, layout, models, te_stand_ins
 from tests import megatron_interop as mi
 
@@ -211,9 +215,6 @@ def _walk_pairs(original, substituted):
 
 
 def test_vit_spec_is_megatrons_with_only_te_swapped():
-    from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
-
     te_names = {id(getattr(te_ext, n)): n for n in ("TELayerNormColumnParallelLinear",
                                                     "TERowParallelLinear", "TEDotProductAttention")}
     swapped = set()
@@ -253,8 +254,6 @@ def test_stand_ins_have_te_parameter_names_and_tp_shapes():
 
 def test_stand_in_attention_packed_gqa_causal():
     runtime.init_parallel(1, 1)
-    from megatron.core.transformer.enums import AttnMaskType
-
     cfg = models.transformer_config(num_layers=1, hidden_size=16, num_attention_heads=4,
                                     num_query_groups=2, kv_channels=4, ffn_hidden_size=8,
                                     normalization="LayerNorm", eps=1e-5, act=F.gelu, gated=False,
@@ -333,8 +332,6 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
     shifted = F.cross_entropy(logits[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1),
                               ignore_index=-100, reduction="none").view(labels.shape[0], -1)
     per_token = torch.cat([shifted, shifted.new_zeros(labels.shape[0], 1)], dim=1)
-    from mmparity.reference.llava import expected_loss_mask
-
     mask = expected_loss_mask(case.data["hf_input_ids"], cfg.image_token_index)
     hf_padded = (per_token * mask).reshape(-1)
     assert compare(mine["token_loss"], hf_padded).rel_l2 <= TOL

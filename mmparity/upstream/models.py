@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core import activations as mcore_activations
+from megatron.core.models.multimodal import llava_model
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -376,8 +377,6 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
     Megatron-LM main's ``ViTModel`` for Pixtral), ``MultimodalProjector``, ``GPTModel`` with a
     Llama decoder. The tower is built ``feature_layer_count`` layers deep; the vocabulary is padded
     as Megatron-LM pads it."""
-    from megatron.core.models.multimodal import llava_model
-
     vc, text = cfg.vision_config, cfg.text_config
     tower_family = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
                     "pixtral": "pixtral"}.get(vc.model_type)

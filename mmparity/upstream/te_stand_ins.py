@@ -54,8 +54,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.extensions import transformer_engine as te_ext
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -299,8 +302,6 @@ def unresolved_te(spec) -> list[str]:
 def vit_layer_spec() -> ModuleSpec:
     """Megatron-LM's ViT layer spec with TE (bidirectional, ``no_mask``), TE swapped for the
     stand-ins when TE is not importable."""
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
-
     return _checked(substitute_te(get_vit_layer_with_transformer_engine_spec()))
 
 
@@ -313,8 +314,6 @@ def gpt_layer_spec() -> ModuleSpec:
     the equivalent is derived from the ViT TE spec, which for a dense layer without
     ``qk_layernorm`` has the same modules and differs only in the causal mask."""
     if HAVE_TE:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         return get_gpt_layer_with_transformer_engine_spec()
     spec = vit_layer_spec()
     attention = spec.submodules.self_attention
@@ -327,8 +326,6 @@ def gpt_layer_spec() -> ModuleSpec:
 def projector_spec():
     """The MLP submodules Megatron-LM gives ``MultimodalProjector`` with TE (column-parallel fc1,
     row-parallel fc2, no fused norm), stand-ins when needed."""
-    from megatron.core.transformer.mlp import MLPSubmodules
-
     return MLPSubmodules(linear_fc1=te_class("TEColumnParallelLinear"),
                          linear_fc2=te_class("TERowParallelLinear"))
 
