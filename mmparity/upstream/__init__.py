@@ -1,0 +1,19 @@
+"""Megatron's own model classes, built from HF configs and run as they are.
+
+This layer sits beside :mod:`mmparity.native`: it imports megatron and torch, never transformers,
+and nothing from ``parity``, ``families`` or ``native``. Where ``native`` is mmparity's
+re-implementation, ``upstream`` builds the classes a Megatron-LM user trains with (the stock
+``CLIPViTModel`` / ``MultimodalProjector`` / ``GPTModel`` / ``LLaVAModel`` of the installed
+megatron-core, and ``ViTModel`` / ``QwenVLViTModel`` / ``KimiViTModel`` from Megatron-LM's
+``megatron/core/models/vision/vit_model.py`` when that file is importable), so that their state
+dicts can be pinned and their outputs compared with HF.
+
+* :mod:`~mmparity.upstream.te_stand_ins`: CPU stand-ins for the Transformer Engine modules those
+  classes are specified with, and the layer specs (Megatron's own TE specs, TE swapped for the
+  stand-ins only when TE is not importable).
+* :mod:`~mmparity.upstream.models`: one builder per family (HF config in, Megatron module out)
+  and forward functions on the inputs the native check uses.
+* :mod:`~mmparity.upstream.keymap`: what separates the state dict ``converters.hf_to_mcore``
+  writes today from the one Megatron's class holds, as data (renames, tensors with no place,
+  tensors Megatron replicates, vocabulary padding). No megatron import.
+"""

@@ -1,0 +1,539 @@
+"""Megatron's own class for each family, built from the family's HF config, and its forward.
+
+The HF config is the only source of shapes and hyper-parameters (read duck-typed: this layer never
+imports transformers). Each builder makes the class a Megatron-LM user trains with:
+
+==============  ===============================================================================
+family          Megatron class (module tree)
+==============  ===============================================================================
+clip            stock ``CLIPViTModel`` (``model_subtype='clip'``)
+siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
+llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
+                ``MultimodalProjector``, ``language_model`` ``GPTModel``)
+pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
+pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as ``vision_model``,
+                ``MultimodalProjector`` as ``vision_projection`` (``LLaVAModel``'s names)
+qwen3_5         Megatron-LM ``vit_model.QwenVLViTModel``
+kimi_k25        :class:`VisionWithProjection`: ``KimiViTModel`` as ``vision_model`` and, with a
+                projector, the closest Megatron construction as ``vision_projection``
+                (:func:`kimi_projection`; Megatron has no exact place for Kimi's projector)
+==============  ===============================================================================
+
+All builders use the parallel state already initialised (``mmparity.runtime``); TE modules are
+the real ones when Transformer Engine is importable, else the stand-ins of
+:mod:`mmparity.upstream.te_stand_ins`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core import activations as mcore_activations
+from megatron.core.models.multimodal import llava_model
+from megatron.core.models.vision import clip_vit_model
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mmparity import runtime
+from mmparity.upstream import te_stand_ins
+from mmparity.upstream.keymap import padded_vocab_size
+from mmparity.upstream.te_stand_ins import buildable_without_te, te_class
+
+VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
+INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
+                "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
+                "`pip install triton` (it is only imported)")
+STOCK_FAMILIES = ("clip", "siglip", "llava")
+MAIN_FAMILIES = ("pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "clip_vit")
+# Megatron-LM's LLaVAModel selects the tower by these names.
+VISION_MODEL_TYPES = {"clip": "clip", "siglip": "siglip", "pixtral": "pixtral-vit",
+                      "pixtral_large": "pixtral-vit-large", "qwen3_5": "qwen-vl",
+                      "kimi_k25": "kimi-vit"}
+# HF hard-codes these epsilons in its modules rather than reading a config field.
+PIXTRAL_NORM_EPS = 1e-5
+QWEN_NORM_EPS = 1e-6
+KIMI_NORM_EPS = 1e-5
+# Upstream's default RoPE table sides (768/16 for Qwen, 896/14 for Kimi); HF has no cap.
+QWEN_MAX_PATCHES_PER_SIDE = 48
+KIMI_MAX_PATCHES_PER_SIDE = 64
+
+
+class UpstreamUnavailable(ImportError):
+    """Megatron's class for a family cannot be imported here; the message says what to install."""
+
+
+def vit_model_module():
+    """Megatron-LM main's ``vit_model`` module, or :class:`UpstreamUnavailable`."""
+    try:
+        return importlib.import_module(VIT_MODEL_MODULE)
+    except ImportError as exc:
+        raise UpstreamUnavailable(f"{INSTALL_HINT} (import failed: {exc})") from None
+
+
+def available(family: str) -> bool:
+    if family in STOCK_FAMILIES:
+        return True
+    try:
+        vit_model_module()
+    except UpstreamUnavailable:
+        return False
+    return True
+
+
+# --- HF config reading (duck-typed) ---------------------------------------------------------------
+
+def _first(value) -> int:
+    return value if isinstance(value, int) else int(value[0])
+
+
+def _image_hw(vc) -> tuple[int, int]:
+    size = vc.image_size
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def rope_theta(cfg, default: float = 10000.0) -> float:
+    """transformers v5 keeps the RoPE base in ``rope_parameters``; older configs as ``rope_theta``."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", default)))
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable] = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "quick_gelu": mcore_activations.quick_gelu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+}
+
+
+def activation(name: str) -> Callable:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported HF activation {name!r}; known: {', '.join(_ACTIVATIONS)}") from None
+
+
+def _vision(cfg, model_types: tuple[str, ...]):
+    if getattr(cfg, "model_type", None) in model_types:
+        return cfg
+    sub = getattr(cfg, "vision_config", None)
+    if getattr(sub, "model_type", None) in model_types:
+        return sub
+    raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} has no "
+                     f"{'/'.join(model_types)} vision config")
+
+
+def transformer_config(*, num_layers: int, hidden_size: int, num_attention_heads: int,
+                       ffn_hidden_size: int, normalization: str, eps: float, act: Callable,
+                       gated: bool, bias: bool, kv_channels: Optional[int] = None,
+                       num_query_groups: Optional[int] = None, rotary_interleaved: bool = False,
+                       params_dtype: torch.dtype = torch.float32, **extra) -> TransformerConfig:
+    """A TransformerConfig for inference at the current TP size, fusions off (they need CUDA)."""
+    layout = runtime.current_layout()
+    fields = dict(
+        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups or num_attention_heads, kv_channels=kv_channels,
+        ffn_hidden_size=ffn_hidden_size, normalization=normalization, layernorm_epsilon=eps,
+        activation_func=act, gated_linear_unit=gated, add_bias_linear=bias, add_qkv_bias=bias,
+        rotary_interleaved=rotary_interleaved, apply_rope_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, attention_dropout=0.0,
+        hidden_dropout=0.0, use_cpu_initialization=True, params_dtype=params_dtype,
+        pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=layout.tp if layout is not None else 1)
+    fields.update(extra)
+    return TransformerConfig(**fields)
+
+
+def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
+    """CLIP and SigLIP towers: LayerNorm with biases, plain MLP with the HF activation."""
+    return transformer_config(
+        num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads,
+        kv_channels=vc.hidden_size // vc.num_attention_heads, ffn_hidden_size=vc.intermediate_size,
+        normalization="LayerNorm", eps=vc.layer_norm_eps, act=activation(vc.hidden_act),
+        gated=False, bias=True, params_dtype=params_dtype)
+
+
+def pixtral_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
+    """Pixtral towers: RMSNorm (HF's literal 1e-5), gated MLP, no biases, interleaved 2D RoPE."""
+    head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_attention_heads
+    return transformer_config(
+        num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim,
+        ffn_hidden_size=vc.intermediate_size, normalization="RMSNorm", eps=PIXTRAL_NORM_EPS,
+        act=activation(vc.hidden_act), gated=True, bias=False, rotary_interleaved=True,
+        params_dtype=params_dtype)
+
+
+def projection_config(hidden_size: int, ffn_hidden_size: int, act: Callable, bias: bool,
+                      params_dtype=torch.float32, normalization: str = "LayerNorm",
+                      eps: float = 1e-5) -> TransformerConfig:
+    """``MultimodalProjector``'s config: ``hidden_size`` is its output width, ``ffn_hidden_size``
+    its inner width; attention fields only have to be valid (one head per TP rank)."""
+    layout = runtime.current_layout()
+    heads = layout.tp if layout is not None else 1
+    return transformer_config(num_layers=1, hidden_size=hidden_size, num_attention_heads=heads,
+                              kv_channels=1, ffn_hidden_size=ffn_hidden_size,
+                              normalization=normalization, eps=eps, act=act, gated=False, bias=bias,
+                              params_dtype=params_dtype)
+
+
+# --- builders -------------------------------------------------------------------------------------
+
+class VisionWithProjection(torch.nn.Module):
+    """A tower and its projector under ``LLaVAModel``'s attribute names, without a language model,
+    so that keys read ``vision_model.*`` / ``vision_projection.*`` exactly as in ``LLaVAModel``."""
+
+    def __init__(self, vision_model: torch.nn.Module, vision_projection: Optional[torch.nn.Module]):
+        super().__init__()
+        self.vision_model = vision_model
+        self.vision_projection = vision_projection
+
+
+def build_clip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
+    """Stock ``CLIPViTModel`` in its CLIP configuration: class token, ``ln_pre``; no ``ln_post``."""
+    vc = _vision(cfg, ("clip_vision_model",))
+    return _stock_clip(vc, "clip", clip_config(vc, params_dtype, num_layers))
+
+
+def build_siglip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
+    """Stock ``CLIPViTModel`` as SigLIP: conv bias, ``ln_post`` on every token, no class token;
+    no attention-pooling head."""
+    vc = _vision(cfg, ("siglip_vision_model",))
+    return _stock_clip(vc, "siglip", clip_config(vc, params_dtype, num_layers))
+
+
+def _stock_clip(vc, subtype: str, config: TransformerConfig):
+    if vc.num_channels != 3:
+        raise ValueError(f"stock CLIPViTModel has 3 input channels, the config has {vc.num_channels}")
+    img_h, img_w = _image_hw(vc)
+    with buildable_without_te(clip_vit_model):
+        model = clip_vit_model.CLIPViTModel(
+            config, te_stand_ins.vit_layer_spec(), ln_pre_impl=te_class("TENorm"),
+            ln_post_impl=te_class("TENorm"), add_class_token=subtype == "clip",
+            class_token_len=1 if subtype == "clip" else 0, patch_dim=_first(vc.patch_size),
+            img_h=img_h, img_w=img_w, model_subtype=subtype)
+    return model.eval()
+
+
+def build_clip_as_vit(cfg, params_dtype=torch.float32):
+    """Megatron-LM main's ``ViTModel`` in its CLIP mode (class token, learned absolute positions,
+    ``ln_pre``), the alternative to the stock class its docstring offers. It applies ``ln_pre``
+    before the class token and positions are added; HF CLIP after."""
+    vit = vit_model_module()
+    vc = _vision(cfg, ("clip_vision_model",))
+    img_h, img_w = _image_hw(vc)
+    with buildable_without_te(vit):
+        model = vit.ViTModel(clip_config(vc, params_dtype), te_stand_ins.vit_layer_spec(),
+                             patch_dim=_first(vc.patch_size), img_h=img_h, img_w=img_w,
+                             in_channels=vc.num_channels, patch_embed_bias=False,
+                             add_class_token=True, class_token_len=1, ln_pre=True,
+                             ln_pre_eps=vc.layer_norm_eps, pos_emb_type="learned_absolute")
+    return model.eval()
+
+
+def build_pixtral(cfg, params_dtype=torch.float32):
+    vit = vit_model_module()
+    vc = _vision(cfg, ("pixtral",))
+    img_h, img_w = _image_hw(vc)
+    with buildable_without_te(vit):
+        model = vit.ViTModel(pixtral_config(vc, params_dtype), te_stand_ins.vit_layer_spec(),
+                             patch_dim=_first(vc.patch_size), img_h=img_h, img_w=img_w,
+                             in_channels=vc.num_channels, patch_embed_bias=False, ln_pre=True,
+                             ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
+                             rope_theta=rope_theta(vc))
+    return model.eval()
+
+
+def build_pixtral_large(cfg, params_dtype=torch.float32):
+    """``ViTModel(use_merger=True)`` + the Mistral3 projector's two linears as a
+    ``MultimodalProjector``. Megatron's merger norm takes the *vision* epsilon (HF: the text
+    config's ``rms_norm_eps``); that is Megatron's behaviour and is kept."""
+    vit = vit_model_module()
+    if getattr(cfg, "model_type", None) != "mistral3":
+        raise ValueError(f"pixtral_large needs a Mistral3 config, got {getattr(cfg, 'model_type', None)!r}")
+    vc, text = cfg.vision_config, cfg.text_config
+    img_h, img_w = _image_hw(vc)
+    with buildable_without_te(vit):
+        tower = vit.ViTModel(pixtral_config(vc, params_dtype), te_stand_ins.vit_layer_spec(),
+                             patch_dim=_first(vc.patch_size), img_h=img_h, img_w=img_w,
+                             in_channels=vc.num_channels, patch_embed_bias=False, ln_pre=True,
+                             ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
+                             rope_theta=rope_theta(vc), use_merger=True,
+                             spatial_merge_size=cfg.spatial_merge_size)
+    projection = MultimodalProjector(
+        projection_config(text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
+                          bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm",
+                          text.rms_norm_eps),
+        te_stand_ins.projector_spec(), "mlp", vc.hidden_size)
+    return VisionWithProjection(tower, projection).eval()
+
+
+def build_qwen3_5(cfg, params_dtype=torch.float32,
+                  max_patches_per_side: int = QWEN_MAX_PATCHES_PER_SIDE):
+    vit = vit_model_module()
+    vc = _vision(cfg, ("qwen3_5_moe_vision", "qwen3_5_vision"))
+    p = _first(vc.patch_size)
+    g = int(round(vc.num_position_embeddings ** 0.5))
+    head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_heads
+    config = transformer_config(
+        num_layers=vc.depth, hidden_size=vc.hidden_size, num_attention_heads=vc.num_heads,
+        kv_channels=head_dim, ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm",
+        eps=QWEN_NORM_EPS, act=activation(vc.hidden_act), gated=False, bias=True,
+        params_dtype=params_dtype)
+    side = max_patches_per_side * p
+    with buildable_without_te(vit):
+        model = vit.QwenVLViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p,
+                                   temporal_patch_size=_first(vc.temporal_patch_size), img_h=side,
+                                   img_w=side, in_channels=vc.in_channels,
+                                   spatial_merge_size=vc.spatial_merge_size,
+                                   out_hidden_size=vc.out_hidden_size, num_pos_per_side=g,
+                                   rope_theta=rope_theta(vc))
+    return model.eval()
+
+
+KIMI_PROJECTIONS = ("drop_pre_norm", "fused_norm_over_merged")
+
+
+def kimi_projection(cfg, variant: str, params_dtype=torch.float32) -> MultimodalProjector:
+    """The closest Megatron construction for Kimi's projector (none is exact).
+
+    Kimi normalises each of the m² sub-tokens of a merged vector with one LayerNorm over H, then
+    runs Linear(m²H, m²H), erf GELU, Linear(m²H, text H). ``MultimodalProjector('mlp')`` holds the
+    two linears exactly; for the per-sub-token norm:
+
+    * ``drop_pre_norm``: no norm (``linear_fc1`` a plain column-parallel linear);
+    * ``fused_norm_over_merged``: ``linear_fc1`` with TE's fused LayerNorm over the whole m²H vector
+      (its weight and bias are the H-sized ones tiled m² times), a different function.
+    """
+    if variant not in KIMI_PROJECTIONS:
+        raise ValueError(f"kimi projection variant must be one of {KIMI_PROJECTIONS}, got {variant!r}")
+    vc = cfg.vision_config
+    merged = vc.hidden_size * _kimi_merge(vc) ** 2
+    fc1 = (te_class("TELayerNormColumnParallelLinear") if variant == "fused_norm_over_merged"
+           else te_class("TEColumnParallelLinear"))
+    return MultimodalProjector(
+        projection_config(cfg.text_config.hidden_size, merged, F.gelu, True, params_dtype,
+                          "LayerNorm", cfg.projection_layer_norm_eps),
+        MLPSubmodules(linear_fc1=fc1, linear_fc2=te_class("TERowParallelLinear")), "mlp", merged)
+
+
+def _kimi_merge(vc) -> int:
+    kh, kw = tuple(vc.merge_kernel_size)
+    if (kh, kw) != (2, 2):
+        raise ValueError(f"KimiViTModel merges 2x2 blocks; the config asks {kh}x{kw}")
+    return kh
+
+
+def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = "fused_norm_over_merged",
+                   max_patches_per_side: int = KIMI_MAX_PATCHES_PER_SIDE):
+    vit = vit_model_module()
+    vc = cfg.vision_config if getattr(cfg, "model_type", None) == "kimi_k25" else cfg
+    _kimi_merge(vc)
+    p = _first(vc.patch_size)
+    config = transformer_config(
+        num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads,
+        kv_channels=vc.hidden_size // vc.num_attention_heads, ffn_hidden_size=vc.intermediate_size,
+        normalization="LayerNorm", eps=KIMI_NORM_EPS, act=activation(vc.hidden_act), gated=False,
+        bias=True, rotary_interleaved=True, params_dtype=params_dtype)
+    side = max_patches_per_side * p
+    with buildable_without_te(vit):
+        tower = vit.KimiViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p, img_h=side,
+                                 img_w=side, in_channels=3, pos_embed_height=vc.pos_emb_height,
+                                 pos_embed_width=vc.pos_emb_width, rope_theta=rope_theta(vc))
+    has_projector = vc is not cfg and projection is not None
+    return VisionWithProjection(tower, kimi_projection(cfg, projection, params_dtype)
+                                if has_projector else None).eval()
+
+
+def feature_layer_count(cfg) -> int:
+    """Megatron builds a LLaVA tower only up to HF's ``vision_feature_layer``: the number of
+    encoder layers HF's selected hidden state has gone through."""
+    layer = cfg.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer={layer!r}: Megatron's LLaVAModel takes one layer")
+    total = cfg.vision_config.num_hidden_layers
+    return layer + total + 1 if layer < 0 else layer
+
+
+def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                parallel_output: bool = True):
+    """Stock ``LLaVAModel``: the tower ``vision_model_type`` names (stock CLIP/SigLIP, or
+    Megatron-LM main's ``ViTModel`` for Pixtral), ``MultimodalProjector``, ``GPTModel`` with a
+    Llama decoder. The tower is built ``feature_layer_count`` layers deep; the vocabulary is padded
+    as Megatron-LM pads it."""
+    vc, text = cfg.vision_config, cfg.text_config
+    tower_family = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
+                    "pixtral": "pixtral"}.get(vc.model_type)
+    if tower_family is None:
+        raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
+    if cfg.vision_feature_select_strategy not in ("default", "full"):
+        raise ValueError(f"unknown select strategy {cfg.vision_feature_select_strategy!r}")
+    layers = feature_layer_count(cfg)
+    modules = [llava_model, clip_vit_model]
+    if tower_family == "pixtral":
+        modules.append(vit_model_module())
+        vision_config = pixtral_config(vc, params_dtype, layers)
+    else:
+        vision_config = clip_config(vc, params_dtype, layers)
+    vision_config.vision_model_type = VISION_MODEL_TYPES[tower_family]
+    layout = runtime.current_layout()
+    tp = layout.tp if layout is not None else 1
+    language_config = transformer_config(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
+        kv_channels=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        ffn_hidden_size=text.intermediate_size, normalization="RMSNorm", eps=text.rms_norm_eps,
+        act=activation(text.hidden_act), gated=True, bias=False, params_dtype=params_dtype)
+    img_h, img_w = _image_hw(vc)
+    with buildable_without_te(*modules):
+        model = llava_model.LLaVAModel(
+            language_transformer_config=language_config,
+            language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
+            language_vocab_size=padded_vocab_size(text.vocab_size, tp, divisible_by),
+            language_max_sequence_length=text.max_position_embeddings,
+            vision_transformer_config=vision_config,
+            vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
+            drop_vision_class_token=cfg.vision_feature_select_strategy == "default",
+            vision_projection_config=projection_config(
+                text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
+                bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm", text.rms_norm_eps),
+            vision_projection_layer_spec=te_stand_ins.projector_spec(),
+            vision_projection_type="mlp",
+            share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
+            language_position_embedding_type="rope", language_rotary_base=rope_theta(text),
+            img_h=img_h, img_w=img_w, patch_dim=_first(vc.patch_size),
+            parallel_output=parallel_output)
+    return model.eval()
+
+
+BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_siglip,
+            "pixtral": build_pixtral,
+            "pixtral_large": build_pixtral_large, "qwen3_5": build_qwen3_5,
+            "kimi_k25": build_kimi_k25, "llava": build_llava}
+
+
+def build(family: str, cfg, params_dtype=torch.float32, **options):
+    """Megatron's class for ``family`` from its HF config, in eval mode, at the current TP size
+    (TP 1 is initialised when no parallel state exists)."""
+    if family not in BUILDERS:
+        raise KeyError(f"no Megatron class for family {family!r}; known: {', '.join(BUILDERS)}")
+    if runtime.current_layout() is None:
+        runtime.init_parallel(1, 1)
+    return BUILDERS[family](cfg, params_dtype, **options)
+
+
+# --- forward on the native check's inputs ---------------------------------------------------------
+
+def packed_seq_params(seqlens: Sequence[int], device=None) -> PackedSeqParams:
+    """THD parameters for one padding-free sequence of independent images."""
+    cu = torch.tensor([0, *seqlens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    longest = max(seqlens)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def patch_rows(images: Sequence[torch.Tensor], patch: int) -> torch.Tensor:
+    """Images (C, H, W) -> (1, ΣN, C·P·P) raster patch rows, each flattened in (C, P, P) order."""
+    rows = []
+    for img in images:
+        c = img.shape[0]
+        grid = img.unfold(1, patch, patch).unfold(2, patch, patch)  # (C, h, w, P, P)
+        rows.append(grid.permute(1, 2, 0, 3, 4).reshape(-1, c * patch * patch))
+    return torch.cat(rows).unsqueeze(0)
+
+
+@dataclass
+class TowerRun:
+    """A tower forward: ``tokens`` (ΣN, width) image-major, plus per-image ``grids`` (patches)."""
+    tokens: torch.Tensor
+    grids: list
+
+
+def _as_param(model: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+    p = next(model.parameters())
+    return t.to(p.device, p.dtype)
+
+
+def run_vit(model, images: Sequence[torch.Tensor]) -> TowerRun:
+    """``vit_model.ViTModel`` (merger included when it has one) on images: one static batch when
+    all sizes agree, else Megatron's packed (dynamic-resolution) path with THD attention."""
+    p = model.patch_dim
+    grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
+    if len(set(img.shape for img in images)) == 1:
+        out = model(_as_param(model, torch.stack(list(images))))
+    else:
+        sizes = [tuple(img.shape[-2:]) for img in images]
+        out = model(_as_param(model, patch_rows(images, p)), imgs_sizes=sizes,
+                    packed_seq_params=packed_seq_params([h * w for h, w in grids]))
+    return TowerRun(out.reshape(-1, out.shape[-1]), grids)
+
+
+def run_clip(model, images: Sequence[torch.Tensor]) -> TowerRun:
+    """Stock ``CLIPViTModel``: fixed size only, so each image size is its own batch."""
+    p = model.patch_dim
+    out = model(_as_param(model, torch.stack(list(images))))
+    return TowerRun(out.reshape(-1, out.shape[-1]), [(img.shape[-2] // p, img.shape[-1] // p)
+                                                     for img in images])
+
+
+def run_qwen(model, grids: Sequence[tuple[int, int]], rows: Optional[torch.Tensor] = None,
+             pixels: Optional[torch.Tensor] = None):
+    """``QwenVLViTModel`` on HF-processor rows (ΣN, C·T·P·P) in block-first order with their
+    patch ``grids``, or on a static batch of ``pixels`` (B, C, H, W) (Megatron's static path).
+
+    Returns ``(encoder_tokens, merged)``: Megatron's forward output (merger norm + 2x2 grouping,
+    before the merger MLP), and ``QwenPatchMerger.forward`` on the same tower output (Megatron's
+    whole merger, HF's ``pooler_output``)."""
+    p = model.patch_dim
+    seen = {}
+    handle = model.decoder.register_forward_hook(lambda mod, args, out: seen.__setitem__("x", out))
+    counts = [h * w for h, w in grids]
+    try:
+        if pixels is not None:
+            tokens = model(_as_param(model, pixels))
+        else:
+            tokens = model(_as_param(model, rows).unsqueeze(0),
+                           imgs_sizes=[(h * p, w * p) for h, w in grids],
+                           packed_seq_params=packed_seq_params(counts))
+    finally:
+        handle.remove()
+    hidden = seen["x"].transpose(0, 1)
+    if pixels is not None:
+        merged = model.merger(hidden, *grids[0])
+    else:
+        merged = torch.cat([model.merger(chunk, h, w) for chunk, (h, w)
+                            in zip(hidden.split(counts, dim=1), grids)], dim=1)
+    return tokens.reshape(-1, tokens.shape[-1]), merged.reshape(-1, merged.shape[-1])
+
+
+def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
+    """``KimiViTModel`` (+ projection) on single-frame images: ``(merged tokens (ΣM, 4H),
+    projected (ΣM, text H) or None)``; packed with THD attention when sizes differ."""
+    tower = model.vision_model
+    p = tower.patch_dim
+    grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
+    if len(set(img.shape for img in images)) == 1:
+        out = tower(_as_param(tower, torch.stack(list(images))))
+    else:
+        sizes = [tuple(img.shape[-2:]) for img in images]
+        out = tower(_as_param(tower, patch_rows(images, p)), imgs_sizes=sizes,
+                    packed_seq_params=packed_seq_params([h * w for h, w in grids]))
+    merged = out.reshape(-1, out.shape[-1])
+    projected = model.vision_projection(merged) if model.vision_projection is not None else None
+    return merged, projected

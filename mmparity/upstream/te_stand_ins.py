@@ -1,0 +1,406 @@
+"""CPU stand-ins for the Transformer Engine modules Megatron's vision and language classes use.
+
+Megatron-LM specifies its ViT and GPT layers with Transformer Engine (TE) modules
+(``get_vit_layer_with_transformer_engine_spec``, ``get_gpt_layer_with_transformer_engine_spec``),
+and ``vit_model.py`` builds every extra norm with ``TENorm``. TE needs CUDA, so on a CPU machine
+these classes cannot be built as Megatron-LM builds them. The stand-ins here compute the same
+functions with plain torch and register exactly the parameters TE registers, under the same names
+and, under tensor parallelism, with the same per-rank shapes, so that a state dict written for a
+TE-built Megatron model loads into a stand-in-built one strictly and vice versa:
+
+=================================  ================================================================
+TE module (Megatron's wrapper)      stand-in and its parameters
+=================================  ================================================================
+``TENorm``                          :class:`TENorm`: ``torch.nn.LayerNorm`` (``weight``, ``bias``) or
+                                    ``torch.nn.RMSNorm`` (``weight``) after ``config.normalization``
+``TELayerNormColumnParallelLinear`` :class:`TELayerNormColumnParallelLinear`: ``layer_norm_weight``,
+                                    ``layer_norm_bias`` (LayerNorm only), then mcore's
+                                    ``ColumnParallelLinear`` (``weight`` rows split over TP ranks,
+                                    ``bias`` likewise)
+``TEColumnParallelLinear``          :class:`TEColumnParallelLinear`: mcore's ``ColumnParallelLinear``
+``TERowParallelLinear``             :class:`TERowParallelLinear`: mcore's ``RowParallelLinear``
+                                    (``weight`` columns split, ``bias`` replicated, added once after
+                                    the all-reduce)
+``TEDotProductAttention``           :class:`TEDotProductAttention`: softmax attention with
+                                    ``torch.nn.functional.scaled_dot_product_attention``; padding-free
+                                    packed (THD) input attends within each ``cu_seqlens`` segment
+=================================  ================================================================
+
+TE's linears and its attention are ``TransformerEngineBaseModule``\\ s, which put an
+``_extra_state`` entry (FP8 metadata) in the state dict; the stand-ins do too (mcore's parallel
+linears already have one; :class:`TEDotProductAttention` adds it), so the key sets match. TE's
+norms have none.
+
+What the stand-ins assume (each holds for the configurations mmparity builds; anything else is
+refused rather than silently computed differently): no FP8/FP4, ``layernorm_zero_centered_gamma``
+off, no sequence or context parallelism, no attention bias, dropout 0 (inference), no
+``qk_layernorm`` outside what the spec names. Norms compute in the parameter dtype (TE computes
+LayerNorm/RMSNorm statistics in fp32 whatever the input; in float32 the two agree).
+
+:func:`vit_layer_spec` and :func:`gpt_layer_spec` return Megatron's own TE specs. When
+Transformer Engine is importable they are returned untouched (the real TE modules run); when it is
+not, megatron-core still defines the TE wrapper names (as placeholders), and every placeholder in
+the spec is replaced by its stand-in, so the spec's structure stays Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.extensions import transformer_engine as te_ext
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+HAVE_TE: bool = bool(te_ext.HAVE_TE)
+
+
+class TENorm:
+    """``TENorm(config, hidden_size, eps)``: LayerNorm or RMSNorm after ``config.normalization``.
+
+    Like TE's, a factory: the instance is a plain torch norm whose parameters are ``weight`` (and
+    ``bias`` for LayerNorm), the names TE's ``LayerNorm`` / ``RMSNorm`` register.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise NotImplementedError("TENorm stand-in: layernorm_zero_centered_gamma is not modelled")
+        if config.normalization == "LayerNorm":
+            return torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        if config.normalization == "RMSNorm":
+            return torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        raise ValueError(f"TENorm stand-in: unknown normalization {config.normalization!r}")
+
+
+class TEColumnParallelLinear(ColumnParallelLinear):
+    """TE's column-parallel linear: mcore's own ``ColumnParallelLinear`` computes the same thing
+    with the same ``weight`` / ``bias`` names and per-rank row split. TE never gathers the output."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
+                 init_method, gather_output: bool, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 skip_weight_param_allocation: bool = False, tp_comm_buffer_name: Optional[str] = None,
+                 tp_group=None, **unused_te_options):
+        if gather_output:
+            raise ValueError("TE column-parallel linears do not gather their output")
+        _refuse_unmodelled(config)
+        super().__init__(input_size, output_size, config=config, init_method=init_method,
+                         bias=bias, gather_output=False, skip_bias_add=skip_bias_add,
+                         is_expert=is_expert,
+                         skip_weight_param_allocation=skip_weight_param_allocation,
+                         tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group)
+
+
+class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
+    """TE's ``LayerNormLinear``: the input norm (``layer_norm_weight`` / ``layer_norm_bias``, over
+    the whole unsplit input, replicated on every TP rank) fused in front of a column-parallel
+    linear. The norm kind and epsilon come from the config, as TE's wrapper takes them."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise NotImplementedError("stand-in: layernorm_zero_centered_gamma is not modelled")
+        self.norm_kind, self.norm_eps = config.normalization, config.layernorm_epsilon
+        if self.norm_kind not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"stand-in: unknown normalization {self.norm_kind!r}")
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        if self.norm_kind == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(
+                torch.zeros(input_size, dtype=config.params_dtype))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+
+    def forward(self, input_, *args, **kwargs):
+        if self.norm_kind == "LayerNorm":
+            normed = F.layer_norm(input_, (input_.shape[-1],), self.layer_norm_weight,
+                                  self.layer_norm_bias, self.norm_eps)
+        else:
+            normed = F.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight, self.norm_eps)
+        return super().forward(normed, *args, **kwargs)
+
+
+class TERowParallelLinear(RowParallelLinear):
+    """TE's row-parallel linear: mcore's own ``RowParallelLinear`` (``weight`` split along its
+    input dimension, ``bias`` replicated and added after the all-reduce)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
+                 init_method, bias: bool, input_is_parallel: bool, skip_bias_add: bool,
+                 is_expert: bool, tp_comm_buffer_name: Optional[str] = None, tp_group=None,
+                 **unused_te_options):
+        if not input_is_parallel:
+            raise ValueError("TE row-parallel linears take parallel input")
+        _refuse_unmodelled(config)
+        super().__init__(input_size, output_size, config=config, init_method=init_method,
+                         bias=bias, input_is_parallel=True, skip_bias_add=skip_bias_add,
+                         is_expert=is_expert, tp_comm_buffer_name=tp_comm_buffer_name,
+                         tp_group=tp_group)
+
+
+class TEDotProductAttention(MegatronModule):
+    """Softmax attention over this rank's heads, in the layouts mcore hands TE's attention.
+
+    ``(s, b, heads, d)`` query / key / value (key and value may hold fewer query groups, GQA), or,
+    with THD ``packed_seq_params``, ``(t, heads, d)`` where ``cu_seqlens_q`` / ``cu_seqlens_kv``
+    delimit independent sequences. ``attn_mask_type`` ``no_mask`` attends everywhere, ``causal``
+    below the diagonal; an explicit boolean ``attention_mask`` (True = masked, mcore's convention)
+    is honoured for ``padding``-style masks. Returns ``(s, b, heads·d)`` or ``(t, heads·d)``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, **unused_te_options):
+        super().__init__(config=config)
+        _refuse_unmodelled(config)
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout):
+            raise NotImplementedError("TEDotProductAttention stand-in: dropout is not modelled")
+        self.attn_mask_type = attn_mask_type
+        head_dim = k_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def get_extra_state(self):
+        """TE's attention carries FP8 metadata here; the key must exist for layouts to match."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        return None
+
+    def _attend(self, q, k, v, mask_type: AttnMaskType, mask: Optional[torch.Tensor]):
+        """(b, heads, s, d) each -> (b, heads, s, d)."""
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if mask is not None:
+            allowed = ~mask
+            if causal:
+                allowed = allowed & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool,
+                                               device=q.device).tril()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1,
+                                              scale=self.softmax_scale)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **unused):
+        if attention_bias is not None:
+            raise NotImplementedError("TEDotProductAttention stand-in: attention_bias is not modelled")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type == AttnMaskType.no_mask:
+            attention_mask = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu_q = packed_seq_params.cu_seqlens_q.tolist()
+            cu_kv = packed_seq_params.cu_seqlens_kv.tolist()
+            outs = []
+            for (q0, q1), (k0, k1) in zip(zip(cu_q, cu_q[1:]), zip(cu_kv, cu_kv[1:])):
+                q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in
+                           (query[q0:q1], key[k0:k1], value[k0:k1]))
+                outs.append(self._attend(q, k, v, mask_type, None)[0].transpose(0, 1))
+            out = torch.cat(outs, dim=0)
+            return out.reshape(out.shape[0], -1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = self._attend(q, k, v, mask_type, attention_mask)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def _refuse_unmodelled(config: TransformerConfig) -> None:
+    problems = [name for name in ("fp8", "fp4") if getattr(config, name, None)]
+    if getattr(config, "sequence_parallel", False):
+        problems.append("sequence_parallel")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        problems.append("context_parallel_size > 1")
+    if problems:
+        raise NotImplementedError(f"TE stand-ins do not model {', '.join(problems)}")
+
+
+# Megatron's TE wrapper names and the stand-in for each; the wrappers exist in megatron-core with
+# or without TE (without it they are placeholders that cannot be built).
+_STAND_INS = {
+    "TENorm": TENorm,
+    "TELayerNormColumnParallelLinear": TELayerNormColumnParallelLinear,
+    "TEColumnParallelLinear": TEColumnParallelLinear,
+    "TERowParallelLinear": TERowParallelLinear,
+    "TEDotProductAttention": TEDotProductAttention,
+}
+
+
+def te_class(name: str):
+    """The class Megatron's spec means by ``name``: TE's own wrapper when TE is importable, else
+    the stand-in."""
+    if name not in _STAND_INS:
+        raise KeyError(f"no stand-in for {name!r}; known: {', '.join(_STAND_INS)}")
+    return getattr(te_ext, name) if HAVE_TE else _STAND_INS[name]
+
+
+def _placeholder_map() -> dict:
+    """id of each TE wrapper megatron-core defines -> the class to build instead."""
+    return {id(getattr(te_ext, name)): te_class(name) for name in _STAND_INS
+            if getattr(te_ext, name, None) is not None}
+
+
+def substitute_te(spec, mapping: Optional[dict] = None):
+    """A copy of a Megatron spec (``ModuleSpec``, submodule dataclasses, ``functools.partial``,
+    nested in any way) with every TE wrapper replaced by the class :func:`te_class` names."""
+    mapping = _placeholder_map() if mapping is None else mapping
+    if id(spec) in mapping:
+        return mapping[id(spec)]
+    if isinstance(spec, functools.partial):
+        return functools.partial(substitute_te(spec.func, mapping),
+                                 *(substitute_te(a, mapping) for a in spec.args),
+                                 **{k: substitute_te(v, mapping) for k, v in spec.keywords.items()})
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: substitute_te(getattr(spec, f.name), mapping)
+                   for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **changes)
+    if isinstance(spec, dict):
+        return {k: substitute_te(v, mapping) for k, v in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(substitute_te(v, mapping) for v in spec)
+    return spec
+
+
+def unresolved_te(spec) -> list[str]:
+    """Names of TE wrappers still in ``spec`` that cannot be built here (empty once substituted)."""
+    if HAVE_TE:
+        return []
+    # Without TE, megatron-core's TE wrappers are mock objects (or None for optional ones).
+    placeholders = {id(obj): n for n, obj in vars(te_ext).items()
+                    if n.startswith("TE") and type(obj).__module__ == "unittest.mock"}
+    found: list[str] = []
+
+    def walk(obj):
+        if id(obj) in placeholders:
+            found.append(placeholders[id(obj)])
+        elif isinstance(obj, functools.partial):
+            walk(obj.func)
+            for a in (*obj.args, *obj.keywords.values()):
+                walk(a)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name))
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(spec)
+    return found
+
+
+def vit_layer_spec() -> ModuleSpec:
+    """Megatron-LM's ViT layer spec with TE (bidirectional, ``no_mask``), TE swapped for the
+    stand-ins when TE is not importable."""
+    return _checked(substitute_te(get_vit_layer_with_transformer_engine_spec()))
+
+
+def gpt_layer_spec() -> ModuleSpec:
+    """Megatron-LM's dense GPT layer spec with TE (causal, norms fused into ``linear_qkv`` and
+    ``linear_fc1``).
+
+    With TE importable this is ``get_gpt_layer_with_transformer_engine_spec()`` itself. Without
+    it megatron-core cannot even assemble that spec (its TE backend provider is not defined), so
+    the equivalent is derived from the ViT TE spec, which for a dense layer without
+    ``qk_layernorm`` has the same modules and differs only in the causal mask."""
+    if HAVE_TE:
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = vit_layer_spec()
+    attention = spec.submodules.self_attention
+    causal = dataclasses.replace(attention, params={**attention.params,
+                                                    "attn_mask_type": AttnMaskType.causal})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                   self_attention=causal))
+
+
+def projector_spec():
+    """The MLP submodules Megatron-LM gives ``MultimodalProjector`` with TE (column-parallel fc1,
+    row-parallel fc2, no fused norm), stand-ins when needed."""
+    return MLPSubmodules(linear_fc1=te_class("TEColumnParallelLinear"),
+                         linear_fc2=te_class("TERowParallelLinear"))
+
+
+def _checked(spec):
+    left = unresolved_te(spec)
+    if left:
+        raise RuntimeError(f"Megatron's spec uses TE modules with no stand-in: {sorted(set(left))}")
+    return spec
+
+
+@contextlib.contextmanager
+def buildable_without_te(*modules):
+    """While building Megatron's classes on a machine without TE, make the module-level choices
+    they make at import time point at the stand-ins.
+
+    * ``vit_model.py`` binds ``_NORM_IMPL = TENorm`` and asserts ``HAVE_TE`` in every constructor;
+      megatron-core's TE placeholder lets that import succeed, but building it fails.
+    * stock ``clip_vit_model.CLIPViTModel`` defaults ``ln_pre_impl`` / ``ln_post_impl`` to
+      ``torch.nn.LayerNorm`` without TE, which cannot be built with TENorm's arguments; with TE the
+      default is ``TENorm``. It also moves its position ids with ``.cuda()`` at construction.
+
+    With TE installed this changes nothing. The changes are undone on exit; modules already built
+    keep their stand-in norms.
+    """
+    if HAVE_TE:
+        yield
+        return
+    saved: list = []
+
+    def swap(obj, attr, value):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    try:
+        for module in modules:
+            if hasattr(module, "_NORM_IMPL"):
+                swap(module, "_NORM_IMPL", TENorm)
+                swap(module, "HAVE_TE", True)
+            clip_cls = getattr(module, "CLIPViTModel", None)
+            if clip_cls is not None and clip_cls.__module__ == module.__name__:
+                defaults = tuple(TENorm if d is torch.nn.LayerNorm else d
+                                 for d in clip_cls.__init__.__defaults__)
+                swap(clip_cls.__init__, "__defaults__", defaults)
+        with cuda_calls_on_host():
+            yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+@contextlib.contextmanager
+def cuda_calls_on_host():
+    """On a machine without CUDA, let Megatron's hard-wired CUDA placements stay on the host.
+
+    ``CLIPViTModel`` calls ``.cuda()`` on its position ids when built, and ``GPTModel``'s
+    ``RotaryEmbedding`` moves its frequencies to ``torch.cuda.current_device()`` on its first
+    forward. Inside this context ``Tensor.cuda`` returns the tensor itself and
+    ``torch.cuda.current_device()`` names the CPU. With CUDA present it changes nothing.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.Tensor.cuda, torch.cuda.current_device)
+    torch.Tensor.cuda = _stay_on_host
+    torch.cuda.current_device = _host_device
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.cuda.current_device = saved
+
+
+def _stay_on_host(tensor: torch.Tensor, *unused, **unused_kw) -> torch.Tensor:
+    return tensor
+
+
+def _host_device() -> str:
+    return "cpu"
