@@ -1,6 +1,6 @@
 """The interop study: HF weights -> today's converter -> Megatron's layout -> Megatron's own class.
 
-For a family: seeded HF weights, ``converters.hf_to_mcore`` (the real converter), the key map of
+For a family: seeded HF weights, ``Family.hf_to_mcore`` (the real converter), the key map of
 ``mmparity.upstream.keymap``, a strict load into the class ``mmparity.upstream.models`` builds
 (tolerating only missing ``_extra_state`` entries, exactly as Megatron's ``LLaVAModel`` load hook
 does), a forward on the family's parity cases, and the comparison with HF's outputs, output by
@@ -18,12 +18,12 @@ from typing import Optional
 import torch
 from transformers import LlavaConfig
 
-from mmparity import converters, families, runtime
-from mmparity.parity import inputs
-from mmparity.parity.cases import Case, sbh_tokens_2d, tokens_2d
+from mmparity import families, runtime
+from mmparity.cases import inputs
+from mmparity.cases.core import Case, sbh_tokens_2d, tokens_2d
 from mmparity.parity.metrics import compare, fp32_tolerance
-from mmparity.reference import qwen3_5 as ref_qwen
-from mmparity.reference.clip import conv_tokens
+from mmparity.cases import qwen3_5 as ref_qwen
+from mmparity.cases.clip import conv_tokens
 from mmparity.upstream import keymap, models
 from mmparity.upstream.te_stand_ins import cuda_calls_on_host
 
@@ -61,7 +61,7 @@ def hf_model(family: str, cfg, seed: int):
 
 def megatron_state(family: str, cfg, hf_state: dict, tp: int, **options) -> tuple[list, dict]:
     source = SOURCE_FAMILY.get(family, family)
-    shards = converters.hf_to_mcore(source, hf_state, cfg, tp_size=tp)
+    shards = families.get(source).hf_to_mcore(hf_state, cfg, tp_size=tp)
     return keymap.to_megatron(family, shards, cfg, **options)
 
 
@@ -72,26 +72,25 @@ def family_cases(family: str, cfg, seed: int) -> list[Case]:
     and ViTModel's learned positions take their configured size only (no resampling), and
     KimiViTModel has no temporal axis (no video case)."""
     source = SOURCE_FAMILY.get(family, family)
-    ref = families.get(source).reference()
+    hooks = families.get(source).hooks
     if source in ("clip", "siglip"):
         side = cfg.image_size
-        cases = ref.cases(cfg, seed, image_sizes=[(side, side)] * 2)
+        cases = hooks.cases(cfg, seed, image_sizes=[(side, side)] * 2)
     elif family == "pixtral_large":
         # Even grids (which Megatron's merger accepts) for the numbers, and the default odd grids
         # plus a 5x7 one, on which HF drops the last row / column and Megatron's merger raises.
         p = cfg.vision_config.patch_size
-        cases = ref.cases(cfg, seed, image_sizes=[(4 * p, 6 * p), (6 * p, 2 * p)])
-        odd = ref.cases(cfg, seed, image_sizes=[(5 * p, 7 * p), (3 * p, 5 * p)])
+        cases = hooks.cases(cfg, seed, image_sizes=[(4 * p, 6 * p), (6 * p, 2 * p)])
+        odd = hooks.cases(cfg, seed, image_sizes=[(5 * p, 7 * p), (3 * p, 5 * p)])
         for c in odd:
             c.name = f"odd_{c.name}"
         cases += odd
     elif family == "llava" and cfg.vision_config.model_type != "pixtral":
         side = cfg.vision_config.image_size
-        cases = ref.cases(cfg, seed, image_sizes=[(side, side)] * 2)
+        cases = hooks.cases(cfg, seed, image_sizes=[(side, side)] * 2)
     else:
-        cases = ref.cases(cfg, seed)
-    prepare = getattr(ref, "prepare_case", None)
-    cases = [prepare(c, cfg) if prepare else c for c in cases]
+        cases = hooks.cases(cfg, seed)
+    cases = [hooks.prepare_case(c, cfg) for c in cases]
     if family == "kimi_k25":
         cases = [c for c in cases if c.name != "video"]
     return cases
@@ -100,7 +99,7 @@ def family_cases(family: str, cfg, seed: int) -> list[Case]:
 def hf_outputs(family: str, ref, case: Case) -> dict:
     source = SOURCE_FAMILY.get(family, family)
     with torch.no_grad():
-        return families.get(source).reference().run(ref, case)
+        return families.get(source).hooks.reference.run(ref, case)
 
 
 def megatron_outputs(family: str, model, case: Case, cfg) -> dict:
@@ -235,7 +234,7 @@ def _capture(named_modules) -> tuple[dict, list]:
 def module_divergence(family: str, model, ref, cfg, case: Case) -> list[dict]:
     """Per paired module on ``case``: rel_l2 / max_abs of Megatron's output against HF's."""
     source = SOURCE_FAMILY.get(family, family)
-    hf_pairs = {p.name: p for p in families.get(source).reference().pairs(ref, cfg)}
+    hf_pairs = {p.name: p for p in families.get(source).hooks.reference.pairs(ref, cfg)}
     mg_pairs = [p for p in megatron_pairs(family, model, cfg) if p[0] in hf_pairs]
     if family == "clip_vit" and "ln_pre" in hf_pairs:
         p = model.patch_dim

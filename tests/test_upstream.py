@@ -27,9 +27,9 @@ from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
 from megatron.core.transformer.enums import AttnMaskType
 
-from mmparity import converters, families, runtime
+from mmparity import families, runtime
 from mmparity.parity.metrics import compare
-from mmparity.reference.llava import expected_loss_mask
+from mmparity.cases.llava import expected_loss_mask
 from mmparity.upstream import keymap, layout, models, te_stand_ins
 from tests import megatron_interop as mi
 
@@ -52,7 +52,7 @@ def config_for(family: str):
 def converted(family: str, tp: int, seed: int = 0):
     cfg = config_for(family)
     ref = mi.hf_model(family, cfg, seed)
-    shards = converters.hf_to_mcore(family, ref.state_dict(), cfg, tp_size=tp)
+    shards = families.get(family).hf_to_mcore(ref.state_dict(), cfg, tp_size=tp)
     return cfg, shards
 
 
