@@ -16,12 +16,12 @@ from mmparity.checkpoint.fsio import (
     SAFETENSORS_INDEX_FILE,
     SAFETENSORS_SINGLE_FILE,
     CheckpointError,
-    ShardedSafetensorsWriter,
     SafetensorsCheckpoint,
     atomic_directory,
     load_safetensors_state_dict,
     parse_size,
     save_safetensors_checkpoint,
+    write_safetensors_shards,
     tensor_checksum,
     PieceHasher,
     TensorChecksum,
@@ -91,31 +91,24 @@ def test_sharded_writer_respects_max_shard_size_and_writes_an_hf_index(tmp_path)
         assert_same_tensors(checkpoint.state_dict(), state)
 
 
-def test_writer_writes_each_shard_as_soon_as_it_is_full(tmp_path):
-    writer = ShardedSafetensorsWriter(tmp_path, max_shard_size=500)
-    writer.add("a", seeded((10, 10), 0))
-    assert entries(tmp_path) == []
-    writer.add("b", seeded((10, 10), 1))  # would exceed: "a" goes to disk now
-    assert len(entries(tmp_path)) == 1
-    writer.add("c", seeded((10, 10), 2))
-    assert len(entries(tmp_path)) == 2
-    assert writer.close() == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+def test_writer_assigns_shards_greedily_in_order(tmp_path):
+    state = {"a": seeded((10, 10), 0), "b": seeded((10, 10), 1), "c": seeded((10, 10), 2)}
+    writer = write_safetensors_shards(tmp_path, state, max_shard_size=500)
+    assert writer.written == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
                               "model-00003-of-00003.safetensors", SAFETENSORS_INDEX_FILE]
     assert writer.weight_map == {"a": "model-00001-of-00003.safetensors", "b": "model-00002-of-00003.safetensors",
                                  "c": "model-00003-of-00003.safetensors"}
+    assert_same_tensors(load_safetensors_state_dict(tmp_path), state)
 
 
 def test_writer_refuses_duplicates_non_tensors_and_empty_checkpoints(tmp_path):
-    writer = ShardedSafetensorsWriter(tmp_path)
-    writer.add("a", torch.ones(2))
     with pytest.raises(CheckpointError, match="written twice"):
-        writer.add("a", torch.ones(2))
+        write_safetensors_shards(tmp_path, [("a", torch.ones(2)), ("a", torch.ones(2))])
     with pytest.raises(CheckpointError, match="not a tensor"):
-        writer.add("b", [1, 2])
+        write_safetensors_shards(tmp_path, {"a": torch.ones(2), "b": [1, 2]})
     with pytest.raises(CheckpointError, match="no tensors"):
-        ShardedSafetensorsWriter(tmp_path).close()
-    with pytest.raises(CheckpointError, match="does not exist"):
-        ShardedSafetensorsWriter(tmp_path / "missing")
+        write_safetensors_shards(tmp_path, {})
+    assert entries(tmp_path) == []  # nothing was started for a refused set
 
 
 def test_views_of_one_storage_are_written_independently(tmp_path):

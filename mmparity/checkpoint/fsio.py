@@ -56,9 +56,9 @@ __all__ = [
     "SafetensorsCheckpoint",
     "open_safetensors_checkpoint",
     "load_safetensors_state_dict",
-    "ShardedSafetensorsWriter",
     "StreamingSafetensorsWriter",
     "save_safetensors_checkpoint",
+    "write_safetensors_shards",
     "parse_size",
     "atomic_directory",
     "fsync_tree",
@@ -788,107 +788,38 @@ def standalone_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class ShardedSafetensorsWriter:
-    """Writes tensors into HF-style safetensors shards as soon as each shard is full.
-
-    The output matches `save_pretrained`: one `model.safetensors` when everything fits in one
-    shard, otherwise `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Since N
-    is only known at the end, shards are written under provisional names and renamed by `close()`;
-    write into an `atomic_directory` so a reader never sees provisional names.
-
-    A tensor larger than `max_shard_size` gets a shard of its own (as in HF).
-    """
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        *,
-        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-        metadata: Mapping[str, str] | None = None,
-        index_metadata: Mapping | None = None,
-    ):
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory}: output directory does not exist")
-        self.max_shard_size = parse_size(max_shard_size)
-        self._header_metadata = {**_HF_FORMAT_METADATA, **{str(k): str(v) for k, v in (metadata or {}).items()}}
-        self._index_metadata = dict(index_metadata or {})
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._provisional_files: list[str] = []
-        self._file_of: dict[str, int] = {}  # tensor name -> shard number
-        self._total_bytes = 0
-        self._total_parameters = 0
-        self.checksums: dict[str, TensorChecksum] = {}
-        self.weight_map: dict[str, str] = {}  # tensor name -> final file name, filled by close()
-        self._closed = False
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self._closed:
-            raise CheckpointError(f"{self.directory}: writer is closed")
+def _tensor_table(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """Names to standalone tensors, refusing what a safetensors file cannot hold."""
+    table: dict[str, torch.Tensor] = {}
+    for name, tensor in (tensors.items() if isinstance(tensors, Mapping) else tensors):
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"tensor names must be non-empty strings, got {name!r}")
-        if name in self._file_of or name in self._pending:
-            raise CheckpointError(f"{self.directory}: tensor {name!r} written twice")
+        if name in table:
+            raise CheckpointError(f"tensor {name!r} written twice")
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
-        tensor = standalone_tensor(tensor)
-        nbytes = tensor.numel() * tensor.itemsize
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_size:
-            self._flush()
-        self._pending[name] = tensor
-        self._pending_bytes += nbytes
-        self._total_bytes += nbytes
-        self._total_parameters += tensor.numel()
-        self.checksums[name] = tensor_checksum(tensor)
+        table[name] = standalone_tensor(tensor)
+    return table
 
-    def add_all(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        for name, tensor in items:
-            self.add(name, tensor)
 
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        number = len(self._provisional_files)
-        file_name = f".partial-{number:05d}.safetensors"
-        save_file(self._pending, str(self.directory / file_name), metadata=self._header_metadata)
-        self._provisional_files.append(file_name)
-        for name in self._pending:
-            self._file_of[name] = number
-        # Dropping the references is the point: memory holds at most one shard.
-        self._pending = {}
-        self._pending_bytes = 0
-
-    def close(self) -> list[str]:
-        """Writes the last shard, gives shards their final names, writes the index if sharded."""
-        if self._closed:
-            raise CheckpointError(f"{self.directory}: writer already closed")
-        self._closed = True
-        if not self._file_of and not self._pending:
-            raise CheckpointError(f"{self.directory}: refusing to write a checkpoint with no tensors")
-        self._flush()
-        count = len(self._provisional_files)
-        if count == 1:
-            final_names = [SAFETENSORS_SINGLE_FILE]
-        else:
-            final_names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        for provisional, final in zip(self._provisional_files, final_names):
-            os.replace(self.directory / provisional, self.directory / final)
-        self.weight_map = {name: final_names[n] for name, n in sorted(self._file_of.items())}
-        if count > 1:
-            index = {
-                "metadata": {
-                    **self._index_metadata,
-                    "total_parameters": self._total_parameters,
-                    "total_size": self._total_bytes,
-                },
-                "weight_map": self.weight_map,
-            }
-            with open(self.directory / SAFETENSORS_INDEX_FILE, "w", encoding="utf-8") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-                f.write("\n")
-        return final_names + ([SAFETENSORS_INDEX_FILE] if count > 1 else [])
+def write_safetensors_shards(staging: str | os.PathLike,
+                             tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                             max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                             metadata: Mapping[str, str] | None = None) -> "StreamingSafetensorsWriter":
+    """`save_pretrained`-style shards of in-memory tensors in `staging`, through the one
+    safetensors writer the converter uses too; returns the closed writer (files, weight map,
+    checksums)."""
+    table = _tensor_table(tensors)
+    writer = StreamingSafetensorsWriter(staging, [(n, t.dtype, tuple(t.shape)) for n, t in table.items()],
+                                        max_shard_size=max_shard_size, metadata=metadata)
+    try:
+        for name, tensor in table.items():
+            writer.write(name, tensor)
+        writer.written = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer
 
 
 def save_safetensors_checkpoint(
@@ -902,14 +833,13 @@ def save_safetensors_checkpoint(
 ) -> dict[str, TensorChecksum]:
     """Writes a `save_pretrained`-style safetensors directory atomically; returns per-tensor checksums.
 
-    `tensors` may be a generator, so a converter can stream tensors through without holding the
-    whole model. `extra_files` (e.g. `config.json`) land in the same atomic step.
+    The tensors are held in memory (every shard's header is laid out before writing); the
+    converter streams through `StreamingSafetensorsWriter` directly. `extra_files` (e.g.
+    `config.json`) land in the same atomic step.
     """
     with atomic_directory(directory, force=force) as staging:
-        writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size, metadata=metadata)
-        writer.add_all(tensors)
-        written = set(writer.close())
-        write_extra_files(staging, extra_files, written)
+        writer = write_safetensors_shards(staging, tensors, max_shard_size=max_shard_size, metadata=metadata)
+        write_extra_files(staging, extra_files, writer.written)
     return writer.checksums
 
 
@@ -1545,7 +1475,7 @@ class StreamingSafetensorsWriter:
         self.weight_map: dict[str, str] = {}
         self.total_bytes = sum(e[3] for s in shards for e in s)
         self.total_parameters = sum(e[3] // e[1].itemsize for s in shards for e in s)
-        header_metadata = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+        header_metadata = {**_HF_FORMAT_METADATA, **{str(k): str(v) for k, v in (metadata or {}).items()}}
         fds: list[int] = []
         slots: dict[str, Slot] = {}
         try:

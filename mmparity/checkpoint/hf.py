@@ -20,7 +20,7 @@ from mmparity.checkpoint.fsio import (
     SafetensorsCheckpoint,
     write_extra_files,
     DEFAULT_MAX_SHARD_SIZE,
-    ShardedSafetensorsWriter,
+    write_safetensors_shards,
     atomic_directory,
     require_regular_file,
 )
@@ -43,10 +43,8 @@ def write_hf(
     weights without their config.
     """
     with atomic_directory(directory, force=force) as staging:
-        writer = ShardedSafetensorsWriter(staging, max_shard_size=max_shard_size)
-        writer.add_all(tensors)
-        written = writer.close()
-        write_extra_files(staging, extra_files, [*written, MANIFEST_FILE])
+        writer = write_safetensors_shards(staging, tensors, max_shard_size=max_shard_size)
+        write_extra_files(staging, extra_files, [*writer.written, MANIFEST_FILE])
         write_manifest(
             staging,
             Manifest(
