@@ -47,7 +47,8 @@ def tower_config(cfg, model_types: tuple, parent_types: tuple, what: str):
     sub = getattr(cfg, "vision_config", None)
     if model_type in parent_types and getattr(sub, "model_type", None) in model_types:
         return sub
-    raise ValueError(f"config of model_type {model_type!r} is not a {what} model")
+    raise ValueError(f"config of model_type {model_type!r} is not a {what} model "
+                     f"(expected one of {tuple(model_types) + tuple(parent_types)})")
 
 
 def tower_config_or_self(cfg, model_type: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from transformers import Qwen3_5MoeVisionConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
+from mmparity.hfconfig import tower_config
 
 MODEL_TYPES = ("qwen3_5_moe_vision",)
 # Whole-VLM configs that carry this tower as ``vision_config``.
@@ -30,14 +31,7 @@ def tiny_config() -> Qwen3_5MoeVisionConfig:
 
 def vision_config(cfg):
     """The vision config inside ``cfg`` (itself, or a ``Qwen3_5MoeConfig``'s ``vision_config``)."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type in MODEL_TYPES:
-        return cfg
-    sub = getattr(cfg, "vision_config", None)
-    if model_type in PARENT_MODEL_TYPES and getattr(sub, "model_type", None) in MODEL_TYPES:
-        return sub
-    raise ValueError(f"config of model_type {model_type!r} is not a Qwen3.5-MoE vision model "
-                     f"(expected one of {MODEL_TYPES + PARENT_MODEL_TYPES})")
+    return tower_config(cfg, MODEL_TYPES, PARENT_MODEL_TYPES, "Qwen3.5-MoE vision")
 
 
 def build(cfg) -> Qwen3_5MoeVisionModel:
