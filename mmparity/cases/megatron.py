@@ -12,10 +12,11 @@ the native check.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from transformers import LlavaConfig
 
 from mmparity.cases import qwen3_5 as qwen_cases
@@ -24,6 +25,7 @@ from mmparity.cases.core import Case, FamilyHooks, Pair, sbh_tokens_2d, tokens_2
 from mmparity.reference import clip as clip_reference
 from mmparity.reference import llava as llava_reference
 from mmparity.upstream import models
+from mmparity.upstream.keymap import padded_vocab_size
 from mmparity.upstream.te_stand_ins import cuda_calls_on_host
 
 
@@ -189,6 +191,27 @@ def _patch_rows_of_reference_ln_pre(pairs: list, cfg) -> list:
     return [patch_rows_only(p) if p.name == "ln_pre" else p for p in pairs]
 
 
+def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int) -> dict:
+    return outputs
+
+
+def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int) -> dict:
+    """HF's per-token loss recomputed over the vocabulary padded as Megatron-LM pads it at ``tp``:
+    Megatron's cross entropy spans the pad rows, whose converted output weights are zero, so each
+    adds a logit of 0 to the softmax. That is what Megatron computes for any padded checkpoint;
+    HF's unpadded loss is not its function (docs/megatron.md, llava)."""
+    labels = case.data["hf_labels"]
+    batch, vocab = labels.shape[0], cfg.text_config.vocab_size
+    logits = outputs["logits"].view(batch, -1, vocab)
+    rows = padded_vocab_size(vocab, tp)
+    padded = F.pad(logits, (0, rows - vocab))
+    shifted = F.cross_entropy(padded[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1).to(padded.device),
+                              ignore_index=llava_reference.IGNORE_INDEX, reduction="none").view(batch, -1)
+    per_token = torch.cat([shifted, shifted.new_zeros(batch, 1)], dim=1)
+    mask = outputs["loss_mask"].view(batch, -1)
+    return {**outputs, "token_loss": (per_token * mask).reshape(-1)}
+
+
 def llava_clip_config() -> LlavaConfig:
     """LLaVA with the CLIP tiny tower, which stock megatron-core's ``LLaVAModel`` builds (Megatron-LM
     main's cannot build any ``vit_model`` tower, see docs/megatron.md): features from the
@@ -209,6 +232,8 @@ class MegatronClass:
     ``run(model, case, cfg)``: its outputs under the HF output names (an HF output it has no
     counterpart for is absent); ``pairs(model, cfg)``: its submodules named as the reference's pairs;
     ``reference_pairs(pairs, cfg)``: the reference's pairs as set against this class;
+    ``reference_outputs(outputs, case, cfg, tp)``: the reference's outputs as this class computes
+    them by design (``note`` says how, in each result's description);
     ``module_cases``: the cases whose per-module outputs are compared (Megatron's packed paths call
     some modules once per image, where HF calls them once);
     ``default_config``: the config ``check`` uses when none is given, where the family's tiny one
@@ -219,9 +244,10 @@ class MegatronClass:
     run: Callable
     pairs: Callable
     reference_pairs: Callable = keep_reference_pairs
+    reference_outputs: Callable = keep_reference_outputs
+    note: str = ""
     module_cases: tuple = ("static",)
     default_config: Optional[Callable[[], object]] = None
-    build_options: dict = field(default_factory=dict)
 
 
 CLASSES: dict[str, dict[str, MegatronClass]] = {
@@ -235,7 +261,9 @@ CLASSES: dict[str, dict[str, MegatronClass]] = {
                                              _clip_pairs)},
     "llava": {"LLaVAModel": MegatronClass("llava", _configured_size(lambda cfg: cfg.vision_config),
                                           _run_llava, _no_pairs, default_config=llava_clip_config,
-                                          build_options={"parallel_output": False})},
+                                          reference_outputs=_loss_over_padded_vocabulary,
+                                          note="token_loss against HF's loss over Megatron-LM's "
+                                               "padded vocabulary (pad logits 0)")},
     "pixtral": {"ViTModel": MegatronClass("pixtral", _same_cases, _run_pixtral,
                                           lambda model, cfg: _vit_pairs(model))},
     "pixtral_large": {"ViTModel+MultimodalProjector": MegatronClass(

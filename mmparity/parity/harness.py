@@ -220,8 +220,14 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                                                 reference, native_cases[index], low_precision,
                                                 torch_dtype))
         if runs_megatron:
-            mreference = ref32_for_megatron.run(case)
-            mlow = ref_lp_for_megatron.run(case) if ref_lp_for_megatron else ({}, {})
+            mreference, mlow = ref32_for_megatron.run(case), ({}, {})
+            if ref_lp_for_megatron:
+                mlow = ref_lp_for_megatron.run(case)
+                mlow = (mclass.reference_outputs(mlow[0], case, cfg, tp), mlow[1])
+            mreference = (mclass.reference_outputs(mreference[0], case, cfg, tp), mreference[1])
+            if mclass.note:
+                case = dataclasses.replace(case, description="; ".join(
+                    d for d in (case.description, mclass.note) if d))
             report.results.extend(_compare_megatron_case(
                 fam.name, case, megatron_cases_run[index], mreference, mlow, torch_dtype))
     with torch.no_grad():
@@ -249,7 +255,7 @@ class MegatronJob:
                 runtime.init_parallel(*layout, device=self.device)
             _name, mclass = megatron_cases.megatron_class(self.family, self.class_name)
             torch_dtype = DTYPES[self.dtype]
-            model = models.build(mclass.upstream, self.cfg, torch_dtype, **mclass.build_options)
+            model = models.build(mclass.upstream, self.cfg, torch_dtype)
             state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
             models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v
                                        for k, v in state.items()})
