@@ -198,7 +198,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                     attention_backend=attention.describe_backend(device, torch_dtype), impl=impl)
     if runs_megatron:
         report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
-                           "class": mclass_name}
+                           "classes": {fam.name: mclass_name}}
     ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
