@@ -15,12 +15,14 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from transformers import AutoConfig
 
 from mmparity import families, runtime
 from mmparity.cases import megatron as megatron_cases
-from mmparity.checkpoint import torch_dist
+from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
 from mmparity.upstream import models
@@ -95,6 +97,7 @@ def _load_rank(rank: int, world_size: int, job: _LoadJob) -> RankLoad:
             # A converted checkpoint holds no TE FP8 metadata: ask only for the tensors.
             wanted = {k: v for k, v in model.sharded_state_dict().items()
                       if not k.endswith("._extra_state")}
+            _compare_sharded_keys(job.root, wanted)
             state = torch_dist.load_torch_dist(job.root, wanted)
         tolerated = models.load_strict(model, state)
     except models.StrictLoadError as exc:
@@ -102,6 +105,20 @@ def _load_rank(rank: int, world_size: int, job: _LoadJob) -> RankLoad:
     except CheckpointError as exc:
         return RankLoad(rank, False, str(exc))
     return RankLoad(rank, True, tolerated=len(tolerated))
+
+
+def _compare_sharded_keys(root: str, wanted: dict) -> None:
+    """Name every tensor the class asks for that the checkpoint lacks (or holds in another global
+    shape), and every tensor it holds that the class has no place for, before DCP, which reports
+    only the first."""
+    stored = torch_dist_files.tensor_metadata(resolve_iteration_dir(root)[1])
+    asked = {v.key: tuple(v.global_shape) for v in wanted.values() if isinstance(v, ShardedTensor)}
+    missing = [k for k in asked if k not in stored]
+    unexpected = [k for k in stored if k not in asked and "_extra_state" not in k]
+    mismatched = [f"{k}: {stored[k][1]} vs {asked[k]}" for k in asked
+                  if k in stored and stored[k][1] != asked[k]]
+    if missing or unexpected or mismatched:
+        raise models.StrictLoadError(missing, unexpected, mismatched)
 
 
 def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[str] = None) -> LoadReport:
