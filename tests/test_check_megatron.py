@@ -110,6 +110,7 @@ def test_missing_megatron_lm_exits_2_naming_what_to_install(capsys, family):
     assert "Megatron-LM" in err and "PYTHONPATH" in err and "pip install triton" in err
 
 
+@pytest.mark.slow
 def test_tp2_runs_megatron_on_spawned_ranks():
     report = harness.check("clip", impl="megatron", tp=2, components=False)
     assert report.tp == 2 and report.passed

@@ -40,6 +40,7 @@ def extra(cfg) -> dict:
     return {HF_CONFIG_FILE: cfg.to_json_string()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["clip", "siglip"])
 def test_legacy_tp2_in_megatrons_layout_loads(capsys, tmp_path, family):
     cfg, shards = megatron_shards(family, 2)
@@ -100,6 +101,7 @@ def test_user_errors_exit_2(capsys, tmp_path, clip_hf):
     assert code == 2 and "--megatron-class needs --load" in err
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="needs the layout branch: convert does not write Megatron's "
                                        "layout yet (patch_conv.conv.* vs conv1.*, ln_post)")
 @pytest.mark.parametrize("fmt, tp", [("legacy", 2), ("torch_dist", 1)])
