@@ -95,6 +95,7 @@ def test_native_json_keeps_its_fields(capsys, tmp_path):
     (["clip", "--megatron-class", "ViTModel"], "--megatron-class needs --impl megatron"),
     (["clip", "--impl", "megatron", "--megatron-class", "Nope"], "no Megatron class 'Nope'"),
     (["clip", "--impl", "megatron", "--pp", "2"], "drop --pp 2"),
+    (["clip", "--impl", "megatron", "--image-size", "32x48"], "only the configured image size 40x40"),
 ])
 def test_usage_errors_exit_2(capsys, argv, message):
     code, _, err = run_cli(capsys, "check", *argv)
@@ -151,7 +152,8 @@ def test_discrepancy_pixtral_large_merger_norm_epsilon():
 def test_discrepancy_pixtral_large_merger_raises_on_odd_grids():
     report = harness.check("pixtral_large", impl="megatron")
     odd = [r for r in megatron_results(report) if r.check.startswith("odd_")]
-    assert odd and all(not r.passed and r.first_divergence.module == "merger" for r in odd)
+    assert {r.check for r in odd} == {"odd_static:run", "odd_packed:run"}
+    assert all(not r.passed and r.first_divergence.module == "merger" for r in odd)
     assert all("is invalid for input of size" in r.first_divergence.metrics["error"] for r in odd)
 
 
@@ -165,3 +167,14 @@ def test_discrepancy_qwen_merger_tanh_gelu():
     rows = {row["module"]: row for row in static.modules}
     assert rows["merger.norm"]["passed"] and rows["merger.linear_fc1"]["passed"]
     assert 5e-5 < static.metrics["rel_l2"] < 1e-3
+
+
+@needs_main
+def test_kimi_tower_passes_projector_has_no_exact_place():
+    report = harness.check("kimi_k25", impl="megatron")
+    results = megatron_results(report)
+    assert all(r.passed for r in results if not r.check.endswith("image_embeds"))
+    static = by_check(report)["static:image_embeds"]
+    assert not static.passed and static.first_divergence.module == "projector"
+    rows = {row["module"]: row for row in static.modules}
+    assert rows["final_layernorm"]["passed"]

@@ -33,10 +33,18 @@ def _same_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
     return hooks.cases(cfg, seed, image_sizes)
 
 
+class UnsupportedInput(ValueError):
+    """Megatron's class cannot take the inputs asked for (not a parity finding: a usage error)."""
+
+
 def _configured_size(vision_cfg: Callable):
     """Cases at the tower's configured size only (its position table is fixed and not resampled)."""
     def cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
         side = vision_cfg(cfg).image_size
+        other = sorted({f"{h}x{w}" for h, w in image_sizes or () if (h, w) != (side, side)})
+        if other:
+            raise UnsupportedInput(f"Megatron's class takes only the configured image size "
+                                   f"{side}x{side} (fixed position table), not {', '.join(other)}")
         return hooks.cases(cfg, seed, image_sizes or [(side, side)] * 2)
     return cases
 
