@@ -38,10 +38,6 @@ def megatron_class(family: str) -> megatron_cases.MegatronClass:
     return megatron_cases.megatron_class(*CLASS_OF.get(family, (family, None)))[1]
 
 
-def tensor_keys(model: torch.nn.Module) -> dict:
-    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-
-
 def hf_model(family: str, cfg, seed: int):
     """The HF reference with seeded, non-constant weights (the native check's recipe)."""
     fam = families.get(source(family))
