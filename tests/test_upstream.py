@@ -179,12 +179,21 @@ def test_layout_differences_name_every_moved_key():
 
 def test_strict_load_refuses_anything_but_missing_extra_state():
     module = torch.nn.Linear(3, 2)
-    with pytest.raises(mi.LoadError, match="unexpected"):
-        mi.load_strict(module, {**module.state_dict(), "extra.weight": torch.zeros(1)})
-    with pytest.raises(mi.LoadError, match="missing"):
-        mi.load_strict(module, {"weight": module.weight.detach()})
-    with pytest.raises(RuntimeError, match="size mismatch"):
-        mi.load_strict(module, {"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})
+    with pytest.raises(models.StrictLoadError, match="unexpected 1: extra.weight"):
+        models.load_strict(module, {**module.state_dict(), "extra.weight": torch.zeros(1)})
+    with pytest.raises(models.StrictLoadError, match="missing 1: bias"):
+        models.load_strict(module, {"weight": module.weight.detach()})
+    with pytest.raises(models.StrictLoadError, match=r"mis-shaped 1: weight: \(3, 3\) vs \(2, 3\)"):
+        models.load_strict(module, {"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})
+    before = module.weight.detach().clone()
+    with pytest.raises(models.StrictLoadError):
+        models.load_strict(module, {"weight": torch.ones(2, 3)})
+    assert torch.equal(module.weight, before), "nothing is loaded when anything is refused"
+
+
+def test_compact_keys_fold_layer_numbers():
+    keys = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(4)] + ["conv1.weight"]
+    assert models.compact_keys(keys) == "decoder.layers.{0..3}.mlp.linear_fc1.weight, conv1.weight"
 
 
 def test_padded_vocab_follows_megatron_lm():

@@ -447,7 +447,7 @@ def load_torch_dist(
         raise CheckpointError(f"{iteration_dir}: not a torch_dist checkpoint (no .metadata / metadata.json)")
     try:
         loaded = mc.dist_checkpointing.load({"model": sharded_state_dict}, str(iteration_dir))
-    except Exception as exc:
+    except (Exception, _dcp_exception()) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"{iteration_dir}: torch_dist load failed ({_one_line(exc)})") from exc
     return loaded["model"]
 

@@ -34,6 +34,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=None, metavar="N",
                         help="run the native model as N pipeline stages, each loading what "
                              "'mmparity convert --pp N' writes for it; tp*pp ranks in all (default 1)")
+    parser.add_argument("--impl", default="native", choices=("native", "megatron", "both"),
+                        help="whose model to test against HF: mmparity's native mcore model (default), "
+                             "Megatron's own class (stock megatron-core, or Megatron-LM main's "
+                             "vit_model on PYTHONPATH), or both side by side")
+    parser.add_argument("--megatron-class", metavar="NAME", default=None,
+                        help="with --impl megatron/both, where a family loads into several Megatron "
+                             "classes: which (clip: CLIPViTModel (default) or ViTModel)")
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for several images per batch")
     parser.add_argument("--no-components", action="store_true", help="skip component checks")
@@ -185,8 +192,11 @@ def run(args) -> int:
 
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    if args.megatron_class is not None and args.impl == "native":
+        raise UsageError("--megatron-class needs --impl megatron or --impl both")
     from mmparity.converters.rules import ConversionError
     from mmparity import runtime
+    from mmparity.upstream.models import StrictLoadError, UpstreamUnavailable
 
     if args.device == "cuda" and runtime.launched_world_size() == 1:
         import torch
@@ -214,15 +224,27 @@ def run(args) -> int:
             report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
                                    seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp,
                                    layer_counts=layer_counts, components=not args.no_components,
-                                   native_shards=native_shards)
+                                   native_shards=native_shards, impl=args.impl,
+                                   megatron_class=args.megatron_class)
         except ConversionError as exc:  # e.g. a TP size that does not divide the heads
             raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
         except harness.InputError as exc:  # e.g. more pipeline stages than layers
             raise UsageError(str(exc)) from None
+        except UpstreamUnavailable as exc:
+            raise UsageError(f"{name} --impl {args.impl}: {exc}") from None
+        except StrictLoadError as exc:  # weights that are not the layout of Megatron's class
+            raise UsageError(f"{name}: the weights do not load strictly into Megatron's class: "
+                             f"{exc}") from None
+        except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
+            raise UsageError(f"{name} --impl {args.impl}: Megatron cannot build this model: "
+                             f"{exc}") from None
         if combined is None:
             combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
                               attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp)
+                              tp=report.tp, pp=report.pp, impl=report.impl,
+                              megatron=report.megatron)
+        elif report.megatron is not None:
+            combined.megatron["classes"].update(report.megatron["classes"])
         combined.results.extend(report.results)
     elapsed = time.perf_counter() - started
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:

@@ -21,15 +21,22 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
     is_tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
     console = Console(file=stream, highlight=False, width=None if is_tty else 200)
     if not quiet:
-        table = Table(title=f"mmparity check · {report.device} · {report.dtype} · seed {report.seed} "
-                            f"· attention {report.attention_backend}")
-        for column in ("family", "check", "result", "rel_l2", "max_abs", "cosine", "tolerance",
-                       "first divergence"):
+        title = (f"mmparity check · {report.device} · {report.dtype} · seed {report.seed} "
+                 f"· attention {report.attention_backend}")
+        if report.megatron is not None:
+            classes = ", ".join(f"{family}: {name}" for family, name in report.megatron["classes"].items())
+            title += f" · Megatron {report.megatron['version']} ({report.megatron['te']}) · {classes}"
+        table = Table(title=title)
+        with_impl = report.impl != "native"
+        columns = ("family",) + (("impl",) if with_impl else ()) + (
+            "check", "result", "rel_l2", "max_abs", "cosine", "tolerance", "first divergence")
+        for column in columns:
             table.add_column(column)
         for r in report.results:
             div = r.first_divergence
-            where = "-" if div is None else f"{div.module} (rel_l2 {_fmt(div.metrics.get('rel_l2'))})"
-            table.add_row(r.family, r.check, "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+            where = "-" if div is None else f"{div.module} ({_divergence_detail(div.metrics)})"
+            table.add_row(r.family, *((r.impl,) if with_impl else ()), r.check,
+                          "[green]pass[/]" if r.passed else "[red]FAIL[/]",
                           _fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
                           _fmt(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")), where)
         console.print(table)
@@ -39,6 +46,12 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
                   f"({status}, {elapsed:.1f}s)")
 
 
+def _divergence_detail(metrics: dict) -> str:
+    if "error" in metrics:
+        return metrics["error"]
+    return f"rel_l2 {_fmt(metrics.get('rel_l2'))}"
+
+
 def junit_xml(report, elapsed: float) -> str:
     failures = report.failures()
     lines = ['<?xml version="1.0" encoding="utf-8"?>',
@@ -46,10 +59,12 @@ def junit_xml(report, elapsed: float) -> str:
              f'time="{elapsed:.3f}">']
     for r in report.results:
         name = quoteattr(r.check)
-        lines.append(f'  <testcase classname={quoteattr("mmparity." + r.family)} name={name}>')
+        classname = "mmparity." + r.family + ("" if r.impl == "native" else "." + r.impl)
+        lines.append(f'  <testcase classname={quoteattr(classname)} name={name}>')
         if not r.passed:
-            where = r.first_divergence.module if r.first_divergence else r.check
-            message = f"first divergence at {where}: {r.metrics}"
+            div = r.first_divergence
+            where = div.module if div else r.check
+            message = f"first divergence at {where}: {div.metrics if div and not r.metrics else r.metrics}"
             lines.append(f"    <failure message={quoteattr(message)}>{escape(str(r.tolerance))}</failure>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")

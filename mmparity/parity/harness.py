@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from contextlib import contextmanager
 from typing import Callable, Iterable, Optional
 
@@ -19,11 +20,14 @@ from mmparity.converters import pp as pp_mod
 from mmparity.hfconfig import first_int, vision_sub_config
 from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
+from mmparity.cases import megatron as megatron_cases
 from mmparity.cases.core import Case
 from mmparity.cases.inputs import random_like_state
 from mmparity.parity.report import Divergence, Report, Result, versions
+from mmparity.upstream import keymap, models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IMPLS = ("native", "megatron", "both")
 
 
 @contextmanager
@@ -112,7 +116,8 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
           device: str = "cpu", seed: int = 0, image_sizes=None, components: bool = True,
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
           native_shards: Optional[list] = None, tp: int = 1, pp: int = 1,
-          layer_counts: Optional[list] = None) -> Report:
+          layer_counts: Optional[list] = None, impl: str = "native",
+          megatron_class: Optional[str] = None) -> Report:
     """Parity of one family; returns a :class:`Report` (no printing, no exit codes).
 
     ``hf_state``: HF-layout weights of the reference model (keys as the reference module expects);
@@ -124,13 +129,32 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     Under ``pp > 1`` each rank loads the state of its (TP rank, pipeline stage) exactly as
     ``mmparity convert --pp`` splits it (``layer_counts`` overrides the split, e.g. with the
     counts a checkpoint recorded) and the stages run one after another.
-    Raises :class:`InputError` for a pipeline the model cannot take.
+    ``impl``: ``native`` (mmparity's mcore model), ``megatron`` (Megatron's own class,
+    :mod:`mmparity.cases.megatron`; ``megatron_class`` picks one where a family has several) or
+    ``both`` side by side; every result names its ``impl``.
+    Raises :class:`InputError` for a pipeline the model cannot take, and
+    :class:`~mmparity.upstream.models.UpstreamUnavailable` when Megatron's class cannot be imported.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
+    if impl not in IMPLS:
+        raise InputError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
     fam = families.get(family)
     hooks = fam.hooks
+    runs_native, runs_megatron = impl in ("native", "both"), impl in ("megatron", "both")
+    mclass_name, mclass = None, None
+    if runs_megatron:
+        try:
+            mclass_name, mclass = megatron_cases.megatron_class(family, megatron_class)
+        except megatron_cases.NoMegatronClass as exc:
+            raise InputError(str(exc)) from None
+        if pp != 1:
+            raise InputError(f"{family}: --impl {impl} runs Megatron's class without pipeline "
+                             f"stages; drop --pp {pp}")
+        models.require(mclass.upstream)
+        if cfg is None and mclass.default_config is not None:
+            cfg = mclass.default_config()
     cfg = cfg if cfg is not None else fam.tiny_config()
     torch.manual_seed(seed)
 
@@ -145,30 +169,70 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             mutate_native(shard)
     stage_shards, counts = split_stages(family, cfg, native_shards, pp, layer_counts)
 
-    cases = [hooks.prepare_case(case, cfg) for case in hooks.cases(cfg, seed, image_sizes)]
-    component_names = hooks.components if components else ()
-    job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts)
+    # Megatron's class takes fewer inputs than the native model (fixed sizes, no video ...): under
+    # --impl megatron / both every side runs the cases Megatron's class accepts.
+    try:
+        raw_cases = (mclass.cases(hooks, cfg, seed, image_sizes) if runs_megatron
+                     else hooks.cases(cfg, seed, image_sizes))
+    except megatron_cases.UnsupportedInput as exc:
+        raise InputError(f"{family}: {exc}") from None
+    cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
+    component_names = hooks.components if components and runs_native else ()
     world = tp * pp
-    if world == 1 or runtime.launched_world_size() == world:
-        # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
-        native_cases, native_components = job.run(stage_shards, layout=(tp, pp))
-    else:
-        native_cases, native_components = runtime.spawn(_native_rank, world, job, stage_shards)[0]
+    native_cases, native_components = [], {}
+    if runs_native:
+        job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts)
+        if world == 1 or runtime.launched_world_size() == world:
+            # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
+            native_cases, native_components = job.run(stage_shards, layout=(tp, pp))
+        else:
+            native_cases, native_components = runtime.spawn(_native_rank, world, job, stage_shards)[0]
+    megatron_cases_run = []
+    if runs_megatron:
+        megatron_shards, _side = keymap.to_megatron(mclass.upstream, native_shards, cfg)
+        mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device))
+        if tp == 1 or runtime.launched_world_size() == tp:
+            megatron_cases_run = mjob.run(megatron_shards, layout=(tp, 1))
+        else:
+            megatron_cases_run = runtime.spawn(_megatron_rank, tp, mjob, megatron_shards)[0]
 
     ref32 = _move(ref, device, torch.float32)
     report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp,
-                    attention_backend=attention.describe_backend(device, torch_dtype))
+                    attention_backend=attention.describe_backend(device, torch_dtype), impl=impl)
+    if runs_megatron:
+        report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
+                           "classes": {fam.name: mclass_name}}
     ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
         ref_lp = _move(copy.deepcopy(ref), device, torch_dtype)
         ref_lp_side = Side(ref_lp, hooks.reference.run, hooks.reference.pairs(ref_lp, cfg))
+    if runs_megatron:
+        # The reference's pairs as set against Megatron's modules (e.g. cut to the same rows).
+        ref32_for_megatron = Side(ref32, hooks.reference.run,
+                                  mclass.reference_pairs(hooks.reference.pairs(ref32, cfg), cfg))
+        ref_lp_for_megatron = (Side(ref_lp_side.model, hooks.reference.run,
+                                    mclass.reference_pairs(ref_lp_side.pairs, cfg))
+                               if ref_lp_side else None)
 
-    for case, native_result in zip(cases, native_cases):
+    for index, case in enumerate(cases):
         reference = ref32_side.run(case)
         low_precision = ref_lp_side.run(case) if ref_lp_side else ({}, {})
-        report.results.extend(_compare_case(fam.name, case, [p.name for p in ref32_side.pairs],
-                                            reference, native_result, low_precision, torch_dtype))
+        if runs_native:
+            report.results.extend(_compare_case(fam.name, case, [p.name for p in ref32_side.pairs],
+                                                reference, native_cases[index], low_precision,
+                                                torch_dtype))
+        if runs_megatron:
+            mreference, mlow = ref32_for_megatron.run(case), ({}, {})
+            if ref_lp_for_megatron:
+                mlow = ref_lp_for_megatron.run(case)
+                mlow = (mclass.reference_outputs(mlow[0], case, cfg, tp), mlow[1])
+            mreference = (mclass.reference_outputs(mreference[0], case, cfg, tp), mreference[1])
+            if mclass.note:
+                case = dataclasses.replace(case, description="; ".join(
+                    d for d in (case.description, mclass.note) if d))
+            report.results.extend(_compare_megatron_case(
+                fam.name, case, megatron_cases_run[index], mreference, mlow, torch_dtype))
     with torch.no_grad():
         for name in component_names:
             expected = hooks.reference.component(name, ref32, cfg, seed).float().cpu()
@@ -177,6 +241,88 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             report.results.append(_compare_component(fam.name, name, native_components[name],
                                                      expected, lp, torch_dtype))
     return report
+
+
+class MegatronJob:
+    """Megatron's own class on the cases, picklable so that spawned TP ranks can run it too."""
+
+    def __init__(self, family, class_name, cfg, cases, dtype, device):
+        self.family, self.class_name, self.cfg, self.cases = family, class_name, cfg, cases
+        self.dtype, self.device = dtype, device
+
+    @torch.no_grad()
+    def run(self, shards: list, layout=None) -> list:
+        """Per case: ``MegatronRun``. ``shards``: Megatron's per-TP-rank state dicts."""
+        with exact_float32(self.device, DTYPES[self.dtype]):
+            if layout is not None:
+                runtime.init_parallel(*layout, device=self.device)
+            _name, mclass = megatron_cases.megatron_class(self.family, self.class_name)
+            torch_dtype = DTYPES[self.dtype]
+            model = models.build(mclass.upstream, self.cfg, torch_dtype)
+            state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
+            models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v
+                                       for k, v in state.items()})
+            model = _move(model, self.device, torch_dtype)
+            pairs = [pair for pair in mclass.pairs(model, self.cfg) if pair.module is not None]
+            return [_run_megatron_case(mclass, model, pairs, case, self.cfg,
+                                       compare_modules=case.name in mclass.module_cases)
+                    for case in self.cases]
+
+
+def _megatron_rank(rank: int, world_size: int, job: MegatronJob, shards: list):
+    result = job.run(shards, layout=(world_size, 1))
+    return result if rank == 0 else None
+
+
+def _run_megatron_case(mclass, model, pairs, case: Case, cfg, compare_modules: bool):
+    """``(outputs, module captures, error)``. A Megatron failure on an input is a finding: it is
+    returned with the innermost paired module that was running when it raised."""
+    seen: dict = {}
+    running: list = []
+    handles = []
+    for pair in pairs:
+        def before(module, args, _name=pair.name):
+            running.append(_name)
+
+        def after(module, args, output, _name=pair.name):
+            # Megatron's packed paths call some modules more than once: keep the first call.
+            seen.setdefault(_name, output)
+            running.remove(_name)
+        handles += [pair.module.register_forward_pre_hook(before),
+                    pair.module.register_forward_hook(after)]
+    try:
+        outputs = mclass.run(model, case, cfg)
+    except Exception as exc:  # noqa: BLE001 — reported as this case's located failure
+        where = running[-1] if running else "forward"
+        return {}, {}, MegatronError(where, f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+    finally:
+        for h in handles:
+            h.remove()
+    modules = _extract(pairs, seen, case) if compare_modules else {}
+    return _canonical(outputs), modules, None
+
+
+class MegatronError:
+    """Megatron's class raised on a case: ``module`` is where, ``message`` what."""
+
+    def __init__(self, module: str, message: str):
+        self.module, self.message = module, message
+
+
+def _compare_megatron_case(family, case, megatron_run, reference, low_precision, dtype) -> list[Result]:
+    outputs, modules, error = megatron_run
+    if error is not None:
+        tol = M.fp32_tolerance() if dtype == torch.float32 else M.Tolerance(float("nan"), "not measured")
+        # Which outputs the class would have produced is unknown: one result for the case.
+        div = Divergence(error.module, {"error": error.message}, tol.as_dict())
+        return [Result(family=family, check=f"{case.name}:run", passed=False, metrics={},
+                       tolerance=tol.as_dict(), first_divergence=div, description=case.description,
+                       impl="megatron")]
+    # An HF output Megatron's class has no counterpart for (CLIP's pooled ln_post ...) is not compared.
+    compared = dataclasses.replace(case, outputs=tuple(o for o in case.outputs if o in outputs))
+    pair_names = [name for name in reference[1] if name in modules]
+    return _compare_case(family, compared, pair_names, reference, (outputs, modules), low_precision,
+                         dtype, impl="megatron")
 
 
 def split_stages(family: str, cfg, shards: list, pp: int,
@@ -288,7 +434,8 @@ def _tolerance(dtype, ref_lp_out, ref32_out) -> M.Tolerance:
     return M.tolerance_for(dtype, M.compare(ref_lp_out, ref32_out).rel_l2)
 
 
-def _compare_case(family, case, pair_names, reference, native, low_precision, dtype) -> list[Result]:
+def _compare_case(family, case, pair_names, reference, native, low_precision, dtype,
+                  impl: str = "native") -> list[Result]:
     ref_out, ref_mods = reference
     nat_out, nat_mods = native
     lp_out, lp_mods = low_precision
@@ -312,7 +459,14 @@ def _compare_case(family, case, pair_names, reference, native, low_precision, dt
     results = []
     for output in case.outputs:
         tol = _tolerance(dtype, lp_out.get(output), ref_out[output])
-        m = M.compare(nat_out[output], ref_out[output])
+        try:
+            m = M.compare(nat_out[output], ref_out[output])
+        except ValueError as exc:
+            div = divergence or Divergence(output, {"error": str(exc)}, tol.as_dict())
+            results.append(Result(family=family, check=f"{case.name}:{output}", passed=False,
+                                  metrics={}, tolerance=tol.as_dict(), first_divergence=div,
+                                  description=case.description, modules=module_rows, impl=impl))
+            continue
         passed = tol.accepts(m)
         div = divergence
         if not passed and div is None:
@@ -320,7 +474,7 @@ def _compare_case(family, case, pair_names, reference, native, low_precision, dt
         results.append(Result(family=family, check=f"{case.name}:{output}", passed=passed,
                               metrics=m.as_dict(), tolerance=tol.as_dict(),
                               first_divergence=div if not passed else None,
-                              description=case.description, modules=module_rows))
+                              description=case.description, modules=module_rows, impl=impl))
     return results
 
 

@@ -27,6 +27,7 @@ class Result:
     first_divergence: Optional[Divergence] = None
     description: str = ""
     modules: list = field(default_factory=list)  # per paired module: {"module", "metrics", "passed"}
+    impl: str = "native"  # whose model produced it: "native" (mmparity's) or "megatron" (Megatron's own)
 
     def as_dict(self) -> dict:
         return {
@@ -38,6 +39,7 @@ class Result:
             "first_divergence": self.first_divergence.as_dict() if self.first_divergence else None,
             "description": self.description,
             "modules": self.modules,
+            "impl": self.impl,
         }
 
 
@@ -51,6 +53,9 @@ class Report:
     versions: dict = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
+    impl: str = "native"
+    # With Megatron's class under test: its version, which TE modules ran, the class.
+    megatron: Optional[dict] = None
 
     @property
     def passed(self) -> bool:
@@ -69,6 +74,8 @@ class Report:
             "pp": self.pp,
             "attention_backend": self.attention_backend,
             "passed": self.passed,
+            "impl": self.impl,
+            **({"megatron": self.megatron} if self.megatron is not None else {}),
             "results": [r.as_dict() for r in self.results],
         }
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core import activations as mcore_activations
+from megatron.core import package_info
 from megatron.core.models.multimodal import llava_model
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -74,6 +75,13 @@ def vit_model_module():
         return importlib.import_module(VIT_MODEL_MODULE)
     except ImportError as exc:
         raise UpstreamUnavailable(f"{INSTALL_HINT} (import failed: {exc})") from None
+
+
+def require(family: str) -> None:
+    """Raise :class:`UpstreamUnavailable` (naming what to install) unless ``family``'s class can be
+    imported here."""
+    if family not in STOCK_FAMILIES:
+        vit_model_module()
 
 
 def available(family: str) -> bool:
@@ -537,3 +545,64 @@ def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
     merged = out.reshape(-1, out.shape[-1])
     projected = model.vision_projection(merged) if model.vision_projection is not None else None
     return merged, projected
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+class StrictLoadError(ValueError):
+    """A state dict does not fit Megatron's class; ``missing`` / ``unexpected`` / ``mismatched``
+    list the keys (the last as ``key: checkpoint shape vs class shape``)."""
+
+    def __init__(self, missing: list, unexpected: list, mismatched: list):
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+        parts = [f"{label} {len(keys)}: {compact_keys(keys)}" for label, keys in
+                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mismatched)) if keys]
+        super().__init__("; ".join(parts))
+
+
+def compact_keys(keys: Sequence[str], limit: int = 8) -> str:
+    """Keys with their layer index folded (``decoder.layers.{0..11}.x``), at most ``limit``."""
+    folded: dict = {}
+    for key in keys:
+        parts = key.split(".")
+        index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if index is None:
+            folded.setdefault(key, [])
+            continue
+        pattern = ".".join(parts[:index] + ["{}"] + parts[index + 1:])
+        folded.setdefault(pattern, []).append(int(parts[index]))
+    shown = []
+    for pattern, numbers in folded.items():
+        if not numbers:
+            shown.append(pattern)
+        elif len(numbers) == 1:
+            shown.append(pattern.replace("{}", str(numbers[0])))
+        else:
+            shown.append(pattern.replace("{}", "{" + f"{min(numbers)}..{max(numbers)}" + "}"))
+    more = f" (+{len(shown) - limit} more)" if len(shown) > limit else ""
+    return ", ".join(shown[:limit]) + more
+
+
+def load_strict(model: torch.nn.Module, state: dict) -> list[str]:
+    """``load_state_dict(strict=True)`` except that missing ``_extra_state`` entries are allowed
+    (TE's FP8 metadata: a converted checkpoint has none, and Megatron's own ``LLaVAModel`` load hook
+    drops exactly those). Raises :class:`StrictLoadError` naming every other missing, unexpected or
+    mis-shaped key, before loading anything. Returns the tolerated keys."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith("._extra_state")]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state
+                  if k in own and torch.is_tensor(own[k]) and torch.is_tensor(state[k])
+                  and own[k].shape != state[k].shape]
+    if missing or unexpected or mismatched:
+        raise StrictLoadError(missing, unexpected, mismatched)
+    model.load_state_dict(state, strict=False)
+    return [k for k in own if k not in state]
+
+
+def megatron_version() -> str:
+    return package_info.__version__
+
+
+def describe_te() -> str:
+    return "transformer engine" if te_stand_ins.HAVE_TE else "cpu stand-ins"
