@@ -58,10 +58,8 @@ def converted(family: str, tp: int, seed: int = 0):
 
 # --- always: recorded layout vs converter + key map --------------------------------------------
 
-# (family, TP) whose converter output is not Megatron's layout yet (the key map still translates);
-# qwen3_5 differs only at TP 2 (its merger linears).
+# (family, TP) whose converter output is not Megatron's layout yet (the key map still translates).
 NOT_YET_MEGATRON = {("kimi_k25", 1), ("kimi_k25", 2)}
-NOT_YET_MEGATRON.add(("qwen3_5", 2))
 
 
 def assert_megatron_layout(family, tp, states):
@@ -119,8 +117,7 @@ EXPECTED_DIFF = {
                 "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"}, set()),
     "pixtral": ({}, set(), set()),
     "pixtral_large": ({}, set(), set()),
-    "qwen3_5": ({}, set(), {"merger.linear_fc1.weight", "merger.linear_fc1.bias",
-                           "merger.linear_fc2.weight"}),
+    "qwen3_5": ({}, set(), set()),
     "kimi_k25": ({"patch_embed.conv.weight": "vision_model.patch_embed.proj.weight",
                   "patch_embed.conv.bias": "vision_model.patch_embed.proj.bias",
                   "decoder.final_layernorm.weight": "vision_model.final_ln.weight",

@@ -67,13 +67,10 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 def rules(family: str, cfg, *, kimi_projection: Optional[str] = "fused_norm_over_merged") -> list:
     """The rule list for ``family`` and its HF config."""
     # These converters write Megatron's layout themselves (what has no place kept aside).
-    if family in ("clip", "siglip", "pixtral", "pixtral_large", "llava"):
+    if family in ("clip", "siglip", "pixtral", "pixtral_large", "qwen3_5", "llava"):
         return []
     if family == "clip_vit":
         return [Rename(r"conv1\.weight", r"patch_embed.proj.weight")]
-    if family == "qwen3_5":
-        return [Replicate(r"merger\.linear_fc1\.(weight|bias)", 0),
-                Replicate(r"merger\.linear_fc2\.weight", 1)]
     if family == "kimi_k25":
         has_projector = getattr(cfg, "model_type", None) == "kimi_k25"
         prefix = "vision_model." if has_projector else ""
