@@ -19,8 +19,8 @@ import torch
 
 from mmparity import runtime
 from mmparity.cases.core import FamilyHooks
-from mmparity.converters.rules import (RuleSet, convert_hf_to_mcore, convert_mcore_to_hf, detect_prefix,
-                                       expected_keys, to_local_spelling)
+from mmparity.converters.rules import (VOCAB_MULTIPLE, McoreShards, RuleSet, convert_hf_to_mcore,
+                                       convert_mcore_to_hf, detect_prefix, expected_keys, to_local_spelling)
 
 
 class FamilyError(TypeError):
@@ -82,9 +82,13 @@ class Family:
         return self.hooks.converter.rules(cfg, hf_format, keys, family=self.name)
 
     def hf_to_mcore(self, hf_state_dict: Mapping[str, torch.Tensor], cfg, tp_size: int = 1,
-                    hf_format: str | None = None, spelling: str = "te") -> list[dict]:
+                    hf_format: str | None = None, spelling: str = "te",
+                    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE) -> McoreShards:
         """HF state dict -> one mcore state dict per TP rank (Transformer Engine key spelling by
-        default).
+        default): exactly what Megatron's class for the family loads. Tensors it has no place for
+        are in ``.side`` (per rank); the native model loads ``with_side(shards)``. Vocabularies
+        are padded as Megatron-LM pads them: to a multiple of ``make_vocab_size_divisible_by ×
+        tp_size``.
 
         ``hf_format`` picks the HF-side layout; by default it is detected from the keys. Prefixes of
         whole-VLM checkpoints (``model.vision_tower.`` …) are detected; the other parts of such a
@@ -93,13 +97,17 @@ class Family:
         if spelling not in ("te", "local"):
             raise ValueError(f"spelling must be 'te' or 'local', got {spelling!r}")
         shards = convert_hf_to_mcore(self.rule_set(cfg, hf_format, keys=hf_state_dict.keys()),
-                                     hf_state_dict, tp_size)
-        return [to_local_spelling(s) for s in shards] if spelling == "local" else shards
+                                     hf_state_dict, tp_size, vocab_multiple=make_vocab_size_divisible_by)
+        if spelling == "local":
+            return McoreShards([to_local_spelling(s) for s in shards], shards.side, shards.unused)
+        return shards
 
     def mcore_to_hf(self, shards: Sequence[Mapping[str, torch.Tensor]], cfg,
-                    hf_format: str | None = None, prefix: str = "") -> dict:
-        """Per-rank mcore state dicts (either key spelling) -> HF state dict, keys under ``prefix``."""
-        return convert_mcore_to_hf(self.rule_set(cfg, hf_format), shards, prefix=prefix)
+                    hf_format: str | None = None, prefix: str = "",
+                    side: Sequence[Mapping[str, torch.Tensor]] | None = None) -> dict:
+        """Per-rank mcore state dicts (either key spelling) and their side tensors (``side``, by
+        default ``shards.side``) -> HF state dict, keys under ``prefix``."""
+        return convert_mcore_to_hf(self.rule_set(cfg, hf_format), shards, prefix=prefix, side=side)
 
     def select_tensors(self, cfg, state: Mapping[str, torch.Tensor],
                        hf_format: str | None = None) -> tuple[dict, str, str]:

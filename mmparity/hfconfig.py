@@ -61,18 +61,27 @@ def tower_config_or_self(cfg, model_type: str):
 
 # --- LLaVA ----------------------------------------------------------------------------------------
 
-# Megatron-LM's default ``make_vocab_size_divisible_by``. The padded size depends on the HF config
-# only (not on the TP size), so one native shape serves every TP size that divides it.
+# Megatron-LM's default ``make_vocab_size_divisible_by``.
 VOCAB_PAD_MULTIPLE = 128
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
-    return -(-vocab_size // multiple) * multiple
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE, tp: int = 1) -> int:
+    """Megatron-LM's padded vocabulary: a multiple of ``multiple`` (``--make-vocab-size-divisible-by``)
+    times the TP size, so the padded size depends on TP as Megatron-LM's does."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
 
 
 def tied_embeddings(cfg) -> bool:
     """Whether ``lm_head`` shares the input embedding (HF reads the top-level config flag)."""
     return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def tower_depth(cfg) -> int:
+    """How many vision layers a LLaVA tower is built with, as Megatron builds it: up to the deepest
+    hidden state ``vision_feature_layer`` reads (at least one layer: a transformer block of none
+    cannot be built, and features from the embedding output alone leave that layer unused)."""
+    return max(1, *feature_layer_indices(cfg))
 
 
 def feature_layer_indices(cfg) -> list[int]:

@@ -40,13 +40,14 @@ def test_shards_have_mcore_shapes_for_random_configs_and_tp(data):
                                     "model.vision_tower.", "vision_tower.vision_model."])
 def test_vision_tower_found_under_every_vlm_prefix(prefix):
     cfg, sd = tiny_state()
-    expected = families.get("clip").hf_to_mcore(sd, cfg)[0]
+    expected = families.get("clip").hf_to_mcore(sd, cfg)
     wrapped = {prefix + k: v for k, v in sd.items()}
     wrapped["language_model.model.embed_tokens.weight"] = torch.zeros(3, 2)
     wrapped["multi_modal_projector.linear_1.weight"] = torch.zeros(2, 2)
-    got = families.get("clip").hf_to_mcore(wrapped, cfg)[0]
-    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-    back = families.get("clip").mcore_to_hf([got], cfg, prefix=prefix)
+    shards = families.get("clip").hf_to_mcore(wrapped, cfg)
+    for got, want in ((shards[0], expected[0]), (shards.side[0], expected.side[0])):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    back = families.get("clip").mcore_to_hf(shards, cfg, prefix=prefix)
     assert all(torch.equal(back[prefix + k], v) for k, v in sd.items())
 
 

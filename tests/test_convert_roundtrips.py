@@ -88,10 +88,33 @@ def test_streaming_convert_and_the_in_memory_api_give_the_same_shards(family, hf
     assert run("convert", "--family", family, "--src", src, "--dst", tmp_path / "mcore", "--to", "mcore",
                "--tp", 2, "--format", "legacy", "--quiet") == 0
     _, _, on_disk = read_mcore_shards(tmp_path / "mcore")
-    for memory_rank, disk_rank in zip(in_memory, on_disk, strict=True):
+    pairs = list(zip(in_memory, on_disk, strict=True)) + list(zip(in_memory.side, on_disk.side, strict=True))
+    for memory_rank, disk_rank in pairs:
         assert list(disk_rank) == list(memory_rank)
         for key, tensor in memory_rank.items():
             assert disk_rank[key].dtype == tensor.dtype and torch.equal(disk_rank[key], tensor), key
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_side_file_is_certified_and_required(fmt, hf_dirs, tmp_path):
+    """CLIP's ln_post has no place in Megatron's class: it is in the side file, which the manifest
+    checksums and export needs; a changed or missing side file is loud, never a silent loss."""
+    from safetensors.torch import load_file, save_file
+
+    mcore = tmp_path / "mcore"
+    assert run("convert", "--family", "clip", "--src", hf_dirs["clip"], "--dst", mcore, "--to", "mcore",
+               "--format", fmt, "--tp", 2, "--quiet") == 0
+    side = mcore / "mcore_side.safetensors"
+    assert set(load_file(side)) == {"ln_post.weight", "ln_post.bias"}
+    assert {r.key for r in read_manifest(mcore).tensors if r.file == side.name} == {"ln_post.weight", "ln_post.bias"}
+    tensors = load_file(side)
+    tensors["ln_post.weight"] = tensors["ln_post.weight"] + 1
+    save_file(tensors, side)
+    assert not verify(mcore).ok
+    assert run("convert", "--src", mcore, "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 2
+    side.unlink()
+    assert run("convert", "--src", mcore, "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 2
+    assert not (tmp_path / "back").exists()
 
 
 def test_mcore_to_mcore_reshards_and_changes_format(hf_dirs, tmp_path):

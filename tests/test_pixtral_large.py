@@ -28,7 +28,7 @@ def test_merger_and_projector_shard_as_mcore_expects(data):
     shards = families.get("pixtral_large").hf_to_mcore(sd, cfg, tp_size=tp)
     m = cfg.spatial_merge_size
     h = cfg.vision_config.hidden_size
-    assert shards[0]["vision_model.merger.merging_layer.weight"].shape == (h, h * m * m)
+    assert shards[0]["vision_model.merger.linear_fc1.weight"].shape == (h, h * m * m)
     assert shards[0]["vision_projection.encoder.linear_fc1.weight"].shape == (
         cfg.text_config.hidden_size // tp, h)
 
@@ -63,15 +63,15 @@ def test_native_merger_is_hf_patch_merger_on_a_packed_batch_with_odd_grids():
     hf = Mistral3PatchMerger(cfg)
     native = fam.build_native(cfg).vision_model.merger
     with torch.no_grad():
-        native.merging_layer.weight.copy_(torch.randn_like(hf.merging_layer.weight))
-        hf.merging_layer.weight.copy_(native.merging_layer.weight)
+        native.linear_fc1.weight.copy_(torch.randn_like(hf.merging_layer.weight))
+        hf.merging_layer.weight.copy_(native.linear_fc1.weight)
         grids = [(5, 7), (2, 2), (3, 6), (7, 3)]
         tokens = torch.randn(sum(a * b for a, b in grids), cfg.vision_config.hidden_size)
         expected = hf(tokens, torch.tensor([(a * 8, b * 8) for a, b in grids]))
         assert torch.equal(native.merge(tokens, grids), expected)
         # static path: one grid, a batch dimension (compared with HF on that image alone, so that
         # both matmuls see the same row count and block the same way)
-        static = native.merging_layer(native.fold(tokens[:35].view(1, 35, -1), 5, 7))[0]
+        static = native.linear_fc1(native.fold(tokens[:35].view(1, 35, -1), 5, 7))[0]
         assert torch.equal(static, hf(tokens[:35], torch.tensor([(40, 56)])))
 
 
@@ -79,7 +79,7 @@ def test_merger_norm_takes_the_text_config_epsilon():
     fam = families.get("pixtral_large")
     cfg = fam.tiny_config()
     native = fam.build_native(cfg)
-    assert native.vision_model.merger.norm.eps == cfg.text_config.rms_norm_eps != 1e-5
+    assert native.vision_model.merger.pre_norm.eps == cfg.text_config.rms_norm_eps != 1e-5
     assert native.vision_model.ln_pre.eps == 1e-5
 
 
@@ -107,7 +107,7 @@ def _perturb(key):
 
 def test_negative_controls_name_the_merger_and_the_projector():
     merger = harness.check("pixtral_large", seed=2, components=False,
-                           mutate_native=_perturb("vision_model.merger.merging_layer.weight"))
+                           mutate_native=_perturb("vision_model.merger.linear_fc1.weight"))
     assert {r.first_divergence.module for r in merger.failures()} == {"merger"}
     assert len(merger.failures()) == 4
     projector = harness.check("pixtral_large", seed=2, components=False,

@@ -23,7 +23,9 @@ def test_pooling_head_is_converted_exactly_when_configured(data):
     sd = random_like_state(families.get("siglip").build_reference(cfg).state_dict(), data.draw(st.integers(0, 999)))
     shards = families.get("siglip").hf_to_mcore(sd, cfg, tp_size=tp)
     assert len(shards) == tp
-    assert any(k.startswith("head.") for k in shards[0]) == cfg.vision_use_head
+    # Stock CLIPViTModel (siglip) has no head: it is kept aside, never in the mcore state dict.
+    assert not any(k.startswith("head.") for k in shards[0])
+    assert any(k.startswith("head.") for k in shards.side[0]) == cfg.vision_use_head
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -46,7 +48,7 @@ def test_pooling_head_kv_rows_shard_as_whole_heads(tp):
         assert torch.equal(kv[:, 1].reshape(-1, hidden), v[mine])
         assert torch.equal(linear_q.chunk(tp)[rank], q[mine])
     shards = families.get("siglip").hf_to_mcore(sd, cfg, tp_size=tp)
-    assert shards[0]["head.attention.linear_kv.weight"].shape == (2 * cfg.hidden_size // tp, cfg.hidden_size)
+    assert shards.side[0]["head.attention.linear_kv.weight"].shape == (2 * cfg.hidden_size // tp, cfg.hidden_size)
 
 
 def test_whole_siglip_model_checkpoint_drops_text_and_logit_parameters():

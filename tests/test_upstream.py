@@ -58,20 +58,38 @@ def converted(family: str, tp: int, seed: int = 0):
 
 # --- always: recorded layout vs converter + key map --------------------------------------------
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_converter_plus_keymap_writes_megatrons_layout(family, tp):
-    """Today's converter output, put through the key map, is exactly the recorded Megatron state
-    dict: same keys, same per-rank shapes at TP 1 and TP 2."""
+# (family, TP) whose converter output is not Megatron's layout yet (the key map still translates).
+NOT_YET_MEGATRON = {("kimi_k25", 1), ("kimi_k25", 2)}
+
+
+def assert_megatron_layout(family, tp, states):
     record = recorded(family)
-    cfg, shards = converted(family, tp)
-    mg, side = keymap.to_megatron(family, shards, cfg)
-    for rank, state in enumerate(mg):
+    for rank, state in enumerate(states):
         expected = {k: (e["tp1"] if tp == 1 else e["tp2"][rank]) for k, e in record["tensors"].items()}
         got = {k: list(v.shape) for k, v in state.items()}
         assert got == expected, (family, tp, rank, sorted(set(got) ^ set(expected)),
                                  {k: (got[k], expected[k]) for k in set(got) & set(expected)
                                   if got[k] != expected[k]})
+
+
+@pytest.mark.parametrize("family, tp", [
+    pytest.param(f, tp, marks=pytest.mark.xfail(strict=True, reason="converter not on Megatron's layout yet"))
+    if (f, tp) in NOT_YET_MEGATRON else (f, tp) for f in ALL_FAMILIES for tp in (1, 2)])
+def test_converter_writes_megatrons_layout(family, tp):
+    """The converter's output alone, no key map, is exactly the recorded Megatron state dict: same
+    keys, same per-rank shapes at TP 1 and TP 2."""
+    _, shards = converted(family, tp)
+    assert_megatron_layout(family, tp, shards)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_converter_plus_keymap_writes_megatrons_layout(family, tp):
+    """What the key map hands Megatron (a pass-through for converted families) is exactly the
+    recorded Megatron state dict."""
+    cfg, shards = converted(family, tp)
+    mg, _ = keymap.to_megatron(family, shards, cfg)
+    assert_megatron_layout(family, tp, mg)
 
 
 def test_recorded_layouts_cover_every_family():
@@ -89,21 +107,17 @@ def test_recorded_layouts_cover_every_family():
 # (renamed keys at TP 1, keys with no place, keys Megatron keeps whole at TP 2). Layers are
 # represented by layer 0 and the last layer only where they differ.
 EXPECTED_DIFF = {
-    "clip": ({"patch_conv.conv.weight": "conv1.weight"}, {"ln_post.weight", "ln_post.bias"}, set()),
-    "siglip": ({"patch_conv.conv.weight": "conv1.weight", "patch_conv.conv.bias": "conv1.bias"},
+    "clip": ({}, {"ln_post.weight", "ln_post.bias"}, set()),
+    "siglip": ({},
                {"head.probe", "head.attention.linear_q.weight", "head.attention.linear_q.bias",
                 "head.attention.linear_kv.weight", "head.attention.linear_kv.bias",
                 "head.attention.linear_proj.weight", "head.attention.linear_proj.bias",
                 "head.mlp.linear_fc1.layer_norm_weight", "head.mlp.linear_fc1.layer_norm_bias",
                 "head.mlp.linear_fc1.weight", "head.mlp.linear_fc1.bias",
                 "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"}, set()),
-    "pixtral": ({"patch_conv.conv.weight": "patch_embed.proj.weight"}, set(), set()),
-    "pixtral_large": ({"vision_model.patch_conv.conv.weight": "vision_model.patch_embed.proj.weight",
-                       "vision_model.merger.norm.weight": "vision_model.merger.pre_norm.weight",
-                       "vision_model.merger.merging_layer.weight": "vision_model.merger.linear_fc1.weight"},
-                      set(), set()),
-    "qwen3_5": ({}, set(), {"merger.linear_fc1.weight", "merger.linear_fc1.bias",
-                           "merger.linear_fc2.weight"}),
+    "pixtral": ({}, set(), set()),
+    "pixtral_large": ({}, set(), set()),
+    "qwen3_5": ({}, set(), set()),
     "kimi_k25": ({"patch_embed.conv.weight": "vision_model.patch_embed.proj.weight",
                   "patch_embed.conv.bias": "vision_model.patch_embed.proj.bias",
                   "decoder.final_layernorm.weight": "vision_model.final_ln.weight",
@@ -134,20 +148,23 @@ def test_key_diff_is_pinned(family):
 
 
 def test_llava_key_diff():
-    """CLIP tower: conv renamed, the layer past vision_feature_layer and ln_post set aside, the
-    vocabulary padded to 128 x TP (256 at TP 2, where mmparity pads to 128)."""
+    """CLIP tower: the converter itself writes ``conv1``, sets the layer past vision_feature_layer
+    and ``ln_post`` aside, and pads the vocabulary to 128 x TP (256 at TP 2) with zero rows; the
+    key map passes it all through."""
     cfg = mi.llava_clip_config()
+    hf = mi.hf_model("llava", cfg, 0).state_dict()
     for tp, rows in ((1, 128), (2, 256)):
         _, shards = converted("llava", tp)
         mg, side = keymap.to_megatron("llava", shards, cfg)
-        assert "vision_model.conv1.weight" in mg[0] and "vision_model.patch_conv.conv.weight" not in mg[0]
-        assert {k.split(".")[3] for k in side if ".layers." in k} == {"1"}
-        assert {"vision_model.ln_post.weight", "vision_model.ln_post.bias"} <= set(side)
-        emb = torch.cat([m["language_model.embedding.word_embeddings.weight"] for m in mg])
+        assert all(m.keys() == s.keys() for m, s in zip(mg, shards))
+        assert "vision_model.conv1.weight" in shards[0] and "vision_model.patch_conv.conv.weight" not in shards[0]
+        assert {k.split(".")[3] for k in shards.side[0] if ".layers." in k} == {"1"}
+        assert not any(k.startswith("vision_model.decoder.layers.1.") for k in shards[0])
+        assert {"vision_model.ln_post.weight", "vision_model.ln_post.bias"} <= set(shards.side[0]) == set(side)
+        emb = torch.cat([s["language_model.embedding.word_embeddings.weight"] for s in shards])
         assert emb.shape[0] == rows
-        ours = torch.cat([s["language_model.embedding.word_embeddings.weight"] for s in shards])
         vocab = cfg.text_config.vocab_size
-        assert torch.equal(emb[:vocab], ours[:vocab]) and not emb[vocab:].any()
+        assert torch.equal(emb[:vocab], hf["model.language_model.embed_tokens.weight"]) and not emb[vocab:].any()
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -155,13 +172,12 @@ def test_llava_key_diff():
 def test_keymap_inverts_exactly(family, tp):
     cfg, shards = converted(family, tp)
     mg, side = keymap.to_megatron(family, shards, cfg)
-    rows = None
-    if family == "llava":
-        rows = sum(s["language_model.embedding.word_embeddings.weight"].shape[0] for s in shards)
-    back = keymap.from_megatron(family, mg, side, cfg, mmparity_vocab_rows=rows)
+    back = keymap.from_megatron(family, mg, side, cfg)
     for rank in range(tp):
         assert set(back[rank]) == set(shards[rank])
         assert all(torch.equal(back[rank][k], shards[rank][k]) for k in shards[rank]), (family, rank)
+        assert set(back.side[rank]) == set(shards.side[rank])
+        assert all(torch.equal(back.side[rank][k], shards.side[rank][k]) for k in shards.side[rank])
 
 
 def test_layout_differences_name_every_moved_key():

@@ -148,7 +148,7 @@ def last_image(kind: str, model, to_2d):
 
 
 def native_pairs(model, cfg) -> list:
-    out = [Pair("patch_embed", model.patch_conv, last_image("patch", model, tokens_2d))]
+    out = [Pair("patch_embed", model.patch_embedding, last_image("patch", model, tokens_2d))]
     if model.ln_pre is not None:
         out.append(Pair("ln_pre", model.ln_pre, last_image("tokens", model, tokens_2d)))
     out += [Pair(f"layer.{i}", layer, last_image("tokens", model, sbh_tokens_2d))
@@ -165,7 +165,7 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], model.in_channels,
                             seed)[0]
-        tokens, _, _ = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
+        tokens, _, _ = model.patch_embedding(inputs.like_model(img.unsqueeze(0), model))
         return tokens[0]
     if name == "pos_embed":
         return model.position_embeddings(*inputs.COMPONENT_GRID)

@@ -210,7 +210,7 @@ def native_run(model, case) -> dict:
 
 
 def native_pairs(model, cfg) -> list:
-    out = [Pair("patch_embed", model.patch_embed, tokens_2d),
+    out = [Pair("patch_embed", getattr(model.patch_embed, "conv", None), tokens_2d),
            Pair("pos_embed", model.pos_embed, tokens_2d)]
     out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
     out.append(Pair("final_layernorm", model.decoder.final_layernorm, sbh_tokens_2d))
@@ -229,7 +229,7 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     param = next(model.parameters())
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], 3, seed)[0]
-        tokens, _, _ = model.patch_embed(img.unsqueeze(0).to(param.device, param.dtype))
+        tokens, _, _ = model.patch_embed.conv(img.unsqueeze(0).to(param.device, param.dtype))
         return tokens[0]
     if name == "pos_embed":
         grids, frames = _split_thw(inputs.component_grids_thw((vc.pos_emb_height, vc.pos_emb_width),

@@ -112,7 +112,7 @@ def native_run(model, case) -> dict:
 
 
 def native_pairs(model, cfg) -> list:
-    out = [Pair("patch_embed", model.patch_conv, tokens_2d), Pair("ln_pre", model.ln_pre, tokens_2d)]
+    out = [Pair("patch_embed", model.patch_embedding, tokens_2d), Pair("ln_pre", model.ln_pre, tokens_2d)]
     out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
     return out
 
@@ -137,7 +137,7 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
         return op.invert([rotated.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], cfg.num_channels, seed)[0]
-        tokens, _, _ = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
+        tokens, _, _ = model.patch_embedding(inputs.like_model(img.unsqueeze(0), model))
         return tokens[0]
     raise KeyError(name)
 

@@ -127,7 +127,7 @@ def native_pairs(model, cfg) -> list:
     vit = model.vision_model
     out = pixtral.native_pairs(vit, cfg.vision_config)
     if vit.merger is not None:
-        out += [Pair("merger_norm", vit.merger.norm, tokens_2d), Pair("merger", vit.merger, tokens_2d)]
+        out += [Pair("merger_norm", vit.merger.pre_norm, tokens_2d), Pair("merger", vit.merger, tokens_2d)]
     out.append(Pair("projector", model.vision_projection, tokens_2d))
     return out
 

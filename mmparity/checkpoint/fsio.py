@@ -105,6 +105,17 @@ _HF_FORMAT_METADATA = {"format": "pt"}
 _MAX_NAMES_IN_MESSAGE = 8
 
 
+# An mcore checkpoint's side file: the tensors Megatron's class has no place for (see
+# `checkpoint.streaming`). Safetensors, but no HF weights: it never makes a directory an HF one.
+MCORE_SIDE_FILE = "mcore_side.safetensors"
+
+
+def has_hf_weights(path: Path) -> bool:
+    """Whether directory `path` holds HF safetensors weights (a single file, an index, or shards)."""
+    return ((path / SAFETENSORS_SINGLE_FILE).is_file() or (path / SAFETENSORS_INDEX_FILE).is_file()
+            or any(p.name != MCORE_SIDE_FILE for p in path.glob("*.safetensors")))
+
+
 class CheckpointError(ValueError):
     """A checkpoint cannot be read or written as asked. The message is one line and names the path."""
 

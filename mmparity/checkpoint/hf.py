@@ -14,8 +14,6 @@ import torch
 from mmparity.checkpoint.layout import LEGACY_FILE
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
 from mmparity.checkpoint.fsio import (
-    SAFETENSORS_INDEX_FILE,
-    SAFETENSORS_SINGLE_FILE,
     CheckpointError,
     SafetensorsCheckpoint,
     write_extra_files,
@@ -23,6 +21,7 @@ from mmparity.checkpoint.fsio import (
     write_safetensors_shards,
     atomic_directory,
     require_regular_file,
+    has_hf_weights,
 )
 
 __all__ = ["write_hf", "bound_config", "checkpoint_capacity"]
@@ -82,8 +81,7 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
     from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir, load_metadata
 
     path = Path(path)
-    if (path / SAFETENSORS_SINGLE_FILE).is_file() or (path / SAFETENSORS_INDEX_FILE).is_file() or any(
-            path.glob("*.safetensors")):
+    if has_hf_weights(path):
         with SafetensorsCheckpoint(path) as checkpoint:
             infos = checkpoint.infos().values()
             return len(infos), sum(math.prod(info.shape) for info in infos)

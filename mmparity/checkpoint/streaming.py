@@ -43,6 +43,8 @@ from types import MappingProxyType
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file as safetensors_load, save as safetensors_save
 
 from mmparity import families, runtime
 from mmparity.checkpoint.hf import bound_config
@@ -71,11 +73,12 @@ from mmparity.converters import pp as pp_mod
 from mmparity.converters.pp import PipelineError
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
-from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX_FILE,
+from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE,
                                       SAFETENSORS_SINGLE_FILE, CheckpointError, FileRanges,
                                       SafetensorsCheckpoint, StreamingSafetensorsWriter, joined,
                                       narrow_pieces, route_pieces, atomic_directory, heap_budget,
-                                      parse_size, check_source_dtypes, recover_destination)
+                                      parse_size, check_source_dtypes, recover_destination,
+                                      tensor_checksum, has_hf_weights, MCORE_SIDE_FILE)
 from mmparity.converters.ops import LayoutError
 from mmparity.converters.tp import ShardError
 
@@ -95,6 +98,10 @@ __all__ = [
 # `check --mcore`) knows the shapes without the original directory.
 HF_CONFIG_FILE = "hf_config.json"
 CONFIG_FILE = "config.json"
+# Tensors Megatron's class has no place for (the converters' side rules), whole (TP = 1), beside
+# the checkpoint: a strict Megatron load never sees them, mcore -> HF reads them back. Checksummed
+# in the manifest's records like every other tensor; ``extra["side_file"]`` names the file.
+SIDE_FILE = MCORE_SIDE_FILE
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -143,6 +150,10 @@ class ConvertOptions:
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     check_finite: bool = False
     force: bool = False
+    # Megatron-LM's --make-vocab-size-divisible-by: vocabularies (LLaVA's) are padded to a multiple
+    # of it times --tp (legacy; torch_dist holds global tensors, padded as for TP 1, which
+    # Megatron's vocabulary layers load at any TP).
+    make_vocab_size_divisible_by: int = R.VOCAB_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +265,47 @@ def _kinds(rule_set: R.RuleSet) -> dict[str, str]:
 
 
 def _mcore_order(rule_set: R.RuleSet) -> list[str]:
-    return [key for step in R.plan_steps(rule_set) for key in step.mcore_keys]
+    """The keys of the mcore state dict proper (what Megatron's class holds), in table order."""
+    aside = set(R.side_keys(rule_set))
+    return [key for step in R.plan_steps(rule_set) for key in step.mcore_keys if key not in aside]
+
+
+def _side_tensors(source: "_Source", rule_set: R.RuleSet) -> tuple[dict[str, bytes], tuple, dict]:
+    """(extra files, manifest records, manifest extra) for the side file of ``source``: nothing
+    when the family keeps nothing aside."""
+    keys = R.side_keys(rule_set)
+    if not keys:
+        return {}, (), {}
+    tensors = {key: joined(source.mcore_pieces(key)).contiguous().clone() for key in keys}
+    records = tuple(TensorRecord(SIDE_FILE, key, tensor_checksum(t)) for key, t in tensors.items())
+    return {SIDE_FILE: safetensors_save(tensors)}, records, {"side_file": SIDE_FILE}
+
+
+def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The side tensors of an mcore checkpoint, checked against the manifest's checksums."""
+    if not keys:
+        return {}
+    records = {r.key: r for r in (manifest.tensors if manifest is not None else ()) if r.file == SIDE_FILE}
+    path = root / SIDE_FILE
+    if not records or not path.is_file():
+        raise ConvertError(f"{root}: no side file {SIDE_FILE} recorded in its {MANIFEST_FILE} (it holds "
+                           f"the tensors Megatron's class has no place for: {', '.join(keys[:4])}"
+                           f"{' ...' if len(keys) > 4 else ''})")
+    try:
+        tensors = safetensors_load(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ConvertError(f"{path}: cannot read the side file: {exc}") from None
+    problems = [f"missing side tensor {k}" for k in keys if k not in tensors]
+    problems += [f"unexpected side tensor {k}" for k in tensors if k not in keys]
+    for key, t in tensors.items():
+        if key not in records:
+            problems.append(f"side tensor {key} is not in the manifest")
+            continue
+        checksum = records[key].checksum
+        problems += [f"{key}: {d}" for d in checksum.differences(tensor_checksum(t, checksum.algorithm))]
+    if problems:
+        raise ConvertError(_problems_line(f"{path}: side file does not match its manifest", problems))
+    return tensors
 
 
 def _validate_tp(rule_set: R.RuleSet, tp: int) -> None:
@@ -295,15 +346,22 @@ class _Source:
         """(fd, offset) of the source file bytes a piece shows, if it is a view of them."""
         return None
 
+    # How the source's vocabularies are padded (Megatron-LM's rule at this TP size).
+    vocab_tp: int = 1
+    vocab_multiple: int = R.VOCAB_MULTIPLE
+
     def provenance_extra(self) -> dict:
-        return {"hf_prefix": self.prefix, "hf_format": self.hf_format}
+        return {"hf_prefix": self.prefix, "hf_format": self.hf_format,
+                "make_vocab_size_divisible_by": self.vocab_multiple}
 
 
 class _HFSource(_Source):
     layout = LAYOUT_HF
 
-    def __init__(self, path: Path, family: str, hf_format: str | None, filt: _TensorFilter):
+    def __init__(self, path: Path, family: str, hf_format: str | None, filt: _TensorFilter,
+                 tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE):
         self.path, self.family, self._filter = path, family, filt
+        self.vocab_tp, self.vocab_multiple = tp, vocab_multiple
         self.cfg, self.config_bytes = _load_family_config(path / CONFIG_FILE, family, path)
         self.ckpt = SafetensorsCheckpoint(path)
         infos = self.ckpt.infos()
@@ -316,7 +374,10 @@ class _HFSource(_Source):
         # The engine's plan, made from the file headers alone: the one totality check.
         metas = {name: filt.meta(Meta(info.dtype, info.shape)).tensor() for name, info in infos.items()}
         try:
-            self.plan = R.plan_hf_to_mcore(self.rules, metas, 1, self.prefix)
+            # Planned for the target TP where it fits (vocabulary padding); a TP that does not fit
+            # is reported, with every reason, by the writer's own check.
+            fits = not (self.rules.validate_tp and self.rules.validate_tp(tp))
+            self.plan = R.plan_hf_to_mcore(self.rules, metas, tp if fits else 1, self.prefix, vocab_multiple)
         except R.ConversionError as exc:
             raise ConvertError(_problems_line(f"{path}: not a complete {family!r} checkpoint "
                                               f"({self.hf_format!r} layout)", exc.problems)) from None
@@ -369,9 +430,19 @@ class _McoreSource(_Source):
         formats = families.get(self.family).hooks.converter.formats
         self.hf_format = recorded if recorded in formats else formats[0]
         self.prefix = str(extra.get("hf_prefix") or "")
+        multiple = extra.get("make_vocab_size_divisible_by")
+        if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 0:
+            self.vocab_multiple = multiple
         self.rules = _rule_set(self.family, self.cfg, self.hf_format)
         self.kinds = _kinds(self.rules)
         self.order = _mcore_order(self.rules)
+        self.side = _read_side_file(root, manifest, R.side_keys(self.rules))
+
+    def _side_metas(self) -> dict:
+        return {key: self._filter.meta(_meta_of(t)) for key, t in self.side.items()}
+
+    def _side_tensor(self, key: str) -> torch.Tensor:
+        return self._filter(key, self.side[key], self.root)
 
     def _check_keys(self, present: Iterable[str], what: str) -> None:
         present = set(present)
@@ -425,6 +496,7 @@ class _LegacySource(_McoreSource):
             self.metas[key] = filt.meta(Meta(self.ranks[0][key].dtype, _merged_shape(shapes[0], self.kinds[key], self.tp)))
         if problems:
             raise ConvertError(_problems_line(f"{self.root}: cannot merge the TP={self.tp} legacy checkpoint", problems))
+        self.metas.update(self._side_metas())
 
     def _parts(self, key: str) -> list[torch.Tensor]:
         parts = [self._filter(key, state[key], self.root) for state in self.ranks]
@@ -436,6 +508,8 @@ class _LegacySource(_McoreSource):
         return parts
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
+        if key in self.side:
+            return self._side_tensor(key)
         parts = self._parts(key)
         if len(parts) == 1 or self.kinds[key] == "replicated":
             # tp.merge would return a copy; the (file-backed) first rank's tensor is as good once
@@ -447,6 +521,8 @@ class _LegacySource(_McoreSource):
             raise ConvertError(f"{self.root}: {key}: {exc}") from None
 
     def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        if key in self.side:
+            return [self._side_tensor(key)]
         parts = self._parts(key)
         if len(parts) == 1:
             return parts
@@ -497,9 +573,11 @@ class _TorchDistSource(_McoreSource):
                     self.index[local] = (ckpt_key, None, Meta(dtype, tuple(shape)))
         self._check_keys(self.index, "torch_dist")
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
-        self.metas = {key: filt.meta(self.index[key][2]) for key in self.order}
+        self.metas = {key: filt.meta(self.index[key][2]) for key in self.order} | self._side_metas()
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
+        if key in self.side:
+            return self._side_tensor(key)
         ckpt_key, layer, meta = self.index[key]
         if layer is None:
             t = self.files.read(ckpt_key)
@@ -518,9 +596,7 @@ def _source_kind(path: Path) -> str:
         raise ConvertError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise ConvertError(f"{path}: not a directory (expected an HF save_pretrained directory or an mcore checkpoint)")
-    if (path / SAFETENSORS_SINGLE_FILE).is_file() or (path / SAFETENSORS_INDEX_FILE).is_file() or any(
-        path.glob("*.safetensors")
-    ):
+    if has_hf_weights(path):
         return "hf"
     try:
         _, iteration_dir, _ = resolve_iteration_dir(path)
@@ -538,8 +614,10 @@ def _source_kind(path: Path) -> str:
 
 
 def open_source(path, family: str | None = None, hf_format: str | None = None, *,
-                dtype: torch.dtype | None = None, check_finite: bool = False) -> _Source:
-    """Opens and fully validates a source checkpoint (HF, legacy or torch_dist); reads no weights."""
+                dtype: torch.dtype | None = None, check_finite: bool = False, tp: int = 1,
+                vocab_multiple: int = R.VOCAB_MULTIPLE) -> _Source:
+    """Opens and fully validates a source checkpoint (HF, legacy or torch_dist); reads no weights.
+    An HF source is planned for ``tp`` ranks with vocabularies padded to ``vocab_multiple × tp``."""
     path = Path(path)
     kind = _source_kind(path)
     filt = _TensorFilter(dtype, check_finite)
@@ -547,7 +625,7 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
         if family is None:
             raise ConvertError(f"{path}: an HF source needs --family (one of {', '.join(families.names())})")
         families.get(family)
-        return _HFSource(path, family, hf_format, filt)
+        return _HFSource(path, family, hf_format, filt, tp, vocab_multiple)
     if kind == "legacy":
         return _LegacySource(path, family, filt)
     return _TorchDistSource(path, family, filt)
@@ -557,7 +635,7 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
 # shape check against the config
 
 
-def _expected_mcore_shapes(family: str, cfg) -> dict | None:
+def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE) -> dict | None:
     """mcore shapes the HF config implies: the reference model built on the meta device, converted.
 
     The rule engine only sees shapes an op needs (q/k/v, gate/up); a renamed tensor of the wrong
@@ -569,19 +647,23 @@ def _expected_mcore_shapes(family: str, cfg) -> dict | None:
             reference = families.get(family).build_reference(cfg)
         state = dict(reference.state_dict())
         rules = families.get(family).rule_set(cfg, None)
-        outputs = R.plan_hf_to_mcore(rules, state, 1, prefix="").outputs
+        outputs = R.plan_hf_to_mcore(rules, state, tp, prefix="", vocab_multiple=vocab_multiple).outputs
     except Exception:
         return None
     return {key: tuple(t.shape) for key, t in outputs.items()}
 
 
 def _check_shapes(source: _Source) -> None:
-    expected = _expected_mcore_shapes(source.family, source.cfg)
+    expected = _expected_mcore_shapes(source.family, source.cfg, source.vocab_tp, source.vocab_multiple)
     if expected is None:
         return
+    kinds = _kinds(_rule_set(source.family, source.cfg, source.hf_format))
     problems = []
     for key, meta in source.metas.items():
         want = expected.get(key)
+        if (want is not None and source.layout != LAYOUT_HF and kinds.get(key) == "vocab"
+                and tuple(meta.shape[1:]) == want[1:] and meta.shape[0] >= want[0]):
+            continue  # padded for another TP size or multiple: export trims it all the same
         if want is not None and tuple(meta.shape) != want:
             origin = source.hf_sources.get(key)
             named = f"{', '.join(origin)} -> {key}" if origin else key
@@ -653,6 +735,8 @@ def _mcore_provenance(source: _Source, options: ConvertOptions, **extra) -> Prov
 
 
 def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], dict[str, str]]:
+    """(the mcore keys to write, in order, their TP kinds), checked for ``--tp``; side keys are
+    not among them (see :func:`_side_tensors`)."""
     rules = _rule_set(source.family, source.cfg, source.hf_format)
     _validate_tp(rules, options.tp)
     order, kinds = _mcore_order(rules), _kinds(rules)
@@ -683,6 +767,8 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
             entries[rank][key] = (meta.dtype, tuple(shape))
     progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}", len(order), total)
+    side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
+                                                                            source.hf_format))
     heap = heap_budget()
     try:
         with atomic_directory(options.dst, force=options.force) as staging:
@@ -702,12 +788,13 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
 
             try:
                 R.stream_to_mcore(order, kinds, source.produce, put)
-                records = writer.close()
+                records = [*writer.close(), *side_records]
             finally:
                 writer.abort()
             finish_legacy(staging, records, tp_size=options.tp, pp_size=options.pp, layer_counts=counts,
-                          iteration=1, extra_files={HF_CONFIG_FILE: source.config_bytes},
-                          provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix))
+                          iteration=1, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
+                          provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix,
+                                                       **side_extra))
     except CheckpointError as exc:
         raise ConvertError(str(exc)) from None
     return len(order), total
@@ -722,6 +809,9 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
     # torch_dist stores global tensors: the TP/PP sizes only had to fit (checked above).
     pp_mod.pipeline_layout(order).layer_counts(options.pp)
     total = sum(source.metas[k].nbytes for k in order)
+    rules = _rule_set(source.family, source.cfg, source.hf_format)
+    aside = set(R.side_keys(rules))
+    side_files, side_records, side_extra = _side_tensors(source, rules)
     with runtime.parallel_context(1, 1):
         # The model only supplies mcore's sharding metadata (keys, layer offsets, the swiglu
         # factory); built on meta it costs no memory, and its data is replaced below.
@@ -737,6 +827,8 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
                 problems.append(f"{local}: unsupported sharded entry {type(entry).__name__}")
                 continue
             key = _te_key(local)
+            if key in aside:  # the native model's own modules for side tensors (e.g. CLIP's ln_post)
+                continue
             if key not in source.metas:
                 problems.append(f"the native model's {local} has no converted tensor")
             local_keys[local] = key
@@ -749,6 +841,8 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
         # placeholder is kept alive so the key stays unique.
         key_of: dict[int, tuple[str, torch.Tensor]] = {}
+        for local in [name for name in sharded if _te_key(name) in aside]:
+            del sharded[local]
         for local, key in local_keys.items():
             entry = sharded[local]
             meta = source.metas[key]
@@ -783,8 +877,9 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
     # write runs under the default group alone.
     with runtime.process_group():
         try:
-            save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options),
-                            tp_size=1, pp_size=1, extra_files={HF_CONFIG_FILE: source.config_bytes},
+            save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options, **side_extra),
+                            extra_records=side_records,
+                            tp_size=1, pp_size=1, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
                             force=options.force, produce=produce, locate=source.locate)
         except CheckpointError as exc:
             raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
@@ -801,10 +896,10 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
         raise ConvertError(f"--to must be one of {', '.join(TARGETS)}, got {options.to!r}")
     if options.format not in MCORE_FORMATS:
         raise ConvertError(f"--format must be one of {', '.join(MCORE_FORMATS)}, got {options.format!r}")
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "make_vocab_size_divisible_by"):
         value = getattr(options, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConvertError(f"--{name} must be a positive integer, got {value!r}")
+            raise ConvertError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     if options.to == "hf" and (options.tp != 1 or options.pp != 1):
         raise ConvertError("--tp/--pp shard mcore output; HF output is never sharded by TP/PP")
     try:
@@ -843,7 +938,10 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         # --hf-format names the HF side: the source's layout when converting from HF to mcore, the
         # output's when writing HF (the source's is then detected, or recorded in its manifest).
         source_format = options.hf_format if options.to == "mcore" and _source_kind(src) == "hf" else None
-        source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite)
+        # Legacy rank files hold Megatron-LM's per-TP padding; torch_dist's global tensors TP 1's.
+        vocab_tp = options.tp if options.to == "mcore" and options.format == "legacy" else 1
+        source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
+                             tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by)
         _check_shapes(source)
         if options.to == "hf":
             count, nbytes = _write_hf(source, options, progress)
@@ -865,8 +963,9 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
 # reading mcore checkpoints back (check --mcore, tests)
 
 
-def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None) -> tuple[str, Path, list[dict]]:
-    """(family, HF config path, one TE-spelled, globally numbered state dict per TP rank).
+def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None) -> tuple[str, Path, R.McoreShards]:
+    """(family, HF config path, one TE-spelled, globally numbered state dict per TP rank, with the
+    side file's tensors split for TP as ``.side``).
 
     Legacy checkpoints come as written (their TP size) unless `tp` asks for another; torch_dist
     holds global tensors, so it comes at TP = 1 unless `tp` is given. Resharding merges each tensor
@@ -878,14 +977,18 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
         if kind == "hf":
             raise ConvertError(f"{path}: an HF directory, not an mcore checkpoint")
         source = (_LegacySource if kind == "legacy" else _TorchDistSource)(path, family, _TensorFilter(None, False))
+        aside = R.side_keys(source.rules)
         if kind == "legacy" and (tp is None or tp == source.tp):
-            shards = [{k: state[k] for k in source.order} for state in source.rank_states()]
+            sink = R.MemorySink(source.tp)
+            R.stream_to_mcore(aside, source.kinds, source.produce, sink.put)
+            shards = R.McoreShards([{k: state[k] for k in source.order} for state in source.rank_states()],
+                                   sink.shards, R.side_keys(source.rules, "unused"))
         else:
             target = tp or 1
             _validate_tp(source.rules, target)
             sink = R.MemorySink(target)
-            R.stream_to_mcore(source.order, source.kinds, source.produce, sink.put)
-            shards = sink.shards
+            R.stream_to_mcore(source.order + aside, source.kinds, source.produce, sink.put)
+            shards = R.split_side(source.rules, sink.shards)
     except (CheckpointError, PipelineError, ShardError) as exc:
         raise ConvertError(str(exc)) from None
     return source.family, source.root / HF_CONFIG_FILE, shards

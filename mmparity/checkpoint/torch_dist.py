@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +334,7 @@ def save_torch_dist(
     force: bool = False,
     produce: Producer | None = None,
     locate=None,
+    extra_records: Sequence[TensorRecord] = (),
 ) -> Path:
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
 
@@ -342,7 +343,8 @@ def save_torch_dist(
     manifest default to the initialised mcore parallel state. `content_metadata` is passed to mcore
     as is: give it the `metadata` you passed to `sharded_state_dict(metadata=...)`, so Megatron-LM
     rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys).
-    `extra_files` (plain names) are written at the root by rank 0 in the same atomic step. The
+    `extra_files` (plain names) are written at the root by rank 0 in the same atomic step, and
+    `extra_records` (checksums of tensors in such a file) join the manifest's records. The
     staging directory is created by rank 0 next to `root`, so all ranks must see the same
     filesystem (as Megatron-LM requires). Tensor data may be meta when `produce` gives the bytes of
     each meta base tensor on demand (a converter streaming from another checkpoint); `locate` says
@@ -410,7 +412,7 @@ def save_torch_dist(
                     staging,
                     Manifest(
                         layout=LAYOUT_TORCH_DIST,
-                        tensors=tuple(record for records in gathered for record in records),
+                        tensors=tuple(record for records in gathered for record in records) + tuple(extra_records),
                         provenance=provenance or Provenance(),
                         tensor_parallel_size=tp_size,
                         pipeline_parallel_size=pp_size,

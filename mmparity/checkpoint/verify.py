@@ -184,7 +184,8 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
         if not os.path.lexists(path):
             report.problems.append(Problem(file_name, None, f"missing; {len(records)} record(s) not checked"))
             continue
-        if manifest.layout != LAYOUT_TORCH_DIST:  # a torch_dist record names its directory
+        # A torch_dist record names its directory; a side file is a file in any layout.
+        if manifest.layout != LAYOUT_TORCH_DIST or file_name.endswith(_DATA_SUFFIXES):
             try:
                 require_regular_file(path, "data file")
             except CheckpointError as exc:
@@ -193,12 +194,17 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
         present[file_name] = records
     for unit in sorted(_data_units(root) - set(by_file)):
         report.problems.append(Problem(unit, None, "data file not covered by the manifest: nothing certifies it"))
+    # An mcore checkpoint's side file (tensors Megatron's class has no place for) is safetensors.
+    side = {f: r for f, r in present.items() if f.endswith(_DATA_SUFFIXES)}
+    rest = {f: r for f, r in present.items() if f not in side}
     if manifest.layout == LAYOUT_HF:
         _verify_hf(root, present, report)
     elif manifest.layout == LAYOUT_LEGACY:
-        _verify_legacy(root, present, report)
+        _verify_hf(root, side, report)
+        _verify_legacy(root, rest, report)
     elif manifest.layout == LAYOUT_TORCH_DIST:
-        _verify_torch_dist(root, present, report)
+        _verify_hf(root, side, report)
+        _verify_torch_dist(root, rest, report)
     else:
         raise CheckpointError(f"{root / MANIFEST_FILE}: unknown layout {manifest.layout!r}")
     return report

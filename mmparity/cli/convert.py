@@ -26,6 +26,9 @@ def add_arguments(parser) -> None:
                              "of the output with --to hf (default: the source's)")
     parser.add_argument("--max-shard-size", metavar="S", default=None,
                         help="largest HF output shard, e.g. 500MB, 5GB (default 5GB)")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+                        help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
+                             "(default 128, Megatron-LM's default)")
     parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
@@ -103,7 +106,7 @@ def run(args) -> int:
         src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp,
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
-        force=args.force)
+        force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     interactive = not args.quiet and sys.stderr.isatty()
     progress = _RichProgress() if interactive else _NoProgress()
     try:

@@ -1,4 +1,8 @@
-"""CLIP vision encoder: HF ``CLIPVisionModel`` keys <-> native ``ViTModel`` keys.
+"""CLIP vision encoder: HF ``CLIPVisionModel`` keys <-> Megatron's ``CLIPViTModel`` keys.
+
+The mcore side is exactly the stock ``clip_vit_model.CLIPViTModel`` (``vision_model_type``
+``clip``) state dict, which the native ``ViTModel`` shares. HF's ``post_layernorm`` (applied to
+the pooled class token) has no place there: it is kept aside (side file) as ``ln_post.*``.
 
 HF keys are relative to the vision model: transformers 5 saves a ``CLIPVisionModel`` without a
 prefix, older releases and whole ``CLIPModel`` checkpoints under ``vision_model.``, LLaVA
@@ -9,7 +13,7 @@ SigLIP (:mod:`mmparity.converters.siglip`) is this table plus overrides.
 from __future__ import annotations
 
 from mmparity.converters.ops import FuseQKV, Reshape
-from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, aside, rename
 from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
@@ -64,13 +68,13 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     rules = (
         # HF keeps one class token as a vector; mcore as (1, class_token_len, H).
         Rule("class_token", "embeddings.class_embedding", Reshape((hidden,), (1, 1, hidden))),
-        rename("patch_conv.conv.weight", "embeddings.patch_embedding.weight"),
+        rename("conv1.weight", "embeddings.patch_embedding.weight"),
         rename("position_embeddings.weight", "embeddings.position_embedding.weight"),
         rename("ln_pre.weight", "pre_layrnorm.weight"),
         rename("ln_pre.bias", "pre_layrnorm.bias"),
         *encoder_layer_rules(cfg),
-        rename("ln_post.weight", "post_layernorm.weight"),
-        rename("ln_post.bias", "post_layernorm.bias"),
+        *aside(rename("ln_post.weight", "post_layernorm.weight"),
+               rename("ln_post.bias", "post_layernorm.bias")),
     )
     return RuleSet(rules=rules, variables={"i": cfg.num_hidden_layers}, hf_prefixes=HF_PREFIXES,
                    drop_hf=DROP_HF, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp))

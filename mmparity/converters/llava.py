@@ -1,4 +1,8 @@
-"""LLaVA: a whole HF ``LlavaForConditionalGeneration`` checkpoint <-> native ``LLaVAModel`` keys.
+"""LLaVA: a whole HF ``LlavaForConditionalGeneration`` checkpoint <-> Megatron's ``LLaVAModel`` keys.
+
+The vision tower is built, as Megatron builds it, only as deep as ``vision_feature_layer`` reads;
+the layers past it (and what the tower's family keeps aside, e.g. CLIP's ``ln_post``) are side
+tensors.
 
 Three parts, each under its own root on both sides:
 
@@ -8,8 +12,9 @@ Three parts, each under its own root on both sides:
 * the projector: ``multi_modal_projector.linear_1`` / ``linear_2`` <-> mcore
   ``MultimodalProjector`` ``vision_projection.encoder.linear_fc1`` / ``linear_fc2``;
 * the Llama-style language model <-> mcore ``GPTModel`` under ``language_model.``, with the
-  embedding and the output layer padded to :func:`padded_vocab_size` rows (mcore splits the
-  vocabulary evenly across TP ranks). Export trims the padding. Tied embeddings have no
+  embedding and the output layer padded as Megatron-LM pads them, to a multiple of
+  ``make_vocab_size_divisible_by × TP`` (:func:`padded_vocab_size`; the table states TP 1's and the
+  engine re-pads for the TP size it converts to). Export trims the padding. Tied embeddings have no
   ``output_layer`` on the mcore side; HF's ``lm_head.weight`` (the same tensor) is then dropped.
 
 HF layouts:
@@ -37,8 +42,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mmparity.converters.ops import FuseQKV, PadRows, fuse_gate_up
-from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, nested_rules, rename
-from mmparity.hfconfig import head_dim, padded_vocab_size, tied_embeddings
+from mmparity.converters.rules import (ConversionError, ConverterSpec, Rule, RuleSet, aside, nested_rules,
+                                       rename)
+from mmparity.hfconfig import head_dim, padded_vocab_size, tied_embeddings, tower_depth
 
 FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint")
 
@@ -78,8 +84,7 @@ def tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
     sizes = {"text num_attention_heads": text.num_attention_heads,
              "text num_key_value_heads": text.num_key_value_heads,
              "text intermediate_size": text.intermediate_size,
-             "text hidden_size (projector width)": text.hidden_size,
-             "padded vocabulary": padded_vocab_size(text.vocab_size)}
+             "text hidden_size (projector width)": text.hidden_size}
     problems += [f"tp={tp} does not divide {name}={value}" for name, value in sizes.items()
                  if value % tp]
     return problems
@@ -124,6 +129,23 @@ def projector_rules(cfg, root: str) -> tuple:
     return rules
 
 
+_TOWER_LAYER = "{vision_i}"
+
+
+def _tower_depth(cfg, vision: tuple, variables: dict) -> tuple[tuple, dict]:
+    """The tower as Megatron builds it: only as deep as the deepest hidden state LLaVA reads
+    (``vision_feature_layer``). The layers past it are set aside (no model reads them), each under
+    its own number, so that mcore -> HF gives them back."""
+    depth = tower_depth(cfg)
+    total = variables["vision_i"]
+    layered = [r for r in vision if any(_TOWER_LAYER in p for p in r.mcore)]
+    dropped = tuple(rule for layer in range(depth, total) for rule in aside(*(
+        Rule(tuple(p.replace(_TOWER_LAYER, str(layer)) for p in r.mcore),
+             tuple(p.replace(_TOWER_LAYER, str(layer)) for p in r.hf), r.op, r.tp)
+        for r in layered), side="unused"))
+    return vision + dropped, {**variables, "vision_i": depth}
+
+
 def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
     if hf_format not in FORMATS:
         raise ConversionError("unknown LLaVA layout", [f"got {hf_format!r}; known: {FORMATS}"])
@@ -132,6 +154,7 @@ def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
         tower_root += tower.v4_checkpoint_root
     vision, vision_vars = nested_rules(_vision_rule_set(cfg, tower), "vision_model.", tower_root,
                                        "vision_")
+    vision, vision_vars = _tower_depth(cfg, vision, vision_vars)
     rules = language_rules(cfg, lm_root, head_key) + vision + projector_rules(cfg, projector)
     drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
     return RuleSet(rules=rules,

@@ -62,6 +62,11 @@ class Op:
     def invert_pieces(self, mcore: Tensors) -> list[Tensors]:
         return [[t] for t in self.invert(mcore)]
 
+    def at_tp(self, tp: int, vocab_multiple: int) -> "Op":
+        """The op for a conversion to ``tp`` ranks whose vocabularies are padded to multiples of
+        ``vocab_multiple × tp`` (Megatron-LM's rule); most ops do not depend on either."""
+        return self
+
     def __repr__(self) -> str:
         return type(self).__name__
 
@@ -327,6 +332,10 @@ class PadRows(Op):
             raise LayoutError(f"{self!r}: a padded table needs at least {self.rows} rows, "
                               f"got {tuple(t.shape)}")
         return [_own(t[: self.rows], mcore)]
+
+    def at_tp(self, tp: int, vocab_multiple: int) -> "PadRows":
+        step = vocab_multiple * tp
+        return PadRows(self.rows, -(-self.rows // step) * step)
 
     def __repr__(self):
         return f"PadRows(rows={self.rows}, padded={self.padded})"

@@ -89,7 +89,7 @@ def tower_rules(cfg, hf_format: str, hf_root: str = "", mcore_root: str = "") ->
     layer = root + "transformer.layers.{i}."
     native = mcore_root + "decoder.layers.{i}."
     return (
-        rename(mcore_root + "patch_conv.conv.weight", root + "patch_conv.weight"),
+        rename(mcore_root + "patch_embed.proj.weight", root + "patch_conv.weight"),
         rename(mcore_root + "ln_pre.weight", root + "ln_pre.weight"),
         rename(native + "self_attention.linear_qkv.layer_norm_weight", layer + attn_norm),
         Rule(native + "self_attention.linear_qkv.weight", (layer + q, layer + k, layer + v),

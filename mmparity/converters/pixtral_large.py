@@ -58,8 +58,8 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
         *pixtral.tower_rules(cfg.vision_config, hf_format,
                              hf_root="vision_tower." if hf_format == "hf" else "",
                              mcore_root="vision_model."),
-        rename("vision_model.merger.norm.weight", norm),
-        rename("vision_model.merger.merging_layer.weight", merging),
+        rename("vision_model.merger.pre_norm.weight", norm),
+        rename("vision_model.merger.linear_fc1.weight", merging),
         rename(fc1 + "weight", linear_1 + "weight", "column"),
         rename(fc2 + "weight", linear_2 + "weight", "row"),
     ]

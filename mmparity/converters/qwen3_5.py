@@ -31,8 +31,6 @@ def tp_problems(cfg, tp: int) -> list[str]:
     sizes = {
         "num_heads (linear_qkv query groups, linear_proj input)": cfg.num_attention_heads,
         "intermediate_size (mlp.linear_fc1 / linear_fc2)": cfg.intermediate_size,
-        "hidden_size*spatial_merge_size**2 (merger.linear_fc1 / linear_fc2)":
-            cfg.hidden_size * cfg.spatial_merge_size ** 2,
     }
     return [f"tp={tp} does not divide {name} = {value}" for name, value in sizes.items()
             if tp >= 1 and value % tp]
@@ -63,9 +61,10 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
         rename(native + "mlp.linear_fc2.bias", hf + "mlp.linear_fc2.bias"),
         rename("merger.patch_norm.weight", "merger.norm.weight"),
         rename("merger.patch_norm.bias", "merger.norm.bias"),
-        rename("merger.linear_fc1.weight", "merger.linear_fc1.weight", "column"),
-        rename("merger.linear_fc1.bias", "merger.linear_fc1.bias", "column"),
-        rename("merger.linear_fc2.weight", "merger.linear_fc2.weight", "row"),
+        # Megatron's QwenPatchMerger keeps its linears whole (plain nn.Linear) on every TP rank.
+        rename("merger.linear_fc1.weight", "merger.linear_fc1.weight"),
+        rename("merger.linear_fc1.bias", "merger.linear_fc1.bias"),
+        rename("merger.linear_fc2.weight", "merger.linear_fc2.weight"),
         rename("merger.linear_fc2.bias", "merger.linear_fc2.bias"),
     )
     return RuleSet(rules=rules, variables={"i": cfg.num_hidden_layers}, hf_prefixes=HF_PREFIXES,

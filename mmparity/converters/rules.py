@@ -26,6 +26,8 @@ from mmparity.converters.ops import Identity, LayoutError, Op
 from mmparity.converters.tp import ShardError
 
 _VAR = re.compile(r"\{(\w+)\}")
+# Megatron-LM's default --make-vocab-size-divisible-by.
+VOCAB_MULTIPLE = 128
 
 
 class ConversionError(ValueError):
@@ -46,6 +48,12 @@ class Rule:
     hf: tuple
     op: Op = field(default_factory=Identity)
     tp: tuple = ("replicated",)
+    # Kept aside: Megatron's class has no place for these tensors, so they never enter the mcore
+    # state dict; they travel beside it (the checkpoint's side file, ``McoreShards.side``) so that
+    # mcore -> HF stays exact. Consumed from HF exactly once like every other rule. "native": the
+    # native model has a module for them (CLIP's ln_post, the SigLIP head); "unused": no model
+    # reads them (LLaVA's tower layers past vision_feature_layer).
+    side: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "mcore", _as_tuple(self.mcore))
@@ -59,6 +67,8 @@ class Rule:
         for kind in self.tp:
             if kind not in tp_mod.KINDS:
                 raise ValueError(f"rule {self.mcore}: unknown TP kind {kind!r}")
+        if self.side not in SIDE_KINDS:
+            raise ValueError(f"rule {self.mcore}: side must be one of {SIDE_KINDS}, got {self.side!r}")
 
 
 def _as_tuple(x) -> tuple:
@@ -67,6 +77,34 @@ def _as_tuple(x) -> tuple:
 
 def rename(mcore: str, hf: str, tp: str = "replicated") -> Rule:
     return Rule(mcore, hf, Identity(), tp)
+
+
+SIDE_KINDS = ("", "native", "unused")
+
+
+def aside(*rules: Rule, side: str = "native") -> tuple:
+    """``rules`` as side rules: same names, ops and TP kinds, outside the mcore state dict."""
+    return tuple(Rule(r.mcore, r.hf, r.op, r.tp, side=side) for r in rules)
+
+
+class McoreShards(list):
+    """One mcore state dict per TP rank (what Megatron's class loads), with ``side``: per rank, the
+    tensors kept aside (side rules), split for TP like the rest, and ``unused``: those of them no
+    model reads. The native model loads :func:`with_side`; mcore -> HF needs both."""
+
+    def __init__(self, shards: Iterable[dict] = (), side: Sequence[dict] | None = None,
+                 unused: Iterable[str] = ()):
+        super().__init__(shards)
+        self.side = list(side) if side is not None else [{} for _ in self]
+        self.unused = frozenset(unused)
+
+
+def with_side(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[dict]:
+    """Per rank, the mcore state plus the side tensors the native model has modules for: what the
+    native model loads. Plain per-rank dicts (no side) come back as copies."""
+    side = getattr(shards, "side", None) or [{} for _ in shards]
+    unused = getattr(shards, "unused", frozenset())
+    return [{**s, **{k: v for k, v in extra.items() if k not in unused}} for s, extra in zip(shards, side)]
 
 
 @dataclass(frozen=True)
@@ -143,9 +181,17 @@ def plan_steps(rule_set: RuleSet) -> list[Step]:
 
 
 def expected_keys(rule_set: RuleSet) -> tuple[list[str], list[str]]:
-    """(HF keys without prefix, mcore keys) that a complete checkpoint of this config has."""
+    """(HF keys without prefix, mcore keys) that a complete checkpoint of this config has; the
+    mcore keys include the side keys (:func:`side_keys`)."""
     steps = plan_steps(rule_set)
     return ([k for s in steps for k in s.hf_keys], [k for s in steps for k in s.mcore_keys])
+
+
+def side_keys(rule_set: RuleSet, kind: str | None = None) -> list[str]:
+    """The mcore-side names of the tensors kept aside (of one side ``kind`` if given), in table
+    order."""
+    return [k for s in plan_steps(rule_set) if s.rule.side and kind in (None, s.rule.side)
+            for k in s.mcore_keys]
 
 
 # --- mcore key spellings --------------------------------------------------------------------
@@ -240,18 +286,25 @@ class Plan:
     producer: dict  # output key -> step index
     kinds: dict  # mcore key -> TP kind
     prefix: str = ""
+    ops: dict = field(default_factory=dict)  # step index -> its op for this plan's TP size
+
+    def op(self, index: int) -> Op:
+        return self.ops.get(index, self.steps[index].rule.op)
 
     def source_keys(self, key: str) -> list[str]:
         return self.sources[self.producer[key]]
 
 
 def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
-                     prefix: str | None = None) -> Plan:
+                     prefix: str | None = None, vocab_multiple: int = VOCAB_MULTIPLE) -> Plan:
     """The conversion of HF tensors ``source`` (anything with ``.shape`` and ``.dtype``, keyed by
-    full HF name) to mcore, checked: every source tensor is consumed exactly once or dropped by an
-    explicit pattern, every op and TP split fits its tensors. Raises one :class:`ConversionError`
-    listing every problem."""
+    full HF name) to mcore at ``tp_size`` ranks, checked: every source tensor is consumed exactly
+    once or dropped by an explicit pattern, every op and TP split fits its tensors. Vocabularies are
+    padded to multiples of ``vocab_multiple × tp_size`` (Megatron-LM's rule). Raises one
+    :class:`ConversionError` listing every problem."""
     problems = _tp_problems(rule_set, tp_size)
+    if isinstance(vocab_multiple, bool) or not isinstance(vocab_multiple, int) or vocab_multiple < 1:
+        problems.append(f"make_vocab_size_divisible_by must be a positive integer, got {vocab_multiple!r}")
     if problems:
         raise ConversionError("tensor-parallel size does not fit this model", problems)
     if prefix is None:
@@ -266,9 +319,10 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
             continue
         consumed.update(keys)
         inputs = [source[k] for k in keys]
+        op = step.rule.op.at_tp(tp_size, vocab_multiple)
         try:
             metas = [_meta(t) for t in inputs]
-            outputs = step.rule.op.apply(metas)
+            outputs = op.apply(metas)
             for kind, t in zip(step.rule.tp, outputs):
                 if tp_size > 1:
                     tp_mod.shard(t, kind, tp_size)
@@ -278,6 +332,7 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         index = len(plan.steps)
         plan.steps.append(step)
         plan.sources[index] = keys
+        plan.ops[index] = op
         plan.inputs.update(zip(keys, metas))
         for key, kind, t in zip(step.mcore_keys, step.rule.tp, outputs):
             plan.outputs[key], plan.producer[key], plan.kinds[key] = t, index, kind
@@ -337,9 +392,10 @@ class StepRunner:
         """(the pieces of ``key``, the source tensors its step read)."""
         if key in self._waiting:
             return self._waiting.pop(key)
-        step = self.plan.steps[self.plan.producer[key]]
+        index = self.plan.producer[key]
+        step = self.plan.steps[index]
         inputs = [self.read(k) for k in self.plan.source_keys(key)]
-        outputs = dict(zip(step.mcore_keys, step.rule.op.apply_pieces(inputs)))
+        outputs = dict(zip(step.mcore_keys, self.plan.op(index).apply_pieces(inputs)))
         for other, pieces in outputs.items():
             if other != key:
                 self._waiting[other] = (pieces, inputs)
@@ -390,16 +446,24 @@ def stream_to_mcore(keys: Iterable[str], kinds: Mapping[str, str], produce: Call
         put(key, kinds[key], pieces, inputs)
 
 
+def split_side(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.Tensor]]) -> McoreShards:
+    """Per-rank dicts holding mcore and side keys -> :class:`McoreShards`."""
+    aside_keys = set(side_keys(rule_set))
+    return McoreShards([{k: v for k, v in s.items() if k not in aside_keys} for s in shards],
+                       [{k: v for k, v in s.items() if k in aside_keys} for s in shards],
+                       side_keys(rule_set, "unused"))
+
+
 def convert_hf_to_mcore(rule_set: RuleSet, hf_state: Mapping[str, torch.Tensor], tp_size: int = 1,
-                        prefix: str | None = None) -> list[dict]:
-    """HF state dict -> ``tp_size`` mcore state dicts (TE spelling)."""
-    plan = plan_hf_to_mcore(rule_set, hf_state, tp_size, prefix)
+                        prefix: str | None = None, vocab_multiple: int = VOCAB_MULTIPLE) -> McoreShards:
+    """HF state dict -> ``tp_size`` mcore state dicts (TE spelling), side tensors beside them."""
+    plan = plan_hf_to_mcore(rule_set, hf_state, tp_size, prefix, vocab_multiple)
     sink = MemorySink(tp_size)
     try:
         stream_to_mcore(plan.outputs, plan.kinds, StepRunner(plan, hf_state.__getitem__).run, sink.put)
     except _FIT_ERRORS as exc:  # value-dependent failures a shape-only plan cannot foresee
         raise ConversionError("HF -> mcore conversion is not total", [str(exc)]) from None
-    return sink.shards
+    return split_side(rule_set, sink.shards)
 
 
 def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[str, list], None], *,
@@ -446,11 +510,17 @@ def _merged_meta(parts: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
 
 
 def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.Tensor]],
-                        prefix: str = "") -> dict:
-    """Per-rank mcore state dicts (either key spelling) -> one HF state dict."""
+                        prefix: str = "", side: Sequence[Mapping[str, torch.Tensor]] | None = None) -> dict:
+    """Per-rank mcore state dicts (either key spelling) plus the per-rank side tensors (by default
+    ``shards.side`` of :class:`McoreShards`) -> one HF state dict."""
     if not shards:
         raise ConversionError("mcore -> HF conversion needs at least one shard", ["got none"])
-    ranks = [to_te_spelling(s) for s in shards]
+    if side is None:
+        side = getattr(shards, "side", None) or [{} for _ in shards]
+    if len(side) != len(shards):
+        raise ConversionError("mcore -> HF conversion needs the side tensors of every TP rank",
+                              [f"got {len(side)} side dict(s) for {len(shards)} rank(s)"])
+    ranks = [to_te_spelling({**s, **extra}) for s, extra in zip(shards, side)]
     problems = list(rule_set.validate_tp(len(ranks))) if rule_set.validate_tp else []
     kinds = {k: kind for step in plan_steps(rule_set) for k, kind in zip(step.mcore_keys, step.rule.tp)}
     merged: dict = {}
@@ -501,6 +571,6 @@ def nested_rules(inner: RuleSet, mcore_prefix: str, hf_prefix: str,
         return prefix + _VAR.sub(lambda m: "{" + variable_prefix + m.group(1) + "}", pattern)
 
     rules = tuple(Rule(tuple(move(k, mcore_prefix) for k in rule.mcore),
-                       tuple(move(k, hf_prefix) for k in rule.hf), rule.op, rule.tp)
+                       tuple(move(k, hf_prefix) for k in rule.hf), rule.op, rule.tp, rule.side)
                   for rule in inner.rules)
     return rules, {variable_prefix + name: n for name, n in inner.variables.items()}

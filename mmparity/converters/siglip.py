@@ -1,5 +1,8 @@
 """SigLIP vision encoder: CLIP's table with SigLIP's overrides.
 
+The mcore side is the stock ``CLIPViTModel`` in its ``siglip`` configuration; the
+attention-pooling head has no place there and is kept aside (side file) as ``head.*``.
+
 No class token and no ``pre_layrnorm``; the patch conv has a bias; ``post_layernorm`` applies to
 every token; with ``vision_use_head`` the attention-pooling head maps onto an mcore
 ``CrossAttention`` + ``MLP`` (see ``native.core.vit.AttentionPoolingHead``).
@@ -13,7 +16,7 @@ import torch
 
 from mmparity.converters import clip
 from mmparity.converters.ops import LayoutError, Op
-from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, aside, rename
 from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
@@ -86,13 +89,13 @@ def head_rules(cfg) -> tuple:
 def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     cfg = tower_config_or_self(cfg, "siglip_vision_model")
     rules = (
-        rename("patch_conv.conv.weight", "embeddings.patch_embedding.weight"),
-        rename("patch_conv.conv.bias", "embeddings.patch_embedding.bias"),
+        rename("conv1.weight", "embeddings.patch_embedding.weight"),
+        rename("conv1.bias", "embeddings.patch_embedding.bias"),
         rename("position_embeddings.weight", "embeddings.position_embedding.weight"),
         *clip.encoder_layer_rules(cfg),
         rename("ln_post.weight", "post_layernorm.weight"),
         rename("ln_post.bias", "post_layernorm.bias"),
-        *(head_rules(cfg) if cfg.vision_use_head else ()),
+        *(aside(*head_rules(cfg)) if cfg.vision_use_head else ()),
     )
     return RuleSet(rules=rules, variables={"i": cfg.num_hidden_layers}, hf_prefixes=HF_PREFIXES,
                    drop_hf=DROP_HF, hf_format=hf_format,

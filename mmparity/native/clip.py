@@ -56,7 +56,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:
     eps = cfg.layer_norm_eps
     return ViTModel(transformer_config(cfg, params_dtype), vision_layer_spec(),
                     patch_dim=patch_size(cfg), img_h=img_h, img_w=img_w,
-                    in_channels=cfg.num_channels, patch_embed_bias=False, add_class_token=True,
+                    in_channels=cfg.num_channels, patch_embed_path="conv1", patch_embed_bias=False, add_class_token=True,
                     class_token_len=CLASS_TOKEN_LEN, ln_pre=True, ln_pre_eps=eps,
                     pos_emb_type="learned_absolute", ln_post="pooled", ln_post_eps=eps,
                     pooling="class_token")

@@ -247,7 +247,8 @@ class KimiViTModel(VisionTower):
         self.post_process = runtime.is_last_stage()
         self.patch_embed = self.pos_embed = None
         if self.pre_process:
-            self.patch_embed = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
+            self.patch_embed = torch.nn.Module()
+            self.patch_embed.conv = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
             self.pos_embed = KimiLearned2DPosEmbed(pos_embed_height, pos_embed_width,
                                                    cfg.hidden_size, max_frames=pos_embed_time)
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -274,7 +275,7 @@ class KimiViTModel(VisionTower):
                              else (pixel_values.shape[0], 1))
             tokens = None
             if self.pre_process:
-                tokens, _, _ = self.patch_embed(pixel_values.reshape(-1, *pixel_values.shape[-3:]))
+                tokens, _, _ = self.patch_embed.conv(pixel_values.reshape(-1, *pixel_values.shape[-3:]))
                 tokens = tokens.reshape(batch, frames * h * w, -1)
             return tokens, [(h, w)], [frames], False
         grids, _ = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
@@ -287,7 +288,7 @@ class KimiViTModel(VisionTower):
         if pixel_values.shape[1] != total:
             raise ValueError(f"imgs_sizes and num_frames describe {total} patches but the input has "
                              f"{pixel_values.shape[1]} rows")
-        tokens = self.patch_embed(pixel_values) if self.pre_process else None
+        tokens = self.patch_embed.conv(pixel_values) if self.pre_process else None
         return tokens, grids, frames, True
 
     def encode(self, pixel_values: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

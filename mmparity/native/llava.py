@@ -9,6 +9,7 @@ Megatron-LM ``megatron/core/models/multimodal/llava_model.py``. Deviations are l
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -25,7 +26,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mmparity import runtime
-from mmparity.hfconfig import (feature_layer_indices, head_dim, padded_vocab_size, rope_theta,
+from mmparity.hfconfig import (feature_layer_indices, head_dim, padded_vocab_size, rope_theta, tower_depth,
                                tied_embeddings)
 from mmparity.native.llava_preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data
 from mmparity.native.core.attention import make_packed_seq_params
@@ -440,13 +441,18 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower:
     # The tower is never split: Megatron-LM keeps it whole on the first stage. Later stages only
     # read its geometry, from a copy on the meta device that costs no memory.
     placement = contextlib.nullcontext() if runtime.is_first_stage() else torch.device("meta")
-    with runtime.single_stage(), placement:
-        vision_model = build_tower(cfg.vision_config, params_dtype)
     layers = feature_layer_indices(cfg)
+    # As Megatron builds it: only as deep as the deepest hidden state LLaVA reads (the converter
+    # sets the layers past it aside).
+    tower_config = copy.copy(cfg.vision_config)
+    tower_config.num_hidden_layers = tower_depth(cfg)
+    with runtime.single_stage(), placement:
+        vision_model = build_tower(tower_config, params_dtype)
     return LLaVAModel(
         language_transformer_config=language_transformer_config(text, params_dtype),
         language_transformer_layer_spec=language_layer_spec(),
-        language_vocab_size=padded_vocab_size(text.vocab_size),
+        # Megatron-LM's padding at this TP size (what the converter writes by default).
+        language_vocab_size=padded_vocab_size(text.vocab_size, tp=runtime.current_layout().tp),
         language_max_sequence_length=text.max_position_embeddings,
         vision_model=vision_model,
         vision_projection_config=projection_transformer_config(cfg, params_dtype),

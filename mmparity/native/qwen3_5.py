@@ -34,7 +34,6 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -222,25 +221,21 @@ class QwenPatchMerger(MegatronModule):
 
     ``encoder_tokens``: LayerNorm per token, then each m×m block (consecutive in block-first order)
     becomes one vector of width m²·H, patch-major [top-left ‖ top-right ‖ bottom-left ‖
-    bottom-right]. ``project``: fc1 (column-parallel), exact GELU, fc2 (row-parallel).
+    bottom-right]. ``project``: fc1, exact GELU, fc2, plain ``nn.Linear``s whole on every TP rank
+    (computed redundantly), as Megatron's ``QwenPatchMerger`` keeps them.
     ``forward`` = both: HF's ``pooler_output``.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, spatial_merge_size: int,
-                 out_hidden_size: int, eps: float = QWEN_NORM_EPS, tp_group=None):
-        # A MegatronModule so that sharded_state_dict() asks its parallel linears for their real
-        # split axes; as a plain Module every tensor would be declared replicated, and a torch_dist
-        # checkpoint written at TP>1 would record per-rank shapes as global ones.
+                 out_hidden_size: int, eps: float = QWEN_NORM_EPS):
+        # Its plain submodules are declared replicated by mcore's sharded_state_dict(): whole on
+        # every rank in torch_dist too, as in Megatron's QwenPatchMerger.
         super().__init__(config=config)
         self.hidden_size, self.spatial_merge_size = hidden_size, spatial_merge_size
         merged = hidden_size * spatial_merge_size ** 2
         self.patch_norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        self.linear_fc1 = ColumnParallelLinear(
-            merged, merged, config=config, init_method=config.init_method, bias=True,
-            gather_output=False, skip_bias_add=False, tp_group=tp_group)
-        self.linear_fc2 = RowParallelLinear(
-            merged, out_hidden_size, config=config, init_method=config.output_layer_init_method,
-            bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+        self.linear_fc1 = torch.nn.Linear(merged, merged, bias=True, dtype=config.params_dtype)
+        self.linear_fc2 = torch.nn.Linear(merged, out_hidden_size, bias=True, dtype=config.params_dtype)
 
     def encoder_tokens(self, x: torch.Tensor, h_patches: GridArg, w_patches: GridArg) -> torch.Tensor:
         """(B, N, H) block-first -> (B, N/m², m²·H); grid sequences describe one packed sequence."""
@@ -257,9 +252,7 @@ class QwenPatchMerger(MegatronModule):
         return x.reshape(x.shape[0], total // (m * m), m * m * self.hidden_size)
 
     def project(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.linear_fc1(tokens)
-        out, _ = self.linear_fc2(F.gelu(hidden))  # erf GELU, as HF's nn.GELU()
-        return out
+        return self.linear_fc2(F.gelu(self.linear_fc1(tokens)))  # erf GELU, as HF's nn.GELU()
 
     def forward(self, x: torch.Tensor, h_patches: GridArg, w_patches: GridArg) -> torch.Tensor:
         return self.project(self.encoder_tokens(x, h_patches, w_patches))
@@ -302,9 +295,8 @@ class QwenVLViTModel(VisionTower):
                                         post_layer_norm=False, pre_process=self.pre_process,
                                         post_process=self.post_process,
                                         pg_collection=pg_collection, vp_stage=vp_stage)
-        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        self.merger = (QwenPatchMerger(cfg, cfg.hidden_size, spatial_merge_size, out_hidden_size,
-                                       tp_group=tp_group) if self.post_process else None)
+        self.merger = (QwenPatchMerger(cfg, cfg.hidden_size, spatial_merge_size, out_hidden_size)
+                       if self.post_process else None)
         tolerate_missing_extra_state(self)
 
     def embed(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):

@@ -23,7 +23,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:
     img_h, img_w = clip.image_hw(cfg)
     return ViTModel(clip.transformer_config(cfg, params_dtype), vision_layer_spec(),
                     patch_dim=clip.patch_size(cfg), img_h=img_h, img_w=img_w,
-                    in_channels=cfg.num_channels, patch_embed_bias=True, add_class_token=False,
+                    in_channels=cfg.num_channels, patch_embed_path="conv1", patch_embed_bias=True, add_class_token=False,
                     ln_pre=False, pos_emb_type="learned_absolute", ln_post="tokens",
                     ln_post_eps=cfg.layer_norm_eps,
                     pooling="attention" if cfg.vision_use_head else None)

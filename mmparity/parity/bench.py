@@ -34,6 +34,7 @@ import torch
 from mmparity import families, runtime
 from mmparity.cases import inputs
 from mmparity.cases.core import TowerShape
+from mmparity.converters.rules import with_side
 from mmparity.hfconfig import first_int, vision_sub_config
 from mmparity.native.core import attention
 from mmparity.parity import metrics
@@ -390,7 +391,7 @@ def _build_models(family: str, cfg, dtype: torch.dtype, device: torch.device, se
     ref = fam.build_reference(cfg)
     # The harness's seeded weights: never zeros (METHOD: zeros can time faster than real data).
     shards = fam.hf_to_mcore(load_reference_weights(ref, None, seed), cfg, tp_size=1)
-    state = dict(shards[0])
+    state = with_side(shards)[0]
     del shards
     if mutate_native is not None:
         mutate_native(state)

@@ -17,6 +17,7 @@ import torch
 
 from mmparity import families, runtime
 from mmparity.converters import pp as pp_mod
+from mmparity.converters.rules import with_side
 from mmparity.hfconfig import first_int, vision_sub_config
 from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
@@ -163,7 +164,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if native_shards is None:
         native_shards = fam.hf_to_mcore(used_state, cfg, tp_size=tp, hf_format=hf_format)
     tp = len(native_shards)
-    native_shards = [dict(s) for s in native_shards]
+    native_shards = with_side(native_shards)
     if mutate_native is not None:
         for shard in native_shards:
             mutate_native(shard)

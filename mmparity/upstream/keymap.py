@@ -1,17 +1,17 @@
 """From the mcore state dict ``converters.hf_to_mcore`` writes today to Megatron's own class's.
 
 Pure tensors and names (no megatron, no transformers): the differences are data, one rule list
-per family, each rule with an exact inverse except where the docs say none exists.
+per family, each rule with an exact inverse except where the docs say none exists. The converters
+of clip, siglip and llava (CLIP / SigLIP towers) write Megatron's layout themselves, with what has
+no place kept aside (``McoreShards.side``): for them the map is a pass-through that hands those
+side tensors on.
 
 * :class:`Rename` — the same tensor under Megatron's name (``patch_conv.conv.*`` ->
-  ``conv1.*``, ``merger.norm`` -> ``merger.pre_norm`` ...).
-* :class:`Side` — a tensor Megatron's class has no place for (CLIP ``ln_post``, the SigLIP
-  head, layers past LLaVA's ``vision_feature_layer`` ...). It leaves the Megatron state dict and is
-  returned beside it, so that nothing is lost.
+  ``patch_embed.proj.*``, ``merger.norm`` -> ``merger.pre_norm`` ...).
+* :class:`Side` — a tensor Megatron's class has no place for (Kimi's projector ``pre_norm``). It
+  leaves the Megatron state dict and is returned beside it, so that nothing is lost.
 * :class:`Replicate` — a tensor mmparity splits over TP ranks that Megatron keeps whole on every
   rank (Qwen's merger linears are plain ``nn.Linear``\\ s): the rank pieces are concatenated.
-* :class:`RepadVocab` — vocabulary rows padded to Megatron-LM's multiple of
-  ``make_vocab_size_divisible_by × TP`` instead of mmparity's multiple of 128, then re-split.
 * :class:`Tile` — Kimi's per-sub-token norm placed, approximately, as a norm over the merged
   vector (see ``models.kimi_projection``); the H-sized vector is repeated m² times. The original
   stays a side tensor too, since the Megatron function differs.
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
+
+from mmparity.converters.rules import McoreShards
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,6 @@ class Replicate:
 
 
 @dataclass(frozen=True)
-class RepadVocab:
-    pattern: str
-    vocab_size: int
-    divisible_by: int = 128
-
-
-@dataclass(frozen=True)
 class Tile:
     source: str  # mmparity key (kept as a side tensor as well)
     target: str  # Megatron key
@@ -67,43 +62,15 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-_TOWER_RENAMES = {
-    "clip": [Rename(r"(.*)patch_conv\.conv\.(weight|bias)", r"\1conv1.\2")],
-    "siglip": [Rename(r"(.*)patch_conv\.conv\.(weight|bias)", r"\1conv1.\2")],
-    "pixtral": [Rename(r"(.*)patch_conv\.conv\.(weight|bias)", r"\1patch_embed.proj.\2")],
-}
-
-
-def _feature_layers(cfg) -> int:
-    layer = cfg.vision_feature_layer
-    if not isinstance(layer, int):
-        raise ValueError(f"vision_feature_layer={layer!r}: Megatron's LLaVAModel takes one layer")
-    total = cfg.vision_config.num_hidden_layers
-    return layer + total + 1 if layer < 0 else layer
 
 
 def rules(family: str, cfg, *, kimi_projection: Optional[str] = "fused_norm_over_merged") -> list:
     """The rule list for ``family`` and its HF config."""
-    if family == "clip":
-        return [*_TOWER_RENAMES["clip"],
-                Side(r"ln_post\.(weight|bias)", "stock CLIPViTModel has no ln_post in CLIP mode "
-                                                "(HF applies it to the pooled class token only)")]
+    # These converters write Megatron's layout themselves (what has no place kept aside).
+    if family in ("clip", "siglip", "pixtral", "pixtral_large", "qwen3_5", "llava"):
+        return []
     if family == "clip_vit":
-        return [Rename(r"patch_conv\.conv\.weight", r"patch_embed.proj.weight"),
-                Side(r"ln_post\.(weight|bias)", "ViTModel has no ln_post")]
-    if family == "siglip":
-        return [*_TOWER_RENAMES["siglip"],
-                Side(r"head\..*", "stock CLIPViTModel has no attention-pooling head")]
-    if family == "pixtral":
-        return list(_TOWER_RENAMES["pixtral"])
-    if family == "pixtral_large":
-        return [Rename(r"vision_model\.patch_conv\.conv\.weight", r"vision_model.patch_embed.proj.weight"),
-                Rename(r"vision_model\.merger\.norm\.weight", r"vision_model.merger.pre_norm.weight"),
-                Rename(r"vision_model\.merger\.merging_layer\.weight",
-                       r"vision_model.merger.linear_fc1.weight")]
-    if family == "qwen3_5":
-        return [Replicate(r"merger\.linear_fc1\.(weight|bias)", 0),
-                Replicate(r"merger\.linear_fc2\.weight", 1)]
+        return [Rename(r"conv1\.weight", r"patch_embed.proj.weight")]
     if family == "kimi_k25":
         has_projector = getattr(cfg, "model_type", None) == "kimi_k25"
         prefix = "vision_model." if has_projector else ""
@@ -121,24 +88,6 @@ def rules(family: str, cfg, *, kimi_projection: Optional[str] = "fused_norm_over
                              f"vision_projection.encoder.linear_fc1.layer_norm_{p}",
                              times[0] * times[1]) for p in ("weight", "bias")]
         return out
-    if family == "llava":
-        vc = cfg.vision_config
-        tower = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
-                 "pixtral": "pixtral"}[vc.model_type]
-        keep = _feature_layers(cfg)
-        out = [Rename(r.pattern.replace("(.*)", r"(vision_model\.)"), r.replacement)
-               for r in _TOWER_RENAMES[tower]]
-        if keep < vc.num_hidden_layers:
-            dropped = "|".join(str(i) for i in range(keep, vc.num_hidden_layers))
-            out.append(Side(rf"vision_model\.decoder\.layers\.({dropped})\..*",
-                            f"Megatron builds the tower {keep} layers deep "
-                            f"(vision_feature_layer={cfg.vision_feature_layer})"))
-        out.append(Side(r"vision_model\.(ln_post|head)\..*",
-                        "LLaVA reads the tower's hidden states; Megatron's tower has no place"))
-        vocab = cfg.text_config.vocab_size
-        out += [RepadVocab(r"language_model\.embedding\.word_embeddings\.weight", vocab),
-                RepadVocab(r"language_model\.output_layer\.weight", vocab)]
-        return out
     raise KeyError(f"no Megatron key map for family {family!r}")
 
 
@@ -151,11 +100,15 @@ def to_megatron(family: str, shards: Sequence[Mapping[str, torch.Tensor]], cfg, 
     """mmparity's per-TP-rank state dicts -> (Megatron's per-rank state dicts, side tensors).
 
     ``side`` maps each mmparity key with no Megatron place to its per-rank pieces, as mmparity
-    wrote them (the SigLIP head is TP-split, CLIP's ``ln_post`` replicated)."""
+    wrote them (the SigLIP head is TP-split, CLIP's ``ln_post`` replicated): the converter's own
+    side tensors (``shards.side``) and those this map sets aside."""
     rule_list = rules(family, cfg, **options)
     tp = len(shards)
     out = [dict() for _ in range(tp)]
     side: dict = {}
+    for rank, extra in enumerate(getattr(shards, "side", None) or []):
+        for key, value in extra.items():
+            side.setdefault(key, [None] * tp)[rank] = value
     for key in shards[0]:
         if any(isinstance(r, Side) and _match(r.pattern, key) for r in rule_list):
             side[key] = [s[key] for s in shards]
@@ -170,12 +123,6 @@ def to_megatron(family: str, shards: Sequence[Mapping[str, torch.Tensor]], cfg, 
             if isinstance(r, Replicate) and _match(r.pattern, new) and tp > 1:
                 whole = torch.cat(pieces, dim=r.dim)
                 pieces = [whole] * tp
-            if isinstance(r, RepadVocab) and _match(r.pattern, new):
-                whole = torch.cat(pieces, dim=0)[: r.vocab_size]
-                rows = padded_vocab_size(r.vocab_size, tp, r.divisible_by)
-                padded = whole.new_zeros(rows, *whole.shape[1:])
-                padded[: r.vocab_size] = whole
-                pieces = list(padded.chunk(tp, dim=0))
         for rank, piece in enumerate(pieces):
             out[rank][new] = piece
     for r in rule_list:
@@ -188,11 +135,13 @@ def to_megatron(family: str, shards: Sequence[Mapping[str, torch.Tensor]], cfg, 
 def from_megatron(family: str, megatron: Sequence[Mapping[str, torch.Tensor]], side: Mapping,
                   cfg, mmparity_vocab_rows: Optional[int] = None, **options) -> list[dict]:
     """The inverse of :func:`to_megatron`: Megatron's per-rank dicts + side tensors -> mmparity's
-    per-rank dicts. ``mmparity_vocab_rows`` is mmparity's padded vocabulary (LLaVA only)."""
+    per-rank dicts, as :class:`McoreShards` whose ``side`` holds what the converter keeps aside.
+    ``mmparity_vocab_rows`` is accepted for callers of the phase-1 map and changes nothing: the
+    converter pads vocabularies as Megatron-LM does."""
     rule_list = rules(family, cfg, **options)
     tp = len(megatron)
     tiled = {r.target for r in rule_list if isinstance(r, Tile)}
-    out = [dict() for _ in range(tp)]
+    out = McoreShards([dict() for _ in range(tp)], unused=getattr(megatron, "unused", ()))
     for key in megatron[0]:
         if key in tiled:
             continue
@@ -207,18 +156,13 @@ def from_megatron(family: str, megatron: Sequence[Mapping[str, torch.Tensor]], s
         for r in rule_list:
             if isinstance(r, Replicate) and _match(r.pattern, key) and tp > 1:
                 pieces = list(pieces[0].chunk(tp, dim=r.dim))
-            if isinstance(r, RepadVocab) and _match(r.pattern, key):
-                if mmparity_vocab_rows is None:
-                    raise ValueError("mmparity_vocab_rows is needed to undo the vocabulary padding")
-                whole = torch.cat(pieces, dim=0)[: r.vocab_size]
-                padded = whole.new_zeros(mmparity_vocab_rows, *whole.shape[1:])
-                padded[: r.vocab_size] = whole
-                pieces = list(padded.chunk(tp, dim=0))
         for rank, piece in enumerate(pieces):
             out[rank][old] = piece
     for key, pieces in side.items():
+        # What this map set aside was in mmparity's state dict; the rest the converter kept aside.
+        mapped = any(isinstance(r, Side) and _match(r.pattern, key) for r in rule_list)
         for rank in range(tp):
-            out[rank][key] = pieces[rank]
+            (out if mapped else out.side)[rank][key] = pieces[rank]
     return out
 
 

@@ -28,15 +28,14 @@ from mmparity import runtime
 ImageSizes = Union[Sequence[Tuple[int, int]], torch.Tensor]
 
 
-class PatchEmbedding(torch.nn.Module):
-    """Conv2d patch extractor, no position embedding (``patch_conv.*`` in checkpoints)."""
+class PatchEmbedding(torch.nn.Conv2d):
+    """Conv2d patch extractor, no position embedding. A ``Conv2d`` itself, so that its tensors sit
+    where Megatron's classes keep theirs (``conv1.*`` in ``CLIPViTModel``, ``patch_embed.proj.*``
+    in ``vit_model.ViTModel``): see ``ViTModel``'s ``patch_embed_path``."""
 
     def __init__(self, in_channels: int, hidden_size: int, patch_dim: int, bias: bool = False):
-        super().__init__()
+        super().__init__(in_channels, hidden_size, kernel_size=patch_dim, stride=patch_dim, bias=bias)
         self.patch_dim = patch_dim
-        self.in_channels = in_channels
-        self.conv = torch.nn.Conv2d(in_channels, hidden_size, kernel_size=patch_dim,
-                                    stride=patch_dim, bias=bias)
 
     def forward(self, x: torch.Tensor):
         """(B, C, H, W) -> ((B, N, hidden), h_patches, w_patches); (B, N, C·P·P) rows -> (B, N, hidden).
@@ -46,7 +45,7 @@ class PatchEmbedding(torch.nn.Module):
         if x.dim() == 3:
             return self.forward_patches(x)
         check_image_size(x.shape[-2], x.shape[-1], self.patch_dim)
-        x = self.conv(x.to(self.conv.weight.dtype))
+        x = self._conv_forward(x.to(self.weight.dtype), self.weight, self.bias)
         b, hidden, h_patches, w_patches = x.shape
         return x.flatten(2).transpose(1, 2), h_patches, w_patches
 
@@ -55,8 +54,18 @@ class PatchEmbedding(torch.nn.Module):
         expected = self.in_channels * self.patch_dim ** 2
         if x.shape[-1] != expected:
             raise ValueError(f"patch rows must have width C*P*P = {expected}, got {x.shape[-1]}")
-        weight = self.conv.weight.flatten(1)
-        return torch.nn.functional.linear(x.to(weight.dtype), weight, self.conv.bias)
+        weight = self.weight.flatten(1)
+        return torch.nn.functional.linear(x.to(weight.dtype), weight, self.bias)
+
+
+def _set_submodule(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    """``root.<path> = module``, with plain containers for the intermediate names."""
+    *parents, name = path.split(".")
+    for part in parents:
+        if not hasattr(root, part):
+            setattr(root, part, torch.nn.Module())
+        root = getattr(root, part)
+    setattr(root, name, module)
 
 
 def check_image_size(height: int, width: int, patch_dim: int) -> None:
@@ -165,9 +174,11 @@ class PixtralLargePatchMerger(torch.nn.Module):
         self.spatial_merge_size = m = spatial_merge_size
         self.hidden_size = cfg.hidden_size
         eps = cfg.layernorm_epsilon if norm_eps is None else norm_eps
-        self.norm = VisionNorm(cfg.hidden_size, eps, "RMSNorm", cfg.params_dtype)
-        self.merging_layer = torch.nn.Linear(cfg.hidden_size * m * m, cfg.hidden_size, bias=False,
-                                             dtype=cfg.params_dtype)
+        # Megatron's PixtralLargePatchMerger names: pre_norm (HF's norm), linear_fc1 (HF's
+        # merging_layer).
+        self.pre_norm = VisionNorm(cfg.hidden_size, eps, "RMSNorm", cfg.params_dtype)
+        self.linear_fc1 = torch.nn.Linear(cfg.hidden_size * m * m, cfg.hidden_size, bias=False,
+                                          dtype=cfg.params_dtype)
 
     def fold(self, x: torch.Tensor, h_patches: int, w_patches: int) -> torch.Tensor:
         """(..., h·w, H) raster tokens -> (..., hb·wb, H·m²) channel-major block vectors."""
@@ -180,20 +191,20 @@ class PixtralLargePatchMerger(torch.nn.Module):
         if tokens.shape[0] != sum(counts):
             raise ValueError(f"grids describe {sum(counts)} tokens, got {tokens.shape[0]}")
         parts = [self.fold(t, h, w) for t, (h, w) in zip(tokens.split(counts), grids)]
-        return self.merging_layer(torch.cat(parts, dim=0))
+        return self.linear_fc1(torch.cat(parts, dim=0))
 
     def forward(self, x: torch.Tensor, h_patches: Optional[int] = None,
                 w_patches: Optional[int] = None, *,
                 grids: Optional[Sequence[Tuple[int, int]]] = None) -> torch.Tensor:
         """(B, h·w, H) -> (B, hb·wb, H); with ``grids``: packed (1, ΣN, H) -> (1, ΣM, H)."""
-        normed = self.norm(x)
+        normed = self.pre_norm(x)
         if grids is not None:
             if x.dim() != 3 or x.shape[0] != 1:
                 raise ValueError("a packed merger input must have shape (1, ΣN, H)")
             return self.merge(normed[0], grids).unsqueeze(0)
         if h_patches is None or w_patches is None:
             raise ValueError("static merger input needs h_patches and w_patches")
-        return self.merging_layer(self.fold(normed, h_patches, w_patches))
+        return self.linear_fc1(self.fold(normed, h_patches, w_patches))
 
 
 class AttentionPoolingHead(MegatronModule):
@@ -324,7 +335,7 @@ class ViTModel(VisionTower):
                  use_merger: bool = False, spatial_merge_size: int = 2, pg_collection=None,
                  vp_stage: Optional[int] = None, *, ln_post: Optional[str] = None,
                  ln_post_eps: Optional[float] = None, pooling: Optional[str] = None,
-                 merger_norm_eps: Optional[float] = None):
+                 merger_norm_eps: Optional[float] = None, patch_embed_path: str = "patch_embed.proj"):
         super().__init__(config=transformer_config)
         cfg = transformer_config
         problems = []
@@ -356,8 +367,11 @@ class ViTModel(VisionTower):
         self.pre_process = runtime.is_first_stage()
         self.post_process = runtime.is_last_stage()
         pre, post = self.pre_process, self.post_process
-        self.patch_conv = (PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, patch_embed_bias)
-                           if pre else None)
+        # Where the patch conv lives decides its checkpoint keys: Megatron's name for the family.
+        self.patch_embed_path = patch_embed_path
+        if pre:
+            _set_submodule(self, patch_embed_path,
+                           PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, patch_embed_bias))
         if self.class_token_len and pre:
             self.class_token = torch.nn.Parameter(
                 torch.zeros(1, self.class_token_len, cfg.hidden_size, dtype=cfg.params_dtype))
@@ -382,6 +396,11 @@ class ViTModel(VisionTower):
         self.merger = (PixtralLargePatchMerger(cfg, spatial_merge_size, merger_norm_eps)
                        if use_merger and post else None)
         tolerate_missing_extra_state(self)
+
+    @property
+    def patch_embedding(self) -> Optional[PatchEmbedding]:
+        """The patch conv (None off the first pipeline stage), wherever ``patch_embed_path`` put it."""
+        return self.get_submodule(self.patch_embed_path) if self.pre_process else None
 
     def _position(self, tokens: torch.Tensor, h_patches: int, w_patches: int) -> torch.Tensor:
         """(B, h·w, H) patch tokens -> (B, class_token_len + h·w, H) with class tokens and positions."""
@@ -409,7 +428,7 @@ class ViTModel(VisionTower):
                                     pixel_values.shape[-1] // self.patch_dim)
             grids = [(h_patches, w_patches)] * pixel_values.shape[0]
             if self.pre_process:
-                tokens, _, _ = self.patch_conv(pixel_values)
+                tokens, _, _ = self.patch_embedding(pixel_values)
                 tokens = self._position(tokens, h_patches, w_patches)
             rope = (self.rotary_pos_emb(h_patches, w_patches, device)
                     if self.rotary_pos_emb is not None else None)
@@ -422,7 +441,7 @@ class ViTModel(VisionTower):
                 raise ValueError(f"imgs_sizes describe {sum(counts)} patches but the input has "
                                  f"{pixel_values.shape[1]} rows")
             if self.pre_process:
-                tokens = self.patch_conv(pixel_values)
+                tokens = self.patch_embedding(pixel_values)
                 if self.class_token_len or self.pos_emb_type == "learned_absolute":
                     parts = [self._position(t.unsqueeze(0), h, w)
                              for t, (h, w) in zip(tokens[0].split(counts), grids)]
