@@ -2,8 +2,7 @@
 
 Checkpoints in Megatron's layout are made here by saving what Megatron's class holds (the
 converter's output through ``upstream.keymap``) with the project's own legacy / torch_dist
-writers. ``convert``'s own output is not in that layout until the converters write it (issue 15,
-item 1): those tests are strict xfails that flip when it lands.
+writers; ``convert``'s own output is checked the same way, since the converters write that layout.
 """
 
 from __future__ import annotations
@@ -102,8 +101,6 @@ def test_user_errors_exit_2(capsys, tmp_path, clip_hf):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs the layout branch: convert does not write Megatron's "
-                                       "layout yet (patch_conv.conv.* vs conv1.*, ln_post)")
 @pytest.mark.parametrize("fmt, tp", [("legacy", 2), ("torch_dist", 1)])
 def test_convert_output_loads_into_megatron(capsys, tmp_path, clip_hf, fmt, tp):
     code, _, err = run_cli(capsys, "convert", "--family", "clip", "--src", clip_hf, "--dst",

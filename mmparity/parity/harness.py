@@ -17,7 +17,7 @@ import torch
 
 from mmparity import families, runtime
 from mmparity.converters import pp as pp_mod
-from mmparity.converters.rules import with_side
+from mmparity.converters.rules import McoreShards, with_side
 from mmparity.hfconfig import first_int, vision_sub_config
 from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
@@ -164,6 +164,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if native_shards is None:
         native_shards = fam.hf_to_mcore(used_state, cfg, tp_size=tp, hf_format=hf_format)
     tp = len(native_shards)
+    side = getattr(native_shards, "side", None) or [{} for _ in native_shards]
     native_shards = with_side(native_shards)
     if mutate_native is not None:
         for shard in native_shards:
@@ -190,7 +191,11 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             native_cases, native_components = runtime.spawn(_native_rank, world, job, stage_shards)[0]
     megatron_cases_run = []
     if runs_megatron:
-        megatron_shards, _side = keymap.to_megatron(mclass.upstream, native_shards, cfg)
+        # Megatron's class loads the converter's mcore state alone (as perturbed above): the side
+        # tensors are what it has no place for.
+        mcore_only = McoreShards([{k: v for k, v in shard.items() if k not in extra}
+                                  for shard, extra in zip(native_shards, side)], side)
+        megatron_shards, _side = keymap.to_megatron(mclass.upstream, mcore_only, cfg)
         mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device))
         if tp == 1 or runtime.launched_world_size() == tp:
             megatron_cases_run = mjob.run(megatron_shards, layout=(tp, 1))
