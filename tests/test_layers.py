@@ -21,6 +21,8 @@ LAYERS = {
     "mmparity.hfconfig": 0,
     "mmparity.runtime": 0,
     "mmparity.converters": 1,
+    # Megatron's own classes and the key map onto them: megatron and the converters' records below.
+    "mmparity.upstream": 2,
     "mmparity.native.core": 2,
     "mmparity.native": 3,
     "mmparity.reference": 3,
