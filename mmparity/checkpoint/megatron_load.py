@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from transformers import AutoConfig
 
 from mmparity import families, runtime
 from mmparity.cases import megatron as megatron_cases
@@ -25,10 +24,8 @@ from mmparity.checkpoint.fsio import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
+from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, load_family_config
 from mmparity.upstream import models
-
-# Where ``mmparity convert`` keeps the source's HF config in an mcore checkpoint.
-HF_CONFIG_FILE = "hf_config.json"
 
 
 @dataclasses.dataclass
@@ -65,18 +62,12 @@ class LoadReport:
 
 
 def _family_config(root: Path, family: str):
-    path = root / HF_CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{root}: no {HF_CONFIG_FILE}, the HF config Megatron's class is built from")
+    """The family config Megatron's class is built from: read, and bounded by the weights present,
+    exactly as `convert` reads it."""
     try:
-        full = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # transformers raises several types for a bad config
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"{path}: cannot read the HF config: {first}") from None
-    try:
-        return families.get(family).family_config(full)
-    except ValueError as exc:
-        raise CheckpointError(f"{root}: {exc} (family {family!r})") from None
+        return load_family_config(root / HF_CONFIG_FILE, family, root)[0]
+    except ConvertError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,7 +231,7 @@ class _TensorFilter:
         return t
 
 
-def _load_family_config(config_path: Path, family: str, where: Path):
+def load_family_config(config_path: Path, family: str, where: Path):
     """(family config, raw bytes of the HF config file)."""
     if not config_path.is_file():
         if config_path.name == HF_CONFIG_FILE:
@@ -362,7 +362,7 @@ class _HFSource(_Source):
                  tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE):
         self.path, self.family, self._filter = path, family, filt
         self.vocab_tp, self.vocab_multiple = tp, vocab_multiple
-        self.cfg, self.config_bytes = _load_family_config(path / CONFIG_FILE, family, path)
+        self.cfg, self.config_bytes = load_family_config(path / CONFIG_FILE, family, path)
         self.ckpt = SafetensorsCheckpoint(path)
         infos = self.ckpt.infos()
         self.rules = _rule_set(family, self.cfg, hf_format, keys=list(infos))
@@ -424,7 +424,7 @@ class _McoreSource(_Source):
                      filt: _TensorFilter) -> None:
         self.root, self.manifest, self._filter = root, manifest, filt
         self.family = _manifest_family(manifest, family, root)
-        self.cfg, self.config_bytes = _load_family_config(root / HF_CONFIG_FILE, self.family, root)
+        self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root)
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
         recorded = extra.get("hf_format") or (manifest.provenance.source_format if manifest else None)
         formats = families.get(self.family).hooks.converter.formats
