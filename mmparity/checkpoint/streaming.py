@@ -709,12 +709,14 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
 
         def put(key: str, pieces: list) -> None:
             writer.write(key, pieces)
-            progress.advance(1, sum(p.numel() * p.element_size() for p in pieces))
+            nbytes = sum(p.numel() * p.element_size() for p in pieces)
+            progress.advance(1, nbytes)
+            heap.check(nbytes)
 
         try:
             # An op that only moves row blocks (a rename, q/k/v regrouping, a gated split) takes
             # its rows straight from the source's pieces, TP parts included (route_pieces).
-            R.stream_to_hf(plan, source.mcore_pieces, put, route=route_pieces, step_done=heap.check)
+            R.stream_to_hf(plan, source.mcore_pieces, put, route=route_pieces)
             writer.close()
         finally:
             writer.abort()
@@ -784,7 +786,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                     writer.write(rank, key, [view for dim, start, stop in ranges
                                              for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
                 progress.advance(1, source.metas[key].nbytes)
-                heap.check()
+                heap.check(source.metas[key].nbytes)
 
             try:
                 R.stream_to_mcore(order, kinds, source.produce, put)
@@ -868,8 +870,9 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             except ConvertError as exc:
                 source_errors.append(exc)  # DCP wraps it in a multi-line report; ours is the one line
                 raise
-            progress.advance(0, sum(p.numel() * p.element_size() for p in pieces))
-            heap.check()
+            nbytes = sum(p.numel() * p.element_size() for p in pieces)
+            progress.advance(0, nbytes)
+            heap.check(nbytes)
             return placeholder, pieces
 
         del model

@@ -467,7 +467,7 @@ def convert_hf_to_mcore(rule_set: RuleSet, hf_state: Mapping[str, torch.Tensor],
 
 
 def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[str, list], None], *,
-                 route: Callable | None = None, step_done: Callable[[], None] | None = None) -> None:
+                 route: Callable | None = None) -> None:
     """Every HF tensor of an mcore -> HF ``plan``, in table order: ``put(hf_key, pieces)``. The one
     loop that the in-memory API and the HF checkpoint writer run.
 
@@ -497,8 +497,6 @@ def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[st
         for key, pieces in zip(step.hf_keys, outputs):
             put(plan.prefix + key, pieces)
         del outputs
-        if step_done is not None:
-            step_done()
 
 
 def _merged_meta(parts: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
