@@ -38,6 +38,18 @@ def has_vision_sub_config(cfg) -> bool:
     return getattr(cfg, "vision_config", None) is not None
 
 
+def vision_of(cfg, model_types: tuple):
+    """``cfg`` when its model_type is in ``model_types``, else its ``vision_config`` when that one's
+    is (under any parent); ``ValueError`` otherwise."""
+    if getattr(cfg, "model_type", None) in model_types:
+        return cfg
+    sub = getattr(cfg, "vision_config", None)
+    if getattr(sub, "model_type", None) in model_types:
+        return sub
+    raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} has no "
+                     f"{'/'.join(model_types)} vision config")
+
+
 def tower_config(cfg, model_types: tuple, parent_types: tuple, what: str):
     """The config of model_type in ``model_types``: ``cfg`` itself, or the ``vision_config`` of a
     config whose model_type is in ``parent_types``; ``ValueError`` naming ``what`` otherwise."""

@@ -106,18 +106,15 @@ def interpolated_positions(embeddings, cfg, grid, class_token_len: int) -> torch
     return embeddings.interpolate_pos_encoding(probe, h * p, w * p)[0]
 
 
+REFERENCE = Side(reference_run, reference_pairs, reference_component)
+
+
 # --- the native side (mcore) ---------------------------------------------------------------------
 
 
 def native_run(model, case) -> dict:
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    imgs = case.data["images"]
-    if case.data.get("per_image"):
-        rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
-        hidden, pooled = model(rows, imgs_sizes=case.data["sizes"], return_pooled=True)
-    else:
-        hidden, pooled = model(torch.stack(imgs).to(device, dtype), return_pooled=True)
+    images, sizes = inputs.native_images(model, case, packed=bool(case.data.get("per_image")))
+    hidden, pooled = model(images, return_pooled=True, **sizes)
     if not model.post_process:
         return {}  # an earlier pipeline stage: the last one holds the outputs
     out = {"last_hidden_state": hidden.reshape(-1, hidden.shape[-1])}
@@ -172,6 +169,9 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+NATIVE = Side(native_run, native_pairs, native_component)
+
+
 # --- the registry's record -------------------------------------------------------------------------
 
 def random_tower_config(pick, config_class, **extra):
@@ -186,6 +186,10 @@ def random_config(pick) -> CLIPVisionConfig:
     return random_tower_config(pick, CLIPVisionConfig, hidden_act=pick(["quick_gelu", "gelu"]))
 
 
+def flop_shape(cfg, base: TowerShape) -> TowerShape:
+    return replace(base, class_tokens=CLASS_TOKEN_LEN)
+
+
 PUBLISHED = Published(
     source="CLIP ViT-L/14 vision tower (24 x 1024, patch 14, 224)",
     vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
@@ -197,16 +201,9 @@ PUBLISHED = Published(
            (224, 168)), mixed_images=64)
 
 
-def flop_shape(cfg, base: TowerShape) -> TowerShape:
-    return replace(base, class_tokens=CLASS_TOKEN_LEN)
-
-
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(
-        reference, native, converter.SPEC, cases=cases, random_config=random_config,
-        reference=Side(reference_run, reference_pairs, reference_component),
-        native=Side(native_run, native_pairs, native_component),
-        components=COMPONENTS, prepare_case=prepare_case,
-        flop_shape=flop_shape, published=PUBLISHED,
-        llava_tower=LlavaTower(model_type="clip_vision_model", class_token_len=CLASS_TOKEN_LEN,
-                               v4_checkpoint_root="vision_model."))
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
+                        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+                        flop_shape=flop_shape, published=PUBLISHED,
+                        llava_tower=LlavaTower(model_type="clip_vision_model", class_token_len=CLASS_TOKEN_LEN,
+                                               v4_checkpoint_root="vision_model."))

@@ -47,6 +47,16 @@ def packed_rows(imgs: Sequence[torch.Tensor], patch: int) -> torch.Tensor:
     return torch.cat([patchify(i, patch) for i in imgs], dim=0).unsqueeze(0)
 
 
+def native_images(model, case, packed: bool) -> tuple[torch.Tensor, dict]:
+    """A case's images as a ViT-style native model takes them, on its device and dtype: one stacked
+    batch, or (``packed``) pre-patchified rows of every image with ``imgs_sizes``."""
+    param = next(model.parameters())
+    imgs = case.data["images"]
+    if packed:
+        return packed_rows(imgs, model.patch_dim).to(param.device, param.dtype), {"imgs_sizes": case.data["sizes"]}
+    return torch.stack(imgs).to(param.device, param.dtype), {}
+
+
 def random_like_state(state: dict, seed: int) -> dict:
     """Seeded random values for every floating tensor of a state dict, at trained-network scale.
 

@@ -177,6 +177,9 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+REFERENCE = Side(reference_run, reference_pairs, reference_component)
+
+
 # --- the native side (mcore) ---------------------------------------------------------------------
 
 
@@ -259,6 +262,9 @@ def _split_thw(grids_thw) -> tuple[list, list]:
     return [(h, w) for _, h, w in grids_thw], [t for t, _, _ in grids_thw]
 
 
+NATIVE = Side(native_run, native_pairs, native_component)
+
+
 # --- the registry's record -------------------------------------------------------------------------
 
 def _text_config(hidden: int) -> dict:
@@ -309,9 +315,6 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(
-        reference, native, converter.SPEC, cases=cases, random_config=random_config,
-        reference=Side(reference_run, reference_pairs, reference_component),
-        native=Side(native_run, native_pairs, native_component),
-        components=COMPONENTS, prepare_case=prepare_case,
-        image_size_multiple=image_size_multiple, flop_shape=flop_shape, published=PUBLISHED)
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
+                        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+                        image_size_multiple=image_size_multiple, flop_shape=flop_shape, published=PUBLISHED)

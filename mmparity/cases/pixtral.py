@@ -94,18 +94,15 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+REFERENCE = Side(reference_run, reference_pairs, reference_component)
+
+
 # --- the native side (mcore) ---------------------------------------------------------------------
 
 
 def native_run(model, case) -> dict:
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    imgs = case.data["images"]
-    if case.name == "static":
-        out = model(torch.stack(imgs).to(device, dtype))
-    else:
-        rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
-        out = model(rows, imgs_sizes=case.data["sizes"])
+    images, sizes = inputs.native_images(model, case, packed=case.name != "static")
+    out = model(images, **sizes)
     if not model.post_process:
         return {}  # an earlier pipeline stage: the last one holds the outputs
     return {"last_hidden_state": out.reshape(-1, out.shape[-1])}
@@ -142,6 +139,9 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+NATIVE = Side(native_run, native_pairs, native_component)
+
+
 # --- the registry's record -------------------------------------------------------------------------
 
 def random_config(pick) -> PixtralVisionConfig:
@@ -168,10 +168,7 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(
-        reference, native, converter.SPEC, cases=cases, random_config=random_config,
-        reference=Side(reference_run, reference_pairs, reference_component),
-        native=Side(native_run, native_pairs, native_component),
-        components=COMPONENTS, prepare_case=prepare_case,
-        flop_shape=flop_shape, published=PUBLISHED,
-        llava_tower=LlavaTower(model_type="pixtral", variable_size=True))
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
+                        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+                        flop_shape=flop_shape, published=PUBLISHED,
+                        llava_tower=LlavaTower(model_type="pixtral", variable_size=True))

@@ -105,18 +105,15 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+REFERENCE = Side(reference_run, reference_pairs, reference_component)
+
+
 # --- the native side (mcore) ---------------------------------------------------------------------
 
 
 def native_run(model, case) -> dict:
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    imgs = case.data["images"]
-    if case.name == "static":
-        merged, projected = model(torch.stack(imgs).to(device, dtype), return_merged=True)
-    else:
-        rows = inputs.packed_rows(imgs, model.patch_dim).to(device, dtype)
-        merged, projected = model(rows, imgs_sizes=case.data["sizes"], return_merged=True)
+    images, sizes = inputs.native_images(model, case, packed=case.name != "static")
+    merged, projected = model(images, return_merged=True, **sizes)
     if not model.post_process:
         return {}  # an earlier pipeline stage: the last one holds the outputs
     return {"merger": merged.reshape(-1, merged.shape[-1]),
@@ -139,6 +136,9 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
         tokens = merger_probe(merger.hidden_size, seed)
         return merger.merge(inputs.like_model(tokens, model), MERGER_GRIDS)
     raise KeyError(name)
+
+
+NATIVE = Side(native_run, native_pairs, native_component)
 
 
 # --- the registry's record -------------------------------------------------------------------------
@@ -164,10 +164,7 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(
-        reference, native, converter.SPEC, cases=cases, random_config=random_config,
-        reference=Side(reference_run, reference_pairs, reference_component),
-        native=Side(native_run, native_pairs, native_component),
-        components=COMPONENTS,
-        last_stage_components=LAST_STAGE_COMPONENTS, prepare_case=prepare_case,
-        image_size_problems=image_size_problems, flop_shape=flop_shape)
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
+                        random_config=random_config, components=COMPONENTS,
+                        last_stage_components=LAST_STAGE_COMPONENTS, prepare_case=prepare_case,
+                        image_size_problems=image_size_problems, flop_shape=flop_shape)

@@ -159,6 +159,9 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+REFERENCE = Side(reference_run, reference_pairs, reference_component)
+
+
 # --- the native side (mcore) ---------------------------------------------------------------------
 
 
@@ -211,10 +214,6 @@ def native_pairs(model, cfg) -> list:
     return out
 
 
-# Components whose module lives on the last pipeline stage (the others run on the first).
-LAST_STAGE_COMPONENTS = ("merger",)
-
-
 def apply_mcore_rope(model, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """mcore's own RoPE application on (N, heads, hd) activations."""
     return mcore_apply_rope(q.unsqueeze(1), freqs, model.config).squeeze(1)
@@ -253,6 +252,9 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     raise KeyError(name)
 
 
+NATIVE = Side(native_run, native_pairs, native_component)
+
+
 # --- the registry's record -------------------------------------------------------------------------
 
 def random_config(pick) -> Qwen3_5MoeVisionConfig:
@@ -287,9 +289,6 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(
-        reference, native, converter.SPEC, cases=cases, random_config=random_config,
-        reference=Side(reference_run, reference_pairs, reference_component),
-        native=Side(native_run, native_pairs, native_component),
-        components=COMPONENTS,
-        last_stage_components=LAST_STAGE_COMPONENTS, flop_shape=flop_shape, published=PUBLISHED)
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
+                        random_config=random_config, components=COMPONENTS,
+                        last_stage_components=LAST_STAGE_COMPONENTS, flop_shape=flop_shape, published=PUBLISHED)

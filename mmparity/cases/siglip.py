@@ -47,6 +47,9 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     return clip.reference_component(name, model, cfg, seed)
 
 
+REFERENCE = Side(clip.reference_run, reference_pairs, reference_component)
+
+
 # --- the registry's record -------------------------------------------------------------------------
 
 def random_config(pick) -> SiglipVisionConfig:
@@ -73,10 +76,7 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(
-        reference, native, converter.SPEC, cases=cases, random_config=random_config,
-        reference=Side(clip.reference_run, reference_pairs, reference_component),
-        native=Side(clip.native_run, clip.native_pairs, clip.native_component),
-        components=COMPONENTS, prepare_case=clip.prepare_case,
-        flop_shape=flop_shape, published=PUBLISHED,
-        llava_tower=LlavaTower(model_type="siglip_vision_model", v4_checkpoint_root="vision_model."))
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=clip.NATIVE, cases=cases,
+                        random_config=random_config, components=COMPONENTS, prepare_case=clip.prepare_case,
+                        flop_shape=flop_shape, published=PUBLISHED,
+                        llava_tower=LlavaTower(model_type="siglip_vision_model", v4_checkpoint_root="vision_model."))

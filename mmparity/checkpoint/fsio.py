@@ -438,10 +438,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for n in self.shape:
-            count *= n
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _open_safetensors_file(path: Path):

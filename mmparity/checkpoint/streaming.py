@@ -35,6 +35,7 @@ copy. Only ops that really permute elements (RoPE interleaving, a non-row-block 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import time
@@ -57,17 +58,8 @@ from mmparity.checkpoint.layout import (
     resolve_iteration_dir,
 )
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
-from mmparity.checkpoint.manifest import (
-    LAYOUT_HF,
-    LAYOUT_LEGACY,
-    LAYOUT_TORCH_DIST,
-    MANIFEST_FILE,
-    Manifest,
-    Provenance,
-    TensorRecord,
-    read_manifest,
-    write_manifest,
-)
+from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
+                                          Provenance, TensorRecord, read_manifest, write_manifest)
 from mmparity.checkpoint.torch_dist_files import TorchDistFiles, is_torch_dist_dir
 from mmparity.converters import pp as pp_mod
 from mmparity.converters.pp import PipelineError
@@ -186,10 +178,7 @@ class Meta:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for n in self.shape:
-            count *= n
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def tensor(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device="meta")

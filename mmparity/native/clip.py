@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from mmparity.hfconfig import first_int, image_hw, vision_of
 from mmparity.native.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.native.core.vit import ViTModel
 
@@ -21,22 +22,7 @@ CLASS_TOKEN_LEN = 1
 
 def vision_config(cfg, model_types=MODEL_TYPES):
     """The vision sub-config of a whole-model config, duck-typed (no transformers import here)."""
-    if getattr(cfg, "model_type", None) in model_types:
-        return cfg
-    sub = getattr(cfg, "vision_config", None)
-    if getattr(sub, "model_type", None) in model_types:
-        return sub
-    raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} has no "
-                     f"{'/'.join(model_types)} vision config")
-
-
-def patch_size(cfg) -> int:
-    return cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
-
-
-def image_hw(cfg) -> tuple[int, int]:
-    size = cfg.image_size
-    return (size, size) if isinstance(size, int) else tuple(size)
+    return vision_of(cfg, model_types)
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
@@ -55,7 +41,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:
     img_h, img_w = image_hw(cfg)
     eps = cfg.layer_norm_eps
     return ViTModel(transformer_config(cfg, params_dtype), vision_layer_spec(),
-                    patch_dim=patch_size(cfg), img_h=img_h, img_w=img_w,
+                    patch_dim=first_int(cfg.patch_size), img_h=img_h, img_w=img_w,
                     in_channels=cfg.num_channels, patch_embed_path="conv1", patch_embed_bias=False, add_class_token=True,
                     class_token_len=CLASS_TOKEN_LEN, ln_pre=True, ln_pre_eps=eps,
                     pos_emb_type="learned_absolute", ln_post="pooled", ln_post_eps=eps,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mmparity.hfconfig import first_int, image_hw
 from mmparity.native import clip
 from mmparity.native.core.layers import vision_layer_spec
 from mmparity.native.core.vit import ViTModel
@@ -20,9 +21,9 @@ MODEL_TYPES = ("siglip_vision_model",)
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:
     """``ViTModel`` from an HF ``SiglipVisionConfig`` (or a config that contains one)."""
     cfg = clip.vision_config(cfg, MODEL_TYPES)
-    img_h, img_w = clip.image_hw(cfg)
+    img_h, img_w = image_hw(cfg)
     return ViTModel(clip.transformer_config(cfg, params_dtype), vision_layer_spec(),
-                    patch_dim=clip.patch_size(cfg), img_h=img_h, img_w=img_w,
+                    patch_dim=first_int(cfg.patch_size), img_h=img_h, img_w=img_w,
                     in_channels=cfg.num_channels, patch_embed_path="conv1", patch_embed_bias=True, add_class_token=False,
                     ln_pre=False, pos_emb_type="learned_absolute", ln_post="tokens",
                     ln_post_eps=cfg.layer_norm_eps,
