@@ -228,7 +228,8 @@ class AttentionPoolingHead(MegatronModule):
                 core_attention=BidirectionalCoreAttention, linear_proj=RowParallelLinear),
             layer_number=1, attn_mask_type=AttnMaskType.no_mask)
         self.mlp = MLP(config=config, submodules=MLPSubmodules(
-            linear_fc1=NormedColumnParallelLinear, linear_fc2=RowParallelLinear))
+            linear_fc1=NormedColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ffn_hidden_size=config.ffn_hidden_size)
 
     def forward(self, hidden: torch.Tensor, seqlens: Optional[List[int]] = None) -> torch.Tensor:
         """(B, N, H) -> (B, H); packed (1, ΣN, H) with ``seqlens`` -> (len(seqlens), H)."""
