@@ -76,7 +76,7 @@ def _family_config(root: Path, family: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class _LoadJob:
+class LoadJob:
     root: str
     layout: str
     upstream: str
@@ -99,7 +99,7 @@ def sharded_state_dict(model: torch.nn.Module) -> dict:
     return state
 
 
-def build_and_load(rank: int, world_size: int, job: _LoadJob) -> torch.nn.Module:
+def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
     """Collective over the TP ranks already initialised: Megatron's class for ``job``, loaded
     strictly from the checkpoint (this rank's file, or DCP against the class's own sharded state
     dict). Raises :class:`~mmparity.upstream.models.StrictLoadError` or :class:`CheckpointError`."""
@@ -130,7 +130,7 @@ def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
         raise models.StrictLoadError(list(result.missing_keys), list(result.unexpected_keys), [])
 
 
-def _load_rank(rank: int, world_size: int, job: _LoadJob) -> RankLoad:
+def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
     runtime.init_parallel(world_size, 1)
     try:
         build_and_load(rank, world_size, job)
@@ -166,7 +166,7 @@ def _compare_sharded_keys(root: str, wanted: dict) -> None:
 
 
 def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
-             tp: Optional[int] = None) -> tuple[_LoadJob, str, str, int]:
+             tp: Optional[int] = None) -> tuple[LoadJob, str, str, int]:
     """What loading ``directory`` into Megatron takes: ``(job, family, class name, TP size)``.
     Raises as :func:`load_into_megatron`."""
     root = Path(directory)
@@ -187,7 +187,7 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
                               f"({manifest.tensor_parallel_size}), not {tp}")
     name, mclass = megatron_class_for(family, megatron_class)
     models.require(mclass.upstream)
-    job = _LoadJob(str(root), manifest.layout, mclass.upstream, _family_config(root, family))
+    job = LoadJob(str(root), manifest.layout, mclass.upstream, _family_config(root, family))
     return job, family, name, tp or manifest.tensor_parallel_size
 
 

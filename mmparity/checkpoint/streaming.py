@@ -266,6 +266,12 @@ def _kinds(rule_set: R.RuleSet) -> dict[str, str]:
     return {key: kind for step in R.plan_steps(rule_set) for key, kind in zip(step.mcore_keys, step.rule.tp)}
 
 
+def _padded_tables(rule_set: R.RuleSet) -> dict[str, PadRows]:
+    """The mcore keys of vocabulary tables padded past the HF vocabulary, with their padding."""
+    return {key: step.rule.op for step in R.plan_steps(rule_set) if isinstance(step.rule.op, PadRows)
+            for key in step.mcore_keys}
+
+
 def _mcore_order(rule_set: R.RuleSet) -> list[str]:
     """The keys of the mcore state dict proper (what Megatron's class holds), in table order."""
     aside = set(R.side_keys(rule_set))
@@ -449,15 +455,11 @@ class _McoreSource(_Source):
         stored. Call before reading any tensor."""
         self.vocab_tp, self.vocab_multiple = tp, multiple
         self._repad = {}
-        for step in R.plan_steps(self.rules):
-            if not isinstance(step.rule.op, PadRows):
-                continue
-            target = step.rule.op.at_tp(tp, multiple)
-            for key in step.mcore_keys:
-                meta = self.metas.get(key)
-                if meta is not None and meta.shape[0] != target.padded:
-                    self._repad[key] = target
-                    self.metas[key] = Meta(meta.dtype, (target.padded, *meta.shape[1:]))
+        for key, padding in _padded_tables(self.rules).items():
+            target, meta = padding.at_tp(tp, multiple), self.metas.get(key)
+            if meta is not None and meta.shape[0] != target.padded:
+                self._repad[key] = target
+                self.metas[key] = Meta(meta.dtype, (target.padded, *meta.shape[1:]))
 
     def mcore_pieces(self, key: str) -> list[torch.Tensor]:
         pieces = self._stored_pieces(key)
@@ -868,13 +870,12 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         if problems:
             raise ConvertError(_problems_line(f"{source.family!r}: the native model and the converter disagree", problems))
         progress.phase(f"{source.family} -> torch_dist", len(local_keys), total)
+        padded_tables = _padded_tables(rules)
         # Every entry gets a meta placeholder of the converted shape; DCP plans from those, and
         # each tensor is produced from the source only when the writer reaches it.
         # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
         # placeholder is kept alive so the key stays unique.
         key_of: dict[int, tuple[str, torch.Tensor]] = {}
-        padded_tables = {key for step in R.plan_steps(rules) if isinstance(step.rule.op, PadRows)
-                         for key in step.mcore_keys}
         for local in [name for name in sharded if _te_key(name) in aside]:
             del sharded[local]
         # The native model's extra states are its own modules'; Megatron's class declares others
