@@ -15,9 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmparity import families
 from mmparity.cli.main import main
-from mmparity.cases.inputs import random_like_state
+from tests.test_convert_roundtrips import save_hf
 
 
 def run_cli(capsys, *argv):
@@ -35,12 +34,7 @@ def snapshot(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def pixtral_hf(tmp_path_factory):
-    fam = families.get("pixtral")
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=5))
-    path = tmp_path_factory.mktemp("src") / "pixtral"
-    model.save_pretrained(path, max_shard_size="20KB")
-    return path
+    return save_hf("pixtral", tmp_path_factory.mktemp("src") / "pixtral", seed=5)
 
 
 @pytest.fixture(scope="module")

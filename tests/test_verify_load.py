@@ -1,8 +1,9 @@
 """``mmparity verify --load``: strict loads of checkpoints on disk into Megatron's own classes.
 
 Checkpoints in Megatron's layout are made here by saving what Megatron's class holds (the
-converter's output through ``upstream.keymap``) with the project's own legacy / torch_dist
-writers; ``convert``'s own output is checked the same way, since the converters write that layout.
+converter's output through ``upstream.keymap``, with the empty ``_extra_state`` entries of the
+recorded layout) with the project's own legacy / torch_dist writers; ``convert``'s own output is
+checked the same way, since the converters write that layout.
 """
 
 from __future__ import annotations
@@ -15,15 +16,10 @@ from mmparity.checkpoint import torch_dist
 from mmparity.checkpoint.legacy import write_legacy
 from mmparity.checkpoint.manifest import Provenance
 from mmparity.checkpoint.megatron_load import HF_CONFIG_FILE
-from mmparity.cli.main import main
 from mmparity.upstream import keymap, models
-
-
-def run_cli(capsys, *argv):
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.test_convert_cli import run_cli
+from tests.test_convert_roundtrips import save_hf
+from tests.test_upstream import recorded
 
 
 def megatron_shards(family: str, tp: int, seed: int = 5):
@@ -32,11 +28,23 @@ def megatron_shards(family: str, tp: int, seed: int = 5):
     ref = fam.build_reference(cfg)
     state = random_like_state(ref.state_dict(), seed)
     shards, _side = keymap.to_megatron(family, fam.hf_to_mcore(state, cfg, tp_size=tp), cfg)
-    return cfg, shards
+    # Megatron's own save also writes its TE modules' (here empty) extra states.
+    empty_extra_states = dict.fromkeys(recorded(family)["extra_state"])
+    return cfg, [{**shard, **empty_extra_states} for shard in shards]
 
 
 def extra(cfg) -> dict:
     return {HF_CONFIG_FILE: cfg.to_json_string()}
+
+
+def save_from_megatron_class(path, cfg, shards, drop=()):
+    """A torch_dist checkpoint saved from Megatron's CLIP class holding ``shards[0]`` (its own
+    ``sharded_state_dict()``, less the keys in ``drop``)."""
+    runtime.init_parallel(1, 1)
+    model = models.build("clip", cfg)
+    models.load_strict(model, shards[0])
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if k not in drop}
+    torch_dist.save_torch_dist(path, sharded, provenance=Provenance(family="clip"), extra_files=extra(cfg))
 
 
 @pytest.mark.slow
@@ -51,11 +59,7 @@ def test_legacy_tp2_in_megatrons_layout_loads(capsys, tmp_path, family):
 
 def test_torch_dist_saved_from_megatrons_class_loads(capsys, tmp_path):
     cfg, shards = megatron_shards("clip", 1)
-    runtime.init_parallel(1, 1)
-    model = models.build("clip", cfg)
-    models.load_strict(model, shards[0])
-    torch_dist.save_torch_dist(tmp_path / "ckpt", model.sharded_state_dict(),
-                               provenance=Provenance(family="clip"), extra_files=extra(cfg))
+    save_from_megatron_class(tmp_path / "ckpt", cfg, shards)
     code, out, err = run_cli(capsys, "verify", "--load", tmp_path / "ckpt")
     assert code == 0, out + err
     assert "rank 0: ok" in out
@@ -73,24 +77,14 @@ def test_a_missing_and_a_foreign_key_fail_naming_both(capsys, tmp_path):
 
 def test_a_missing_torch_dist_tensor_is_named(capsys, tmp_path):
     cfg, shards = megatron_shards("clip", 1)
-    runtime.init_parallel(1, 1)
-    model = models.build("clip", cfg)
-    models.load_strict(model, shards[0])
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if k != "ln_pre.weight"}
-    torch_dist.save_torch_dist(tmp_path / "ckpt", sharded, provenance=Provenance(family="clip"),
-                               extra_files=extra(cfg))
+    save_from_megatron_class(tmp_path / "ckpt", cfg, shards, drop={"ln_pre.weight"})
     code, out, _ = run_cli(capsys, "verify", "--load", tmp_path / "ckpt")
     assert code == 1 and "missing 1: ln_pre.weight" in out
 
 
 @pytest.fixture(scope="module")
 def clip_hf(tmp_path_factory):
-    fam = families.get("clip")
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
-    path = tmp_path_factory.mktemp("hf") / "clip"
-    model.save_pretrained(path)
-    return path
+    return save_hf("clip", tmp_path_factory.mktemp("hf") / "clip", seed=8)
 
 
 def test_user_errors_exit_2(capsys, tmp_path, clip_hf):
@@ -98,6 +92,25 @@ def test_user_errors_exit_2(capsys, tmp_path, clip_hf):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     code, _, err = run_cli(capsys, "verify", "--megatron-class", "X", clip_hf)
     assert code == 2 and "--megatron-class needs --load" in err
+    code, _, err = run_cli(capsys, "verify", "--tp", 2, clip_hf)
+    assert code == 2 and "--tp needs --load" in err
+
+
+def test_a_legacy_checkpoint_loads_only_at_its_own_tp(capsys, tmp_path):
+    cfg, shards = megatron_shards("clip", 1)
+    write_legacy(tmp_path / "ckpt", shards, provenance=Provenance(family="clip"), extra_files=extra(cfg))
+    code, _, err = run_cli(capsys, "verify", "--load", "--tp", 2, tmp_path / "ckpt")
+    assert code == 2 and "loads at its own TP size (1), not 2" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_torch_dist_loads_at_another_tp(capsys, tmp_path):
+    """torch_dist holds global tensors: Megatron's class at TP 2 reads its halves of them."""
+    cfg, shards = megatron_shards("clip", 1)
+    save_from_megatron_class(tmp_path / "ckpt", cfg, shards)
+    code, out, err = run_cli(capsys, "verify", "--load", "--tp", 2, tmp_path / "ckpt")
+    assert code == 0, out + err
+    assert "TP 2" in out and "rank 0: ok" in out and "rank 1: ok" in out
 
 
 @pytest.mark.slow

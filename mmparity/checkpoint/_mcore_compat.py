@@ -27,7 +27,7 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategies
 from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 from megatron.core.dist_checkpointing.validation import validate_sharding_integrity
@@ -44,6 +44,7 @@ mcore_to_pyt_state_dict = mcore_torch_strategies.mcore_to_pyt_state_dict
 
 __all__ = [
     "MCORE_VERSION",
+    "ShardedObject",
     "ShardedTensor",
     "TorchDistSaveShardedStrategy",
     "apply_factories",

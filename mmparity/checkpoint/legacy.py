@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 
 from mmparity.converters import pp
+from mmparity.checkpoint import extra_state
 from mmparity.checkpoint.fsio import (
     CheckpointError,
     Slot,
     SlotWriter,
     atomic_directory,
     require_regular_file,
+    tensor_checksum,
     torch_save_without_crc32,
 )
 from mmparity.checkpoint.layout import (
@@ -121,6 +123,7 @@ class LegacyWriter:
         self.staging = Path(staging)
         self.files: list[str] = []
         self._local: dict[str, tuple[int, str]] = {}  # slot name -> (file number, local key)
+        self._extra_states: list[tuple[int, str, object]] = []  # (file number, local key, value)
         slots: dict[str, Slot] = {}
         fds: list[int] = []
         iteration_dir = iteration_dirname(iteration)
@@ -142,6 +145,12 @@ class LegacyWriter:
                     offsets = _write_skeleton(path, {local: entries[key] for local, key in local_to_global.items()},
                                               iteration)
                     fds.append(os.open(path, os.O_WRONLY))
+                    for local, key in local_to_global.items():
+                        if extra_state.is_extra_state(key) and not _is_tensor_entry(entries[key]):
+                            if entries[key] is not None:
+                                raise CheckpointError(f"{key}: an extra state is written empty (None) or "
+                                                      f"as a tensor, not as a {type(entries[key]).__name__}")
+                            self._extra_states.append((number, local, entries[key]))
                     for local, (offset, nbytes) in zip(tensor_keys, offsets):
                         key = local_to_global[local]
                         dtype, shape = entries[key]
@@ -163,10 +172,13 @@ class LegacyWriter:
         self._writer.write(self.slot_name(tp_rank, key), pieces)
 
     def close(self) -> list[TensorRecord]:
-        """Waits for every write; returns the manifest records (per rank file, local key)."""
+        """Waits for every write; returns the manifest records (per rank file, local key), the
+        ``_extra_state`` entries' (over what they hold, see ``extra_state.as_bytes``) included."""
         self._writer.close()
         return [TensorRecord(self.files[number], local, self._writer.checksums[name])
-                for name, (number, local) in self._local.items()]
+                for name, (number, local) in self._local.items()] + [
+                TensorRecord(self.files[number], local, tensor_checksum(extra_state.as_bytes(value)))
+                for number, local, value in self._extra_states]
 
     def abort(self) -> None:
         self._writer.abort()

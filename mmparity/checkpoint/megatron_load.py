@@ -3,9 +3,11 @@
 The class for the checkpoint's family (:mod:`mmparity.cases.megatron`) is built from the HF config
 the checkpoint keeps beside its weights, at the checkpoint's TP size, one process per TP rank
 (spawned, gloo). A legacy checkpoint: each rank's ``model`` state dict through
-``load_state_dict(strict=True)`` (only TE's ``_extra_state`` may be missing, as Megatron's own
-load hook allows). torch_dist: ``dist_checkpointing.load`` against the class's
-``sharded_state_dict()``, then the same strict load of what it returns.
+``load_state_dict(strict=True)``. torch_dist: ``dist_checkpointing.load`` against the class's whole
+``sharded_state_dict()`` (its ``_extra_state`` objects included), then the same strict load of
+what it returns. Nothing is tolerated but what the class's own load hooks drop (stock
+``LLaVAModel`` ignores missing ``_extra_state``, so for it the output layer's, which ``GPTModel``
+leaves out of its sharded state dict, needs none).
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+import torch
 
-from mmparity import families, runtime
-from mmparity.cases import megatron as megatron_cases
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import sharded_state_dict_default
+
+from mmparity import runtime
+from mmparity.cases.megatron import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
+from mmparity.checkpoint.torch_dist import copy_containers
 from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, load_family_config
 from mmparity.upstream import models
 
@@ -33,7 +41,6 @@ class RankLoad:
     rank: int
     ok: bool
     message: str = ""
-    tolerated: int = 0  # missing ``_extra_state`` entries
 
 
 @dataclasses.dataclass
@@ -55,9 +62,7 @@ class LoadReport:
                 f"{models.describe_te()})")
         lines = [f"{head}: {'all ranks load' if self.ok else 'FAILED'}"]
         for r in self.ranks:
-            detail = (f"loads ({r.tolerated} TE _extra_state entries absent, as Megatron allows)"
-                      if r.ok else r.message)
-            lines.append(f"  rank {r.rank}: {'ok' if r.ok else 'FAIL'}: {detail}")
+            lines.append(f"  rank {r.rank}: {'ok' if r.ok else 'FAIL'}: {'loads' if r.ok else r.message}")
         return "\n".join(lines)
 
 
@@ -71,55 +76,99 @@ def _family_config(root: Path, family: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class _LoadJob:
+class LoadJob:
     root: str
     layout: str
     upstream: str
     cfg: object
 
 
-def _load_rank(rank: int, world_size: int, job: _LoadJob) -> RankLoad:
-    runtime.init_parallel(world_size, 1)
+def sharded_state_dict(model: torch.nn.Module) -> dict:
+    """The model's ``sharded_state_dict()`` as Megatron-LM saves and loads it. A plain container of
+    Megatron modules (``upstream.models.VisionWithProjection``: ``LLaVAModel``'s names without a
+    language model) gets what ``LLaVAModel``'s inherited ``MegatronModule.sharded_state_dict``
+    gives: each child's under its attribute name."""
+    if isinstance(model, MegatronModule):
+        return model.sharded_state_dict()
+    if any(True for _ in model.parameters(recurse=False)) or any(True for _ in model.buffers(recurse=False)):
+        raise TypeError(f"{type(model).__name__}: a container with tensors of its own has no "
+                        "Megatron sharded state dict")
+    state: dict = {}
+    for name, child in model.named_children():
+        state.update(sharded_state_dict_default(child, f"{name}."))
+    return state
+
+
+def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
+    """Collective over the TP ranks already initialised: Megatron's class for ``job``, loaded
+    strictly from the checkpoint (this rank's file, or DCP against the class's own sharded state
+    dict). Raises :class:`~mmparity.upstream.models.StrictLoadError` or :class:`CheckpointError`."""
     model = models.build(job.upstream, job.cfg)
+    if job.layout == LAYOUT_LEGACY:
+        state = open_legacy(job.root).load_rank(rank)
+    else:
+        wanted = sharded_state_dict(model)
+        _compare_sharded_keys(job.root, wanted)
+        state = torch_dist.load_torch_dist(job.root, wanted)
+    load_state_dict_strictly(model, state)
+    return model
+
+
+def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
+    """``model.load_state_dict(state, strict=True)`` (the class's own load hooks included), with
+    every missing, unexpected and mis-shaped key named at once in a
+    :class:`~mmparity.upstream.models.StrictLoadError` instead of torch's first complaint."""
+    own = model.state_dict()
+    mismatched = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state
+                  if k in own and torch.is_tensor(own[k]) and torch.is_tensor(state[k])
+                  and own[k].shape != state[k].shape]
+    if mismatched:  # torch raises on these even when not strict, before any hook has run
+        raise models.StrictLoadError([k for k in own if k not in state],
+                                     [k for k in state if k not in own], mismatched)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise models.StrictLoadError(list(result.missing_keys), list(result.unexpected_keys), [])
+
+
+def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
+    runtime.init_parallel(world_size, 1)
     try:
-        if job.layout == LAYOUT_LEGACY:
-            state = open_legacy(job.root).load_rank(rank)
-        else:
-            # A converted checkpoint holds no TE FP8 metadata: ask only for the tensors.
-            wanted = {k: v for k, v in model.sharded_state_dict().items()
-                      if not k.endswith("._extra_state")}
-            _compare_sharded_keys(job.root, wanted)
-            state = torch_dist.load_torch_dist(job.root, wanted)
-        tolerated = models.load_strict(model, state)
-    except models.StrictLoadError as exc:
+        build_and_load(rank, world_size, job)
+    except (models.StrictLoadError, CheckpointError) as exc:
         return RankLoad(rank, False, str(exc))
-    except CheckpointError as exc:
-        return RankLoad(rank, False, str(exc))
-    return RankLoad(rank, True, tolerated=len(tolerated))
+    return RankLoad(rank, True)
 
 
 def _compare_sharded_keys(root: str, wanted: dict) -> None:
-    """Name every tensor the class asks for that the checkpoint lacks (or holds in another global
-    shape), and every tensor it holds that the class has no place for, before DCP, which reports
-    only the first."""
-    stored = torch_dist_files.tensor_metadata(resolve_iteration_dir(root)[1])
-    asked = {v.key: tuple(v.global_shape) for v in wanted.values() if isinstance(v, ShardedTensor)}
-    missing = [k for k in asked if k not in stored]
-    unexpected = [k for k in stored if k not in asked and "_extra_state" not in k]
+    """Name every tensor and object the class asks for that the checkpoint lacks (or holds in
+    another global shape where the class does not allow it), and every one it holds that the class
+    has no place for, before DCP, which reports only the first."""
+    iteration_dir = resolve_iteration_dir(root)[1]
+    stored = torch_dist_files.tensor_metadata(iteration_dir)
+    stored_objects = torch_dist_files.object_keys(iteration_dir)
+    # Factories (a gated MLP's fc1 as its two halves, say) name the tensors they load as.
+    built = copy_containers(wanted)
+    apply_factories(built)
+    asked, asked_objects, shape_may_differ = {}, [], set()
+    for shard in nested_values(built):
+        if isinstance(shard, ShardedTensor):
+            asked[shard.key] = tuple(shard.global_shape)
+            if shard.allow_shape_mismatch:  # a vocabulary padded for another TP size
+                shape_may_differ.add(shard.key)
+        elif isinstance(shard, ShardedObject):
+            asked_objects.append(shard.unique_key)
+    missing = [k for k in asked if k not in stored] + [k for k in asked_objects if k not in stored_objects]
+    unexpected = [k for k in stored if k not in asked] + [k for k in stored_objects if k not in asked_objects]
     mismatched = [f"{k}: {stored[k][1]} vs {asked[k]}" for k in asked
-                  if k in stored and stored[k][1] != asked[k]]
+                  if k in stored and stored[k][1] != asked[k] and k not in shape_may_differ]
     if missing or unexpected or mismatched:
         raise models.StrictLoadError(missing, unexpected, mismatched)
 
 
-def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[str] = None) -> LoadReport:
-    """Build Megatron's class at the checkpoint's TP size and load every rank strictly.
-
-    Raises :class:`CheckpointError` for a directory that is not an mmparity mcore checkpoint,
-    :class:`~mmparity.cases.megatron.NoMegatronClass` for a family without a Megatron class and
-    :class:`~mmparity.upstream.models.UpstreamUnavailable` when the class is not importable.
-    A checkpoint that does not fit the class is a failed rank, not an exception.
-    """
+def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
+             tp: Optional[int] = None) -> tuple[LoadJob, str, str, int]:
+    """What loading ``directory`` into Megatron takes: ``(job, family, class name, TP size)``.
+    Raises as :func:`load_into_megatron`."""
     root = Path(directory)
     manifest = read_manifest(root)
     if manifest.layout not in (LAYOUT_LEGACY, LAYOUT_TORCH_DIST):
@@ -131,13 +180,30 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
     if manifest.pipeline_parallel_size != 1:
         raise CheckpointError(f"{root}: PP {manifest.pipeline_parallel_size}: --load builds Megatron's "
                               "vision classes without pipeline stages; convert with --pp 1")
-    name, mclass = megatron_cases.megatron_class(family, megatron_class)
+    if tp is not None and tp < 1:
+        raise CheckpointError(f"--tp must be >= 1, got {tp}")
+    if tp is not None and manifest.layout == LAYOUT_LEGACY and tp != manifest.tensor_parallel_size:
+        raise CheckpointError(f"{root}: a legacy checkpoint loads at its own TP size "
+                              f"({manifest.tensor_parallel_size}), not {tp}")
+    name, mclass = megatron_class_for(family, megatron_class)
     models.require(mclass.upstream)
-    cfg = _family_config(root, family)
-    tp = manifest.tensor_parallel_size
-    job = _LoadJob(str(root), manifest.layout, mclass.upstream, cfg)
+    job = LoadJob(str(root), manifest.layout, mclass.upstream, _family_config(root, family))
+    return job, family, name, tp or manifest.tensor_parallel_size
+
+
+def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[str] = None,
+                       tp: Optional[int] = None) -> LoadReport:
+    """Build Megatron's class at the checkpoint's TP size (torch_dist: at ``tp`` if given, as it
+    holds global tensors) and load every rank strictly.
+
+    Raises :class:`CheckpointError` for a directory that is not an mmparity mcore checkpoint,
+    :class:`~mmparity.cases.megatron.NoMegatronClass` for a family without a Megatron class and
+    :class:`~mmparity.upstream.models.UpstreamUnavailable` when the class is not importable.
+    A checkpoint that does not fit the class is a failed rank, not an exception.
+    """
+    job, family, name, tp = load_job(directory, megatron_class, tp)
     if tp == 1:
         ranks = [_load_rank(0, 1, job)]
     else:
         ranks = runtime.spawn(_load_rank, tp, job)
-    return LoadReport(root, manifest.layout, family, name, tp, ranks)
+    return LoadReport(Path(directory), job.layout, family, name, tp, ranks)

@@ -48,6 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as safetensors_load, save as safetensors_save
 
 from mmparity import families, runtime
+from mmparity.checkpoint import extra_state
 from mmparity.checkpoint.hf import bound_config
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import (
@@ -71,7 +72,7 @@ from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE,
                                       narrow_pieces, route_pieces, atomic_directory, heap_budget,
                                       parse_size, check_source_dtypes, recover_destination,
                                       tensor_checksum, has_hf_weights, MCORE_SIDE_FILE)
-from mmparity.converters.ops import LayoutError
+from mmparity.converters.ops import LayoutError, PadRows
 from mmparity.converters.tp import ShardError
 
 __all__ = [
@@ -144,8 +145,9 @@ class ConvertOptions:
     force: bool = False
     # Megatron-LM's --make-vocab-size-divisible-by: vocabularies (LLaVA's) are padded to a multiple
     # of it times --tp (legacy; torch_dist holds global tensors, padded as for TP 1, which
-    # Megatron's vocabulary layers load at any TP).
-    make_vocab_size_divisible_by: int = R.VOCAB_MULTIPLE
+    # Megatron's vocabulary layers load at any TP). None: Megatron-LM's default for an HF source,
+    # the divisor an mcore source records (its tables are re-padded for the target either way).
+    make_vocab_size_divisible_by: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +253,12 @@ def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
 
 def _kinds(rule_set: R.RuleSet) -> dict[str, str]:
     return {key: kind for step in R.plan_steps(rule_set) for key, kind in zip(step.mcore_keys, step.rule.tp)}
+
+
+def _padded_tables(rule_set: R.RuleSet) -> dict[str, PadRows]:
+    """The mcore keys of vocabulary tables padded past the HF vocabulary, with their padding."""
+    return {key: step.rule.op for step in R.plan_steps(rule_set) if isinstance(step.rule.op, PadRows)
+            for key in step.mcore_keys}
 
 
 def _mcore_order(rule_set: R.RuleSet) -> list[str]:
@@ -426,6 +434,40 @@ class _McoreSource(_Source):
         self.kinds = _kinds(self.rules)
         self.order = _mcore_order(self.rules)
         self.side = _read_side_file(root, manifest, R.side_keys(self.rules))
+        self._repad: dict[str, PadRows] = {}  # mcore key -> the padding it is served with
+
+    def repad_vocab(self, tp: int, multiple: int) -> None:
+        """Serve every padded vocabulary table (LLaVA's embedding and output layer) as Megatron-LM
+        pads it for ``tp`` ranks and ``--make-vocab-size-divisible-by multiple``: the real rows as
+        stored, the stored padding (another TP size's, or another divisor's) stripped and zero rows
+        appended, by the rule's own op and its inverse. A table already that size is served as
+        stored. Call before reading any tensor."""
+        self.vocab_tp, self.vocab_multiple = tp, multiple
+        self._repad = {}
+        for key, padding in _padded_tables(self.rules).items():
+            target, meta = padding.at_tp(tp, multiple), self.metas.get(key)
+            if meta is not None and meta.shape[0] != target.padded:
+                self._repad[key] = target
+                self.metas[key] = Meta(meta.dtype, (target.padded, *meta.shape[1:]))
+
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        pieces = self._stored_pieces(key)
+        padding = self._repad.get(key)
+        if padding is None:
+            return pieces
+        try:
+            return padding.apply(padding.invert([joined(pieces)]))
+        except LayoutError as exc:
+            raise ConvertError(f"{self.root}: {key}: {exc}") from None
+
+    def mcore_tensor(self, key: str) -> torch.Tensor:
+        return joined(self.mcore_pieces(key))
+
+    def _stored_pieces(self, key: str) -> list[torch.Tensor]:
+        return [self._stored_tensor(key)]
+
+    def _stored_tensor(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
 
     def _side_metas(self) -> dict:
         return {key: self._filter.meta(_meta_of(t)) for key, t in self.side.items()}
@@ -496,20 +538,7 @@ class _LegacySource(_McoreSource):
                 raise ConvertError(f"{self.root}: {key}: {exc}") from None
         return parts
 
-    def mcore_tensor(self, key: str) -> torch.Tensor:
-        if key in self.side:
-            return self._side_tensor(key)
-        parts = self._parts(key)
-        if len(parts) == 1 or self.kinds[key] == "replicated":
-            # tp.merge would return a copy; the (file-backed) first rank's tensor is as good once
-            # every rank is known to hold the same bytes.
-            return parts[0]
-        try:
-            return tp_mod.merge(parts, self.kinds[key])
-        except ShardError as exc:
-            raise ConvertError(f"{self.root}: {key}: {exc}") from None
-
-    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+    def _stored_pieces(self, key: str) -> list[torch.Tensor]:
         if key in self.side:
             return [self._side_tensor(key)]
         parts = self._parts(key)
@@ -564,7 +593,7 @@ class _TorchDistSource(_McoreSource):
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order} | self._side_metas()
 
-    def mcore_tensor(self, key: str) -> torch.Tensor:
+    def _stored_tensor(self, key: str) -> torch.Tensor:
         if key in self.side:
             return self._side_tensor(key)
         ckpt_key, layer, meta = self.index[key]
@@ -757,6 +786,11 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
             if ranges:  # every range of one rank lies along the same dim (gated has two on dim 0)
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
             entries[rank][key] = (meta.dtype, tuple(shape))
+    # Megatron's own legacy save writes the TE modules' (empty) extra states; its class demands
+    # them back under strict=True.
+    for key in extra_state.extra_state_keys({k: kinds[k] for k in order}):
+        for rank in range(options.tp):
+            entries[rank][key] = None
     progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}", len(order), total)
     side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
                                                                             source.hf_format))
@@ -793,10 +827,10 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
 
 def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
     from mmparity.checkpoint import _mcore_compat as mc
-    from mmparity.checkpoint.torch_dist import save_torch_dist
+    from mmparity.checkpoint.torch_dist import extra_state_objects, save_torch_dist
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
-    order, _ = _mcore_plan(source, options)
+    order, kinds = _mcore_plan(source, options)
     # torch_dist stores global tensors: the TP/PP sizes only had to fit (checked above).
     pp_mod.pipeline_layout(order).layer_counts(options.pp)
     total = sum(source.metas[k].nbytes for k in order)
@@ -827,6 +861,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         if problems:
             raise ConvertError(_problems_line(f"{source.family!r}: the native model and the converter disagree", problems))
         progress.phase(f"{source.family} -> torch_dist", len(local_keys), total)
+        padded_tables = _padded_tables(rules)
         # Every entry gets a meta placeholder of the converted shape; DCP plans from those, and
         # each tensor is produced from the source only when the writer reaches it.
         # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
@@ -834,6 +869,13 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         key_of: dict[int, tuple[str, torch.Tensor]] = {}
         for local in [name for name in sharded if _te_key(name) in aside]:
             del sharded[local]
+        # The native model's extra states are its own modules'; Megatron's class declares others
+        # (its attention's, none for linears it keeps whole): written as Megatron's, empty.
+        for local in [name for name, entry in sharded.items()
+                      if isinstance(entry, ShardedObject) and extra_state.is_extra_state(name)]:
+            del sharded[local]
+        sharded.update(extra_state_objects(extra_state.sharded_extra_state_keys(
+            {k: kinds[k] for k in order}), order))
         for local, key in local_keys.items():
             entry = sharded[local]
             meta = source.metas[key]
@@ -842,6 +884,12 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             if isinstance(entry, ShardedTensorFactory):
                 sharded[local] = dataclasses.replace(entry, data=placeholder)
             else:
+                if (key in padded_tables and tuple(meta.shape) != tuple(entry.local_shape)
+                        and tuple(meta.shape[1:]) == tuple(entry.local_shape[1:])):
+                    # The native model pads with Megatron-LM's default divisor; the table is
+                    # written with the one asked for (TP 1: the shard is the whole table).
+                    entry = dataclasses.replace(entry, data=placeholder, local_shape=tuple(meta.shape),
+                                                global_shape=tuple(meta.shape))
                 if tuple(meta.shape) != tuple(entry.local_shape):
                     raise ConvertError(f"{key}: converted shape {list(meta.shape)}, the native model expects "
                                        f"{list(entry.local_shape)}")
@@ -890,6 +938,8 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
         raise ConvertError(f"--format must be one of {', '.join(MCORE_FORMATS)}, got {options.format!r}")
     for name in ("tp", "pp", "make_vocab_size_divisible_by"):
         value = getattr(options, name)
+        if value is None and name == "make_vocab_size_divisible_by":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConvertError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     if options.to == "hf" and (options.tp != 1 or options.pp != 1):
@@ -933,7 +983,10 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         # Legacy rank files hold Megatron-LM's per-TP padding; torch_dist's global tensors TP 1's.
         vocab_tp = options.tp if options.to == "mcore" and options.format == "legacy" else 1
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
-                             tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by)
+                             tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE)
+        if isinstance(source, _McoreSource) and options.to == "mcore":
+            # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
+            source.repad_vocab(vocab_tp, options.make_vocab_size_divisible_by or source.vocab_multiple)
         _check_shapes(source)
         if options.to == "hf":
             count, nbytes = _write_hf(source, options, progress)
@@ -978,6 +1031,8 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
         else:
             target = tp or 1
             _validate_tp(source.rules, target)
+            # Megatron-LM pads for the TP size it runs at, with the divisor the checkpoint records.
+            source.repad_vocab(target, source.vocab_multiple)
             sink = R.MemorySink(target)
             R.stream_to_mcore(source.order + aside, source.kinds, source.produce, sink.put)
             shards = R.split_side(source.rules, sink.shards)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mmparity.checkpoint import _mcore_compat as mc
-from mmparity.checkpoint import torch_dist_files
+from mmparity.checkpoint import extra_state, torch_dist_files
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     iteration_dirname,
@@ -61,6 +62,7 @@ from mmparity.checkpoint.fsio import (
     discard_staging_directory,
     make_staging_directory,
     publish_staging_directory,
+    tensor_checksum,
 )
 
 __all__ = [
@@ -187,6 +189,9 @@ def _writer_write_data(self, plan, planner):
                 data = planner.resolve_data(item).getbuffer()
                 pwrite_all(fd, data, offset)
                 length = len(data)
+                if extra_state.is_extra_state(item.index.fqn):
+                    # Certified like a tensor: the checksum of the exact (pickled) bytes written.
+                    self.checksums[item.index.fqn, None] = tensor_checksum(extra_state.bytes_tensor(data))
             else:
                 target = planner.resolve_data(item)  # this shard's tensor, meta or real, DCP's shape
                 shape, dtype = tuple(target.shape), target.dtype
@@ -221,7 +226,7 @@ def _writer_write_data(self, plan, planner):
         writer.close()
     finally:
         writer.abort()
-    self.checksums = dict(writer.checksums)
+    self.checksums.update(writer.checksums)
     future = torch.futures.Future()
     future.set_result(results)
     return future
@@ -246,6 +251,34 @@ def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
     return [whole_base.as_strided(target.shape, target.stride(), target.storage_offset()).contiguous()]
 
 
+_LAYER_KEY = re.compile(r"^(?P<stack>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def extra_state_objects(keys: Sequence[str], tensor_keys: Sequence[str]) -> dict:
+    """Empty ``_extra_state`` ``ShardedObject``s under the keys, offsets and replica ids Megatron's
+    classes give them at TP 1, for the global state-dict ``keys`` (see ``extra_state``); a layer's
+    is stacked as its tensors are (``decoder.layers.<rest>`` at offset ``i`` of the block's layer
+    count, which ``tensor_keys`` tell). Only TP rank 0's copy is the main replica, so the result is
+    the same whatever TP size loads it."""
+    layers: dict[str, set] = {}
+    for key in tensor_keys:
+        match = _LAYER_KEY.match(key)
+        if match:
+            layers.setdefault(match["stack"], set()).add(int(match["index"]))
+    objects = {}
+    for key in keys:
+        match = _LAYER_KEY.match(key)
+        if match:
+            count = len(layers.get(match["stack"], ()))
+            if int(match["index"]) >= count:
+                raise CheckpointError(f"{key}: no tensors of its layer in the state dict")
+            shape, offset, stacked = (count,), (int(match["index"]),), match["stack"] + match["rest"]
+        else:
+            shape, offset, stacked = (1,), (0,), key
+        objects[key] = mc.ShardedObject(stacked, None, shape, offset, replica_id=(0, 0, 0))
+    return objects
+
+
 # --------------------------------------------------------------------------------------------------
 # cross-rank agreement
 
@@ -265,12 +298,12 @@ def _agree(local_error: str | None, stage: str) -> None:
         raise CheckpointError(f"torch_dist {stage} failed: {detail}")
 
 
-def _copy_containers(value):
+def copy_containers(value):
     """A copy of the dict/list skeleton with shared leaves, for validation that edits in place."""
     if isinstance(value, dict):
-        return {k: _copy_containers(v) for k, v in value.items()}
+        return {k: copy_containers(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_copy_containers(v) for v in value]
+        return [copy_containers(v) for v in value]
     return value
 
 
@@ -283,7 +316,7 @@ def _validate_sharding(state_dict: ShardedStateDict) -> None:
     """
     local_metadata, local_error = None, None
     try:
-        probe = _copy_containers(state_dict)
+        probe = copy_containers(state_dict)
         mc.apply_factories(probe)
         _, probe = mc.extract_nonpersistent(probe)
         sharded_part, _ = mc.extract_sharded_base(probe)

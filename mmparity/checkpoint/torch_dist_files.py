@@ -13,7 +13,8 @@ Trust: DCP's `.metadata` file is a pickle. We never hand it to plain `pickle.loa
 torch's `FileSystemReader` does): `load_metadata` unpickles it with an allow-list of the DCP
 metadata classes, `torch.Size` and dtypes, and refuses anything else. The tensor items themselves
 are read by DCP with `torch.load(weights_only=True)`. Byte items (`_extra_state`, `common_state`)
-are arbitrary pickles and are never read here.
+are arbitrary pickles and are never unpickled here; `object_bytes` reads an item's raw bytes
+(to checksum them), nothing more.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = [
     "load_metadata",
     "TorchDistFiles",
     "tensor_metadata",
+    "object_keys",
+    "object_bytes",
     "read_tensor",
     "iter_tensors",
     "global_state_dict",
@@ -157,6 +160,33 @@ def tensor_metadata(path: str | os.PathLike) -> dict[str, tuple[torch.dtype, tup
         for key, entry in sorted(metadata.state_dict_metadata.items())
         if isinstance(entry, TensorStorageMetadata)
     }
+
+
+def object_keys(path: str | os.PathLike, metadata=None) -> list[str]:
+    """The DCP keys of the byte objects (mcore's ``ShardedObject`` unique keys,
+    ``<key>/shard_<offset>_<shape>``), mcore's own ``common_state`` left out."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = load_metadata(path) if metadata is None else metadata
+    return sorted(key for key, entry in metadata.state_dict_metadata.items()
+                  if isinstance(entry, BytesStorageMetadata) and key.split("/")[0] != _COMMON_STATE_KEY)
+
+
+def object_bytes(path: str | os.PathLike, key: str, metadata=None) -> bytes:
+    """The stored (pickled, never unpickled here) bytes of one byte object."""
+    path = Path(path)
+    metadata = load_metadata(path) if metadata is None else metadata
+    found = [info for index, info in metadata.storage_data.items() if getattr(index, "fqn", index) == key]
+    if len(found) != 1:
+        raise CheckpointError(f"{path}: {len(found)} stored items for the object {key!r}")
+    info = found[0]
+    # load_metadata checked the range lies inside a regular file of the directory.
+    with open(path / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    if len(data) != info.length:
+        raise CheckpointError(f"{path / info.relative_path}: short read of the object {key!r}")
+    return data
 
 
 def read_tensor(path: str | os.PathLike, key: str, metadata: dict | None = None) -> torch.Tensor:

@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mmparity.checkpoint import torch_dist_files
+from mmparity.checkpoint import extra_state, torch_dist_files
 from mmparity.checkpoint.fsio import CheckpointError, require_regular_file, tensor_checksum
 from mmparity.checkpoint.legacy import load_rank_file
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE,
                                           TensorRecord, read_manifest)
 
 __all__ = ["Problem", "VerifyReport", "verify"]
+
+_ABSENT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +97,16 @@ def _verify_legacy(root: Path, by_file: Mapping[str, list[TensorRecord]], report
             report.problems.append(Problem(file_name, None, f"{exc}; {len(records)} tensor(s) not checked"))
             continue
         for record in records:
-            found = model.get(record.key)
-            if not isinstance(found, torch.Tensor):
+            found = model.get(record.key, _ABSENT)
+            if not isinstance(found, torch.Tensor) and (found is _ABSENT or not extra_state.is_extra_state(record.key)):
                 report.problems.append(Problem(file_name, record.key, "missing from the file"))
                 continue
-            _compare(report, record, found)
-        tensors = {k for k, v in model.items() if isinstance(v, torch.Tensor)}
-        _unexpected(report, file_name, tensors - {r.key for r in records})
+            try:
+                _compare(report, record, found if isinstance(found, torch.Tensor) else extra_state.as_bytes(found))
+            except TypeError as exc:
+                report.problems.append(Problem(file_name, record.key, str(exc)))
+        certifiable = {k for k, v in model.items() if isinstance(v, torch.Tensor) or extra_state.is_extra_state(k)}
+        _unexpected(report, file_name, certifiable - {r.key for r in records})
 
 
 def _shard_of(global_tensor: torch.Tensor, record: TensorRecord) -> torch.Tensor:
@@ -122,10 +127,20 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
         except CheckpointError as exc:
             report.problems.append(Problem(dir_name, None, f"{exc}; {len(records)} shard record(s) not checked"))
             continue
+        objects = torch_dist_files.object_keys(path)
         by_key: dict[str, list[TensorRecord]] = defaultdict(list)
         for record in records:
             by_key[record.key].append(record)
         for key, key_records in sorted(by_key.items()):
+            if key in objects:  # an _extra_state object: its stored bytes, never unpickled
+                try:
+                    found = extra_state.bytes_tensor(torch_dist_files.object_bytes(path, key))
+                except CheckpointError as exc:
+                    report.problems.append(Problem(dir_name, key, str(exc)))
+                    continue
+                for record in key_records:
+                    _compare(report, record, found)
+                continue
             if key not in metadata:
                 report.problems.append(Problem(dir_name, key, "missing from the checkpoint"))
                 continue
@@ -141,7 +156,7 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
                     report.problems.append(Problem(dir_name, key, str(exc)))
                     continue
                 _compare(report, record, found)
-        _unexpected(report, dir_name, set(metadata) - set(by_key) - {"common_state"})
+        _unexpected(report, dir_name, (set(metadata) | set(objects)) - set(by_key) - {"common_state"})
 
 
 # What holds weights in any layout: safetensors shards, legacy rank files, and torch_dist data files

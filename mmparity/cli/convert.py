@@ -26,9 +26,9 @@ def add_arguments(parser) -> None:
                              "of the output with --to hf (default: the source's)")
     parser.add_argument("--max-shard-size", metavar="S", default=None,
                         help="largest HF output shard, e.g. 500MB, 5GB (default 5GB)")
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                         help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
-                             "(default 128, Megatron-LM's default)")
+                             "(default 128, Megatron-LM's default; for an mcore source, the N it records)")
     parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")

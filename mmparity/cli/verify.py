@@ -17,6 +17,9 @@ def add_arguments(parser) -> None:
                              "(legacy), dist_checkpointing.load (torch_dist)")
     parser.add_argument("--megatron-class", metavar="NAME", default=None,
                         help="with --load, where a family loads into several Megatron classes: which")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="with --load, a torch_dist checkpoint (global tensors) loads at any TP "
+                             "size: load it on N ranks (default: the size recorded)")
     parser.add_argument("--quiet", action="store_true", help="print only problems")
 
 
@@ -25,6 +28,8 @@ def run(args) -> int:
 
     if args.megatron_class is not None and not args.load:
         raise UsageError("--megatron-class needs --load")
+    if args.tp is not None and not args.load:
+        raise UsageError("--tp needs --load")
     for directory in args.dirs:
         if not os.path.isdir(directory):
             raise UsageError(f"{directory}: no such directory")
@@ -55,7 +60,7 @@ def _run_load(args) -> int:
     ok = True
     for directory in args.dirs:
         try:
-            report = load_into_megatron(directory, args.megatron_class)
+            report = load_into_megatron(directory, args.megatron_class, args.tp)
         except (CheckpointError, NoMegatronClass, UpstreamUnavailable) as exc:
             raise UsageError(f"{directory}: {exc}") from None
         except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)

@@ -154,6 +154,30 @@ def projection_transformer_config(cfg, params_dtype: torch.dtype = torch.float32
         bias=cfg.multimodal_projector_bias, params_dtype=params_dtype, pipelined_stack=False)
 
 
+# The vocabulary tables a state dict may hold (the first stage has the embedding, the last the
+# output layer; a tied model only the embedding).
+_VOCABULARY_TABLES = ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight")
+
+
+def _take_the_checkpoints_vocabulary_padding(model: "LLaVAModel", state_dict, prefix: str, *_) -> None:
+    """Load-time: a checkpoint padded its vocabulary with another ``make_vocab_size_divisible_by``
+    than the 128 the model is built with (Megatron-LM's default; the divisor is the checkpoint's,
+    recorded in its manifest): the language model is rebuilt with the checkpoint's padded size, so
+    the tables load as they are. Only the padding may differ: fewer rows than the real
+    vocabulary, or a size TP does not split, is left to the load to refuse."""
+    tp = runtime.current_layout().tp
+    for name in _VOCABULARY_TABLES:
+        table = state_dict.get(prefix + name)
+        if not torch.is_tensor(table) or table.dim() != 2:
+            continue
+        padded = table.shape[0] * tp
+        if padded != model.language_model.vocab_size and padded >= model.vocab_size:
+            device = next(model.language_model.parameters()).device
+            with torch.device(device):
+                model.language_model = model._build_language_model(padded)
+        return
+
+
 class LLaVAModel(MegatronModule):
     """LLaVA on mcore parts (after Megatron-LM ``megatron/core/models/multimodal/llava_model.py``): vision tower -> ``MultimodalProjector`` -> ``GPTModel``.
 
@@ -211,11 +235,9 @@ class LLaVAModel(MegatronModule):
         if share_embeddings_and_output_weights and not (self.pre_process and self.post_process):
             raise ValueError("tied embeddings under pipeline parallelism are not supported: the "
                              "last stage would need its own copy of the output weight")
-        # Registration order is upstream's, so state dicts list the language model first.
-        self.language_model = GPTModel(
+        self._language_model_options = dict(
             config=language_transformer_config,
             transformer_layer_spec=language_transformer_layer_spec,
-            vocab_size=language_vocab_size,
             max_sequence_length=language_max_sequence_length,
             pre_process=self.pre_process,
             post_process=self.post_process,
@@ -225,10 +247,8 @@ class LLaVAModel(MegatronModule):
             rotary_base=language_rotary_base,
             scatter_embedding_sequence_parallel=False,
         )
-        self.language_model.rotary_pos_emb = LanguageRotaryEmbedding(
-            kv_channels=language_transformer_config.kv_channels, rotary_percent=1.0,
-            rotary_interleaved=language_transformer_config.rotary_interleaved,
-            rotary_base=language_rotary_base, use_cpu_initialization=True)
+        # Registration order is upstream's, so state dicts list the language model first.
+        self.language_model = self._build_language_model(language_vocab_size)
         # What later stages need of the tower: how many slots each image fills.
         self.vision_patch_dim = vision_model.patch_dim
         self.vision_class_token_len = getattr(vision_model, "class_token_len", 0)
@@ -243,6 +263,16 @@ class LLaVAModel(MegatronModule):
         self.drop_vision_class_token = drop_vision_class_token
         self._language_max_sequence_length = language_max_sequence_length
         tolerate_missing_extra_state(self)
+        self.register_load_state_dict_pre_hook(_take_the_checkpoints_vocabulary_padding)
+
+    def _build_language_model(self, padded_vocab_size: int) -> GPTModel:
+        language_model = GPTModel(vocab_size=padded_vocab_size, **self._language_model_options)
+        config = self._language_model_options["config"]
+        language_model.rotary_pos_emb = LanguageRotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            rotary_base=self._language_model_options["rotary_base"], use_cpu_initialization=True)
+        return language_model
 
     # -- upstream's small API -------------------------------------------------------------------
 

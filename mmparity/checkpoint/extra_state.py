@@ -1,0 +1,74 @@
+"""The ``_extra_state`` slots of Megatron's classes, which mmparity writes empty.
+
+Transformer Engine's linears and its attention (and the CPU stand-ins of
+``mmparity.upstream.te_stand_ins``, like mcore's own parallel linears) override
+``get_extra_state``, so ``state_dict()`` holds a ``<module>._extra_state`` entry for each of them
+(FP8 metadata; nothing without FP8) and ``load_state_dict(strict=True)`` demands one back. In a
+``sharded_state_dict()`` each is a ``ShardedObject``, replicated over TP. A converted checkpoint has
+no FP8 state, so every such slot is written empty (``None``, which TE's ``set_extra_state`` and
+mcore's both take as "nothing"), and Megatron's class then loads strictly with no tolerance hook.
+
+Which modules have one is a property of Megatron's TE spec, read here from the mcore key names and
+their TP kinds (the checkpoint holds nothing else to read it from): the TP-split
+``linear_qkv`` / ``linear_proj`` / ``linear_fc1`` / ``linear_fc2`` (decoder layers, the
+``MultimodalProjector``) and ``output_layer``, and the ``core_attention`` beside each
+``linear_qkv``. Plain ``nn.Linear``s that Megatron keeps whole (Qwen's merger, Pixtral-Large's
+merging layer) have none. ``tests/test_extra_state.py`` checks the rule against every family's
+recorded layout (``tests/data/megatron_layout``).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+import torch
+
+SUFFIX = "._extra_state"
+_TE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+# GPTModel leaves its output layer's slot out of its sharded state dict (old checkpoints lacked it).
+_NOT_SHARDED = ("output_layer",)
+
+
+def _module_name(module: str) -> str:
+    return module.rpartition(".")[2]
+
+
+def extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
+    """Every ``_extra_state`` key of Megatron's state dict, given its tensors' mcore keys and TP kinds."""
+    modules = []
+    for key, kind in kinds.items():
+        module, _, param = key.rpartition(".")
+        if param != "weight" or kind == "replicated" or _module_name(module) not in _TE_LINEARS:
+            continue
+        modules.append(module)
+        if _module_name(module) == "linear_qkv":
+            modules.append(module.rpartition(".")[0] + ".core_attention")
+    return sorted(f"{module}{SUFFIX}" for module in modules)
+
+
+def sharded_extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
+    """The subset Megatron's ``sharded_state_dict()`` holds as ``ShardedObject``s."""
+    return [k for k in extra_state_keys(kinds) if _module_name(k[: -len(SUFFIX)]) not in _NOT_SHARDED]
+
+
+def is_extra_state(key: str) -> bool:
+    return key.endswith(SUFFIX) or f"{SUFFIX}/" in key
+
+
+def bytes_tensor(data) -> torch.Tensor:
+    """Bytes as a uint8 tensor (what the manifest's checksums take)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def as_bytes(value) -> torch.Tensor:
+    """What an ``_extra_state`` value holds, as a uint8 tensor for the manifest's checksum:
+    empty for ``None`` (what mmparity writes), the bytes of TE's serialised state otherwise.
+    Raises ``TypeError`` for anything that is not an extra state."""
+    if value is None:
+        return torch.empty(0, dtype=torch.uint8)
+    if isinstance(value, io.BytesIO):
+        return bytes_tensor(value.getvalue())
+    if isinstance(value, torch.Tensor):
+        return value.detach().contiguous().view(-1).view(torch.uint8)
+    raise TypeError(f"a {type(value).__name__} is not an _extra_state value")
