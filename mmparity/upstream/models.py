@@ -42,8 +42,8 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity import runtime
+from mmparity.hfconfig import padded_vocab_size
 from mmparity.upstream import te_stand_ins
-from mmparity.upstream.keymap import padded_vocab_size
 from mmparity.upstream.te_stand_ins import buildable_without_te, te_class
 
 VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
@@ -413,7 +413,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
         model = llava_model.LLaVAModel(
             language_transformer_config=language_config,
             language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
-            language_vocab_size=padded_vocab_size(text.vocab_size, tp, divisible_by),
+            language_vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
             language_max_sequence_length=text.max_position_embeddings,
             vision_transformer_config=vision_config,
             vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
