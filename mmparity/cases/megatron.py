@@ -100,10 +100,11 @@ def _run_qwen(model, case: Case, cfg) -> dict:
 
 
 def _run_kimi(model, case: Case, cfg) -> dict:
+    tower, projection = models.kimi_parts(model)
     if case.name == "projector":
-        return {"image_embeds": model.vision_projection(case.data["features"])}
+        return {"image_embeds": projection(case.data["features"])}
     seen = {}
-    handle = model.vision_model.final_ln.register_forward_hook(
+    handle = tower.final_ln.register_forward_hook(
         lambda module, args, out: seen.setdefault("x", out))
     try:
         merged, projected = models.run_kimi(model, case.data["images"])
@@ -169,11 +170,11 @@ def _qwen_pairs(model, cfg) -> list[Pair]:
 
 
 def _kimi_pairs(model, cfg) -> list[Pair]:
-    tower = model.vision_model
+    tower, projection = models.kimi_parts(model)
     out = [Pair("patch_embed", tower.patch_embed, tokens_2d)] + _layer_pairs(tower)
     out.append(Pair("final_layernorm", tower.final_ln, tokens_2d))
-    if model.vision_projection is not None:
-        out.append(Pair("projector", model.vision_projection, tokens_2d))
+    if projection is not None:
+        out.append(Pair("projector", projection, tokens_2d))
     return out
 
 
