@@ -135,8 +135,8 @@ def _tower_rules(cfg, hf_format: str, hf_root: str, mcore_root: str) -> list[Rul
     d = vc.hidden_size // heads
     n = _TOWER[hf_format]
     layer = hf_root + n["layer"]
-    native = mcore_root + "decoder.layers.{i}."
-    attn, mlp = native + "self_attention.", native + "mlp."
+    block = mcore_root + "decoder.layers.{i}."
+    attn, mlp = block + "self_attention.", block + "mlp."
     rules = [
         rename(mcore_root + "patch_embed.proj.weight", hf_root + n["patch"] + ".weight"),
         rename(mcore_root + "patch_embed.proj.bias", hf_root + n["patch"] + ".bias"),
