@@ -182,7 +182,10 @@ def _swap_q_heads(state):
     (_perturb("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), "layer.1"),
     (_perturb("vision_model.final_ln.bias"), "final_layernorm"),
     (_perturb("vision_projection.encoder.linear_fc1.weight"), "projector"),
-], ids=["patch_embed", "pos_embed", "swapped_q_heads", "layer1_fc2", "final_norm", "projector"])
+    # Kimi's pre-norm, tiled into the fused norm of Megatron's linear_fc1: the native model reads it.
+    (_perturb("vision_projection.encoder.linear_fc1.layer_norm_bias"), "projector"),
+], ids=["patch_embed", "pos_embed", "swapped_q_heads", "layer1_fc2", "final_norm", "projector",
+        "projector_norm"])
 def test_negative_controls_name_the_module(mutate, module):
     result = harness.check(FAMILY, seed=1, mutate_native=mutate, components=False)
     assert not result.passed
