@@ -71,7 +71,7 @@ def profile_forward(run, device: torch.device, steps: int = 3) -> dict:
 
 
 def compiled_layers(native) -> tuple[bool, str]:
-    layers = native.decoder.layers
+    layers = native.pipelined_module().layers  # the tower's block, also inside a tower+projector model
     try:
         for i in range(len(layers)):
             layers[i] = torch.compile(layers[i])

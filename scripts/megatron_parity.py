@@ -1,5 +1,5 @@
-"""Print the interop study's numbers: for each family (and TP size), HF weights converted by
-today's converter, mapped to Megatron's layout, loaded strictly into Megatron's own class, run on
+"""Print the interop study's numbers: for each family (and TP size), HF weights converted by the real
+converter (Megatron's layout), loaded strictly into Megatron's own class, run on
 the native check's cases, compared with HF (rel_l2, max_abs per output; first diverging module).
 
     PYTHONPATH=$PWD[:/path/to/Megatron-LM] python scripts/megatron_parity.py \

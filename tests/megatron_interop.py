@@ -1,8 +1,8 @@
-"""The interop study: HF weights -> today's converter -> Megatron's layout -> Megatron's own class.
+"""The interop study: HF weights -> the converter (Megatron's layout) -> Megatron's own class.
 
-For a family: seeded HF weights, ``Family.hf_to_mcore`` (the real converter), the key map of
-``mmparity.upstream.keymap``, a strict load (``upstream.models.load_strict``) into the class
-``mmparity.upstream.models`` builds, a forward on the cases the product's Megatron record
+For a family: seeded HF weights, ``Family.hf_to_mcore`` (the real converter, which writes
+Megatron's layout with what it has no place for aside), a strict load
+(``upstream.models.load_strict``) of its mcore state into the class ``mmparity.upstream.models`` builds, a forward on the cases the product's Megatron record
 (``mmparity.cases.megatron``) gives, and the comparison with HF's outputs, output by output and
 module by module. ``check --impl megatron`` does the same through the parity harness; this driver
 keeps the raw per-output numbers and the Kimi projection variants for ``tests/test_upstream.py``
@@ -21,7 +21,7 @@ from mmparity.cases import inputs
 from mmparity.cases import megatron as megatron_cases
 from mmparity.cases.core import Case
 from mmparity.parity.metrics import compare, fp32_tolerance
-from mmparity.upstream import keymap, models
+from mmparity.upstream import models
 
 TOLERANCE = fp32_tolerance().rel_l2
 # Megatron's class name in the study -> (the mmparity family it is fed from, its Megatron class).
@@ -46,9 +46,22 @@ def hf_model(family: str, cfg, seed: int):
     return ref
 
 
-def megatron_state(family: str, cfg, hf_state: dict, tp: int, **options) -> tuple[list, dict]:
+# Kimi's projector constructions (``upstream.models.KIMI_PROJECTIONS``): the converter's keys each
+# one has no place for. The converter writes the proposal, a fused norm over the merged vector.
+KIMI_UNPLACED = {"fused_norm_over_merged": (),
+                 "drop_pre_norm": ("vision_projection.encoder.linear_fc1.layer_norm_weight",
+                                   "vision_projection.encoder.linear_fc1.layer_norm_bias")}
+
+
+def megatron_state(family: str, cfg, hf_state: dict, tp: int,
+                   kimi_projection: str = "fused_norm_over_merged") -> tuple[list, list]:
+    """(per-rank state dicts Megatron's class loads, the keys kept out of them): the converter's
+    mcore state, less what the Kimi projector construction asked for has no place for."""
     shards = families.get(source(family)).hf_to_mcore(hf_state, cfg, tp_size=tp)
-    return keymap.to_megatron(family, shards, cfg, **options)
+    unplaced = KIMI_UNPLACED[kimi_projection] if family == "kimi_k25" else ()
+    states = [megatron_class(family).state({k: v for k, v in shard.items() if k not in unplaced})
+              for shard in shards]
+    return states, list(shards.side[0]) + [k for k in unplaced if k in shards[0]]
 
 
 def family_cases(family: str, cfg, seed: int) -> list[Case]:

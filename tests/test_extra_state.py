@@ -30,9 +30,7 @@ def mcore_kinds(family: str) -> dict:
             for key, kind in zip(step.mcore_keys, step.rule.tp) if key not in aside}
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=False, reason="kimi layout lands from the kimi branch"))
-    if f == "kimi_k25" else f for f in ALL_FAMILIES])
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_the_rule_names_every_extra_state_megatrons_class_declares(family):
     assert extra_state_keys(mcore_kinds(family)) == recorded(family)["extra_state"]
 

@@ -168,7 +168,7 @@ def _perturb(key):
 
 
 def _swap_q_heads(state):
-    key = "decoder.layers.0.self_attention.linear_qkv.weight"
+    key = "vision_model.decoder.layers.0.self_attention.linear_qkv.weight"
     hd = 12  # tiny config: 4 heads of 12; MHA rows per head are [q_h, k_h, v_h]
     w = state[key].clone()
     w[0:hd], w[3 * hd:4 * hd] = state[key][3 * hd:4 * hd], state[key][0:hd]
@@ -176,13 +176,16 @@ def _swap_q_heads(state):
 
 
 @pytest.mark.parametrize("mutate, module", [
-    (_perturb("patch_embed.conv.weight"), "patch_embed"),
-    (_perturb("pos_embed.weight"), "pos_embed"),
+    (_perturb("vision_model.patch_embed.proj.weight"), "patch_embed"),
+    (_perturb("vision_model.pos_embed.weight"), "pos_embed"),
     (_swap_q_heads, "layer.0"),
-    (_perturb("decoder.layers.1.mlp.linear_fc2.weight"), "layer.1"),
-    (_perturb("decoder.final_layernorm.bias"), "final_layernorm"),
+    (_perturb("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), "layer.1"),
+    (_perturb("vision_model.final_ln.bias"), "final_layernorm"),
     (_perturb("vision_projection.encoder.linear_fc1.weight"), "projector"),
-], ids=["patch_embed", "pos_embed", "swapped_q_heads", "layer1_fc2", "final_norm", "projector"])
+    # Kimi's pre-norm, tiled into the fused norm of Megatron's linear_fc1: the native model reads it.
+    (_perturb("vision_projection.encoder.linear_fc1.layer_norm_bias"), "projector"),
+], ids=["patch_embed", "pos_embed", "swapped_q_heads", "layer1_fc2", "final_norm", "projector",
+        "projector_norm"])
 def test_negative_controls_name_the_module(mutate, module):
     result = harness.check(FAMILY, seed=1, mutate_native=mutate, components=False)
     assert not result.passed
@@ -349,7 +352,7 @@ def native():
 def test_position_table_identity_bicubic_and_temporal_rows(native):
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionPositionEmbeddings
 
-    pos = native.pos_embed
+    pos = native.vision_model.pos_embed
     table = pos.weight.detach()
     assert torch.equal(pos(6, 6, "cpu"), table.flatten(0, 1))  # identity: no resampling at all
     expected = F.interpolate(table.permute(2, 0, 1)[None], size=(4, 10), mode="bicubic",
@@ -368,7 +371,7 @@ def test_position_table_identity_bicubic_and_temporal_rows(native):
 
 
 def test_rope_angles_are_column_first_pairs(native):
-    rope = native.rotary_pos_emb  # head_dim 12: three frequencies per axis
+    rope = native.vision_model.rotary_pos_emb  # head_dim 12: three frequencies per axis
     inv = 1.0 / 10000 ** (torch.arange(3) * 4 / 12.0)
     freqs = rope(torch.tensor([2]), torch.tensor([5]))[0, 0, 0]
     expected = torch.stack([5 * inv, 2 * inv], dim=-1).flatten().repeat_interleave(2)
@@ -376,7 +379,7 @@ def test_rope_angles_are_column_first_pairs(native):
 
 
 def test_merger_layout_and_temporal_mean(native):
-    merger = native.merger
+    merger = native.vision_model.merger
     x = torch.arange(24.0).view(1, 24, 1)  # a 4x6 grid, one channel
     assert merger(x, 4, 6)[0].tolist() == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11],
                                            [12, 13, 18, 19], [14, 15, 20, 21], [16, 17, 22, 23]]
@@ -426,4 +429,4 @@ def test_projector_reads_merged_tokens_in_either_shape(native):
         a = native.vision_projection(x)
         b = native.vision_projection(x.reshape(5, 192))
     assert a.shape == (5, 40) and torch.equal(a, b)
-    assert math.isclose(native.vision_projection.pre_norm.eps, 1e-5)
+    assert math.isclose(native.vision_projection.encoder.linear_fc1.norm_eps, 1e-5)

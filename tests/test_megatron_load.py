@@ -40,8 +40,7 @@ FAMILIES = [
     pytest.param("pixtral", marks=NEEDS_MAIN),
     pytest.param("pixtral_large", marks=NEEDS_MAIN),
     pytest.param("qwen3_5", marks=NEEDS_MAIN),
-    pytest.param("kimi_k25", marks=[NEEDS_MAIN, pytest.mark.xfail(
-        strict=False, reason="kimi layout lands from the kimi branch")]),
+    pytest.param("kimi_k25", marks=NEEDS_MAIN),
 ]
 
 

@@ -3,8 +3,8 @@
 Three kinds of test:
 
 * always run (no Megatron-LM needed): the recorded layouts in ``tests/data/megatron_layout``
-  against what today's converter plus ``upstream.keymap`` produce, for all seven families, and the
-  key map's exact inverse; the stand-ins' parameter names and functions;
+  against what the converter writes, for all seven families, what it keeps aside, and its exact
+  way back to HF; the stand-ins' parameter names and functions;
 * stock classes of the installed megatron-core (``CLIPViTModel``, ``LLaVAModel``,
   ``MultimodalProjector``, ``GPTModel``): their layout against the recorded one at TP 1 and 2,
   strict loads and parity with HF at TP 1 and 2;
@@ -30,7 +30,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from mmparity import families, runtime
 from mmparity.parity.metrics import compare
 from mmparity.cases.llava import expected_loss_mask
-from mmparity.upstream import keymap, layout, models, te_stand_ins
+from mmparity.hfconfig import padded_vocab_size
+from mmparity.upstream import layout, models, te_stand_ins
 from tests import megatron_interop as mi
 
 LAYOUT_DIR = Path(__file__).parent / "data" / "megatron_layout"
@@ -56,11 +57,7 @@ def converted(family: str, tp: int, seed: int = 0):
     return cfg, shards
 
 
-# --- always: recorded layout vs converter + key map --------------------------------------------
-
-# (family, TP) whose converter output is not Megatron's layout yet (the key map still translates).
-NOT_YET_MEGATRON = {("kimi_k25", 1), ("kimi_k25", 2)}
-
+# --- always: recorded layout vs the converter ---------------------------------------------------
 
 def assert_megatron_layout(family, tp, states):
     record = recorded(family)
@@ -72,24 +69,13 @@ def assert_megatron_layout(family, tp, states):
                                   if got[k] != expected[k]})
 
 
-@pytest.mark.parametrize("family, tp", [
-    pytest.param(f, tp, marks=pytest.mark.xfail(strict=True, reason="converter not on Megatron's layout yet"))
-    if (f, tp) in NOT_YET_MEGATRON else (f, tp) for f in ALL_FAMILIES for tp in (1, 2)])
-def test_converter_writes_megatrons_layout(family, tp):
-    """The converter's output alone, no key map, is exactly the recorded Megatron state dict: same
-    keys, same per-rank shapes at TP 1 and TP 2."""
-    _, shards = converted(family, tp)
-    assert_megatron_layout(family, tp, shards)
-
-
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_converter_plus_keymap_writes_megatrons_layout(family, tp):
-    """What the key map hands Megatron (a pass-through for converted families) is exactly the
-    recorded Megatron state dict."""
-    cfg, shards = converted(family, tp)
-    mg, _ = keymap.to_megatron(family, shards, cfg)
-    assert_megatron_layout(family, tp, mg)
+def test_converter_writes_megatrons_layout(family, tp):
+    """The converter's output is exactly the recorded Megatron state dict: same keys, same per-rank
+    shapes at TP 1 and TP 2."""
+    _, shards = converted(family, tp)
+    assert_megatron_layout(family, tp, shards)
 
 
 def test_recorded_layouts_cover_every_family():
@@ -103,64 +89,43 @@ def test_recorded_layouts_cover_every_family():
                 assert shape == want, (family, key, entry)
 
 
-# The whole difference between today's mcore state dict and Megatron's, per family, as data:
-# (renamed keys at TP 1, keys with no place, keys Megatron keeps whole at TP 2). Layers are
-# represented by layer 0 and the last layer only where they differ.
-EXPECTED_DIFF = {
-    "clip": ({}, {"ln_post.weight", "ln_post.bias"}, set()),
-    "siglip": ({},
-               {"head.probe", "head.attention.linear_q.weight", "head.attention.linear_q.bias",
-                "head.attention.linear_kv.weight", "head.attention.linear_kv.bias",
-                "head.attention.linear_proj.weight", "head.attention.linear_proj.bias",
-                "head.mlp.linear_fc1.layer_norm_weight", "head.mlp.linear_fc1.layer_norm_bias",
-                "head.mlp.linear_fc1.weight", "head.mlp.linear_fc1.bias",
-                "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"}, set()),
-    "pixtral": ({}, set(), set()),
-    "pixtral_large": ({}, set(), set()),
-    "qwen3_5": ({}, set(), set()),
-    "kimi_k25": ({"patch_embed.conv.weight": "vision_model.patch_embed.proj.weight",
-                  "patch_embed.conv.bias": "vision_model.patch_embed.proj.bias",
-                  "decoder.final_layernorm.weight": "vision_model.final_ln.weight",
-                  "decoder.final_layernorm.bias": "vision_model.final_ln.bias",
-                  "pos_embed.weight": "vision_model.pos_embed.weight"},
-                 {"vision_projection.pre_norm.weight", "vision_projection.pre_norm.bias"}, set()),
+# What each family's Megatron class has no place for, kept beside its state dict (the side file).
+EXPECTED_SIDE = {
+    "clip": {"ln_post.weight", "ln_post.bias"},
+    "siglip": {"head.probe", "head.attention.linear_q.weight", "head.attention.linear_q.bias",
+               "head.attention.linear_kv.weight", "head.attention.linear_kv.bias",
+               "head.attention.linear_proj.weight", "head.attention.linear_proj.bias",
+               "head.mlp.linear_fc1.layer_norm_weight", "head.mlp.linear_fc1.layer_norm_bias",
+               "head.mlp.linear_fc1.weight", "head.mlp.linear_fc1.bias",
+               "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"},
+    "pixtral": set(),
+    "pixtral_large": set(),
+    "qwen3_5": set(),
+    # Kimi's projector norm is written in Megatron's fused-norm place, tiled (exactly invertible).
+    "kimi_k25": set(),
 }
 
 
-@pytest.mark.parametrize("family", sorted(EXPECTED_DIFF))
-def test_key_diff_is_pinned(family):
-    renames, no_place, whole_at_tp2 = EXPECTED_DIFF[family]
-    cfg, shards = converted(family, 1)
-    mg, side = keymap.to_megatron(family, shards, cfg)
-    assert set(side) == no_place
-    ours, theirs = set(shards[0]) - set(side), set(mg[0])
-    moved = {k: v for k, v in renames.items()}
-    for k in ours:
-        if k not in moved and k not in theirs:
-            # Layer keys only change prefix (kimi): anything else must be listed above.
-            assert family == "kimi_k25" and k.startswith("decoder.layers."), k
-    for old, new in moved.items():
-        assert old in ours and new in theirs and torch.equal(shards[0][old], mg[0][new])
-    _, shards2 = converted(family, 2)
-    mg2, _ = keymap.to_megatron(family, shards2, cfg)
-    gathered = {k for k in mg2[0] if k in shards2[0] and mg2[0][k].shape != shards2[0][k].shape}
-    assert gathered == whole_at_tp2
+@pytest.mark.parametrize("family", sorted(EXPECTED_SIDE))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_side_tensors_are_pinned(family, tp):
+    _, shards = converted(family, tp)
+    assert all(set(side) == EXPECTED_SIDE[family] for side in shards.side)
+    assert all(not set(shard) & EXPECTED_SIDE[family] for shard in shards)
 
 
-def test_llava_key_diff():
-    """CLIP tower: the converter itself writes ``conv1``, sets the layer past vision_feature_layer
-    and ``ln_post`` aside, and pads the vocabulary to 128 x TP (256 at TP 2) with zero rows; the
-    key map passes it all through."""
+def test_llava_keeps_aside_what_megatron_has_no_place_for():
+    """CLIP tower: the converter writes ``conv1``, sets the layer past vision_feature_layer and
+    ``ln_post`` aside, and pads the vocabulary to 128 x TP (256 at TP 2) with zero rows."""
     cfg = mi.llava_clip_config()
     hf = mi.hf_model("llava", cfg, 0).state_dict()
     for tp, rows in ((1, 128), (2, 256)):
         _, shards = converted("llava", tp)
-        mg, side = keymap.to_megatron("llava", shards, cfg)
-        assert all(m.keys() == s.keys() for m, s in zip(mg, shards))
         assert "vision_model.conv1.weight" in shards[0] and "vision_model.patch_conv.conv.weight" not in shards[0]
         assert {k.split(".")[3] for k in shards.side[0] if ".layers." in k} == {"1"}
         assert not any(k.startswith("vision_model.decoder.layers.1.") for k in shards[0])
-        assert {"vision_model.ln_post.weight", "vision_model.ln_post.bias"} <= set(shards.side[0]) == set(side)
+        assert {"vision_model.ln_post.weight", "vision_model.ln_post.bias"} <= set(shards.side[0])
+        assert all(not set(s) & set(side) for s, side in zip(shards, shards.side))
         emb = torch.cat([s["language_model.embedding.word_embeddings.weight"] for s in shards])
         assert emb.shape[0] == rows
         vocab = cfg.text_config.vocab_size
@@ -169,15 +134,13 @@ def test_llava_key_diff():
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_keymap_inverts_exactly(family, tp):
-    cfg, shards = converted(family, tp)
-    mg, side = keymap.to_megatron(family, shards, cfg)
-    back = keymap.from_megatron(family, mg, side, cfg)
-    for rank in range(tp):
-        assert set(back[rank]) == set(shards[rank])
-        assert all(torch.equal(back[rank][k], shards[rank][k]) for k in shards[rank]), (family, rank)
-        assert set(back.side[rank]) == set(shards.side[rank])
-        assert all(torch.equal(back.side[rank][k], shards.side[rank][k]) for k in shards.side[rank])
+def test_megatrons_layout_and_side_give_hf_back_exactly(family, tp):
+    cfg = config_for(family)
+    hf = mi.hf_model(family, cfg, 0).state_dict()
+    _, shards = converted(family, tp)
+    back = families.get(family).mcore_to_hf(shards, cfg)
+    prefix = next(p for p in ("", "model.") if all(p + k in hf for k in back))
+    assert all(torch.equal(back[k], hf[prefix + k]) for k in back), family
 
 
 def test_layout_differences_name_every_moved_key():
@@ -213,8 +176,8 @@ def test_compact_keys_fold_layer_numbers():
 
 
 def test_padded_vocab_follows_megatron_lm():
-    assert [keymap.padded_vocab_size(101, tp) for tp in (1, 2, 4)] == [128, 256, 512]
-    assert keymap.padded_vocab_size(256, 2) == 256 and keymap.padded_vocab_size(257, 1) == 384
+    assert [padded_vocab_size(101, tp=tp) for tp in (1, 2, 4)] == [128, 256, 512]
+    assert padded_vocab_size(256, tp=2) == 256 and padded_vocab_size(257, tp=1) == 384
 
 
 # --- always: the stand-ins -----------------------------------------------------------------------
@@ -351,7 +314,7 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
     mine = mi.megatron_outputs("llava", model, case, cfg)
     with torch.no_grad():
         out = ref(input_ids=case.data["hf_input_ids"], pixel_values=torch.stack(case.data["images"]))
-    vocab, rows = cfg.text_config.vocab_size, keymap.padded_vocab_size(cfg.text_config.vocab_size, 1)
+    vocab, rows = cfg.text_config.vocab_size, padded_vocab_size(cfg.text_config.vocab_size, tp=1)
     logits = F.pad(out.logits.float(), (0, rows - vocab))
     labels = case.data["hf_labels"]
     shifted = F.cross_entropy(logits[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1),

@@ -1,9 +1,9 @@
 """``mmparity verify --load``: strict loads of checkpoints on disk into Megatron's own classes.
 
 Checkpoints in Megatron's layout are made here by saving what Megatron's class holds (the
-converter's output through ``upstream.keymap``, with the empty ``_extra_state`` entries of the
-recorded layout) with the project's own legacy / torch_dist writers; ``convert``'s own output is
-checked the same way, since the converters write that layout.
+converter's output, with the empty ``_extra_state`` entries of the recorded layout) with the
+project's own legacy / torch_dist writers; ``convert``'s own output is checked the same way, since
+the converters write that layout.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from mmparity.checkpoint import torch_dist
 from mmparity.checkpoint.legacy import write_legacy
 from mmparity.checkpoint.manifest import Provenance
 from mmparity.checkpoint.megatron_load import HF_CONFIG_FILE
-from mmparity.upstream import keymap, models
+from mmparity.upstream import models
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
 from tests.test_upstream import recorded
@@ -27,7 +27,7 @@ def megatron_shards(family: str, tp: int, seed: int = 5):
     cfg = fam.tiny_config()
     ref = fam.build_reference(cfg)
     state = random_like_state(ref.state_dict(), seed)
-    shards, _side = keymap.to_megatron(family, fam.hf_to_mcore(state, cfg, tp_size=tp), cfg)
+    shards = fam.hf_to_mcore(state, cfg, tp_size=tp)
     # Megatron's own save also writes its TE modules' (here empty) extra states.
     empty_extra_states = dict.fromkeys(recorded(family)["extra_state"])
     return cfg, [{**shard, **empty_extra_states} for shard in shards]

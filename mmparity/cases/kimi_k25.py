@@ -23,7 +23,7 @@ from mmparity.hfconfig import has_vision_sub_config as has_projector
 from mmparity.hfconfig import vision_sub_config as vision_cfg
 from mmparity.native import kimi_k25 as native
 from mmparity.native.core.layers import numbered_layers
-from mmparity.native.kimi_k25 import KimiViTWithProjector, head_dim
+from mmparity.native.kimi_k25 import KimiViTWithProjector, head_dim, tower
 from mmparity.reference import kimi_k25 as reference
 from mmparity.reference.kimi_k25 import CHANNELS, KimiK25VisionReference, patch_size, vision_tower
 
@@ -213,10 +213,11 @@ def native_run(model, case) -> dict:
 
 
 def native_pairs(model, cfg) -> list:
-    out = [Pair("patch_embed", getattr(model.patch_embed, "conv", None), tokens_2d),
-           Pair("pos_embed", model.pos_embed, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
-    out.append(Pair("final_layernorm", model.decoder.final_layernorm, sbh_tokens_2d))
+    vit = tower(model)
+    out = [Pair("patch_embed", getattr(vit.patch_embed, "proj", None), tokens_2d),
+           Pair("pos_embed", vit.pos_embed, tokens_2d)]
+    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(vit.decoder)]
+    out.append(Pair("final_layernorm", vit.final_ln, sbh_tokens_2d))
     if isinstance(model, KimiViTWithProjector):
         out.append(Pair("projector", model.vision_projection, tokens_2d))
     return out
@@ -230,9 +231,10 @@ def apply_mcore_rope(model, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tenso
 def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     vc = vision_cfg(cfg)
     param = next(model.parameters())
+    model = tower(model)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(model.patch_dim)], 3, seed)[0]
-        tokens, _, _ = model.patch_embed.conv(img.unsqueeze(0).to(param.device, param.dtype))
+        tokens, _, _ = model.patch_embed.proj(img.unsqueeze(0).to(param.device, param.dtype))
         return tokens[0]
     if name == "pos_embed":
         grids, frames = _split_thw(inputs.component_grids_thw((vc.pos_emb_height, vc.pos_emb_width),

@@ -2,7 +2,7 @@
 (:mod:`mmparity.upstream.models`) is fed and read.
 
 Each family names one or more Megatron classes (:data:`CLASSES`; the first is the default). A
-record says which key map and builder the class uses, which of the family's cases it accepts
+record says which builder the class uses (the converter's mcore state dict loads into it as is), which of the family's cases it accepts
 (stock CLIP/SigLIP and ``ViTModel``'s learned positions take only their configured size,
 ``KimiViTModel`` has no temporal axis), how to run a case, and which of its submodules pair with
 the HF reference's paired modules of the same name, so that a divergence is located exactly as in
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +22,10 @@ from transformers import LlavaConfig
 from mmparity.cases import qwen3_5 as qwen_cases
 from mmparity.cases.clip import conv_tokens
 from mmparity.cases.core import Case, FamilyHooks, Pair, sbh_tokens_2d, tokens_2d
+from mmparity.hfconfig import padded_vocab_size
 from mmparity.reference import clip as clip_reference
 from mmparity.reference import llava as llava_reference
 from mmparity.upstream import models
-from mmparity.upstream.keymap import padded_vocab_size
 from mmparity.upstream.te_stand_ins import cuda_calls_on_host
 
 
@@ -100,10 +100,11 @@ def _run_qwen(model, case: Case, cfg) -> dict:
 
 
 def _run_kimi(model, case: Case, cfg) -> dict:
+    tower, projection = models.kimi_parts(model)
     if case.name == "projector":
-        return {"image_embeds": model.vision_projection(case.data["features"])}
+        return {"image_embeds": projection(case.data["features"])}
     seen = {}
-    handle = model.vision_model.final_ln.register_forward_hook(
+    handle = tower.final_ln.register_forward_hook(
         lambda module, args, out: seen.setdefault("x", out))
     try:
         merged, projected = models.run_kimi(model, case.data["images"])
@@ -169,11 +170,11 @@ def _qwen_pairs(model, cfg) -> list[Pair]:
 
 
 def _kimi_pairs(model, cfg) -> list[Pair]:
-    tower = model.vision_model
+    tower, projection = models.kimi_parts(model)
     out = [Pair("patch_embed", tower.patch_embed, tokens_2d)] + _layer_pairs(tower)
     out.append(Pair("final_layernorm", tower.final_ln, tokens_2d))
-    if model.vision_projection is not None:
-        out.append(Pair("projector", model.vision_projection, tokens_2d))
+    if projection is not None:
+        out.append(Pair("projector", projection, tokens_2d))
     return out
 
 
@@ -211,7 +212,7 @@ def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int) -> dic
     labels = case.data["hf_labels"]
     batch, vocab = labels.shape[0], cfg.text_config.vocab_size
     logits = outputs["logits"].view(batch, -1, vocab)
-    rows = padded_vocab_size(vocab, tp)
+    rows = padded_vocab_size(vocab, tp=tp)
     padded = F.pad(logits, (0, rows - vocab))
     shifted = F.cross_entropy(padded[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1).to(padded.device),
                               ignore_index=llava_reference.IGNORE_INDEX, reduction="none").view(batch, -1)
@@ -235,7 +236,7 @@ def llava_clip_config() -> LlavaConfig:
 class MegatronClass:
     """One Megatron class a family's converted weights load into.
 
-    ``upstream``: its name in :mod:`mmparity.upstream` (builder and key map);
+    ``upstream``: its builder's name in :mod:`mmparity.upstream`;
     ``cases(hooks, cfg, seed, image_sizes)``: the family's cases it accepts;
     ``run(model, case, cfg)``: its outputs under the HF output names (an HF output it has no
     counterpart for is absent); ``pairs(model, cfg)``: its submodules named as the reference's pairs;
@@ -245,7 +246,8 @@ class MegatronClass:
     ``module_cases``: the cases whose per-module outputs are compared (Megatron's packed paths call
     some modules once per image, where HF calls them once);
     ``default_config``: the config ``check`` uses when none is given, where the family's tiny one
-    has no Megatron class."""
+    has no Megatron class; ``renamed``: ``(mcore key, this class's key)`` pairs where a class other
+    than the family's default spells a tensor differently (the converter writes the default's)."""
 
     upstream: str
     cases: Callable
@@ -256,6 +258,12 @@ class MegatronClass:
     note: str = ""
     module_cases: tuple = ("static",)
     default_config: Optional[Callable[[], object]] = None
+    renamed: tuple = ()
+
+    def state(self, mcore_state: Mapping) -> dict:
+        """The family's mcore state dict as this class names it."""
+        names = dict(self.renamed)
+        return {names.get(key, key): value for key, value in mcore_state.items()}
 
 
 CLASSES: dict[str, dict[str, MegatronClass]] = {
@@ -263,7 +271,8 @@ CLASSES: dict[str, dict[str, MegatronClass]] = {
         "CLIPViTModel": MegatronClass("clip", _configured_size(lambda cfg: cfg), _run_clip, _clip_pairs),
         "ViTModel": MegatronClass("clip_vit", _configured_size(lambda cfg: cfg), _run_clip_as_vit,
                                   lambda model, cfg: _vit_pairs(model),
-                                  reference_pairs=_patch_rows_of_reference_ln_pre),
+                                  reference_pairs=_patch_rows_of_reference_ln_pre,
+                                  renamed=(("conv1.weight", "patch_embed.proj.weight"),)),
     },
     "siglip": {"CLIPViTModel": MegatronClass("siglip", _configured_size(lambda cfg: cfg), _run_clip,
                                              _clip_pairs)},

@@ -160,6 +160,7 @@ class ConvertResult:
     seconds: float
     tp: int = 1
     pp: int = 1
+    note: str = ""  # the rule table's ``mcore_note`` when writing mcore
 
 
 class Progress:
@@ -1001,7 +1002,8 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         raise ConvertError(str(exc)) from None
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
-    return ConvertResult(dst, layout, source.family, count, nbytes, time.perf_counter() - started, tp, pp)
+    return ConvertResult(dst, layout, source.family, count, nbytes, time.perf_counter() - started, tp, pp,
+                         source.rules.mcore_note if options.to == "mcore" else "")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -124,4 +124,6 @@ def run(args) -> int:
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {_human(result.nbytes)} in {result.seconds:.1f}s ({_human(rate)}/s)")
+        if result.note:
+            print(f"{result.family}: note: {result.note}")
     return EXIT_OK

@@ -1,4 +1,4 @@
-"""Kimi-K2.5 MoonViT (+ projector): HF and release checkpoint keys <-> native ``KimiViTModel`` keys.
+"""Kimi-K2.5 MoonViT (+ projector): HF and release checkpoint keys <-> Megatron's ``KimiViTModel`` keys.
 
 Three HF-side layouts of the same weights (``FORMATS``):
 
@@ -19,9 +19,16 @@ A whole-model config (``Kimi_K25Config``, with ``vision_config``) converts tower
 relative to the model (``vision_tower.…``, ``mm_projector.…``; HF's own checkpoints add ``model.``);
 the language model is dropped explicitly. A ``Kimi_K25VisionConfig`` converts the tower alone.
 
-mcore side: the tower at the root (``patch_embed.conv.*``, ``pos_embed.weight``, ``decoder.…``,
-``decoder.final_layernorm.*``), the projector under ``vision_projection.{pre_norm, encoder.linear_fc1,
-encoder.linear_fc2}``.
+mcore side: Megatron-LM's ``vit_model.KimiViTModel`` names (``patch_embed.proj.*``,
+``pos_embed.weight``, ``decoder.layers.…``, ``final_ln.*``), at the root for a tower alone and
+under ``vision_model.`` beside the projector ``vision_projection.`` (``LLaVAModel``'s tree) for a
+whole model. The projector is ``MultimodalProjector('mlp')`` with a fused norm in ``linear_fc1``
+(``encoder.linear_fc1.{layer_norm_weight, layer_norm_bias, weight, bias}``, ``encoder.linear_fc2``),
+the closest Megatron construction: Kimi's pre-norm normalises each of the m² sub-tokens of a merged
+vector over H with one H-sized weight and bias, Megatron's fused norm spans the m²H vector. Those
+H-sized vectors are written tiled m² times (:class:`TileBlocks`), which holds them exactly, so
+nothing goes to a side file; the function Megatron computes with them differs (``RuleSet.mcore_note``,
+docs/megatron.md), while mmparity's native projector normalises per sub-token and computes Kimi's.
 
 Also here: :class:`KimiVLStateDictAdapter`, pure key re-prefixing between release names and the
 ``model.``-prefixed names of a native (Automodel-style) Kimi-VL module.
@@ -30,9 +37,12 @@ Also here: :class:`KimiVLStateDictAdapter`, pure key re-prefixing between releas
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from mmparity.converters.ops import FuseQKV, RegroupQKV, RopeInterleave
+import torch
+
+from mmparity.converters.ops import FuseQKV, LayoutError, Op, RegroupQKV, RopeInterleave
 from mmparity.hfconfig import has_vision_sub_config as has_projector
 from mmparity.hfconfig import vision_sub_config as vision_cfg
 from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, rename
@@ -76,18 +86,61 @@ def tp_problems(cfg, tp: int) -> list[str]:
     return [f"tp={tp} does not divide {name}={value}" for name, value in sizes.items() if value % tp]
 
 
-def _tower_rules(cfg, hf_format: str, hf_root: str) -> list[Rule]:
+# What ``convert`` says when it writes the projector in Megatron's layout (measured on the tiny
+# config, CPU fp32, Megatron-LM main; docs/megatron.md, kimi_k25).
+PROJECTOR_NOTE = (
+    "Kimi's projector has no exact Megatron equivalent: its per-sub-token pre_norm is written as "
+    "the fused LayerNorm of MultimodalProjector's linear_fc1 over the merged {m2}H vector (weight "
+    "and bias tiled {m2}x), a different function (measured image_embeds rel_l2 2.8e-2, projector "
+    "alone 1.3e-1 against HF; without the norm 2.4e-1); mmparity's native model and mcore -> HF "
+    "keep Kimi's function exactly (docs/megatron.md)")
+
+
+@dataclass(frozen=True, repr=False)
+class TileBlocks(Op):
+    """An H-sized vector written ``times`` times end to end: Kimi's per-sub-token norm parameters
+    in the place of Megatron's fused norm over the merged m²H vector.
+
+    The inverse gives back one block and refuses blocks that differ in any bit: such a vector was
+    trained as a norm over the merged vector, which no Kimi pre-norm reproduces."""
+
+    times: int
+
+    def apply(self, hf):
+        t = hf[0]
+        if t.dim() != 1:
+            raise LayoutError(f"{self!r}: expected a vector, got {tuple(t.shape)}")
+        return [t.repeat(self.times)]
+
+    def invert(self, mcore):
+        t = mcore[0]
+        if t.dim() != 1 or t.shape[0] % self.times:
+            raise LayoutError(f"{self!r}: expected a vector of {self.times} equal blocks, got {tuple(t.shape)}")
+        blocks = t.reshape(self.times, -1)
+        if not t.is_meta:
+            bits = blocks.contiguous().view(torch.uint8)
+            if not bool((bits == bits[:1]).all()):
+                raise LayoutError(f"{self!r}: the {self.times} blocks differ, so this is not a Kimi "
+                                  "per-sub-token norm (trained as a norm over the merged vector?)")
+        # A copy, not a view of the first block: a writer must not take those rows past the check.
+        return [blocks[0].clone()]
+
+    def __repr__(self):
+        return f"TileBlocks(times={self.times})"
+
+
+def _tower_rules(cfg, hf_format: str, hf_root: str, mcore_root: str) -> list[Rule]:
     vc = vision_cfg(cfg)
     heads = vc.num_attention_heads
     d = vc.hidden_size // heads
     n = _TOWER[hf_format]
     layer = hf_root + n["layer"]
-    native = "decoder.layers.{i}."
-    attn, mlp = native + "self_attention.", native + "mlp."
+    block = mcore_root + "decoder.layers.{i}."
+    attn, mlp = block + "self_attention.", block + "mlp."
     rules = [
-        rename("patch_embed.conv.weight", hf_root + n["patch"] + ".weight"),
-        rename("patch_embed.conv.bias", hf_root + n["patch"] + ".bias"),
-        rename("pos_embed.weight", hf_root + n["pos"]),
+        rename(mcore_root + "patch_embed.proj.weight", hf_root + n["patch"] + ".weight"),
+        rename(mcore_root + "patch_embed.proj.bias", hf_root + n["patch"] + ".bias"),
+        rename(mcore_root + "pos_embed.weight", hf_root + n["pos"]),
     ]
     for p in ("weight", "bias"):
         if hf_format == "hf":
@@ -107,20 +160,25 @@ def _tower_rules(cfg, hf_format: str, hf_root: str) -> list[Rule]:
             rename(mlp + f"linear_fc1.{p}", layer + f"{n['fc1']}.{p}", "column"),
             rename(mlp + f"linear_fc2.{p}", layer + f"{n['fc2']}.{p}",
                    "row" if p == "weight" else "replicated"),
-            rename(f"decoder.final_layernorm.{p}", hf_root + f"{n['final']}.{p}"),
+            rename(mcore_root + f"final_ln.{p}", hf_root + f"{n['final']}.{p}"),
         ]
     return rules
 
 
-def _projector_rules(hf_format: str) -> list[Rule]:
+def _merge_tokens(cfg) -> int:
+    kh, kw = tuple(vision_cfg(cfg).merge_kernel_size)
+    return kh * kw
+
+
+def _projector_rules(cfg, hf_format: str) -> list[Rule]:
     norm, fc1, fc2 = _PROJECTOR[hf_format]
-    native = "vision_projection."
+    mcore = "vision_projection.encoder."
     rules = []
     for p in ("weight", "bias"):
         rules += [
-            rename(native + f"pre_norm.{p}", f"{norm}.{p}"),
-            rename(native + f"encoder.linear_fc1.{p}", f"{fc1}.{p}", "column"),
-            rename(native + f"encoder.linear_fc2.{p}", f"{fc2}.{p}",
+            Rule(mcore + f"linear_fc1.layer_norm_{p}", f"{norm}.{p}", TileBlocks(_merge_tokens(cfg))),
+            rename(mcore + f"linear_fc1.{p}", f"{fc1}.{p}", "column"),
+            rename(mcore + f"linear_fc2.{p}", f"{fc2}.{p}",
                    "row" if p == "weight" else "replicated"),
         ]
     return rules
@@ -131,18 +189,21 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
         raise ConversionError("unknown HF layout for family 'kimi_k25'",
                               [f"got {hf_format!r}; this family knows {', '.join(FORMATS)}"])
     if has_projector(cfg):
-        rules = _tower_rules(cfg, hf_format, "vision_tower.") + _projector_rules(hf_format)
+        rules = (_tower_rules(cfg, hf_format, "vision_tower.", "vision_model.")
+                 + _projector_rules(cfg, hf_format))
         # HF's Kimi_K25ForConditionalGeneration nests both under ``model.``; the release does not.
         prefixes = ("model.", "") if hf_format == "hf" else ("",)
         drop = _LANGUAGE
+        note = PROJECTOR_NOTE.format(m2=_merge_tokens(cfg))
     else:
-        rules = _tower_rules(cfg, hf_format, "")
+        rules = _tower_rules(cfg, hf_format, "", "")
         prefixes = (("", "vision_tower.", "model.vision_tower.") if hf_format == "hf"
                     else ("vision_tower.", ""))
         drop = _LANGUAGE + (_ANY_PROJECTOR,)
+        note = ""
     return RuleSet(rules=tuple(rules), variables={"i": vision_cfg(cfg).num_hidden_layers},
                    hf_prefixes=prefixes, drop_hf=drop, hf_format=hf_format,
-                   validate_tp=lambda tp: tp_problems(cfg, tp))
+                   validate_tp=lambda tp: tp_problems(cfg, tp), mcore_note=note)
 
 
 def detect_format(keys: Iterable[str]) -> str:

@@ -120,6 +120,9 @@ class RuleSet:
     hf_format: str = "hf"
     # Checked before converting, e.g. "tp must divide the query groups"; returns error messages.
     validate_tp: Callable[[int], list] | None = None
+    # Where Megatron's class computes something other than HF with the tensors this table writes
+    # (no exact Megatron equivalent): one line that ``convert --to mcore`` prints.
+    mcore_note: str = ""
 
     def bindings(self, patterns: Iterable[str]) -> list[dict]:
         names = sorted({v for p in patterns for v in _VAR.findall(p)})

@@ -10,6 +10,14 @@ and interleaved 2D RoPE -> final LayerNorm -> 2x2 grouping, mean over a clip's f
 -> ``(B, N/4, 4H)``. :class:`KimiViTWithProjector` appends the projector (LayerNorm over H on each
 of the 4 sub-tokens, Linear 4H->4H, erf GELU, Linear 4H->text hidden).
 
+Module names are Megatron's, so the converter's mcore state dict loads here as is: the tower's
+``patch_embed.proj``, ``pos_embed``, ``decoder`` (no final norm inside) and ``final_ln``; with a
+projector, ``LLaVAModel``'s tree (``vision_model.`` + ``vision_projection.encoder.linear_fc1/fc2``,
+``MultimodalProjector('mlp')`` with a fused norm in ``linear_fc1``). That fused norm's m²H weight
+and bias hold Kimi's H-sized ones tiled m² times (the converter's ``TileBlocks``);
+:class:`SubTokenNormedColumnParallelLinear` applies them per sub-token, which is Kimi's function,
+where Megatron's own module normalises the whole merged vector.
+
 Deliberate deviations from that module:
 
 - Video clips (T > 1 frames per item) are supported the way HF 5.24 runs them: every frame of a
@@ -32,17 +40,19 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.hfconfig import has_vision_sub_config as has_projector
 from mmparity.hfconfig import vision_sub_config as vision_cfg
 from mmparity.native.core.attention import make_packed_seq_params
-from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
-                                         vision_layer_spec, vision_transformer_config)
+from mmparity.native.core.layers import (NormedColumnParallelLinear, activation_from_hf, layer_norm,
+                                         tolerate_missing_extra_state, vision_layer_spec,
+                                         vision_transformer_config)
 from mmparity.native.core.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
                                  _dynamic_patch_grid_lists, check_image_size)
 from mmparity.hfconfig import rope_theta
@@ -248,14 +258,17 @@ class KimiViTModel(VisionTower):
         self.patch_embed = self.pos_embed = None
         if self.pre_process:
             self.patch_embed = torch.nn.Module()
-            self.patch_embed.conv = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
+            self.patch_embed.proj = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
             self.pos_embed = KimiLearned2DPosEmbed(pos_embed_height, pos_embed_width,
                                                    cfg.hidden_size, max_frames=pos_embed_time)
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         self.rotary_pos_emb = Kimi2DRotaryEmbedding(head_dim, max_patches_per_side, rope_theta)
+        # The final norm sits outside the block, as in Megatron's KimiViTModel (``final_ln``).
         self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,
-                                        post_layer_norm=True, pre_process=self.pre_process,
+                                        post_layer_norm=False, pre_process=self.pre_process,
                                         post_process=self.post_process)
+        self.final_ln = (VisionNorm(cfg.hidden_size, cfg.layernorm_epsilon, "LayerNorm", cfg.params_dtype)
+                         if self.post_process else None)
         # No parameters: every stage keeps it, for the grid checks that precede the transformer.
         self.merger = KimiPatchMerger(merge_size)
         tolerate_missing_extra_state(self)
@@ -275,7 +288,7 @@ class KimiViTModel(VisionTower):
                              else (pixel_values.shape[0], 1))
             tokens = None
             if self.pre_process:
-                tokens, _, _ = self.patch_embed.conv(pixel_values.reshape(-1, *pixel_values.shape[-3:]))
+                tokens, _, _ = self.patch_embed.proj(pixel_values.reshape(-1, *pixel_values.shape[-3:]))
                 tokens = tokens.reshape(batch, frames * h * w, -1)
             return tokens, [(h, w)], [frames], False
         grids, _ = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
@@ -288,7 +301,7 @@ class KimiViTModel(VisionTower):
         if pixel_values.shape[1] != total:
             raise ValueError(f"imgs_sizes and num_frames describe {total} patches but the input has "
                              f"{pixel_values.shape[1]} rows")
-        tokens = self.patch_embed.conv(pixel_values) if self.pre_process else None
+        tokens = self.patch_embed.proj(pixel_values) if self.pre_process else None
         return tokens, grids, frames, True
 
     def encode(self, pixel_values: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -312,7 +325,7 @@ class KimiViTModel(VisionTower):
                               packed_seq_params=packed_seq_params)
         if not self.post_process:
             return KimiVisionOutput(hidden, None, None, grids, frames)
-        hidden = hidden.transpose(0, 1).contiguous()
+        hidden = self.final_ln(hidden).transpose(0, 1).contiguous()
         if packed:
             pooled = self.merger.merge_packed(hidden, grids, frames)
         else:
@@ -326,22 +339,47 @@ class KimiViTModel(VisionTower):
         return out.pooler_output if out.pooler_output is not None else out.last_hidden_state
 
 
+class SubTokenNormedColumnParallelLinear(NormedColumnParallelLinear):
+    """``linear_fc1`` of Kimi's projector: the norm runs over each H-wide sub-token of the merged
+    m²H input, each with its own block of the m²H ``layer_norm_weight`` / ``layer_norm_bias``.
+
+    Those are Megatron's fused-norm parameters (``TELayerNormColumnParallelLinear``, which
+    normalises the whole m²H vector); the converter fills them with Kimi's H-sized weight and bias
+    tiled m² times, which makes this Kimi's per-sub-token LayerNorm, bit for bit (one norm call per
+    sub-token, so each runs HF's arithmetic).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
+                 sub_tokens: int, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        if input_size % sub_tokens:
+            raise ValueError(f"a merged width of {input_size} does not split into {sub_tokens} sub-tokens")
+        self.sub_tokens = sub_tokens
+
+    def norm(self, input_: torch.Tensor) -> torch.Tensor:
+        parts = input_.unflatten(-1, (self.sub_tokens, -1))
+        weights = self.layer_norm_weight.view(self.sub_tokens, -1)
+        biases = self.layer_norm_bias.view(self.sub_tokens, -1)
+        normed = [layer_norm(parts[..., j, :], weights[j], biases[j], self.norm_eps, self.norm_kind)
+                  for j in range(self.sub_tokens)]
+        return torch.stack(normed, dim=-2).flatten(-2)
+
+
 class KimiMultimodalProjector(MegatronModule):
     """Kimi's projector: LayerNorm over H on each of the 4 sub-tokens, then an mcore MLP 4H->4H->text H.
 
     A LayerNorm over the whole 4H vector would be a different function. The MLP is mcore's own
-    (``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel), with erf GELU as HF's
-    ``nn.GELU()``; ``config.hidden_size`` is the text hidden size.
+    (``linear_fc1`` column-parallel with the per-sub-token norm fused in, ``linear_fc2``
+    row-parallel), with erf GELU as HF's ``nn.GELU()``; ``config.hidden_size`` is the text hidden
+    size, ``config.layernorm_epsilon`` the norm's.
     """
 
-    def __init__(self, config: TransformerConfig, vision_hidden_size: int, merge_tokens: int = 4,
-                 pre_norm_eps: float = 1e-5):
+    def __init__(self, config: TransformerConfig, vision_hidden_size: int, merge_tokens: int = 4):
         super().__init__(config=config)
         self.vision_hidden_size, self.merge_tokens = vision_hidden_size, merge_tokens
         width = vision_hidden_size * merge_tokens
-        self.pre_norm = VisionNorm(vision_hidden_size, pre_norm_eps, "LayerNorm", config.params_dtype)
-        self.encoder = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                 linear_fc2=RowParallelLinear),
+        fc1 = ModuleSpec(module=SubTokenNormedColumnParallelLinear, params={"sub_tokens": merge_tokens})
+        self.encoder = MLP(config, MLPSubmodules(linear_fc1=fc1, linear_fc2=RowParallelLinear),
                            input_size=width, ffn_hidden_size=width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -351,31 +389,40 @@ class KimiMultimodalProjector(MegatronModule):
         if x.numel() != lead.numel() * width:
             raise ValueError(f"projector input must end in {self.merge_tokens}x{self.vision_hidden_size} "
                              f"or {width}, got {tuple(x.shape)}")
-        normed = self.pre_norm(x.reshape(*lead, self.merge_tokens, self.vision_hidden_size))
-        flat = normed.reshape(-1, 1, width)  # mcore linears take [s, b, h]
+        flat = x.reshape(-1, 1, width)  # mcore linears take [s, b, h]
         out, bias = self.encoder(flat)
         if bias is not None:
             out = out + bias
         return out.reshape(*lead, out.shape[-1])
 
 
-class KimiViTWithProjector(KimiViTModel):
-    """:class:`KimiViTModel` followed by the projector (``vision_projection.*``): a whole-model config.
-
-    ``forward`` returns the projected tokens ``(B, M, text H)``.
+class KimiViTWithProjector(MegatronModule):
+    """:class:`KimiViTModel` as ``vision_model``, then the projector as ``vision_projection``
+    (``LLaVAModel``'s names): a whole-model config. ``forward`` returns the projected tokens
+    ``(B, M, text H)``; under pipeline parallelism the projector lives on the last stage.
     """
 
-    def __init__(self, transformer_config: TransformerConfig, transformer_layer_spec,
-                 projection_config: TransformerConfig, projector_eps: float = 1e-5, **kwargs):
-        super().__init__(transformer_config, transformer_layer_spec, **kwargs)
-        merge = self.merger.merge_size
+    def __init__(self, vision_model: KimiViTModel, projection_config: TransformerConfig):
+        super().__init__(config=vision_model.config)
+        self.vision_model = vision_model
+        self.pre_process, self.post_process = vision_model.pre_process, vision_model.post_process
+        merge = vision_model.merger.merge_size
         self.vision_projection = KimiMultimodalProjector(
-            projection_config, transformer_config.hidden_size, merge * merge,
-            projector_eps) if self.post_process else None
+            projection_config, vision_model.hidden_size, merge * merge) if self.post_process else None
         tolerate_missing_extra_state(self)
 
+    @property
+    def patch_dim(self) -> int:
+        return self.vision_model.patch_dim
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.vision_model.set_input_tensor(input_tensor)
+
+    def pipelined_module(self) -> torch.nn.Module:
+        return self.vision_model.pipelined_module()
+
     def encode(self, *args, **kwargs) -> KimiVisionOutput:
-        out = super().encode(*args, **kwargs)
+        out = self.vision_model.encode(*args, **kwargs)
         if out.pooler_output is None:
             return out
         return out._replace(image_embeds=self.vision_projection(out.pooler_output))
@@ -383,6 +430,11 @@ class KimiViTWithProjector(KimiViTModel):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         out = self.encode(*args, **kwargs)
         return out.image_embeds if out.image_embeds is not None else out.last_hidden_state
+
+
+def tower(model) -> KimiViTModel:
+    """The vision tower of a native model (itself, or ``vision_model`` beside a projector)."""
+    return model.vision_model if isinstance(model, KimiViTWithProjector) else model
 
 
 # --- building from the HF config (the single source of truth for shapes) ---------------------
@@ -434,10 +486,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> KimiViTModel
                   img_w=vc.pos_emb_width * _patch(vc), in_channels=3,
                   pos_embed_height=vc.pos_emb_height, pos_embed_width=vc.pos_emb_width,
                   rope_theta=rope_theta(vc), pos_embed_time=vc.pos_emb_time, merge_size=_merge(vc))
-    tcfg = transformer_config(vc, params_dtype)
+    model = KimiViTModel(transformer_config(vc, params_dtype), vision_layer_spec(), **kwargs)
     if has_projector(cfg):
-        model = KimiViTWithProjector(tcfg, vision_layer_spec(), projection_config(cfg, params_dtype),
-                                     projector_eps=cfg.projection_layer_norm_eps, **kwargs)
-    else:
-        model = KimiViTModel(tcfg, vision_layer_spec(), **kwargs)
+        model = KimiViTWithProjector(model, projection_config(cfg, params_dtype))
     return model.to(params_dtype)

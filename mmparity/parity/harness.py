@@ -17,7 +17,7 @@ import torch
 
 from mmparity import families, runtime
 from mmparity.converters import pp as pp_mod
-from mmparity.converters.rules import McoreShards, with_side
+from mmparity.converters.rules import with_side
 from mmparity.hfconfig import first_int, vision_sub_config
 from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
@@ -25,7 +25,7 @@ from mmparity.cases import megatron as megatron_cases
 from mmparity.cases.core import Case
 from mmparity.cases.inputs import random_like_state
 from mmparity.parity.report import Divergence, Report, Result, versions
-from mmparity.upstream import keymap, models
+from mmparity.upstream import models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMPLS = ("native", "megatron", "both")
@@ -193,9 +193,8 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if runs_megatron:
         # Megatron's class loads the converter's mcore state alone (as perturbed above): the side
         # tensors are what it has no place for.
-        mcore_only = McoreShards([{k: v for k, v in shard.items() if k not in extra}
-                                  for shard, extra in zip(native_shards, side)], side)
-        megatron_shards, _side = keymap.to_megatron(mclass.upstream, mcore_only, cfg)
+        megatron_shards = [{k: v for k, v in shard.items() if k not in extra}
+                           for shard, extra in zip(native_shards, side)]
         mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device))
         if tp == 1 or runtime.launched_world_size() == tp:
             megatron_cases_run = mjob.run(megatron_shards, layout=(tp, 1))
@@ -267,7 +266,7 @@ class MegatronJob:
             model = models.build(mclass.upstream, self.cfg, torch_dtype)
             state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
             models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v
-                                       for k, v in state.items()})
+                                       for k, v in mclass.state(state).items()})
             model = _move(model, self.device, torch_dtype)
             pairs = [pair for pair in mclass.pairs(model, self.cfg) if pair.module is not None]
             return [_run_megatron_case(mclass, model, pairs, case, self.cfg,

@@ -13,7 +13,7 @@ dicts can be pinned and their outputs compared with HF.
   stand-ins only when TE is not importable).
 * :mod:`~mmparity.upstream.models`: one builder per family (HF config in, Megatron module out)
   and forward functions on the inputs the native check uses.
-* :mod:`~mmparity.upstream.keymap`: what separates the state dict ``converters.hf_to_mcore``
-  writes today from the one Megatron's class holds, as data (renames, tensors with no place,
-  tensors Megatron replicates, vocabulary padding). No megatron import.
+
+There is no key map: ``converters.hf_to_mcore`` writes the state dict Megatron's class holds
+(what it has no place for kept aside, ``McoreShards.side``), so it loads here as is.
 """

@@ -14,9 +14,10 @@ pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
 pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as ``vision_model``,
                 ``MultimodalProjector`` as ``vision_projection`` (``LLaVAModel``'s names)
 qwen3_5         Megatron-LM ``vit_model.QwenVLViTModel``
-kimi_k25        :class:`VisionWithProjection`: ``KimiViTModel`` as ``vision_model`` and, with a
-                projector, the closest Megatron construction as ``vision_projection``
-                (:func:`kimi_projection`; Megatron has no exact place for Kimi's projector)
+kimi_k25        a tower alone: ``KimiViTModel``; a whole model: :class:`VisionWithProjection`,
+                ``KimiViTModel`` as ``vision_model`` and the closest Megatron construction of
+                the projector as ``vision_projection`` (:func:`kimi_projection`; Megatron has
+                no exact place for Kimi's projector)
 ==============  ===============================================================================
 
 All builders use the parallel state already initialised (``mmparity.runtime``); TE modules are
@@ -42,8 +43,8 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity import runtime
+from mmparity.hfconfig import padded_vocab_size
 from mmparity.upstream import te_stand_ins
-from mmparity.upstream.keymap import padded_vocab_size
 from mmparity.upstream.te_stand_ins import buildable_without_te, te_class
 
 VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
@@ -364,9 +365,17 @@ def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = 
         tower = vit.KimiViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p, img_h=side,
                                  img_w=side, in_channels=3, pos_embed_height=vc.pos_emb_height,
                                  pos_embed_width=vc.pos_emb_width, rope_theta=rope_theta(vc))
-    has_projector = vc is not cfg and projection is not None
+    if vc is cfg:  # a tower alone: KimiViTModel's own keys, at the root
+        return tower.eval()
     return VisionWithProjection(tower, kimi_projection(cfg, projection, params_dtype)
-                                if has_projector else None).eval()
+                                if projection is not None else None).eval()
+
+
+def kimi_parts(model) -> tuple:
+    """(``KimiViTModel``, its projection or None) of what :func:`build_kimi_k25` built."""
+    if isinstance(model, VisionWithProjection):
+        return model.vision_model, model.vision_projection
+    return model, None
 
 
 def feature_layer_count(cfg) -> int:
@@ -413,7 +422,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
         model = llava_model.LLaVAModel(
             language_transformer_config=language_config,
             language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
-            language_vocab_size=padded_vocab_size(text.vocab_size, tp, divisible_by),
+            language_vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
             language_max_sequence_length=text.max_position_embeddings,
             vision_transformer_config=vision_config,
             vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
@@ -533,7 +542,7 @@ def run_qwen(model, grids: Sequence[tuple[int, int]], rows: Optional[torch.Tenso
 def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
     """``KimiViTModel`` (+ projection) on single-frame images: ``(merged tokens (ΣM, 4H),
     projected (ΣM, text H) or None)``; packed with THD attention when sizes differ."""
-    tower = model.vision_model
+    tower, projection = kimi_parts(model)
     p = tower.patch_dim
     grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
     if len(set(img.shape for img in images)) == 1:
@@ -543,8 +552,7 @@ def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
         out = tower(_as_param(tower, patch_rows(images, p)), imgs_sizes=sizes,
                     packed_seq_params=packed_seq_params([h * w for h, w in grids]))
     merged = out.reshape(-1, out.shape[-1])
-    projected = model.vision_projection(merged) if model.vision_projection is not None else None
-    return merged, projected
+    return merged, projection(merged) if projection is not None else None
 
 
 # --- loading --------------------------------------------------------------------------------------

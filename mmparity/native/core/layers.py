@@ -58,9 +58,12 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
         else:
             self.register_parameter("layer_norm_bias", None)
 
+    def norm(self, input_: torch.Tensor) -> torch.Tensor:
+        return layer_norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps,
+                          self.norm_kind)
+
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        normed = layer_norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps,
-                            self.norm_kind)
+        normed = self.norm(input_)
         if weight is not None or runtime_gather_output or self.gather_output or self.sequence_parallel:
             return super().forward(normed, weight, runtime_gather_output)
         # mcore adds the bias as a separate broadcast add (or hands it back with skip_bias_add),
