@@ -220,8 +220,8 @@ def test_vit_spec_is_megatrons_with_only_te_swapped():
 def test_stand_ins_have_te_parameter_names_and_tp_shapes():
     runtime.init_parallel(1, 1)
     cfg = models.transformer_config(num_layers=1, hidden_size=12, num_attention_heads=2,
-                                    ffn_hidden_size=10, normalization="LayerNorm", eps=1e-5,
-                                    act=F.gelu, gated=False, bias=True)
+                                    ffn_hidden_size=10, normalization="LayerNorm", norm_eps=1e-5,
+                                    activation=F.gelu, gated=False, bias=True)
     init = torch.nn.init.normal_
     fused = te_stand_ins.TELayerNormColumnParallelLinear(
         12, 10, config=cfg, init_method=init, gather_output=False, bias=True, skip_bias_add=False,
@@ -244,8 +244,8 @@ def test_stand_in_attention_packed_gqa_causal():
     runtime.init_parallel(1, 1)
     cfg = models.transformer_config(num_layers=1, hidden_size=16, num_attention_heads=4,
                                     num_query_groups=2, kv_channels=4, ffn_hidden_size=8,
-                                    normalization="LayerNorm", eps=1e-5, act=F.gelu, gated=False,
-                                    bias=True)
+                                    normalization="LayerNorm", norm_eps=1e-5, activation=F.gelu,
+                                    gated=False, bias=True)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(7, 1, 4, 4, generator=gen)
     k, v = torch.randn(7, 1, 2, 4, generator=gen), torch.randn(7, 1, 2, 4, generator=gen)

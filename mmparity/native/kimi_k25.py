@@ -53,8 +53,8 @@ from mmparity.native.core.attention import make_packed_seq_params
 from mmparity.native.core.layers import (NormedColumnParallelLinear, activation_from_hf, layer_norm,
                                          tolerate_missing_extra_state, vision_layer_spec,
                                          vision_transformer_config)
-from mmparity.native.core.vit import (ImageSizes, VisionTower, PatchEmbedding, VisionNorm, _cat_rope,
-                                 _dynamic_patch_grid_lists, check_image_size)
+from mmparity.native.core.vit import (ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm,
+                                      _cat_rope, _dynamic_patch_grid_lists, check_image_size)
 from mmparity.hfconfig import rope_theta
 from mmparity import runtime
 
@@ -396,30 +396,16 @@ class KimiMultimodalProjector(MegatronModule):
         return out.reshape(*lead, out.shape[-1])
 
 
-class KimiViTWithProjector(MegatronModule):
+class KimiViTWithProjector(TowerWithProjection):
     """:class:`KimiViTModel` as ``vision_model``, then the projector as ``vision_projection``
     (``LLaVAModel``'s names): a whole-model config. ``forward`` returns the projected tokens
     ``(B, M, text H)``; under pipeline parallelism the projector lives on the last stage.
     """
 
     def __init__(self, vision_model: KimiViTModel, projection_config: TransformerConfig):
-        super().__init__(config=vision_model.config)
-        self.vision_model = vision_model
-        self.pre_process, self.post_process = vision_model.pre_process, vision_model.post_process
         merge = vision_model.merger.merge_size
-        self.vision_projection = KimiMultimodalProjector(
-            projection_config, vision_model.hidden_size, merge * merge) if self.post_process else None
-        tolerate_missing_extra_state(self)
-
-    @property
-    def patch_dim(self) -> int:
-        return self.vision_model.patch_dim
-
-    def set_input_tensor(self, input_tensor) -> None:
-        self.vision_model.set_input_tensor(input_tensor)
-
-    def pipelined_module(self) -> torch.nn.Module:
-        return self.vision_model.pipelined_module()
+        super().__init__(vision_model, lambda: KimiMultimodalProjector(
+            projection_config, vision_model.hidden_size, merge * merge))
 
     def encode(self, *args, **kwargs) -> KimiVisionOutput:
         out = self.vision_model.encode(*args, **kwargs)

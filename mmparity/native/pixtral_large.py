@@ -14,19 +14,17 @@ import torch
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
 
 from mmparity.hfconfig import rope_theta
 from mmparity.native import pixtral
-from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
-                                    vision_layer_spec, vision_transformer_config)
-from mmparity.native.core.vit import ViTModel
+from mmparity.native.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
+from mmparity.native.core.vit import TowerWithProjection, ViTModel
 from mmparity import runtime
 
 MODEL_TYPES = ("mistral3",)
 
 
-class PixtralLargeVisionModel(MegatronModule):
+class PixtralLargeVisionModel(TowerWithProjection):
     """``vision_model`` (ViTModel with merger) -> ``vision_projection`` (mcore MultimodalProjector).
 
     Static ``(B, C, H, W)`` -> ``(B, M, text_hidden)``; dynamic pre-patchified rows with
@@ -36,24 +34,9 @@ class PixtralLargeVisionModel(MegatronModule):
     """
 
     def __init__(self, vision_model: ViTModel, projector_config, projector_input_size: int):
-        super().__init__(config=vision_model.config)
-        self.vision_model = vision_model
-        self.pre_process, self.post_process = vision_model.pre_process, vision_model.post_process
-        self.vision_projection = MultimodalProjector(
-            projector_config,
-            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            "mlp", projector_input_size) if self.post_process else None
-        tolerate_missing_extra_state(self)
-
-    @property
-    def patch_dim(self) -> int:
-        return self.vision_model.patch_dim
-
-    def set_input_tensor(self, input_tensor) -> None:
-        self.vision_model.set_input_tensor(input_tensor)
-
-    def pipelined_module(self) -> torch.nn.Module:
-        return self.vision_model.pipelined_module()
+        super().__init__(vision_model, lambda: MultimodalProjector(
+            projector_config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            "mlp", projector_input_size))
 
     def forward(self, pixel_values: torch.Tensor, imgs_sizes=None, packed_seq_params=None,
                 return_merged: bool = False):

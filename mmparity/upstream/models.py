@@ -43,7 +43,8 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity import runtime
-from mmparity.hfconfig import padded_vocab_size
+from mmparity.hfconfig import first_int, image_hw, padded_vocab_size, rope_theta, vision_of
+from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.upstream import te_stand_ins
 from mmparity.upstream.te_stand_ins import buildable_without_te, te_class
 
@@ -95,76 +96,18 @@ def available(family: str) -> bool:
     return True
 
 
-# --- HF config reading (duck-typed) ---------------------------------------------------------------
-
-def _first(value) -> int:
-    return value if isinstance(value, int) else int(value[0])
-
-
-def _image_hw(vc) -> tuple[int, int]:
-    size = vc.image_size
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-
-
-def rope_theta(cfg, default: float = 10000.0) -> float:
-    """transformers v5 keeps the RoPE base in ``rope_parameters``; older configs as ``rope_theta``."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", default)))
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-_ACTIVATIONS: dict[str, Callable] = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "gelu_new": gelu_tanh,
-    "quick_gelu": mcore_activations.quick_gelu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "relu": F.relu,
-}
-
+# --- HF config reading, and the TransformerConfig recipe the native models use --------------------
 
 def activation(name: str) -> Callable:
-    try:
-        return _ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported HF activation {name!r}; known: {', '.join(_ACTIVATIONS)}") from None
+    """The HF activation as a Megatron-LM user configures it: mcore's own ``quick_gelu`` (CLIP),
+    otherwise the exact function the native models take."""
+    return mcore_activations.quick_gelu if name == "quick_gelu" else activation_from_hf(name)
 
 
-def _vision(cfg, model_types: tuple[str, ...]):
-    if getattr(cfg, "model_type", None) in model_types:
-        return cfg
-    sub = getattr(cfg, "vision_config", None)
-    if getattr(sub, "model_type", None) in model_types:
-        return sub
-    raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} has no "
-                     f"{'/'.join(model_types)} vision config")
-
-
-def transformer_config(*, num_layers: int, hidden_size: int, num_attention_heads: int,
-                       ffn_hidden_size: int, normalization: str, eps: float, act: Callable,
-                       gated: bool, bias: bool, kv_channels: Optional[int] = None,
-                       num_query_groups: Optional[int] = None, rotary_interleaved: bool = False,
-                       params_dtype: torch.dtype = torch.float32, **extra) -> TransformerConfig:
-    """A TransformerConfig for inference at the current TP size, fusions off (they need CUDA)."""
-    layout = runtime.current_layout()
-    fields = dict(
-        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups or num_attention_heads, kv_channels=kv_channels,
-        ffn_hidden_size=ffn_hidden_size, normalization=normalization, layernorm_epsilon=eps,
-        activation_func=act, gated_linear_unit=gated, add_bias_linear=bias, add_qkv_bias=bias,
-        rotary_interleaved=rotary_interleaved, apply_rope_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, attention_dropout=0.0,
-        hidden_dropout=0.0, use_cpu_initialization=True, params_dtype=params_dtype,
-        pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        tensor_model_parallel_size=layout.tp if layout is not None else 1)
-    fields.update(extra)
-    return TransformerConfig(**fields)
+def transformer_config(**fields) -> TransformerConfig:
+    """``native.core.layers.vision_transformer_config`` for one unpipelined stack: inference at the
+    current TP size, fusions off (they need CUDA)."""
+    return vision_transformer_config(pipelined_stack=False, **fields)
 
 
 def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
@@ -173,7 +116,7 @@ def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None
         num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
         num_attention_heads=vc.num_attention_heads,
         kv_channels=vc.hidden_size // vc.num_attention_heads, ffn_hidden_size=vc.intermediate_size,
-        normalization="LayerNorm", eps=vc.layer_norm_eps, act=activation(vc.hidden_act),
+        normalization="LayerNorm", norm_eps=vc.layer_norm_eps, activation=activation(vc.hidden_act),
         gated=False, bias=True, params_dtype=params_dtype)
 
 
@@ -183,8 +126,8 @@ def pixtral_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = N
     return transformer_config(
         num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
         num_attention_heads=vc.num_attention_heads, kv_channels=head_dim,
-        ffn_hidden_size=vc.intermediate_size, normalization="RMSNorm", eps=PIXTRAL_NORM_EPS,
-        act=activation(vc.hidden_act), gated=True, bias=False, rotary_interleaved=True,
+        ffn_hidden_size=vc.intermediate_size, normalization="RMSNorm", norm_eps=PIXTRAL_NORM_EPS,
+        activation=activation(vc.hidden_act), gated=True, bias=False, rotary_interleaved=True,
         params_dtype=params_dtype)
 
 
@@ -196,9 +139,8 @@ def projection_config(hidden_size: int, ffn_hidden_size: int, act: Callable, bia
     layout = runtime.current_layout()
     heads = layout.tp if layout is not None else 1
     return transformer_config(num_layers=1, hidden_size=hidden_size, num_attention_heads=heads,
-                              kv_channels=1, ffn_hidden_size=ffn_hidden_size,
-                              normalization=normalization, eps=eps, act=act, gated=False, bias=bias,
-                              params_dtype=params_dtype)
+                              kv_channels=1, ffn_hidden_size=ffn_hidden_size, normalization=normalization,
+                              norm_eps=eps, activation=act, gated=False, bias=bias, params_dtype=params_dtype)
 
 
 # --- builders -------------------------------------------------------------------------------------
@@ -215,26 +157,26 @@ class VisionWithProjection(torch.nn.Module):
 
 def build_clip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
     """Stock ``CLIPViTModel`` in its CLIP configuration: class token, ``ln_pre``; no ``ln_post``."""
-    vc = _vision(cfg, ("clip_vision_model",))
+    vc = vision_of(cfg, ("clip_vision_model",))
     return _stock_clip(vc, "clip", clip_config(vc, params_dtype, num_layers))
 
 
 def build_siglip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
     """Stock ``CLIPViTModel`` as SigLIP: conv bias, ``ln_post`` on every token, no class token;
     no attention-pooling head."""
-    vc = _vision(cfg, ("siglip_vision_model",))
+    vc = vision_of(cfg, ("siglip_vision_model",))
     return _stock_clip(vc, "siglip", clip_config(vc, params_dtype, num_layers))
 
 
 def _stock_clip(vc, subtype: str, config: TransformerConfig):
     if vc.num_channels != 3:
         raise ValueError(f"stock CLIPViTModel has 3 input channels, the config has {vc.num_channels}")
-    img_h, img_w = _image_hw(vc)
+    img_h, img_w = image_hw(vc)
     with buildable_without_te(clip_vit_model):
         model = clip_vit_model.CLIPViTModel(
             config, te_stand_ins.vit_layer_spec(), ln_pre_impl=te_class("TENorm"),
             ln_post_impl=te_class("TENorm"), add_class_token=subtype == "clip",
-            class_token_len=1 if subtype == "clip" else 0, patch_dim=_first(vc.patch_size),
+            class_token_len=1 if subtype == "clip" else 0, patch_dim=first_int(vc.patch_size),
             img_h=img_h, img_w=img_w, model_subtype=subtype)
     return model.eval()
 
@@ -243,47 +185,39 @@ def build_clip_as_vit(cfg, params_dtype=torch.float32):
     """Megatron-LM main's ``ViTModel`` in its CLIP mode (class token, learned absolute positions,
     ``ln_pre``), the alternative to the stock class its docstring offers. It applies ``ln_pre``
     before the class token and positions are added; HF CLIP after."""
+    vc = vision_of(cfg, ("clip_vision_model",))
+    return _vit_model(vc, clip_config(vc, params_dtype), add_class_token=True, class_token_len=1,
+                      ln_pre=True, ln_pre_eps=vc.layer_norm_eps, pos_emb_type="learned_absolute").eval()
+
+
+def _vit_model(vc, config: TransformerConfig, **mode):
+    """Megatron-LM main's ``ViTModel`` on an HF tower config's geometry (no patch-embedding bias in
+    any of these towers); ``mode`` is the rest of the family's configuration."""
     vit = vit_model_module()
-    vc = _vision(cfg, ("clip_vision_model",))
-    img_h, img_w = _image_hw(vc)
+    img_h, img_w = image_hw(vc)
     with buildable_without_te(vit):
-        model = vit.ViTModel(clip_config(vc, params_dtype), te_stand_ins.vit_layer_spec(),
-                             patch_dim=_first(vc.patch_size), img_h=img_h, img_w=img_w,
-                             in_channels=vc.num_channels, patch_embed_bias=False,
-                             add_class_token=True, class_token_len=1, ln_pre=True,
-                             ln_pre_eps=vc.layer_norm_eps, pos_emb_type="learned_absolute")
-    return model.eval()
+        return vit.ViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=first_int(vc.patch_size),
+                            img_h=img_h, img_w=img_w, in_channels=vc.num_channels, patch_embed_bias=False,
+                            **mode)
+
+
+def _pixtral_vit(vc, params_dtype, **mode):
+    return _vit_model(vc, pixtral_config(vc, params_dtype), ln_pre=True, ln_pre_eps=PIXTRAL_NORM_EPS,
+                      pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
 
 
 def build_pixtral(cfg, params_dtype=torch.float32):
-    vit = vit_model_module()
-    vc = _vision(cfg, ("pixtral",))
-    img_h, img_w = _image_hw(vc)
-    with buildable_without_te(vit):
-        model = vit.ViTModel(pixtral_config(vc, params_dtype), te_stand_ins.vit_layer_spec(),
-                             patch_dim=_first(vc.patch_size), img_h=img_h, img_w=img_w,
-                             in_channels=vc.num_channels, patch_embed_bias=False, ln_pre=True,
-                             ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
-                             rope_theta=rope_theta(vc))
-    return model.eval()
+    return _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype).eval()
 
 
 def build_pixtral_large(cfg, params_dtype=torch.float32):
     """``ViTModel(use_merger=True)`` + the Mistral3 projector's two linears as a
     ``MultimodalProjector``. Megatron's merger norm takes the *vision* epsilon (HF: the text
     config's ``rms_norm_eps``); that is Megatron's behaviour and is kept."""
-    vit = vit_model_module()
     if getattr(cfg, "model_type", None) != "mistral3":
         raise ValueError(f"pixtral_large needs a Mistral3 config, got {getattr(cfg, 'model_type', None)!r}")
     vc, text = cfg.vision_config, cfg.text_config
-    img_h, img_w = _image_hw(vc)
-    with buildable_without_te(vit):
-        tower = vit.ViTModel(pixtral_config(vc, params_dtype), te_stand_ins.vit_layer_spec(),
-                             patch_dim=_first(vc.patch_size), img_h=img_h, img_w=img_w,
-                             in_channels=vc.num_channels, patch_embed_bias=False, ln_pre=True,
-                             ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
-                             rope_theta=rope_theta(vc), use_merger=True,
-                             spatial_merge_size=cfg.spatial_merge_size)
+    tower = _pixtral_vit(vc, params_dtype, use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
     projection = MultimodalProjector(
         projection_config(text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
                           bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm",
@@ -295,19 +229,19 @@ def build_pixtral_large(cfg, params_dtype=torch.float32):
 def build_qwen3_5(cfg, params_dtype=torch.float32,
                   max_patches_per_side: int = QWEN_MAX_PATCHES_PER_SIDE):
     vit = vit_model_module()
-    vc = _vision(cfg, ("qwen3_5_moe_vision", "qwen3_5_vision"))
-    p = _first(vc.patch_size)
+    vc = vision_of(cfg, ("qwen3_5_moe_vision", "qwen3_5_vision"))
+    p = first_int(vc.patch_size)
     g = int(round(vc.num_position_embeddings ** 0.5))
     head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_heads
     config = transformer_config(
         num_layers=vc.depth, hidden_size=vc.hidden_size, num_attention_heads=vc.num_heads,
         kv_channels=head_dim, ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm",
-        eps=QWEN_NORM_EPS, act=activation(vc.hidden_act), gated=False, bias=True,
+        norm_eps=QWEN_NORM_EPS, activation=activation(vc.hidden_act), gated=False, bias=True,
         params_dtype=params_dtype)
     side = max_patches_per_side * p
     with buildable_without_te(vit):
         model = vit.QwenVLViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p,
-                                   temporal_patch_size=_first(vc.temporal_patch_size), img_h=side,
+                                   temporal_patch_size=first_int(vc.temporal_patch_size), img_h=side,
                                    img_w=side, in_channels=vc.in_channels,
                                    spatial_merge_size=vc.spatial_merge_size,
                                    out_hidden_size=vc.out_hidden_size, num_pos_per_side=g,
@@ -353,12 +287,12 @@ def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = 
     vit = vit_model_module()
     vc = cfg.vision_config if getattr(cfg, "model_type", None) == "kimi_k25" else cfg
     _kimi_merge(vc)
-    p = _first(vc.patch_size)
+    p = first_int(vc.patch_size)
     config = transformer_config(
         num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
         num_attention_heads=vc.num_attention_heads,
         kv_channels=vc.hidden_size // vc.num_attention_heads, ffn_hidden_size=vc.intermediate_size,
-        normalization="LayerNorm", eps=KIMI_NORM_EPS, act=activation(vc.hidden_act), gated=False,
+        normalization="LayerNorm", norm_eps=KIMI_NORM_EPS, activation=activation(vc.hidden_act), gated=False,
         bias=True, rotary_interleaved=True, params_dtype=params_dtype)
     side = max_patches_per_side * p
     with buildable_without_te(vit):
@@ -415,9 +349,9 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
         kv_channels=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        ffn_hidden_size=text.intermediate_size, normalization="RMSNorm", eps=text.rms_norm_eps,
-        act=activation(text.hidden_act), gated=True, bias=False, params_dtype=params_dtype)
-    img_h, img_w = _image_hw(vc)
+        ffn_hidden_size=text.intermediate_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
+        activation=activation(text.hidden_act), gated=True, bias=False, params_dtype=params_dtype)
+    img_h, img_w = image_hw(vc)
     with buildable_without_te(*modules):
         model = llava_model.LLaVAModel(
             language_transformer_config=language_config,
@@ -434,7 +368,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
             vision_projection_type="mlp",
             share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
             language_position_embedding_type="rope", language_rotary_base=rope_theta(text),
-            img_h=img_h, img_w=img_w, patch_dim=_first(vc.patch_size),
+            img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
             parallel_output=parallel_output)
     return model.eval()
 
@@ -488,17 +422,21 @@ def _as_param(model: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
 
 
 def run_vit(model, images: Sequence[torch.Tensor]) -> TowerRun:
-    """``vit_model.ViTModel`` (merger included when it has one) on images: one static batch when
-    all sizes agree, else Megatron's packed (dynamic-resolution) path with THD attention."""
-    p = model.patch_dim
+    """``vit_model.ViTModel`` (merger included when it has one) on images."""
+    out, grids = _static_or_packed(model, images)
+    return TowerRun(out.reshape(-1, out.shape[-1]), grids)
+
+
+def _static_or_packed(tower, images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """A ``vit_model`` tower's forward and the patch grids: one static batch when all sizes agree,
+    else the packed (dynamic-resolution) path with THD attention."""
+    p = tower.patch_dim
     grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
     if len(set(img.shape for img in images)) == 1:
-        out = model(_as_param(model, torch.stack(list(images))))
-    else:
-        sizes = [tuple(img.shape[-2:]) for img in images]
-        out = model(_as_param(model, patch_rows(images, p)), imgs_sizes=sizes,
-                    packed_seq_params=packed_seq_params([h * w for h, w in grids]))
-    return TowerRun(out.reshape(-1, out.shape[-1]), grids)
+        return tower(_as_param(tower, torch.stack(list(images)))), grids
+    sizes = [tuple(img.shape[-2:]) for img in images]
+    return tower(_as_param(tower, patch_rows(images, p)), imgs_sizes=sizes,
+                 packed_seq_params=packed_seq_params([h * w for h, w in grids])), grids
 
 
 def run_clip(model, images: Sequence[torch.Tensor]) -> TowerRun:
@@ -543,14 +481,7 @@ def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
     """``KimiViTModel`` (+ projection) on single-frame images: ``(merged tokens (ΣM, 4H),
     projected (ΣM, text H) or None)``; packed with THD attention when sizes differ."""
     tower, projection = kimi_parts(model)
-    p = tower.patch_dim
-    grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
-    if len(set(img.shape for img in images)) == 1:
-        out = tower(_as_param(tower, torch.stack(list(images))))
-    else:
-        sizes = [tuple(img.shape[-2:]) for img in images]
-        out = tower(_as_param(tower, patch_rows(images, p)), imgs_sizes=sizes,
-                    packed_seq_params=packed_seq_params([h * w for h, w in grids]))
+    out, _grids = _static_or_packed(tower, images)
     merged = out.reshape(-1, out.shape[-1])
     return merged, projection(merged) if projection is not None else None
 

@@ -299,6 +299,29 @@ class VisionTower(MegatronModule):
         return hidden.transpose(0, 1).contiguous()
 
 
+class TowerWithProjection(MegatronModule):
+    """A tower as ``vision_model`` and its projector as ``vision_projection`` (``LLaVAModel``'s
+    names, so the keys are Megatron's). Pipeline stages are the tower's; the projector is built on
+    the last one only (``make_projection`` is not called elsewhere)."""
+
+    def __init__(self, vision_model: VisionTower, make_projection):
+        super().__init__(config=vision_model.config)
+        self.vision_model = vision_model
+        self.pre_process, self.post_process = vision_model.pre_process, vision_model.post_process
+        self.vision_projection = make_projection() if self.post_process else None
+        tolerate_missing_extra_state(self)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.vision_model.patch_dim
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.vision_model.set_input_tensor(input_tensor)
+
+    def pipelined_module(self) -> torch.nn.Module:
+        return self.vision_model.pipelined_module()
+
+
 class ViTModel(VisionTower):
     """Generic vision transformer on an mcore TransformerBlock: Pixtral, Pixtral-Large, CLIP, SigLIP.
 
