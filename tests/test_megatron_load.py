@@ -21,10 +21,11 @@ from transformers import LlavaConfig
 
 from mmparity import families, runtime
 from mmparity.checkpoint import read_manifest
-from mmparity.checkpoint.fsio import load_safetensors_state_dict
+from mmparity.checkpoint.fsio import CheckpointError, load_safetensors_state_dict
 from mmparity.checkpoint.megatron_load import build_and_load, load_job
 from mmparity.checkpoint.streaming import SIDE_FILE
 from mmparity.cli.main import main
+from mmparity.converters import pp as pp_mod
 from mmparity.converters.rules import side_keys
 from mmparity.upstream import models
 from tests.test_convert_roundtrips import save_hf
@@ -59,7 +60,7 @@ def config_for(family: str):
 
 
 def _rank(rank: int, world: int, job, family: str, hf_dir: str) -> dict:
-    runtime.init_parallel(world, 1)
+    job.init_parallel()
     try:
         model = build_and_load(rank, world, job)
         # The weights are the converter's for this TP size (torch_dist's vocabulary, padded as for
@@ -106,3 +107,51 @@ def test_convert_output_loads_strictly_into_megatron(family, fmt, tp, hf_dirs, t
         assert result["differ"] == [] and result["keys"], (family, fmt, tp, rank)
     side = {r.key for r in read_manifest(dst).tensors if r.file == SIDE_FILE}
     assert side == set(side_keys(families.get(family).rule_set(config_for(family))))
+
+
+def _stage(rank: int, world: int, job, hf_dir: str) -> dict:
+    """This rank's stage of LLaVAModel, loaded from its legacy file, against the converter's
+    tensors split into stages as Megatron-LM numbers them (locally)."""
+    job.init_parallel()
+    try:
+        model = build_and_load(rank, world, job)
+        shards = families.get("llava").hf_to_mcore(load_safetensors_state_dict(hf_dir), job.cfg, tp_size=job.tp)
+        layout = pp_mod.pipeline_layout(list(shards[0]))
+        stage = pp_mod.split_pipeline_stages(shards[rank % job.tp], job.layer_counts, layer_prefix=layout.layer_prefix,
+                                             last_stage_prefixes=layout.last_stage_keys)[rank // job.tp]
+        loaded = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        return {"differ": [k for k, v in stage.items() if not torch.equal(loaded[k], v)],
+                "keys": sorted(stage), "loaded": sorted(loaded)}
+    finally:
+        runtime.teardown_parallel()
+
+
+@pytest.mark.slow
+def test_llava_pipeline_stages_load_strictly_into_llava_model(tmp_path):
+    """PP 2 over three language layers ([2, 1]): stage 0 holds the tower, projector, embedding and
+    two layers, stage 1 one layer (numbered 0), the final norm and the output layer, each rank
+    loading into LLaVAModel built for its stage."""
+    cfg = llava_clip_config()
+    cfg.text_config.num_hidden_layers = 3
+    hf_dir = save_hf("llava", tmp_path / "hf", seed=4, cfg=cfg)
+    dst = tmp_path / "mcore"
+    assert main(["convert", "--family", "llava", "--src", str(hf_dir), "--dst", str(dst), "--to", "mcore",
+                 "--format", "legacy", "--pp", "2", "--quiet"]) == 0
+    job, _, _, world = load_job(dst)
+    assert (job.tp, job.pp, job.layer_counts, world) == (1, 2, (2, 1), 2)
+    first, last = runtime.spawn(_stage, world, job, str(hf_dir))
+    for stage in (first, last):
+        assert stage["differ"] == [] and stage["keys"] == [k for k in stage["loaded"] if k in stage["keys"]]
+    assert any(k.startswith("vision_model.") for k in first["keys"])
+    assert not any(k.startswith(("vision_model.", "language_model.embedding.")) for k in last["keys"])
+    assert "language_model.output_layer.weight" in last["keys"]
+    assert {k.split(".")[3] for k in last["keys"] if k.startswith("language_model.decoder.layers.")} == {"0"}
+
+
+def test_a_pipelined_tower_is_refused_by_name(tmp_path):
+    hf_dir = save_hf("clip", tmp_path / "hf", seed=4)
+    dst = tmp_path / "mcore"
+    assert main(["convert", "--family", "clip", "--src", str(hf_dir), "--dst", str(dst), "--to", "mcore",
+                 "--format", "legacy", "--pp", "2", "--quiet"]) == 0
+    with pytest.raises(CheckpointError, match="PP 2: Megatron's CLIPViTModel is not built in pipeline stages"):
+        load_job(dst)

@@ -247,7 +247,9 @@ class MegatronClass:
     some modules once per image, where HF calls them once);
     ``default_config``: the config ``check`` uses when none is given, where the family's tiny one
     has no Megatron class; ``renamed``: ``(mcore key, this class's key)`` pairs where a class other
-    than the family's default spells a tensor differently (the converter writes the default's)."""
+    than the family's default spells a tensor differently (the converter writes the default's);
+    ``pipelined``: Megatron builds the class in pipeline stages (``LLaVAModel``'s language model),
+    so a PP > 1 checkpoint loads into it stage by stage."""
 
     upstream: str
     cases: Callable
@@ -259,6 +261,7 @@ class MegatronClass:
     module_cases: tuple = ("static",)
     default_config: Optional[Callable[[], object]] = None
     renamed: tuple = ()
+    pipelined: bool = False
 
     def state(self, mcore_state: Mapping) -> dict:
         """The family's mcore state dict as this class names it."""
@@ -280,7 +283,7 @@ CLASSES: dict[str, dict[str, MegatronClass]] = {
                                           _run_llava, _no_pairs, default_config=llava_clip_config,
                                           reference_outputs=_loss_over_padded_vocabulary,
                                           note="token_loss against HF's loss over Megatron-LM's "
-                                               "padded vocabulary (pad logits 0)")},
+                                               "padded vocabulary (pad logits 0)", pipelined=True)},
     "pixtral": {"ViTModel": MegatronClass("pixtral", _same_cases, _run_pixtral,
                                           lambda model, cfg: _vit_pairs(model))},
     "pixtral_large": {"ViTModel+MultimodalProjector": MegatronClass(

@@ -51,18 +51,22 @@ class LoadReport:
     megatron_class: str
     tp: int
     ranks: list = dataclasses.field(default_factory=list)
+    pp: int = 1
 
     @property
     def ok(self) -> bool:
         return bool(self.ranks) and all(r.ok for r in self.ranks)
 
     def __str__(self) -> str:
-        head = (f"{self.directory} ({self.layout}, TP {self.tp}): strict load into Megatron's "
+        head = (f"{self.directory} ({self.layout}, TP {self.tp}"
+                f"{f', PP {self.pp}' if self.pp > 1 else ''}): strict load into Megatron's "
                 f"{self.megatron_class} ({self.family}, megatron-core {models.megatron_version()}, "
                 f"{models.describe_te()})")
         lines = [f"{head}: {'all ranks load' if self.ok else 'FAILED'}"]
         for r in self.ranks:
-            lines.append(f"  rank {r.rank}: {'ok' if r.ok else 'FAIL'}: {'loads' if r.ok else r.message}")
+            where = f" (TP rank {r.rank % self.tp}, PP stage {r.rank // self.tp})" if self.pp > 1 else ""
+            lines.append(f"  rank {r.rank}{where}: {'ok' if r.ok else 'FAIL'}: "
+                         f"{'loads' if r.ok else r.message}")
         return "\n".join(lines)
 
 
@@ -81,6 +85,17 @@ class LoadJob:
     layout: str
     upstream: str
     cfg: object
+    tp: int = 1
+    pp: int = 1
+    layer_counts: Optional[tuple] = None  # the pipelined stack's split, as the manifest records it
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def init_parallel(self) -> None:
+        """mcore's parallel state for this job (TP ranks fastest, as mcore orders them)."""
+        runtime.init_parallel(self.tp, self.pp, layer_counts=self.layer_counts)
 
 
 def sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -100,12 +115,13 @@ def sharded_state_dict(model: torch.nn.Module) -> dict:
 
 
 def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
-    """Collective over the TP ranks already initialised: Megatron's class for ``job``, loaded
-    strictly from the checkpoint (this rank's file, or DCP against the class's own sharded state
-    dict). Raises :class:`~mmparity.upstream.models.StrictLoadError` or :class:`CheckpointError`."""
+    """Collective over the ranks of ``job.init_parallel()``: Megatron's class for ``job`` (this
+    rank's pipeline stage of it), loaded strictly from the checkpoint (this rank's file, or DCP
+    against the class's own sharded state dict). Raises
+    :class:`~mmparity.upstream.models.StrictLoadError` or :class:`CheckpointError`."""
     model = models.build(job.upstream, job.cfg)
     if job.layout == LAYOUT_LEGACY:
-        state = open_legacy(job.root).load_rank(rank)
+        state = open_legacy(job.root).load_rank(rank % job.tp, rank // job.tp)
     else:
         wanted = sharded_state_dict(model)
         _compare_sharded_keys(job.root, wanted)
@@ -131,7 +147,7 @@ def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
 
 
 def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
-    runtime.init_parallel(world_size, 1)
+    job.init_parallel()
     try:
         build_and_load(rank, world_size, job)
     except (models.StrictLoadError, CheckpointError) as exc:
@@ -167,7 +183,7 @@ def _compare_sharded_keys(root: str, wanted: dict) -> None:
 
 def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
              tp: Optional[int] = None) -> tuple[LoadJob, str, str, int]:
-    """What loading ``directory`` into Megatron takes: ``(job, family, class name, TP size)``.
+    """What loading ``directory`` into Megatron takes: ``(job, family, class name, world size)``.
     Raises as :func:`load_into_megatron`."""
     root = Path(directory)
     manifest = read_manifest(root)
@@ -177,33 +193,35 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
     family = manifest.provenance.family
     if family is None:
         raise CheckpointError(f"{root}: the manifest names no family")
-    if manifest.pipeline_parallel_size != 1:
-        raise CheckpointError(f"{root}: PP {manifest.pipeline_parallel_size}: --load builds Megatron's "
-                              "vision classes without pipeline stages; convert with --pp 1")
     if tp is not None and tp < 1:
         raise CheckpointError(f"--tp must be >= 1, got {tp}")
     if tp is not None and manifest.layout == LAYOUT_LEGACY and tp != manifest.tensor_parallel_size:
         raise CheckpointError(f"{root}: a legacy checkpoint loads at its own TP size "
                               f"({manifest.tensor_parallel_size}), not {tp}")
     name, mclass = megatron_class_for(family, megatron_class)
+    pp = manifest.pipeline_parallel_size
+    if pp != 1 and not mclass.pipelined:
+        raise CheckpointError(f"{root}: PP {pp}: Megatron's {name} is not built in pipeline stages (only "
+                              "LLaVAModel's language model is); convert with --pp 1")
     models.require(mclass.upstream)
-    job = LoadJob(str(root), manifest.layout, mclass.upstream, _family_config(root, family))
-    return job, family, name, tp or manifest.tensor_parallel_size
+    job = LoadJob(str(root), manifest.layout, mclass.upstream, _family_config(root, family),
+                  tp=tp or manifest.tensor_parallel_size, pp=pp, layer_counts=manifest.pipeline_layer_counts)
+    return job, family, name, job.world_size
 
 
 def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[str] = None,
                        tp: Optional[int] = None) -> LoadReport:
-    """Build Megatron's class at the checkpoint's TP size (torch_dist: at ``tp`` if given, as it
-    holds global tensors) and load every rank strictly.
+    """Build Megatron's class at the checkpoint's TP and PP sizes (torch_dist: at TP ``tp`` if given,
+    as it holds global tensors) and load every rank strictly.
 
     Raises :class:`CheckpointError` for a directory that is not an mmparity mcore checkpoint,
     :class:`~mmparity.cases.megatron.NoMegatronClass` for a family without a Megatron class and
     :class:`~mmparity.upstream.models.UpstreamUnavailable` when the class is not importable.
     A checkpoint that does not fit the class is a failed rank, not an exception.
     """
-    job, family, name, tp = load_job(directory, megatron_class, tp)
-    if tp == 1:
+    job, family, name, world_size = load_job(directory, megatron_class, tp)
+    if world_size == 1:
         ranks = [_load_rank(0, 1, job)]
     else:
-        ranks = runtime.spawn(_load_rank, tp, job)
-    return LoadReport(Path(directory), job.layout, family, name, tp, ranks)
+        ranks = runtime.spawn(_load_rank, world_size, job)
+    return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp)

@@ -61,7 +61,9 @@ def _run_load(args) -> int:
     for directory in args.dirs:
         try:
             report = load_into_megatron(directory, args.megatron_class, args.tp)
-        except (CheckpointError, NoMegatronClass, UpstreamUnavailable) as exc:
+        except CheckpointError as exc:  # names the checkpoint (or the option) itself
+            raise UsageError(str(exc)) from None
+        except (NoMegatronClass, UpstreamUnavailable) as exc:
             raise UsageError(f"{directory}: {exc}") from None
         except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
             raise UsageError(f"{directory}: Megatron cannot build this model: {exc}") from None

@@ -104,10 +104,13 @@ def activation(name: str) -> Callable:
     return mcore_activations.quick_gelu if name == "quick_gelu" else activation_from_hf(name)
 
 
-def transformer_config(**fields) -> TransformerConfig:
-    """``native.core.layers.vision_transformer_config`` for one unpipelined stack: inference at the
-    current TP size, fusions off (they need CUDA)."""
-    return vision_transformer_config(pipelined_stack=False, **fields)
+def transformer_config(*, pipelined: bool = False, **fields) -> TransformerConfig:
+    """``native.core.layers.vision_transformer_config``: inference at the current TP size, fusions
+    off (they need CUDA). Only a ``pipelined`` stack (LLaVA's language model) is split over the
+    pipeline stages; Megatron-LM builds towers and projectors whole, on the first stage."""
+    if not pipelined:
+        fields["pipeline_model_parallel_size"] = 1
+    return vision_transformer_config(pipelined_stack=pipelined, **fields)
 
 
 def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
@@ -346,6 +349,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
     layout = runtime.current_layout()
     tp = layout.tp if layout is not None else 1
     language_config = transformer_config(
+        pipelined=True,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
         kv_channels=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
@@ -369,7 +373,11 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
             share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
             language_position_embedding_type="rope", language_rotary_base=rope_theta(text),
             img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
-            parallel_output=parallel_output)
+            parallel_output=parallel_output,
+            # Megatron-LM's LLaVA under pipeline parallelism: the encoder and the embedding on the
+            # first stage, the output layer on the last, the language layers split between them.
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            add_encoder=runtime.is_first_stage())
     return model.eval()
 
 
