@@ -151,10 +151,14 @@ def _settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _measure(job: str, src: Path, dst: Path, *extra: str) -> dict:
-    """Runs one child job; returns its timing and the peak RssAnon seen while it ran."""
-    command = [sys.executable, __file__, "--child", job, str(src), str(dst), *extra]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = None) -> dict:
+    """Runs one child job; returns its timing and the peak RssAnon seen while it ran. ``tree``:
+    (script, PYTHONPATH) of another checkout whose own benchmark script runs the job instead."""
+    script, env = __file__, None
+    if tree is not None:
+        script, env = tree[0], {**os.environ, "PYTHONPATH": tree[1]}
+    command = [sys.executable, script, "--child", job, str(src), str(dst), *extra]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = [0]
     stop = threading.Event()
 
@@ -232,6 +236,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs per job; the table shows the fastest run and the highest peak. The "
                              "first touch of fresh memory is slow on a VM, so one run is noisy")
+    parser.add_argument("--against", nargs=2, metavar=("SCRIPT", "PYTHONPATH"), default=None,
+                        help="also run every conversion job with another checkout (its own benchmark "
+                             "script, its tree on PYTHONPATH) in the same rounds, each run paired with "
+                             "its own copy, the two trees' order alternating round by round: a before/after "
+                             "comparison in which a disk stall cannot fall on one tree only")
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mmparity-bench-"))
@@ -260,30 +269,48 @@ def main() -> None:
         # (it does here: by the end of a depth-54 run the plain copy took 1.3x as long as at the
         # start) slows every job alike instead of whichever ran last.
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
+        against_runs: dict[str, list[dict]] = {label: [] for label, job, *_ in jobs if job == "convert"}
+
+        def run_once(job, job_src, job_dst, extra, tree=None) -> dict:
+            if job_dst.exists():
+                shutil.rmtree(job_dst)
+            paired = None
+            if args.paired and job != "copy":
+                pair_dst = work / "copy_pair"
+                _warm(src)
+                _settle(args.settle)
+                paired = _measure("copy", src, pair_dst)["seconds"]
+                shutil.rmtree(pair_dst)
+            _warm(job_src)
+            _settle(args.settle)
+            result = _measure(job, job_src, job_dst, *extra, tree=tree)
+            result["paired_copy_seconds"] = paired
+            result["written"] = _dir_bytes(job_dst)
+            return result
+
+        def against_path(path: Path) -> Path:  # the other checkout's outputs, beside this one's
+            return path if path == src else path.with_name(path.name + "_against")
+
         for attempt in range(max(1, args.repeat)):
             print(f"round {attempt + 1} of {max(1, args.repeat)} ...", file=sys.stderr)
+            last_round = attempt + 1 == max(1, args.repeat)
             for label, job, job_src, job_dst, options in jobs:
-                if job_dst.exists():
-                    shutil.rmtree(job_dst)
                 extra = [json.dumps(options)] if options is not None else []
-                paired = None
-                if args.paired and job != "copy":
-                    pair_dst = work / "copy_pair"
-                    _warm(src)
-                    _settle(args.settle)
-                    paired = _measure("copy", src, pair_dst)["seconds"]
-                    shutil.rmtree(pair_dst)
-                _warm(job_src)
-                _settle(args.settle)
-                runs[label].append(_measure(job, job_src, job_dst, *extra))
-                runs[label][-1]["paired_copy_seconds"] = paired
-                runs[label][-1]["written"] = _dir_bytes(job_dst)
-                # Outputs no later job reads go at once (the round trips' are compared at the end):
-                # it keeps the disk footprint, and what the page cache must hold, small.
-                last_round = attempt + 1 == max(1, args.repeat)
-                if job_dst.name in ("copy", "copy_wb", "tf", "legacy1", "dist2") or (
-                        job_dst.name.startswith("back_") and not last_round):
-                    shutil.rmtree(job_dst)
+                trees = [None]
+                if args.against and job == "convert":
+                    trees = [None, tuple(args.against)] if attempt % 2 == 0 else [tuple(args.against), None]
+                for tree in trees:
+                    if tree is None:
+                        runs[label].append(run_once(job, job_src, job_dst, extra))
+                        out = job_dst
+                    else:
+                        out = against_path(job_dst)
+                        against_runs[label].append(run_once(job, against_path(job_src), out, extra, tree))
+                    # Outputs no later job reads go at once (the round trips' are compared at the
+                    # end): it keeps the disk footprint, and what the page cache must hold, small.
+                    if job_dst.name in ("copy", "copy_wb", "tf", "legacy1", "dist2") or (
+                            job_dst.name.startswith("back_") and not (last_round and tree is None)):
+                        shutil.rmtree(out)
         rows = []
         for label, *_ in jobs:
             result = dict(min(runs[label], key=lambda r: r["seconds"]))
@@ -309,9 +336,32 @@ def main() -> None:
                   f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} |{pairs} "
                   f"{row['peak_anon_kb'] / 1024:.0f} | "
                   f"{(row['ready_anon_kb'] or 0) / 1024:.0f} |")
+        if args.against:
+            _print_against(runs, against_runs, args.against[1])
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _print_against(runs: dict, against_runs: dict, other: str) -> None:
+    """Both trees' conversion runs of the same rounds: wall times and ratios to each run's own copy."""
+    def ratios(rs):
+        return [r["seconds"] / r["paired_copy_seconds"] for r in rs if r["paired_copy_seconds"]]
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    print(f"\nSame rounds, this tree vs {other} (ratio: wall over the copy run just before it):\n")
+    print("| job | best wall s: this / other | best ratio: this / other (runs) | median ratio: this / other |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, theirs in against_runs.items():
+        ours = runs[label]
+        mine, other_ratios = ratios(ours), ratios(theirs)
+        print(f"| {label} | {min(r['seconds'] for r in ours):.2f} / {min(r['seconds'] for r in theirs):.2f} | "
+              f"{min(mine, default=float('nan')):.2f} / {min(other_ratios, default=float('nan')):.2f} "
+              f"({', '.join(f'{x:.2f}' for x in mine)} / {', '.join(f'{x:.2f}' for x in other_ratios)}) | "
+              f"{median(mine):.2f} / {median(other_ratios):.2f} |")
 
 
 if __name__ == "__main__":
