@@ -17,7 +17,7 @@ Jobs, all reading the same (warm) source bytes:
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
   `torch_dist -> hf`, through `mmparity.checkpoint.streaming.convert` (atomic, fsynced, checksummed).
 
-Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep]
+Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
