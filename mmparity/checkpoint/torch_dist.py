@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from mmparity.checkpoint import _mcore_compat as mc
 from mmparity.checkpoint import extra_state, torch_dist_files
+from mmparity.converters import pp
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     iteration_dirname,
@@ -251,28 +251,22 @@ def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
     return [whole_base.as_strided(target.shape, target.stride(), target.storage_offset()).contiguous()]
 
 
-_LAYER_KEY = re.compile(r"^(?P<stack>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<rest>.+)$")
-
-
 def extra_state_objects(keys: Sequence[str], tensor_keys: Sequence[str]) -> dict:
     """Empty ``_extra_state`` ``ShardedObject``s under the keys, offsets and replica ids Megatron's
     classes give them at TP 1, for the global state-dict ``keys`` (see ``extra_state``); a layer's
     is stacked as its tensors are (``decoder.layers.<rest>`` at offset ``i`` of the block's layer
     count, which ``tensor_keys`` tell). Only TP rank 0's copy is the main replica, so the result is
     the same whatever TP size loads it."""
-    layers: dict[str, set] = {}
-    for key in tensor_keys:
-        match = _LAYER_KEY.match(key)
-        if match:
-            layers.setdefault(match["stack"], set()).add(int(match["index"]))
+    layers = pp.layer_stacks(tensor_keys)
     objects = {}
     for key in keys:
-        match = _LAYER_KEY.match(key)
-        if match:
-            count = len(layers.get(match["stack"], ()))
-            if int(match["index"]) >= count:
+        parts = pp.layer_key_parts(key)
+        if parts is not None:
+            stack, index, rest = parts
+            count = len(layers.get(stack, ()))
+            if index >= count:
                 raise CheckpointError(f"{key}: no tensors of its layer in the state dict")
-            shape, offset, stacked = (count,), (int(match["index"]),), match["stack"] + match["rest"]
+            shape, offset, stacked = (count,), (index,), stack + rest
         else:
             shape, offset, stacked = (1,), (0,), key
         objects[key] = mc.ShardedObject(stacked, None, shape, offset, replica_id=(0, 0, 0))

@@ -63,7 +63,23 @@ def buildable_layer_counts(num_layers: int, pp: int) -> list[int]:
     return [ends - ends // 2] + [base] * (pp - 2) + [ends // 2]
 
 
-_LAYER_KEY = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.")
+_LAYER_KEY = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.+)$")
+
+
+def layer_key_parts(key: str) -> tuple[str, int, str] | None:
+    """``(stack prefix, layer index, rest)`` of a key in a ``decoder.layers.`` stack, else None."""
+    match = _LAYER_KEY.match(key)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+
+
+def layer_stacks(keys: Sequence[str]) -> dict[str, set[int]]:
+    """Every ``decoder.layers.`` stack among ``keys``, with the layer indices it holds."""
+    stacks: dict[str, set[int]] = {}
+    for key in keys:
+        parts = layer_key_parts(key)
+        if parts is not None:
+            stacks.setdefault(parts[0], set()).add(parts[1])
+    return stacks
 
 
 @dataclass(frozen=True)
@@ -91,11 +107,7 @@ def pipeline_layout(mcore_keys: Sequence[str]) -> PipelineLayout:
     language model's, as Megatron-LM pipelines it, with the encoder and projector on the first
     stage; only the language model's own final norm and output layer go last.
     """
-    stacks: dict[str, set] = {}
-    for key in mcore_keys:
-        match = _LAYER_KEY.match(key)
-        if match:
-            stacks.setdefault(match.group(1), set()).add(int(match.group(2)))
+    stacks = layer_stacks(mcore_keys)
     if not stacks:
         return PipelineLayout(DEFAULT_LAYER_PREFIX, 0, ())
     if len(stacks) == 1:
