@@ -165,7 +165,12 @@ def _file_kind(mode: int) -> str:
 def is_plain_relative_path(name: object) -> bool:
     """True for a relative path that stays inside the directory it is relative to (no `..`
     component, not absolute, not empty): how every path a checkpoint names must look."""
-    if not isinstance(name, str) or not name or "\x00" in name:
+    return isinstance(name, str) and _is_plain_relative_str(name)
+
+
+@functools.lru_cache(maxsize=4096)  # a manifest names the same few files in every record
+def _is_plain_relative_str(name: str) -> bool:
+    if not name or "\x00" in name:
         return False
     path = Path(name)
     return not path.is_absolute() and ".." not in path.parts and path.parts != ()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmparity.converters import tp as tp_mod
+
 __all__ = [
     "DEFAULT_LAYER_PREFIX",
     "DEFAULT_LAST_STAGE_PREFIXES",
@@ -250,7 +252,7 @@ def merge_pipeline_stages(
             if key in merged:
                 previous = merged[key]
                 if isinstance(previous, torch.Tensor) and isinstance(value, torch.Tensor):
-                    same = previous.dtype == value.dtype and torch.equal(previous, value)
+                    same = tp_mod.same_bytes(previous, value)
                 else:
                     same = not isinstance(previous, torch.Tensor) and not isinstance(value, torch.Tensor) and previous == value
                 if not same:

@@ -45,10 +45,29 @@ def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values bit for bit: same dtype, shape and bytes.
+
+    Not `torch.equal` on the values: a NaN never equals itself and -0.0 equals +0.0, so two
+    byte-identical copies holding a NaN would differ and two byte-different ones would agree.
+    Comparing same-sized integers is also half the work of comparing bfloat16 on the CPU."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)  # integers and bools already compare bit for bit
+    integer = _SAME_SIZE_INTEGER.get(a.element_size())
+    if integer is None:  # complex128: no 16-byte integer to view it as
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.view(integer), b.view(integer))
+
+
 def check_replicated(parts: list[torch.Tensor]) -> None:
     """Every rank's copy of a replicated tensor holds the same bytes (the one check of it)."""
     for r, p in enumerate(parts[1:], start=1):
-        if p.shape != parts[0].shape or p.dtype != parts[0].dtype or not torch.equal(p, parts[0]):
+        if not same_bytes(p, parts[0]):
             raise ShardError(f"replicated tensor differs between rank 0 and rank {r}")
 
 
