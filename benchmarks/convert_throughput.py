@@ -18,6 +18,7 @@ Jobs, all reading the same (warm) source bytes:
   `torch_dist -> hf`, through `mmparity.checkpoint.streaming.convert` (atomic, fsynced, checksummed).
 
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
+       [--keep-guest-memory] [--log FILE]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -67,12 +70,14 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    phases = {}
     if job == "copy":
         ready = _rss_anon_kb()
         started = time.perf_counter()
         Path(dst).mkdir()
         for path in sorted(Path(src).iterdir()):
             shutil.copyfile(path, Path(dst) / path.name)
+        phases["into_page_cache"] = time.perf_counter() - started
         _fsync_tree(Path(dst))
     elif job == "copy_writeback":
         from mmparity.checkpoint.fsio import copy_file_range_all, start_writeback
@@ -125,11 +130,53 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         convert(ConvertOptions(src=Path(src), dst=Path(dst), **options))
     else:
         raise SystemExit(f"unknown job {job}")
-    return {"seconds": time.perf_counter() - started, "ready_anon_kb": ready}
+    return {"seconds": time.perf_counter() - started, "ready_anon_kb": ready, "phases": phases}
 
 
 # --------------------------------------------------------------------------------------------------
 # parent
+
+
+_PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+
+
+def _reported_to_host_kb() -> int | None:
+    """What this VM's kernel has handed back to the hypervisor as free so far (virtio-balloon free
+    page reporting), or None on a machine without it."""
+    try:
+        return int((_PAGE_REPORTING / "reported_kib").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _keep_guest_memory() -> callable:
+    """Stops free page reporting for the sitting and touches the free memory once; returns what
+    restores the reporting.
+
+    Why: on a VM that reports freed pages, the host takes them back, and the next write to one
+    faults into the hypervisor. A copy whose page cache landed on such pages spent 0.8 to 1.8 s in
+    the kernel instead of 0.3 s here, same bytes, same fault count in the guest (measured with this
+    script's --log): the stalls that made single runs of either tree 2-3x slow at random. Which
+    free pages a run gets depends on what ran before, so the stall fell on runs by chance, and a
+    ratio to the copy just before took it in either the numerator or the denominator.
+    Reporting is stopped by raising its minimum block order past the largest the buddy allocator
+    has; the touch makes every free page host-backed once, so no run pays that first fault."""
+    order_file = _PAGE_REPORTING / "page_reporting_order"
+    previous = order_file.read_text().strip()
+    with open("/proc/buddyinfo") as f:
+        largest_order = max(len(line.split()) - 4 - 1 for line in f if line.strip())
+    order_file.write_text(str(largest_order + 1))
+    with open("/proc/meminfo") as f:
+        free_kb = next(int(line.split()[1]) for line in f if line.startswith("MemFree:"))
+    spare = max(0, free_kb * 1024 - (2 << 30))  # leave the kernel room; never push the page cache out
+    if spare:
+        region = mmap.mmap(-1, spare)
+        for offset in range(0, spare, mmap.PAGESIZE):
+            region[offset] = 1
+        region.close()
+    print(f"free page reporting stopped for the sitting (order {previous} -> {largest_order + 1}); "
+          f"{spare / 2**30:.1f} GiB of free memory touched", file=sys.stderr)
+    return lambda: order_file.write_text(previous)
 
 
 def _warm(root: Path) -> None:
@@ -151,15 +198,35 @@ def _settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _steal_ticks() -> int:
+    """Clock ticks the hypervisor ran something else while this VM's CPUs wanted to run."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
+def _schedstat(pid: int) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for one) of a process so far."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            on_cpu, waiting, _ = f.read().split()
+        return int(on_cpu), int(waiting)
+    except (OSError, ValueError):
+        return None
+
+
 def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = None) -> dict:
-    """Runs one child job; returns its timing and the peak RssAnon seen while it ran. ``tree``:
-    (script, PYTHONPATH) of another checkout whose own benchmark script runs the job instead."""
+    """Runs one child job; returns its timing, the peak RssAnon seen while it ran, and where its
+    time went (the child's CPU and fault counts, its wait for a CPU, the VM's steal), which is
+    what tells a stalled run from a slow one. ``tree``: (script, PYTHONPATH) of another checkout
+    whose own benchmark script runs the job instead."""
     script, env = __file__, None
     if tree is not None:
         script, env = tree[0], {**os.environ, "PYTHONPATH": tree[1]}
     command = [sys.executable, script, "--child", job, str(src), str(dst), *extra]
+    usage_before, steal_before = resource.getrusage(resource.RUSAGE_CHILDREN), _steal_ticks()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = [0]
+    sched = [None]
     stop = threading.Event()
 
     def sample():
@@ -167,6 +234,7 @@ def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = N
             value = _rss_anon_kb(proc.pid)
             if value is not None:
                 peak[0] = max(peak[0], value)
+            sched[0] = _schedstat(proc.pid) or sched[0]
             time.sleep(0.003)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -176,8 +244,16 @@ def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = N
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"{job} failed ({proc.returncode}):\n{err[-3000:]}")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = json.loads(out.strip().splitlines()[-1])
     result["peak_anon_kb"] = peak[0]
+    # Whole child process, imports included: for comparing runs of one job, not jobs.
+    result["child"] = {
+        "user_s": usage.ru_utime - usage_before.ru_utime, "system_s": usage.ru_stime - usage_before.ru_stime,
+        "minor_faults": usage.ru_minflt - usage_before.ru_minflt, "major_faults": usage.ru_majflt - usage_before.ru_majflt,
+        "waits": usage.ru_nvcsw - usage_before.ru_nvcsw, "preempted": usage.ru_nivcsw - usage_before.ru_nivcsw,
+        "cpu_wait_s": sched[0][1] / 1e9 if sched[0] else None,
+        "vm_steal_s": (_steal_ticks() - steal_before) / os.sysconf("SC_CLK_TCK")}
     return result
 
 
@@ -241,12 +317,27 @@ def main() -> None:
                              "script, its tree on PYTHONPATH) in the same rounds, each run paired with "
                              "its own copy, the two trees' order alternating round by round: a before/after "
                              "comparison in which a disk stall cannot fall on one tree only")
+    parser.add_argument("--keep-guest-memory", action="store_true",
+                        help="on a VM whose kernel hands freed memory back to the host (free page "
+                             "reporting; needs root): stop that for the sitting and touch the free memory "
+                             "once, so no run pays the host's fault on a page it took back (see "
+                             "_keep_guest_memory)")
+    parser.add_argument("--log", default=None,
+                        help="append every run (and its paired copy) as a JSON line: wall, phases, the "
+                             "child's CPU, faults and wait for a CPU, the VM's steal")
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mmparity-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"hf-depth{args.depth}"
+    restore_reporting = None
     try:
+        if args.keep_guest_memory:
+            if _reported_to_host_kb() is None:
+                raise SystemExit("--keep-guest-memory: this kernel has no free page reporting "
+                                 f"({_PAGE_REPORTING} is missing); run without it")
+            restore_reporting = _keep_guest_memory()
+        reported_before = _reported_to_host_kb()
         if not src.exists():
             print("writing the synthetic source checkpoint ...", file=sys.stderr)
             _make_source(src, args.max_shard_size, args.depth)
@@ -271,7 +362,9 @@ def main() -> None:
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
         against_runs: dict[str, list[dict]] = {label: [] for label, job, *_ in jobs if job == "convert"}
 
-        def run_once(job, job_src, job_dst, extra, tree=None) -> dict:
+        log = open(args.log, "a") if args.log else None
+
+        def run_once(label, job, job_src, job_dst, extra, tree=None) -> dict:
             if job_dst.exists():
                 shutil.rmtree(job_dst)
             paired = None
@@ -279,13 +372,17 @@ def main() -> None:
                 pair_dst = work / "copy_pair"
                 _warm(src)
                 _settle(args.settle)
-                paired = _measure("copy", src, pair_dst)["seconds"]
+                paired = _measure("copy", src, pair_dst)
                 shutil.rmtree(pair_dst)
             _warm(job_src)
             _settle(args.settle)
             result = _measure(job, job_src, job_dst, *extra, tree=tree)
-            result["paired_copy_seconds"] = paired
+            result["paired_copy_seconds"] = paired["seconds"] if paired else None
             result["written"] = _dir_bytes(job_dst)
+            if log:
+                log.write(json.dumps({"round": attempt + 1, "label": label, "tree": tree[1] if tree else "this",
+                                      "at": time.time(), "run": result, "paired_copy": paired}) + "\n")
+                log.flush()
             return result
 
         def against_path(path: Path) -> Path:  # the other checkout's outputs, beside this one's
@@ -301,11 +398,11 @@ def main() -> None:
                     trees = [None, tuple(args.against)] if attempt % 2 == 0 else [tuple(args.against), None]
                 for tree in trees:
                     if tree is None:
-                        runs[label].append(run_once(job, job_src, job_dst, extra))
+                        runs[label].append(run_once(label, job, job_src, job_dst, extra))
                         out = job_dst
                     else:
                         out = against_path(job_dst)
-                        against_runs[label].append(run_once(job, against_path(job_src), out, extra, tree))
+                        against_runs[label].append(run_once(label, job, against_path(job_src), out, extra, tree))
                     # Outputs no later job reads go at once (the round trips' are compared at the
                     # end): it keeps the disk footprint, and what the page cache must hold, small.
                     if job_dst.name in ("copy", "copy_wb", "tf", "legacy1", "dist2") or (
@@ -321,7 +418,12 @@ def main() -> None:
 
         copy_seconds, floor_seconds = rows[0]["seconds"], rows[1]["seconds"]
         print(f"\nQwen3.5 vision tower, depth {args.depth}: {source_bytes / 1e9:.3f} GB (bf16, {len(files) - 2} shards), "
-              f"{os.cpu_count()} CPUs, round trips bit-exact: {exact}\n")
+              f"{os.cpu_count()} CPUs, round trips bit-exact: {exact}")
+        if reported_before is not None:
+            handed_back = (_reported_to_host_kb() - reported_before) / 1024
+            print(f"Free memory handed back to the host during the sitting: {handed_back:.0f} MB"
+                  + (" (runs may have paid the host's faults on it: see --keep-guest-memory)" if handed_back else ""))
+        print()
         paired_column = args.paired
         print("| job | wall s (runs) | GB/s | x copy | x floor |" + (" x the copy just before (runs) |" if paired_column else "")
               + " peak RssAnon MB | of which imports MB |")
@@ -339,6 +441,8 @@ def main() -> None:
         if args.against:
             _print_against(runs, against_runs, args.against[1])
     finally:
+        if restore_reporting is not None:
+            restore_reporting()
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 
