@@ -149,9 +149,8 @@ def _reported_to_host_kb() -> int | None:
         return None
 
 
-def _keep_guest_memory() -> callable:
-    """Stops free page reporting for the sitting and touches the free memory once; returns what
-    restores the reporting.
+def _stop_page_reporting() -> callable:
+    """Stops free page reporting for the sitting; returns what restores it.
 
     Why: on a VM that reports freed pages, the host takes them back, and the next write to one
     faults into the hypervisor. A copy whose page cache landed on such pages spent 0.8 to 1.8 s in
@@ -159,13 +158,23 @@ def _keep_guest_memory() -> callable:
     script's --log): the stalls that made single runs of either tree 2-3x slow at random. Which
     free pages a run gets depends on what ran before, so the stall fell on runs by chance, and a
     ratio to the copy just before took it in either the numerator or the denominator.
-    Reporting is stopped by raising its minimum block order past the largest the buddy allocator
-    has; the touch makes every free page host-backed once, so no run pays that first fault."""
+    Reporting is stopped by raising its minimum block order past the largest the buddy allocator has."""
     order_file = _PAGE_REPORTING / "page_reporting_order"
-    previous = order_file.read_text().strip()
     with open("/proc/buddyinfo") as f:
         largest_order = max(len(line.split()) - 4 - 1 for line in f if line.strip())
-    order_file.write_text(str(largest_order + 1))
+    try:
+        previous = order_file.read_text().strip()
+        order_file.write_text(str(largest_order + 1))
+    except OSError as exc:
+        raise SystemExit(f"--keep-guest-memory: cannot set {order_file} ({exc.strerror}); it needs root") from None
+    print(f"free page reporting stopped for the sitting (order {previous} -> {largest_order + 1})", file=sys.stderr)
+    return lambda: order_file.write_text(previous)
+
+
+def _touch_free_memory() -> None:
+    """Writes once to every free page but 2 GiB, so that each is host-backed before any run:
+    pages the host took back before reporting stopped would otherwise still stall the run that
+    first lands on them (two copies in the last round of a sitting did)."""
     with open("/proc/meminfo") as f:
         free_kb = next(int(line.split()[1]) for line in f if line.startswith("MemFree:"))
     spare = max(0, free_kb * 1024 - (2 << 30))  # leave the kernel room; never push the page cache out
@@ -174,9 +183,7 @@ def _keep_guest_memory() -> callable:
         for offset in range(0, spare, mmap.PAGESIZE):
             region[offset] = 1
         region.close()
-    print(f"free page reporting stopped for the sitting (order {previous} -> {largest_order + 1}); "
-          f"{spare / 2**30:.1f} GiB of free memory touched", file=sys.stderr)
-    return lambda: order_file.write_text(previous)
+    print(f"{spare / 2**30:.1f} GiB of free memory touched", file=sys.stderr)
 
 
 def _warm(root: Path) -> None:
@@ -321,7 +328,7 @@ def main() -> None:
                         help="on a VM whose kernel hands freed memory back to the host (free page "
                              "reporting; needs root): stop that for the sitting and touch the free memory "
                              "once, so no run pays the host's fault on a page it took back (see "
-                             "_keep_guest_memory)")
+                             "_stop_page_reporting)")
     parser.add_argument("--log", default=None,
                         help="append every run (and its paired copy) as a JSON line: wall, phases, the "
                              "child's CPU, faults and wait for a CPU, the VM's steal")
@@ -330,13 +337,14 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mmparity-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"hf-depth{args.depth}"
-    restore_reporting = None
+    restore_reporting, log = None, None
     try:
         if args.keep_guest_memory:
             if _reported_to_host_kb() is None:
                 raise SystemExit("--keep-guest-memory: this kernel has no free page reporting "
                                  f"({_PAGE_REPORTING} is missing); run without it")
-            restore_reporting = _keep_guest_memory()
+            restore_reporting = _stop_page_reporting()
+            _touch_free_memory()
         reported_before = _reported_to_host_kb()
         if not src.exists():
             print("writing the synthetic source checkpoint ...", file=sys.stderr)
@@ -362,7 +370,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
         against_runs: dict[str, list[dict]] = {label: [] for label, job, *_ in jobs if job == "convert"}
 
-        log = open(args.log, "a") if args.log else None
+        log = open(args.log, "a") if args.log else None  # noqa: SIM115  (closed in `finally`)
 
         def run_once(label, job, job_src, job_dst, extra, tree=None) -> dict:
             if job_dst.exists():
@@ -441,6 +449,8 @@ def main() -> None:
         if args.against:
             _print_against(runs, against_runs, args.against[1])
     finally:
+        if log is not None:
+            log.close()
         if restore_reporting is not None:
             restore_reporting()
         if not args.keep and args.workdir is None:

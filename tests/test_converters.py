@@ -88,7 +88,6 @@ def test_merge_refuses_diverging_replicas_and_bad_split():
         tp.shard(torch.zeros(5, 2), "column", 2)
 
 
-
 def test_replicas_compare_bytes_not_values():
     # A NaN is byte-identical to its copy but never equal to it; -0.0 equals +0.0 but its bytes differ.
     nan = torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16)
@@ -99,6 +98,7 @@ def test_replicas_compare_bytes_not_values():
     strided = torch.randn(5, 4).t()
     assert tp.same_bytes(strided, strided.contiguous())
     assert not tp.same_bytes(torch.arange(3), torch.arange(3).int())  # same values, other dtype
+
 
 def _toy_rules():
     return RuleSet(rules=(rename("a.{i}.w", "hf.{i}.weight", "column"),
