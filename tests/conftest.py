@@ -27,15 +27,21 @@ def _single_process_parallel_state():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many faults tests/test_faults.py tried and how many the tool handled (issue #14)."""
+    """How many faults the fault suite (tests/test_faults*.py) tried and how many the tool handled."""
     stats = terminalreporter.stats
     outcome = {}
     for kind in ("passed", "failed", "error", "skipped"):
         for report in stats.get(kind, []):
-            if getattr(report, "when", "call") in ("call", "setup") and "test_faults.py" in report.nodeid:
+            if getattr(report, "when", "call") in ("call", "setup") and _is_fault_test(report.nodeid):
                 outcome[report.nodeid] = kind
     if outcome:
         counts = {kind: sum(1 for k in outcome.values() if k == kind) for kind in ("passed", "failed", "error", "skipped")}
         tried = len(outcome) - counts["skipped"]
         terminalreporter.write_line(f"fault injection: {tried} bad inputs / faults tried, {counts['passed']} handled, "
                                     f"{counts['failed'] + counts['error']} not handled, {counts['skipped']} skipped")
+
+
+def _is_fault_test(nodeid: str) -> bool:
+    """The fault suite is tests/test_faults.py and its topical siblings tests/test_faults_*.py."""
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return name == "test_faults.py" or (name.startswith("test_faults_") and name.endswith(".py"))
