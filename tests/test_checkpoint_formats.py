@@ -261,7 +261,7 @@ def test_legacy_reader_errors(tmp_path):
 
     # Arbitrary pickled objects are refused, never executed.
     torch.save({"model": {"x": NotAllowedInWeightsOnly()}, "checkpoint_version": 3.0}, rank_file)
-    with pytest.raises(CheckpointError, match="weights_only"):
+    with pytest.raises(CheckpointError, match="refusing to unpickle .*NotAllowedInWeightsOnly"):
         open_legacy(root).load_rank(1, 2)
     torch.save({"model": {"x": torch.zeros(1)}, "checkpoint_version": 2.0}, rank_file)
     with pytest.raises(CheckpointError, match="older than 3.0"):

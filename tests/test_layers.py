@@ -20,6 +20,7 @@ LAYERS = {
     "mmparity": 0,
     "mmparity.hfconfig": 0,
     "mmparity.runtime": 0,
+    "mmparity.errors": 0,
     "mmparity.converters": 1,
     # Megatron's own classes and the key map onto them: megatron and the converters' records below.
     "mmparity.upstream": 2,
@@ -40,6 +41,7 @@ FORBIDDEN = {
     "mmparity.converters": ("transformers", "megatron", "safetensors", "os", "pathlib", "mmap", "ctypes",
                             "shutil", "tempfile", "io"),
     "mmparity.hfconfig": ("transformers", "megatron", "torch"),
+    "mmparity.errors": ("transformers", "megatron", "torch"),
     "mmparity.native": ("transformers",),
     "mmparity.reference": ("megatron",),
 }

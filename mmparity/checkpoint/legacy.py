@@ -18,18 +18,16 @@ dict per TP rank. Pipeline splitting and merging happen here via `converters.pp`
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import pickle
-import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from mmparity import errors
 from mmparity.converters import pp
-from mmparity.checkpoint import extra_state
+from mmparity.checkpoint import extra_state, unpickle
 from mmparity.checkpoint.fsio import (
     CheckpointError,
     Slot,
@@ -305,22 +303,17 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     """
     path = Path(path)
     require_regular_file(path, "rank file")
+    restricted = unpickle.torch_pickle_module(unpickle.LEGACY_NAMES, str(path))
     try:
-        # Megatron-LM stores its arguments as an argparse.Namespace: plain attributes, safe to allow.
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # torch's own weights_only list is process-wide (megatron-core adds to it on import); ours
+        # is the explicit one, with torch still handling storages and mmap.
+        payload = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=restricted)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing") from exc
-    except pickle.UnpicklingError as exc:
-        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module ..."
-        refused = re.search(r"(?i)unsupported (?:global: )?GLOBAL (\S+)", str(exc))
-        if refused:
-            raise CheckpointError(
-                f"{path}: holds a {refused.group(1)} object, which torch.load(weights_only=True) refuses to unpickle"
-            ) from exc
-        raise CheckpointError(f"{path}: unreadable as a weights_only torch file (not a torch.save pickle)") from exc
+    except CheckpointError:  # a refused name (RefusedPickle), or a tensor outside its storage
+        raise
     except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable ({' '.join(str(exc).split())[:300]})") from exc
+        raise CheckpointError(f"{path}: unreadable as a torch.save file ({errors.one_line(exc, 300)})") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path}: expected a dict, found {type(payload).__name__}")
     if "model" not in payload:

@@ -32,6 +32,7 @@ from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
+from mmparity.checkpoint.unpickle import RefusedPickle
 from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, load_family_config
 from mmparity.upstream import models
 
@@ -41,6 +42,7 @@ class RankLoad:
     rank: int
     ok: bool
     message: str = ""
+    refused: bool = False  # the checkpoint holds a pickle that is not plain data: a user error
 
 
 @dataclasses.dataclass
@@ -150,6 +152,8 @@ def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
     job.init_parallel()
     try:
         build_and_load(rank, world_size, job)
+    except RefusedPickle as exc:
+        return RankLoad(rank, False, str(exc), refused=True)
     except (models.StrictLoadError, CheckpointError) as exc:
         return RankLoad(rank, False, str(exc))
     return RankLoad(rank, True)
@@ -224,4 +228,7 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
         ranks = [_load_rank(0, 1, job)]
     else:
         ranks = runtime.spawn(_load_rank, world_size, job)
+    refused = [r for r in ranks if r.refused]
+    if refused:  # not a checkpoint that fails to fit the class: one that must not be loaded at all
+        raise RefusedPickle(refused[0].message)
     return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mmparity import errors
 from mmparity.checkpoint import _mcore_compat as mc
 from mmparity.checkpoint import extra_state, torch_dist_files
 from mmparity.converters import pp
@@ -78,14 +79,9 @@ is_torch_dist_dir = torch_dist_files.is_torch_dist_dir
 
 ShardedStateDict = dict[str, Any]
 
-# mcore's validation messages list every shard; keep what crosses ranks and lands in one line short.
-_MAX_ERROR_CHARS = 600
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+# mcore's validation messages list every shard and DCP's paste every rank's traceback: what
+# crosses ranks and lands in one line is the root cause, short.
+_one_line = errors.one_line
 
 
 # A meta tensor's bytes, produced on demand: given a meta tensor (a view, reshape or detached alias
@@ -464,19 +460,32 @@ def load_torch_dist(
     *,
     iteration: int | str | None = None,
 ) -> dict:
-    """Collective: loads the `model` part of a torch_dist checkpoint into this rank's shards.
+    """Loads the `model` part of a torch_dist checkpoint into this rank's shards, as
+    `dist_checkpointing.load` would, but with nothing unpickled beyond the allow-lists of
+    `mmparity.checkpoint.unpickle` (see `_mcore_compat`: mcore's own load cannot be made safe).
 
     `sharded_state_dict` is the receiving model's `sharded_state_dict()` under its own (any) TP
     size. Returns a plain state dict for `model.load_state_dict`. `path` is a root (its tracker
-    picks the iteration) or an iteration directory.
+    picks the iteration) or an iteration directory. `.metadata` is read and decoded once; every
+    object is decoded from the bytes DCP read for it.
     """
     _require_process_group()
     _, iteration_dir, _ = resolve_iteration_dir(path, iteration)
     if not torch_dist_files.is_torch_dist_dir(iteration_dir):
         raise CheckpointError(f"{iteration_dir}: not a torch_dist checkpoint (no .metadata / metadata.json)")
-    try:
-        loaded = mc.dist_checkpointing.load({"model": sharded_state_dict}, str(iteration_dir))
-    except (Exception, _dcp_exception()) as exc:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"{iteration_dir}: torch_dist load failed ({_one_line(exc)})") from exc
-    return loaded["model"]
+    metadata = torch_dist_files.load_metadata(iteration_dir)
 
+    def decode(read_item, data: bytes):
+        return torch_dist_files.decode_object(iteration_dir, read_item.storage_index.fqn, data, metadata)
+
+    try:
+        loaded = mc.load_sharded({"model": sharded_state_dict}, str(iteration_dir),
+                                 torch_dist_files.storage_reader(iteration_dir, metadata), decode)
+    except CheckpointError:
+        raise
+    except (Exception, _dcp_exception()) as exc:  # DCP's CheckpointException is a BaseException
+        cause = errors.root_cause(exc)
+        if isinstance(cause, CheckpointError):  # ours (a refused pickle, say), raised inside DCP
+            raise cause.with_traceback(None) from None
+        raise CheckpointError(f"{iteration_dir}: torch_dist load failed: {errors.one_line(cause)}") from None
+    return loaded["model"]

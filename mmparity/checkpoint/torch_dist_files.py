@@ -10,18 +10,18 @@ unstacks those into `decoder.layers.{i}.` keys, giving the TP = 1, PP = 1 state 
 takes.
 
 Trust: DCP's `.metadata` file is a pickle. We never hand it to plain `pickle.load` (which is what
-torch's `FileSystemReader` does): `load_metadata` unpickles it with an allow-list of the DCP
-metadata classes, `torch.Size` and dtypes, and refuses anything else. The tensor items themselves
-are read by DCP with `torch.load(weights_only=True)`. Byte items (`_extra_state`, `common_state`)
-are arbitrary pickles and are never unpickled here; `object_bytes` reads an item's raw bytes
-(to checksum them), nothing more.
+torch's `FileSystemReader` does): `load_metadata` reads the file once and decodes those bytes with
+`unpickle`'s allow-list of DCP's metadata and plan classes, `torch.Size` and dtypes, refusing
+anything else. The tensor items themselves are read by DCP with `torch.load(weights_only=True)`
+or mapped in place. Byte items (`_extra_state`, `common_state`) are pickles too: `object_bytes`
+reads an item's raw bytes (to checksum them), and `load_object` decodes them under
+`unpickle.OBJECT_NAMES`.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import re
 import warnings
 from collections.abc import Iterator, Sequence
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from mmparity import errors
+from mmparity.checkpoint import unpickle
 from mmparity.checkpoint.fsio import CheckpointError, is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
@@ -54,44 +56,15 @@ def is_torch_dist_dir(path: str | os.PathLike) -> bool:
     return (path / DIST_CONFIG_FILE).is_file() and os.path.lexists(path / ".metadata")
 
 
-# What a DCP `.metadata` pickle legitimately names: its own dataclasses, torch.Size, dtypes, the
-# memory-format enum and layout lookup, and the checkpoint path. Nothing that runs code on load.
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint._extension": {"ExtensionRegistry", "StreamTransformExtension"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        import torch as _torch
-
-        if module == "torch" and isinstance(getattr(_torch, name, None), _torch.dtype):
-            return getattr(_torch, name)
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from DCP metadata")
-
-
 def load_metadata(path: str | os.PathLike):
     """A torch_dist directory's DCP `Metadata`, unpickled with an allow-list (see the trust note)."""
     path = Path(path)
     if not is_torch_dist_dir(path):
         raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
     require_regular_file(path / ".metadata", "DCP metadata")
-    try:
-        with open(path / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable torch_dist metadata ({' '.join(str(exc).split())})") from exc
+    with open(path / ".metadata", "rb") as f:
+        data = f.read()
+    metadata = unpickle.loads(data, unpickle.DCP_METADATA_NAMES, f"{path / '.metadata'} (torch_dist metadata)")
     if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
         raise CheckpointError(f"{path}: .metadata does not hold DCP checkpoint metadata")
     _check_storage(path, metadata)
@@ -132,22 +105,41 @@ def _dcp_exception() -> type:
     return CheckpointException
 
 
-def _reader(path: Path):
+def _reader(path: Path, metadata=None):
+    """DCP's `FileSystemReader` with `.metadata` decoded by `load_metadata`, or ``metadata`` (one
+    decoded read, shared by everything a load does) served as is."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            metadata = load_metadata(path)
             from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = load_metadata(path) if fixed is None else fixed
 
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+    fixed = metadata
     if not is_torch_dist_dir(path):
         raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
     return SafeFileSystemReader(str(path))
+
+
+storage_reader = _reader
+
+
+def decode_object(path: str | os.PathLike, key: str, data: bytes, metadata=None):
+    """One byte item (a ShardedObject's ``torch.save`` bytes, as read) decoded under the object
+    allow-list; a refusal names the file that holds it and the key."""
+    path = Path(path)
+    where = f"{path}: object {key!r}"
+    if metadata is not None:
+        found = [info for index, info in metadata.storage_data.items() if getattr(index, "fqn", index) == key]
+        if len(found) == 1:
+            where = f"{path / found[0].relative_path}: object {key!r}"
+    return unpickle.load_torch_archive(data, unpickle.OBJECT_NAMES, where)
 
 
 def tensor_metadata(path: str | os.PathLike) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -208,7 +200,7 @@ def read_tensor(path: str | os.PathLike, key: str, metadata: dict | None = None)
     except CheckpointError:
         raise
     except (Exception, _dcp_exception()) as exc:
-        raise CheckpointError(f"{path}: cannot read {key!r} ({' '.join(str(exc).split())[:300]})") from exc
+        raise CheckpointError(f"{path}: cannot read {key!r} ({errors.one_line(exc, 300)})") from None
     return target[key]
 
 
@@ -385,7 +377,7 @@ class TorchDistFiles:
         except CheckpointError:
             raise
         except (Exception, _dcp_exception()) as exc:
-            raise CheckpointError(f"{self.path}: cannot read {key!r} ({' '.join(str(exc).split())[:300]})") from exc
+            raise CheckpointError(f"{self.path}: cannot read {key!r} ({errors.one_line(exc, 300)})") from None
         return target
 
     def _mapped_chunk(self, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor | None:

@@ -1,0 +1,56 @@
+"""Exceptions from torch, DCP and Megatron reduced to one line, cause first.
+
+DCP wraps each rank's failure in a ``CheckpointException`` whose text is every rank's traceback
+flattened; Megatron and torch chain exceptions several deep. A user is told the innermost cause
+(an allocation that cannot succeed, a refused pickle), never a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["root_cause", "one_line", "MAX_CHARS"]
+
+MAX_CHARS = 600
+
+# A traceback pasted into a message ("Traceback (most recent call last): File ..., line N, in f ...").
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\):.*?(?=\b[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b: |\Z)",
+                        re.S)
+_ALLOCATION = re.compile(r"(?:can't allocate memory|not enough memory|out of memory).*?allocate (\d+) bytes", re.I | re.S)
+
+
+def _wrapped(exc: BaseException) -> BaseException | None:
+    """The exception DCP's ``CheckpointException`` carries for its first failed rank, if any."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]  # (exception, its traceback frames)
+        inner = first[0] if isinstance(first, tuple) and first else getattr(first, "exc", first)
+        if isinstance(inner, BaseException):
+            return inner
+    return None
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception behind ``exc``: through DCP's per-rank wrappers and explicit
+    ``raise … from`` chains (an implicit context is another failure, not the cause)."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = _wrapped(exc) or exc.__cause__
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+def one_line(exc: BaseException, limit: int = MAX_CHARS) -> str:
+    """``exc``'s root cause as one line: ``Type: message``, traceback text removed, whitespace
+    collapsed, an impossible allocation said in GB, cut to ``limit`` characters."""
+    cause = root_cause(exc)
+    text = _TRACEBACK.sub("", str(cause))
+    text = " ".join(text.split())
+    allocation = _ALLOCATION.search(text)
+    if allocation:
+        text = f"cannot allocate {int(allocation.group(1)) / 1e9:.1f} GB ({text})"
+    text = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,198 @@
+"""Hostile pickles: a code-running payload planted in every pickled object of a checkpoint.
+
+A legacy and a torch_dist checkpoint (loaded at TP 1 and 2) get a payload that, if ever
+unpickled, creates a marker directory: in DCP's `.metadata` (inside an otherwise valid
+`Metadata`), in an `_extra_state` byte item and in a tensor item of a `.distcp` file (with the
+manifest's checksum left stale and rewritten: anyone who can write the payload can rewrite a
+checksum), in `common.pt`, and in a legacy rank file. Every subcommand that reads a checkpoint runs
+on it; nothing may run, nothing may print a traceback, and `verify --load` refuses the object by
+file and key (exit 2).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmparity import families
+from mmparity.cases.inputs import random_like_state
+from mmparity.checkpoint import extra_state, torch_dist_files
+from mmparity.checkpoint.fsio import tensor_checksum
+from mmparity.cli.main import main
+
+pytestmark = pytest.mark.fault
+
+FAMILY = "clip"  # its Megatron class is stock megatron-core's, so verify --load always runs
+
+
+class Payload:
+    """Unpickling this makes ``marker``: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    fam = families.get(FAMILY)
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=21))
+    base = tmp_path_factory.mktemp("pickles")
+    model.save_pretrained(base / "hf")
+    made = {"hf": base / "hf"}
+    for name, argv in (("legacy1", ["--format", "legacy"]), ("legacy2", ["--format", "legacy", "--tp", "2"]),
+                       ("torch_dist", [])):
+        assert main(["convert", "--family", FAMILY, "--src", str(base / "hf"), "--dst", str(base / name),
+                     "--to", "mcore", *argv, "--quiet"]) == 0
+        made[name] = base / name
+    return made
+
+
+def _iteration_dir(root: Path) -> Path:
+    return next(root.glob("iter_*"))
+
+
+def _torch_save(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _repoint(root: Path, key: str, data: bytes, rewrite_checksum: bool) -> None:
+    """Append ``data`` to the item's `.distcp` file and point `.metadata` at it (a standard pickle
+    of a clean Metadata: only the item is hostile)."""
+    iteration = _iteration_dir(root)
+    metadata = torch_dist_files.load_metadata(iteration)
+    (index, info), = [(i, v) for i, v in metadata.storage_data.items() if i.fqn == key]
+    path = iteration / info.relative_path
+    offset = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(data)
+    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(data))
+    (iteration / ".metadata").write_bytes(pickle.dumps(metadata))
+    if rewrite_checksum and extra_state.is_extra_state(key):
+        manifest = json.loads((root / "mmparity.json").read_text())
+        checksum = tensor_checksum(extra_state.bytes_tensor(data)).to_json()
+        for record in manifest["tensors"]:
+            if record["key"] == key:
+                record.update(checksum)
+        (root / "mmparity.json").write_text(json.dumps(manifest))
+
+
+def _plant_metadata(root: Path, marker: Path, rewrite: bool) -> str:
+    iteration = _iteration_dir(root)
+    metadata = torch_dist_files.load_metadata(iteration)
+    metadata.planner_data = {"hostile": Payload(marker)}
+    (iteration / ".metadata").write_bytes(pickle.dumps(metadata))
+    return ".metadata"
+
+
+def _plant_extra_state(root: Path, marker: Path, rewrite: bool) -> str:
+    iteration = _iteration_dir(root)
+    key = torch_dist_files.object_keys(iteration)[0]
+    _repoint(root, key, _torch_save([Payload(marker)]), rewrite)
+    return key
+
+
+def _plant_tensor_item(root: Path, marker: Path, rewrite: bool) -> str:
+    iteration = _iteration_dir(root)
+    key = next(iter(torch_dist_files.tensor_metadata(iteration)))
+    _repoint(root, key, _torch_save(Payload(marker)), rewrite)
+    return key
+
+
+def _plant_common(root: Path, marker: Path, rewrite: bool) -> str:
+    path = _iteration_dir(root) / "common.pt"
+    path.write_bytes(_torch_save({"checkpoint_version": 3.0, "iteration": 1, "args": Payload(marker)}))
+    return "common.pt"
+
+
+def _plant_legacy(root: Path, marker: Path, rewrite: bool) -> str:
+    path = next(root.glob("iter_*/mp_rank_00*/model_optim_rng.pt"))
+    payload = torch.load(path, weights_only=True)
+    payload["args"] = Payload(marker)
+    path.write_bytes(_torch_save(payload))
+    return "model_optim_rng.pt"
+
+
+TORCH_DIST_PLANTS = {
+    "metadata": _plant_metadata,
+    "extra_state-stale-checksum": _plant_extra_state,
+    "extra_state-rewritten-checksum": _plant_extra_state,
+    "tensor_item": _plant_tensor_item,
+    "common.pt": _plant_common,
+}
+
+
+def _commands(root: Path, out: Path, tp: int) -> dict[str, list]:
+    at_tp = ["--tp", str(tp)] if tp != 1 else []
+    return {
+        "verify": ["verify", root],
+        "verify --load": ["verify", "--load", root, *at_tp],
+        "convert to hf": ["convert", "--src", root, "--dst", out / "hf", "--to", "hf", "--quiet"],
+        "convert reshard": ["convert", "--src", root, "--dst", out / "reshard", "--to", "mcore", "--format",
+                            "legacy", "--tp", str(3 - tp), "--quiet"],
+    }
+
+
+def _run_everything(capsys, root: Path, marker: Path, tp: int, planted: str, out: Path) -> dict:
+    codes = {}
+    for name, argv in _commands(root, out, tp).items():
+        code, stdout, stderr = run_cli(capsys, *argv)
+        assert not marker.exists(), f"`mmparity {name}` ran code planted in {planted}"
+        assert "Traceback" not in stdout + stderr, (name, stdout + stderr)
+        assert code in (0, 1, 2), (name, code, stderr)
+        codes[name] = (code, stdout, stderr)
+    return codes
+
+
+def _loads_refused(codes: dict, planted: str) -> None:
+    code, out, err = codes["verify --load"]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, (code, out, err)
+    assert "refusing" in lines[0] and planted in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("plant", sorted(TORCH_DIST_PLANTS))
+def test_torch_dist_payload_never_runs(capsys, tmp_path, clean, plant, tp):
+    root = shutil.copytree(clean["torch_dist"], tmp_path / "ckpt")
+    marker = tmp_path / "PAYLOAD-RAN"
+    planted = TORCH_DIST_PLANTS[plant](root, marker, plant.endswith("rewritten-checksum"))
+    codes = _run_everything(capsys, root, marker, tp, planted, tmp_path / "out")
+    if plant in ("metadata", "extra_state-stale-checksum", "extra_state-rewritten-checksum"):
+        _loads_refused(codes, planted)
+    if plant == "metadata":  # nothing reads a torch_dist checkpoint without its metadata
+        for name, (code, out, err) in codes.items():
+            # verify lists the damage (exit 1); every other command refuses the file (exit 2)
+            assert code == (1 if name == "verify" else 2), (name, out, err)
+            assert "refusing to unpickle posix.mkdir" in out + err, (name, out, err)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_legacy_payload_never_runs(capsys, tmp_path, clean, tp):
+    root = shutil.copytree(clean[f"legacy{tp}"], tmp_path / "ckpt")
+    marker = tmp_path / "PAYLOAD-RAN"
+    planted = _plant_legacy(root, marker, False)
+    codes = _run_everything(capsys, root, marker, tp, planted, tmp_path / "out")
+    for name, (code, out, err) in codes.items():
+        # verify lists the damage (exit 1); every other command refuses the file (exit 2)
+        assert code == (1 if name == "verify" else 2), (name, out, err)
+        assert "model_optim_rng.pt" in out + err and "posix.mkdir" in out + err, (name, out, err)
