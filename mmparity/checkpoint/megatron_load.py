@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from mmparity import runtime
+from mmparity import errors, runtime
 from mmparity.cases.megatron import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio import CheckpointError
@@ -156,6 +156,8 @@ def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
         return RankLoad(rank, False, str(exc), refused=True)
     except (models.StrictLoadError, CheckpointError) as exc:
         return RankLoad(rank, False, str(exc))
+    except Exception as exc:  # from inside Megatron's class or torch: the cause, on one line
+        return RankLoad(rank, False, errors.one_line(exc))
     return RankLoad(rank, True)
 
 
