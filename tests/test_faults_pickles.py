@@ -196,3 +196,28 @@ def test_legacy_payload_never_runs(capsys, tmp_path, clean, tp):
         # verify lists the damage (exit 1); every other command refuses the file (exit 2)
         assert code == (1 if name == "verify" else 2), (name, out, err)
         assert "model_optim_rng.pt" in out + err and "posix.mkdir" in out + err, (name, out, err)
+
+
+def test_megatrons_saved_plans_are_read(capsys, tmp_path, clean):
+    """megatron-core's saver keeps every rank's SavePlan in `.metadata` (`all_local_plans`): plain
+    dataclasses, accepted; the checkpoint still converts bit-exact."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    root = shutil.copytree(clean["torch_dist"], tmp_path / "ckpt")
+    iteration = _iteration_dir(root)
+    metadata = torch_dist_files.load_metadata(iteration)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"w": torch.zeros(2, 3), "obj": io.BytesIO(b"x")}, is_coordinator=True)
+    plan = planner.create_local_plan()
+    plan = type(plan)(plan.items, storage_data=_StoragePrefix("__0_"), planner_data=plan.planner_data)
+    metadata.all_local_plans = [plan, plan]
+    (iteration / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert torch_dist_files.load_metadata(iteration).all_local_plans[0].items == plan.items
+    code, out, err = run_cli(capsys, "convert", "--src", root, "--dst", tmp_path / "hf", "--to", "hf", "--quiet")
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    back, original = load_file(next((tmp_path / "hf").glob("*.safetensors"))), load_file(
+        next(clean["hf"].glob("*.safetensors")))
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
