@@ -32,8 +32,8 @@ from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
+from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, _check_shapes, _validate_tp, open_source
 from mmparity.checkpoint.unpickle import RefusedPickle
-from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, load_family_config
 from mmparity.upstream import models
 
 
@@ -72,15 +72,6 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def _family_config(root: Path, family: str):
-    """The family config Megatron's class is built from: read, and bounded by the weights present,
-    exactly as `convert` reads it."""
-    try:
-        return load_family_config(root / HF_CONFIG_FILE, family, root)[0]
-    except ConvertError as exc:
-        raise CheckpointError(str(exc)) from None
-
-
 @dataclasses.dataclass(frozen=True)
 class LoadJob:
     root: str
@@ -90,6 +81,12 @@ class LoadJob:
     tp: int = 1
     pp: int = 1
     layer_counts: Optional[tuple] = None  # the pipelined stack's split, as the manifest records it
+    divisible_by: Optional[int] = None  # the vocabulary divisor the checkpoint was padded with
+
+    @property
+    def build_options(self) -> dict:
+        """What Megatron's class is built with beyond its config, as the checkpoint records it."""
+        return {"divisible_by": self.divisible_by} if self.divisible_by is not None else {}
 
     @property
     def world_size(self) -> int:
@@ -121,7 +118,7 @@ def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
     rank's pipeline stage of it), loaded strictly from the checkpoint (this rank's file, or DCP
     against the class's own sharded state dict). Raises
     :class:`~mmparity.upstream.models.StrictLoadError` or :class:`CheckpointError`."""
-    model = models.build(job.upstream, job.cfg)
+    model = models.build(job.upstream, job.cfg, **job.build_options)
     if job.layout == LAYOUT_LEGACY:
         state = open_legacy(job.root).load_rank(rank % job.tp, rank // job.tp)
     else:
@@ -209,9 +206,20 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
     if pp != 1 and not mclass.pipelined:
         raise CheckpointError(f"{root}: PP {pp}: Megatron's {name} is not built in pipeline stages (only "
                               "LLaVAModel's language model is); convert with --pp 1")
+    tp = tp or manifest.tensor_parallel_size
+    try:
+        # Opened and checked exactly as convert opens and checks a source, before anything is built
+        # or spawned: the config bounded by the weights, the recorded TP, PP, layer split and
+        # vocabulary divisor by what is present, every stored shape against the config. Missing and
+        # foreign tensors are left to the strict load, which names them per rank.
+        source = open_source(root, family, complete=False)
+        _check_shapes(source)
+        _validate_tp(source.rules, tp)
+    except ConvertError as exc:
+        raise CheckpointError(str(exc)) from None
     models.require(mclass.upstream)
-    job = LoadJob(str(root), manifest.layout, mclass.upstream, _family_config(root, family),
-                  tp=tp or manifest.tensor_parallel_size, pp=pp, layer_counts=manifest.pipeline_layer_counts)
+    job = LoadJob(str(root), manifest.layout, mclass.upstream, source.cfg, tp=tp, pp=pp,
+                  layer_counts=manifest.pipeline_layer_counts, divisible_by=source.vocab_multiple)
     return job, family, name, job.world_size
 
 

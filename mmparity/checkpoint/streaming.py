@@ -418,9 +418,17 @@ def _manifest_family(manifest: Manifest | None, family: str | None, where: Path)
 class _McoreSource(_Source):
     """Shared by the two mcore formats: family, config and HF provenance from the root."""
 
+    # The divisor the manifest records (None: none recorded, Megatron-LM's default is assumed).
+    recorded_divisor: int | None = None
+
     def _init_common(self, root: Path, manifest: Manifest | None, family: str | None,
-                     filt: _TensorFilter) -> None:
+                     filt: _TensorFilter, complete: bool = True) -> None:
+        """``complete=False`` (``verify --load``): tensors missing or foreign to the family are left
+        for the strict load to name, and the side file (which Megatron's class never reads) is
+        checked only where present; the shapes of the tensors present, the records of the manifest
+        and the TP size are checked all the same."""
         self.root, self.manifest, self._filter = root, manifest, filt
+        self.complete = complete
         self.family = _manifest_family(manifest, family, root)
         self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root)
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
@@ -430,11 +438,13 @@ class _McoreSource(_Source):
         self.prefix = str(extra.get("hf_prefix") or "")
         multiple = extra.get("make_vocab_size_divisible_by")
         if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 0:
-            self.vocab_multiple = multiple
+            self.vocab_multiple = self.recorded_divisor = multiple
         self.rules = _rule_set(self.family, self.cfg, self.hf_format)
         self.kinds = _kinds(self.rules)
         self.order = _mcore_order(self.rules)
-        self.side = _read_side_file(root, manifest, R.side_keys(self.rules))
+        side_keys = R.side_keys(self.rules)
+        self.side = (_read_side_file(root, manifest, side_keys)
+                     if complete or (root / SIDE_FILE).is_file() else {})
         self._repad: dict[str, PadRows] = {}  # mcore key -> the padding it is served with
 
     def repad_vocab(self, tp: int, multiple: int) -> None:
@@ -476,7 +486,37 @@ class _McoreSource(_Source):
     def _side_tensor(self, key: str) -> torch.Tensor:
         return self._filter(key, self.side[key], self.root)
 
+    def _check_recorded_parallelism(self, stored_tp: int | None, stored_pp: int | None) -> None:
+        """The TP and PP sizes and the layer split the manifest records, bounded by what is present
+        before anything is built or spawned from them: a legacy checkpoint's must be its rank
+        directories' (``stored_tp`` x ``stored_pp``); torch_dist's (global tensors) must fit the
+        model as a ``--tp`` / ``--pp`` would; the layer counts must split the config's layers."""
+        manifest = self.manifest
+        if manifest is None:
+            return
+        where = self.root / MANIFEST_FILE
+        tp, pp, counts = (manifest.tensor_parallel_size, manifest.pipeline_parallel_size,
+                          manifest.pipeline_layer_counts)
+        if stored_tp is not None and (tp, pp) != (stored_tp, stored_pp):
+            raise ConvertError(f"{where}: records TP {tp} and PP {pp}, but the checkpoint holds {stored_tp} TP "
+                               f"rank(s) x {stored_pp} pipeline stage(s) of rank directories; the manifest "
+                               "is not this checkpoint's (re-create it with mmparity convert)")
+        problems = (list(self.rules.validate_tp(tp)) if stored_tp is None and self.rules.validate_tp and tp > 1
+                    else [])
+        if problems:  # (a legacy checkpoint's own TP is checked against the model when merged)
+            raise ConvertError(_problems_line(f"{where}: the recorded TP {tp} does not fit this model", problems))
+        layout = pp_mod.pipeline_layout(self.order)
+        if pp > 1 and pp > layout.num_layers:
+            raise ConvertError(f"{where}: records PP {pp}, more pipeline stages than the {layout.num_layers} "
+                               f"layers of {layout.layer_prefix} its HF config describes")
+        if counts is not None and (len(counts) != pp or sum(counts) != layout.num_layers):
+            raise ConvertError(f"{where}: the recorded pipeline layer counts {list(counts)} do not split the "
+                               f"{layout.num_layers} layers of {layout.layer_prefix} its HF config describes "
+                               f"into its {pp} stage(s)")
+
     def _check_keys(self, present: Iterable[str], what: str) -> None:
+        if not self.complete:
+            return
         present = set(present)
         expected = set(self.order)
         problems = [f"missing mcore tensor {k}" for k in self.order if k not in present]
@@ -489,10 +529,11 @@ class _McoreSource(_Source):
 class _LegacySource(_McoreSource):
     layout = LAYOUT_LEGACY
 
-    def __init__(self, path: Path, family: str | None, filt: _TensorFilter):
+    def __init__(self, path: Path, family: str | None, filt: _TensorFilter, complete: bool = True):
         self.path = path
         ckpt = open_legacy(path)
-        self._init_common(ckpt.root, ckpt.manifest, family, filt)
+        self._init_common(ckpt.root, ckpt.manifest, family, filt, complete)
+        self._check_recorded_parallelism(ckpt.tp_size, ckpt.pp_size)
         self.file_ranges = FileRanges()
         self.tp = ckpt.tp_size
         extra = dict(ckpt.manifest.provenance.extra or {}) if ckpt.manifest else {}
@@ -515,6 +556,8 @@ class _LegacySource(_McoreSource):
         self.metas = {}
         for key in self.order:
             shapes = []
+            if not complete and not all(key in state for state in self.ranks):
+                continue  # the strict load names it
             for rank, state in enumerate(self.ranks):
                 if key not in state:
                     problems.append(f"missing mcore tensor {key} on TP rank {rank}")
@@ -569,11 +612,12 @@ def _merged_shape(shape: tuple, kind: str, tp: int) -> tuple:
 class _TorchDistSource(_McoreSource):
     layout = LAYOUT_TORCH_DIST
 
-    def __init__(self, path: Path, family: str | None, filt: _TensorFilter):
+    def __init__(self, path: Path, family: str | None, filt: _TensorFilter, complete: bool = True):
         self.path = path
         root, iteration_dir, _ = resolve_iteration_dir(path)
         manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
-        self._init_common(root, manifest, family, filt)
+        self._init_common(root, manifest, family, filt, complete)
+        self._check_recorded_parallelism(None, None)
         self.files = TorchDistFiles(iteration_dir)
         # TE-spelled local key -> (checkpoint key, layer index in a stacked tensor or None, Meta)
         self.index: dict[str, tuple] = {}
@@ -592,7 +636,7 @@ class _TorchDistSource(_McoreSource):
                     self.index[local] = (ckpt_key, None, Meta(dtype, tuple(shape)))
         self._check_keys(self.index, "torch_dist")
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
-        self.metas = {key: filt.meta(self.index[key][2]) for key in self.order} | self._side_metas()
+        self.metas = {key: filt.meta(self.index[key][2]) for key in self.order if key in self.index} | self._side_metas()
 
     def _stored_tensor(self, key: str) -> torch.Tensor:
         if key in self.side:
@@ -634,9 +678,11 @@ def _source_kind(path: Path) -> str:
 
 def open_source(path, family: str | None = None, hf_format: str | None = None, *,
                 dtype: torch.dtype | None = None, check_finite: bool = False, tp: int = 1,
-                vocab_multiple: int = R.VOCAB_MULTIPLE) -> _Source:
+                vocab_multiple: int = R.VOCAB_MULTIPLE, complete: bool = True) -> _Source:
     """Opens and fully validates a source checkpoint (HF, legacy or torch_dist); reads no weights.
-    An HF source is planned for ``tp`` ranks with vocabularies padded to ``vocab_multiple × tp``."""
+    An HF source is planned for ``tp`` ranks with vocabularies padded to ``vocab_multiple × tp``.
+    ``complete=False`` opens an mcore checkpoint that may lack tensors or hold foreign ones (see
+    ``_McoreSource._init_common``)."""
     path = Path(path)
     kind = _source_kind(path)
     filt = _TensorFilter(dtype, check_finite)
@@ -646,8 +692,8 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
         families.get(family)
         return _HFSource(path, family, hf_format, filt, tp, vocab_multiple)
     if kind == "legacy":
-        return _LegacySource(path, family, filt)
-    return _TorchDistSource(path, family, filt)
+        return _LegacySource(path, family, filt, complete)
+    return _TorchDistSource(path, family, filt, complete)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -672,7 +718,40 @@ def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = 
     return {key: tuple(t.shape) for key, t in outputs.items()}
 
 
+def _check_recorded_divisor(source: _Source) -> None:
+    """The vocabulary divisor an mcore checkpoint's manifest records must be the one its stored
+    tables were padded with: each padded table (at least the real vocabulary; a shorter one is a
+    shape mismatch) holds exactly the rows the divisor implies at the TP size it was stored for
+    (legacy: its own; torch_dist: global tensors, padded as for TP 1, or for the TP it records).
+    So the padding stays below divisor x TP rows of what is present, and nothing sized by the
+    divisor (a re-padded table, Megatron's class) can outgrow the checkpoint."""
+    divisor = getattr(source, "recorded_divisor", None)
+    if divisor is None:
+        return
+    if source.layout == LAYOUT_LEGACY:
+        tps = {source.tp}
+    else:
+        tps = {1, source.manifest.tensor_parallel_size if source.manifest is not None else 1}
+    for key, padding in _padded_tables(source.rules).items():
+        meta = source.metas.get(key)
+        if meta is None or not meta.shape or meta.shape[0] < padding.rows:
+            continue  # absent (the key check names it) or too short (the shape check does)
+        implied = {tp: padding.at_tp(tp, divisor).padded for tp in sorted(tps)}
+        if meta.shape[0] not in implied.values():
+            tp, rows = min(implied.items())
+            raise ConvertError(f"{source.root / MANIFEST_FILE}: the recorded vocabulary divisor {divisor} is not "
+                               f"plausible: it pads {padding.rows} rows to {rows}"
+                               f"{f' at TP {tp}' if tp > 1 else ''} (stored: {meta.shape[0]}) in {key}; "
+                               "its make_vocab_size_divisible_by is not the one this checkpoint was padded "
+                               "with (re-create it with mmparity convert)")
+
+
 def _check_shapes(source: _Source) -> None:
+    """Every tensor of ``source`` against the shapes its HF config implies (and an mcore source's
+    recorded vocabulary divisor against its tables), before any tensor is read or anything is
+    built from the config: ``convert``, ``check --mcore`` and ``verify --load`` all call this, on
+    the source as stored (an mcore source before ``repad_vocab``)."""
+    _check_recorded_divisor(source)
     expected = _expected_mcore_shapes(source.family, source.cfg, source.vocab_tp, source.vocab_multiple)
     if expected is None:
         return
@@ -985,10 +1064,10 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         vocab_tp = options.tp if options.to == "mcore" and options.format == "legacy" else 1
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
                              tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE)
+        _check_shapes(source)  # as stored, before the tables are re-padded from what it records
         if isinstance(source, _McoreSource) and options.to == "mcore":
             # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
             source.repad_vocab(vocab_tp, options.make_vocab_size_divisible_by or source.vocab_multiple)
-        _check_shapes(source)
         if options.to == "hf":
             count, nbytes = _write_hf(source, options, progress)
             layout, tp, pp = LAYOUT_HF, 1, 1
@@ -1024,6 +1103,7 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
         if kind == "hf":
             raise ConvertError(f"{path}: an HF directory, not an mcore checkpoint")
         source = (_LegacySource if kind == "legacy" else _TorchDistSource)(path, family, _TensorFilter(None, False))
+        _check_shapes(source)  # exactly as convert checks it, before any tensor is read
         aside = R.side_keys(source.rules)
         if kind == "legacy" and (tp is None or tp == source.tp):
             sink = R.MemorySink(source.tp)

@@ -168,7 +168,14 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
         raise UsageError(f"--mcore {args.mcore}: needs --hf DIR, the HF checkpoint to compare against"
                          + (f" (its recorded source {hf_dir} is gone)" if hf_dir else ""))
     # Owned copies: rank shards may be memory-mapped files, and spawned ranks receive them pickled.
-    return family, hf_dir, [{k: v.clone() for k, v in shard.items()} for shard in shards], pp, counts
+    # The side tensors the native model has modules for (CLIP's ln_post) come with them.
+    from mmparity.converters.rules import McoreShards
+
+    def owned(state: dict) -> dict:
+        return {k: v.clone() for k, v in state.items()}
+
+    copies = McoreShards([owned(s) for s in shards], [owned(s) for s in shards.side], shards.unused)
+    return family, hf_dir, copies, pp, counts
 
 
 def run(args) -> int:

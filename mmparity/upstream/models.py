@@ -28,6 +28,7 @@ the real ones when Transformer Engine is importable, else the stand-ins of
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -387,14 +388,19 @@ BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_s
             "kimi_k25": build_kimi_k25, "llava": build_llava}
 
 
-def build(family: str, cfg, params_dtype=torch.float32, **options):
+def build(family: str, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None, **options):
     """Megatron's class for ``family`` from its HF config, in eval mode, at the current TP size
-    (TP 1 is initialised when no parallel state exists)."""
+    (TP 1 is initialised when no parallel state exists). ``divisible_by``: Megatron-LM's
+    ``--make-vocab-size-divisible-by`` for a class with a vocabulary (LLaVA's), ignored by the
+    others (None: Megatron-LM's default)."""
     if family not in BUILDERS:
         raise KeyError(f"no Megatron class for family {family!r}; known: {', '.join(BUILDERS)}")
     if runtime.current_layout() is None:
         runtime.init_parallel(1, 1)
-    return BUILDERS[family](cfg, params_dtype, **options)
+    builder = BUILDERS[family]
+    if divisible_by is not None and "divisible_by" in inspect.signature(builder).parameters:
+        options["divisible_by"] = divisible_by
+    return builder(cfg, params_dtype, **options)
 
 
 # --- forward on the native check's inputs ---------------------------------------------------------
