@@ -68,6 +68,13 @@ __all__ = [
     "recover_destination",
     "remove_created_directories",
     "require_regular_file",
+    "refuse_links_outside",
+    "links_outside",
+    "link_outside",
+    "sources_unchanged",
+    "changed_sources",
+    "check_sources_unchanged",
+    "refuse_link_destination",
     "is_plain_relative_path",
     "check_source_dtypes",
     "SOURCE_DTYPE_POLICY",
@@ -152,6 +159,86 @@ def require_regular_file(path: str | os.PathLike, what: str = "file") -> os.stat
         raise CheckpointError(f"{path}: not a regular file (a {_file_kind(status.st_mode)}); a checkpoint's "
                               f"{what} must be a plain file")
     return status
+
+
+# Links. A symbolic link inside a checkpoint is followed only where its target stays inside the
+# checkpoint directory (a deduplicating layout linking within itself), or where the checkpoint is a
+# Hugging Face hub cache snapshot (`<repo>/snapshots/<rev>/`), whose every file links to
+# `<repo>/blobs/<hash>`. A link anywhere else is refused by name: the checkpoint would certify, and
+# `convert` would publish, bytes that live in a file the checkpoint does not hold (and that can
+# change, or vanish, under it). A hard link (st_nlink > 1) is accepted: its bytes are the file's own,
+# read from the inode the checkpoint names exactly as a copy's would be, indistinguishable by path
+# from a copy deduplicated by `cp --link` / `rsync --link-dest`, and certified by the manifest's
+# checksums (`verify` re-reads them); mmparity never opens a source for writing and writes outputs
+# only into files it creates, so nothing is written through the other name either.
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def link_outside(path: str | os.PathLike, root: str | os.PathLike) -> str | None:
+    """The resolved target of symlink `path` if it lies outside checkpoint directory `root` (and is
+    not a hub cache snapshot's blob), else None. `path` need not be a link."""
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    real_root = os.path.realpath(root)
+    if _inside(target, real_root):
+        return None
+    snapshots = os.path.dirname(real_root)
+    if os.path.basename(snapshots) == "snapshots":
+        blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+        if os.path.dirname(target) == blobs:
+            return None  # huggingface_hub's cache layout: snapshots/<rev>/<file> -> ../../blobs/<hash>
+    return target
+
+
+def links_outside(root: str | os.PathLike, directories: Iterable[str | os.PathLike] = (), *,
+                  recursive: bool = False, root_names: Iterable[str] | None = None) -> list[tuple[Path, str]]:
+    """(link, target) for every symlink directly in `root` (only those named `root_names`, if
+    given) or in `directories` (and below them with `recursive`; links to directories are not
+    descended) whose target leaves `root`."""
+    found = []
+
+    def note(path) -> None:
+        target = link_outside(path, root)
+        if target is not None:
+            found.append((Path(path), target))
+
+    if root_names is not None:
+        for name in root_names:
+            note(os.path.join(root, name))
+        scanned = [(str(d), recursive) for d in directories]
+    else:
+        scanned = [(str(root), False)] + [(str(d), recursive) for d in directories]
+    for directory, deep in scanned:
+        if os.path.islink(directory):
+            note(directory)
+            continue
+        walk = os.walk(directory) if deep else [(directory, [], None)]
+        for current, subdirectories, _files in walk:
+            subdirectories.sort()
+            try:
+                entries = sorted(os.scandir(current), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    note(entry.path)
+    return found
+
+
+def refuse_links_outside(root: str | os.PathLike, directories: Iterable[str | os.PathLike] = (), *,
+                         recursive: bool = False, root_names: Iterable[str] | None = None) -> None:
+    """Raises `CheckpointError` naming the first symlink of :func:`links_outside`."""
+    found = links_outside(root, directories, recursive=recursive, root_names=root_names)
+    if found:
+        link, target = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise CheckpointError(f"{link}: a symbolic link to {target}, outside the checkpoint {root}{more}; "
+                              "mmparity reads only files inside a checkpoint: copy the file in (or link it "
+                              "within the checkpoint)")
 
 
 def _file_kind(mode: int) -> str:
@@ -521,6 +608,9 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.directory}: checkpoint directory does not exist")
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory")
+        # What is read from an HF directory (config, index, shards) sits in it: none may link out.
+        refuse_links_outside(self.directory, root_names=sorted(
+            n for n in os.listdir(self.directory) if n in ("config.json", SAFETENSORS_INDEX_FILE) or n.endswith(".safetensors")))
         self._handles: dict[str, object] = {}
         self._mappings: dict[str, tuple] = {}
         self.file_ranges = FileRanges()  # where `map`'s tensors live in the files
@@ -1014,6 +1104,25 @@ def recover_destination(destination: str | os.PathLike) -> list[str]:
     return notes
 
 
+def refuse_link_destination(destination: str | os.PathLike) -> None:
+    """A destination that is a symbolic link (to a directory, to nothing, to the source) is refused,
+    with or without force: publishing renames a new directory onto the name, so it would replace
+    the link and not write where it points, and removing an old checkpoint must never follow a link
+    into someone else's files. The user names the target itself, or another path."""
+    if os.path.islink(destination):
+        try:
+            target = os.readlink(destination)
+        except OSError:
+            target = "?"
+        raise CheckpointError(f"{destination}: is a symbolic link (to {target}); mmparity neither writes through "
+                              "a link nor replaces one: name the directory it points to, or a path that is not a link")
+
+
+def _unwritable(directory: Path, destination: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"{directory}: cannot create {destination.name if directory == destination.parent else 'directories'} "
+                           f"there ({exc.strerror or exc}); choose a destination in a directory you can write to")
+
+
 def make_staging_directory(destination: str | os.PathLike, *, force: bool = False) -> tuple[Path, list[Path]]:
     """Checks `destination` may be written and creates an empty, locked sibling staging directory.
 
@@ -1022,6 +1131,7 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
     staging directory on one rank and share its name.
     """
     destination = Path(destination).absolute()
+    refuse_link_destination(destination)
     recover_destination(destination)
     if os.path.lexists(destination) and not force:
         raise CheckpointError(f"{destination}: already exists; pass force=True to replace it")
@@ -1032,10 +1142,17 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
         missing.append(parent)
         parent = parent.parent
     for directory in reversed(missing):
-        directory.mkdir()
+        try:
+            directory.mkdir()
+        except OSError as exc:
+            remove_created_directories(created)
+            raise _unwritable(directory.parent, destination, exc) from None
         created.append(directory)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{_owner()}-", dir=destination.parent))
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{_owner()}-", dir=destination.parent))
+        except OSError as exc:
+            raise _unwritable(destination.parent, destination, exc) from None
         fd = _lock(staging)
         if fd is not None:
             _STAGING_LOCKS[str(staging)] = fd
@@ -1085,6 +1202,7 @@ def publish_staging_directory(staging: Path, destination: str | os.PathLike, *, 
     destination = Path(destination).absolute()
     fsync_tree(staging)
     fault_point("synced")
+    check_sources_unchanged()  # the last moment before the new checkpoint takes the name
     if not os.path.lexists(destination):
         os.replace(staging, destination)
         fault_point("published")
@@ -1122,6 +1240,77 @@ def publish_staging_directory(staging: Path, destination: str | os.PathLike, *, 
             os.close(fd)
         if not os.path.lexists(displaced / "old"):
             shutil.rmtree(displaced, ignore_errors=True)
+
+
+# A conversion publishes only what it read from one state of its source: `sources_unchanged(paths)`
+# records (inode, size, mtime) of every file under the source while a conversion runs, and
+# `publish_staging_directory` re-checks them before the rename. A file rewritten in place, truncated
+# or replaced by another under the converter is refused by name (the bytes read may mix two versions
+# of it, and a checksum of them certifies neither); nothing is published.
+
+_WATCHED_SOURCES: list[dict[str, tuple]] = []
+
+
+def _signature(path: str) -> tuple | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _source_files(paths: Iterable[str | os.PathLike]) -> dict[str, tuple]:
+    files: dict[str, tuple] = {}
+    for path in paths:
+        path = os.fspath(path)
+        walk = os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]
+        for current, _directories, names in walk:
+            for name in names:
+                full = os.path.join(current, name)
+                if os.path.isfile(full):
+                    files[full] = _signature(full)
+    return files
+
+
+def changed_sources() -> list[tuple[str, str]]:
+    """(path, how) for every watched source file that is not as it was when the watch began."""
+    found = []
+    for files in _WATCHED_SOURCES:
+        for path, before in files.items():
+            now = _signature(path)
+            if now == before:
+                continue
+            if now is None:
+                how = "removed"
+            elif now[:2] != before[:2]:
+                how = "replaced by another file"
+            elif now[2] != before[2]:
+                how = f"resized from {before[2]} to {now[2]} bytes"
+            else:
+                how = "rewritten in place"
+            found.append((path, how))
+    return found
+
+
+def check_sources_unchanged() -> None:
+    changed = changed_sources()
+    if changed:
+        path, how = changed[0]
+        more = f" (and {len(changed) - 1} more file(s))" if len(changed) > 1 else ""
+        raise CheckpointError(f"{path}: changed while the conversion read it ({how}){more}; nothing was "
+                              "published: convert again once the source is no longer being written")
+
+
+@contextlib.contextmanager
+def sources_unchanged(paths: Iterable[str | os.PathLike]) -> Iterator[None]:
+    """Watches every file under `paths` (stat only, no reads) while the block runs; any publish in
+    the block first checks that none changed (see above)."""
+    files = _source_files(paths)
+    _WATCHED_SOURCES.append(files)
+    try:
+        yield
+    finally:
+        _WATCHED_SOURCES.remove(files)
 
 
 @contextlib.contextmanager
@@ -1270,6 +1459,13 @@ _COPY_UNSUPPORTED = frozenset({errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errn
 _COPY_CHUNK = 8 * 2**20
 
 
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"source file (descriptor {fd})"
+
+
 def copy_file_range_all(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
     """`count` bytes from one file to another inside the kernel (page cache to page cache), or by
     `pread`/`pwrite` where the kernel cannot copy between the two (e.g. across filesystems)."""
@@ -1282,8 +1478,8 @@ def copy_file_range_all(src_fd: int, src_offset: int, dst_fd: int, dst_offset: i
             _copy_through_user_space(src_fd, src_offset, dst_fd, dst_offset, count)
             return
         if copied <= 0:
-            raise CheckpointError(f"copy_file_range stopped with {count} bytes left (source file shorter "
-                                  "than its header says?)")
+            raise CheckpointError(f"{_fd_path(src_fd)}: copy_file_range stopped with {count} bytes left (the source "
+                                  "file is shorter than its header says, or was truncated while read)")
         src_offset, dst_offset, count = src_offset + copied, dst_offset + copied, count - copied
 
 
@@ -1291,7 +1487,8 @@ def _copy_through_user_space(src_fd: int, src_offset: int, dst_fd: int, dst_offs
     while count:
         data = os.pread(src_fd, min(count, _COPY_CHUNK), src_offset)
         if not data:
-            raise CheckpointError(f"source file ended with {count} bytes left to copy (shorter than its header says?)")
+            raise CheckpointError(f"{_fd_path(src_fd)}: source file ended with {count} bytes left to copy (shorter "
+                                  "than its header says, or truncated while read)")
         pwrite_all(dst_fd, data, dst_offset)
         src_offset, dst_offset, count = src_offset + len(data), dst_offset + len(data), count - len(data)
 

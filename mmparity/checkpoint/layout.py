@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from mmparity.checkpoint.fsio import CheckpointError, require_regular_file
+from mmparity.checkpoint.fsio import CheckpointError, refuse_links_outside, require_regular_file
 
 __all__ = [
     "TRACKER_FILE",
@@ -97,7 +97,11 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | str | None =
     own_name = _ITERATION_DIR.match(path.name)
     if iteration is None and (own_name or path.name == RELEASE) and not (path / TRACKER_FILE).exists():
         found = int(own_name.group(1)) if own_name else RELEASE
+        # The root's files (hf_config.json, mmparity.json, the side file) and the iteration's, all
+        # inside the root: a link out of it is refused by name (fsio.refuse_links_outside).
+        _refuse_links(path.parent, path)
         return path.parent, path, found
+    _refuse_links(path, None)  # before the tracker is read
     if iteration is None:
         if not (path / TRACKER_FILE).exists():
             iterations = sorted(p.name for p in path.iterdir() if _ITERATION_DIR.match(p.name) or p.name == RELEASE)
@@ -107,7 +111,19 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | str | None =
     iteration_dir = path / iteration_dirname(iteration)
     if not iteration_dir.is_dir():
         raise CheckpointError(f"{iteration_dir}: iteration directory does not exist")
+    _refuse_links(path, iteration_dir)
     return path, iteration_dir, iteration
+
+
+# The files of a root a checkpoint is read with (beside its iteration directories).
+_ROOT_FILES = (TRACKER_FILE, "hf_config.json", "mmparity.json", "mcore_side.safetensors")
+
+
+def _refuse_links(root: Path, iteration_dir: Path | None) -> None:
+    """Refuses, by name, a symbolic link leaving `root` among the root files a checkpoint is read
+    with and anywhere in its iteration directory (see `fsio.refuse_links_outside` for the policy)."""
+    refuse_links_outside(root, [] if iteration_dir is None else [iteration_dir], recursive=True,
+                         root_names=_ROOT_FILES)
 
 
 def checkpoint_extent(path: str | os.PathLike) -> Path:

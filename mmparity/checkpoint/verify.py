@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from mmparity.checkpoint import extra_state, torch_dist_files
-from mmparity.checkpoint.fsio import CheckpointError, require_regular_file, tensor_checksum
+from mmparity.checkpoint.fsio import (CheckpointError, link_outside, links_outside, require_regular_file,
+                                      tensor_checksum)
 from mmparity.checkpoint.legacy import load_rank_file
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE,
                                           TensorRecord, read_manifest)
@@ -181,6 +182,14 @@ def _data_units(root: Path) -> set[str]:
     return units
 
 
+def refuse_manifest_link(root: Path) -> None:
+    """The manifest is what certifies the directory: one linked from outside is no usable manifest."""
+    target = link_outside(root / MANIFEST_FILE, root)
+    if target is not None:
+        raise CheckpointError(f"{root / MANIFEST_FILE}: a symbolic link to {target}, outside the checkpoint; "
+                              "a manifest must be the directory's own file: copy it in")
+
+
 def verify(directory: str | os.PathLike) -> VerifyReport:
     """Re-reads every tensor named in `mmparity.json` and lists every way it differs.
 
@@ -188,14 +197,24 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
     (missing files, unreadable files, changed bytes, extra tensors) is reported, not raised.
     """
     root = Path(directory)
+    refuse_manifest_link(root)
     manifest = read_manifest(root)
     report = VerifyReport(root, manifest.layout)
+    # A symbolic link leaving the directory is damage: what it points to is no part of what the
+    # manifest certifies (fsio.refuse_links_outside has the policy). Listed, and not read.
+    escaping = links_outside(root, [root], recursive=True, root_names=())
+    for link, target in escaping:
+        report.problems.append(Problem(link.relative_to(root).as_posix(), None,
+                                       f"a symbolic link to {target}, outside the checkpoint; not read"))
+    escaped = [link.relative_to(root).as_posix() for link, _ in escaping]
     by_file: dict[str, list[TensorRecord]] = defaultdict(list)
     for record in manifest.tensors:
         by_file[record.file].append(record)
     present = {}
     for file_name, records in sorted(by_file.items()):
         path = root / file_name
+        if any(file_name == e or file_name.startswith(e + "/") or e.startswith(file_name + "/") for e in escaped):
+            continue  # already reported
         if not os.path.lexists(path):
             report.problems.append(Problem(file_name, None, f"missing; {len(records)} record(s) not checked"))
             continue

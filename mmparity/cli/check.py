@@ -62,12 +62,17 @@ def _resolve_families(requested: list[str]) -> list[str]:
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout) from an HF directory."""
     from mmparity import families
-    from mmparity.checkpoint.fsio import CheckpointError, check_source_dtypes, open_safetensors_checkpoint
+    from mmparity.checkpoint.fsio import (CheckpointError, check_source_dtypes, open_safetensors_checkpoint,
+                                          refuse_links_outside)
     from mmparity.checkpoint.hf import bound_config
     from mmparity.converters.rules import ConversionError
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
+    try:
+        refuse_links_outside(directory, root_names=("config.json",))  # before transformers reads it
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {exc}") from None
     if not os.path.isfile(os.path.join(directory, "config.json")):
         if os.path.isfile(os.path.join(directory, "params.json")):
             raise UsageError(f"--hf {directory}: a Mistral-native directory (params.json) needs an HF "
@@ -83,7 +88,7 @@ def _load_hf(directory: str, family: str, hf_format):
     try:
         cfg = fam.family_config(full_cfg)
     except ValueError as exc:
-        raise UsageError(f"--hf {directory}: {exc} (family {family!r})") from None
+        raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
     try:
         bound_config(cfg, os.path.join(directory, "config.json"), directory)
         with open_safetensors_checkpoint(directory) as ckpt:
@@ -106,8 +111,37 @@ def _load_hf(directory: str, family: str, hf_format):
         check_source_dtypes(directory, {k: v.dtype for k, v in tensors.items()})
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
+    import torch
+
+    # NaN/Inf weights make every metric NaN (or every output equal): no parity verdict means anything.
+    poisoned = {k: int(v.numel() - torch.isfinite(v).sum()) for k, v in tensors.items()
+                if v.is_floating_point() and not bool(torch.isfinite(v).all())}
+    if poisoned:
+        name = sorted(poisoned)[0]
+        raise UsageError(f"--hf {directory}: tensor {name} holds {poisoned[name]} NaN/Inf value(s)"
+                         + (f" ({len(poisoned) - 1} more tensor(s) too)" if len(poisoned) > 1 else "")
+                         + "; parity is undefined for non-finite weights (mmparity convert --check-finite "
+                           "finds them all)")
     _refuse_unbacked_parameters(family, cfg, tensors, directory)
     return cfg, tensors
+
+
+def _family_taking(full_cfg) -> str:
+    """Which registered families take this config, for a message about one that does not."""
+    from mmparity import families
+
+    takers = []
+    for name in families.names():
+        try:
+            families.get(name).family_config(full_cfg)
+        except Exception:  # any refusal: not this family's
+            continue
+        takers.append(name)
+    architectures = ", ".join(getattr(full_cfg, "architectures", None) or []) or "no architectures"
+    what = f"the config is {architectures} (model_type {getattr(full_cfg, 'model_type', None)!r})"
+    if not takers:
+        return f"{what}, which no registered family takes"
+    return f"{what}: check it as family {' or '.join(map(repr, takers))}"
 
 
 def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -96,7 +97,9 @@ def _human(nbytes: int) -> str:
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert
-    from mmparity.checkpoint.fsio import DEFAULT_MAX_SHARD_SIZE
+    from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE, CheckpointError, check_sources_unchanged,
+                                          refuse_link_destination, sources_unchanged)
+    from mmparity.checkpoint.layout import checkpoint_extent
 
     if args.to == "hf" and args.format is not None:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
@@ -107,12 +110,27 @@ def run(args) -> int:
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
+        try:
+            refuse_link_destination(options.dst)
+        except CheckpointError as exc:
+            raise UsageError(f"--dst {exc}") from None
     interactive = not args.quiet and sys.stderr.isatty()
     progress = _RichProgress() if interactive else _NoProgress()
+    # Every file of the source is watched (stat only) while it is read: a publish checks none changed.
+    watched = checkpoint_extent(options.src) if options.src.is_dir() else options.src
     try:
-        with progress:
-            result = convert(options, progress if interactive else None)
+        with sources_unchanged([watched]), progress:
+            try:
+                result = convert(options, progress if interactive else None)
+            except Exception:
+                # A source rewritten under the reader fails in many ways (bad header, short read,
+                # wrong bytes); the cause, if it is that, is what the user needs to hear.
+                check_sources_unchanged()
+                raise
     except ConvertError as exc:
+        raise UsageError(str(exc)) from None
+    except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:  # disk full, permissions: the staging directory is already gone
         where = f"{exc.filename}: " if exc.filename else ""

@@ -5,6 +5,41 @@ from __future__ import annotations
 from xml.sax.saxutils import escape, quoteattr
 
 
+def _xml_safe(text) -> str:
+    """`text` with every character XML 1.0 cannot hold at all (C0 controls but tab, newline and
+    carriage return; lone surrogates, which no encoding writes; U+FFFE, U+FFFF) as its Python
+    escape, `\\x07`, `\\udcff`: a name stays readable and the report parses. `<`, `&`, quotes and
+    `]]>` are left to quoteattr / escape."""
+    text = str(text)
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if code in (0x9, 0xA, 0xD) or 0x20 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD or code >= 0x10000:
+            out.append(ch)
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return "".join(out)
+
+
+def _attr(text) -> str:
+    return quoteattr(_xml_safe(text))
+
+
+def _console_text(text):
+    """A name as table text: rich markup in it is literal, terminal control characters and text no
+    encoding writes are shown escaped (a module name must not drive the terminal)."""
+    from rich.text import Text
+
+    text = str(text)
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F or 0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+        text = "".join(ch if not (ord(ch) < 0x20 or ord(ch) == 0x7F or 0xD800 <= ord(ch) <= 0xDFFF)
+                       else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+                       if ord(ch) < 0xD800 else f"\\u{ord(ch):04x}" for ch in text)
+    return Text(text)
+
+
 def _fmt(value) -> str:
     if value is None:
         return "-"
@@ -35,10 +70,12 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
         for r in report.results:
             div = r.first_divergence
             where = "-" if div is None else f"{div.module} ({_divergence_detail(div.metrics)})"
-            table.add_row(r.family, *((r.impl,) if with_impl else ()), r.check,
+            table.add_row(_console_text(r.family), *((_console_text(r.impl),) if with_impl else ()),
+                          _console_text(r.check),
                           "[green]pass[/]" if r.passed else "[red]FAIL[/]",
                           _fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
-                          _fmt(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")), where)
+                          _fmt(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")), _console_text(where))
+        table.title = _console_text(title)
         console.print(table)
     failed = report.failures()
     status = "passed" if report.passed else "FAILED"
@@ -58,14 +95,17 @@ def junit_xml(report, elapsed: float) -> str:
              f'<testsuite name="mmparity" tests="{len(report.results)}" failures="{len(failures)}" '
              f'time="{elapsed:.3f}">']
     for r in report.results:
-        name = quoteattr(r.check)
-        classname = "mmparity." + r.family + ("" if r.impl == "native" else "." + r.impl)
-        lines.append(f'  <testcase classname={quoteattr(classname)} name={name}>')
+        # Every name is the report's own text (a family, a check, a module, an error message):
+        # escaped for XML, with what XML cannot hold written as its escape (_xml_safe).
+        name = _attr(r.check)
+        classname = "mmparity." + str(r.family) + ("" if r.impl == "native" else "." + str(r.impl))
+        lines.append(f'  <testcase classname={_attr(classname)} name={name}>')
         if not r.passed:
             div = r.first_divergence
             where = div.module if div else r.check
             message = f"first divergence at {where}: {div.metrics if div and not r.metrics else r.metrics}"
-            lines.append(f"    <failure message={quoteattr(message)}>{escape(str(r.tolerance))}</failure>")
+            lines.append(f"    <failure message={_attr(message)}>{escape(_xml_safe(r.tolerance))}</failure>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")
-    return "\n".join(lines) + "\n"
+    # ASCII with character references: the file reads back the same whatever the locale's encoding.
+    return ("\n".join(lines) + "\n").encode("ascii", "xmlcharrefreplace").decode("ascii")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from mmparity.cli.common import EXIT_FAIL, EXIT_OK, UsageError
 
@@ -25,6 +26,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from mmparity.checkpoint import CheckpointError, read_manifest, verify
+    from mmparity.checkpoint.verify import refuse_manifest_link
 
     if args.megatron_class is not None and not args.load:
         raise UsageError("--megatron-class needs --load")
@@ -34,6 +36,7 @@ def run(args) -> int:
         if not os.path.isdir(directory):
             raise UsageError(f"{directory}: no such directory")
         try:
+            refuse_manifest_link(Path(directory))
             read_manifest(directory)
         except CheckpointError as exc:
             raise UsageError(str(exc)) from None
