@@ -149,6 +149,7 @@ def _commands(root: Path, out: Path, tp: int) -> dict[str, list]:
         "convert to hf": ["convert", "--src", root, "--dst", out / "hf", "--to", "hf", "--quiet"],
         "convert reshard": ["convert", "--src", root, "--dst", out / "reshard", "--to", "mcore", "--format",
                             "legacy", "--tp", str(3 - tp), "--quiet"],
+        "check --mcore": ["check", "--mcore", root, *at_tp, "--quiet", "--no-components"],
     }
 
 
