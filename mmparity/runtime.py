@@ -232,6 +232,19 @@ def timeout_s() -> float:
     return seconds
 
 
+def launch_failure(exc: BaseException) -> str | None:
+    """The one line to show for a failure of the ranks to meet or to keep together (a
+    :class:`LaunchError`, a :class:`SpawnError`, a collective that timed out or lost its peer);
+    None for anything else."""
+    if isinstance(exc, (LaunchError, SpawnError)):
+        return str(exc)
+    # gloo's errors are plain RuntimeErrors naming its source file; NCCL's and the stores' are DistErrors.
+    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc)):
+        return (f"a collective between the ranks failed: {one_line_cause(exc)} (another rank stopped or "
+                f"died; each collective waits {TIMEOUT_ENV} / --timeout seconds, {DEFAULT_TIMEOUT_S:g} by default)")
+    return None
+
+
 def _unset_hint(names: str = "RANK and WORLD_SIZE") -> str:
     return f"unset {names} to run as one process"
 

@@ -131,13 +131,11 @@ def _main(argv) -> int:
 
 
 def _launch_failure(exc: Exception) -> str | None:
-    """The one line for a launcher or spawned-rank failure (:mod:`mmparity.runtime`'s errors),
-    None for anything else. Only a command that imported the runtime can raise them, so it is not
-    imported (nor torch with it) just to ask."""
+    """The one line for ranks that did not meet or fell apart (:func:`mmparity.runtime.launch_failure`),
+    None for anything else. Only a command that imported the runtime can meet such a failure, so it
+    is not imported (nor torch with it) just to ask."""
     runtime = sys.modules.get("mmparity.runtime")
-    if runtime is not None and isinstance(exc, (runtime.LaunchError, runtime.SpawnError)):
-        return str(exc)
-    return None
+    return runtime.launch_failure(exc) if runtime is not None else None
 
 
 if __name__ == "__main__":
