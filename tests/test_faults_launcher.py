@@ -135,7 +135,7 @@ def test_a_timeout_option_that_is_no_duration_is_a_usage_error(capsys):
         main(["check", "clip", "--timeout", "0"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "--timeout" in err and len(err.strip().splitlines()) == 1
+    assert "--timeout" in err and "above 0" in err and len(err.strip().splitlines()) == 1
 
 
 # --------------------------------------------------------------------------------------------------
