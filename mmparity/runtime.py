@@ -3,7 +3,10 @@
 mcore's tensor-parallel layers read the global parallel state even at world size 1, so every
 native model is built inside :func:`parallel_context` (or after :func:`init_parallel`). A single
 process gets an in-memory store, so nothing listens on a port; under ``torchrun`` (RANK and
-WORLD_SIZE set) the launcher's rendezvous is used as is.
+WORLD_SIZE set) the ranks meet on a TCP store at MASTER_ADDR:MASTER_PORT (rank 0's, or the one
+torchrun's agent hosts). The launcher's variables are checked first (:func:`launch_env`), and every
+rendezvous and collective gives up after :func:`timeout_s` (``MMPARITY_TIMEOUT``, 60 s): a partial
+or inconsistent environment, or a rank that never comes, is a one-line :class:`LaunchError`.
 
 Pipeline parallelism: native models ask :func:`is_first_stage` / :func:`is_last_stage` which
 pre- and post-process modules to build, and :func:`pipeline_size` / :func:`stage_layer_counts`
@@ -18,7 +21,9 @@ import os
 import queue as queue_module
 import socket
 import threading
+import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
@@ -162,13 +167,222 @@ def stage_layer_counts() -> tuple[int, ...] | None:
     return _layout.layer_counts if pipeline_size() > 1 else None
 
 
-def _init_default_group(backend: str) -> None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+TIMEOUT_ENV = "MMPARITY_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60.0
+_timeout_override: float | None = None
+# Set in a process :func:`spawn` started: its launcher variables are ours, not the user's.
+_spawned_rank = False
+# Rendezvous made by this process so far: every rank makes the same sequence, so the count keeps
+# the arrival keys of one apart from those of an earlier one on a store that lives on.
+_rendezvous_round = 0
+# Variables a launcher sets that no process started by :func:`spawn` may inherit.
+_LAUNCHER_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+
+
+class LaunchError(Exception):
+    """The launcher's variables are partial or inconsistent, or the ranks they name did not all
+    meet within the timeout. One line for the user, naming the variable or the missing ranks."""
+
+
+class SpawnError(RuntimeError):
+    """Ranks started by :func:`spawn` failed; ``failures`` holds one line per rank, cause first."""
+
+    def __init__(self, failures: Sequence[str]):
+        self.failures = list(failures)
+        super().__init__("spawned ranks failed: " + "; ".join(self.failures))
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """A launcher's (torchrun's) environment, checked."""
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    agent_store: bool  # torchrun's agent hosts the store; every rank is a client
+
+    @property
+    def where(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Seconds every rendezvous and collective waits (None: ``MMPARITY_TIMEOUT`` or 60 s)."""
+    global _timeout_override
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {seconds}")
+    _timeout_override = None if seconds is None else float(seconds)
+
+
+def timeout_s() -> float:
+    """Seconds a rendezvous or a collective waits for the other ranks before giving up."""
+    if _timeout_override is not None:
+        return _timeout_override
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise LaunchError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds above 0: set one "
+                          f"(e.g. {TIMEOUT_ENV}=120), or unset it for the default {DEFAULT_TIMEOUT_S:g} s")
+    return seconds
+
+
+def launch_failure(exc: BaseException) -> str | None:
+    """The one line to show for a failure of the ranks to meet or to keep together (a
+    :class:`LaunchError`, a :class:`SpawnError`, a collective that timed out or lost its peer);
+    None for anything else."""
+    if isinstance(exc, (LaunchError, SpawnError)):
+        return str(exc)
+    # gloo's errors are plain RuntimeErrors naming its source file; NCCL's and the stores' are DistErrors.
+    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc)):
+        return (f"a collective between the ranks failed: {one_line_cause(exc)} (another rank stopped or "
+                f"died; each collective waits {TIMEOUT_ENV} / --timeout seconds, {DEFAULT_TIMEOUT_S:g} by default)")
+    return None
+
+
+def _unset_hint(names: str = "RANK and WORLD_SIZE") -> str:
+    return f"unset {names} to run as one process"
+
+
+def _int_var(name: str, *, hint: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise LaunchError(f"{name}={text!r} is not an integer: {hint}") from None
+
+
+def launch_env() -> LaunchEnv | None:
+    """The launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), checked;
+    None when neither RANK nor WORLD_SIZE is set. Raises :class:`LaunchError` naming the variable
+    for a partial or inconsistent set."""
+    has_rank, has_world = "RANK" in os.environ, "WORLD_SIZE" in os.environ
+    if not has_rank and not has_world:
+        return None
+    if not has_world:
+        raise LaunchError("RANK is set but WORLD_SIZE is not: a launcher sets both (torchrun does); "
+                          f"{_unset_hint('RANK')}")
+    if not has_rank:
+        raise LaunchError("WORLD_SIZE is set but RANK is not: a launcher sets both (torchrun does); "
+                          f"{_unset_hint('WORLD_SIZE')}")
+    hint = f"{_unset_hint()}, or set it as a launcher does"
+    world_size = _int_var("WORLD_SIZE", hint=hint)
+    rank = _int_var("RANK", hint=hint)
+    if world_size < 1:
+        raise LaunchError(f"WORLD_SIZE={world_size} must be at least 1: {hint}")
+    if not 0 <= rank < world_size:
+        raise LaunchError(f"RANK={rank} is out of range for WORLD_SIZE={world_size} (0 to {world_size - 1}): "
+                          f"{_unset_hint()}, or give every rank its own RANK below WORLD_SIZE")
+    local_rank = 0
+    if "LOCAL_RANK" in os.environ:
+        local_rank = _int_var("LOCAL_RANK", hint=f"unset LOCAL_RANK (and {_unset_hint()})")
+        if local_rank < 0:
+            raise LaunchError(f"LOCAL_RANK={local_rank} must not be negative: unset LOCAL_RANK "
+                              f"(and {_unset_hint()})")
+    addr = os.environ.get("MASTER_ADDR", "").strip() or None
+    port_text = os.environ.get("MASTER_PORT", "").strip() or None
+    port = None
+    if world_size > 1:
+        for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port_text)):
+            if value is None:
+                raise LaunchError(f"WORLD_SIZE={world_size} needs MASTER_ADDR and MASTER_PORT (where rank 0's "
+                                  f"store listens) and {name} is not set: set it, or {_unset_hint()}")
+        try:
+            port = int(port_text)
+        except ValueError:
+            port = -1
+        if not 1 <= port <= 65535:
+            raise LaunchError(f"MASTER_PORT={port_text!r} is not a port (1 to 65535): set a free port, "
+                              f"or {_unset_hint()}")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return LaunchEnv(rank, world_size, local_rank, addr, port, agent_store)
+
+
+def _ranks_text(ranks: Sequence[int], world_size: int, verb: str) -> str:
+    listed = ", ".join(map(str, ranks))
+    return f"rank{'s' if len(ranks) > 1 else ''} {listed} of {world_size} {verb}"
+
+
+def _rendezvous_failure(env: LaunchEnv, timeout: float, what: str) -> LaunchError:
+    tail = ("" if _spawned_rank else
+            " (RANK/WORLD_SIZE are set in the environment: unset them to run as one process, "
+            "or start every rank)")
+    return LaunchError(f"rendezvous at {env.where} timed out after {timeout:g} s: {what}{tail}")
+
+
+def _wait_for_listener(env: LaunchEnv, deadline: float, timeout: float) -> None:
+    """Until the store's port accepts a connection (torch's own client would log each retry)."""
+    last = ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            host = "torchrun's agent, which hosts the store," if env.agent_store else "rank 0, which hosts the store,"
+            raise _rendezvous_failure(env, timeout, f"{host} never answered"
+                                      f"{f' ({last})' if last else ''}")
+        try:
+            with socket.create_connection((env.master_addr, env.master_port), timeout=min(1.0, left)):
+                return
+        except OSError as exc:
+            last = exc.strerror or type(exc).__name__
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _rendezvous(env: LaunchEnv, timeout: float):
+    """The ranks of ``env`` meet on a TCP store: each sets an arrival key and waits for all of
+    them, so that a timeout can say which ranks never came. Returns a store for the process group."""
+    global _rendezvous_round
+    _rendezvous_round += 1
+    deadline = time.monotonic() + timeout
+    if env.rank == 0 and not env.agent_store:
+        try:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                                  multi_tenant=True)
+        except RuntimeError as exc:
+            reason = "address already in use" if "EADDRINUSE" in str(exc) else "the port cannot be listened on"
+            raise LaunchError(f"MASTER_PORT={env.master_port}: rank 0 cannot host the store there ({reason}): "
+                              f"choose a free MASTER_PORT, or {_unset_hint()}") from None
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        _wait_for_listener(env, deadline, timeout)
+        try:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                                  timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        except RuntimeError:
+            raise _rendezvous_failure(env, timeout, "the store at MASTER_ADDR:MASTER_PORT did not answer") from None
+    prefix = (f"mmparity/rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+              f"{_rendezvous_round}/")
+    try:
+        store.set(f"{prefix}arrived/{env.rank}", "1")
+        missing = [r for r in range(env.world_size) if r != env.rank]
+        while missing:
+            missing = [r for r in missing if not store.check([f"{prefix}arrived/{r}"])]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                raise _rendezvous_failure(env, timeout, _ranks_text(missing, env.world_size, "never joined"))
+            time.sleep(0.05)
+    except RuntimeError:  # the store went away under us: its host (rank 0 or the agent) died
+        raise _rendezvous_failure(env, timeout, "the store's host went away before every rank joined") from None
+    return dist.PrefixStore(prefix + "pg/", store)
+
+
+def _init_default_group(backend: str) -> None:
+    env = launch_env()
+    timeout = timeout_s()
+    if env is not None and backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    if env is None or env.world_size == 1:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))
+        return
+    store = _rendezvous(env, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout))
 
 
 def _destroy_all_groups() -> None:
@@ -249,8 +463,10 @@ def _seed_everything(seed: int, device: str | torch.device) -> None:
 
 
 def launched_world_size() -> int:
-    """World size set by an outside launcher (torchrun), or 1."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    """World size set by an outside launcher (torchrun), or 1. Raises :class:`LaunchError` for a
+    partial or inconsistent launcher environment."""
+    env = launch_env()
+    return env.world_size if env is not None else 1
 
 
 def tp_rank() -> int:
@@ -269,15 +485,44 @@ def free_port() -> int:
 _RESULT_PICKUP_TIMEOUT_S = 300.0
 
 
+def one_line_cause(exc: BaseException) -> str:
+    """An exception as one line, cause first: the innermost exception's type and message (what
+    it was raised as after that in brackets), without traceback or C++ frame text."""
+    chain, seen = [exc], {id(exc)}
+    while True:
+        inner = chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)
+        if inner is None or id(inner) in seen:
+            break
+        chain.append(inner)
+        seen.add(id(inner))
+
+    def text(e: BaseException) -> str:
+        message = str(e).split("Exception raised from")[0]  # torch's C++ errors append their frames
+        message = " ".join(line.strip() for line in message.splitlines()
+                           if line.strip() and not line.strip().startswith(("Traceback (most recent", 'File "')))
+        message = message if len(message) <= 500 else message[:497] + "..."
+        return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+    line = text(chain[-1])
+    return line if len(chain) == 1 else f"{line} (raised as {text(exc)})"
+
+
 def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-                 warning_filters: list, picked_up) -> None:
+                 warning_filters: list, picked_up, timeout: float) -> None:
     import warnings
 
+    global _spawned_rank
     # A fresh interpreter starts with default filters; keep the parent's (the CLI silences the
     # optional-kernel warnings megatron prints on import, once per rank otherwise).
     warnings.filters[:] = warning_filters
+    # Our own launcher variables, whatever the parent's environment held (a torchrun agent's
+    # store is not where these ranks meet).
+    for name in _LAUNCHER_ONLY:
+        os.environ.pop(name, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    _spawned_rank = True
+    set_timeout(timeout)
     torch.set_num_threads(1)
     try:
         result = fn(rank, world_size, *args)
@@ -286,9 +531,8 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
         # descriptors, CUDA IPC), served by this process: it must outlive the parent's unpickling.
         picked_up.wait(_RESULT_PICKUP_TIMEOUT_S)
     except BaseException as exc:  # the parent re-raises with the rank attached
-        import traceback
-
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        kind = "launch" if isinstance(exc, LaunchError) else "error"
+        queue.put((rank, kind, str(exc) if kind == "launch" else one_line_cause(exc)))
     finally:
         teardown_parallel()
 
@@ -309,13 +553,16 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
     results_queue = ctx.Queue()
     picked_up = ctx.Event()
     port = free_port()
+    timeout = timeout_s()
     procs = [ctx.Process(target=_spawn_entry,
-                         args=(r, world_size, port, fn, args, results_queue, list(warnings.filters), picked_up))
+                         args=(r, world_size, port, fn, args, results_queue, list(warnings.filters), picked_up,
+                               timeout))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
     results: dict[int, object] = {}
     errors: list[str] = []
+    launch_failed = False
     try:
         while len(results) + len(errors) < world_size:
             try:
@@ -332,6 +579,7 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}: {payload}")
+                launch_failed = status == "launch"
                 break
     finally:
         picked_up.set()
@@ -341,6 +589,8 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
                     proc.terminate()
         for proc in procs:
             proc.join()
+    if launch_failed:
+        raise LaunchError(f"spawned {errors[0]}")
     if errors:
-        raise RuntimeError("spawned ranks failed:\n" + "\n".join(errors))
+        raise SpawnError(errors)
     return [results[r] for r in range(world_size)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -50,3 +51,23 @@ def test_spawned_ranks_hand_back_tensors_that_live_in_their_memory():
     results = runtime.spawn(_return_tensors, 2, count)
     for rank, tensors in enumerate(results):
         assert [t[0].item() for t in tensors] == [float(rank * count + i) for i in range(count)]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_meet_on_the_agents_store():
+    # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank is a client
+    # of it, and the check runs in-process on each of its two ranks.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(repo), MMPARITY_TIMEOUT="60")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(runtime.free_port()), "-m", "mmparity", "check", "clip", "--tp", "2",
+                           "--no-components", "--quiet"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

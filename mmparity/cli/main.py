@@ -22,6 +22,21 @@ SUBCOMMANDS = {
 }
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return seconds
+
+
+TIMEOUT_HELP = ("seconds a rendezvous of ranks (torchrun's, or the --tp/--pp ranks spawned) and each "
+                "collective waits for the other ranks before exit 2 names the missing ones "
+                "(default: $MMPARITY_TIMEOUT, else 60)")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage errors: one line, exit 2
         self.exit(EXIT_USAGE, f"mmparity: error: {message}\n")
@@ -32,10 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     from mmparity import __version__
 
     parser.add_argument("--version", action="version", version=f"mmparity {__version__}")
+    parser.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(f"mmparity.cli.{module}").add_arguments(sub_parser)
+        # A global option, also taken after the subcommand; SUPPRESS keeps one given before it.
+        sub_parser.add_argument("--timeout", type=_seconds, metavar="S", default=argparse.SUPPRESS,
+                                help=TIMEOUT_HELP)
     return parser
 
 
@@ -92,10 +111,31 @@ def _main(argv) -> int:
         parser.print_usage(sys.stderr)
         return fail_usage(f"a subcommand is required ({', '.join(SUBCOMMANDS)}); see mmparity --help")
     module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command][0]}")
+    runtime = None
+    if args.timeout is not None:
+        from mmparity import runtime
+
+        runtime.set_timeout(args.timeout)
     try:
         return module.run(args)
     except UsageError as exc:
         return fail_usage(str(exc))
+    except Exception as exc:
+        message = _launch_failure(exc)
+        if message is None:
+            raise
+        return fail_usage(message)
+    finally:
+        if runtime is not None:
+            runtime.set_timeout(None)  # an embedding program's next call starts from the default
+
+
+def _launch_failure(exc: Exception) -> str | None:
+    """The one line for ranks that did not meet or fell apart (:func:`mmparity.runtime.launch_failure`),
+    None for anything else. Only a command that imported the runtime can meet such a failure, so it
+    is not imported (nor torch with it) just to ask."""
+    runtime = sys.modules.get("mmparity.runtime")
+    return runtime.launch_failure(exc) if runtime is not None else None
 
 
 if __name__ == "__main__":
