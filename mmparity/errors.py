@@ -31,26 +31,35 @@ def _wrapped(exc: BaseException) -> BaseException | None:
 
 
 def root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception behind ``exc``: through DCP's per-rank wrappers and explicit
-    ``raise … from`` chains (an implicit context is another failure, not the cause)."""
+    """The innermost exception behind ``exc``: through DCP's per-rank wrappers, ``raise … from``
+    chains and the exception another one was raised while handling (unless suppressed)."""
     seen = set()
     while id(exc) not in seen:
         seen.add(id(exc))
-        inner = _wrapped(exc) or exc.__cause__
+        inner = _wrapped(exc) or exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
         if inner is None:
             break
         exc = inner
     return exc
 
 
-def one_line(exc: BaseException, limit: int = MAX_CHARS) -> str:
-    """``exc``'s root cause as one line: ``Type: message``, traceback text removed, whitespace
-    collapsed, an impossible allocation said in GB, cut to ``limit`` characters."""
-    cause = root_cause(exc)
-    text = _TRACEBACK.sub("", str(cause))
-    text = " ".join(text.split())
+def _text(exc: BaseException) -> str:
+    text = str(exc).split("Exception raised from")[0]  # torch's C++ errors append their frames
+    text = _TRACEBACK.sub("", text)
+    text = " ".join(line.strip() for line in text.splitlines()
+                    if line.strip() and not line.strip().startswith(("Traceback (most recent", 'File "')))
     allocation = _ALLOCATION.search(text)
     if allocation:
         text = f"cannot allocate {int(allocation.group(1)) / 1e9:.1f} GB ({text})"
-    text = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def one_line(exc: BaseException, limit: int = MAX_CHARS) -> str:
+    """``exc``'s root cause as one line: ``Type: message``, traceback and C++ frame text removed,
+    whitespace collapsed, an impossible allocation said in GB; what it was raised as in brackets
+    (unless that is only DCP's per-rank wrapper); cut to ``limit`` characters."""
+    cause = root_cause(exc)
+    line = _text(cause)
+    if cause is not exc and _wrapped(exc) is None:
+        line = f"{line} (raised as {_text(exc)})"
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from mmparity import errors
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -485,26 +487,8 @@ def free_port() -> int:
 _RESULT_PICKUP_TIMEOUT_S = 300.0
 
 
-def one_line_cause(exc: BaseException) -> str:
-    """An exception as one line, cause first: the innermost exception's type and message (what
-    it was raised as after that in brackets), without traceback or C++ frame text."""
-    chain, seen = [exc], {id(exc)}
-    while True:
-        inner = chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)
-        if inner is None or id(inner) in seen:
-            break
-        chain.append(inner)
-        seen.add(id(inner))
-
-    def text(e: BaseException) -> str:
-        message = str(e).split("Exception raised from")[0]  # torch's C++ errors append their frames
-        message = " ".join(line.strip() for line in message.splitlines()
-                           if line.strip() and not line.strip().startswith(("Traceback (most recent", 'File "')))
-        message = message if len(message) <= 500 else message[:497] + "..."
-        return f"{type(e).__name__}: {message}" if message else type(e).__name__
-
-    line = text(chain[-1])
-    return line if len(chain) == 1 else f"{line} (raised as {text(exc)})"
+# One line, cause first, for a rank's failure.
+one_line_cause = errors.one_line
 
 
 def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,

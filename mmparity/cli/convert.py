@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from mmparity import errors
 from mmparity.cli.common import EXIT_OK, UsageError, quiet_third_party_warnings
 
 
@@ -136,7 +137,9 @@ def run(args) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         raise UsageError(f"{where}{exc.strerror or exc}") from None
     except Exception as exc:  # anything else is still one line, and nothing was left behind
-        raise UsageError(f"conversion failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}") from None
+        runtime = sys.modules.get("mmparity.runtime")  # ranks that did not meet say so themselves
+        launch = runtime.launch_failure(exc) if runtime is not None else None
+        raise UsageError(launch or f"conversion failed: {errors.one_line(exc, 400)}") from None
     if not args.quiet:
         parallel = f" tp={result.tp} pp={result.pp}" if result.layout == "mcore_legacy" else ""
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
