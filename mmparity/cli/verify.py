@@ -15,7 +15,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--load", action="store_true",
                         help="build Megatron's own class for each mcore checkpoint's family at its TP "
                              "size (one gloo rank each) and load it strictly: load_state_dict per rank "
-                             "(legacy), dist_checkpointing.load (torch_dist)")
+                             "(legacy), dist_checkpointing.load's steps with nothing unpickled beyond an allow-list "
+                             "(torch_dist)")
     parser.add_argument("--megatron-class", metavar="NAME", default=None,
                         help="with --load, where a family loads into several Megatron classes: which")
     parser.add_argument("--tp", type=int, default=None, metavar="N",
