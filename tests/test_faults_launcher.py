@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mmparity import runtime
+from tests.test_faults import one_line_error
 
 pytestmark = pytest.mark.fault
 
@@ -35,17 +36,6 @@ def run_subprocess(*argv, env=None, timeout=180):
     except subprocess.TimeoutExpired:
         pytest.fail(f"mmparity {' '.join(map(str, argv))} hung for {timeout}s")
     return proc.returncode, proc.stdout, proc.stderr
-
-
-def one_line_error(code, out, err, *needles):
-    """exit 2, exactly one non-empty stderr line holding every needle, no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in out + err, err
-    assert len(lines) == 1, err
-    for needle in needles:
-        assert str(needle) in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def free_port() -> int:

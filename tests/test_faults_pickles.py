@@ -26,6 +26,7 @@ from mmparity.cases.inputs import random_like_state
 from mmparity.checkpoint import extra_state, torch_dist_files
 from mmparity.checkpoint.fsio import tensor_checksum
 from mmparity.cli.main import main
+from tests.test_faults import run_cli
 
 pytestmark = pytest.mark.fault
 
@@ -40,13 +41,6 @@ class Payload:
 
     def __reduce__(self):
         return (os.mkdir, (self.marker,))
-
-
-def run_cli(capsys, *argv):
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
