@@ -192,8 +192,10 @@ def test_hard_link_to_a_file_outside_is_accepted_and_certified(capsys, more_sour
     assert other.read_bytes() == before and os.stat(other).st_nlink == 2
     if relative.endswith(("safetensors", ".pt", ".distcp")) and (directory / "mmparity.json").exists():
         # Bytes changed through the other name are the checkpoint's bytes changed: verify says so.
+        # (the middle: the tail of a .distcp written under megatron-core 0.19 is its common_state
+        # item, which no manifest record covers)
         with open(other, "r+b") as f:
-            f.seek(-64, os.SEEK_END)
+            f.seek(os.path.getsize(other) // 2)
             f.write(bytes(64))
         code, out, err = run_cli(capsys, "verify", directory)
         assert code == 1 and "problem" in out and "Traceback" not in out + err, (out, err)
