@@ -83,26 +83,20 @@ def make_save_planner() -> MCoreSavePlanner:
     return MCoreSavePlanner(dedup_replicated_tensors=False, **kwargs)
 
 
-def _load_planner_type():
-    """MCoreLoadPlanner whose byte items are decoded by a callable of ours, never by torch.load."""
-    cached = globals().get("_SAFE_PLANNER")
-    if cached is not None:
-        return cached
+class SafeBytesLoadPlanner(MCoreLoadPlanner):
+    """MCoreLoadPlanner whose byte items are decoded by ``decode_bytes(read_item, data)``, a
+    callable of ours, never by DCP's ``torch.load(weights_only=False)``."""
 
-    class SafeBytesLoadPlanner(MCoreLoadPlanner):
-        decode_bytes = None  # set per instance: (read_item, raw bytes) -> object
+    decode_bytes = None
 
-        def load_bytes(self, read_item, value) -> None:
-            from torch.distributed.checkpoint._nested_dict import set_element
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._nested_dict import set_element
 
-            decoded = self.decode_bytes(read_item, value.getvalue() if hasattr(value, "getvalue") else value.read())
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], decoded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = decoded
-
-    globals()["_SAFE_PLANNER"] = SafeBytesLoadPlanner
-    return SafeBytesLoadPlanner
+        decoded = self.decode_bytes(read_item, value.getvalue() if hasattr(value, "getvalue") else value.read())
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], decoded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = decoded
 
 
 def make_load_planner(sharded_tensors, decode_bytes):
@@ -113,7 +107,7 @@ def make_load_planner(sharded_tensors, decode_bytes):
     kwargs = {"shapes_validation_sharded_tensors": flexible, "allow_shape_mismatch_sharded_tensors": mismatch_ok}
     if "stream_ckpt_dequant" in inspect.signature(MCoreLoadPlanner.__init__).parameters:
         kwargs.update(flatten_state_dict=False, flatten_sharded_tensors=False)
-    planner = _load_planner_type()(**kwargs)
+    planner = SafeBytesLoadPlanner(**kwargs)
     planner.decode_bytes = decode_bytes
     return planner
 

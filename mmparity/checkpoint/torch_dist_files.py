@@ -105,7 +105,7 @@ def _dcp_exception() -> type:
     return CheckpointException
 
 
-def _reader(path: Path, metadata=None):
+def storage_reader(path: Path, metadata=None):
     """DCP's `FileSystemReader` with `.metadata` decoded by `load_metadata`, or ``metadata`` (one
     decoded read, shared by everything a load does) served as is."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -126,8 +126,6 @@ def _reader(path: Path, metadata=None):
         raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
     return SafeFileSystemReader(str(path))
 
-
-storage_reader = _reader
 
 
 def decode_object(path: str | os.PathLike, key: str, data: bytes, metadata=None):
@@ -196,7 +194,7 @@ def read_tensor(path: str | os.PathLike, key: str, metadata: dict | None = None)
         # (torch warns that it assumes a single process, which is exactly the intent).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(target, storage_reader=_reader(path), no_dist=True)
+            dcp.load(target, storage_reader=storage_reader(path), no_dist=True)
     except CheckpointError:
         raise
     except (Exception, _dcp_exception()) as exc:
@@ -335,7 +333,7 @@ class TorchDistFiles:
 
         self.path = Path(path)
         self.metadata = load_metadata(self.path)
-        self._reader = _reader(self.path)
+        self._reader = storage_reader(self.path)
         self._reader.set_up_storage_reader(self.metadata, True)
         self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
         from mmparity.checkpoint.fsio import FileRanges
