@@ -34,7 +34,7 @@ import os
 from pathlib import Path
 
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
 from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, apply_factories,
                                                       apply_factory_merges, is_main_replica)
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -129,8 +129,6 @@ def load_sharded(sharded_state_dict: dict, checkpoint_dir: str, storage_reader, 
     loaded = {k: mcore_torch_strategies._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
     loaded = mcore_torch_strategies._replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
     mcore_torch_strategies._restore_dict_types(loaded, sharded)
-    from megatron.core.dist_checkpointing.dict_utils import merge
-
     merge(loaded, nonpersistent)
     return apply_factory_merges(loaded, factories)
 
