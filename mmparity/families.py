@@ -191,6 +191,28 @@ _REGISTRY: dict[str, Family] = {
                         "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
                         "for TP and trimmed on export; tied or untied lm_head",
     ),
+    "mistral3": Family(
+        name="mistral3",
+        summary="Mistral3 whole (Mistral-Small-3.1 / Pixtral-Large style): Pixtral tower with the "
+                "2x2 merger, MLP projector, Mistral decoder; Pixtral processor's image rows; logits "
+                "and per-token loss",
+        reference_classes=("Mistral3ForConditionalGeneration",),
+        compared=("vision layers", "merger", "projector", "language layers", "final_norm",
+                  "pixel_shuffle", "loss_weights", "expansion"),
+        checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint as Megatron's LLaVAModel "
+                        "(vision_model with merger, vision_projection, language_model); vocabulary "
+                        "padded as Megatron-LM pads it",
+    ),
+    "pixtral_12b": Family(
+        name="pixtral_12b",
+        summary="Pixtral-12B: LLaVA with a Pixtral tower and a Mistral decoder, fed the Pixtral "
+                "processor's [IMG] / [IMG_BREAK] / [IMG_END] rows; logits and per-token loss",
+        reference_classes=("LlavaForConditionalGeneration",),
+        compared=("vision layers", "projector", "language layers", "final_norm",
+                  "pixel_shuffle", "loss_weights", "expansion"),
+        checkpoint_note="whole LlavaForConditionalGeneration checkpoint with a Pixtral tower and a "
+                        "Mistral text model, as Megatron's LLaVAModel",
+    ),
 }
 
 

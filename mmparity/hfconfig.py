@@ -84,6 +84,46 @@ def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE, tp: i
     return -(-vocab_size // step) * step
 
 
+# Decoder families whose attention always carries q/k/v biases (and nothing else), whatever flags
+# the config has: Qwen2's checkpoints store ``q_proj.bias`` etc. with no config switch.
+_QKV_BIAS_MODEL_TYPES = ("qwen2",)
+
+
+def decoder_biases(text) -> tuple[bool, bool]:
+    """``(q/k/v bias, output and MLP biases)`` of a dense decoder's text config, as mcore's
+    ``add_qkv_bias`` / ``add_bias_linear`` state them. Llama's ``attention_bias`` puts a bias on
+    q/k/v *and* o_proj, ``mlp_bias`` on the MLP; mcore has one switch for o_proj and the MLP
+    together, so the two flags must agree (:func:`decoder_bias_problems`)."""
+    attention, mlp = bool(getattr(text, "attention_bias", False)), bool(getattr(text, "mlp_bias", False))
+    if getattr(text, "model_type", None) in _QKV_BIAS_MODEL_TYPES:
+        return True, False
+    return attention, attention and mlp
+
+
+def decoder_bias_problems(text) -> list[str]:
+    attention, mlp = bool(getattr(text, "attention_bias", False)), bool(getattr(text, "mlp_bias", False))
+    if getattr(text, "model_type", None) not in _QKV_BIAS_MODEL_TYPES and attention != mlp:
+        return [f"attention_bias={attention} with mlp_bias={mlp} (mcore biases o_proj and the MLP "
+                "together)"]
+    return []
+
+
+def select_strategy(cfg) -> str:
+    """LLaVA's ``vision_feature_select_strategy``; configs without one (Mistral3) keep every token."""
+    return getattr(cfg, "vision_feature_select_strategy", None) or "full"
+
+
+def has_patch_merger(cfg) -> bool:
+    """Whether a whole-VLM config merges patches before its projector (Mistral3's
+    ``spatial_merge_size``; LLaVA has none)."""
+    return getattr(cfg, "model_type", None) == "mistral3"
+
+
+def spatial_merge(cfg) -> int:
+    """Patches merged along each side before the projector (1: none)."""
+    return int(cfg.spatial_merge_size) if has_patch_merger(cfg) else 1
+
+
 def tied_embeddings(cfg) -> bool:
     """Whether ``lm_head`` shares the input embedding (HF reads the top-level config flag)."""
     return bool(getattr(cfg, "tie_word_embeddings", False))

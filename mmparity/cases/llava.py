@@ -14,17 +14,19 @@ found through the registry's ``towers`` lookup.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlavaConfig
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
-from mmparity.cases import inputs
+from mmparity.cases import inputs, processor
 from mmparity.cases.core import Case, FamilyHooks, Pair, Side, TowerLookup, first_tensor, tokens_2d
 from mmparity.converters import llava as converter
-from mmparity.hfconfig import first_int, image_hw, tied_embeddings, vision_layers_run
+from mmparity.hfconfig import first_int, has_patch_merger, select_strategy, image_hw, tied_embeddings, vision_layers_run
 from mmparity.native import llava as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.native.llava_preprocess import (DEFAULT_IMAGE_TOKEN_INDEX, _precalculate_loss_weights,
@@ -33,6 +35,13 @@ from mmparity.reference import llava as reference
 from mmparity.reference.llava import IGNORE_INDEX, OUTPUTS, PLACEHOLDER
 
 COMPONENTS = ("pixel_shuffle", "loss_weights", "expansion")
+
+# Paired modules are named by the part they belong to, in Megatron's ``LLaVAModel`` names.
+VISION = "vision_model."
+MERGER = "vision_model.merger"
+PROJECTOR = "vision_projection"
+LANGUAGE_LAYER = "language_model.decoder.layers.{}"
+FINAL_NORM = "language_model.decoder.final_layernorm"
 
 
 def vision_pair_names(cfg) -> set[str]:
@@ -60,7 +69,7 @@ def tokens_per_image(cfg, size, towers: TowerLookup) -> int:
     minus the first token when the select strategy is ``default``."""
     p = first_int(cfg.vision_config.patch_size)
     count = (size[0] // p) * (size[1] // p) + towers(cfg).llava_tower.class_token_len
-    return count - (cfg.vision_feature_select_strategy == "default")
+    return count - (select_strategy(cfg) == "default")
 
 
 def default_image_sizes(cfg, towers: TowerLookup) -> list[tuple[int, int]]:
@@ -71,10 +80,13 @@ def default_image_sizes(cfg, towers: TowerLookup) -> list[tuple[int, int]]:
     return [image_hw(cfg.vision_config)] * 3
 
 
-def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup) -> list[Case]:
+def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup,
+          composition: "Composition" = None) -> list[Case]:
     """One batch of two rows: row 0 holds one image between text, row 1 one placeholder of two
     tiles (with the default sizes) between text; rows are padded with text to equal length. With
     explicit sizes every image is its own placeholder, the first half (rounded up) in row 0."""
+    if composition is not None and composition.image_layout == ROWS:
+        return row_layout_cases(cfg, seed, image_sizes)
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg, towers))]
     side = image_hw(cfg.vision_config)
     if not towers(cfg).llava_tower.variable_size and any(s != side for s in sizes):
@@ -98,10 +110,90 @@ def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup) -> list[Case
                  description=f"2 rows of {length} tokens, images {described} in tiles {tiles}")]
 
 
-def _text_tokens(cfg, count: int, gen) -> list[int]:
-    """Seeded text ids, never the image token (HF would read it as an image slot)."""
-    ids = torch.randint(0, cfg.text_config.vocab_size - 1, (count,), generator=gen)
-    return (ids + (ids >= cfg.image_token_index).long()).tolist()
+def _text_tokens(cfg, count: int, gen, avoid=None) -> list[int]:
+    """Seeded text ids, never the image token (HF would read it as an image slot) nor the other
+    ids in ``avoid``."""
+    avoid = sorted({cfg.image_token_index, *(avoid or ())})
+    ids = torch.randint(0, cfg.text_config.vocab_size - len(avoid), (count,), generator=gen)
+    for skipped in avoid:
+        ids = ids + (ids >= skipped).long()
+    return ids.tolist()
+
+
+# --- the processor's layout: rows of [IMG], [IMG_BREAK] between rows, [IMG_END] last ------------
+
+def row_layout_image_sizes(cfg) -> list[tuple[int, int]]:
+    """Three images of odd, non-square token grids."""
+    px = processor.token_pixels(cfg)
+    return [(3 * px, 5 * px), (5 * px, 2 * px), (2 * px, 4 * px)]
+
+
+def row_layout_cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+    """Two rows of text with images where HF's Pixtral processor puts them: the first half of the
+    images (rounded up) in row 0, the rest in row 1, text between; the processor resizes,
+    normalises and expands each ``[IMG]``. The native side reads the same ids with every run of
+    ``[IMG]`` (one image row) as one placeholder of that many slots; ``[IMG_BREAK]`` and
+    ``[IMG_END]`` stay text, as in the ids HF reads."""
+    sizes = [tuple(s) for s in (image_sizes or row_layout_image_sizes(cfg))]
+    px = processor.token_pixels(cfg)
+    specials = processor.special_ids(cfg)
+    raw = [_as_uint8(img) for img in inputs.images(sizes, cfg.vision_config.num_channels, seed)]
+    first = (len(sizes) + 1) // 2
+    placed = [list(range(first)), list(range(first, len(sizes)))]
+    gen = inputs.generator(seed + 4099)
+    segments = [[3 + b] + [2] * max(len(p) - 1, 0) + [4] for b, p in enumerate(placed)]
+    expanded = [sum(seg) + sum(len(processor.image_tokens(*sizes[k], px)) for k in p)
+                for seg, p in zip(segments, placed)]
+    for b in range(2):
+        segments[b][-1] += max(expanded) - expanded[b]
+    texts = []
+    for b in range(2):
+        words = []
+        for index, count in enumerate(segments[b]):
+            words += [processor.word(t) for t in _text_tokens(cfg, count, gen, specials.all)]
+            if index < len(placed[b]):
+                words.append(processor.IMAGE)
+        texts.append(" ".join(words))
+    out = processor.process(cfg, texts, [[raw[k] for k in p] for p in placed],
+                            longest_edge=max(max(s) for s in sizes))
+    hf_ids, pixels, got_sizes = out["input_ids"], out["pixel_values"], out["image_sizes"].tolist()
+    compact, counts = collapse_image_runs(hf_ids.tolist(), cfg.image_token_index)
+    data = {
+        "images": [pixels[k, :, :h, :w].contiguous() for k, (h, w) in enumerate(got_sizes)],
+        "sizes": [tuple(size) for size in got_sizes], "num_image_tiles": None,
+        "media_token_counts": counts, "length": hf_ids.shape[1],
+        **_mcore_side(cfg, compact, seed),
+        "hf_input_ids": hf_ids, "hf_pixel_values": pixels, "hf_image_sizes": out["image_sizes"],
+    }
+    data["hf_labels"] = hf_ids.masked_fill(hf_ids == cfg.image_token_index, IGNORE_INDEX)
+    described = ", ".join(f"{h}x{w}" for h, w in data["sizes"])
+    return [Case("sample", data, OUTPUTS,
+                 description=f"2 rows of {hf_ids.shape[1]} tokens from the Pixtral processor, images "
+                             f"{described}, {len(counts)} image rows")]
+
+
+def _as_uint8(img: torch.Tensor) -> torch.Tensor:
+    """A seeded float image as the 8-bit picture a processor is given."""
+    low, high = img.min(), img.max()
+    return ((img - low) / (high - low) * 255).round().to(torch.uint8)
+
+
+def collapse_image_runs(rows: list[list[int]], image_token: int) -> tuple[list[list[int]], list[int]]:
+    """HF ids -> mcore's compact ids (each run of ``image_token`` one placeholder) and the slots of
+    each placeholder in reading order."""
+    compact, counts = [], []
+    for row in rows:
+        out = []
+        for token in row:
+            if token != image_token:
+                out.append(token)
+            elif out and out[-1] == PLACEHOLDER:
+                counts[-1] += 1
+            else:
+                out.append(PLACEHOLDER)
+                counts.append(1)
+        compact.append(out)
+    return compact, counts
 
 
 def _rows(cfg, slots: list[int], seed: int):
@@ -163,6 +255,9 @@ def prepare_case(case: Case, cfg, towers: TowerLookup) -> Case:
 
 
 def _pixel_values(cfg, case: Case, dtype, device, towers: TowerLookup) -> dict:
+    if "hf_pixel_values" in case.data:  # the processor's own batch
+        return {"pixel_values": case.data["hf_pixel_values"].to(device, dtype),
+                "image_sizes": case.data["hf_image_sizes"]}
     if towers(cfg).llava_tower.variable_size:
         batch, sizes = inputs.pad_batch(case.data["images"])
         return {"pixel_values": batch.to(device, dtype), "image_sizes": torch.tensor(sizes)}
@@ -198,13 +293,16 @@ def reference_run(model, case: Case, towers: TowerLookup) -> dict:
 
 def reference_pairs(model, cfg, towers: TowerLookup) -> list[Pair]:
     run_names = vision_pair_names(cfg)
-    out = [Pair(f"vision.{p.name}", p.module, p.extract)
+    out = [Pair(VISION + p.name, p.module, p.extract)
            for p in towers(cfg).reference.pairs(model.model.vision_tower, cfg.vision_config)
            if p.name in run_names]
-    out.append(Pair("projector", model.model.multi_modal_projector, tokens_2d))
-    out += [Pair(f"layer.{i}", layer, tokens_2d)
+    projector = model.model.multi_modal_projector
+    if has_patch_merger(cfg):
+        out.append(Pair(MERGER, projector.patch_merger, tokens_2d))
+    out.append(Pair(PROJECTOR, projector, tokens_2d))
+    out += [Pair(LANGUAGE_LAYER.format(i), layer, tokens_2d)
             for i, layer in enumerate(model.model.language_model.layers)]
-    out.append(Pair("final_norm", model.model.language_model.norm, tokens_2d))
+    out.append(Pair(FINAL_NORM, model.model.language_model.norm, tokens_2d))
     return out
 
 
@@ -282,7 +380,8 @@ def native_run(model, case) -> dict:
     device = next(model.parameters()).device
     images, sizes = vision_input(model, case, dtype, device)
     ids = case.data["input_ids"].to(device)
-    common = dict(num_image_tiles=case.data["num_image_tiles"], imgs_sizes=sizes)
+    common = dict(num_image_tiles=case.data["num_image_tiles"], imgs_sizes=sizes,
+                  media_token_counts=case.data.get("media_token_counts"))
     logits = model(images, ids, None, None, runtime_gather_output=True, **common)
     with_loss = model(images, ids, None, None, labels=case.data["labels"].to(device),
                       loss_mask=case.data["loss_mask"].to(device), **common)
@@ -302,14 +401,19 @@ def native_pairs(model, cfg, towers: TowerLookup) -> list:
     out = []
     if model.vision_model is not None:
         run_names = vision_pair_names(cfg)
-        out += [Pair(f"vision.{p.name}", p.module, p.extract)
+        out += [Pair(VISION + p.name, p.module, p.extract)
                 for p in towers(cfg).native.pairs(model.vision_model, cfg.vision_config)
                 if p.name in run_names]
-    out.append(Pair("projector", model.vision_projection, tokens_2d))
-    out += [Pair(f"layer.{i}", layer, _language_tokens)
+        if model.vision_model.merger is not None:
+            out.append(Pair(MERGER, model.vision_model.merger, tokens_2d))
+    if model.vision_projection is not None:
+        out.append(Pair(PROJECTOR, model.vision_projection, tokens_2d))
+    out += [Pair(LANGUAGE_LAYER.format(i), layer, _language_tokens)
             for i, layer in numbered_layers(model.language_model.decoder)]
-    out.append(Pair("final_norm", model.language_model.decoder.final_layernorm, _language_tokens))
+    if model.post_process:
+        out.append(Pair(FINAL_NORM, model.language_model.decoder.final_layernorm, _language_tokens))
     return out
+
 
 
 def _language_tokens(output, case):
@@ -385,10 +489,35 @@ def random_config(pick):
                        multimodal_projector_bias=pick([False, True]), tie_word_embeddings=tied)
 
 
-def hooks(towers: TowerLookup) -> FamilyHooks:
+# How a whole VLM lays its images out among the text ids.
+PLACEHOLDERS = "placeholders"  # one run of image tokens per image (LLaVA's processors)
+ROWS = "pixtral_rows"  # the Pixtral processor's rows: [IMG]… [IMG_BREAK] … [IMG_END]
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What distinguishes one whole VLM from another on top of the shared parts (the registered
+    tower, the projector, the dense decoder): the image-token layout its processor produces, and
+    how its tower is built when it is not the tower family's own (Mistral3's carries the merger)."""
+
+    image_layout: str = PLACEHOLDERS
+    # (whole config, tower config, params_dtype) -> the native tower; None: the tower family's.
+    build_tower: Optional[Callable] = None
+    random_config: Optional[Callable] = None
+
+
+def row_layout_size_problems(cfg, sizes) -> list[str]:
+    px = processor.token_pixels(cfg)
+    return [f"image size {h}x{w}: the Pixtral processor's tokens are {px} pixels, so both sides "
+            f"must be multiples of {px}" for h, w in sizes if h % px or w % px]
+
+
+def hooks(towers: TowerLookup, composition: Composition = Composition(), reference_module=reference) -> FamilyHooks:
     def build_native(cfg, params_dtype=torch.float32):
         tower = towers(cfg)
-        return native.build_native(cfg, params_dtype, build_tower=tower.build_native,
+        build_tower = (tower.build_native if composition.build_tower is None
+                       else partial(composition.build_tower, cfg))
+        return native.build_native(cfg, params_dtype, build_tower=build_tower,
                                    tower_packs_images=tower.llava_tower.variable_size,
                                    tower_name=tower.llava_tower.model_type)
 
@@ -396,14 +525,18 @@ def hooks(towers: TowerLookup) -> FamilyHooks:
         tower = towers(cfg)
         return converter.Tower(tower.converter, tower.llava_tower.v4_checkpoint_root)
 
+    rows = composition.image_layout == ROWS
     return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=build_native,  # the tower comes from towers
-        converter=converter.converter(tower_of), cases=partial(cases, towers=towers),
+        tiny_config=reference_module.tiny_config, family_config=reference_module.vision_config,
+        build_reference=reference_module.build, build_native=build_native,  # the tower comes from towers
+        converter=converter.converter(tower_of),
+        cases=partial(cases, towers=towers, composition=composition),
         reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
                        reference_component),
         native=Side(native_run, partial(native_pairs, towers=towers), native_component),
-        random_config=random_config, components=COMPONENTS,
+        random_config=composition.random_config or random_config, components=COMPONENTS,
         prepare_case=partial(prepare_case, towers=towers),
-        image_size_problems=partial(image_size_problems, towers=towers),
+        image_size_multiple=processor.token_pixels if rows else None,
+        image_size_problems=(row_layout_size_problems if rows
+                             else partial(image_size_problems, towers=towers)),
         pipeline_problems=pipeline_problems)

@@ -41,10 +41,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from mmparity.converters.ops import FuseQKV, PadRows, fuse_gate_up
+from mmparity.converters import language
+from mmparity.converters.language import language_rules
 from mmparity.converters.rules import (ConversionError, ConverterSpec, Rule, RuleSet, aside, nested_rules,
                                        rename)
-from mmparity.hfconfig import head_dim, padded_vocab_size, tied_embeddings, tower_depth
+from mmparity.hfconfig import has_patch_merger, tied_embeddings, tower_depth
 
 FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint")
 
@@ -78,45 +79,18 @@ def _vision_rule_set(cfg, tower: Tower) -> RuleSet:
 def tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
     if tp < 1:
         return []  # the engine reports a non-positive size itself
-    text = cfg.text_config
     validate_vision = _vision_rule_set(cfg, tower).validate_tp
     problems = list(validate_vision(tp)) if validate_vision else []
-    sizes = {"text num_attention_heads": text.num_attention_heads,
-             "text num_key_value_heads": text.num_key_value_heads,
-             "text intermediate_size": text.intermediate_size,
-             "text hidden_size (projector width)": text.hidden_size}
-    problems += [f"tp={tp} does not divide {name}={value}" for name, value in sizes.items()
-                 if value % tp]
-    return problems
+    return problems + language.tp_problems(cfg.text_config, tp)
 
 
-def language_rules(cfg, lm_root: str, head_key: str) -> tuple:
-    """Llama / Mistral decoder (no biases, RMSNorm, SwiGLU, rotate-half RoPE as HF stores it)."""
-    text = cfg.text_config
-    heads, groups, d = text.num_attention_heads, text.num_key_value_heads, head_dim(text)
-    vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
-    hf = lm_root + "layers.{i}."
-    mc = "language_model.decoder.layers.{i}."
-    attn = hf + "self_attn."
-    rules = (
-        Rule("language_model.embedding.word_embeddings.weight", lm_root + "embed_tokens.weight",
-             vocab, "vocab"),
-        rename(mc + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
-        # HF Llama weights are already in rotate-half order, which mcore's non-interleaved RoPE
-        # uses too: no per-head permutation, unlike the Pixtral tower.
-        Rule(mc + "self_attention.linear_qkv.weight",
-             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-             FuseQKV(heads, groups, d), "qkv"),
-        rename(mc + "self_attention.linear_proj.weight", attn + "o_proj.weight", "row"),
-        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
-        Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-             fuse_gate_up(), "gated"),
-        rename(mc + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", "row"),
-        rename("language_model.decoder.final_layernorm.weight", lm_root + "norm.weight"),
-    )
-    if not tied_embeddings(cfg):
-        rules += (Rule("language_model.output_layer.weight", head_key, vocab, "vocab"),)
-    return rules
+def merger_rules(cfg, root: str) -> tuple:
+    """Mistral3's pre-merge RMSNorm and 2x2 patch merger, which HF keeps in its projector and
+    Megatron in the tower (``vision_model.merger``, as the Pixtral-Large family lays it out)."""
+    if not has_patch_merger(cfg):
+        return ()
+    return (rename("vision_model.merger.pre_norm.weight", root + "norm.weight"),
+            rename("vision_model.merger.linear_fc1.weight", root + "patch_merger.merging_layer.weight"))
 
 
 def projector_rules(cfg, root: str) -> tuple:
@@ -155,7 +129,7 @@ def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
     vision, vision_vars = nested_rules(_vision_rule_set(cfg, tower), "vision_model.", tower_root,
                                        "vision_")
     vision, vision_vars = _tower_depth(cfg, vision, vision_vars)
-    rules = language_rules(cfg, lm_root, head_key) + vision + projector_rules(cfg, projector)
+    rules = language_rules(cfg.text_config, lm_root, head_key, tied=tied_embeddings(cfg)) + vision + merger_rules(cfg, projector) + projector_rules(cfg, projector)
     drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
     return RuleSet(rules=rules,
                    variables={"i": cfg.text_config.num_hidden_layers, **vision_vars},

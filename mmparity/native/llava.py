@@ -13,134 +13,19 @@ import copy
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-    RotaryEmbedding)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mmparity import runtime
-from mmparity.hfconfig import (feature_layer_indices, head_dim, padded_vocab_size, rope_theta, tower_depth,
-                               tied_embeddings)
+from mmparity.hfconfig import feature_layer_indices, padded_vocab_size, select_strategy, rope_theta, tower_depth, tied_embeddings
+from mmparity.native.language import LanguageRotaryEmbedding, language_layer_spec, language_transformer_config
 from mmparity.native.llava_preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data
 from mmparity.native.core.attention import make_packed_seq_params
-from mmparity.native.core.layers import (activation_from_hf, layer_spec, tolerate_missing_extra_state,
-                                         vision_transformer_config)
-
-
-# HF text model types whose decoder the native GPT model reproduces exactly.
-TEXT_MODEL_TYPES = ("llama", "mistral")
-
-class CausalCoreAttention(torch.nn.Module):
-    """``core_attention`` for the language model's mcore ``SelfAttention``: causal SDPA, CPU or CUDA.
-
-    The ``sbhd`` contract of :class:`mmparity.native.core.attention.BidirectionalCoreAttention`
-    (``[s, b, heads, dim]`` in, ``[s, b, heads * dim]`` out; fewer key/value heads than query heads
-    for GQA), because mcore's own ``DotProductAttention`` allocates on CUDA. An ``attention_mask``
-    (mcore's boolean, True = masked out) narrows the causal mask further. Packed (THD) sequences
-    and attention biases are refused rather than silently attended across.
-    """
-
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, **unused):
-        super().__init__()
-        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        if attention_bias is not None:
-            raise NotImplementedError("CausalCoreAttention does not take an attention_bias")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            raise NotImplementedError("CausalCoreAttention does not implement packed (THD) sequences")
-        seq, batch, heads, dim = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if k.shape[1] != heads:
-            # mcore groups query heads by key/value head: query head h reads group h // (heads/groups).
-            k = k.repeat_interleave(heads // k.shape[1], dim=1)
-            v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            causal = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-            allowed = causal & ~attention_mask.bool()
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
-
-
-class LanguageRotaryEmbedding(RotaryEmbedding):
-    """mcore's 1D RoPE table, kept on the module's device.
-
-    Upstream moves its frequencies to the current CUDA device on first use, which fails on CPU
-    and ignores ``module.to(device)``; here they are a non-persistent buffer (no state-dict key)
-    that follows the module. The table is the same: angles ``position · θ^(-2k/d)`` in fp32,
-    laid out ``[a ‖ a]`` for rotate-half (``[a0, a0, a1, a1, …]`` when interleaved).
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        inv_freq = self.inv_freq
-        del self.inv_freq
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def _apply(self, fn, *args, **kwargs):
-        # The angles stay fp32 under a low-precision cast (only the device follows), and the
-        # parent's per-length table cache would hold tensors of the old device or dtype.
-        fp32 = self.inv_freq
-        out = super()._apply(fn, *args, **kwargs)
-        self.inv_freq = fp32.to(self.inv_freq.device)
-        RotaryEmbedding.forward.cache_clear()
-        return out
-
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, d/2]
-        if self.rotary_interleaved:
-            emb = freqs.repeat_interleave(2, dim=-1)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]
-
-
-def language_layer_spec() -> ModuleSpec:
-    """A causal GPT layer in the Transformer Engine key spelling (norms fused into the linears)."""
-    return layer_spec(CausalCoreAttention, AttnMaskType.causal)
-
-
-def _text_config_problems(text) -> list[str]:
-    """What of an HF text config the native GPT decoder cannot reproduce exactly."""
-    problems = []
-    if text.model_type not in TEXT_MODEL_TYPES:
-        problems.append(f"text model_type {text.model_type!r} (supported: "
-                        f"{', '.join(TEXT_MODEL_TYPES)})")
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(text, flag, False):
-            problems.append(f"{flag}=True")
-    if getattr(text, "sliding_window", None) is not None:
-        problems.append(f"sliding_window={text.sliding_window} (the decoder is fully causal)")
-    rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type != "default":
-        problems.append(f"rope_type {rope_type!r} (only unscaled RoPE)")
-    return problems
-
-
-def language_transformer_config(text, params_dtype: torch.dtype = torch.float32):
-    problems = _text_config_problems(text)
-    if problems:
-        raise ValueError("unsupported LLaVA language model: " + "; ".join(problems))
-    return vision_transformer_config(
-        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
-        kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size,
-        normalization="RMSNorm", norm_eps=text.rms_norm_eps,
-        activation=activation_from_hf(text.hidden_act), gated=True, bias=False,
-        rotary_interleaved=False, params_dtype=params_dtype)
+from mmparity.native.core.layers import activation_from_hf, tolerate_missing_extra_state, vision_transformer_config
 
 
 def projection_transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
@@ -252,6 +137,8 @@ class LLaVAModel(MegatronModule):
         # What later stages need of the tower: how many slots each image fills.
         self.vision_patch_dim = vision_model.patch_dim
         self.vision_class_token_len = getattr(vision_model, "class_token_len", 0)
+        merger = getattr(vision_model, "merger", None)
+        self.vision_merge = merger.spatial_merge_size if merger is not None else 1
         self.vision_model = vision_model if self.pre_process else None
         self.vision_projection = MultimodalProjector(
             vision_projection_config, vision_projection_layer_spec, vision_projection_type,
@@ -336,6 +223,13 @@ class LLaVAModel(MegatronModule):
         per_image = list(features.unbind(0)) if seqlens is None else list(features[0].split(seqlens))
         if self.drop_vision_class_token:
             per_image = [x[1:] for x in per_image]
+        merger = getattr(vision, "merger", None)
+        if merger is not None:
+            # One call over every image, each merged on its own grid, as Mistral3's projector does.
+            grids = self._patch_grids(images, imgs_sizes)
+            merged = merger(torch.cat(per_image).unsqueeze(0), grids=grids)[0]
+            per_image = list(merged.split([(h // self.vision_merge) * (w // self.vision_merge)
+                                           for h, w in grids]))
         return per_image
 
     def encode_images(self, images: torch.Tensor, imgs_sizes=None):
@@ -347,13 +241,18 @@ class LLaVAModel(MegatronModule):
     def image_token_counts(self, images: torch.Tensor, imgs_sizes=None) -> list[int]:
         """Tokens per image that :meth:`encode_images` would return, from the shapes alone (for
         pipeline stages without the tower)."""
+        m = self.vision_merge
+        if m > 1:
+            return [(h // m) * (w // m) for h, w in self._patch_grids(images, imgs_sizes)]
+        dropped = 1 if self.drop_vision_class_token else 0
+        return [self.vision_class_token_len + h * w - dropped
+                for h, w in self._patch_grids(images, imgs_sizes)]
+
+    def _patch_grids(self, images: torch.Tensor, imgs_sizes=None) -> list[tuple[int, int]]:
         p = self.vision_patch_dim
         if imgs_sizes is None:
-            grids = [(images.shape[-2] // p, images.shape[-1] // p)] * images.shape[0]
-        else:
-            grids = [(int(h) // p, int(w) // p) for h, w in imgs_sizes]
-        dropped = 1 if self.drop_vision_class_token else 0
-        return [self.vision_class_token_len + h * w - dropped for h, w in grids]
+            return [(images.shape[-2] // p, images.shape[-1] // p)] * images.shape[0]
+        return [(int(h) // p, int(w) // p) for h, w in imgs_sizes]
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -459,7 +358,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower:
     ``build_tower(vision_config, params_dtype)`` builds the vision tower's native model; a tower
     that ``packs_images`` (HF runs all images as one sequence) has no per-image first token to drop.
     """
-    strategy = cfg.vision_feature_select_strategy
+    strategy = select_strategy(cfg)
     if strategy not in ("default", "full"):
         raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}")
     if strategy == "default" and tower_packs_images:

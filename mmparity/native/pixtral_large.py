@@ -10,6 +10,8 @@ names mcore's ``LLaVAModel`` uses). The merger norm's epsilon is the *text* conf
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -82,13 +84,21 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> PixtralLarge
     if not _feature_layer_is_last(cfg):
         raise ValueError(f"vision_feature_layer={cfg.vision_feature_layer!r}: only the last layer "
                          "(-1) is supported by the native Pixtral-Large path")
-    vision = cfg.vision_config
+    return PixtralLargeVisionModel(merged_tower(cfg, params_dtype), projector_config(cfg, params_dtype),
+                                   cfg.vision_config.hidden_size)
+
+
+def merged_tower(cfg, params_dtype: torch.dtype = torch.float32, num_layers: int | None = None) -> ViTModel:
+    """The Pixtral ``ViTModel`` with Mistral3's 2x2 merger (``vision_model`` of Megatron's layout),
+    ``num_layers`` deep (default: the config's); the merger norm takes the text epsilon."""
+    vision = copy.copy(cfg.vision_config)
+    if num_layers is not None:
+        vision.num_hidden_layers = num_layers
     img_h, img_w = pixtral._image_hw(vision)
-    vit = ViTModel(pixtral.transformer_config(vision, params_dtype), vision_layer_spec(),
-                   patch_dim=pixtral._patch(vision), img_h=img_h, img_w=img_w,
-                   in_channels=vision.num_channels, patch_embed_bias=False, ln_pre=True,
-                   ln_pre_eps=pixtral.PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
-                   rope_theta=rope_theta(vision), use_merger=True,
-                   spatial_merge_size=cfg.spatial_merge_size,
-                   merger_norm_eps=cfg.text_config.rms_norm_eps)
-    return PixtralLargeVisionModel(vit, projector_config(cfg, params_dtype), vision.hidden_size)
+    return ViTModel(pixtral.transformer_config(vision, params_dtype), vision_layer_spec(),
+                    patch_dim=pixtral._patch(vision), img_h=img_h, img_w=img_w,
+                    in_channels=vision.num_channels, patch_embed_bias=False, ln_pre=True,
+                    ln_pre_eps=pixtral.PIXTRAL_NORM_EPS, pos_emb_type="rope2d",
+                    rope_theta=rope_theta(vision), use_merger=True,
+                    spatial_merge_size=cfg.spatial_merge_size,
+                    merger_norm_eps=cfg.text_config.rms_norm_eps)

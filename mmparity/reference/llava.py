@@ -50,14 +50,17 @@ def vision_config(cfg):
 
 
 def build(cfg) -> LlavaForConditionalGeneration:
-    model = LlavaForConditionalGeneration(cfg).eval()
+    return fill_tied_head(LlavaForConditionalGeneration(cfg).eval(), cfg)
+
+
+def fill_tied_head(model, cfg):
+    """A tied checkpoint stores the table once (save_pretrained omits ``lm_head.weight``): accept
+    that in strict loads of ``model`` by reading the head from the embedding."""
     if tied_embeddings(cfg):
-        # A tied checkpoint stores the table once (save_pretrained omits lm_head.weight); accept
-        # that in strict loads by reading the head from the embedding.
-        def fill_tied_head(state_dict, prefix, *unused):
+        def fill(state_dict, prefix, *unused):
             head, embed = prefix + "lm_head.weight", prefix + "model.language_model.embed_tokens.weight"
             if head not in state_dict and embed in state_dict:
                 state_dict[head] = state_dict[embed]
 
-        model._register_load_state_dict_pre_hook(fill_tied_head)
+        model._register_load_state_dict_pre_hook(fill)
     return model

@@ -44,7 +44,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity import runtime
-from mmparity.hfconfig import first_int, image_hw, padded_vocab_size, rope_theta, vision_of
+from mmparity.hfconfig import first_int, image_hw, padded_vocab_size, rope_theta, select_strategy, vision_of
 from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.upstream import te_stand_ins
 from mmparity.upstream.te_stand_ins import buildable_without_te, te_class
@@ -337,8 +337,8 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
                     "pixtral": "pixtral"}.get(vc.model_type)
     if tower_family is None:
         raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
-    if cfg.vision_feature_select_strategy not in ("default", "full"):
-        raise ValueError(f"unknown select strategy {cfg.vision_feature_select_strategy!r}")
+    if select_strategy(cfg) not in ("default", "full"):
+        raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
     layers = feature_layer_count(cfg)
     modules = [llava_model, clip_vit_model]
     if tower_family == "pixtral":
@@ -365,7 +365,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
             language_max_sequence_length=text.max_position_embeddings,
             vision_transformer_config=vision_config,
             vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
-            drop_vision_class_token=cfg.vision_feature_select_strategy == "default",
+            drop_vision_class_token=select_strategy(cfg) == "default",
             vision_projection_config=projection_config(
                 text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
                 bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm", text.rms_norm_eps),

@@ -1,0 +1,44 @@
+"""Reference side of whole Mistral3 (Mistral-Small-3.1 / Pixtral-Large style): transformers'
+``Mistral3ForConditionalGeneration``, Pixtral tower + 2x2 merger + projector + Mistral decoder.
+
+Cases are the LLaVA composition's (:mod:`mmparity.reference.llava` states the compared outputs);
+the ids come from HF's Pixtral processor, so images are laid out as rows of ``[IMG]`` tokens closed
+by ``[IMG_BREAK]``, the last by ``[IMG_END]``.
+"""
+
+from __future__ import annotations
+
+from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+from mmparity.reference.llava import fill_tied_head
+
+MODEL_TYPES = ("mistral3",)
+
+
+def tiny_config() -> Mistral3Config:
+    """Pixtral tower (3 layers), Mistral decoder with GQA and a head_dim that is not hidden/heads,
+    a vocabulary that needs padding (97 -> 128), a text epsilon far from the tower's (the merger
+    norm must take the text one), projector biases, untied head, a non-default RoPE base."""
+    vision = PixtralVisionConfig(hidden_size=48, intermediate_size=44, num_hidden_layers=3,
+                                 num_attention_heads=4, image_size=96, patch_size=8,
+                                 hidden_act="silu", num_channels=3)
+    text = MistralConfig(vocab_size=97, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                         rms_norm_eps=1e-3, max_position_embeddings=512, sliding_window=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 7000.0},
+                         tie_word_embeddings=False)
+    return Mistral3Config(vision_config=vision, text_config=text, image_token_index=10,
+                          spatial_merge_size=2, projector_hidden_act="gelu",
+                          multimodal_projector_bias=True, vision_feature_layer=-1,
+                          tie_word_embeddings=False)
+
+
+def vision_config(cfg):
+    """The family config: a whole ``Mistral3Config``."""
+    if getattr(cfg, "model_type", None) in MODEL_TYPES:
+        return cfg
+    raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} is not a Mistral3 model")
+
+
+def build(cfg) -> Mistral3ForConditionalGeneration:
+    return fill_tied_head(Mistral3ForConditionalGeneration(cfg).eval(), cfg)
