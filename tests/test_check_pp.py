@@ -60,7 +60,8 @@ def test_check_pp2_passes_for_every_family(pp2_reports, family):
     checks = {r.check for r in report.results}
     assert {f"component:{name}" for name in families.get(family).hooks.components} <= checks
     modules = {row["module"] for row in report.results[0].modules}
-    assert {"layer.0", "layer.1"} <= modules
+    assert {"layer.0", "layer.1"} <= modules or {
+        "language_model.decoder.layers.0", "language_model.decoder.layers.1"} <= modules, modules
 
 
 @pytest.mark.slow
@@ -69,7 +70,8 @@ def test_uneven_split_passes(pp2_reports):
         report = pp2_reports[label]
         assert report.passed, (label, _failures(report))
         modules = {row["module"] for row in report.results[0].modules}
-        assert {"layer.0", "layer.1", "layer.2"} <= modules, label
+        named = "language_model.decoder.layers.{}" if label.startswith("llava") else "layer.{}"
+        assert {named.format(i) for i in range(3)} <= modules, label
 
 
 @pytest.mark.slow

@@ -57,17 +57,28 @@ def _layer_key(state: dict, layer: int, suffix: str) -> str:
     return matches[0]
 
 
+def layer_pair(key: str, layer: int) -> str:
+    """The paired module a perturbed layer key must be reported as: named by its part in a whole
+    model (the language model's decoder, the vision model), plainly in a tower."""
+    if key.startswith("language_model."):
+        return f"language_model.decoder.layers.{layer}"
+    return f"layer.{layer}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_negative_control_perturbed_weight_is_located(family):
+    perturbed = []
+
     def perturb(state):
         key = _layer_key(state, 1, "linear_fc2.weight")
+        perturbed.append(key)
         state[key] = state[key].clone()
         state[key][0, 0] += 0.5
 
     report = harness.check(family, seed=2, mutate_native=perturb, components=False)
     assert not report.passed
     located = {r.first_divergence.module for r in report.failures()}
-    assert located == {"layer.1"}, located
+    assert located == {layer_pair(perturbed[0], 1)}, located
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,8 +88,11 @@ def test_negative_control_swapped_query_heads_is_located(family):
     heads, groups = config.num_attention_heads, config.num_query_groups
     head_dim = config.kv_channels
 
+    swapped = []
+
     def swap_q_heads(state):
         key = _layer_key(state, 0, "linear_qkv.weight")
+        swapped.append(key)
         w = state[key].clone()
         per = heads // groups
         # mcore rows per group: [q_0 .. q_{per-1}, k, v]; swap q of head 0 with the first q
@@ -91,4 +105,4 @@ def test_negative_control_swapped_query_heads_is_located(family):
 
     report = harness.check(family, seed=3, mutate_native=swap_q_heads, components=False)
     assert not report.passed
-    assert {r.first_divergence.module for r in report.failures()} == {"layer.0"}
+    assert {r.first_divergence.module for r in report.failures()} == {layer_pair(swapped[0], 0)}

@@ -237,8 +237,8 @@ def test_default_parity_compares_every_stage():
         assert by_check[check].metrics["rel_l2"] <= 1e-5
     # feature layer -2 of 3: vision layers 0 and 1 run, layer 2 does not
     assert _compared_modules(report) == {
-        "vision.patch_embed", "vision.ln_pre", "vision.layer.0", "vision.layer.1", "projector",
-        "layer.0", "layer.1", "final_norm"}
+        "vision_model.patch_embed", "vision_model.ln_pre", "vision_model.layer.0", "vision_model.layer.1", "vision_projection",
+        "language_model.decoder.layers.0", "language_model.decoder.layers.1", "language_model.decoder.final_layernorm"}
     assert {"component:pixel_shuffle", "component:loss_weights", "component:expansion"} <= set(by_check)
 
 
@@ -363,8 +363,8 @@ def test_row_placeholders_with_media_token_counts_match_break_tokens():
 
 
 @pytest.mark.parametrize("key,module", [
-    ("vision_model.decoder.layers.0.mlp.linear_fc2.weight", "vision.layer.0"),
-    ("vision_projection.encoder.linear_fc1.weight", "projector"),
+    ("vision_model.decoder.layers.0.mlp.linear_fc2.weight", "vision_model.layer.0"),
+    ("vision_projection.encoder.linear_fc1.weight", "vision_projection"),
 ])
 def test_negative_controls_locate_vision_and_projector(key, module):
     def perturb(state):
@@ -394,7 +394,7 @@ def test_causal_core_attention_against_explicit_softmax():
     """GQA grouping, the causal mask, and an extra mcore mask (True = masked) on top of it."""
     from types import SimpleNamespace
 
-    from mmparity.native.llava import CausalCoreAttention
+    from mmparity.native.language import CausalCoreAttention
 
     gen = torch.Generator().manual_seed(0)
     s, b, heads, groups, d = 5, 2, 4, 2, 3

@@ -1,0 +1,127 @@
+"""Whole VLMs composed from parts (``mistral3``, ``pixtral_12b``): the Pixtral processor's image
+layout, and negative controls that name the part a fault belongs to."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from mmparity import families
+from mmparity.cases import inputs, llava, processor
+from mmparity.cases.inputs import random_like_state
+from mmparity.converters.rules import with_side
+from mmparity.parity import harness
+from mmparity.parity.metrics import compare
+
+WHOLE_ROWS = ("mistral3", "pixtral_12b")
+
+
+@pytest.fixture
+def real_pixtral_processor(monkeypatch):
+    """transformers' PixtralProcessor module, importable here only with torchvision stood in for:
+    it imports torchvision at module level though the PIL image backend needs none of it."""
+    import transformers  # noqa: F401  (probes torchvision's presence before the stand-in exists)
+
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional"):
+        if name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for name in ("transformers.models.pixtral.processing_pixtral",
+                 "transformers.models.pixtral.image_processing_pixtral"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield
+    for name in ("transformers.models.pixtral.processing_pixtral",
+                 "transformers.models.pixtral.image_processing_pixtral"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_processor_layout_is_hf_processors_token_for_token(real_pixtral_processor, family):
+    cfg = families.get(family).tiny_config()
+    assert processor.real_processor(cfg, 64) is not None
+    # Odd sizes the processor resizes (33x70), and three images in one row.
+    imgs = [llava._as_uint8(i) for i in inputs.images([(48, 80), (80, 32), (33, 70)], 3, 1)]
+    text = [f"{processor.word(1)} [IMG] {processor.word(3)} [IMG] [IMG] {processor.word(4)}"]
+    real = processor.process(cfg, text, [imgs], 64)
+    ours = processor.process(cfg, text, [imgs], 64, use_real=False)
+    for key in ("input_ids", "pixel_values", "image_sizes"):
+        assert torch.equal(real[key], ours[key]), key
+    ids = processor.special_ids(cfg)
+    row = real["input_ids"][0].tolist()
+    assert row.count(ids.image_end) == 3 and row.count(ids.image_break) > 0
+
+
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_cases_carry_break_and_end_tokens_as_text(family):
+    cfg = families.get(family).tiny_config()
+    case = families.get(family).hooks.cases(cfg, 3)[0]
+    ids = processor.special_ids(cfg)
+    hf = case.data["hf_input_ids"]
+    assert (hf == ids.image_end).sum() == len(case.data["images"]) == 3
+    # One placeholder per image row, in the compact ids the native side reads.
+    assert (case.data["input_ids"] == llava.PLACEHOLDER).sum() == len(case.data["media_token_counts"])
+    assert sum(case.data["media_token_counts"]) == (hf == cfg.image_token_index).sum()
+
+
+def _one_run_per_image(case, cfg):
+    """The LLaVA layout on the native side: each image's rows in one run, its break and end tokens
+    after it (so the rows have the same length, only the layout is wrong)."""
+    ids = processor.special_ids(cfg)
+    compact, counts = [], []
+    for row in case.data["hf_input_ids"].tolist():
+        out, pending = [], []
+        for token in row:
+            if token == cfg.image_token_index:
+                if not pending and (not out or out[-1] != llava.PLACEHOLDER):
+                    out.append(llava.PLACEHOLDER)
+                    counts.append(0)
+                counts[-1] += 1
+            elif token == ids.image_break:
+                pending.append(token)
+            elif token == ids.image_end:
+                out += pending + [token]
+                pending = []
+            else:
+                out.append(token)
+        compact.append(out)
+    wrong = llava._mcore_side(cfg, compact, 0)
+    data = dict(case.data, media_token_counts=counts, **wrong)
+    return type(case)(case.name, data, case.outputs, case.description)
+
+
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_negative_control_wrong_image_layout_fails(family):
+    fam = families.get(family)
+    cfg = fam.tiny_config()
+    ref = fam.build_reference(cfg)
+    state = random_like_state(ref.state_dict(), seed=7)
+    ref.load_state_dict(state)
+    native = fam.build_native(cfg)
+    native.load_state_dict(with_side(fam.hf_to_mcore(state, cfg))[0])
+    case = fam.hooks.prepare_case(fam.hooks.cases(cfg, 5)[0], cfg)
+    with torch.no_grad():
+        expected = fam.hooks.reference.run(ref, case)["logits"]
+        right = fam.hooks.native.run(native, case)["logits"]
+        wrong = fam.hooks.native.run(native, _one_run_per_image(case, cfg))["logits"]
+    assert compare(right, expected).rel_l2 < 1e-5
+    assert compare(wrong, expected).rel_l2 > 1e-2
+
+
+@pytest.mark.parametrize("family,key,part", [
+    ("mistral3", "language_model.decoder.layers.1.mlp.linear_fc2.weight", "language_model.decoder.layers.1"),
+    ("mistral3", "vision_model.merger.linear_fc1.weight", "vision_model.merger"),
+    ("mistral3", "vision_projection.encoder.linear_fc2.weight", "vision_projection"),
+    ("pixtral_12b", "vision_model.decoder.layers.0.self_attention.linear_proj.weight", "vision_model.layer.0"),
+    ("pixtral_12b", "language_model.decoder.final_layernorm.weight", "language_model.decoder.final_layernorm"),
+])
+def test_negative_control_names_the_part(family, key, part):
+    def perturb(state):
+        state[key] = state[key].clone()
+        state[key].view(-1)[0] += 0.5
+
+    report = harness.check(family, seed=2, mutate_native=perturb, components=False)
+    assert not report.passed
+    assert {r.first_divergence.module for r in report.failures()} == {part}
