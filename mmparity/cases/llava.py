@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlavaConfig
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
 from mmparity.cases import inputs, processor
-from mmparity.cases.core import Case, FamilyHooks, Pair, Side, TowerLookup, first_tensor, tokens_2d
+from mmparity.cases.core import Case, FamilyHooks, Pair, Published, Side, TowerLookup, first_tensor, tokens_2d
 from mmparity.converters import llava as converter
 from mmparity.hfconfig import first_int, has_patch_merger, select_strategy, image_hw, tied_embeddings, vision_layers_run
 from mmparity.native import llava as native
@@ -504,6 +504,7 @@ class Composition:
     # (whole config, tower config, params_dtype) -> the native tower; None: the tower family's.
     build_tower: Optional[Callable] = None
     random_config: Optional[Callable] = None
+    published: Optional[Published] = None
 
 
 def row_layout_size_problems(cfg, sizes) -> list[str]:
@@ -539,4 +540,4 @@ def hooks(towers: TowerLookup, composition: Composition = Composition(), referen
         image_size_multiple=processor.token_pixels if rows else None,
         image_size_problems=(row_layout_size_problems if rows
                              else partial(image_size_problems, towers=towers)),
-        pipeline_problems=pipeline_problems)
+        pipeline_problems=pipeline_problems, published=composition.published)

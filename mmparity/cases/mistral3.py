@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers import Mistral3Config, MistralConfig
 
 from mmparity.cases import llava
-from mmparity.cases.core import FamilyHooks, TowerLookup
+from mmparity.cases.core import FamilyHooks, Published, TowerLookup
 from mmparity.hfconfig import tower_depth
 from mmparity.native import pixtral_large
 from mmparity.reference import mistral3 as reference
@@ -36,6 +36,25 @@ def random_config(pick) -> Mistral3Config:
                           multimodal_projector_bias=pick([False, True]), tie_word_embeddings=tied)
 
 
+# Mistral-Small-3.1-24B-Instruct-2503's config (recalled from its release; the bench cannot reach
+# the hub to read it).
+PUBLISHED = Published(
+    source="Mistral-Small-3.1-24B (Pixtral 24 x 1024 tower, patch 14, 2x2 merger; Mistral decoder "
+           "40 x 5120, GQA 32/8, head 128, vocabulary 131072)",
+    vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14,
+                num_channels=3, hidden_act="silu"),
+    parent={"text_config.hidden_size": 5120, "text_config.intermediate_size": 32768,
+            "text_config.num_hidden_layers": 40, "text_config.num_attention_heads": 32,
+            "text_config.num_key_value_heads": 8, "text_config.head_dim": 128,
+            "text_config.vocab_size": 131072, "text_config.rms_norm_eps": 1e-5,
+            "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1e9},
+            "text_config.max_position_embeddings": 131072, "multimodal_projector_bias": False},
+    images=2, image_size=(896, 896),
+    note="whole forward, language model included")
+
+
 def hooks(towers: TowerLookup) -> FamilyHooks:
     return llava.hooks(towers, llava.Composition(llava.ROWS, build_tower=build_tower,
-                                                 random_config=random_config), reference)
+                                                 random_config=random_config, published=PUBLISHED),
+                       reference)

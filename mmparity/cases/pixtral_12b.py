@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import LlavaConfig, MistralConfig
 
 from mmparity.cases import llava
-from mmparity.cases.core import FamilyHooks, TowerLookup
+from mmparity.cases.core import FamilyHooks, Published, TowerLookup
 from mmparity.reference import pixtral_12b as reference
 
 
@@ -28,5 +28,24 @@ def random_config(pick) -> LlavaConfig:
                        multimodal_projector_bias=pick([False, True]), tie_word_embeddings=tied)
 
 
+# Pixtral-12B-2409's config as transformers lays it out (recalled from its release; the bench
+# cannot reach the hub to read it).
+PUBLISHED = Published(
+    source="Pixtral-12B (Pixtral 24 x 1024 tower, patch 16; Mistral-NeMo decoder 40 x 5120, GQA "
+           "32/8, head 128, vocabulary 131072)",
+    vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                num_attention_heads=16, head_dim=64, image_size=1024, patch_size=16,
+                num_channels=3, hidden_act="silu"),
+    parent={"text_config.hidden_size": 5120, "text_config.intermediate_size": 14336,
+            "text_config.num_hidden_layers": 40, "text_config.num_attention_heads": 32,
+            "text_config.num_key_value_heads": 8, "text_config.head_dim": 128,
+            "text_config.vocab_size": 131072, "text_config.rms_norm_eps": 1e-5,
+            "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1e9},
+            "text_config.max_position_embeddings": 1024000, "multimodal_projector_bias": True},
+    images=2, image_size=(1024, 1024),
+    note="whole forward, language model included")
+
+
 def hooks(towers: TowerLookup) -> FamilyHooks:
-    return llava.hooks(towers, llava.Composition(llava.ROWS, random_config=random_config), reference)
+    return llava.hooks(towers, llava.Composition(llava.ROWS, random_config=random_config,
+                                                 published=PUBLISHED), reference)

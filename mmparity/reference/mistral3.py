@@ -16,14 +16,15 @@ MODEL_TYPES = ("mistral3",)
 
 
 def tiny_config() -> Mistral3Config:
-    """Pixtral tower (3 layers), Mistral decoder with GQA and a head_dim that is not hidden/heads,
+    """Pixtral tower (3 layers), Mistral decoder with GQA (8 heads in 4 groups, so TP 4 divides
+    both) and a head_dim that is not hidden/heads,
     a vocabulary that needs padding (97 -> 128), a text epsilon far from the tower's (the merger
     norm must take the text one), projector biases, untied head, a non-default RoPE base."""
     vision = PixtralVisionConfig(hidden_size=48, intermediate_size=44, num_hidden_layers=3,
                                  num_attention_heads=4, image_size=96, patch_size=8,
                                  hidden_act="silu", num_channels=3)
     text = MistralConfig(vocab_size=97, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=12,
                          rms_norm_eps=1e-3, max_position_embeddings=512, sliding_window=None,
                          rope_parameters={"rope_type": "default", "rope_theta": 7000.0},
                          tie_word_embeddings=False)

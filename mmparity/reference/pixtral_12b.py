@@ -13,14 +13,15 @@ MODEL_TYPES = ("llava",)
 
 
 def tiny_config() -> LlavaConfig:
-    """Pixtral tower (2 layers, features from the last, as Pixtral-12B), Mistral decoder with GQA,
+    """Pixtral tower (2 layers, features from the last, as Pixtral-12B), Mistral decoder with GQA
+    (8 heads in 4 groups; TP 4 divides every split size),
     an explicit head_dim, a vocabulary that needs padding (131 -> 256), no projector bias, untied
     embeddings as released."""
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=36, num_hidden_layers=2,
-                                 num_attention_heads=2, image_size=64, patch_size=8,
-                                 hidden_act="silu", num_channels=3, head_dim=16)
+                                 num_attention_heads=4, image_size=64, patch_size=8,
+                                 hidden_act="silu", num_channels=3, head_dim=8)
     text = MistralConfig(vocab_size=131, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                          rms_norm_eps=1e-5, max_position_embeddings=512, sliding_window=None,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                          tie_word_embeddings=False)
