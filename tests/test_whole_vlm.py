@@ -151,8 +151,9 @@ def test_whole_vlm_round_trip_grid_is_bit_exact(family, tp, pp, fmt, whole_hf_di
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["convert", "--src", str(src), "--dst", str(mcore), "--to", "mcore", "--family", family,
                  "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--quiet"]) == 0
-    manifest = read_manifest(mcore)
-    assert (manifest.tensor_parallel_size, manifest.pipeline_parallel_size) == (tp, pp)
+    if fmt == "legacy":  # torch_dist holds global tensors, whatever the TP/PP it was cut for
+        manifest = read_manifest(mcore)
+        assert (manifest.tensor_parallel_size, manifest.pipeline_parallel_size) == (tp, pp)
     assert verify(mcore).ok
     assert main(["convert", "--src", str(mcore), "--dst", str(back), "--to", "hf", "--quiet"]) == 0
     assert_same_checkpoint(back, src)
