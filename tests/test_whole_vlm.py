@@ -170,3 +170,75 @@ def test_whole_vlm_vocabulary_is_padded_as_megatron_lm_pads_it():
             full = torch.cat([s[key] for s in shards])
             assert torch.equal(full[:97], state[key.replace("language_model.embedding.word_embeddings", "model.language_model.embed_tokens").replace("language_model.output_layer", "lm_head")])
             assert not full[97:].any()
+
+
+# --- the Mistral-native layout (consolidated.safetensors) of whole models -----------------------
+# Names after transformers' convert_pixtral_weights_to_hf.py / convert_mistral3_weights_to_hf.py
+# tables; HF's q/k rows are the native ones permuted for rotate-half RoPE (permute_for_rope).
+
+_WHOLE_TO_MISTRAL = [
+    (r"^model\.language_model\.embed_tokens\.", "tok_embeddings."),
+    (r"^model\.language_model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.", r"layers.\1.attention.w\2."),
+    (r"^model\.language_model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attention_norm."),
+    (r"^model\.language_model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.ffn_norm."),
+    (r"^model\.language_model\.layers\.(\d+)\.mlp\.gate_proj\.", r"layers.\1.feed_forward.w1."),
+    (r"^model\.language_model\.layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.feed_forward.w2."),
+    (r"^model\.language_model\.layers\.(\d+)\.mlp\.up_proj\.", r"layers.\1.feed_forward.w3."),
+    (r"^model\.language_model\.norm\.", "norm."),
+    (r"^lm_head\.", "output."),
+]
+
+
+def _whole_mistral_name(key: str) -> str:
+    import re
+
+    from tests.test_mistral_layout import _TO_MISTRAL, _rename
+
+    for pattern, repl in _WHOLE_TO_MISTRAL:
+        new, n = re.subn(pattern, repl, key)
+        if n:
+            return new
+    return _rename(key[len("model."):], _TO_MISTRAL)
+
+
+def _native_qk(hf_value: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo permute_for_rope: rotate-half halves per head -> interleaved pairs."""
+    rows, cols = hf_value.shape
+    return hf_value.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _mistral_native_state(family: str, seed: int) -> tuple[dict, dict, object]:
+    import re
+
+    fam = families.get(family)
+    cfg = fam.tiny_config()
+    hf = random_like_state(fam.build_reference(cfg).state_dict(), seed=seed)
+    text, vision = cfg.text_config, cfg.vision_config
+    native = {}
+    for key, value in hf.items():
+        if re.search(r"language_model\.layers\.\d+\.self_attn\.q_proj\.weight$", key):
+            value = _native_qk(value, text.num_attention_heads)
+        elif re.search(r"language_model\.layers\.\d+\.self_attn\.k_proj\.weight$", key):
+            value = _native_qk(value, text.num_key_value_heads)
+        elif re.search(r"vision_tower\.transformer\.layers\.\d+\.attention\.[qk]_proj\.weight$", key):
+            value = _native_qk(value, vision.num_attention_heads)
+        native[_whole_mistral_name(key)] = value
+    return hf, native, cfg
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_mistral_native_layout_gives_the_same_mcore_and_round_trips(family, tp):
+    fam = families.get(family)
+    hf, native, cfg = _mistral_native_state(family, seed=tp)
+    assert any(k.startswith("vision_encoder.") for k in native) and "tok_embeddings.weight" in native
+    from_native = fam.hf_to_mcore(native, cfg, tp_size=tp)
+    from_hf = fam.hf_to_mcore(hf, cfg, tp_size=tp)
+    for a, b in zip(from_native, from_hf):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    back = fam.mcore_to_hf(from_native, cfg, hf_format="mistral")
+    assert back.keys() == native.keys()
+    for key, value in native.items():
+        assert torch.equal(back[key], value), key

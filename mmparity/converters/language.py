@@ -11,44 +11,81 @@ Tied embeddings have no ``output_layer`` on the mcore side.
 
 from __future__ import annotations
 
-from mmparity.converters.ops import FuseQKV, PadRows, fuse_gate_up
+from dataclasses import dataclass
+
+from mmparity.converters.ops import FuseQKV, PadRows, RopeHalve, fuse_gate_up
 from mmparity.converters.rules import Rule, rename
 from mmparity.hfconfig import decoder_biases, head_dim, padded_vocab_size
 
 MCORE_ROOT = "language_model."
 
 
-def language_rules(text, lm_root: str, head_key: str, *, tied: bool) -> tuple:
-    """Rules for the decoder whose HF body is under ``lm_root`` (``embed_tokens``, ``layers.{i}``,
-    ``norm``) and whose output head is ``head_key``; layers range over ``{i}``."""
+@dataclass(frozen=True)
+class DecoderNames:
+    """A layout's names for one decoder: the embedding and final norm under the body's root, the
+    per-layer tensors under ``layers.{i}.``, and whether q/k rows are in the original interleaved
+    order (Mistral's own files) rather than HF's rotate-half."""
+
+    embedding: str
+    final_norm: str
+    input_norm: str
+    q: str
+    k: str
+    v: str
+    o: str
+    post_norm: str
+    gate: str
+    up: str
+    down: str
+    interleaved_qk: bool = False
+
+
+NAMES = {
+    "hf": DecoderNames("embed_tokens", "norm", "input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                       "self_attn.v_proj", "self_attn.o_proj", "post_attention_layernorm",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    # consolidated.safetensors, as Mistral releases it (transformers' conversion scripts' table).
+    "mistral": DecoderNames("tok_embeddings", "norm", "attention_norm", "attention.wq", "attention.wk",
+                            "attention.wv", "attention.wo", "ffn_norm", "feed_forward.w1",
+                            "feed_forward.w3", "feed_forward.w2", interleaved_qk=True),
+}
+
+
+def language_rules(text, lm_root: str, head_key: str, *, tied: bool, names: DecoderNames = NAMES["hf"]) -> tuple:
+    """Rules for the decoder whose body is under ``lm_root`` and whose output head is
+    ``head_key``, in the layout ``names`` describes; layers range over ``{i}``."""
     heads, groups, d = text.num_attention_heads, text.num_key_value_heads, head_dim(text)
     qkv_bias, linear_bias = decoder_biases(text)
     vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
     hf = lm_root + "layers.{i}."
     mc = MCORE_ROOT + "decoder.layers.{i}."
-    attn, mlp = hf + "self_attn.", hf + "mlp."
-    qkv = FuseQKV(heads, groups, d)
+    q, k, v, o = (hf + name for name in (names.q, names.k, names.v, names.o))
+    gate, up, down = (hf + name for name in (names.gate, names.up, names.down))
+    if names.interleaved_qk:
+        halve_q, halve_k = RopeHalve(heads, d), RopeHalve(groups, d)
+        qkv = FuseQKV(heads, groups, d, pre=(halve_q, halve_k, None))
+    else:
+        qkv = FuseQKV(heads, groups, d)
     rules = (
-        Rule(MCORE_ROOT + "embedding.word_embeddings.weight", lm_root + "embed_tokens.weight", vocab, "vocab"),
-        rename(mc + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
-        Rule(mc + "self_attention.linear_qkv.weight",
-             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), qkv, "qkv"),
-        rename(mc + "self_attention.linear_proj.weight", attn + "o_proj.weight", "row"),
-        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
-        Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-             fuse_gate_up(), "gated"),
-        rename(mc + "mlp.linear_fc2.weight", mlp + "down_proj.weight", "row"),
-        rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + "norm.weight"),
+        Rule(MCORE_ROOT + "embedding.word_embeddings.weight", lm_root + names.embedding + ".weight",
+             vocab, "vocab"),
+        rename(mc + "self_attention.linear_qkv.layer_norm_weight", hf + names.input_norm + ".weight"),
+        Rule(mc + "self_attention.linear_qkv.weight", (q + ".weight", k + ".weight", v + ".weight"),
+             qkv, "qkv"),
+        rename(mc + "self_attention.linear_proj.weight", o + ".weight", "row"),
+        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + names.post_norm + ".weight"),
+        Rule(mc + "mlp.linear_fc1.weight", (gate + ".weight", up + ".weight"), fuse_gate_up(), "gated"),
+        rename(mc + "mlp.linear_fc2.weight", down + ".weight", "row"),
+        rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + names.final_norm + ".weight"),
     )
     if qkv_bias:
-        rules += (Rule(mc + "self_attention.linear_qkv.bias",
-                       (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), qkv, "qkv"),)
+        rules += (Rule(mc + "self_attention.linear_qkv.bias", (q + ".bias", k + ".bias", v + ".bias"),
+                       qkv, "qkv"),)
     if linear_bias:
         # Row-parallel biases are added once after the reduction: every rank holds all of it.
-        rules += (rename(mc + "self_attention.linear_proj.bias", attn + "o_proj.bias"),
-                  Rule(mc + "mlp.linear_fc1.bias", (mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-                       fuse_gate_up(), "gated"),
-                  rename(mc + "mlp.linear_fc2.bias", mlp + "down_proj.bias"))
+        rules += (rename(mc + "self_attention.linear_proj.bias", o + ".bias"),
+                  Rule(mc + "mlp.linear_fc1.bias", (gate + ".bias", up + ".bias"), fuse_gate_up(), "gated"),
+                  rename(mc + "mlp.linear_fc2.bias", down + ".bias"))
     if not tied:
         rules += (Rule(MCORE_ROOT + "output_layer.weight", head_key, vocab, "vocab"),)
     return rules

@@ -47,16 +47,40 @@ from mmparity.converters.rules import (ConversionError, ConverterSpec, Rule, Rul
                                        rename)
 from mmparity.hfconfig import has_patch_merger, tied_embeddings, tower_depth
 
-FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint")
+FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint", "mistral")
 
-# Roots per layout: (vision tower, projector, language model body, output head key).
-_ROOTS = {
-    "hf": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.",
-           "lm_head.weight"),
-    "hf_checkpoint": ("vision_tower.", "multi_modal_projector.", "language_model.model.",
-                      "language_model.lm_head.weight"),
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one HF-side layout keeps each part: the tower's root and the format of the tower
+    family's table to nest there, the projector's tensors (Mistral3's merger norm and merging
+    layer, then the two linears' prefixes), the decoder's body root and names, the output head."""
+
+    tower_root: str
+    projector: tuple  # (merger norm key, merging layer key, linear_1 prefix, linear_2 prefix)
+    lm_root: str
+    head_key: str
+    tower_format: str = "hf"
+    decoder: str = "hf"
+
+
+def _hf_projector(root: str) -> tuple:
+    return (root + "norm.weight", root + "patch_merger.merging_layer.weight", root + "linear_1.",
+            root + "linear_2.")
+
+
+LAYOUTS = {
+    "hf": Layout("model.vision_tower.", _hf_projector("model.multi_modal_projector."),
+                 "model.language_model.", "lm_head.weight"),
+    "hf_checkpoint": Layout("vision_tower.", _hf_projector("multi_modal_projector."),
+                            "language_model.model.", "language_model.lm_head.weight"),
+    # Mistral's own consolidated.safetensors (Pixtral-12B, Mistral-Small-3.1): everything at the
+    # top level, the tower under vision_encoder. (the tower family's "mistral" table).
+    "mistral": Layout("", ("pre_mm_projector_norm.weight", "patch_merger.merging_layer.weight",
+                           "vision_language_adapter.w_in.", "vision_language_adapter.w_out."),
+                      "", "output.weight", tower_format="mistral", decoder="mistral"),
 }
-_ROOTS["hf_v4_checkpoint"] = _ROOTS["hf_checkpoint"]
+LAYOUTS["hf_v4_checkpoint"] = LAYOUTS["hf_checkpoint"]
 
 # Deliberately not converted: persistent buffers older releases saved (CLIP position ids, Llama
 # rotary frequencies); both are recomputed from the config.
@@ -72,8 +96,12 @@ class Tower:
     v4_checkpoint_root: str = ""
 
 
-def _vision_rule_set(cfg, tower: Tower) -> RuleSet:
-    return tower.converter.rule_set(cfg.vision_config, "hf")
+def _vision_rule_set(cfg, tower: Tower, tower_format: str = "hf") -> RuleSet:
+    if tower_format not in tower.converter.formats:
+        raise ConversionError(f"no {tower_format!r} layout for a "
+                              f"{getattr(cfg.vision_config, 'model_type', None)!r} tower",
+                              [f"that tower's layouts: {', '.join(tower.converter.formats)}"])
+    return tower.converter.rule_set(cfg.vision_config, tower_format)
 
 
 def tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
@@ -84,22 +112,22 @@ def tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
     return problems + language.tp_problems(cfg.text_config, tp)
 
 
-def merger_rules(cfg, root: str) -> tuple:
+def merger_rules(cfg, norm_key: str, merging_key: str) -> tuple:
     """Mistral3's pre-merge RMSNorm and 2x2 patch merger, which HF keeps in its projector and
     Megatron in the tower (``vision_model.merger``, as the Pixtral-Large family lays it out)."""
     if not has_patch_merger(cfg):
         return ()
-    return (rename("vision_model.merger.pre_norm.weight", root + "norm.weight"),
-            rename("vision_model.merger.linear_fc1.weight", root + "patch_merger.merging_layer.weight"))
+    return (rename("vision_model.merger.pre_norm.weight", norm_key),
+            rename("vision_model.merger.linear_fc1.weight", merging_key))
 
 
-def projector_rules(cfg, root: str) -> tuple:
+def projector_rules(cfg, linear_1: str, linear_2: str) -> tuple:
     mc = "vision_projection.encoder."
-    rules = (rename(mc + "linear_fc1.weight", root + "linear_1.weight", "column"),
-             rename(mc + "linear_fc2.weight", root + "linear_2.weight", "row"))
+    rules = (rename(mc + "linear_fc1.weight", linear_1 + "weight", "column"),
+             rename(mc + "linear_fc2.weight", linear_2 + "weight", "row"))
     if cfg.multimodal_projector_bias:
-        rules += (rename(mc + "linear_fc1.bias", root + "linear_1.bias", "column"),
-                  rename(mc + "linear_fc2.bias", root + "linear_2.bias"))
+        rules += (rename(mc + "linear_fc1.bias", linear_1 + "bias", "column"),
+                  rename(mc + "linear_fc2.bias", linear_2 + "bias"))
     return rules
 
 
@@ -123,13 +151,16 @@ def _tower_depth(cfg, vision: tuple, variables: dict) -> tuple[tuple, dict]:
 def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
     if hf_format not in FORMATS:
         raise ConversionError("unknown LLaVA layout", [f"got {hf_format!r}; known: {FORMATS}"])
-    tower_root, projector, lm_root, head_key = _ROOTS[hf_format]
-    if hf_format == "hf_v4_checkpoint":
-        tower_root += tower.v4_checkpoint_root
-    vision, vision_vars = nested_rules(_vision_rule_set(cfg, tower), "vision_model.", tower_root,
-                                       "vision_")
+    layout = LAYOUTS[hf_format]
+    tower_root = layout.tower_root + (tower.v4_checkpoint_root if hf_format == "hf_v4_checkpoint" else "")
+    vision, vision_vars = nested_rules(_vision_rule_set(cfg, tower, layout.tower_format), "vision_model.",
+                                       tower_root, "vision_")
     vision, vision_vars = _tower_depth(cfg, vision, vision_vars)
-    rules = language_rules(cfg.text_config, lm_root, head_key, tied=tied_embeddings(cfg)) + vision + merger_rules(cfg, projector) + projector_rules(cfg, projector)
+    norm, merging, linear_1, linear_2 = layout.projector
+    rules = (language_rules(cfg.text_config, layout.lm_root, layout.head_key, tied=tied_embeddings(cfg),
+                            names=language.NAMES[layout.decoder])
+             + vision + merger_rules(cfg, norm, merging) + projector_rules(cfg, linear_1, linear_2))
+    head_key = layout.head_key
     drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
     return RuleSet(rules=rules,
                    variables={"i": cfg.text_config.num_hidden_layers, **vision_vars},
@@ -139,9 +170,11 @@ def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
 
 def detect_format(keys) -> str:
     """The layout of a key set: module names (``model.language_model.*``), a transformers 5
-    checkpoint (``language_model.model.*``) or a transformers 4 one (the same, with a nested
-    ``vision_tower.vision_model.*``)."""
+    checkpoint (``language_model.model.*``), a transformers 4 one (the same, with a nested
+    ``vision_tower.vision_model.*``) or Mistral's own (``vision_encoder.*``, ``tok_embeddings.*``)."""
     keys = list(keys)
+    if any(k.startswith(("vision_encoder.", "tok_embeddings.")) for k in keys):
+        return "mistral"
     files = any(k.startswith("language_model.model.") for k in keys)
     modules = any(k.startswith("model.language_model.") for k in keys)
     if files and modules:

@@ -149,6 +149,22 @@ class RopeInterleave(Op):
 
 
 @dataclass(frozen=True, repr=False)
+class RopeHalve(RopeInterleave):
+    """Original interleaved (complex-pair) q/k rows -> rotate-half order: what HF's conversion
+    scripts do to Mistral-native weights, for an mcore model running rotate-half RoPE (the
+    language model). Exactly :class:`RopeInterleave` backwards."""
+
+    def apply(self, hf):
+        return RopeInterleave.invert(self, hf)
+
+    def invert(self, mcore):
+        return RopeInterleave.apply(self, mcore)
+
+    def __repr__(self):
+        return f"RopeHalve(heads={self.num_heads}, head_dim={self.head_dim})"
+
+
+@dataclass(frozen=True, repr=False)
 class FuseQKV(Op):
     """Separate q, k, v (weights or biases) -> mcore ``linear_qkv`` in per-query-group order.
 
