@@ -27,6 +27,68 @@ class FamilyError(TypeError):
     """A family's module does not provide a valid hook record."""
 
 
+# A layout told by the files rather than by config.json: Mistral's own release, ``params.json``
+# beside ``consolidated.safetensors``.
+MISTRAL_NATIVE = "mistral_native"
+
+
+@dataclass(frozen=True)
+class Takes:
+    """One kind of checkpoint, as its config names it; every field given must match.
+
+    ``architecture``: one of config.json's ``architectures``; ``model_type``: its ``model_type``;
+    ``vision_model_type``: its ``vision_config.model_type``, for whole-VLM configs whose tower
+    decides which family converts the vision part; ``layout``: a layout the files tell
+    (:data:`MISTRAL_NATIVE`).
+    """
+
+    architecture: str | None = None
+    model_type: str | None = None
+    vision_model_type: str | None = None
+    layout: str | None = None
+
+    def matches(self, facts: "ConfigFacts") -> frozenset | None:
+        """The facts this confirms, or None when one of its fields does not match."""
+        wanted = {name: value for name in ("architecture", "model_type", "vision_model_type", "layout")
+                  if (value := getattr(self, name)) is not None}
+        for name, value in wanted.items():
+            if (value not in facts.architectures if name == "architecture" else getattr(facts, name) != value):
+                return None
+        return frozenset(wanted.items())
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What family detection reads off a checkpoint directory (``mmparity.checkpoint.hf`` reads it)."""
+
+    source: str  # the file read: config.json, or Mistral's params.json
+    architectures: tuple = ()
+    model_type: str | None = None
+    vision_model_type: str | None = None
+    layout: str | None = None
+
+    def describe(self) -> str:
+        if self.source == "params.json":
+            return (f"{self.source}: Mistral-native layout"
+                    + (", with a vision_encoder" if self.vision_model_type else ", no vision_encoder"))
+        seen = [f"architectures {'/'.join(self.architectures)}" if self.architectures else "no architectures"]
+        if self.model_type:
+            seen.append(f"model_type {self.model_type}")
+        if self.vision_model_type:
+            seen.append(f"vision_config.model_type {self.vision_model_type}")
+        if self.layout == MISTRAL_NATIVE:
+            seen.append("Mistral-native params.json")
+        return f"{self.source}: {', '.join(seen)}"
+
+    def checkpoint_name(self) -> str:
+        """What the config says the checkpoint is, in a few words."""
+        if self.architectures:
+            return "/".join(self.architectures)
+        if self.model_type:
+            return f"model_type {self.model_type}"
+        return "Mistral-native" if self.layout == MISTRAL_NATIVE else "unnamed"
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -35,6 +97,22 @@ class Family:
     # What ``check`` compares, for ``mmparity list``: paired modules and components.
     compared: tuple = ()
     checkpoint_note: str = ""
+    # Which checkpoints ``check --hf`` and ``convert`` without ``--family`` give this family, read
+    # off the config alone: those it converts whole, and whole-VLM ones it converts only part of
+    # (a tower family on a LLaVA, the vision path of a Mistral3). A family that takes a
+    # checkpoint whole is preferred over one taking part; the report of a partial conversion
+    # names it. ``--family`` picks any family, listed here or not.
+    takes_whole: tuple = ()
+    takes_part: tuple = ()
+
+    def takes(self, facts: ConfigFacts) -> tuple[int, int]:
+        """How well this family takes a checkpoint: (2 whole, 1 part, 0 not at all; how many facts
+        of the config say so)."""
+        for level, kinds in ((2, self.takes_whole), (1, self.takes_part)):
+            confirmed = [m for t in kinds if (m := t.matches(facts)) is not None]
+            if confirmed:
+                return level, len(frozenset().union(*confirmed))
+        return 0, 0
 
     @cached_property
     def hooks(self) -> FamilyHooks:
@@ -122,12 +200,20 @@ class Family:
         return ({k: state[prefix + k] for k in hf_keys if prefix + k in state}, prefix, rules.hf_format)
 
 
+def _llava_tower(vision_model_type: str) -> tuple:
+    """A LLaVA checkpoint whose vision tower is of ``vision_model_type``: its tower is the part."""
+    return (Takes(architecture="LlavaForConditionalGeneration", vision_model_type=vision_model_type),
+            Takes(model_type="llava", vision_model_type=vision_model_type))
+
+
 _REGISTRY: dict[str, Family] = {
     "pixtral": Family(
         name="pixtral",
         summary="Pixtral vision encoder (2D RoPE, RMSNorm, SwiGLU), static and packed mixed sizes",
         reference_classes=("PixtralVisionModel",),
         compared=("patch_embed", "rope2d", "ln_pre", "layers", "packed attention"),
+        takes_whole=(Takes(architecture="PixtralVisionModel"), Takes(model_type="pixtral")),
+        takes_part=_llava_tower("pixtral"),
     ),
     "clip": Family(
         name="clip",
@@ -137,6 +223,9 @@ _REGISTRY: dict[str, Family] = {
         compared=("patch_embed", "pos_embed", "ln_pre", "layers", "ln_post", "packed attention"),
         checkpoint_note="CLIPVisionModel, or the vision_model.* of a whole CLIPModel / the "
                         "vision tower of a LLaVA checkpoint (the rest is dropped)",
+        takes_whole=(Takes(architecture="CLIPVisionModel"), Takes(model_type="clip_vision_model")),
+        takes_part=(Takes(architecture="CLIPModel"), Takes(model_type="clip"),
+                    *_llava_tower("clip_vision_model")),
     ),
     "siglip": Family(
         name="siglip",
@@ -146,6 +235,9 @@ _REGISTRY: dict[str, Family] = {
         compared=("patch_embed", "pos_embed", "layers", "ln_post", "head", "packed attention"),
         checkpoint_note="SiglipVisionModel, or the vision_model.* of a whole SiglipModel (the text "
                         "model and logit scale / bias are dropped)",
+        takes_whole=(Takes(architecture="SiglipVisionModel"), Takes(model_type="siglip_vision_model")),
+        takes_part=(Takes(architecture="SiglipModel"), Takes(model_type="siglip"),
+                    *_llava_tower("siglip_vision_model")),
     ),
     "pixtral_large": Family(
         name="pixtral_large",
@@ -157,6 +249,9 @@ _REGISTRY: dict[str, Family] = {
         checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint (vision tower + "
                         "multi_modal_projector, language model dropped), HF or Mistral-native "
                         "consolidated.safetensors layout",
+        # Whole Mistral3 (and Mistral-native) releases are a whole-model family's, once there is one.
+        takes_part=(Takes(architecture="Mistral3ForConditionalGeneration"), Takes(model_type="mistral3"),
+                    Takes(layout=MISTRAL_NATIVE, vision_model_type="pixtral")),
     ),
     "qwen3_5": Family(
         name="qwen3_5",
@@ -167,6 +262,8 @@ _REGISTRY: dict[str, Family] = {
                   "packed attention"),
         checkpoint_note="standalone vision tower, or a whole Qwen3_5MoeForConditionalGeneration "
                         "checkpoint (model.visual.*) whose language model is dropped",
+        takes_whole=(Takes(architecture="Qwen3_5MoeVisionModel"), Takes(model_type="qwen3_5_moe_vision")),
+        takes_part=(Takes(architecture="Qwen3_5MoeForConditionalGeneration"), Takes(model_type="qwen3_5_moe")),
     ),
     "kimi_k25": Family(
         name="kimi_k25",
@@ -179,6 +276,8 @@ _REGISTRY: dict[str, Family] = {
                         "checkpoint: tower + mm_projector, language model dropped) or the original "
                         "release layout (encoder.blocks.N.wqkv …, mm_projector.proj.* or Kimi-VL's "
                         "multi_modal_projector.*)",
+        takes_whole=(Takes(architecture="Kimi_K25VisionModel"), Takes(model_type="kimi_k25_vision")),
+        takes_part=(Takes(architecture="Kimi_K25ForConditionalGeneration"), Takes(model_type="kimi_k25")),
     ),
     "llava": Family(
         name="llava",
@@ -190,6 +289,7 @@ _REGISTRY: dict[str, Family] = {
         checkpoint_note="whole LlavaForConditionalGeneration checkpoint (module names, or files "
                         "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
                         "for TP and trimmed on export; tied or untied lm_head",
+        takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
     ),
     "mistral3": Family(
         name="mistral3",
@@ -230,6 +330,68 @@ def get(name: str) -> Family:
         return _REGISTRY[name]
     except KeyError:
         raise UnknownFamilyError(f"unknown family {name!r}; valid families: {', '.join(names())}") from None
+
+
+# --- which family a checkpoint is, from its config -------------------------------------------
+
+class DetectError(ValueError):
+    """No one registered family takes a checkpoint's config: the user passes ``--family``."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    family: str
+    whole: bool  # the family takes the whole checkpoint, not only part of it
+    facts: ConfigFacts
+
+    def line(self) -> str:
+        """The one line that says which family, and why."""
+        part = "" if self.whole else f"; takes part of it, {whole_clause(self.facts, named=False)}"
+        return f"family: {self.family} (from {self.facts.describe()}{part})"
+
+
+def _scores(facts: ConfigFacts) -> dict[str, tuple[int, int]]:
+    return {name: family.takes(facts) for name, family in _REGISTRY.items()}
+
+
+def _best(scores: Mapping[str, tuple[int, int]]) -> list[str]:
+    top = max(scores.values(), default=(0, 0))
+    return [name for name, score in scores.items() if score == top and top[0]]
+
+
+def detect(facts: ConfigFacts) -> Detection:
+    """The registered family a checkpoint's config names: one taking it whole before one taking
+    part, then the one more of the config's facts point to. None, or a tie, is a
+    :class:`DetectError` of one line."""
+    scores = _scores(facts)
+    best = _best(scores)
+    if not best:
+        raise DetectError(f"no registered family takes this checkpoint ({facts.describe()}); registered "
+                          f"families: {', '.join(names())}; pass --family to choose one")
+    if len(best) > 1:
+        raise DetectError(f"families {' and '.join(best)} take this checkpoint equally ({facts.describe()}); "
+                          f"pass --family {' or --family '.join(best)}")
+    return Detection(best[0], scores[best[0]][0] == 2, facts)
+
+
+def whole_takers(facts: ConfigFacts) -> list[str]:
+    """The registered families that take the whole checkpoint: the best matched, several on a tie."""
+    return _best({name: score for name, score in _scores(facts).items() if score[0] == 2})
+
+
+def converts_whole(name: str, facts: ConfigFacts) -> bool:
+    """Whether family `name` takes the whole of the checkpoint `facts` describe."""
+    return get(name).takes(facts)[0] == 2
+
+
+def whole_clause(facts: ConfigFacts, named: bool = True) -> str:
+    """Who takes the whole of a checkpoint, for a report on a family that converts part of it;
+    ``named``: saying what the checkpoint is."""
+    takers = whole_takers(facts)
+    what = f"the whole {facts.checkpoint_name()} checkpoint" if named else "the whole"
+    if not takers:
+        return f"no registered family takes {what}"
+    return f"family {' or '.join(takers)} takes {what}"
 
 
 def tower_of(cfg) -> FamilyHooks:

@@ -1,8 +1,10 @@
 """HF `save_pretrained`-style safetensors output with an `mmparity.json` manifest, in one atomic step;
-and the bound every HF config is held to before anything is built from it."""
+the bound every HF config is held to before anything is built from it; and the few config facts
+that tell which family a checkpoint is."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mmparity.families import MISTRAL_NATIVE, ConfigFacts, Detection, detect
 from mmparity.checkpoint.layout import LEGACY_FILE
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
 from mmparity.checkpoint.fsio import (
@@ -22,9 +25,10 @@ from mmparity.checkpoint.fsio import (
     atomic_directory,
     require_regular_file,
     has_hf_weights,
+    refuse_links_outside,
 )
 
-__all__ = ["write_hf", "bound_config", "checkpoint_capacity"]
+__all__ = ["write_hf", "bound_config", "checkpoint_capacity", "read_config_facts", "detect_family"]
 
 
 def write_hf(
@@ -133,3 +137,71 @@ def _int_fields(data: dict, prefix: str = ""):
             yield from _int_fields(value, f"{prefix}{key}.")
         elif isinstance(value, int) and not isinstance(value, bool):
             yield f"{prefix}{key}", value
+
+
+# --------------------------------------------------------------------------------------------------
+# which family: the facts detection needs, read without transformers
+
+HF_CONFIG = "config.json"
+MISTRAL_PARAMS = "params.json"
+# Far above any real config (a few kB; tens with label maps): past it the file is no config, and is
+# not read into memory.
+MAX_CONFIG_BYTES = 2**24
+
+
+def _read_json_object(path: Path) -> dict:
+    size = require_regular_file(path, "config").st_size
+    if size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} a config may hold")
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_CONFIG_BYTES + 1))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: unreadable config ({' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _name(data: dict, key: str, path: Path, where: str = "") -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(f"{path}: {where}{key} is {json.dumps(value)[:60]}, expected a string")
+    return value
+
+
+def read_config_facts(directory: str | os.PathLike) -> ConfigFacts:
+    """What family detection needs from a checkpoint directory: `architectures`, `model_type` and
+    `vision_config.model_type` of its config.json, or, for a Mistral-native release without one,
+    whether its params.json has a vision encoder. Refuses what any reader of the directory refuses
+    (links out of it, non-regular files) and fields of the wrong type; imports no framework."""
+    directory = Path(directory)
+    present = [n for n in (HF_CONFIG, MISTRAL_PARAMS) if os.path.lexists(directory / n)]
+    refuse_links_outside(directory, root_names=present)
+    layout = MISTRAL_NATIVE if MISTRAL_PARAMS in present else None
+    if HF_CONFIG in present:
+        path = directory / HF_CONFIG
+        data = _read_json_object(path)
+        architectures = data.get("architectures") or []
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise CheckpointError(f"{path}: architectures is {json.dumps(architectures)[:60]}, expected a "
+                                  "list of class names")
+        vision = data.get("vision_config")
+        if vision is not None and not isinstance(vision, dict):
+            raise CheckpointError(f"{path}: vision_config is {json.dumps(vision)[:60]}, expected an object")
+        return ConfigFacts(HF_CONFIG, tuple(architectures), _name(data, "model_type", path),
+                           _name(vision, "model_type", path, "vision_config.") if vision else None, layout)
+    if layout is not None:
+        # Mistral's releases name the Pixtral tower `vision_encoder` (transformers' Mistral3
+        # conversion script reads it from there).
+        params = _read_json_object(directory / MISTRAL_PARAMS)
+        return ConfigFacts(MISTRAL_PARAMS, vision_model_type="pixtral" if params.get("vision_encoder") else None,
+                           layout=layout)
+    raise CheckpointError(f"{directory}: no {HF_CONFIG} (nor Mistral's {MISTRAL_PARAMS}) to tell the family from")
+
+
+def detect_family(directory: str | os.PathLike) -> Detection:
+    """The registered family of the checkpoint in `directory`, from its config
+    (:func:`mmparity.families.detect`): `CheckpointError` for a config that cannot be read,
+    `mmparity.families.DetectError` when no one family takes it."""
+    return detect(read_config_facts(directory))

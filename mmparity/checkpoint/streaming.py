@@ -49,7 +49,7 @@ from safetensors.torch import load_file as safetensors_load, save as safetensors
 
 from mmparity import families, runtime
 from mmparity.checkpoint import extra_state
-from mmparity.checkpoint.hf import bound_config
+from mmparity.checkpoint.hf import bound_config, detect_family
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import (
     LEGACY_FILE,
@@ -80,6 +80,7 @@ __all__ = [
     "ConvertOptions",
     "ConvertResult",
     "Progress",
+    "SourceUse",
     "convert",
     "open_source",
     "read_mcore_shards",
@@ -134,7 +135,7 @@ class ConvertOptions:
     src: Path
     dst: Path
     to: str  # "mcore" or "hf"
-    family: str | None = None  # required for HF sources; mcore sources name theirs in the manifest
+    family: str | None = None  # None: an HF source's is detected from its config, an mcore one's recorded
     tp: int = 1
     pp: int = 1
     format: str = "torch_dist"  # mcore target format
@@ -151,6 +152,55 @@ class ConvertOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceUse:
+    """What an HF -> mcore conversion took of its source, from its plan: every source tensor was
+    either converted or left out (a rule table's ``drop_hf``: the rest of a whole VLM, buffers),
+    so the two add up to all of it. Bytes as stored in the source."""
+
+    converted: int
+    converted_bytes: int
+    # (module, tensors, bytes) per part left out (``converters.rules.module_of``), largest first.
+    left_out: tuple = ()
+
+    @property
+    def left_out_tensors(self) -> int:
+        return sum(n for _, n, _ in self.left_out)
+
+    @property
+    def left_out_bytes(self) -> int:
+        return sum(b for _, _, b in self.left_out)
+
+    @property
+    def tensors(self) -> int:
+        return self.converted + self.left_out_tensors
+
+    @property
+    def nbytes(self) -> int:
+        return self.converted_bytes + self.left_out_bytes
+
+    @classmethod
+    def of(cls, plan: R.Plan, nbytes: Mapping[str, int]) -> "SourceUse":
+        """From a plan and the stored size of every source tensor."""
+        return cls.split(plan.inputs, plan.dropped, nbytes)
+
+    @classmethod
+    def split(cls, converted: Iterable[str], left_out: Iterable[str], nbytes: Mapping[str, int]) -> "SourceUse":
+        """From the source keys converted and those left out, and the size of each."""
+        converted = list(converted)
+        groups: dict[str, list[int]] = {}
+        for key in left_out:
+            group = groups.setdefault(R.module_of(key), [0, 0])
+            group[0] += 1
+            group[1] += nbytes[key]
+        parts = tuple(sorted(((m, n, b) for m, (n, b) in groups.items()), key=lambda g: (-g[2], g[0])))
+        return cls(len(converted), sum(nbytes[k] for k in converted), parts)
+
+    def to_json(self) -> dict:
+        return {"converted": self.converted, "converted_bytes": self.converted_bytes,
+                "left_out": [list(g) for g in self.left_out]}
+
+
+@dataclasses.dataclass(frozen=True)
 class ConvertResult:
     dst: Path
     layout: str
@@ -161,6 +211,8 @@ class ConvertResult:
     tp: int = 1
     pp: int = 1
     note: str = ""  # the rule table's ``mcore_note`` when writing mcore
+    source_use: SourceUse | None = None  # an HF source's: what was converted, what left out
+    detection: families.Detection | None = None  # how the family was told, when not given
 
 
 class Progress:
@@ -229,6 +281,9 @@ def load_family_config(config_path: Path, family: str, where: Path):
         if config_path.name == HF_CONFIG_FILE:
             raise ConvertError(f"{where}: no {HF_CONFIG_FILE} (the HF config an mcore checkpoint needs "
                                "to be converted; mmparity convert keeps the source's config.json there)")
+        if (where / "params.json").is_file():
+            raise ConvertError(f"{where}: a Mistral-native release (params.json) needs an HF {CONFIG_FILE} "
+                               "beside it: params.json is not translated")
         raise ConvertError(f"{where}: no {config_path.name} (expected an HF save_pretrained directory)")
     from transformers import AutoConfig
 
@@ -328,6 +383,11 @@ class _Source:
     prefix: str  # the HF key prefix they came from
     metas: dict  # mcore key -> Meta, in plan order
     hf_sources: Mapping = MappingProxyType({})  # mcore key -> the HF keys it is made from
+    use: SourceUse | None = None  # an HF source's
+    detection: families.Detection | None = None  # an HF source's, when its family was not given
+    # What the original HF -> mcore conversion left out (``SourceUse.to_json``), recorded in every
+    # manifest down the line: a checkpoint made from part of a VLM says so.
+    left_out_record: dict | None = None
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         raise NotImplementedError
@@ -349,8 +409,11 @@ class _Source:
     vocab_multiple: int = R.VOCAB_MULTIPLE
 
     def provenance_extra(self) -> dict:
-        return {"hf_prefix": self.prefix, "hf_format": self.hf_format,
-                "make_vocab_size_divisible_by": self.vocab_multiple}
+        extra = {"hf_prefix": self.prefix, "hf_format": self.hf_format,
+                 "make_vocab_size_divisible_by": self.vocab_multiple}
+        if self.left_out_record:
+            extra["left_out"] = self.left_out_record
+        return extra
 
 
 class _HFSource(_Source):
@@ -383,6 +446,9 @@ class _HFSource(_Source):
         self.hf_sources = {key: self.plan.source_keys(key) for key in self.plan.outputs}
         consumed = {name for names in self.hf_sources.values() for name in names}
         check_source_dtypes(path, {name: infos[name].dtype for name in consumed})
+        self.use = SourceUse.of(self.plan, {name: info.nbytes for name, info in infos.items()})
+        if self.use.left_out:
+            self.left_out_record = self.use.to_json()
         prefix = self.prefix
         self.runner = R.StepRunner(self.plan, lambda name: self._filter(name[len(prefix):], self.ckpt.map(name),
                                                                         self.path))
@@ -432,6 +498,8 @@ class _McoreSource(_Source):
         self.family = _manifest_family(manifest, family, root)
         self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root)
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
+        if isinstance(extra.get("left_out"), dict):
+            self.left_out_record = extra["left_out"]
         recorded = extra.get("hf_format") or (manifest.provenance.source_format if manifest else None)
         formats = families.get(self.family).hooks.converter.formats
         self.hf_format = recorded if recorded in formats else formats[0]
@@ -687,10 +755,17 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
     kind = _source_kind(path)
     filt = _TensorFilter(dtype, check_finite)
     if kind == "hf":
+        detection = None
         if family is None:
-            raise ConvertError(f"{path}: an HF source needs --family (one of {', '.join(families.names())})")
+            try:
+                detection = detect_family(path)
+            except families.DetectError as exc:
+                raise ConvertError(f"{path}: {exc}") from None
+            family = detection.family
         families.get(family)
-        return _HFSource(path, family, hf_format, filt, tp, vocab_multiple)
+        source = _HFSource(path, family, hf_format, filt, tp, vocab_multiple)
+        source.detection = detection
+        return source
     if kind == "legacy":
         return _LegacySource(path, family, filt, complete)
     return _TorchDistSource(path, family, filt, complete)
@@ -1082,7 +1157,7 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
     return ConvertResult(dst, layout, source.family, count, nbytes, time.perf_counter() - started, tp, pp,
-                         source.rules.mcore_note if options.to == "mcore" else "")
+                         source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class VerifyReport:
     layout: str
     checked: int = 0
     problems: list[Problem] = dataclasses.field(default_factory=list)
+    # What the manifest says the conversion left out of its HF source (a tower family's checkpoint
+    # made from a whole VLM), e.g. "left out 11 of 37 source tensors: language_model".
+    partial: str = ""
 
     @property
     def ok(self) -> bool:
@@ -53,9 +56,25 @@ class VerifyReport:
 
     def __str__(self) -> str:
         head = f"{self.directory} ({self.layout}): {self.checked} tensor records checked"
+        if self.partial:
+            head = f"{head} (made from part of its source: {self.partial})"
         if self.ok:
             return f"{head}, all match"
         return "\n".join([f"{head}, {len(self.problems)} problem(s)"] + [f"  {p}" for p in self.problems])
+
+
+def _left_out(record) -> str:
+    """The manifest's record of what the conversion left out (``streaming.SourceUse.to_json``) in
+    words; nothing for a record of another shape (it certifies no tensor, so it is not a problem)."""
+    try:
+        converted = record["converted"]
+        parts = [(str(m), int(n)) for m, n, _ in record["left_out"]]
+        if not isinstance(converted, int) or not parts:
+            return ""
+    except (TypeError, KeyError, ValueError):
+        return ""
+    total = converted + sum(n for _, n in parts)
+    return f"left out {total - converted} of {total} source tensors: {', '.join(m for m, _ in parts)}"
 
 
 def _compare(report: VerifyReport, record: TensorRecord, found: torch.Tensor) -> None:
@@ -199,7 +218,7 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
     root = Path(directory)
     refuse_manifest_link(root)
     manifest = read_manifest(root)
-    report = VerifyReport(root, manifest.layout)
+    report = VerifyReport(root, manifest.layout, partial=_left_out((manifest.provenance.extra or {}).get("left_out")))
     # A symbolic link leaving the directory is damage: what it points to is no part of what the
     # manifest certifies (fsio.refuse_links_outside has the policy). Listed, and not read.
     escaping = links_outside(root, [root], recursive=True, root_names=())

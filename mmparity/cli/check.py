@@ -6,16 +6,17 @@ import os
 import sys
 import time
 
-from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed,
-                                 parse_image_size, quiet_third_party_warnings, select_device_and_backend,
-                                 write_text_atomic)
+from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed, config_facts,
+                                 left_out_line, parse_image_size, quiet_third_party_warnings,
+                                 select_device_and_backend, write_text_atomic)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("families", nargs="*", metavar="FAMILY",
                         help="families to check (default: every registered family)")
     parser.add_argument("--hf", metavar="DIR",
-                        help="an HF save_pretrained directory (config + safetensors, single or sharded)")
+                        help="an HF save_pretrained directory (config + safetensors, single or sharded); "
+                             "without FAMILY, its family is told from its config")
     parser.add_argument("--hf-format", metavar="F", default=None,
                         help="HF-side layout of --hf (default: detected from the keys)")
     parser.add_argument("--mcore", metavar="DIR",
@@ -59,8 +60,25 @@ def _resolve_families(requested: list[str]) -> list[str]:
     return requested or known
 
 
+def _detect(directory: str):
+    """The family of ``--hf DIR`` from its config (:func:`mmparity.families.detect`)."""
+    from mmparity import families
+    from mmparity.checkpoint.fsio import CheckpointError
+    from mmparity.checkpoint.hf import detect_family
+
+    if not os.path.isdir(directory):
+        raise UsageError(f"--hf {directory}: no such directory")
+    try:
+        return detect_family(directory)
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {exc}") from None
+    except families.DetectError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+
+
 def _load_hf(directory: str, family: str, hf_format):
-    """(family config, family tensors in the reference's own layout) from an HF directory."""
+    """(family config, family tensors in the reference's own layout, what of the checkpoint they
+    are: a ``SourceUse``) from an HF directory."""
     from mmparity import families
     from mmparity.checkpoint.fsio import (CheckpointError, check_source_dtypes, open_safetensors_checkpoint,
                                           refuse_links_outside)
@@ -95,8 +113,13 @@ def _load_hf(directory: str, family: str, hf_format):
             state = ckpt.state_dict()
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
+    from mmparity.checkpoint.streaming import SourceUse
+
     try:
-        tensors, _prefix, fmt = fam.select_tensors(cfg, state, hf_format)
+        tensors, prefix, fmt = fam.select_tensors(cfg, state, hf_format)
+        selected = {prefix + k for k in tensors}
+        use = SourceUse.split(selected, [k for k in state if k not in selected],
+                              {k: v.numel() * v.element_size() for k, v in state.items()})
         default_format = fam.hooks.converter.formats[0]
         if fmt != default_format:
             # The reference only loads its own layout: go through mcore, exactly as a user would.
@@ -123,7 +146,7 @@ def _load_hf(directory: str, family: str, hf_format):
                          + "; parity is undefined for non-finite weights (mmparity convert --check-finite "
                            "finds them all)")
     _refuse_unbacked_parameters(family, cfg, tensors, directory)
-    return cfg, tensors
+    return cfg, tensors, use
 
 
 def _family_taking(full_cfg) -> str:
@@ -226,9 +249,14 @@ def run(args) -> int:
         family, args.hf, native_shards, args.pp, layer_counts = _load_mcore(args)
         args.families = [family]
     pp = args.pp or 1
+    notes, detection = [], None
+    if args.hf and not args.families:
+        detection = _detect(args.hf)
+        args.families = [detection.family]
+        notes.append(detection.line())
     names = _resolve_families(args.families)
     if args.hf and len(names) != 1:
-        raise UsageError("--hf needs exactly one FAMILY")
+        raise UsageError("--hf checks one checkpoint: give at most one FAMILY (default: told from its config)")
     select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
     if args.tp < 1:
@@ -255,7 +283,10 @@ def run(args) -> int:
     for name in names:
         cfg, hf_state = (None, None)
         if args.hf:
-            cfg, hf_state = _load_hf(args.hf, name, args.hf_format)
+            cfg, hf_state, use = _load_hf(args.hf, name, args.hf_format)
+            if use.left_out:
+                facts = detection.facts if detection is not None else config_facts(args.hf)
+                notes.append(left_out_line(name, use, facts, "checks part of the checkpoint: "))
         if sizes is not None:
             try:
                 harness.validate_image_sizes(name, cfg, sizes)
@@ -299,5 +330,8 @@ def run(args) -> int:
         write_text_atomic(args.junit, junit_xml(combined, elapsed), "--junit")
     from mmparity.cli.render import print_report
 
+    if not args.quiet:
+        for note in notes:
+            print(note)
     print_report(combined, elapsed, quiet=args.quiet, stream=sys.stdout)
     return EXIT_OK if combined.passed else EXIT_FAIL

@@ -100,3 +100,40 @@ def select_device_and_backend(device: str, dtype: str, backend: str | None) -> N
             attention.set_backend(backend, device=device, dtype=dtype)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+
+
+def human_bytes(nbytes: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    return str(nbytes)
+
+
+def config_facts(directory):
+    """A checkpoint's config facts, to name the family that takes it whole; None if unreadable
+    (with its family given, nothing else needed them)."""
+    from mmparity.checkpoint.fsio import CheckpointError
+    from mmparity.checkpoint.hf import read_config_facts
+
+    try:
+        return read_config_facts(directory)
+    except CheckpointError:
+        return None
+
+
+def left_out_line(family: str, use, facts, lead: str = "") -> str:
+    """What a conversion did not take of its source (a ``SourceUse``), by part, and who would take
+    the whole (from the config ``facts``, when known)."""
+    from mmparity import families
+
+    def count(n: int) -> str:
+        return f"{n} tensor{'' if n == 1 else 's'}"
+
+    parts = ", ".join(f"{module} ({count(n)}, {human_bytes(b)})" for module, n, b in use.left_out)
+    line = (f"{family}: {lead}left out {use.left_out_tensors} of {use.tensors} source tensors "
+            f"({human_bytes(use.left_out_bytes)} of {human_bytes(use.nbytes)}): {parts}; converted the other "
+            f"{use.converted} ({human_bytes(use.converted_bytes)})")
+    if facts is not None and not families.converts_whole(family, facts):
+        line += f"; {families.whole_clause(facts)}"
+    return line

@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 from mmparity import errors
-from mmparity.cli.common import EXIT_OK, UsageError, quiet_third_party_warnings
+from mmparity.cli.common import (EXIT_OK, UsageError, config_facts, human_bytes, left_out_line,
+                                 quiet_third_party_warnings)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--family", metavar="F",
-                        help="model family (required for an HF source; an mcore source names its own)")
+                        help="model family (default: an HF source's is told from its config, an mcore "
+                             "source names its own)")
     parser.add_argument("--src", required=True, metavar="PATH",
                         help="HF save_pretrained directory, or an mcore checkpoint root / iteration directory")
     parser.add_argument("--dst", required=True, metavar="PATH", help="output directory (must not exist, see --force)")
@@ -87,14 +89,6 @@ class _NoProgress:
         pass
 
 
-def _human(nbytes: int) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if nbytes < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1000
-    return str(nbytes)
-
-
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert
@@ -141,10 +135,16 @@ def run(args) -> int:
         launch = runtime.launch_failure(exc) if runtime is not None else None
         raise UsageError(launch or f"conversion failed: {errors.one_line(exc, 400)}") from None
     if not args.quiet:
+        if result.detection is not None:
+            print(result.detection.line())
         parallel = f" tp={result.tp} pp={result.pp}" if result.layout == "mcore_legacy" else ""
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
-              f"{result.tensors} tensors, {_human(result.nbytes)} in {result.seconds:.1f}s ({_human(rate)}/s)")
+              f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)")
         if result.note:
             print(f"{result.family}: note: {result.note}")
+        if result.source_use is not None and result.source_use.left_out:
+            facts = result.detection.facts if result.detection is not None else config_facts(options.src)
+            print(left_out_line(result.family, result.source_use, facts))
     return EXIT_OK
+

@@ -290,6 +290,9 @@ class Plan:
     kinds: dict  # mcore key -> TP kind
     prefix: str = ""
     ops: dict = field(default_factory=dict)  # step index -> its op for this plan's TP size
+    # Source key -> meta tensor of what the table's ``drop_hf`` leaves out: with ``inputs``, every
+    # source tensor, each once (what a partial conversion reports it did not convert).
+    dropped: dict = field(default_factory=dict)
 
     def op(self, index: int) -> Op:
         return self.ops.get(index, self.steps[index].rule.op)
@@ -340,11 +343,26 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         for key, kind, t in zip(step.mcore_keys, step.rule.tp, outputs):
             plan.outputs[key], plan.producer[key], plan.kinds[key] = t, index, kind
     drops = [re.compile(p) for p in rule_set.drop_hf]
-    problems += [f"unconsumed source tensor {k} {_shape(v)}" for k, v in source.items()
-                 if k not in consumed and not any(d.match(k) for d in drops)]
+    for key, value in source.items():
+        if key in consumed:
+            continue
+        if any(d.match(key) for d in drops):
+            plan.dropped[key] = _meta(value)
+        else:
+            problems.append(f"unconsumed source tensor {key} {_shape(value)}")
     if problems:
         raise ConversionError("HF -> mcore conversion is not total", problems)
     return plan
+
+
+def module_of(hf_key: str) -> str:
+    """The part of a checkpoint an HF key belongs to, as a report names it: its first name
+    component (``lm_head``, ``language_model``, ``text_model``), or the first two under the
+    ``model.`` wrapper transformers 5 puts around a whole model (``model.language_model``)."""
+    parts = hf_key.split(".")
+    if parts[0] == "model" and len(parts) > 2:
+        return ".".join(parts[:2])
+    return parts[0]
 
 
 def plan_mcore_to_hf(rule_set: RuleSet, source: Mapping, prefix: str = "") -> Plan:
