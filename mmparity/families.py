@@ -38,18 +38,21 @@ class Takes:
 
     ``architecture``: one of config.json's ``architectures``; ``model_type``: its ``model_type``;
     ``vision_model_type``: its ``vision_config.model_type``, for whole-VLM configs whose tower
-    decides which family converts the vision part; ``layout``: a layout the files tell
-    (:data:`MISTRAL_NATIVE`).
+    decides which family converts the vision part; ``text_model_type``: its
+    ``text_config.model_type``, where the language model tells two whole families apart (Pixtral-12B
+    from another LLaVA); ``layout``: a layout the files tell (:data:`MISTRAL_NATIVE`).
     """
 
     architecture: str | None = None
     model_type: str | None = None
     vision_model_type: str | None = None
     layout: str | None = None
+    text_model_type: str | None = None
 
     def matches(self, facts: "ConfigFacts") -> frozenset | None:
         """The facts this confirms, or None when one of its fields does not match."""
-        wanted = {name: value for name in ("architecture", "model_type", "vision_model_type", "layout")
+        wanted = {name: value for name in ("architecture", "model_type", "vision_model_type", "layout",
+                                           "text_model_type")
                   if (value := getattr(self, name)) is not None}
         for name, value in wanted.items():
             if (value not in facts.architectures if name == "architecture" else getattr(facts, name) != value):
@@ -66,16 +69,20 @@ class ConfigFacts:
     model_type: str | None = None
     vision_model_type: str | None = None
     layout: str | None = None
+    text_model_type: str | None = None
 
     def describe(self) -> str:
         if self.source == "params.json":
             return (f"{self.source}: Mistral-native layout"
-                    + (", with a vision_encoder" if self.vision_model_type else ", no vision_encoder"))
+                    + (f", with a vision_encoder ({self.model_type})" if self.vision_model_type
+                       else ", no vision_encoder"))
         seen = [f"architectures {'/'.join(self.architectures)}" if self.architectures else "no architectures"]
         if self.model_type:
             seen.append(f"model_type {self.model_type}")
         if self.vision_model_type:
             seen.append(f"vision_config.model_type {self.vision_model_type}")
+        if self.text_model_type:
+            seen.append(f"text_config.model_type {self.text_model_type}")
         if self.layout == MISTRAL_NATIVE:
             seen.append("Mistral-native params.json")
         return f"{self.source}: {', '.join(seen)}"
@@ -300,8 +307,11 @@ _REGISTRY: dict[str, Family] = {
         compared=("vision layers", "merger", "projector", "language layers", "final_norm",
                   "pixel_shuffle", "loss_weights", "expansion"),
         checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint as Megatron's LLaVAModel "
-                        "(vision_model with merger, vision_projection, language_model); vocabulary "
-                        "padded as Megatron-LM pads it",
+                        "(vision_model with merger, vision_projection, language_model), HF or "
+                        "Mistral-native (consolidated.safetensors + params.json); vocabulary padded as "
+                        "Megatron-LM pads it",
+        takes_whole=(Takes(architecture="Mistral3ForConditionalGeneration"), Takes(model_type="mistral3"),
+                     Takes(layout=MISTRAL_NATIVE, model_type="mistral3")),
     ),
     "pixtral_12b": Family(
         name="pixtral_12b",
@@ -311,7 +321,12 @@ _REGISTRY: dict[str, Family] = {
         compared=("vision layers", "projector", "language layers", "final_norm",
                   "pixel_shuffle", "loss_weights", "expansion"),
         checkpoint_note="whole LlavaForConditionalGeneration checkpoint with a Pixtral tower and a "
-                        "Mistral text model, as Megatron's LLaVAModel",
+                        "Mistral text model, as Megatron's LLaVAModel; HF or Mistral-native "
+                        "(consolidated.safetensors + params.json)",
+        takes_whole=(Takes(architecture="LlavaForConditionalGeneration", vision_model_type="pixtral",
+                           text_model_type="mistral"),
+                     Takes(model_type="llava", vision_model_type="pixtral", text_model_type="mistral"),
+                     Takes(layout=MISTRAL_NATIVE, model_type="llava")),
     ),
 }
 

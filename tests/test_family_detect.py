@@ -100,7 +100,7 @@ def test_whole_llava_is_llava_and_its_tower_family_takes_part(own_dirs):
     detection = detect_family(own_dirs["llava"])
     assert detection.family == "llava" and detection.whole
     assert detection.line() == ("family: llava (from config.json: architectures LlavaForConditionalGeneration, "
-                                "model_type llava, vision_config.model_type pixtral)")
+                                "model_type llava, vision_config.model_type pixtral, text_config.model_type llama)")
     assert families.get("pixtral").takes(facts)[0] == 1 and families.whole_takers(facts) == ["llava"]
 
 
@@ -127,38 +127,31 @@ def test_the_tower_of_a_llava_is_its_tower_family_part():
     assert families.whole_clause(facts) == "family llava takes the whole LlavaForConditionalGeneration checkpoint"
 
 
-def test_whole_mistral3_is_pixtral_large_until_a_whole_model_family_takes_it(mistral3, monkeypatch):
+def test_whole_mistral3_is_mistral3_and_pixtral_large_takes_part(mistral3):
     facts = read_config_facts(mistral3)
     assert facts.architectures == ("Mistral3ForConditionalGeneration",)
-    whole = families.whole_takers(facts)
     detection = families.detect(facts)
-    assert detection.family == (whole[0] if whole else "pixtral_large")
+    assert detection.family == "mistral3" and detection.whole
     assert not families.converts_whole("pixtral_large", facts)
-    # A whole-model family is one registry entry of data: detection then prefers it, and the
-    # tower family's partial conversion names it.
-    entry = Family(name="mistral3_whole", summary="", reference_classes=(),
-                   takes_whole=(Takes(architecture="Mistral3ForConditionalGeneration"), Takes(model_type="mistral3"),
-                                Takes(layout=families.MISTRAL_NATIVE, vision_model_type="pixtral")))
-    monkeypatch.setattr(families, "_REGISTRY", {**{n: families.get(n) for n in families.names()
-                                                   if not families.converts_whole(n, facts)}, "mistral3_whole": entry})
-    assert families.detect(facts).family == "mistral3_whole" and families.detect(facts).whole
-    assert families.whole_clause(facts).startswith("family mistral3_whole takes the whole")
-    native = ConfigFacts("params.json", vision_model_type="pixtral", layout=families.MISTRAL_NATIVE)
-    assert families.detect(native).family == "mistral3_whole"
+    assert families.whole_clause(facts).startswith("family mistral3 takes the whole")
 
 
-def test_mistral_native_release_is_detected_from_params_json(tmp_path, capsys):
-    release = _config_dir(tmp_path / "pixtral_release", params={"dim": 8, "vision_encoder": {"hidden_size": 8}})
-    facts = read_config_facts(release)
+def test_pixtral_12b_is_told_from_another_llava_by_its_text_model(own_dirs):
+    assert families.detect(read_config_facts(own_dirs["pixtral_12b"])).family == "pixtral_12b"
+    assert families.detect(read_config_facts(own_dirs["llava"])).family == "llava"  # a Llama decoder
+
+
+def test_mistral_native_release_is_detected_from_params_json(tmp_path):
+    merged = _config_dir(tmp_path / "small31", params={"dim": 8, "vision_encoder": {"hidden_size": 8,
+                                                                                     "spatial_merge_size": 2}})
+    facts = read_config_facts(merged)
     assert (facts.source, facts.layout, facts.vision_model_type) == ("params.json", "mistral_native", "pixtral")
-    whole = families.whole_takers(facts)
-    assert families.detect(facts).family == (whole[0] if whole else "pixtral_large")
+    assert families.detect(facts).family == "mistral3"
+    plain = _config_dir(tmp_path / "pixtral12b", params={"dim": 8, "vision_encoder": {"hidden_size": 8}})
+    assert families.detect(read_config_facts(plain)).family == "pixtral_12b"
     text_only = _config_dir(tmp_path / "text", params={"dim": 8})
     with pytest.raises(families.DetectError, match="no registered family takes this checkpoint"):
         detect_family(text_only)
-    if not whole:  # until a family translates params.json, converting one is a clear error
-        code, out, err = run_cli(capsys, "convert", "--src", release, "--dst", tmp_path / "out", "--to", "mcore")
-        one_line_error(code, out, err, "params.json is not translated")
 
 
 # --------------------------------------------------------------------------------------------------

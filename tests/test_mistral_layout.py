@@ -206,7 +206,7 @@ def test_cli_detects_and_checks_mistral_native_tensors(tmp_path, capsys):
     assert main(["check", "pixtral_large", "--hf", str(tmp_path), "--quiet"]) == 0
 
 
-def test_mistral_release_directory_without_hf_config_is_a_clear_error(tmp_path, capsys):
+def test_mistral_release_directory_with_an_incomplete_params_json_is_a_clear_error(tmp_path, capsys):
     from mmparity.cli.main import main
 
     (tmp_path / "params.json").write_text("{}")
@@ -214,4 +214,4 @@ def test_mistral_release_directory_without_hf_config_is_a_clear_error(tmp_path, 
     capsys.readouterr()
     assert main(["check", "pixtral", "--hf", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "params.json is not translated" in err[0]
+    assert len(err) == 1 and "params.json: missing dim, n_layers" in err[0], err

@@ -242,3 +242,81 @@ def test_mistral_native_layout_gives_the_same_mcore_and_round_trips(family, tp):
     assert back.keys() == native.keys()
     for key, value in native.items():
         assert torch.equal(back[key], value), key
+
+
+@pytest.fixture(scope="module")
+def mistral_native_dirs(tmp_path_factory):
+    """Mistral-native releases as they ship: consolidated.safetensors + params.json, no config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from mmparity.reference.mistral_params import params_from_config
+
+    out = {}
+    for family in WHOLE_ROWS:
+        hf, native, cfg = _mistral_native_state(family, seed=21)
+        path = tmp_path_factory.mktemp("native") / family
+        path.mkdir()
+        save_file({k: v.contiguous() for k, v in native.items()}, str(path / "consolidated.safetensors"))
+        (path / "params.json").write_text(json.dumps(params_from_config(cfg)))
+        out[family] = (path, hf, cfg)
+    return out
+
+
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_mistral_native_release_converts_without_config_json_or_family(family, mistral_native_dirs, tmp_path, capsys):
+    from mmparity.checkpoint.fsio import load_safetensors_state_dict
+    from mmparity.cli.main import main
+
+    path, hf, cfg = mistral_native_dirs[family]
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "--src", str(path), "--dst", str(mcore), "--to", "mcore", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"family: {family} (from params.json" in out and "left out" not in out
+    assert main(["convert", "--src", str(mcore), "--dst", str(back), "--to", "hf", "--quiet"]) == 0
+    exported = load_safetensors_state_dict(back)
+    # The HF export of a Mistral-native source is the model transformers would hold, bit for bit.
+    expected = families.get(family).mcore_to_hf(families.get(family).hf_to_mcore(hf, cfg, tp_size=2), cfg,
+                                                hf_format="hf_checkpoint")
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(exported[key], value), key
+
+
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_check_reads_a_mistral_native_release(family, mistral_native_dirs, capsys):
+    from mmparity.cli.main import main
+
+    path, _, _ = mistral_native_dirs[family]
+    code = main(["check", "--hf", str(path), "--no-components"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"family: {family}" in out
+
+
+@pytest.mark.parametrize("family", WHOLE_ROWS)
+def test_params_json_translates_to_the_same_hf_config(family):
+    from mmparity.reference.mistral_params import config_from_params, params_from_config
+
+    cfg = families.get(family).tiny_config()
+    back = config_from_params(params_from_config(cfg))
+    assert type(back) is type(cfg)
+    skip = {"transformers_version", "architectures", "_name_or_path"}
+    assert ({k: v for k, v in back.to_dict().items() if k not in skip}
+            == {k: v for k, v in cfg.to_dict().items() if k not in skip})
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(moe={"num_experts": 8}), "fields not translated: moe"),
+    (lambda p: p["vision_encoder"].update(mm_projector_id="mlp"), "only the patch merger"),
+    (lambda p: p.update(sliding_window=4096), "sliding_window=4096"),
+    (lambda p: p.pop("dim"), "missing dim"),
+])
+def test_params_json_that_cannot_be_translated_is_refused_by_name(change, message):
+    from mmparity.reference.mistral_params import ParamsError, config_from_params, params_from_config
+
+    params = params_from_config(families.get("mistral3").tiny_config())
+    change(params)
+    with pytest.raises(ParamsError, match=message):
+        config_from_params(params)

@@ -163,6 +163,37 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
+def read_hf_config(directory: str | os.PathLike):
+    """``(config, config.json bytes)`` of an HF directory: its config.json through transformers,
+    or, for a Mistral-native release with only ``params.json``, that file translated
+    (:mod:`mmparity.reference.mistral_params`) and the HF config.json it amounts to, which is what a
+    converted checkpoint then carries. ``CheckpointError`` names the file and what is wrong."""
+    directory = Path(directory)
+    config_path, params_path = directory / HF_CONFIG, directory / MISTRAL_PARAMS
+    refuse_links_outside(directory, root_names=[n for n in (HF_CONFIG, MISTRAL_PARAMS)
+                                                if os.path.lexists(directory / n)])
+    if os.path.lexists(config_path):
+        require_regular_file(config_path, "config")
+        from transformers import AutoConfig
+
+        try:
+            full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+        except Exception as exc:  # transformers raises several types for a bad config
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointError(f"{config_path}: cannot read config.json: {first}") from None
+        return full, config_path.read_bytes()
+    if os.path.lexists(params_path):
+        from mmparity.reference.mistral_params import ParamsError, config_from_params
+
+        try:
+            full = config_from_params(_read_json_object(params_path))
+        except (ParamsError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{params_path}: {exc}") from None
+        return full, full.to_json_string().encode()
+    raise CheckpointError(f"{directory}: no {HF_CONFIG} (expected an HF save_pretrained directory, or "
+                          f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
+
+
 def _name(data: dict, key: str, path: Path, where: str = "") -> str | None:
     value = data.get(key)
     if value is not None and not isinstance(value, str):
@@ -186,17 +217,24 @@ def read_config_facts(directory: str | os.PathLike) -> ConfigFacts:
         if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
             raise CheckpointError(f"{path}: architectures is {json.dumps(architectures)[:60]}, expected a "
                                   "list of class names")
-        vision = data.get("vision_config")
-        if vision is not None and not isinstance(vision, dict):
-            raise CheckpointError(f"{path}: vision_config is {json.dumps(vision)[:60]}, expected an object")
+        vision, text = data.get("vision_config"), data.get("text_config")
+        for name, sub in (("vision_config", vision), ("text_config", text)):
+            if sub is not None and not isinstance(sub, dict):
+                raise CheckpointError(f"{path}: {name} is {json.dumps(sub)[:60]}, expected an object")
         return ConfigFacts(HF_CONFIG, tuple(architectures), _name(data, "model_type", path),
-                           _name(vision, "model_type", path, "vision_config.") if vision else None, layout)
+                           _name(vision, "model_type", path, "vision_config.") if vision else None, layout,
+                           _name(text, "model_type", path, "text_config.") if text else None)
     if layout is not None:
-        # Mistral's releases name the Pixtral tower `vision_encoder` (transformers' Mistral3
-        # conversion script reads it from there).
+        # Mistral's releases name the Pixtral tower `vision_encoder`; its patch merger makes the
+        # release a Mistral3 one (as transformers' conversion scripts decide), else a Pixtral-12B
+        # style LLaVA; the text model is Mistral's either way.
         params = _read_json_object(directory / MISTRAL_PARAMS)
-        return ConfigFacts(MISTRAL_PARAMS, vision_model_type="pixtral" if params.get("vision_encoder") else None,
-                           layout=layout)
+        encoder = params.get("vision_encoder")
+        if not isinstance(encoder, dict):
+            return ConfigFacts(MISTRAL_PARAMS, layout=layout)
+        whole = "mistral3" if encoder.get("spatial_merge_size") is not None else "llava"
+        return ConfigFacts(MISTRAL_PARAMS, model_type=whole, vision_model_type="pixtral", layout=layout,
+                           text_model_type="mistral")
     raise CheckpointError(f"{directory}: no {HF_CONFIG} (nor Mistral's {MISTRAL_PARAMS}) to tell the family from")
 
 

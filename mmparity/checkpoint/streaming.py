@@ -49,7 +49,7 @@ from safetensors.torch import load_file as safetensors_load, save as safetensors
 
 from mmparity import families, runtime
 from mmparity.checkpoint import extra_state
-from mmparity.checkpoint.hf import bound_config, detect_family
+from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import (
     LEGACY_FILE,
@@ -276,28 +276,31 @@ class _TensorFilter:
 
 
 def load_family_config(config_path: Path, family: str, where: Path):
-    """(family config, raw bytes of the HF config file)."""
-    if not config_path.is_file():
-        if config_path.name == HF_CONFIG_FILE:
-            raise ConvertError(f"{where}: no {HF_CONFIG_FILE} (the HF config an mcore checkpoint needs "
-                               "to be converted; mmparity convert keeps the source's config.json there)")
-        if (where / "params.json").is_file():
-            raise ConvertError(f"{where}: a Mistral-native release (params.json) needs an HF {CONFIG_FILE} "
-                               "beside it: params.json is not translated")
-        raise ConvertError(f"{where}: no {config_path.name} (expected an HF save_pretrained directory)")
-    from transformers import AutoConfig
-
+    """(family config, raw bytes of the HF config file). A source directory's config.json may be
+    Mistral's params.json instead (translated, its HF config.json bytes returned)."""
+    if config_path.name == HF_CONFIG_FILE and not config_path.is_file():
+        raise ConvertError(f"{where}: no {HF_CONFIG_FILE} (the HF config an mcore checkpoint needs "
+                           "to be converted; mmparity convert keeps the source's config.json there)")
     try:
-        full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
-    except Exception as exc:  # transformers raises several types for a bad config
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConvertError(f"{config_path}: cannot read the HF config: {first}") from None
+        if config_path.name == HF_CONFIG_FILE:
+            from transformers import AutoConfig
+
+            try:
+                full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+            except Exception as exc:  # transformers raises several types for a bad config
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise ConvertError(f"{config_path}: cannot read the HF config: {first}") from None
+            raw = config_path.read_bytes()
+        else:
+            full, raw = read_hf_config(where)
+    except CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
     try:
         cfg = families.get(family).family_config(full)
     except ValueError as exc:
         raise ConvertError(f"{where}: {exc} (family {family!r})") from None
-    bound_config(cfg, config_path, where)
-    return cfg, config_path.read_bytes()
+    bound_config(cfg, config_path if config_path.is_file() else where / "params.json", where)
+    return cfg, raw
 
 
 def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
@@ -853,9 +856,17 @@ def _check_shapes(source: _Source) -> None:
 # targets
 
 
+MISTRAL_LAYOUT, HF_SAVE_LAYOUT = "mistral", "hf_checkpoint"
+
+
 def _hf_target_format(source: _Source, requested: str | None) -> str:
     formats = families.get(source.family).hooks.converter.formats
     fmt = requested or source.hf_format
+    if requested is None and fmt == MISTRAL_LAYOUT and HF_SAVE_LAYOUT in formats:
+        # A whole model read from Mistral's own release goes out as transformers saves it, with
+        # the config.json it was translated to: what a user exporting "to HF" can load. Mistral's
+        # names stay one --hf-format away (beside a config.json, not a params.json).
+        fmt = HF_SAVE_LAYOUT
     if fmt not in formats:
         raise ConvertError(f"--hf-format {fmt!r} is not a layout of family {source.family!r}; "
                            f"it knows {', '.join(formats)}")

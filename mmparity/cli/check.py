@@ -80,35 +80,24 @@ def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout, what of the checkpoint they
     are: a ``SourceUse``) from an HF directory."""
     from mmparity import families
-    from mmparity.checkpoint.fsio import (CheckpointError, check_source_dtypes, open_safetensors_checkpoint,
-                                          refuse_links_outside)
-    from mmparity.checkpoint.hf import bound_config
+    from mmparity.checkpoint.fsio import CheckpointError, check_source_dtypes, open_safetensors_checkpoint
+    from mmparity.checkpoint.hf import bound_config, read_hf_config
     from mmparity.converters.rules import ConversionError
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
     try:
-        refuse_links_outside(directory, root_names=("config.json",))  # before transformers reads it
+        full_cfg, _ = read_hf_config(directory)
     except CheckpointError as exc:
         raise UsageError(f"--hf {exc}") from None
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        if os.path.isfile(os.path.join(directory, "params.json")):
-            raise UsageError(f"--hf {directory}: a Mistral-native directory (params.json) needs an HF "
-                             f"config.json beside it: params.json is not translated")
-        raise UsageError(f"--hf {directory}: no config.json (expected an HF save_pretrained directory)")
-    try:
-        from transformers import AutoConfig
-
-        full_cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except Exception as exc:  # transformers raises several types for a bad config
-        raise UsageError(f"--hf {directory}: cannot read config.json: {str(exc).splitlines()[0]}") from None
     fam = families.get(family)
     try:
         cfg = fam.family_config(full_cfg)
     except ValueError as exc:
         raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
     try:
-        bound_config(cfg, os.path.join(directory, "config.json"), directory)
+        config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
+        bound_config(cfg, os.path.join(directory, config_name), directory)
         with open_safetensors_checkpoint(directory) as ckpt:
             state = ckpt.state_dict()
     except CheckpointError as exc:

@@ -48,15 +48,15 @@ def _unknown(section: dict, known: set, where: str) -> None:
 def config_from_params(params: dict):
     """The HF config of a Mistral-native release from its ``params.json`` mapping."""
     if not isinstance(params, dict):
-        raise ParamsError("params.json: not a JSON object")
-    _unknown(params, set(TEXT_FIELDS) | TEXT_OTHER, "params.json")
+        raise ParamsError("not a JSON object")
+    _unknown(params, set(TEXT_FIELDS) | TEXT_OTHER, "top level")
     if params.get("sliding_window") is not None:
-        raise ParamsError(f"params.json: sliding_window={params['sliding_window']} is not supported "
+        raise ParamsError(f"sliding_window={params['sliding_window']} is not supported "
                           "(the decoder is fully causal)")
     missing = [name for name in ("dim", "n_layers", "hidden_dim", "n_heads", "vocab_size", "norm_eps")
                if name not in params]
     if missing:
-        raise ParamsError(f"params.json: missing {', '.join(missing)}")
+        raise ParamsError(f"missing {', '.join(missing)}")
     text = {TEXT_FIELDS[k]: v for k, v in params.items() if k in TEXT_FIELDS}
     text.setdefault("num_key_value_heads", params["n_heads"])
     text.setdefault("head_dim", params["dim"] // params["n_heads"])
@@ -67,9 +67,9 @@ def config_from_params(params: dict):
                                 tie_word_embeddings=tied)
     vision = params.get("vision_encoder")
     if not isinstance(vision, dict):
-        raise ParamsError("params.json: no vision_encoder section (a text-only Mistral release has no "
+        raise ParamsError("no vision_encoder section (a text-only Mistral release has no "
                           "registered family here)")
-    _unknown(vision, set(VISION_FIELDS) | VISION_OTHER, "params.json vision_encoder")
+    _unknown(vision, set(VISION_FIELDS) | VISION_OTHER, "vision_encoder")
     fields = {VISION_FIELDS[k]: v for k, v in vision.items() if k in VISION_FIELDS}
     vision_config = PixtralVisionConfig(**fields, hidden_act="silu",
                                         rope_parameters={"rope_type": "default",
@@ -78,11 +78,11 @@ def config_from_params(params: dict):
     bias = bool(vision.get("adapter_bias", True))
     merge = vision.get("spatial_merge_size")
     if merge is None and vision.get("mm_projector_id") not in MERGER_IDS[:1]:
-        raise ParamsError(f"params.json vision_encoder: mm_projector_id {vision.get('mm_projector_id')!r} "
+        raise ParamsError(f"vision_encoder: mm_projector_id {vision.get('mm_projector_id')!r} "
                           "without spatial_merge_size")
     if merge is not None:
         if vision.get("mm_projector_id") not in MERGER_IDS or not vision.get("add_pre_mm_projector_layer_norm", True):
-            raise ParamsError("params.json vision_encoder: only the patch merger with its pre-norm "
+            raise ParamsError("vision_encoder: only the patch merger with its pre-norm "
                               f"(mm_projector_id 'patch_merge') is supported, got {vision.get('mm_projector_id')!r}")
         return Mistral3Config(vision_config=vision_config, text_config=text_config,
                               image_token_index=image_token, spatial_merge_size=int(merge),
