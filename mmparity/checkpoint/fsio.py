@@ -335,7 +335,7 @@ def _xxh3_128():
     return xxhash.xxh3_128
 
 
-# The default checksum: xxh3-128 hashes at ~30 GB/s here against sha256's ~2 GB/s, which made
+# The default checksum: xxh3-128 hashes ~15x as fast as sha256 (~30 GB/s against ~2 GB/s), which made
 # sha256 a third of a conversion's CPU time. Checksums guard against corruption and layout
 # mistakes, not tampering, so a non-cryptographic 128-bit hash is enough. Manifests written with
 # sha256 stay verifiable: every record names its algorithm.
@@ -450,10 +450,10 @@ _madvise = None
 def prefault(tensors: Iterable[torch.Tensor]) -> None:
     """Maps the pages of file-backed tensors into the page table before the kernel copies from them.
 
-    A `write`/`pwrite` from a freshly mapped file takes one page fault per page inside the syscall:
-    measured on this VM at 0.76 GB/s, against 1.84 GB/s once the range is populated (populating
-    500 MB of cached pages costs ~8 ms). Populating is per tensor, never per file, so a source
-    whose other tensors are not converted is not read. Anonymous tensors are already resident;
+    A `write`/`pwrite` from a freshly mapped file takes one page fault per page inside the syscall,
+    which measured at less than half the throughput of the same write from a populated range
+    (populating 500 MB of cached pages costs ~8 ms). Populating is per tensor, never per file, so
+    a source whose other tensors are not converted is not read. Anonymous tensors are already resident;
     the call is then a cheap walk.
     """
     global _madvise
@@ -483,9 +483,10 @@ def start_writeback(fd: int, offset: int, count: int) -> None:
     """Asks the kernel to start writing a just-filled byte range to disk, without waiting for it.
 
     A writer that only fsyncs at the end fills the page cache first and then waits for the whole
-    file to reach the disk: on this VM 0.9 GB took ~0.34 s to fill by `copy_file_range` and another
-    ~0.28 s in `fsync`. Starting writeback range by range overlaps the two (0.42-0.47 s in all: the
-    `copy_writeback` job of benchmarks/convert_throughput.py); the final fsync still gives the durability
+    file to reach the disk, one after the other (for 0.9 GB, ~0.34 s of `copy_file_range` and then
+    ~0.28 s of `fsync`, in the measurements of docs/convert.md). Starting writeback range by range
+    overlaps the two (0.42-0.47 s in all: the `copy_writeback` job of
+    benchmarks/convert_throughput.py); the final fsync still gives the durability
     guarantee. Not Linux, or a filesystem that refuses: nothing happens and the fsync does all the
     work, as before.
     """
@@ -557,9 +558,10 @@ class FileRanges:
 
     A writer that knows a piece is bytes `[offset, offset + n)` of an open file can copy it with
     `copy_file_range` (page cache to page cache inside the kernel) instead of `pwrite` from user
-    memory; on this project's VMs that is the difference between ~3.7 GB/s and ~0.4 GB/s into a
-    new file. A source registers each mapping it makes, with a descriptor of the same file, for as
-    long as it lives; `locate` answers only for a contiguous tensor lying wholly inside one.
+    memory; where writing user memory into the page cache is slow (virtual machines, some
+    filesystems) that measured ~3.7 GB/s against ~0.4 GB/s into a new file. A source registers
+    each mapping it makes, with a descriptor of the same file, for as long as it lives; `locate`
+    answers only for a contiguous tensor lying wholly inside one.
     """
 
     def __init__(self):
@@ -1556,8 +1558,8 @@ class SlotWriter:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            # Two writers: on this kind of VM one thread's pwrite into the page cache runs at
-            # 2-5 GB/s from run to run, two threads at a steady ~4.8 GB/s (benchmarks/convert_throughput.py).
+            # Two writers: where one thread's pwrite into the page cache swings from run to run
+            # (2-5 GB/s in docs/convert.md's measurements), two hold a steady ~4.8 GB/s.
             self._pool = ThreadPoolExecutor(max_workers=self.WORKERS, thread_name_prefix="mmparity-writer")
         # A column range of a matrix (a row-parallel TP part) is written row by row from where it
         # is; any other non-contiguous piece is copied here, on the producer's thread.
@@ -1743,8 +1745,8 @@ class HeapBudget:
     stream of differently sized tensors fragments the heap, and the free part of it stays resident
     (measured: 800 MB free heap, all anonymous memory, after streaming a 0.9 GB checkpoint). Serving
     every large block from its own mapping instead (a fixed mmap threshold) bounds memory but pays
-    fresh page faults on every tensor, 2-3x slower here. So: keep the heap, and when its free part
-    exceeds `budget` bytes, `malloc_trim` hands the free pages back. No-op without glibc.
+    fresh page faults on every tensor, which measured 2-3x slower. So: keep the heap, and when its
+    free part exceeds `budget` bytes, `malloc_trim` hands the free pages back. No-op without glibc.
     """
 
     def __init__(self, budget: int = 128 * 2**20):

@@ -87,7 +87,7 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 
 def select_device_and_backend(device: str, dtype: str, backend: str | None) -> None:
-    """Refuse a device this machine lacks and an attention backend that cannot run on it."""
+    """Refuse a device the running machine lacks and an attention backend that cannot run on it."""
     if device == "cuda":
         import torch
 
