@@ -11,7 +11,7 @@ Jobs, all reading the same (warm) source bytes:
 
 * `copy`: a plain copy of the source files, fsynced (the baseline of the wall-time target);
 * `copy_writeback`: the same bytes copied with the converters' own I/O (`copy_file_range`, and
-  writeback started every 64 MB by `io.start_writeback`): the floor on this disk, against which
+  writeback started every 64 MB by `fsio.syscalls.start_writeback`): the floor on this disk, against which
   the converters' own overhead shows (column `x floor`);
 * `transformers`: `from_pretrained` + `state_dict()` + `save_file`, fsynced (what people do today);
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
@@ -83,7 +83,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         phases["into_page_cache"] = time.perf_counter() - started
         _fsync_tree(Path(dst))
     elif job == "copy_writeback":
-        from mmparity.checkpoint.fsio import copy_file_range_all, start_writeback
+        from mmparity.checkpoint.fsio.syscalls import copy_file_range_all, start_writeback
 
         ready = _rss_anon_kb()
         started = time.perf_counter()
@@ -226,7 +226,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
     from transformers import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    from mmparity.checkpoint.fsio import StreamingSafetensorsWriter
+    from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 
     cfg = Qwen3_5MoeVisionConfig(**{**QWEN35_VISION, "depth": depth})
     cfg.architectures = ["Qwen3_5MoeVisionModel"]
@@ -247,7 +247,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
 def _same_tensors(a: Path, b: Path) -> bool:
     import torch
 
-    from mmparity.checkpoint.fsio import SafetensorsCheckpoint
+    from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 
     with SafetensorsCheckpoint(a) as x, SafetensorsCheckpoint(b) as y:
         if x.keys() != y.keys():

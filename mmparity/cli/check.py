@@ -62,8 +62,10 @@ def _resolve_families(requested: list[str]) -> list[str]:
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout) from an HF directory."""
     from mmparity import families
-    from mmparity.checkpoint.fsio import (CheckpointError, check_source_dtypes, open_safetensors_checkpoint,
-                                          refuse_links_outside)
+    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.paths import refuse_links_outside
+    from mmparity.checkpoint.fsio.safetensors_read import open_safetensors_checkpoint
     from mmparity.checkpoint.hf import bound_config
     from mmparity.converters.rules import ConversionError
 
