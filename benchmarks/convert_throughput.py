@@ -11,14 +11,18 @@ Jobs, all reading the same (warm) source bytes:
 
 * `copy`: a plain copy of the source files, fsynced (the baseline of the wall-time target);
 * `copy_writeback`: the same bytes copied with the converters' own I/O (`copy_file_range`, and
-  writeback started every 64 MB by `io.start_writeback`): the floor on this disk, against which
+  writeback started every 64 MB by `fsio.syscalls.start_writeback`): the floor on this disk, against which
   the converters' own overhead shows (column `x floor`);
 * `transformers`: `from_pretrained` + `state_dict()` + `save_file`, fsynced (what people do today);
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
   `torch_dist -> hf`, through `mmparity.checkpoint.streaming.convert` (atomic, fsynced, checksummed).
 
+On a machine whose disk or memory speed drifts (shared, virtual), single runs are noise: jobs run
+in rounds, `--repeat` times, and `--paired` times the plain copy right before every job run so that
+each run is judged against the copy made in the same state (column `x the copy just before`).
+
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
-       [--keep-guest-memory] [--log FILE]
+       [--log FILE]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import shutil
@@ -80,7 +83,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         phases["into_page_cache"] = time.perf_counter() - started
         _fsync_tree(Path(dst))
     elif job == "copy_writeback":
-        from mmparity.checkpoint.fsio import copy_file_range_all, start_writeback
+        from mmparity.checkpoint.fsio.syscalls import copy_file_range_all, start_writeback
 
         ready = _rss_anon_kb()
         started = time.perf_counter()
@@ -137,59 +140,10 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
 # parent
 
 
-_PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
-
-
-def _reported_to_host_kb() -> int | None:
-    """What this VM's kernel has handed back to the hypervisor as free so far (virtio-balloon free
-    page reporting), or None on a machine without it."""
-    try:
-        return int((_PAGE_REPORTING / "reported_kib").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _stop_page_reporting() -> callable:
-    """Stops free page reporting for the sitting; returns what restores it.
-
-    Why: on a VM that reports freed pages, the host takes them back, and the next write to one
-    faults into the hypervisor. A copy whose page cache landed on such pages spent 0.8 to 1.8 s in
-    the kernel instead of 0.3 s here, same bytes, same fault count in the guest (measured with this
-    script's --log): the stalls that made single runs of either tree 2-3x slow at random. Which
-    free pages a run gets depends on what ran before, so the stall fell on runs by chance, and a
-    ratio to the copy just before took it in either the numerator or the denominator.
-    Reporting is stopped by raising its minimum block order past the largest the buddy allocator has."""
-    order_file = _PAGE_REPORTING / "page_reporting_order"
-    with open("/proc/buddyinfo") as f:
-        largest_order = max(len(line.split()) - 4 - 1 for line in f if line.strip())
-    try:
-        previous = order_file.read_text().strip()
-        order_file.write_text(str(largest_order + 1))
-    except OSError as exc:
-        raise SystemExit(f"--keep-guest-memory: cannot set {order_file} ({exc.strerror}); it needs root") from None
-    print(f"free page reporting stopped for the sitting (order {previous} -> {largest_order + 1})", file=sys.stderr)
-    return lambda: order_file.write_text(previous)
-
-
-def _touch_free_memory() -> None:
-    """Writes once to every free page but 2 GiB, so that each is host-backed before any run:
-    pages the host took back before reporting stopped would otherwise still stall the run that
-    first lands on them (two copies in the last round of a sitting did)."""
-    with open("/proc/meminfo") as f:
-        free_kb = next(int(line.split()[1]) for line in f if line.startswith("MemFree:"))
-    spare = max(0, free_kb * 1024 - (2 << 30))  # leave the kernel room; never push the page cache out
-    if spare:
-        region = mmap.mmap(-1, spare)
-        for offset in range(0, spare, mmap.PAGESIZE):
-            region[offset] = 1
-        region.close()
-    print(f"{spare / 2**30:.1f} GiB of free memory touched", file=sys.stderr)
-
-
 def _warm(root: Path) -> None:
     """Reads a job's source into the page cache: every job is timed from warm source bytes, as the
-    copy is. At depth 54 the working set outgrows what this VM keeps cached, and a job whose
-    source had been pushed out took up to 3x as long reading it back from the disk."""
+    copy is. Once the benchmark's working set outgrows the page cache, a job whose source had been
+    pushed out would otherwise pay for reading it back from the disk (up to 3x its wall time)."""
     buffer = bytearray(64 << 20)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         with open(path, "rb", buffering=0) as f:
@@ -199,14 +153,16 @@ def _warm(root: Path) -> None:
 
 def _settle(seconds: float) -> None:
     """Lets the disk finish what earlier runs left it (writeback, and the discards a deleted output
-    issues on a filesystem mounted with `discard`) so that no run pays for the one before it: at
-    1.7 GB the same job otherwise swung between 1.2 s and 4.6 s here, the plain copy too."""
+    issues on a filesystem mounted with `discard`) so that no run pays for the one before it: on
+    such a disk, at 1.7 GB, the same job otherwise swung between 1.2 s and 4.6 s, the plain copy
+    too (docs/convert.md)."""
     os.sync()
     time.sleep(seconds)
 
 
 def _steal_ticks() -> int:
-    """Clock ticks the hypervisor ran something else while this VM's CPUs wanted to run."""
+    """Clock ticks of CPU steal: time a virtual CPU wanted to run and was not given (0 on bare
+    metal). A run slowed by steal is the machine's, not the job's."""
     with open("/proc/stat") as f:
         return int(f.readline().split()[8])
 
@@ -223,7 +179,7 @@ def _schedstat(pid: int) -> tuple[int, int] | None:
 
 def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = None) -> dict:
     """Runs one child job; returns its timing, the peak RssAnon seen while it ran, and where its
-    time went (the child's CPU and fault counts, its wait for a CPU, the VM's steal), which is
+    time went (the child's CPU and fault counts, its wait for a CPU, the system's CPU steal), which is
     what tells a stalled run from a slow one. ``tree``: (script, PYTHONPATH) of another checkout
     whose own benchmark script runs the job instead."""
     script, env = __file__, None
@@ -260,7 +216,7 @@ def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = N
         "minor_faults": usage.ru_minflt - usage_before.ru_minflt, "major_faults": usage.ru_majflt - usage_before.ru_majflt,
         "waits": usage.ru_nvcsw - usage_before.ru_nvcsw, "preempted": usage.ru_nivcsw - usage_before.ru_nivcsw,
         "cpu_wait_s": sched[0][1] / 1e9 if sched[0] else None,
-        "vm_steal_s": (_steal_ticks() - steal_before) / os.sysconf("SC_CLK_TCK")}
+        "cpu_steal_s": (_steal_ticks() - steal_before) / os.sysconf("SC_CLK_TCK")}
     return result
 
 
@@ -270,7 +226,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
     from transformers import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    from mmparity.checkpoint.fsio import StreamingSafetensorsWriter
+    from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 
     cfg = Qwen3_5MoeVisionConfig(**{**QWEN35_VISION, "depth": depth})
     cfg.architectures = ["Qwen3_5MoeVisionModel"]
@@ -291,7 +247,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
 def _same_tensors(a: Path, b: Path) -> bool:
     import torch
 
-    from mmparity.checkpoint.fsio import SafetensorsCheckpoint
+    from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 
     with SafetensorsCheckpoint(a) as x, SafetensorsCheckpoint(b) as y:
         if x.keys() != y.keys():
@@ -317,35 +273,23 @@ def main() -> None:
                         help="also run the plain copy right before every job run and report the job's "
                              "time over that copy's (for disks whose speed drifts within a round)")
     parser.add_argument("--repeat", type=int, default=2,
-                        help="runs per job; the table shows the fastest run and the highest peak. The "
-                             "first touch of fresh memory is slow on a VM, so one run is noisy")
+                        help="runs per job, in rounds; the table shows the fastest run and the highest "
+                             "peak. On a shared or virtual machine one run is noisy: use several, with --paired")
     parser.add_argument("--against", nargs=2, metavar=("SCRIPT", "PYTHONPATH"), default=None,
                         help="also run every conversion job with another checkout (its own benchmark "
                              "script, its tree on PYTHONPATH) in the same rounds, each run paired with "
                              "its own copy, the two trees' order alternating round by round: a before/after "
                              "comparison in which a disk stall cannot fall on one tree only")
-    parser.add_argument("--keep-guest-memory", action="store_true",
-                        help="on a VM whose kernel hands freed memory back to the host (free page "
-                             "reporting; needs root): stop that for the sitting and touch the free memory "
-                             "once, so no run pays the host's fault on a page it took back (see "
-                             "_stop_page_reporting)")
     parser.add_argument("--log", default=None,
                         help="append every run (and its paired copy) as a JSON line: wall, phases, the "
-                             "child's CPU, faults and wait for a CPU, the VM's steal")
+                             "child's CPU, faults and wait for a CPU, the system's CPU steal")
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mmparity-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"hf-depth{args.depth}"
-    restore_reporting, log = None, None
+    log = None
     try:
-        if args.keep_guest_memory:
-            if _reported_to_host_kb() is None:
-                raise SystemExit("--keep-guest-memory: this kernel has no free page reporting "
-                                 f"({_PAGE_REPORTING} is missing); run without it")
-            restore_reporting = _stop_page_reporting()
-            _touch_free_memory()
-        reported_before = _reported_to_host_kb()
         if not src.exists():
             print("writing the synthetic source checkpoint ...", file=sys.stderr)
             _make_source(src, args.max_shard_size, args.depth)
@@ -365,7 +309,7 @@ def main() -> None:
             ("torch_dist -> hf", "convert", work / "dist1", work / "back_dist", dict(to="hf", max_shard_size=args.max_shard_size)),
         ]
         # Rounds: every job once per round, so a disk that slows down as the benchmark writes
-        # (it does here: by the end of a depth-54 run the plain copy took 1.3x as long as at the
+        # (some do: on one, by the end of a depth-54 run the plain copy took 1.3x as long as at the
         # start) slows every job alike instead of whichever ran last.
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
         against_runs: dict[str, list[dict]] = {label: [] for label, job, *_ in jobs if job == "convert"}
@@ -427,10 +371,6 @@ def main() -> None:
         copy_seconds, floor_seconds = rows[0]["seconds"], rows[1]["seconds"]
         print(f"\nQwen3.5 vision tower, depth {args.depth}: {source_bytes / 1e9:.3f} GB (bf16, {len(files) - 2} shards), "
               f"{os.cpu_count()} CPUs, round trips bit-exact: {exact}")
-        if reported_before is not None:
-            handed_back = (_reported_to_host_kb() - reported_before) / 1024
-            print(f"Free memory handed back to the host during the sitting: {handed_back:.0f} MB"
-                  + (" (runs may have paid the host's faults on it: see --keep-guest-memory)" if handed_back else ""))
         print()
         paired_column = args.paired
         print("| job | wall s (runs) | GB/s | x copy | x floor |" + (" x the copy just before (runs) |" if paired_column else "")
@@ -451,8 +391,6 @@ def main() -> None:
     finally:
         if log is not None:
             log.close()
-        if restore_reporting is not None:
-            restore_reporting()
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 

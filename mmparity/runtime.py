@@ -391,7 +391,7 @@ def _destroy_all_groups() -> None:
     """`dist.destroy_process_group()`, with the groups' own teardown moved off the caller's thread.
 
     mcore makes ~18 groups even at world size 1, and freeing a gloo group waits for its transport
-    thread to notice (up to 10 ms each, ~0.1 s in all, measured here). Unregistering them is
+    thread to notice (up to 10 ms each, so ~0.1 s in all). Unregistering them is
     instant; the last references go to a thread that frees them while the caller goes on (the
     frees release the GIL). The thread is not a daemon, so the interpreter waits for it at exit.
     """

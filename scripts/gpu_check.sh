@@ -1,33 +1,52 @@
 #!/usr/bin/env bash
 # One prepared device check for a CUDA machine without network (see docs/gpu.md).
 #
-# Expects: python3 with torch (CUDA) and the wheels of what is missing in ./.whl/ (megatron-core,
-# transformers, ...). Runs, each step time-boxed inside one overall budget:
-#   1. installs .whl/*.whl into /tmp/site (no index, no deps) and puts it and this checkout on PYTHONPATH
+# Expects: a python with torch (CUDA) and the wheels of what is missing in <checkout>/.whl/
+# (megatron-core, transformers, ...). The python is $PYTHON, else the active virtualenv's, else
+# python3. Runs from any directory, each step time-boxed inside one overall budget:
+#   1. installs .whl/*.whl into a temporary directory (no index, no deps) and puts it and this
+#      checkout on PYTHONPATH
 #   2. pytest -m gpu                                  (tests/test_gpu.py and any other gpu-marked test)
 #   3. mmparity check --device cuda, bfloat16 and float32, every registered family
 #   4. mmparity bench --size published --device cuda --dtype bfloat16, with the parity verdict
 #   5. the same with --mixed: each family's packed mixed-size batch (the real workload), parity too
 #   6. benchmarks/attention_kernels.py on cuda        (where the auto policy should switch kernels)
-# and writes everything under $OUT (default ./gpu_out): at most 8 files, named in [A-Za-z0-9._-].
-# The last lines printed are a summary. Exit status: 0 when every step ran and passed.
+# and writes everything under $OUT (default: a new temporary directory, named in the first line
+# printed): at most 8 files, named in [A-Za-z0-9._-], so that a runner which brings back only a
+# few files gets them all. The last lines printed are a summary. Exit status: 0 when every step
+# ran and passed, 1 when one did not, 3 when the wheels or the imports failed, 4 without CUDA.
+#
+# Dry run of the plumbing on a machine without CUDA, with the packages already installed:
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_SIZE=tiny GPU_CHECK_NO_WHEELS=1 bash scripts/gpu_check.sh
 set -uo pipefail
 
-OUT="${OUT:-./gpu_out}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${OUT:-}" ]]; then
+    OUT="$(mktemp -d -t mmparity-gpu-check.XXXXXX)" || exit 3
+fi
+mkdir -p "$OUT" || exit 3
+OUT="$(cd "$OUT" && pwd)"   # absolute before the cd below: a relative $OUT is the caller's
+cd "$ROOT" || exit 3
 BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"   # the whole script, install included; keep under 8 minutes
-mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : >"$LOG"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
-PY="${PYTHON:-python3}"
-# Dry run of this script's plumbing on a CPU machine (with this machine's own packages):
-#   GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_SIZE=tiny GPU_CHECK_NO_WHEELS=1
+if [[ -n "${PYTHON:-}" ]]; then
+    PY="$PYTHON"
+elif [[ -n "${VIRTUAL_ENV:-}" && -x "$VIRTUAL_ENV/bin/python" ]]; then
+    PY="$VIRTUAL_ENV/bin/python"
+else
+    PY=python3
+fi
 DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 BENCH_SIZE="${GPU_CHECK_BENCH_SIZE:-published}"
+SITE=""
 declare -a STATUS=()
 
 log() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+# The installed wheels are scratch: outside $OUT, which holds only what is to come back.
+trap '[[ -n "$SITE" ]] && rm -rf "$SITE"' EXIT
 
 # step NAME CAP_S CMD...: run CMD with the smaller of CAP_S and what is left of the budget.
 step() {
@@ -50,30 +69,44 @@ step() {
     log "DONE $name: rc=$rc"
 }
 
+log "writing to $OUT; checkout $ROOT, python $PY, device $DEVICE"
+
 # 1. dependencies ---------------------------------------------------------------------------------
 if [[ -z "${GPU_CHECK_NO_WHEELS:-}" ]] && compgen -G ".whl/*.whl" >/dev/null; then
-    log "installing $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
-    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG"; then
+    SITE="$(mktemp -d -t mmparity-gpu-site.XXXXXX)" || exit 3
+    wheels=(.whl/*.whl)
+    log "installing ${#wheels[@]} carried wheels into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "${wheels[@]}" 2>&1 | tee -a "$LOG"
+    if (( PIPESTATUS[0] != 0 )); then
         log "wheel install failed"; exit 3
     fi
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 else
-    log "no .whl/ folder: using the machine's packages as they are"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    log "no .whl/ folder (or GPU_CHECK_NO_WHEELS set): using the installed packages as they are"
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-nvidia-smi -L 2>&1 | tee -a "$LOG"
-if ! "$PY" - "$DEVICE" <<'EOF' 2>&1 | tee -a "$LOG"; then
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi -L 2>&1 | tee -a "$LOG"
+else
+    log "nvidia-smi is not on PATH"
+fi
+"$PY" - "$DEVICE" <<'EOF' 2>&1 | tee -a "$LOG"
 import sys, torch, transformers, megatron.core, mmparity
 from importlib import metadata
 print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| transformers", transformers.__version__, "| megatron-core", metadata.version("megatron-core"),
       "| mmparity", mmparity.__version__)
 print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
-sys.exit(0 if torch.cuda.is_available() or sys.argv[1] == "cpu" else 1)
+sys.exit(0 if torch.cuda.is_available() or sys.argv[1] == "cpu" else 4)
 EOF
-    log "imports or CUDA failed: see above"; exit 3
-fi
+case ${PIPESTATUS[0]} in
+    0) ;;
+    4) log "no CUDA device (torch.cuda.is_available() is False): this check needs one. For a dry run" \
+           "of the plumbing: GPU_CHECK_DEVICE=cpu GPU_CHECK_BENCH_SIZE=tiny GPU_CHECK_NO_WHEELS=1"
+       exit 4 ;;
+    *) log "imports failed: see above"; exit 3 ;;
+esac
 
 # 2-6. the checks -----------------------------------------------------------------------------------
 step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" --continue-on-collection-errors \

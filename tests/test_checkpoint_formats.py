@@ -30,7 +30,7 @@ from mmparity.checkpoint import (
 )
 from mmparity.checkpoint.torch_dist_files import global_state_dict
 from mmparity.converters import pp
-from mmparity.checkpoint.fsio import CHECKSUM_ALGORITHM
+from mmparity.checkpoint.fsio.checksums import CHECKSUM_ALGORITHM
 
 NUM_LAYERS = 3
 

@@ -17,7 +17,8 @@ import torch
 from mmparity import families
 from mmparity.checkpoint import read_manifest, verify
 from mmparity.cli.main import main
-from mmparity.checkpoint.fsio import load_safetensors_state_dict, save_safetensors_checkpoint
+from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
 from mmparity.cases.inputs import random_like_state
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from mmparity import families
 from mmparity.cases.inputs import random_like_state
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.hf import detect_family, read_config_facts
 from mmparity.checkpoint.streaming import ConvertOptions, convert
 from mmparity.cli.common import human_bytes

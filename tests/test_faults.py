@@ -147,7 +147,7 @@ def test_conversion_across_filesystems(capsys, sources, tmp_path, case, directio
 def test_copy_falls_back_only_on_the_errors_that_mean_unsupported(tmp_path, monkeypatch):
     import errno
 
-    from mmparity.checkpoint import fsio
+    from mmparity.checkpoint.fsio import syscalls
 
     src, dst = tmp_path / "a", tmp_path / "b"
     src.write_bytes(bytes(range(256)) * 64)
@@ -156,16 +156,16 @@ def test_copy_falls_back_only_on_the_errors_that_mean_unsupported(tmp_path, monk
         def refuse(*args, code=code):
             raise OSError(code, os.strerror(code))
 
-        monkeypatch.setattr(fsio.os, "copy_file_range", refuse)
+        monkeypatch.setattr(syscalls.os, "copy_file_range", refuse)
         with open(src, "rb") as s, open(dst, "r+b") as d:
-            fsio.copy_file_range_all(s.fileno(), 100, d.fileno(), 0, 5000)
+            syscalls.copy_file_range_all(s.fileno(), 100, d.fileno(), 0, 5000)
         assert dst.read_bytes()[:5000] == src.read_bytes()[100:5100]
     def broken(*args):
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(fsio.os, "copy_file_range", broken)
+    monkeypatch.setattr(syscalls.os, "copy_file_range", broken)
     with open(src, "rb") as s, open(dst, "r+b") as d, pytest.raises(OSError):
-        fsio.copy_file_range_all(s.fileno(), 0, d.fileno(), 0, 10)
+        syscalls.copy_file_range_all(s.fileno(), 0, d.fileno(), 0, 10)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ HARD_LINKED = {
 
 @pytest.mark.parametrize("case", sorted(HARD_LINKED))
 def test_hard_link_to_a_file_outside_is_accepted_and_certified(capsys, more_sources, tmp_path, case):
-    """Policy: a hard link is accepted (see `fsio.refuse_links_outside`): its bytes are the
+    """Policy: a hard link is accepted (see `fsio.paths.refuse_links_outside`): its bytes are the
     checkpoint's own, certified by the manifest, and never written through."""
     kind, relative = HARD_LINKED[case]
     directory = copy_tree(more_sources[kind], tmp_path / "ckpt")
@@ -322,13 +322,13 @@ def _manifest_tensors(directory: Path) -> list:
 @pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
 @pytest.mark.parametrize("case", sorted(SOURCE_FILES))
 def test_source_rewritten_while_it_is_read(capsys, sources, tmp_path, monkeypatch, case, how):
-    from mmparity.checkpoint import fsio
+    from mmparity.checkpoint.fsio import faults
 
     kind, relative, argv = SOURCE_FILES[case]
     source = copy_tree(sources[kind], tmp_path / "src")
     reference = tmp_path / "reference"
     assert run_cli(capsys, "convert", "--src", source, "--dst", reference, *argv, "--quiet")[0] == 0
-    real_fault_point = fsio.fault_point
+    real_fault_point = faults.fault_point
     mutated = []
 
     def fault_point(name):  # the writer's own fault hook: after the first tensor is handed over
@@ -337,10 +337,10 @@ def test_source_rewritten_while_it_is_read(capsys, sources, tmp_path, monkeypatc
             mutated.append(name)
         real_fault_point(name)
 
-    monkeypatch.setattr(fsio, "fault_point", fault_point)
+    monkeypatch.setattr(faults, "fault_point", fault_point)
     dst = tmp_path / "dst"
     code, out, err = run_cli(capsys, "convert", "--src", source, "--dst", dst, *argv, "--quiet")
-    monkeypatch.setattr(fsio, "fault_point", real_fault_point)
+    monkeypatch.setattr(faults, "fault_point", real_fault_point)
     assert mutated, "the conversion never reached its first tensor"
     if code == 0:
         # A consistent snapshot: exactly what the source held when it was opened.
@@ -356,17 +356,17 @@ def test_source_rewritten_while_it_is_read(capsys, sources, tmp_path, monkeypatc
 
 _TRUNCATING_RUNNER = """
 import os, sys
-from mmparity.checkpoint import fsio
+from mmparity.checkpoint.fsio import faults
 from mmparity.cli.main import main
 victim, argv = sys.argv[1], sys.argv[2:]
-real = fsio.fault_point
+real = faults.fault_point
 done = []
 def fault_point(name):
     if name == "tensor" and not done:
         done.append(1)
         os.truncate(victim, os.path.getsize(victim) // 3)
     real(name)
-fsio.fault_point = fault_point
+faults.fault_point = fault_point
 sys.exit(main(argv))
 """
 
@@ -464,7 +464,7 @@ def special_hf(request, tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_nan_and_inf_round_trip_bit_exact(capsys, special_hf, tmp_path, fmt):
-    from mmparity.checkpoint.fsio import load_safetensors_state_dict
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 
     directory, state = special_hf
     mcore, back = tmp_path / "mcore", tmp_path / "back"

@@ -24,7 +24,7 @@ import torch
 from mmparity import families
 from mmparity.cases.inputs import random_like_state
 from mmparity.checkpoint import extra_state, torch_dist_files
-from mmparity.checkpoint.fsio import tensor_checksum
+from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.cli.main import main
 from tests.test_faults import run_cli
 

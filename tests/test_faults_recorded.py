@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity.checkpoint.fsio import tensor_checksum
+from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from tests.test_convert_roundtrips import save_hf
 from tests.test_faults import one_line_error, run_cli, run_subprocess
 from tests.test_megatron_load import llava_clip_config

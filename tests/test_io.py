@@ -12,20 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mmparity.checkpoint.fsio import (
-    SAFETENSORS_INDEX_FILE,
-    SAFETENSORS_SINGLE_FILE,
-    CheckpointError,
-    SafetensorsCheckpoint,
-    atomic_directory,
-    load_safetensors_state_dict,
-    parse_size,
-    save_safetensors_checkpoint,
-    write_safetensors_shards,
-    tensor_checksum,
-    PieceHasher,
-    TensorChecksum,
-)
+from mmparity.checkpoint.fsio.checksums import PieceHasher, TensorChecksum, tensor_checksum
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.publish import atomic_directory
+from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE,
+                                                         parse_size)
+from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint, load_safetensors_state_dict
+from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint, write_safetensors_shards
 
 
 def seeded(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -386,7 +379,9 @@ def test_parse_size_rejects_nonsense(text):
 def test_io_imports_neither_framework():
     import subprocess
 
-    code = ("import sys, mmparity.checkpoint.fsio, mmparity.converters.pp;"
+    fsio = Path(__file__).parent.parent / "mmparity" / "checkpoint" / "fsio"
+    modules = ", ".join(sorted(f"mmparity.checkpoint.fsio.{p.stem}" for p in fsio.glob("*.py") if p.stem != "__init__"))
+    code = (f"import sys, {modules}, mmparity.converters.pp;"
             "bad = [m for m in ('megatron', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
@@ -404,7 +399,8 @@ def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
 
 
 def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
-    from mmparity.checkpoint.fsio import Slot, SlotWriter, route_pieces
+    from mmparity.checkpoint.fsio.pieces import route_pieces
+    from mmparity.checkpoint.fsio.slots import Slot, SlotWriter
     from mmparity.converters.ops import RegroupQKV
     from mmparity.converters.tp import ColumnJoin, merge, shard
 
@@ -460,7 +456,7 @@ def test_file_ranges_locate_only_views_of_registered_mappings(tmp_path):
 
 
 def test_start_writeback_is_harmless_where_it_cannot_apply(tmp_path):
-    from mmparity.checkpoint import fsio as io
+    from mmparity.checkpoint.fsio import syscalls as io
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10000)

@@ -219,7 +219,7 @@ def _load_rank(rank: int, world: int, fmt: str, path: str, expected: list) -> di
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_convert_output_loads_strictly_into_kimi_vit_model(capsys, tmp_path, hf_dir, fmt, tp):
-    from mmparity.checkpoint.fsio import load_safetensors_state_dict
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 
     ckpt = _convert(capsys, hf_dir, tmp_path / "mcore", fmt, tp)
     expected = [dict(s) for s in _fam().hf_to_mcore(load_safetensors_state_dict(hf_dir), _whole(), tp_size=tp)]

@@ -21,7 +21,8 @@ from transformers import LlavaConfig
 
 from mmparity import families, runtime
 from mmparity.checkpoint import read_manifest
-from mmparity.checkpoint.fsio import CheckpointError, load_safetensors_state_dict
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.checkpoint.megatron_load import build_and_load, load_job
 from mmparity.checkpoint.streaming import SIDE_FILE
 from mmparity.cli.main import main

@@ -13,7 +13,7 @@ import torch
 
 from mmparity import families
 from mmparity.checkpoint import read_manifest, verify
-from mmparity.checkpoint.fsio import load_safetensors_state_dict
+from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.checkpoint.legacy import read_legacy
 from mmparity.checkpoint.streaming import read_mcore_shards
 from mmparity.checkpoint.torch_dist_files import global_state_dict

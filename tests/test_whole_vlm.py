@@ -266,7 +266,7 @@ def mistral_native_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("family", WHOLE_ROWS)
 def test_mistral_native_release_converts_without_config_json_or_family(family, mistral_native_dirs, tmp_path, capsys):
-    from mmparity.checkpoint.fsio import load_safetensors_state_dict
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
     from mmparity.cli.main import main
 
     path, hf, cfg = mistral_native_dirs[family]

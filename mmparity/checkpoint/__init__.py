@@ -32,7 +32,7 @@ from mmparity.checkpoint.manifest import (
 from mmparity.checkpoint.verify import Problem, VerifyReport, verify
 from mmparity.checkpoint.torch_dist_files import global_state_dict as torch_dist_global_state_dict
 from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio.errors import CheckpointError
 
 __all__ = [
     "CHECKPOINT_VERSION",

@@ -16,17 +16,12 @@ import torch
 from mmparity.families import MISTRAL_NATIVE, ConfigFacts, Detection, detect
 from mmparity.checkpoint.layout import LEGACY_FILE
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
-from mmparity.checkpoint.fsio import (
-    CheckpointError,
-    SafetensorsCheckpoint,
-    write_extra_files,
-    DEFAULT_MAX_SHARD_SIZE,
-    write_safetensors_shards,
-    atomic_directory,
-    require_regular_file,
-    has_hf_weights,
-    refuse_links_outside,
-)
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
+from mmparity.checkpoint.fsio.publish import atomic_directory, write_extra_files
+from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, has_hf_weights
+from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
+from mmparity.checkpoint.fsio.safetensors_write import write_safetensors_shards
 
 __all__ = ["write_hf", "bound_config", "checkpoint_capacity", "read_config_facts", "detect_family"]
 

@@ -16,7 +16,8 @@ import os
 import re
 from pathlib import Path
 
-from mmparity.checkpoint.fsio import CheckpointError, refuse_links_outside, require_regular_file
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 
 __all__ = [
     "TRACKER_FILE",

@@ -28,15 +28,11 @@ import torch
 from mmparity import errors
 from mmparity.converters import pp
 from mmparity.checkpoint import extra_state, unpickle
-from mmparity.checkpoint.fsio import (
-    CheckpointError,
-    Slot,
-    SlotWriter,
-    atomic_directory,
-    require_regular_file,
-    tensor_checksum,
-    torch_save_without_crc32,
-)
+from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.paths import require_regular_file
+from mmparity.checkpoint.fsio.publish import atomic_directory
+from mmparity.checkpoint.fsio.slots import Slot, SlotWriter, torch_save_without_crc32
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,

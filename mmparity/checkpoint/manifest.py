@@ -16,13 +16,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import mmparity
-from mmparity.checkpoint.fsio import (
-    CheckpointError,
-    TensorChecksum,
-    is_plain_relative_path,
-    require_regular_file,
-    write_extra_files,
-)
+from mmparity.checkpoint.fsio.checksums import TensorChecksum
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
+from mmparity.checkpoint.fsio.publish import write_extra_files
 
 __all__ = [
     "MANIFEST_FILE",

@@ -27,7 +27,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from mmparity import errors, runtime
 from mmparity.cases.megatron import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest

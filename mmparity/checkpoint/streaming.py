@@ -66,12 +66,16 @@ from mmparity.converters import pp as pp_mod
 from mmparity.converters.pp import PipelineError
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
-from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE,
-                                      SAFETENSORS_SINGLE_FILE, CheckpointError, FileRanges,
-                                      SafetensorsCheckpoint, StreamingSafetensorsWriter, joined,
-                                      narrow_pieces, route_pieces, atomic_directory, heap_budget,
-                                      parse_size, check_source_dtypes, recover_destination,
-                                      tensor_checksum, has_hf_weights, MCORE_SIDE_FILE)
+from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.heap import heap_budget
+from mmparity.checkpoint.fsio.pieces import FileRanges, joined, narrow_pieces, route_pieces
+from mmparity.checkpoint.fsio.publish import atomic_directory, recover_destination
+from mmparity.checkpoint.fsio.safetensors_format import (DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE,
+                                                         SAFETENSORS_SINGLE_FILE, has_hf_weights, parse_size)
+from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
+from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 from mmparity.converters.ops import LayoutError, PadRows
 from mmparity.converters.tp import ShardError
 

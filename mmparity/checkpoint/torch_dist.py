@@ -53,18 +53,13 @@ from mmparity.checkpoint.manifest import (
     TensorRecord,
     write_mcore_root,
 )
-from mmparity.checkpoint.fsio import (
-    Slot,
-    SlotWriter,
-    joined,
-    narrow_pieces,
-    pwrite_all,
-    CheckpointError,
-    discard_staging_directory,
-    make_staging_directory,
-    publish_staging_directory,
-    tensor_checksum,
-)
+from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.pieces import joined, narrow_pieces
+from mmparity.checkpoint.fsio.publish import (discard_staging_directory, make_staging_directory,
+                                              publish_staging_directory)
+from mmparity.checkpoint.fsio.slots import Slot, SlotWriter
+from mmparity.checkpoint.fsio.syscalls import pwrite_all
 
 __all__ = [
     "CpuTorchDistSaveStrategy",

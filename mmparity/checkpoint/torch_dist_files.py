@@ -31,7 +31,8 @@ import torch
 
 from mmparity import errors
 from mmparity.checkpoint import unpickle
-from mmparity.checkpoint.fsio import CheckpointError, is_plain_relative_path, require_regular_file
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
@@ -246,7 +247,7 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, byte
         return cached
     import tempfile
 
-    from mmparity.checkpoint.fsio import torch_save_without_crc32
+    from mmparity.checkpoint.fsio.slots import torch_save_without_crc32
 
     nbytes = _numel(key[1]) * dtype.itemsize
     # PyTorchFileWriter derives the archive name from the file name and refuses a leading dot.
@@ -336,7 +337,7 @@ class TorchDistFiles:
         self._reader = storage_reader(self.path)
         self._reader.set_up_storage_reader(self.metadata, True)
         self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
-        from mmparity.checkpoint.fsio import FileRanges
+        from mmparity.checkpoint.fsio.pieces import FileRanges
 
         self.file_ranges = FileRanges()  # where mapped chunks live in the files
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
@@ -410,7 +411,7 @@ class TorchDistFiles:
         if mapping is None:
             import mmap
 
-            from mmparity.checkpoint.fsio import mapping_address
+            from mmparity.checkpoint.fsio.pieces import mapping_address
 
             with open(self.path / relative_path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from mmparity.checkpoint.fsio import CheckpointError
+from mmparity.checkpoint.fsio.errors import CheckpointError
 
 __all__ = [
     "RefusedPickle",

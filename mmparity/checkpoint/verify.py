@@ -18,8 +18,9 @@ import torch
 from safetensors import safe_open
 
 from mmparity.checkpoint import extra_state, torch_dist_files
-from mmparity.checkpoint.fsio import (CheckpointError, link_outside, links_outside, require_regular_file,
-                                      tensor_checksum)
+from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.paths import link_outside, links_outside, require_regular_file
 from mmparity.checkpoint.legacy import load_rank_file
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE,
                                           TensorRecord, read_manifest)

@@ -63,7 +63,7 @@ def _resolve_families(requested: list[str]) -> list[str]:
 def _detect(directory: str):
     """The family of ``--hf DIR`` from its config (:func:`mmparity.families.detect`)."""
     from mmparity import families
-    from mmparity.checkpoint.fsio import CheckpointError
+    from mmparity.checkpoint.fsio.errors import CheckpointError
     from mmparity.checkpoint.hf import detect_family
 
     if not os.path.isdir(directory):
@@ -80,7 +80,9 @@ def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout, what of the checkpoint they
     are: a ``SourceUse``) from an HF directory."""
     from mmparity import families
-    from mmparity.checkpoint.fsio import CheckpointError, check_source_dtypes, open_safetensors_checkpoint
+    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.safetensors_read import open_safetensors_checkpoint
     from mmparity.checkpoint.hf import bound_config, read_hf_config
     from mmparity.converters.rules import ConversionError
 

@@ -87,7 +87,7 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 
 def select_device_and_backend(device: str, dtype: str, backend: str | None) -> None:
-    """Refuse a device this machine lacks and an attention backend that cannot run on it."""
+    """Refuse a device the running machine lacks and an attention backend that cannot run on it."""
     if device == "cuda":
         import torch
 
@@ -113,7 +113,7 @@ def human_bytes(nbytes: int) -> str:
 def config_facts(directory):
     """A checkpoint's config facts, to name the family that takes it whole; None if unreadable
     (with its family given, nothing else needed them)."""
-    from mmparity.checkpoint.fsio import CheckpointError
+    from mmparity.checkpoint.fsio.errors import CheckpointError
     from mmparity.checkpoint.hf import read_config_facts
 
     try:

@@ -92,8 +92,10 @@ class _NoProgress:
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert
-    from mmparity.checkpoint.fsio import (DEFAULT_MAX_SHARD_SIZE, CheckpointError, check_sources_unchanged,
-                                          refuse_link_destination, sources_unchanged)
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.paths import refuse_link_destination
+    from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE
+    from mmparity.checkpoint.fsio.sources import check_sources_unchanged, sources_unchanged
     from mmparity.checkpoint.layout import checkpoint_extent
 
     if args.to == "hf" and args.format is not None:

@@ -1,0 +1,35 @@
+"""Fault injection (tests only).
+
+`MMPARITY_FAULT` makes a writer die or stop at a chosen point, so tests can check the publishing
+invariant at every point of a real conversion: comma-separated `kill@N` (SIGKILL at the N-th point
+reached), `kill@NAME` (at the first point of that name: staged, tensor, synced, aside, published,
+removed), `pause@N` / `pause@NAME` (sleep there until a signal arrives), `noexchange` (publish as
+on a filesystem without RENAME_EXCHANGE). Unset, a point is one counter increment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+_FAULTS = frozenset(filter(None, os.environ.get("MMPARITY_FAULT", "").split(",")))
+_fault_points_reached = 0
+
+
+def fault_point(name: str) -> None:
+    global _fault_points_reached
+    if not _FAULTS:
+        return
+    _fault_points_reached += 1
+    for action in ("kill", "pause"):
+        if f"{action}@{_fault_points_reached}" in _FAULTS or f"{action}@{name}" in _FAULTS:
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                time.sleep(3600)
+
+
+def injected(fault: str) -> bool:
+    """Whether `MMPARITY_FAULT` names `fault` (e.g. `noexchange`)."""
+    return fault in _FAULTS

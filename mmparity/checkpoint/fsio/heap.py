@@ -1,0 +1,62 @@
+"""Anonymous memory while tensors stream through: glibc's free heap kept under a budget."""
+
+from __future__ import annotations
+
+import ctypes
+
+from mmparity.checkpoint.fsio.syscalls import libc
+
+
+class HeapBudget:
+    """Keeps freed heap memory from piling up while tensors stream through.
+
+    Tensor-sized blocks freed back to glibc's heap are reused by later tensors, which is fast; but a
+    stream of differently sized tensors fragments the heap, and the free part of it stays resident
+    (measured: 800 MB free heap, all anonymous memory, after streaming a 0.9 GB checkpoint). Serving
+    every large block from its own mapping instead (a fixed mmap threshold) bounds memory but pays
+    fresh page faults on every tensor, which measured 2-3x slower. So: keep the heap, and when its
+    free part exceeds `budget` bytes, `malloc_trim` hands the free pages back. No-op without glibc.
+    """
+
+    def __init__(self, budget: int = 128 * 2**20):
+        self.budget = budget
+        self._since_check = 0
+        self._libc = None
+        lib = libc()
+        if lib is None:
+            return
+        try:
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(name, ctypes.c_size_t) for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                    "fordblks", "keepcost")]
+
+            lib.mallinfo2.restype = MallInfo2
+            lib.malloc_trim.argtypes = [ctypes.c_size_t]
+            self._libc = lib
+        except AttributeError:  # a libc without mallinfo2 (not glibc, or glibc < 2.33)
+            pass
+
+    def check(self, nbytes: int) -> None:
+        """Called after ``nbytes`` more bytes passed through the heap. mallinfo2 walks the free
+        lists, and its cost grows with everything imported before it (a 0.9 GB conversion spent
+        37 ms in it when called per tensor): the free part can only have grown by what passed
+        through, so it is read once per ``budget / 8`` bytes."""
+        if self._libc is None:
+            return
+        self._since_check += nbytes
+        if self._since_check < self.budget // 8:
+            return
+        self._since_check = 0
+        if self._libc.mallinfo2().fordblks > self.budget:
+            self._libc.malloc_trim(0)
+
+
+_HEAP = None
+
+
+def heap_budget() -> HeapBudget:
+    global _HEAP
+    if _HEAP is None:
+        _HEAP = HeapBudget()
+    return _HEAP
