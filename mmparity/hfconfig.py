@@ -17,9 +17,20 @@ def image_hw(cfg) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
+def num_heads(cfg) -> int:
+    """Attention heads (``num_attention_heads``; Qwen's vision configs say ``num_heads``)."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    return heads if heads is not None else cfg.num_heads
+
+
 def head_dim(cfg) -> int:
     """The per-head width: an explicit ``head_dim`` when the config sets one, else hidden / heads."""
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads(cfg)
+
+
+def query_groups(cfg) -> int:
+    """Key/value heads (GQA groups): ``num_key_value_heads`` when set, else one per head."""
+    return getattr(cfg, "num_key_value_heads", None) or num_heads(cfg)
 
 
 def rope_theta(cfg, default: float = 10000.0) -> float:

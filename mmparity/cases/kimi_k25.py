@@ -20,10 +20,11 @@ from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, Tower
 from mmparity.converters import kimi_k25 as converter
 from mmparity.converters.ops import RopeInterleave
 from mmparity.hfconfig import has_vision_sub_config as has_projector
+from mmparity.hfconfig import head_dim
 from mmparity.hfconfig import vision_sub_config as vision_cfg
 from mmparity.native import kimi_k25 as native
 from mmparity.native.core.layers import numbered_layers
-from mmparity.native.kimi_k25 import KimiViTWithProjector, head_dim, tower
+from mmparity.native.kimi_k25 import KimiViTWithProjector, tower
 from mmparity.reference import kimi_k25 as reference
 from mmparity.reference.kimi_k25 import CHANNELS, KimiK25VisionReference, patch_size, vision_tower
 
@@ -141,7 +142,7 @@ def rope_reference(model, cfg, seed: int, grid: tuple[int, int]) -> torch.Tensor
     """HF's rotary embedding on seeded q in the model's dtype: (N, heads, hd), rotate-half layout."""
     vc = vision_cfg(cfg)
     heads = vc.num_attention_heads
-    q = inputs.rope_probe(heads, vc.hidden_size // heads, grid, seed)
+    q = inputs.rope_probe(heads, head_dim(vc), grid, seed)
     q = inputs.like_model(q, model)
     h, w = grid
     rows, cols = torch.meshgrid(torch.arange(h, device=q.device), torch.arange(w, device=q.device),

@@ -13,6 +13,7 @@ from transformers.models.pixtral.modeling_pixtral import PixtralVisionRotaryEmbe
 from mmparity.cases import inputs
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
                                  first_tensor, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
+from mmparity.hfconfig import head_dim
 from mmparity.converters import pixtral as converter
 from mmparity.converters.ops import RopeInterleave
 from mmparity.native import pixtral as native
@@ -72,7 +73,7 @@ def reference_pairs(model, cfg) -> list[Pair]:
 
 def rope_reference(cfg, seed: int, grid: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
     """HF's rotary embedding applied to seeded q: (N, heads, hd) in HF (rotate-half) layout."""
-    q = inputs.rope_probe(cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, grid, seed)
+    q = inputs.rope_probe(cfg.num_attention_heads, head_dim(cfg), grid, seed)
     q = q.to(dtype)
     rotary = PixtralVisionRotaryEmbedding(cfg)
     h, w = grid
@@ -122,7 +123,7 @@ def apply_mcore_rope(model, q_interleaved: torch.Tensor, freqs: torch.Tensor) ->
 def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "rope2d":
         heads = cfg.num_attention_heads
-        hd = cfg.hidden_size // heads
+        hd = head_dim(cfg)
         q = inputs.rope_probe(heads, hd, inputs.COMPONENT_GRID, seed)
         q = inputs.like_model(q, model)
         n = q.shape[0]

@@ -22,7 +22,7 @@ from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, Tower
                                  sbh_tokens_2d, tokens_2d)
 from mmparity.converters import qwen3_5 as converter
 from mmparity.hfconfig import first_int as _int
-from mmparity.hfconfig import vision_sub_config
+from mmparity.hfconfig import head_dim, vision_sub_config
 from mmparity.native import qwen3_5 as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.native.qwen3_5 import block_first, block_first_ids
@@ -146,7 +146,7 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "rope2d":
         position_ids = get_vision_position_ids(grid_thw, m)
         heads = cfg.num_attention_heads
-        q = inputs.rope_probe(heads, cfg.hidden_size // heads, (position_ids.shape[0], 1), seed)
+        q = inputs.rope_probe(heads, head_dim(cfg), (position_ids.shape[0], 1), seed)
         q = q.to(param.device, param.dtype)
         cos, sin = model.rotary_pos_emb(q, position_ids.to(param.device))
         rotated, _ = apply_rotary_pos_emb_vision(q, q, cos, sin)
@@ -234,7 +234,7 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
         return torch.cat([model.pos_embed.lookup(r, c, h, w) for (r, c), (h, w) in zip(ids, grids)])
     if name == "rope2d":
         total = sum(h * w for h, w in grids)
-        q = inputs.rope_probe(cfg.num_attention_heads, native.head_dim(cfg), (total, 1), seed)
+        q = inputs.rope_probe(cfg.num_attention_heads, head_dim(cfg), (total, 1), seed)
         freqs = torch.cat([model.rotary_pos_emb(r, c) for r, c in ids])
         return apply_mcore_rope(model, q.to(param.device, param.dtype), freqs)
     if name == "block_first":

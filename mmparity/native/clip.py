@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mmparity.hfconfig import first_int, image_hw, vision_of
+from mmparity.hfconfig import first_int, head_dim, image_hw, vision_of
 from mmparity.native.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.native.core.vit import ViTModel
 
@@ -29,7 +29,7 @@ def transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
     return vision_transformer_config(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        kv_channels=head_dim(cfg),
         ffn_hidden_size=cfg.intermediate_size, normalization="LayerNorm",
         norm_eps=cfg.layer_norm_eps, activation=activation_from_hf(cfg.hidden_act), gated=False,
         bias=True, params_dtype=params_dtype)

@@ -55,7 +55,7 @@ from mmparity.native.core.layers import (NormedColumnParallelLinear, activation_
                                          vision_transformer_config)
 from mmparity.native.core.vit import (ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm,
                                       _cat_rope, _dynamic_patch_grid_lists, check_image_size)
-from mmparity.hfconfig import rope_theta
+from mmparity.hfconfig import head_dim, rope_theta
 from mmparity import runtime
 
 # HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
@@ -436,9 +436,6 @@ def _merge(vc) -> int:
         raise NotImplementedError(f"only square merge kernels are supported, got {kh}x{kw}")
     return kh
 
-
-def head_dim(vc) -> int:
-    return vc.hidden_size // vc.num_attention_heads
 
 
 def transformer_config(vc, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:

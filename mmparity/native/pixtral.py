@@ -10,7 +10,7 @@ import torch
 
 from mmparity.native.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.native.core.vit import ViTModel
-from mmparity.hfconfig import rope_theta
+from mmparity.hfconfig import head_dim, rope_theta
 
 # HF's PixtralRMSNorm instances are built with a literal 1e-5, not a config field.
 PIXTRAL_NORM_EPS = 1e-5
@@ -27,10 +27,9 @@ def _patch(cfg) -> int:
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return vision_transformer_config(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads, kv_channels=head_dim,
+        num_attention_heads=cfg.num_attention_heads, kv_channels=head_dim(cfg),
         ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm",
         norm_eps=PIXTRAL_NORM_EPS, activation=activation_from_hf(cfg.hidden_act), gated=True,
         bias=False, rotary_interleaved=True, params_dtype=params_dtype)

@@ -41,7 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
                                          vision_layer_spec, vision_transformer_config)
 from mmparity.native.core.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
-from mmparity.hfconfig import rope_theta
+from mmparity.hfconfig import head_dim, rope_theta
 from mmparity import runtime
 
 # HF builds every LayerNorm of this tower with a literal eps, not a config field.
@@ -379,9 +379,6 @@ def table_side(cfg) -> int:
                          f"must be g*g (HF would silently ignore the rows past {int(n ** 0.5) ** 2})")
     return g
 
-
-def head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:

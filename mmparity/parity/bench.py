@@ -35,7 +35,7 @@ from mmparity import families, runtime
 from mmparity.cases import inputs
 from mmparity.cases.core import TowerShape
 from mmparity.converters.rules import with_side
-from mmparity.hfconfig import first_int, vision_sub_config
+from mmparity.hfconfig import first_int, head_dim, query_groups, vision_sub_config
 from mmparity.native.core import attention
 from mmparity.parity import metrics
 from mmparity.parity.harness import (InputError, exact_float32, load_reference_weights, size_multiple,
@@ -147,8 +147,8 @@ def _base_shape(cfg) -> TowerShape:
     heads = vc.num_attention_heads
     return TowerShape(
         hidden=vc.hidden_size, layers=vc.num_hidden_layers, heads=heads,
-        groups=getattr(vc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(vc, "head_dim", None) or vc.hidden_size // heads,
+        groups=query_groups(vc),
+        head_dim=head_dim(vc),
         ffn=vc.intermediate_size, gated=False, patch=first_int(vc.patch_size),
         channels=getattr(vc, "num_channels", None) or getattr(vc, "in_channels", None) or 3,
         temporal=first_int(getattr(vc, "temporal_patch_size", None) or 1))
