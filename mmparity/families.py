@@ -1,11 +1,17 @@
 """The family registry: one :class:`Family` per model family, in one dict literal.
 
-A family is its entry here plus its modules: ``mmparity.reference.<name>`` (the HF model),
-``mmparity.native.<name>`` (the mcore model), ``mmparity.converters.<name>`` (the key tables) and
-``mmparity.cases.<name>``, whose ``hooks(towers)`` returns the typed
-:class:`~mmparity.cases.core.FamilyHooks` record every generic part reads. The entry itself holds
-only display data, so listing families imports neither transformers nor megatron; the hooks load
-on first use and are checked then (a missing or mistyped hook fails naming the family).
+A family is its entry here plus its modules: ``mmparity.reference.<name>`` (the HF config and
+model), ``mmparity.native.<name>`` (the mcore model), ``mmparity.converters.<name>`` (the key
+tables) and ``mmparity.cases.<name>``, whose ``hooks(towers)`` returns the typed
+:class:`~mmparity.cases.core.FamilyHooks` record every generic part reads.
+
+What a command needs is loaded when it asks, and no more: the entry itself is data (what
+``list`` shows, which checkpoints detection gives the family), and this module imports no
+framework, so ``mmparity list`` and ``--help`` load none; conversion reads the config, the key
+tables and the tensor shapes straight from the reference and converters modules, which load
+transformers' configuration classes and nothing of either framework's models; the hooks (the
+models and the parity glue) load on first use and are checked then (a missing or mistyped hook
+fails naming the family).
 """
 
 from __future__ import annotations
@@ -13,14 +19,14 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from mmparity import runtime
-from mmparity.cases.core import FamilyHooks
-from mmparity.converters.rules import (VOCAB_MULTIPLE, McoreShards, RuleSet, convert_hf_to_mcore,
-                                       convert_mcore_to_hf, detect_prefix, expected_keys, to_local_spelling)
+    from mmparity.cases.core import FamilyHooks
+    from mmparity.converters.rules import ConverterSpec, McoreShards, RuleSet
 
 
 class FamilyError(TypeError):
@@ -111,6 +117,10 @@ class Family:
     # names it. ``--family`` picks any family, listed here or not.
     takes_whole: tuple = ()
     takes_part: tuple = ()
+    # A whole VLM composed as Megatron's LLaVAModel (``cases.llava``): its key tables are LLaVA's
+    # (``mmparity.converters.llava``) over the registered vision tower its config names, not a
+    # ``mmparity.converters.<name>`` of its own.
+    composed: bool = False
 
     def takes(self, facts: ConfigFacts) -> tuple[int, int]:
         """How well this family takes a checkpoint: (2 whole, 1 part, 0 not at all; how many facts
@@ -124,6 +134,8 @@ class Family:
     @cached_property
     def hooks(self) -> FamilyHooks:
         """The family's hooks, loaded and checked on first use."""
+        from mmparity.cases.core import FamilyHooks
+
         module = importlib.import_module(f"mmparity.cases.{self.name}")
         try:
             hooks = module.hooks(tower_of)
@@ -138,51 +150,92 @@ class Family:
             raise FamilyError(str(exc)) from None
         return hooks
 
+    # --- what conversion reads, without the models ------------------------------------------------
+
+    @cached_property
+    def _reference(self) -> ModuleType:
+        # Configuration classes at import; the model class only inside ``build``.
+        return importlib.import_module(f"mmparity.reference.{self.name}")
+
+    @cached_property
+    def converter(self) -> ConverterSpec:
+        """The family's key tables: ``mmparity.converters.<name>.SPEC``, or for a composed family
+        LLaVA's table over the vision tower its config names."""
+        from mmparity.converters.rules import ConverterSpec
+
+        if self.composed:
+            from mmparity.converters import llava
+
+            return llava.converter(_tower_converter)
+        spec = importlib.import_module(f"mmparity.converters.{self.name}").SPEC
+        if not isinstance(spec, ConverterSpec):
+            raise FamilyError(f"family {self.name!r}: mmparity.converters.{self.name}.SPEC is "
+                              f"{type(spec).__name__}, not ConverterSpec")
+        return spec
+
     def tiny_config(self):
         """The family's built-in HF config: tiny, with deliberately awkward sizes."""
-        return self.hooks.tiny_config()
+        return self._reference.tiny_config()
 
     def family_config(self, cfg):
         """The family's config inside ``cfg`` (itself, or a whole-VLM config's sub-config)."""
-        return self.hooks.family_config(cfg)
+        return self._reference.vision_config(cfg)
+
+    def state_shapes(self, cfg) -> dict[str, tuple]:
+        """The shape of every tensor of the HF model :meth:`build_reference` builds for ``cfg``,
+        under its module names, read off the config: what ``convert`` checks a checkpoint against
+        without importing the model. A composed family's tower is its tower family's."""
+        if self.composed:
+            return self._reference.state_shapes(cfg, _tower_family(cfg).state_shapes)
+        return self._reference.state_shapes(cfg)
+
+    # --- the models -----------------------------------------------------------------------------
 
     def build_reference(self, cfg):
         """The HF transformers module for ``cfg``, fp32, in eval mode."""
         return self.hooks.build_reference(cfg)
 
-    def build_native(self, cfg, params_dtype: torch.dtype = torch.float32):
-        """The native mcore module for ``cfg`` in eval mode.
+    def build_native(self, cfg, params_dtype: torch.dtype | None = None):
+        """The native mcore module for ``cfg`` in eval mode (``params_dtype`` default float32).
 
         Uses the parallel state already initialised (any TP size); initialises TP=1 on CPU if there
         is none, since mcore layers cannot be built without one.
         """
+        import torch
+
+        from mmparity import runtime
+
         if runtime.current_layout() is None:
             runtime.init_parallel(1, 1)
-        return self.hooks.build_native(cfg, params_dtype=params_dtype).eval()
+        dtype = torch.float32 if params_dtype is None else params_dtype
+        return self.hooks.build_native(cfg, params_dtype=dtype).eval()
 
     # --- conversion by name -------------------------------------------------------------------
 
     def rule_set(self, cfg, hf_format: str | None = None, keys=None) -> RuleSet:
         """The family's table for ``cfg`` in ``hf_format`` (detected from ``keys`` when None)."""
-        return self.hooks.converter.rules(cfg, hf_format, keys, family=self.name)
+        return self.converter.rules(cfg, hf_format, keys, family=self.name)
 
     def hf_to_mcore(self, hf_state_dict: Mapping[str, torch.Tensor], cfg, tp_size: int = 1,
                     hf_format: str | None = None, spelling: str = "te",
-                    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE) -> McoreShards:
+                    make_vocab_size_divisible_by: int | None = None) -> McoreShards:
         """HF state dict -> one mcore state dict per TP rank (Transformer Engine key spelling by
         default): exactly what Megatron's class for the family loads. Tensors it has no place for
         are in ``.side`` (per rank); the native model loads ``with_side(shards)``. Vocabularies
         are padded as Megatron-LM pads them: to a multiple of ``make_vocab_size_divisible_by ×
-        tp_size``.
+        tp_size`` (default Megatron-LM's, ``rules.VOCAB_MULTIPLE``).
 
         ``hf_format`` picks the HF-side layout; by default it is detected from the keys. Prefixes of
         whole-VLM checkpoints (``model.vision_tower.`` …) are detected; the other parts of such a
         checkpoint are dropped explicitly, anything unexpected is an error.
         """
+        from mmparity.converters.rules import VOCAB_MULTIPLE, McoreShards, convert_hf_to_mcore, to_local_spelling
+
         if spelling not in ("te", "local"):
             raise ValueError(f"spelling must be 'te' or 'local', got {spelling!r}")
+        multiple = VOCAB_MULTIPLE if make_vocab_size_divisible_by is None else make_vocab_size_divisible_by
         shards = convert_hf_to_mcore(self.rule_set(cfg, hf_format, keys=hf_state_dict.keys()),
-                                     hf_state_dict, tp_size, vocab_multiple=make_vocab_size_divisible_by)
+                                     hf_state_dict, tp_size, vocab_multiple=multiple)
         if spelling == "local":
             return McoreShards([to_local_spelling(s) for s in shards], shards.side, shards.unused)
         return shards
@@ -192,6 +245,8 @@ class Family:
                     side: Sequence[Mapping[str, torch.Tensor]] | None = None) -> dict:
         """Per-rank mcore state dicts (either key spelling) and their side tensors (``side``, by
         default ``shards.side``) -> HF state dict, keys under ``prefix``."""
+        from mmparity.converters.rules import convert_mcore_to_hf
+
         return convert_mcore_to_hf(self.rule_set(cfg, hf_format), shards, prefix=prefix, side=side)
 
     def select_tensors(self, cfg, state: Mapping[str, torch.Tensor],
@@ -201,6 +256,8 @@ class Family:
         Returns ``(tensors, prefix, hf_format)``. Missing tensors are not an error here (conversion
         reports them); tensors outside the family are simply not selected.
         """
+        from mmparity.converters.rules import detect_prefix, expected_keys
+
         rules = self.rule_set(cfg, hf_format, keys=state.keys())
         prefix = detect_prefix(rules, state.keys())
         hf_keys, _ = expected_keys(rules)
@@ -297,6 +354,7 @@ _REGISTRY: dict[str, Family] = {
                         "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
                         "for TP and trimmed on export; tied or untied lm_head",
         takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
+        composed=True,
     ),
     "mistral3": Family(
         name="mistral3",
@@ -312,6 +370,7 @@ _REGISTRY: dict[str, Family] = {
                         "Megatron-LM pads it",
         takes_whole=(Takes(architecture="Mistral3ForConditionalGeneration"), Takes(model_type="mistral3"),
                      Takes(layout=MISTRAL_NATIVE, model_type="mistral3")),
+        composed=True,
     ),
     "pixtral_12b": Family(
         name="pixtral_12b",
@@ -327,6 +386,7 @@ _REGISTRY: dict[str, Family] = {
                            text_model_type="mistral"),
                      Takes(model_type="llava", vision_model_type="pixtral", text_model_type="mistral"),
                      Takes(layout=MISTRAL_NATIVE, model_type="llava")),
+        composed=True,
     ),
 }
 
@@ -409,15 +469,35 @@ def whole_clause(facts: ConfigFacts, named: bool = True) -> str:
     return f"family {' or '.join(takers)} takes {what}"
 
 
-def tower_of(cfg) -> FamilyHooks:
-    """The hooks of the registered family whose LLaVA-tower adapter takes ``cfg.vision_config``."""
+def _tower_family(cfg) -> Family:
+    """The registered family whose key tables serve as a LLaVA tower of ``cfg.vision_config``'s
+    model_type (``ConverterSpec.tower``); found from the converters alone, so converting a whole
+    VLM loads no model."""
     model_type = getattr(getattr(cfg, "vision_config", None), "model_type", None)
     towers = {}
     for family in _REGISTRY.values():
-        tower = family.hooks.llava_tower
-        if tower is not None:
-            towers[tower.model_type] = family.hooks
+        if not family.composed and family.converter.tower is not None:
+            towers[family.converter.tower.model_type] = family
     if model_type not in towers:
         raise ValueError(f"LLaVA vision tower of model_type {model_type!r} is not supported; "
                          f"registered vision towers: {', '.join(towers)}")
     return towers[model_type]
+
+
+def _tower_converter(cfg):
+    """What LLaVA's table needs of the tower of ``cfg``: its family's table and transformers 4's
+    extra root."""
+    from mmparity.converters import llava
+
+    spec = _tower_family(cfg).converter
+    return llava.Tower(spec, spec.tower.v4_checkpoint_root)
+
+
+def tower_of(cfg) -> FamilyHooks:
+    """The hooks of the registered family whose LLaVA-tower adapter takes ``cfg.vision_config``:
+    that family's alone are loaded."""
+    family = _tower_family(cfg)
+    if family.hooks.llava_tower is None:
+        raise FamilyError(f"family {family.name!r}: its converter serves as a LLaVA tower of "
+                          f"{family.converter.tower.model_type!r}, but its hooks have no llava_tower")
+    return family.hooks

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from transformers import LlavaConfig
 
 from mmparity import families
-from mmparity.converters.rules import with_side
+from mmparity.converters.rules import expected_keys, with_side
 from mmparity.parity import harness
 from mmparity.cases.inputs import random_like_state
+from tests.strategies import family_configs
 
 FAMILIES = families.names()
 
@@ -106,3 +109,42 @@ def test_negative_control_swapped_query_heads_is_located(family):
     report = harness.check(family, seed=3, mutate_native=swap_q_heads, components=False)
     assert not report.passed
     assert {r.first_divergence.module for r in report.failures()} == {layer_pair(swapped[0], 0)}
+
+
+def _meta_shapes(fam, cfg) -> dict:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in fam.build_reference(cfg).state_dict().items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_shapes_are_what_the_reference_model_holds(family):
+    """What convert checks a checkpoint's shapes against, read off the config without the model."""
+    fam = families.get(family)
+    assert fam.state_shapes(fam.tiny_config()) == _meta_shapes(fam, fam.tiny_config())
+
+    @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(cfg=family_configs(family))
+    def property_(cfg):
+        assert fam.state_shapes(cfg) == _meta_shapes(fam, cfg)
+
+    property_()
+
+
+@pytest.mark.parametrize("tower", [f for f in FAMILIES if families.get(f).converter.tower is not None])
+def test_llava_state_shapes_take_each_registered_tower(tower):
+    fam, text = families.get("llava"), families.get("llava").tiny_config().text_config
+    cfg = LlavaConfig(vision_config=families.get(tower).tiny_config(), text_config=text,
+                      vision_feature_layer=[-2, -1], tie_word_embeddings=True)
+    assert fam.state_shapes(cfg) == _meta_shapes(fam, cfg)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversion_and_the_hooks_read_one_config_and_one_table(family):
+    """convert reads the config and tables without the hooks; the hooks must hold the same."""
+    fam = families.get(family)
+    cfg = fam.tiny_config()
+    assert fam.hooks.tiny_config().to_dict() == cfg.to_dict()
+    assert fam.hooks.family_config(cfg).to_dict() == fam.family_config(cfg).to_dict()
+    assert fam.hooks.converter.formats == fam.converter.formats
+    for fmt in fam.converter.formats:
+        assert expected_keys(fam.hooks.converter.rule_set(cfg, fmt)) == expected_keys(fam.converter.rule_set(cfg, fmt))

@@ -1,8 +1,7 @@
 """A family written here, in the test, and registered for its duration: the generic machinery (hook
 validation, conversion both ways, the parity harness with its localisation, the test strategies,
 the bench) picks it up with nothing else edited. docs/families.md walks through the
-same steps for a real family.
-"""
+same steps for a real family; the fixture stands in its modules (reference, converters, cases)."""
 
 from __future__ import annotations
 
@@ -93,6 +92,18 @@ def rule_set(cfg: ToyConfig, hf_format: str) -> RuleSet:
         if tp > 0 and cfg.intermediate_size % tp else [])
 
 
+SPEC = ConverterSpec(formats=("hf",), rule_set=rule_set)
+
+
+def build_reference(cfg):
+    return ReferenceToy(cfg).eval()
+
+
+def state_shapes(cfg):
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in build_reference(cfg).state_dict().items()}
+
+
 def cases(cfg, seed, image_sizes=None):
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
     return [Case("tokens", {"x": x}, description="5 random tokens")]
@@ -122,20 +133,34 @@ def random_config(pick) -> ToyConfig:
 
 def hooks(towers) -> FamilyHooks:
     return FamilyHooks(
-        tiny_config=ToyConfig, family_config=lambda cfg: cfg,
-        build_reference=lambda cfg: ReferenceToy(cfg).eval(),
+        tiny_config=ToyConfig, family_config=family_config, build_reference=build_reference,
         build_native=lambda cfg, params_dtype=torch.float32: NativeToy(cfg).to(params_dtype),
-        converter=ConverterSpec(formats=("hf",), rule_set=rule_set), cases=cases,
+        converter=SPEC, cases=cases,
         reference=Side(run, reference_pairs, no_component), native=Side(run, native_pairs, no_component),
         random_config=random_config, image_size_multiple=lambda cfg: 1)
 
 
+def family_config(cfg):
+    return cfg
+
+
+# The toy's modules, as a real family has them: what conversion reads without the models
+# (config, shapes, key tables) and the hooks.
+MODULES = {
+    "mmparity.reference.toy": dict(tiny_config=ToyConfig, vision_config=family_config,
+                                   state_shapes=state_shapes, build=build_reference),
+    "mmparity.converters.toy": dict(SPEC=SPEC),
+    "mmparity.cases.toy": dict(hooks=hooks),
+}
+
+
 @pytest.fixture
 def toy(monkeypatch):
-    """Registers the toy family as `mmparity.cases.toy` plus one registry entry, for one test."""
-    module = types.ModuleType("mmparity.cases.toy")
-    module.hooks = hooks
-    monkeypatch.setitem(sys.modules, "mmparity.cases.toy", module)
+    """Registers the toy family's modules plus one registry entry, for one test."""
+    for name, contents in MODULES.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(contents)
+        monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setitem(families._REGISTRY, "toy", families.Family(
         name="toy", summary="a stack of gated MLP blocks", reference_classes=("ReferenceToy",)))
     return families.get("toy")
@@ -144,6 +169,7 @@ def toy(monkeypatch):
 def test_the_registry_lists_and_validates_it(toy):
     assert "toy" in families.names()
     assert toy.hooks.converter.formats == ("hf",)
+    assert toy.converter is SPEC and toy.state_shapes(toy.tiny_config())["layers.1.down_proj.weight"] == (6, 4)
 
 
 def test_conversion_both_ways_is_exact(toy):

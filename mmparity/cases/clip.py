@@ -205,5 +205,6 @@ def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
                         random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type="clip_vision_model", class_token_len=CLASS_TOKEN_LEN,
-                                               v4_checkpoint_root="vision_model."))
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type,
+                                               class_token_len=CLASS_TOKEN_LEN,
+                                               v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))

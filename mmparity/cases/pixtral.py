@@ -172,4 +172,4 @@ def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
                         random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type="pixtral", variable_size=True))
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True))

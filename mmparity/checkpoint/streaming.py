@@ -508,7 +508,7 @@ class _McoreSource(_Source):
         if isinstance(extra.get("left_out"), dict):
             self.left_out_record = extra["left_out"]
         recorded = extra.get("hf_format") or (manifest.provenance.source_format if manifest else None)
-        formats = families.get(self.family).hooks.converter.formats
+        formats = families.get(self.family).converter.formats
         self.hf_format = recorded if recorded in formats else formats[0]
         self.prefix = str(extra.get("hf_prefix") or "")
         multiple = extra.get("make_vocab_size_divisible_by")
@@ -783,16 +783,16 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
 
 
 def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE) -> dict | None:
-    """mcore shapes the HF config implies: the reference model built on the meta device, converted.
+    """mcore shapes the HF config implies: the reference model's state-dict shapes (read off the
+    config, so no model is imported) as meta tensors, converted.
 
     The rule engine only sees shapes an op needs (q/k/v, gate/up); a renamed tensor of the wrong
-    size (a norm, a position table) would otherwise pass. None when the reference cannot be built
-    on meta (then the op checks are all there is).
+    size (a norm, a position table) would otherwise pass. None when the config's shapes do not
+    convert (then the op checks are all there is).
     """
     try:
-        with torch.device("meta"):
-            reference = families.get(family).build_reference(cfg)
-        state = dict(reference.state_dict())
+        state = {key: torch.empty(shape, device="meta")
+                 for key, shape in families.get(family).state_shapes(cfg).items()}
         rules = families.get(family).rule_set(cfg, None)
         outputs = R.plan_hf_to_mcore(rules, state, tp, prefix="", vocab_multiple=vocab_multiple).outputs
     except Exception:
@@ -864,7 +864,7 @@ MISTRAL_LAYOUT, HF_SAVE_LAYOUT = "mistral", "hf_checkpoint"
 
 
 def _hf_target_format(source: _Source, requested: str | None) -> str:
-    formats = families.get(source.family).hooks.converter.formats
+    formats = families.get(source.family).converter.formats
     fmt = requested or source.hf_format
     if requested is None and fmt == MISTRAL_LAYOUT and HF_SAVE_LAYOUT in formats:
         # A whole model read from Mistral's own release goes out as transformers saves it, with

@@ -13,7 +13,7 @@ SigLIP (:mod:`mmparity.converters.siglip`) is this table plus overrides.
 from __future__ import annotations
 
 from mmparity.converters.ops import FuseQKV, Reshape
-from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, aside, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, TowerKeys, aside, rename
 from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
@@ -80,4 +80,5 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                    drop_hf=DROP_HF, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp))
 
 
-SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set)
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set,
+                    tower=TowerKeys("clip_vision_model", v4_checkpoint_root="vision_model."))

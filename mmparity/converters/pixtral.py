@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from mmparity.converters.ops import FuseQKV, RopeInterleave, fuse_gate_up
-from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, rename
+from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, TowerKeys, rename
 from mmparity.hfconfig import head_dim, tower_config_or_self
 
 FORMATS = ("hf", "mistral")
@@ -112,4 +112,5 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                    validate_tp=lambda tp: tp_problems(cfg, tp))
 
 
-SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format)
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format,
+                    tower=TowerKeys("pixtral"))

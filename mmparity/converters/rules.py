@@ -131,16 +131,28 @@ class RuleSet:
 
 
 @dataclass(frozen=True)
+class TowerKeys:
+    """How a whole VLM's table (LLaVA's) finds a vision tower's table and where it roots it: the
+    ``vision_config.model_type`` that selects this table, and the extra root transformers 4 saved
+    the tower under (``vision_model.`` for CLIP and SigLIP)."""
+
+    model_type: str
+    v4_checkpoint_root: str = ""
+
+
+@dataclass(frozen=True)
 class ConverterSpec:
     """What one family's converter module offers: its HF layouts and a rule table per layout.
 
     ``rule_set(cfg, hf_format)`` builds the table for a config; ``detect_format(keys)`` names the
-    layout a key set is in (without it, every checkpoint is taken to be in ``formats[0]``).
+    layout a key set is in (without it, every checkpoint is taken to be in ``formats[0]``);
+    ``tower``, when the table also serves as a LLaVA vision tower, how LLaVA's table finds it.
     """
 
     formats: tuple
     rule_set: Callable[[object, str], RuleSet]
     detect_format: Callable[[list], str] | None = None
+    tower: TowerKeys | None = None
 
     def __post_init__(self):
         if not self.formats:

@@ -16,7 +16,7 @@ import torch
 
 from mmparity.converters import clip
 from mmparity.converters.ops import LayoutError, Op
-from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, aside, rename
+from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, TowerKeys, aside, rename
 from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
@@ -102,4 +102,5 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                    validate_tp=lambda tp: clip.tp_problems(cfg, tp))
 
 
-SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set)
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set,
+                    tower=TowerKeys("siglip_vision_model", v4_checkpoint_root="vision_model."))

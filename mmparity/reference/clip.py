@@ -9,9 +9,14 @@ SigLIP (:mod:`mmparity.reference.siglip`) is this module plus overrides.
 
 from __future__ import annotations
 
-from transformers import CLIPVisionConfig, CLIPVisionModel
+from typing import TYPE_CHECKING
+
+from transformers import CLIPVisionConfig
 
 from mmparity.hfconfig import tower_config
+
+if TYPE_CHECKING:
+    from transformers import CLIPVisionModel
 
 
 MODEL_TYPES = ("clip_vision_model",)
@@ -34,7 +39,33 @@ def vision_config(cfg):
 
 
 def build(cfg) -> CLIPVisionModel:
+    from transformers import CLIPVisionModel
+
     return CLIPVisionModel(vision_config(cfg)).eval()
+
+
+def encoder_shapes(cfg) -> dict[str, tuple]:
+    """Pre-norm encoder layers with biases (``CLIPEncoderLayer`` / ``SiglipEncoderLayer``)."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    layer = {"layer_norm1.weight": (h,), "layer_norm1.bias": (h,), "layer_norm2.weight": (h,),
+             "layer_norm2.bias": (h,), "mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,),
+             "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
+    for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        layer |= {f"self_attn.{proj}.weight": (h, h), f"self_attn.{proj}.bias": (h,)}
+    return {f"encoder.layers.{i}.{k}": s for i in range(cfg.num_hidden_layers) for k, s in layer.items()}
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config."""
+    cfg = vision_config(cfg)
+    h, p = cfg.hidden_size, patch_size(cfg)
+    positions = (cfg.image_size // p) ** 2 + CLASS_TOKEN_LEN
+    return {"embeddings.class_embedding": (h,),
+            "embeddings.patch_embedding.weight": (h, cfg.num_channels, p, p),
+            "embeddings.position_embedding.weight": (positions, h),
+            "pre_layrnorm.weight": (h,), "pre_layrnorm.bias": (h,),
+            **encoder_shapes(cfg),
+            "post_layernorm.weight": (h,), "post_layernorm.bias": (h,)}
 
 
 def patch_size(cfg) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from transformers import Kimi_K25Config, Kimi_K25VisionConfig
-from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
 
 from mmparity.hfconfig import has_vision_sub_config as has_projector
 from mmparity.hfconfig import vision_sub_config as vision_cfg
@@ -47,6 +46,8 @@ class KimiK25VisionReference(torch.nn.Module):
     """The vision half of ``Kimi_K25Model``: tower and projector under their HF attribute names."""
 
     def __init__(self, cfg: Kimi_K25Config):
+        from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
+
         super().__init__()
         self.config = cfg
         self.vision_tower = Kimi_K25VisionModel(cfg.vision_config)
@@ -58,8 +59,37 @@ class KimiK25VisionReference(torch.nn.Module):
 
 
 def build(cfg):
-    model = KimiK25VisionReference(cfg) if has_projector(cfg) else Kimi_K25VisionModel(cfg)
+    if has_projector(cfg):
+        model = KimiK25VisionReference(cfg)
+    else:
+        from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionModel
+
+        model = Kimi_K25VisionModel(cfg)
     return model.float().eval()
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config."""
+    vc = vision_cfg(cfg)
+    h, f = vc.hidden_size, vc.intermediate_size
+    ph, pw = (vc.patch_size, vc.patch_size) if isinstance(vc.patch_size, int) else tuple(vc.patch_size)
+    layer = {"norm1.weight": (h,), "norm1.bias": (h,), "norm2.weight": (h,), "norm2.bias": (h,),
+             "mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,), "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
+    for proj in ("q_proj", "k_proj", "v_proj", "proj"):
+        layer |= {f"attn.{proj}.weight": (h, h), f"attn.{proj}.bias": (h,)}
+    tower = {"patch_embed.proj.weight": (h, CHANNELS, ph, pw), "patch_embed.proj.bias": (h,),
+             "patch_embed.pos_emb.position_embeddings": (vc.pos_emb_height, vc.pos_emb_width, h),
+             **{f"layers.{i}.{k}": s for i in range(vc.num_hidden_layers) for k, s in layer.items()},
+             "final_layernorm.weight": (h,), "final_layernorm.bias": (h,)}
+    if not has_projector(cfg):
+        return tower
+    kh, kw = tuple(vc.merge_kernel_size)
+    merged, text = h * kh * kw, cfg.text_config.hidden_size
+    return {**{"vision_tower." + k: s for k, s in tower.items()},
+            "mm_projector.pre_norm.weight": (cfg.projection_hidden_size,),
+            "mm_projector.pre_norm.bias": (cfg.projection_hidden_size,),
+            "mm_projector.in_proj.weight": (merged, merged), "mm_projector.in_proj.bias": (merged,),
+            "mm_projector.out_proj.weight": (text, merged), "mm_projector.out_proj.bias": (text,)}
 
 
 def vision_tower(model):

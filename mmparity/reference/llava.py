@@ -14,9 +14,14 @@ emits: every placeholder expanded into one image token per embedding slot, label
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, PixtralVisionConfig
+from typing import TYPE_CHECKING, Callable
 
-from mmparity.hfconfig import tied_embeddings
+from transformers import LlamaConfig, LlavaConfig, PixtralVisionConfig
+
+from mmparity.hfconfig import decoder_biases, head_dim, tied_embeddings
+
+if TYPE_CHECKING:
+    from transformers import LlavaForConditionalGeneration
 
 MODEL_TYPES = ("llava",)
 OUTPUTS = ("logits", "loss_mask", "token_loss")
@@ -50,7 +55,60 @@ def vision_config(cfg):
 
 
 def build(cfg) -> LlavaForConditionalGeneration:
+    from transformers import LlavaForConditionalGeneration
+
     return fill_tied_head(LlavaForConditionalGeneration(cfg).eval(), cfg)
+
+
+def projector_shapes(cfg) -> dict[str, tuple]:
+    """``LlavaMultiModalProjector``: two linears, the first over every selected feature layer."""
+    vision, text = cfg.vision_config.hidden_size, cfg.text_config.hidden_size
+    layers = 1 if isinstance(cfg.vision_feature_layer, int) else len(cfg.vision_feature_layer)
+    shapes = {"linear_1.weight": (text, vision * layers), "linear_2.weight": (text, text)}
+    if cfg.multimodal_projector_bias:
+        shapes |= {"linear_1.bias": (text,), "linear_2.bias": (text,)}
+    return shapes
+
+
+def decoder_shapes(text) -> dict[str, tuple]:
+    """A dense decoder body (``LlamaModel``, ``MistralModel``, ``Qwen2Model``), biases where HF
+    puts them: Llama's ``attention_bias`` on q/k/v and o_proj, ``mlp_bias`` on the MLP, Qwen2's
+    q/k/v always."""
+    h, f = text.hidden_size, text.intermediate_size
+    q, kv = text.num_attention_heads * head_dim(text), text.num_key_value_heads * head_dim(text)
+    qkv_bias, _ = decoder_biases(text)
+    o_bias = bool(getattr(text, "attention_bias", False)) and qkv_bias
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    if qkv_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if o_bias:
+        layer["self_attn.o_proj.bias"] = (h,)
+    if getattr(text, "mlp_bias", False):
+        layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (h,)}
+    return {"embed_tokens.weight": (text.vocab_size, h),
+            **{f"layers.{i}.{k}": s for i in range(text.num_hidden_layers) for k, s in layer.items()},
+            "norm.weight": (h,)}
+
+
+def whole_model_shapes(cfg, tower_shapes: Callable, projector: dict) -> dict[str, tuple]:
+    """A whole VLM's state-dict shapes under ``*ForConditionalGeneration``'s module names: the
+    tower (``tower_shapes(vision_config)``, its family's), the projector's, the decoder and the
+    head (listed even when tied: the state dict names the shared table twice)."""
+    text = cfg.text_config
+    return {**{"model.vision_tower." + k: s for k, s in tower_shapes(cfg.vision_config).items()},
+            **{"model.multi_modal_projector." + k: s for k, s in projector.items()},
+            **{"model.language_model." + k: s for k, s in decoder_shapes(text).items()},
+            "lm_head.weight": (text.vocab_size, text.hidden_size)}
+
+
+def state_shapes(cfg, tower_shapes: Callable) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config; the tower's come from
+    ``tower_shapes``, the shapes function of the tower's own family."""
+    cfg = vision_config(cfg)
+    return whole_model_shapes(cfg, tower_shapes, projector_shapes(cfg))
 
 
 def fill_tied_head(model, cfg):

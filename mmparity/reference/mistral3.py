@@ -8,9 +8,15 @@ by ``[IMG_BREAK]``, the last by ``[IMG_END]``.
 
 from __future__ import annotations
 
-from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+from typing import TYPE_CHECKING, Callable
 
-from mmparity.reference.llava import fill_tied_head
+from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+from mmparity.reference.llava import fill_tied_head, whole_model_shapes
+from mmparity.reference.pixtral_large import projector_shapes
+
+if TYPE_CHECKING:
+    from transformers import Mistral3ForConditionalGeneration
 
 MODEL_TYPES = ("mistral3",)
 
@@ -42,4 +48,13 @@ def vision_config(cfg):
 
 
 def build(cfg) -> Mistral3ForConditionalGeneration:
+    from transformers import Mistral3ForConditionalGeneration
+
     return fill_tied_head(Mistral3ForConditionalGeneration(cfg).eval(), cfg)
+
+
+def state_shapes(cfg, tower_shapes: Callable) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict: LLaVA's, with Mistral3's projector (pre-merge
+    norm and patch merger)."""
+    cfg = vision_config(cfg)
+    return whole_model_shapes(cfg, tower_shapes, projector_shapes(cfg))

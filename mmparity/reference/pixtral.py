@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from transformers import PixtralVisionConfig, PixtralVisionModel
+from typing import TYPE_CHECKING
+
+from transformers import PixtralVisionConfig
 
 from mmparity.hfconfig import tower_config
+
+if TYPE_CHECKING:
+    from transformers import PixtralVisionModel
 
 
 MODEL_TYPES = ("pixtral",)
@@ -25,7 +30,22 @@ def vision_config(cfg):
 
 
 def build(cfg) -> PixtralVisionModel:
+    from transformers import PixtralVisionModel
+
     return PixtralVisionModel(cfg).eval()
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config (attention is hidden x hidden
+    whatever ``head_dim`` says, as HF builds it)."""
+    h, f, p = cfg.hidden_size, cfg.intermediate_size, patch_size(cfg)
+    layer = {"attention_norm.weight": (h,), "ffn_norm.weight": (h,),
+             **{f"attention.{x}_proj.weight": (h, h) for x in "qkvo"},
+             "feed_forward.gate_proj.weight": (f, h), "feed_forward.up_proj.weight": (f, h),
+             "feed_forward.down_proj.weight": (h, f)}
+    return {"patch_conv.weight": (h, cfg.num_channels, p, p), "ln_pre.weight": (h,),
+            **{f"transformer.layers.{i}.{k}": s for i in range(cfg.num_hidden_layers)
+               for k, s in layer.items()}}
 
 
 def patch_size(cfg) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers import LlavaConfig, MistralConfig, PixtralVisionConfig
 
-from mmparity.reference.llava import build, vision_config  # noqa: F401  (the same HF class)
+from mmparity.reference.llava import build, state_shapes, vision_config  # noqa: F401  (the same HF class)
 
 MODEL_TYPES = ("llava",)
 

@@ -12,8 +12,7 @@ patch merger, linear_1 -> act -> linear_2).
 from __future__ import annotations
 
 import torch
-from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig, PixtralVisionModel
-from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
 from mmparity.reference import pixtral
 
@@ -52,6 +51,9 @@ class Mistral3VisionReference(torch.nn.Module):
         if getattr(cfg.vision_config, "model_type", None) != "pixtral":
             raise ValueError(f"Mistral3 vision tower of model_type "
                              f"{getattr(cfg.vision_config, 'model_type', None)!r} is not Pixtral")
+        from transformers import PixtralVisionModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
         self.config = cfg
         self.vision_tower = PixtralVisionModel(cfg.vision_config)
         self.multi_modal_projector = Mistral3MultiModalProjector(cfg)
@@ -59,6 +61,25 @@ class Mistral3VisionReference(torch.nn.Module):
 
 def build(cfg) -> Mistral3VisionReference:
     return Mistral3VisionReference(vision_config(cfg)).eval()
+
+
+def projector_shapes(cfg) -> dict[str, tuple]:
+    """``Mistral3MultiModalProjector``: the pre-merge norm, the patch merger and the two linears."""
+    vision, text = cfg.vision_config.hidden_size, cfg.text_config.hidden_size
+    layers = 1 if isinstance(cfg.vision_feature_layer, int) else len(cfg.vision_feature_layer)
+    shapes = {"norm.weight": (vision,),
+              "patch_merger.merging_layer.weight": (vision, vision * cfg.spatial_merge_size ** 2),
+              "linear_1.weight": (text, vision * layers), "linear_2.weight": (text, text)}
+    if cfg.multimodal_projector_bias:
+        shapes |= {"linear_1.bias": (text,), "linear_2.bias": (text,)}
+    return shapes
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config."""
+    cfg = vision_config(cfg)
+    return {**{"vision_tower." + k: s for k, s in pixtral.state_shapes(cfg.vision_config).items()},
+            **{"multi_modal_projector." + k: s for k, s in projector_shapes(cfg).items()}}
 
 
 def patch_size(cfg) -> int:

@@ -8,10 +8,14 @@ HF's own merger norm and grouping to compare like with like. ``pooler_output`` i
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from transformers import Qwen3_5MoeVisionConfig
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
 from mmparity.hfconfig import tower_config
+
+if TYPE_CHECKING:
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
 MODEL_TYPES = ("qwen3_5_moe_vision",)
 # Whole-VLM configs that carry this tower as ``vision_config``.
@@ -35,7 +39,26 @@ def vision_config(cfg):
 
 
 def build(cfg) -> Qwen3_5MoeVisionModel:
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
     return Qwen3_5MoeVisionModel(cfg).eval()
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config."""
+    h, f, p = cfg.hidden_size, cfg.intermediate_size, _int(cfg.patch_size)
+    merged = h * cfg.spatial_merge_size ** 2
+    layer = {"norm1.weight": (h,), "norm1.bias": (h,), "norm2.weight": (h,), "norm2.bias": (h,),
+             "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,), "attn.proj.weight": (h, h),
+             "attn.proj.bias": (h,), "mlp.linear_fc1.weight": (f, h), "mlp.linear_fc1.bias": (f,),
+             "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,)}
+    return {"patch_embed.proj.weight": (h, cfg.in_channels, cfg.temporal_patch_size, p, p),
+            "patch_embed.proj.bias": (h,), "pos_embed.weight": (cfg.num_position_embeddings, h),
+            **{f"blocks.{i}.{k}": s for i in range(cfg.depth) for k, s in layer.items()},
+            "merger.norm.weight": (h,), "merger.norm.bias": (h,),
+            "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
+            "merger.linear_fc2.weight": (cfg.out_hidden_size, merged),
+            "merger.linear_fc2.bias": (cfg.out_hidden_size,)}
 
 
 def _int(value) -> int:

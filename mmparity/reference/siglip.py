@@ -6,9 +6,15 @@ an attention-pooling head whose output is ``pooler_output``.
 
 from __future__ import annotations
 
-from transformers import SiglipVisionConfig, SiglipVisionModel
+from typing import TYPE_CHECKING
+
+from transformers import SiglipVisionConfig
 
 from mmparity.hfconfig import tower_config
+from mmparity.reference.clip import encoder_shapes, patch_size
+
+if TYPE_CHECKING:
+    from transformers import SiglipVisionModel
 
 MODEL_TYPES = ("siglip_vision_model",)
 PARENT_MODEL_TYPES = ("siglip", "paligemma", "llava", "llava_next", "llava_onevision")
@@ -28,4 +34,24 @@ def vision_config(cfg):
 
 
 def build(cfg) -> SiglipVisionModel:
+    from transformers import SiglipVisionModel
+
     return SiglipVisionModel(vision_config(cfg)).eval()
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    """The shapes of :func:`build`'s state dict, read off the config."""
+    cfg = vision_config(cfg)
+    h, f, p = cfg.hidden_size, cfg.intermediate_size, patch_size(cfg)
+    shapes = {"embeddings.patch_embedding.weight": (h, cfg.num_channels, p, p),
+              "embeddings.patch_embedding.bias": (h,),
+              "embeddings.position_embedding.weight": ((cfg.image_size // p) ** 2, h),
+              **encoder_shapes(cfg),
+              "post_layernorm.weight": (h,), "post_layernorm.bias": (h,)}
+    if cfg.vision_use_head:
+        shapes |= {"head.probe": (1, 1, h), "head.attention.in_proj_weight": (3 * h, h),
+                   "head.attention.in_proj_bias": (3 * h,), "head.attention.out_proj.weight": (h, h),
+                   "head.attention.out_proj.bias": (h,), "head.layernorm.weight": (h,),
+                   "head.layernorm.bias": (h,), "head.mlp.fc1.weight": (f, h), "head.mlp.fc1.bias": (f,),
+                   "head.mlp.fc2.weight": (h, f), "head.mlp.fc2.bias": (h,)}
+    return shapes
