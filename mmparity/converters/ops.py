@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from mmparity.converters.tp import cat
+
 Tensors = list[torch.Tensor]
 
 
@@ -186,7 +188,7 @@ class FuseQKV(Op):
         if tuple(t.shape[0] for t in (q, k, v)) != expect or self.num_heads % g:
             raise LayoutError(f"{self!r}: q/k/v leading dims must be {expect}, got {_shapes((q, k, v))}")
         rest = q.shape[1:]
-        fused = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest),
+        fused = cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest),
                            v.reshape(g, 1, d, *rest)], dim=1)
         return [_own(fused.reshape(-1, *rest), hf)]
 
@@ -260,7 +262,7 @@ class RegroupQKV(Op):
         return self._fuse.apply(self._split(hf[0]))
 
     def invert(self, mcore):
-        return [_own(torch.cat(self._fuse.invert(mcore), dim=0), mcore)]
+        return [_own(cat(self._fuse.invert(mcore), dim=0), mcore)]
 
     def apply_pieces(self, hf):
         return self._fuse.apply_pieces(self._split(hf[0]))
@@ -285,7 +287,7 @@ class Concat(Op):
     def apply(self, hf):
         if len({t.shape[self.dim] for t in hf}) != 1:
             raise LayoutError(f"{self!r}: parts must have equal size along dim {self.dim}, got {_shapes(hf)}")
-        return [_own(torch.cat(hf, dim=self.dim), hf)]
+        return [_own(cat(hf, dim=self.dim), hf)]
 
     def invert(self, mcore):
         t = mcore[0]

@@ -17,6 +17,7 @@ import torch
 from mmparity.converters import clip
 from mmparity.converters.ops import LayoutError, Op
 from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, TowerKeys, aside, rename
+from mmparity.converters.tp import cat
 from mmparity.hfconfig import tower_config_or_self
 
 FORMATS = ("hf",)
@@ -46,8 +47,8 @@ class SplitInProj(Op):
             raise LayoutError(f"{self!r}: in_proj leading dim must be {3 * size}, got {tuple(t.shape)}")
         q, k, v = torch.split(t, size, dim=0)
         rest = t.shape[1:]
-        kv = torch.stack([k.reshape(self.num_heads, self.head_dim, *rest),
-                          v.reshape(self.num_heads, self.head_dim, *rest)], dim=1)
+        kv = cat([k.reshape(self.num_heads, 1, self.head_dim, *rest),
+                  v.reshape(self.num_heads, 1, self.head_dim, *rest)], dim=1)
         return [_own(q), _own(kv.reshape(2 * size, *rest))]
 
     def invert(self, mcore):
@@ -60,7 +61,7 @@ class SplitInProj(Op):
         pairs = kv.reshape(self.num_heads, 2, self.head_dim, *rest)
         k = pairs[:, 0].reshape(size, *rest)
         v = pairs[:, 1].reshape(size, *rest)
-        return [_own(torch.cat([q, k, v], dim=0))]
+        return [_own(cat([q, k, v], dim=0))]
 
     def __repr__(self):
         return f"SplitInProj(heads={self.num_heads}, head_dim={self.head_dim})"

@@ -14,9 +14,33 @@ Kinds (what mcore's layers expect on rank r of ``tp``):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 
 KINDS = ("replicated", "column", "row", "qkv", "gated", "vocab")
+
+
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat``; on meta tensors, where conversions are planned, made from the shapes alone.
+
+    torch's meta ``cat`` is a Python reference whose first call imports ``torch._dynamo``: more CPU
+    time than the rest of a small conversion's start-up, for a result only its shape matters of.
+    """
+    tensors = list(tensors)
+    if not tensors or not all(t.is_meta and t.dim() == tensors[0].dim() > 0 for t in tensors):
+        return torch.cat(tensors, dim=dim)
+    shape = list(tensors[0].shape)
+    axis = dim % len(shape)
+    for number, t in enumerate(tensors[1:], start=1):
+        for i, (want, got) in enumerate(zip(shape, t.shape)):
+            if i != axis and want != got:
+                raise RuntimeError(f"Sizes of tensors must match except in dimension {axis}. Expected "
+                                   f"size {want} but got size {got} for tensor number {number} in the list.")
+    shape[axis] = sum(t.shape[axis] for t in tensors)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 class ShardError(ValueError):
@@ -41,7 +65,7 @@ def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
     if kind == "gated":
         gate, up = _split(t, 2, 0, kind)
         gates, ups = _split(gate, tp, 0, kind), _split(up, tp, 0, kind)
-        return [torch.cat([g, u], dim=0) for g, u in zip(gates, ups)]
+        return [cat([g, u], dim=0) for g, u in zip(gates, ups)]
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
@@ -79,12 +103,12 @@ def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
         check_replicated(parts)
         return parts[0].clone(memory_format=torch.contiguous_format)
     if kind in ("column", "qkv", "vocab"):
-        return torch.cat(parts, dim=0)
+        return cat(parts, dim=0)
     if kind == "row":
-        return torch.cat(parts, dim=1) if parts[0].dim() > 1 else merge(parts, "replicated")
+        return cat(parts, dim=1) if parts[0].dim() > 1 else merge(parts, "replicated")
     if kind == "gated":
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
