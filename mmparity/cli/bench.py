@@ -11,8 +11,6 @@ from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_siz
 
 
 def add_arguments(parser) -> None:
-    from mmparity.native.core.attention import BACKENDS
-
     parser.add_argument("families", nargs="*", metavar="FAMILY",
                         help="families to time (default: every registered family with a config at --size)")
     parser.add_argument("--size", default="tiny", choices=("tiny", "published"),
@@ -34,8 +32,9 @@ def add_arguments(parser) -> None:
                              "else packed), static or packed")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--attention-backend", default=None, choices=BACKENDS,
-                        help="native attention backend (default: auto)")
+    parser.add_argument("--attention-backend", default=None, metavar="NAME",
+                        help="native attention backend: auto (default), sdpa, math, varlen, flash, te; "
+                             "one that cannot run here is an error")
     parser.add_argument("--repeats", type=int, metavar="N", default=None,
                         help="timed forwards per side (default: 10 on CUDA, 3 on CPU); the median is reported")
     parser.add_argument("--warmup", type=int, metavar="N", default=None,
