@@ -12,7 +12,6 @@ from typing import Sequence
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as mcore_apply_rope
 from transformers import Kimi_K25Config, Kimi_K25VisionConfig
-from transformers.models.kimi_k25.modeling_kimi_k25 import apply_rotary_pos_emb_vision
 
 from mmparity.cases import inputs
 from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks,
@@ -140,6 +139,9 @@ def reference_pairs(model, cfg) -> list[Pair]:
 
 def rope_reference(model, cfg, seed: int, grid: tuple[int, int]) -> torch.Tensor:
     """HF's rotary embedding on seeded q in the model's dtype: (N, heads, hd), rotate-half layout."""
+    # Model code, imported where it runs: loading the hooks (to write torch_dist) does not pay for it.
+    from transformers.models.kimi_k25.modeling_kimi_k25 import apply_rotary_pos_emb_vision
+
     vc = vision_cfg(cfg)
     heads = vc.num_attention_heads
     q = inputs.rope_probe(heads, head_dim(vc), grid, seed)

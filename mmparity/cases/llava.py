@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlavaConfig
-from transformers.models.internvl.modeling_internvl import InternVLModel
 
 from mmparity.cases import inputs, processor
 from mmparity.cases.core import Case, FamilyHooks, Pair, Published, Side, TowerLookup, first_tensor, tokens_2d
@@ -355,6 +354,9 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "pixel_shuffle":
         hidden = cfg.vision_config.hidden_size
         x = inputs.token_probe(24, hidden, seed).view(1, 4, 6, hidden)
+        # Model code, imported where it runs: loading the hooks (to write torch_dist) does not pay for it.
+        from transformers.models.internvl.modeling_internvl import InternVLModel
+
         # InternVL's method reads nothing from self.
         return InternVLModel.pixel_shuffle(None, x, 0.5).reshape(-1, 4 * hidden)
     if name == "loss_weights":

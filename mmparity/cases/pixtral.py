@@ -8,7 +8,6 @@ from dataclasses import replace
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as mcore_apply_rope
 from transformers import PixtralVisionConfig
-from transformers.models.pixtral.modeling_pixtral import PixtralVisionRotaryEmbedding, apply_rotary_pos_emb
 
 from mmparity.cases import inputs
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
@@ -73,6 +72,9 @@ def reference_pairs(model, cfg) -> list[Pair]:
 
 def rope_reference(cfg, seed: int, grid: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
     """HF's rotary embedding applied to seeded q: (N, heads, hd) in HF (rotate-half) layout."""
+    # Model code, imported where it runs: loading the hooks (to write torch_dist) does not pay for it.
+    from transformers.models.pixtral.modeling_pixtral import PixtralVisionRotaryEmbedding, apply_rotary_pos_emb
+
     q = inputs.rope_probe(cfg.num_attention_heads, head_dim(cfg), grid, seed)
     q = q.to(dtype)
     rotary = PixtralVisionRotaryEmbedding(cfg)

@@ -13,7 +13,6 @@ from dataclasses import replace
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as mcore_apply_rope
 from transformers import Qwen3_5MoeVisionConfig
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb_vision
 from transformers.vision_utils import (get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids)
 
@@ -149,6 +148,9 @@ def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
         q = inputs.rope_probe(heads, head_dim(cfg), (position_ids.shape[0], 1), seed)
         q = q.to(param.device, param.dtype)
         cos, sin = model.rotary_pos_emb(q, position_ids.to(param.device))
+        # Model code, imported where it runs: loading the hooks (to write torch_dist) does not pay for it.
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb_vision
+
         rotated, _ = apply_rotary_pos_emb_vision(q, q, cos, sin)
         return rotated
     if name == "block_first":
