@@ -184,3 +184,19 @@ def test_piece_forms_of_every_rule_join_to_the_op(family, data):
             assert torch.equal(torch.cat([p.reshape(-1) for p in pieces]), joined.reshape(-1)), step.mcore_keys
         for joined, pieces in zip(step.rule.op.invert(mcore), step.rule.op.invert_pieces(mcore)):
             assert torch.equal(torch.cat([p.reshape(-1) for p in pieces]), joined.reshape(-1)), step.hf_keys
+
+
+@pytest.mark.parametrize("shapes, dim", [([(3, 4), (5, 4)], 0), ([(2, 3, 4), (2, 1, 4), (2, 2, 4)], 1),
+                                         ([(2, 3), (2, 5)], -1), ([(4,)], 0)])
+def test_cat_on_meta_is_torch_cat_by_shape(shapes, dim):
+    """Planning joins meta tensors by shape alone (tp.cat); the result is what torch.cat gives."""
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16][:len(shapes)]
+    real = torch.cat([torch.zeros(s, dtype=d) for s, d in zip(shapes, dtypes)], dim=dim)
+    meta = tp.cat([torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)], dim=dim)
+    assert meta.is_meta and meta.shape == real.shape and meta.dtype == real.dtype and meta.is_contiguous()
+    assert torch.equal(tp.cat([torch.ones(s) for s in shapes], dim=dim), torch.cat([torch.ones(s) for s in shapes], dim=dim))
+
+
+def test_cat_on_meta_refuses_what_torch_cat_refuses():
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 0"):
+        tp.cat([torch.empty(3, 4, device="meta"), torch.empty(3, 5, device="meta")])

@@ -26,7 +26,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat``; on meta tensors, where conversions are planned, made from the shapes alone.
 
     torch's meta ``cat`` is a Python reference whose first call imports ``torch._dynamo``: more CPU
-    time than the rest of a small conversion's start-up, for a result only its shape matters of.
+    time than the rest of a small conversion's start-up, where only the result's shape matters.
     """
     tensors = list(tensors)
     if not tensors or not all(t.is_meta and t.dim() == tensors[0].dim() > 0 for t in tensors):
