@@ -138,7 +138,8 @@ class Family:
 
         module = importlib.import_module(f"mmparity.cases.{self.name}")
         try:
-            hooks = module.hooks(tower_of)
+            # A whole VLM is composed of registered parts: its tower and its language model.
+            hooks = module.hooks(tower_of, language_of) if self.composed else module.hooks(tower_of)
         except TypeError as exc:  # a required hook left out of the record
             raise FamilyError(f"family {self.name!r}: {exc}") from None
         if not isinstance(hooks, FamilyHooks):
@@ -166,7 +167,7 @@ class Family:
         if self.composed:
             from mmparity.converters import llava
 
-            return llava.converter(_tower_converter)
+            return llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter)
         spec = importlib.import_module(f"mmparity.converters.{self.name}").SPEC
         if not isinstance(spec, ConverterSpec):
             raise FamilyError(f"family {self.name!r}: mmparity.converters.{self.name}.SPEC is "
@@ -186,7 +187,8 @@ class Family:
         under its module names, read off the config: what ``convert`` checks a checkpoint against
         without importing the model. A composed family's tower is its tower family's."""
         if self.composed:
-            return self._reference.state_shapes(cfg, _tower_family(cfg).state_shapes)
+            return self._reference.state_shapes(cfg, _tower_family(cfg).state_shapes,
+                                                language_of(cfg).reference.decoder_shapes)
         return self._reference.state_shapes(cfg)
 
     # --- the models -----------------------------------------------------------------------------
@@ -389,6 +391,64 @@ _REGISTRY: dict[str, Family] = {
         composed=True,
     ),
 }
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """A language-model part of whole VLMs: the HF text model types it takes and its modules,
+    ``mmparity.converters.<module>`` (``SPEC``, a ``LanguageKeys``: rules per layout),
+    ``mmparity.native.<module>`` (``transformer_config``, ``LanguageModelBuilder``) and
+    ``mmparity.reference.<module>`` (``decoder_shapes``). A composed family finds its language
+    model here by ``text_config.model_type``, as it finds its tower among the families."""
+
+    name: str
+    summary: str
+    text_model_types: tuple
+    module: str
+
+    @cached_property
+    def converter(self):
+        from mmparity.converters.rules import LanguageKeys
+
+        spec = importlib.import_module(f"mmparity.converters.{self.module}").SPEC
+        if not isinstance(spec, LanguageKeys):
+            raise FamilyError(f"language model {self.name!r}: mmparity.converters.{self.module}.SPEC is "
+                              f"{type(spec).__name__}, not LanguageKeys")
+        return spec
+
+    @cached_property
+    def native(self) -> ModuleType:
+        return importlib.import_module(f"mmparity.native.{self.module}")
+
+    @cached_property
+    def reference(self) -> ModuleType:
+        return importlib.import_module(f"mmparity.reference.{self.module}")
+
+
+_LANGUAGE_MODELS: dict[str, LanguageModel] = {
+    "dense_decoder": LanguageModel(
+        name="dense_decoder",
+        summary="Llama / Mistral / Qwen2-style decoder (GQA, explicit head_dim, q/k/v biases as the "
+                "model type has them, tied or untied head) as Megatron's GPTModel",
+        text_model_types=("llama", "mistral", "qwen2"),
+        module="language",
+    ),
+}
+
+
+def language_models() -> list[str]:
+    return list(_LANGUAGE_MODELS)
+
+
+def language_of(cfg) -> LanguageModel:
+    """The registered language-model part that takes ``cfg.text_config``'s model type."""
+    model_type = getattr(getattr(cfg, "text_config", None), "model_type", None)
+    for part in _LANGUAGE_MODELS.values():
+        if model_type in part.text_model_types:
+            return part
+    taken = [t for part in _LANGUAGE_MODELS.values() for t in part.text_model_types]
+    raise ValueError(f"language model of model_type {model_type!r} is not supported; registered "
+                     f"language models take: {', '.join(taken)}")
 
 
 class UnknownFamilyError(KeyError):

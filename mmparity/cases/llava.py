@@ -515,14 +515,18 @@ def row_layout_size_problems(cfg, sizes) -> list[str]:
             f"must be multiples of {px}" for h, w in sizes if h % px or w % px]
 
 
-def hooks(towers: TowerLookup, composition: Composition = Composition(), reference_module=reference) -> FamilyHooks:
+def hooks(towers: TowerLookup, languages: Callable, composition: Composition = Composition(),
+          reference_module=reference) -> FamilyHooks:
+    """The record of a whole VLM composed of a registered tower (``towers(cfg)``: the tower
+    family's hooks) and a registered language model (``languages(cfg)``: the part's record)."""
     def build_native(cfg, params_dtype=torch.float32):
         tower = towers(cfg)
         build_tower = (tower.build_native if composition.build_tower is None
                        else partial(composition.build_tower, cfg))
         return native.build_native(cfg, params_dtype, build_tower=build_tower,
                                    tower_packs_images=tower.llava_tower.variable_size,
-                                   tower_name=tower.llava_tower.model_type)
+                                   tower_name=tower.llava_tower.model_type,
+                                   language=languages(cfg).native)
 
     def tower_of(cfg) -> converter.Tower:
         tower = towers(cfg)
@@ -532,7 +536,7 @@ def hooks(towers: TowerLookup, composition: Composition = Composition(), referen
     return FamilyHooks(
         tiny_config=reference_module.tiny_config, family_config=reference_module.vision_config,
         build_reference=reference_module.build, build_native=build_native,  # the tower comes from towers
-        converter=converter.converter(tower_of),
+        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
         cases=partial(cases, towers=towers, composition=composition),
         reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
                        reference_component),

@@ -54,7 +54,7 @@ PUBLISHED = Published(
     note="whole forward, language model included")
 
 
-def hooks(towers: TowerLookup) -> FamilyHooks:
-    return llava.hooks(towers, llava.Composition(llava.ROWS, build_tower=build_tower,
+def hooks(towers: TowerLookup, languages) -> FamilyHooks:
+    return llava.hooks(towers, languages, llava.Composition(llava.ROWS, build_tower=build_tower,
                                                  random_config=random_config, published=PUBLISHED),
                        reference)

@@ -46,6 +46,6 @@ PUBLISHED = Published(
     note="whole forward, language model included")
 
 
-def hooks(towers: TowerLookup) -> FamilyHooks:
-    return llava.hooks(towers, llava.Composition(llava.ROWS, random_config=random_config,
+def hooks(towers: TowerLookup, languages) -> FamilyHooks:
+    return llava.hooks(towers, languages, llava.Composition(llava.ROWS, random_config=random_config,
                                                  published=PUBLISHED), reference)

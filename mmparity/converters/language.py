@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmparity.converters.ops import FuseQKV, PadRows, RopeHalve, fuse_gate_up
-from mmparity.converters.rules import Rule, rename
+from mmparity.converters.rules import LanguageKeys, Rule, rename
 from mmparity.hfconfig import decoder_biases, head_dim, padded_vocab_size
 
 MCORE_ROOT = "language_model."
@@ -51,9 +51,10 @@ NAMES = {
 }
 
 
-def language_rules(text, lm_root: str, head_key: str, *, tied: bool, names: DecoderNames = NAMES["hf"]) -> tuple:
+def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str = "hf") -> tuple:
     """Rules for the decoder whose body is under ``lm_root`` and whose output head is
-    ``head_key``, in the layout ``names`` describes; layers range over ``{i}``."""
+    ``head_key``, in ``layout``'s names (:data:`NAMES`); layers range over ``{i}``."""
+    names = NAMES[layout]
     heads, groups, d = text.num_attention_heads, text.num_key_value_heads, head_dim(text)
     qkv_bias, linear_bias = decoder_biases(text)
     vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
@@ -98,3 +99,6 @@ def tp_problems(text, tp: int) -> list[str]:
              "text intermediate_size": text.intermediate_size,
              "text hidden_size (projector width)": text.hidden_size}
     return [f"tp={tp} does not divide {name}={value}" for name, value in sizes.items() if value % tp]
+
+
+SPEC = LanguageKeys(layouts=tuple(NAMES), rules=language_rules, tp_problems=tp_problems)

@@ -41,10 +41,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from mmparity.converters import language
-from mmparity.converters.language import language_rules
-from mmparity.converters.rules import (ConversionError, ConverterSpec, Rule, RuleSet, aside, nested_rules,
-                                       rename)
+from mmparity.converters.rules import (ConversionError, ConverterSpec, LanguageKeys, Rule, RuleSet, aside,
+                                       nested_rules, rename)
 from mmparity.hfconfig import has_patch_merger, tied_embeddings, tower_depth
 
 FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint", "mistral")
@@ -104,7 +102,7 @@ def _vision_rule_set(cfg, tower: Tower, tower_format: str = "hf") -> RuleSet:
     return tower.converter.rule_set(cfg.vision_config, tower_format)
 
 
-def tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
+def tp_problems(cfg, tp: int, tower: Tower, language: LanguageKeys) -> list[str]:
     if tp < 1:
         return []  # the engine reports a non-positive size itself
     validate_vision = _vision_rule_set(cfg, tower).validate_tp
@@ -148,7 +146,7 @@ def _tower_depth(cfg, vision: tuple, variables: dict) -> tuple[tuple, dict]:
     return vision + dropped, {**variables, "vision_i": depth}
 
 
-def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
+def rule_set(cfg, hf_format: str, tower: Tower, language: LanguageKeys) -> RuleSet:
     if hf_format not in FORMATS:
         raise ConversionError("unknown LLaVA layout", [f"got {hf_format!r}; known: {FORMATS}"])
     layout = LAYOUTS[hf_format]
@@ -157,15 +155,19 @@ def rule_set(cfg, hf_format: str, tower: Tower) -> RuleSet:
                                        tower_root, "vision_")
     vision, vision_vars = _tower_depth(cfg, vision, vision_vars)
     norm, merging, linear_1, linear_2 = layout.projector
-    rules = (language_rules(cfg.text_config, layout.lm_root, layout.head_key, tied=tied_embeddings(cfg),
-                            names=language.NAMES[layout.decoder])
+    if layout.decoder not in language.layouts:
+        raise ConversionError(f"no {layout.decoder!r} layout for a "
+                              f"{getattr(cfg.text_config, 'model_type', None)!r} language model",
+                              [f"that language model's layouts: {', '.join(language.layouts)}"])
+    rules = (language.rules(cfg.text_config, layout.lm_root, layout.head_key, tied=tied_embeddings(cfg),
+                            layout=layout.decoder)
              + vision + merger_rules(cfg, norm, merging) + projector_rules(cfg, linear_1, linear_2))
     head_key = layout.head_key
     drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
     return RuleSet(rules=rules,
                    variables={"i": cfg.text_config.num_hidden_layers, **vision_vars},
                    hf_prefixes=("",), drop_hf=drops, hf_format=hf_format,
-                   validate_tp=lambda tp: tp_problems(cfg, tp, tower))
+                   validate_tp=lambda tp: tp_problems(cfg, tp, tower, language))
 
 
 def detect_format(keys) -> str:
@@ -187,7 +189,10 @@ def detect_format(keys) -> str:
     return "hf_v4_checkpoint" if nested else "hf_checkpoint"
 
 
-def converter(tower_of: Callable[[object], Tower]) -> ConverterSpec:
-    """LLaVA's converter, given how to find the tower of a config (the family registry knows)."""
-    return ConverterSpec(formats=FORMATS, rule_set=lambda cfg, fmt: rule_set(cfg, fmt, tower_of(cfg)),
+def converter(tower_of: Callable[[object], Tower],
+              language_of: Callable[[object], LanguageKeys]) -> ConverterSpec:
+    """LLaVA's converter, given how to find the tower and the language model of a config (the
+    family registry knows: each is a registered part)."""
+    return ConverterSpec(formats=FORMATS,
+                         rule_set=lambda cfg, fmt: rule_set(cfg, fmt, tower_of(cfg), language_of(cfg)),
                          detect_format=detect_format)

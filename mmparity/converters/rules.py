@@ -141,6 +141,19 @@ class TowerKeys:
 
 
 @dataclass(frozen=True)
+class LanguageKeys:
+    """What one language-model part's converter module offers a whole VLM's table: the decoder's
+    rules (``rules(text_config, lm_root, head_key, tied=, layout=)``, mcore keys under
+    ``language_model.``, layers over ``{i}``), the HF-side layouts it has names for (``hf`` and, e.g.,
+    Mistral's own ``mistral``), and the sizes tensor parallelism must divide
+    (``tp_problems(text_config, tp)``)."""
+
+    layouts: tuple
+    rules: Callable
+    tp_problems: Callable
+
+
+@dataclass(frozen=True)
 class ConverterSpec:
     """What one family's converter module offers: its HF layouts and a rule table per layout.
 

@@ -1,6 +1,6 @@
 """The dense decoder part of a whole VLM on mcore: Llama / Mistral / Qwen2-style ``GPTModel`` layers.
 
-A language model is a part like a vision tower: :func:`language_transformer_config` reads the HF
+A language model is a part like a vision tower: :func:`transformer_config` reads the HF
 text config (GQA, explicit head widths, q/k/v biases as the model type has them), and the layer
 spec and core attention are what ``GPTModel`` is built with. What the decoder cannot reproduce
 (sliding windows, scaled RoPE) is refused by name rather than computed differently.
@@ -13,10 +13,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mmparity.hfconfig import decoder_bias_problems, decoder_biases, head_dim
+from mmparity.hfconfig import decoder_bias_problems, decoder_biases, head_dim, rope_theta
 from mmparity.native.core.layers import activation_from_hf, layer_spec, vision_transformer_config
 
 
@@ -115,7 +116,7 @@ def _text_config_problems(text) -> list[str]:
     return problems
 
 
-def language_transformer_config(text, params_dtype: torch.dtype = torch.float32):
+def transformer_config(text, params_dtype: torch.dtype = torch.float32):
     problems = _text_config_problems(text)
     if problems:
         raise ValueError("unsupported language model: " + "; ".join(problems))
@@ -127,3 +128,28 @@ def language_transformer_config(text, params_dtype: torch.dtype = torch.float32)
         normalization="RMSNorm", norm_eps=text.rms_norm_eps,
         activation=activation_from_hf(text.hidden_act), gated=True, bias=linear_bias,
         add_qkv_bias=qkv_bias, rotary_interleaved=False, params_dtype=params_dtype)
+
+
+class LanguageModelBuilder:
+    """Builds the dense decoder as Megatron-LM holds it, a ``GPTModel`` with RoPE, for a padded
+    vocabulary and a pipeline stage (what a whole VLM's ``language_model`` is)."""
+
+    def __init__(self, text, params_dtype: torch.dtype = torch.float32):
+        self.config = transformer_config(text, params_dtype)
+        self.max_sequence_length = text.max_position_embeddings
+        self.rotary_base = rope_theta(text)
+
+    def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = False) -> GPTModel:
+        model = GPTModel(config=self.config, transformer_layer_spec=language_layer_spec(),
+                         vocab_size=vocab_size, max_sequence_length=self.max_sequence_length,
+                         pre_process=pre_process, post_process=post_process,
+                         parallel_output=parallel_output,
+                         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                         position_embedding_type="rope", rotary_base=self.rotary_base,
+                         scatter_embedding_sequence_parallel=False)
+        model.rotary_pos_emb = LanguageRotaryEmbedding(
+            kv_channels=self.config.kv_channels, rotary_percent=1.0,
+            rotary_interleaved=self.config.rotary_interleaved, rotary_base=self.rotary_base,
+            use_cpu_initialization=True)
+        return model

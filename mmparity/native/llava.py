@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
 from mmparity import runtime
-from mmparity.hfconfig import feature_layer_indices, padded_vocab_size, select_strategy, rope_theta, tower_depth, tied_embeddings
-from mmparity.native.language import LanguageRotaryEmbedding, language_layer_spec, language_transformer_config
+from mmparity.hfconfig import feature_layer_indices, padded_vocab_size, select_strategy, tower_depth, tied_embeddings
 from mmparity.native.llava_preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data
 from mmparity.native.core.attention import make_packed_seq_params
 from mmparity.native.core.layers import activation_from_hf, tolerate_missing_extra_state, vision_transformer_config
@@ -73,7 +72,9 @@ class LLaVAModel(MegatronModule):
     Deliberate deviations from upstream:
 
     * The vision tower is passed in built (``vision_model``) rather than built here from a
-      config and a spec: each vision family owns how its tower is put together.
+      config and a spec: each vision family owns how its tower is put together. Likewise the
+      language model comes from its part's ``language_model_builder`` (a ``GPTModel`` for the
+      dense decoder), called with the padded vocabulary and this stage's pre/post process.
     * ``vision_feature_layers`` (HF ``vision_feature_layer``, resolved to ``hidden_states``
       indices; several are concatenated along features) select which vision hidden states feed
       the projector. The tower keeps all of its layers so that checkpoints convert totally and
@@ -96,13 +97,11 @@ class LLaVAModel(MegatronModule):
       are refused under pipeline parallelism (see :func:`pipeline_problems`).
     """
 
-    def __init__(self, language_transformer_config, language_transformer_layer_spec,
-                 language_vocab_size: int, language_max_sequence_length: int,
-                 vision_model: torch.nn.Module, vision_projection_config,
+    def __init__(self, language_transformer_config, language_model_builder: Callable,
+                 language_vocab_size: int, vision_model: torch.nn.Module, vision_projection_config,
                  vision_projection_layer_spec: MLPSubmodules, vision_projection_input_size: int,
                  vision_projection_type: str = "mlp", parallel_output: bool = True,
                  share_embeddings_and_output_weights: bool = False,
-                 language_rotary_base: float = 10000.0,
                  image_token_index: int = DEFAULT_IMAGE_TOKEN_INDEX, *,
                  vision_feature_layers: Sequence[int] = (-1,),
                  drop_vision_class_token: bool = False, vocab_size: Optional[int] = None):
@@ -120,18 +119,12 @@ class LLaVAModel(MegatronModule):
         if share_embeddings_and_output_weights and not (self.pre_process and self.post_process):
             raise ValueError("tied embeddings under pipeline parallelism are not supported: the "
                              "last stage would need its own copy of the output weight")
-        self._language_model_options = dict(
-            config=language_transformer_config,
-            transformer_layer_spec=language_transformer_layer_spec,
-            max_sequence_length=language_max_sequence_length,
-            pre_process=self.pre_process,
-            post_process=self.post_process,
+        # The language-model part builds its own module (a GPTModel for the dense decoder) for a
+        # padded vocabulary; rebuilt when a checkpoint was padded with another divisor.
+        self._build_language_model = functools.partial(
+            language_model_builder, pre_process=self.pre_process, post_process=self.post_process,
             parallel_output=parallel_output,
-            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            position_embedding_type="rope",
-            rotary_base=language_rotary_base,
-            scatter_embedding_sequence_parallel=False,
-        )
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         # Registration order is upstream's, so state dicts list the language model first.
         self.language_model = self._build_language_model(language_vocab_size)
         # What later stages need of the tower: how many slots each image fills.
@@ -148,18 +141,9 @@ class LLaVAModel(MegatronModule):
         self.vocab_size = vocab_size
         self.vision_feature_layers = layers
         self.drop_vision_class_token = drop_vision_class_token
-        self._language_max_sequence_length = language_max_sequence_length
+        self._language_max_sequence_length = language_model_builder.max_sequence_length
         tolerate_missing_extra_state(self)
         self.register_load_state_dict_pre_hook(_take_the_checkpoints_vocabulary_padding)
-
-    def _build_language_model(self, padded_vocab_size: int) -> GPTModel:
-        language_model = GPTModel(vocab_size=padded_vocab_size, **self._language_model_options)
-        config = self._language_model_options["config"]
-        language_model.rotary_pos_emb = LanguageRotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0,
-            rotary_interleaved=config.rotary_interleaved,
-            rotary_base=self._language_model_options["rotary_base"], use_cpu_initialization=True)
-        return language_model
 
     # -- upstream's small API -------------------------------------------------------------------
 
@@ -352,11 +336,13 @@ def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower: Callable,
-                 tower_packs_images: bool, tower_name: str) -> LLaVAModel:
+                 tower_packs_images: bool, tower_name: str, language) -> LLaVAModel:
     """``LLaVAModel`` from an HF ``LlavaConfig`` (the single source of truth for shapes).
 
     ``build_tower(vision_config, params_dtype)`` builds the vision tower's native model; a tower
     that ``packs_images`` (HF runs all images as one sequence) has no per-image first token to drop.
+    ``language`` is the language-model part's native module (``transformer_config(text,
+    params_dtype)``, ``LanguageModelBuilder(text, params_dtype)``).
     """
     strategy = select_strategy(cfg)
     if strategy not in ("default", "full"):
@@ -378,21 +364,17 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower:
     with runtime.single_stage(), placement:
         vision_model = build_tower(tower_config, params_dtype)
     return LLaVAModel(
-        language_transformer_config=language_transformer_config(text, params_dtype),
-        language_transformer_layer_spec=language_layer_spec(),
+        language_transformer_config=language.transformer_config(text, params_dtype),
+        language_model_builder=language.LanguageModelBuilder(text, params_dtype),
         # Megatron-LM's padding at this TP size (what the converter writes by default).
         language_vocab_size=padded_vocab_size(text.vocab_size, tp=runtime.current_layout().tp),
-        language_max_sequence_length=text.max_position_embeddings,
         vision_model=vision_model,
         vision_projection_config=projection_transformer_config(cfg, params_dtype),
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                    linear_fc2=RowParallelLinear),
         vision_projection_input_size=cfg.vision_config.hidden_size * len(layers),
         share_embeddings_and_output_weights=tied_embeddings(cfg),
-        language_rotary_base=rope_theta(text),
         vision_feature_layers=layers,
         drop_vision_class_token=strategy == "default",
         vocab_size=text.vocab_size,
     )
-
-

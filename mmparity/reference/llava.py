@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from transformers import LlamaConfig, LlavaConfig, PixtralVisionConfig
 
-from mmparity.hfconfig import decoder_biases, head_dim, tied_embeddings
+from mmparity.hfconfig import tied_embeddings
 
 if TYPE_CHECKING:
     from transformers import LlavaForConditionalGeneration
@@ -70,33 +70,11 @@ def projector_shapes(cfg) -> dict[str, tuple]:
     return shapes
 
 
-def decoder_shapes(text) -> dict[str, tuple]:
-    """A dense decoder body (``LlamaModel``, ``MistralModel``, ``Qwen2Model``), biases where HF
-    puts them: Llama's ``attention_bias`` on q/k/v and o_proj, ``mlp_bias`` on the MLP, Qwen2's
-    q/k/v always."""
-    h, f = text.hidden_size, text.intermediate_size
-    q, kv = text.num_attention_heads * head_dim(text), text.num_key_value_heads * head_dim(text)
-    qkv_bias, _ = decoder_biases(text)
-    o_bias = bool(getattr(text, "attention_bias", False)) and qkv_bias
-    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
-    if qkv_bias:
-        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
-    if o_bias:
-        layer["self_attn.o_proj.bias"] = (h,)
-    if getattr(text, "mlp_bias", False):
-        layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (h,)}
-    return {"embed_tokens.weight": (text.vocab_size, h),
-            **{f"layers.{i}.{k}": s for i in range(text.num_hidden_layers) for k, s in layer.items()},
-            "norm.weight": (h,)}
-
-
-def whole_model_shapes(cfg, tower_shapes: Callable, projector: dict) -> dict[str, tuple]:
+def whole_model_shapes(cfg, tower_shapes: Callable, projector: dict, decoder_shapes: Callable) -> dict[str, tuple]:
     """A whole VLM's state-dict shapes under ``*ForConditionalGeneration``'s module names: the
-    tower (``tower_shapes(vision_config)``, its family's), the projector's, the decoder and the
-    head (listed even when tied: the state dict names the shared table twice)."""
+    tower (``tower_shapes(vision_config)``, its family's), the projector's, the decoder
+    (``decoder_shapes(text_config)``, its part's) and the head (listed even when tied: the state
+    dict names the shared table twice)."""
     text = cfg.text_config
     return {**{"model.vision_tower." + k: s for k, s in tower_shapes(cfg.vision_config).items()},
             **{"model.multi_modal_projector." + k: s for k, s in projector.items()},
@@ -104,11 +82,12 @@ def whole_model_shapes(cfg, tower_shapes: Callable, projector: dict) -> dict[str
             "lm_head.weight": (text.vocab_size, text.hidden_size)}
 
 
-def state_shapes(cfg, tower_shapes: Callable) -> dict[str, tuple]:
+def state_shapes(cfg, tower_shapes: Callable, decoder_shapes: Callable) -> dict[str, tuple]:
     """The shapes of :func:`build`'s state dict, read off the config; the tower's come from
-    ``tower_shapes``, the shapes function of the tower's own family."""
+    ``tower_shapes``, the shapes function of the tower's own family, the decoder's from its
+    language-model part's ``decoder_shapes``."""
     cfg = vision_config(cfg)
-    return whole_model_shapes(cfg, tower_shapes, projector_shapes(cfg))
+    return whole_model_shapes(cfg, tower_shapes, projector_shapes(cfg), decoder_shapes)
 
 
 def fill_tied_head(model, cfg):

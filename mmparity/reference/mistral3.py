@@ -53,8 +53,8 @@ def build(cfg) -> Mistral3ForConditionalGeneration:
     return fill_tied_head(Mistral3ForConditionalGeneration(cfg).eval(), cfg)
 
 
-def state_shapes(cfg, tower_shapes: Callable) -> dict[str, tuple]:
+def state_shapes(cfg, tower_shapes: Callable, decoder_shapes: Callable) -> dict[str, tuple]:
     """The shapes of :func:`build`'s state dict: LLaVA's, with Mistral3's projector (pre-merge
     norm and patch merger)."""
     cfg = vision_config(cfg)
-    return whole_model_shapes(cfg, tower_shapes, projector_shapes(cfg))
+    return whole_model_shapes(cfg, tower_shapes, projector_shapes(cfg), decoder_shapes)
