@@ -134,8 +134,9 @@ class LanguageModelBuilder:
     """Builds the dense decoder as Megatron-LM holds it, a ``GPTModel`` with RoPE, for a padded
     vocabulary and a pipeline stage (what a whole VLM's ``language_model`` is)."""
 
-    def __init__(self, text, params_dtype: torch.dtype = torch.float32):
-        self.config = transformer_config(text, params_dtype)
+    def __init__(self, text, params_dtype: torch.dtype = torch.float32, config=None):
+        # ``config``: a part reusing this builder with its own TransformerConfig.
+        self.config = transformer_config(text, params_dtype) if config is None else config
         self.max_sequence_length = text.max_position_embeddings
         self.rotary_base = rope_theta(text)
 

@@ -1,0 +1,154 @@
+"""A language-model part and a whole VLM written here, in the test, and registered for its
+duration: one registry entry and its modules each, nothing else edited. The whole VLM composes a
+registered tower (CLIP) with the throwaway language model, and the generic machinery (conversion
+both ways, shapes without the model, detection, the parity harness with its localisation) takes
+it. tests/test_new_family.py does the same for a tower family; docs/families.md walks through
+all three.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel, LlavaConfig
+
+from mmparity import families
+from mmparity.cases import llava as llava_cases
+from mmparity.cases.inputs import random_like_state
+from mmparity.converters import language as dense_rules
+from mmparity.converters.rules import LanguageKeys, with_side
+from mmparity.native import language as dense_native
+from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
+from mmparity.parity import harness
+from mmparity.reference import clip as clip_reference
+from mmparity.reference import language as dense_reference
+from mmparity.reference import llava as llava_reference
+
+
+# --- the language model: an HF text model transformers builds inside a VLM from its config -------
+
+class ToyDecoderConfig(LlamaConfig):
+    model_type = "toy_decoder"
+
+
+class ToyDecoderModel(LlamaModel):
+    config_class = ToyDecoderConfig
+
+
+def _register_with_transformers():
+    try:
+        AutoConfig.register("toy_decoder", ToyDecoderConfig)
+        AutoModel.register(ToyDecoderConfig, ToyDecoderModel)
+    except ValueError:  # already registered by an earlier test in this process
+        pass
+
+
+def toy_transformer_config(text, params_dtype=torch.float32):
+    """The decoder as mcore builds it: a Llama decoder, no bias, the config's head width."""
+    return vision_transformer_config(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
+        kv_channels=text.head_dim, ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
+        norm_eps=text.rms_norm_eps, activation=activation_from_hf(text.hidden_act), gated=True,
+        bias=False, params_dtype=params_dtype)
+
+
+def toy_builder(text, params_dtype=torch.float32):
+    return dense_native.LanguageModelBuilder(text, params_dtype, config=toy_transformer_config(text, params_dtype))
+
+
+LANGUAGE_MODULES = {
+    # Its own table: only the HF layout, the dense rules under its names.
+    "converters": dict(SPEC=LanguageKeys(layouts=("hf",), rules=dense_rules.language_rules,
+                                         tp_problems=dense_rules.tp_problems)),
+    "native": dict(transformer_config=toy_transformer_config, LanguageModelBuilder=toy_builder),
+    "reference": dict(decoder_shapes=dense_reference.decoder_shapes),
+}
+
+
+# --- the whole VLM: a CLIP tower, the projector, the toy decoder -----------------------------------
+
+def tiny_config() -> LlavaConfig:
+    text = ToyDecoderConfig(vocab_size=75, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+    return LlavaConfig(vision_config=clip_reference.tiny_config(), text_config=text, image_token_index=7,
+                       projector_hidden_act="gelu", vision_feature_layer=-1,
+                       vision_feature_select_strategy="default", multimodal_projector_bias=True,
+                       tie_word_embeddings=False)
+
+
+VLM_REFERENCE = dict(tiny_config=tiny_config, vision_config=llava_reference.vision_config,
+                     build=llava_reference.build, state_shapes=llava_reference.state_shapes)
+
+
+def vlm_hooks(towers, languages):
+    return llava_cases.hooks(towers, languages, llava_cases.Composition(),
+                             sys.modules["mmparity.reference.toy_vlm"])
+
+
+@pytest.fixture
+def parts(monkeypatch):
+    _register_with_transformers()
+    for layer, names in LANGUAGE_MODULES.items():
+        module = types.ModuleType(f"mmparity.{layer}.toy_decoder")
+        module.__dict__.update(names)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    for layer, names in (("reference", VLM_REFERENCE), ("cases", {"hooks": vlm_hooks})):
+        module = types.ModuleType(f"mmparity.{layer}.toy_vlm")
+        module.__dict__.update(names)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    # One registry entry each.
+    monkeypatch.setitem(families._LANGUAGE_MODELS, "toy_decoder", families.LanguageModel(
+        name="toy_decoder", summary="a throwaway decoder", text_model_types=("toy_decoder",),
+        module="toy_decoder"))
+    monkeypatch.setitem(families._REGISTRY, "toy_vlm", families.Family(
+        name="toy_vlm", summary="a throwaway whole VLM", reference_classes=("LlavaForConditionalGeneration",),
+        composed=True, takes_whole=(
+            families.Takes(architecture="LlavaForConditionalGeneration", text_model_type="toy_decoder"),
+            families.Takes(model_type="llava", text_model_type="toy_decoder"))))
+    return families.get("toy_vlm")
+
+
+def test_its_language_model_is_found_by_the_text_model_type(parts):
+    assert families.language_of(parts.tiny_config()).name == "toy_decoder"
+    with pytest.raises(ValueError, match="registered language models take: llama, mistral, qwen2, toy_decoder"):
+        families.language_of(types.SimpleNamespace(text_config=types.SimpleNamespace(model_type="gpt2")))
+
+
+def test_conversion_both_ways_and_shapes_without_the_model(parts):
+    cfg = parts.tiny_config()
+    model = parts.build_reference(cfg)
+    state = random_like_state(model.state_dict(), seed=4)
+    assert parts.state_shapes(cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shards = parts.hf_to_mcore(state, cfg, tp_size=2)
+    assert "language_model.decoder.layers.1.self_attention.linear_qkv.weight" in shards[0]
+    back = parts.mcore_to_hf(shards, cfg, hf_format="hf")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_the_native_model_loads_its_weights_strictly(parts):
+    cfg = parts.tiny_config()
+    state = random_like_state(parts.build_reference(cfg).state_dict(), seed=5)
+    parts.build_native(cfg).load_state_dict(with_side(parts.hf_to_mcore(state, cfg))[0], strict=True)
+
+
+def test_detection_takes_it_by_its_text_model(parts):
+    facts = families.ConfigFacts("config.json", ("LlavaForConditionalGeneration",), "llava", "clip_vision_model",
+                                 text_model_type="toy_decoder")
+    assert families.detect(facts).family == "toy_vlm"
+
+
+def test_parity_passes_and_a_fault_is_named_by_its_part(parts):
+    assert harness.check("toy_vlm", seed=3).passed
+
+    def perturb(state):
+        key = "language_model.decoder.layers.1.mlp.linear_fc2.weight"
+        state[key] = state[key].clone()
+        state[key][0, 0] += 0.5
+
+    report = harness.check("toy_vlm", seed=3, mutate_native=perturb, components=False)
+    assert {r.first_divergence.module for r in report.failures()} == {"language_model.decoder.layers.1"}
