@@ -110,6 +110,18 @@ def test_pipeline_stage_holds_the_right_global_layers():
     assert stages[0][key.format(1)] is state[key.format(1)]
 
 
+def test_a_modules_extra_state_goes_to_its_stage():
+    """Last-stage keys named whole (as pipeline_layout names them): the output layer's TE slot
+    goes with its weight, or the last stage's strict load misses it and the first's finds it
+    unexpected."""
+    state = {"embedding.word_embeddings.weight": torch.zeros(1), "decoder.layers.0.x": torch.zeros(1),
+             "decoder.layers.1.x": torch.zeros(1), "output_layer.weight": torch.zeros(1),
+             "output_layer._extra_state": None, "embedding.word_embeddings._extra_state": None}
+    first, last = pp.split_pipeline_stages(state, [1, 1], last_stage_prefixes=("output_layer.weight",))
+    assert set(last) == {"decoder.layers.0.x", "output_layer.weight", "output_layer._extra_state"}
+    assert "embedding.word_embeddings._extra_state" in first
+
+
 def test_pipeline_errors_are_loud():
     state = mcore_state_dict()
     with pytest.raises(pp.PipelineError, match="must be >= 1"):

@@ -410,15 +410,15 @@ def native_pairs(model, cfg, towers: TowerLookup) -> list:
             out.append(Pair(MERGER, model.vision_model.merger, tokens_2d))
     if model.vision_projection is not None:
         out.append(Pair(PROJECTOR, model.vision_projection, tokens_2d))
-    out += [Pair(LANGUAGE_LAYER.format(i), layer, _language_tokens)
+    out += [Pair(LANGUAGE_LAYER.format(i), layer, language_tokens)
             for i, layer in numbered_layers(model.language_model.decoder)]
     if model.post_process:
-        out.append(Pair(FINAL_NORM, model.language_model.decoder.final_layernorm, _language_tokens))
+        out.append(Pair(FINAL_NORM, model.language_model.decoder.final_layernorm, language_tokens))
     return out
 
 
 
-def _language_tokens(output, case):
+def language_tokens(output, case):
     """[s, b, h] language activations -> batch-major tokens of the first ``length`` positions."""
     t = first_tensor(output)[: case.data["length"]]
     return t.transpose(0, 1).reshape(-1, t.shape[-1])

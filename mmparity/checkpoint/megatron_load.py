@@ -8,6 +8,12 @@ the checkpoint keeps beside its weights, at the checkpoint's TP size, one proces
 what it returns. Nothing is tolerated but what the class's own load hooks drop (stock
 ``LLaVAModel`` ignores missing ``_extra_state``, so for it the output layer's, which ``GPTModel``
 leaves out of its sharded state dict, needs none).
+
+Where the family's default class holds only a part of the checkpoint (a whole VLM that
+``LLaVAModel`` cannot hold), the family's other classes that hold the rest load beside it, each
+under its own key prefix (``language_model.`` into ``GPTModel`` on every stage,
+``vision_projection.`` into ``MultimodalProjector`` on the first); what only a class that cannot be
+imported here holds is not loaded, and the report says so with its count and the reason.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -25,6 +32,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from mmparity import errors, runtime
+from mmparity.cases.megatron import CLASSES, MegatronClass
 from mmparity.cases.megatron import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio.errors import CheckpointError
@@ -34,6 +42,7 @@ from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_
 from mmparity.checkpoint.torch_dist import copy_containers
 from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, _check_shapes, _validate_tp, open_source
 from mmparity.checkpoint.unpickle import RefusedPickle
+from mmparity.converters import pp as pp_mod
 from mmparity.upstream import models
 
 
@@ -43,6 +52,39 @@ class RankLoad:
     ok: bool
     message: str = ""
     refused: bool = False  # the checkpoint holds a pickle that is not plain data: a user error
+    loaded: dict = dataclasses.field(default_factory=dict)  # class name -> entries loaded
+    not_loaded: dict = dataclasses.field(default_factory=dict)  # prefix -> entries left in the checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPart:
+    """One Megatron class of a load and the checkpoint keys it holds (all of them: ``holds`` empty)."""
+
+    name: str
+    upstream: str
+    holds: tuple = ()
+    root: str = ""  # the prefix the class's own keys sit under in the checkpoint
+    pipelined: bool = False  # built on every stage; otherwise whole, on the first stage
+
+    def holds_key(self, key: str) -> bool:
+        return not self.holds or key.startswith(self.holds)
+
+
+@dataclasses.dataclass(frozen=True)
+class NotLoaded:
+    """Checkpoint keys under ``prefixes`` (none: every key no class of the load holds) that are
+    not loaded, and why."""
+
+    prefixes: tuple
+    reason: str
+
+    @property
+    def described(self) -> str:
+        return _described(self.prefixes) if self.prefixes else "the rest"
+
+
+def _described(prefixes: tuple) -> str:
+    return ", ".join(f"{p}*" for p in prefixes)
 
 
 @dataclasses.dataclass
@@ -54,6 +96,9 @@ class LoadReport:
     tp: int
     ranks: list = dataclasses.field(default_factory=list)
     pp: int = 1
+    parts: tuple = ()  # LoadParts, where the load is split over several classes or holds a part
+    not_loaded: tuple = ()
+    notes: tuple = ()
 
     @property
     def ok(self) -> bool:
@@ -65,23 +110,53 @@ class LoadReport:
                 f"{self.megatron_class} ({self.family}, megatron-core {models.megatron_version()}, "
                 f"{models.describe_te()})")
         lines = [f"{head}: {'all ranks load' if self.ok else 'FAILED'}"]
+        if self.parts:
+            lines.append("  parts: " + ", ".join(
+                f"{_described(p.holds)} -> {p.name} ({'every stage' if p.pipelined else 'first stage'})"
+                for p in self.parts))
+        lines += [f"  not loaded: {n.described}: {n.reason}" for n in self.not_loaded]
+        lines += [f"  note: {note}" for note in self.notes]
         for r in self.ranks:
             where = f" (TP rank {r.rank % self.tp}, PP stage {r.rank // self.tp})" if self.pp > 1 else ""
             lines.append(f"  rank {r.rank}{where}: {'ok' if r.ok else 'FAIL'}: "
-                         f"{'loads' if r.ok else r.message}")
+                         f"{self._loads(r) if r.ok else r.message}")
         return "\n".join(lines)
+
+    def _loads(self, r: RankLoad) -> str:
+        """What the rank loaded, counted, where the load is split; plain "loads" otherwise."""
+        if not self.parts:
+            return "loads"
+        text = "loads " + (", ".join(f"{name} {count} keys" for name, count in r.loaded.items())
+                           or "nothing on this stage")
+        if r.not_loaded:
+            unit = "stored" if self.layout == LAYOUT_TORCH_DIST else "keys"
+            text += "; not loaded: " + ", ".join(f"{what} {count} {unit}" for what, count in r.not_loaded.items())
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadJob:
     root: str
     layout: str
-    upstream: str
+    parts: tuple  # LoadParts
     cfg: object
     tp: int = 1
     pp: int = 1
     layer_counts: Optional[tuple] = None  # the pipelined stack's split, as the manifest records it
     divisible_by: Optional[int] = None  # the vocabulary divisor the checkpoint was padded with
+    not_loaded: tuple = ()  # NotLoaded
+    notes: tuple = ()  # why the load is split, where it is
+
+    def skips(self, key: str) -> Optional[str]:
+        """What of the checkpoint that is not loaded ``key`` belongs to (as the report names it),
+        or None."""
+        for left in self.not_loaded:
+            if not left.prefixes and not any(part.holds_key(key) for part in self.parts):
+                return left.described
+            hit = next((p for p in left.prefixes if key.startswith(p)), None)
+            if hit is not None:
+                return _described((hit,))
+        return None
 
     @property
     def build_options(self) -> dict:
@@ -113,20 +188,59 @@ def sharded_state_dict(model: torch.nn.Module) -> dict:
     return state
 
 
-def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
-    """Collective over the ranks of ``job.init_parallel()``: Megatron's class for ``job`` (this
-    rank's pipeline stage of it), loaded strictly from the checkpoint (this rank's file, or DCP
-    against the class's own sharded state dict). Raises
-    :class:`~mmparity.upstream.models.StrictLoadError` or :class:`CheckpointError`."""
-    model = models.build(job.upstream, job.cfg, **job.build_options)
+class Parts(torch.nn.Module):
+    """Megatron's classes for the parts of one checkpoint, each under its prefix (``LLaVAModel``'s
+    attribute names), so that the keys read as the checkpoint's; a part at the root (a plain
+    container, :class:`~mmparity.upstream.models.VisionWithProjection`) lends its children."""
+
+    def __init__(self, built: list):
+        super().__init__()
+        for part, model in built:
+            if part.root:
+                self.add_module(part.root.rstrip("."), model)
+            else:
+                for name, child in model.named_children():
+                    self.add_module(name, child)
+
+
+def _build(rank: int, job: LoadJob) -> tuple[torch.nn.Module, list]:
+    """This rank's stage of the job's classes, and ``[(part, model)]`` of the parts built."""
+    first = rank // job.tp == 0
+    built = [(part, models.build(part.upstream, job.cfg, **job.build_options))
+             for part in job.parts if part.pipelined or first]
+    if len(job.parts) == 1 and not job.parts[0].root:
+        return built[0][1], built
+    return Parts(built), built
+
+
+def _load(rank: int, job: LoadJob) -> tuple[torch.nn.Module, dict, dict]:
+    """``(model, {class: entries loaded}, {prefix: entries not loaded})`` for this rank."""
+    model, built = _build(rank, job)
+    not_loaded: dict = {}
     if job.layout == LAYOUT_LEGACY:
-        state = open_legacy(job.root).load_rank(rank % job.tp, rank // job.tp)
+        state = {}
+        for key, value in open_legacy(job.root).load_rank(rank % job.tp, rank // job.tp).items():
+            skipped = job.skips(key)
+            if skipped is None:
+                state[key] = value
+            else:
+                not_loaded[skipped] = not_loaded.get(skipped, 0) + 1
     else:
         wanted = sharded_state_dict(model)
-        _compare_sharded_keys(job.root, wanted)
+        not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1)
         state = torch_dist.load_torch_dist(job.root, wanted)
     load_state_dict_strictly(model, state)
-    return model
+    loaded = {part.name: sum(1 for key in state if part.holds_key(key)) for part, _ in built}
+    return model, loaded, not_loaded
+
+
+def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
+    """Collective over the ranks of ``job.init_parallel()``: Megatron's class for ``job`` (this
+    rank's pipeline stage of it; several classes, each under its key prefix, where the job loads
+    parts), loaded strictly from the checkpoint (this rank's file, or DCP against the classes' own
+    sharded state dicts). Raises :class:`~mmparity.upstream.models.StrictLoadError` or
+    :class:`CheckpointError`."""
+    return _load(rank, job)[0]
 
 
 def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
@@ -148,23 +262,32 @@ def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
 def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
     job.init_parallel()
     try:
-        build_and_load(rank, world_size, job)
+        _model, loaded, not_loaded = _load(rank, job)
     except RefusedPickle as exc:
         return RankLoad(rank, False, str(exc), refused=True)
     except (models.StrictLoadError, CheckpointError) as exc:
         return RankLoad(rank, False, str(exc))
     except Exception as exc:  # from inside Megatron's class or torch: the cause, on one line
         return RankLoad(rank, False, errors.one_line(exc))
-    return RankLoad(rank, True)
+    return RankLoad(rank, True, loaded=loaded, not_loaded=not_loaded)
 
 
-def _compare_sharded_keys(root: str, wanted: dict) -> None:
+def _compare_sharded_keys(root: str, wanted: dict, skips=lambda key: None, stages: bool = False) -> dict:
     """Name every tensor and object the class asks for that the checkpoint lacks (or holds in
     another global shape where the class does not allow it), and every one it holds that the class
-    has no place for, before DCP, which reports only the first."""
+    has no place for, before DCP, which reports only the first. Stored items under a prefix
+    ``skips`` names are not loaded and not unexpected: returns their count per prefix. ``stages``:
+    the class is built in pipeline stages, each rank asking for its stage's (a collective)."""
     iteration_dir = resolve_iteration_dir(root)[1]
     stored = torch_dist_files.tensor_metadata(iteration_dir)
     stored_objects = torch_dist_files.object_keys(iteration_dir)
+    not_loaded: dict = {}
+    for key in list(stored) + list(stored_objects):
+        skipped = skips(key)
+        if skipped is not None:
+            not_loaded[skipped] = not_loaded.get(skipped, 0) + 1
+    stored = {k: v for k, v in stored.items() if skips(k) is None}
+    stored_objects = [k for k in stored_objects if skips(k) is None]
     # Factories (a gated MLP's fc1 as its two halves, say) name the tensors they load as.
     built = copy_containers(wanted)
     apply_factories(built)
@@ -177,15 +300,68 @@ def _compare_sharded_keys(root: str, wanted: dict) -> None:
         elif isinstance(shard, ShardedObject):
             asked_objects.append(shard.unique_key)
     missing = [k for k in asked if k not in stored] + [k for k in asked_objects if k not in stored_objects]
-    unexpected = [k for k in stored if k not in asked] + [k for k in stored_objects if k not in asked_objects]
+    # Pipeline stages ask for their own slices: what the checkpoint holds is unexpected only when
+    # no stage asks for it.
+    everyone = _all_ranks((set(asked), set(asked_objects))) if stages else [(set(asked), set(asked_objects))]
+    all_asked = set().union(*(a for a, _ in everyone))
+    all_objects = set().union(*(o for _, o in everyone))
+    unexpected = [k for k in stored if k not in all_asked] + [k for k in stored_objects if k not in all_objects]
     mismatched = [f"{k}: {stored[k][1]} vs {asked[k]}" for k in asked
                   if k in stored and stored[k][1] != asked[k] and k not in shape_may_differ]
-    if missing or unexpected or mismatched:
+    failed = bool(missing or unexpected or mismatched)
+    # Every rank enters DCP's collective read or none does.
+    if stages and any(_all_ranks(failed)) and not failed:
+        raise CheckpointError("not read: the checkpoint does not fit another pipeline stage (see its rank)")
+    if failed:
         raise models.StrictLoadError(missing, unexpected, mismatched)
+    return not_loaded
+
+
+def _all_ranks(value) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _part(name: str, record: MegatronClass) -> LoadPart:
+    return LoadPart(name, record.upstream, record.holds, record.root, record.pipelined)
+
+
+def plan_parts(family: str, megatron_class: Optional[str] = None) -> tuple[tuple, tuple, tuple]:
+    """``(parts, not loaded, notes)`` of a load of a ``family`` checkpoint.
+
+    The class asked for holds its keys, and nothing else is loaded (the rest: not asked for).
+    The family's default class (its first) is completed by the family's other classes, in their
+    order: each that holds none of the keys taken so far joins if it can be imported here; what
+    only classes that cannot be imported hold is not loaded, with their reason. Raises
+    :class:`~mmparity.upstream.models.UpstreamUnavailable` when the first class cannot be imported."""
+    name, record = megatron_class_for(family, megatron_class)
+    models.require(record.upstream)
+    parts, taken, unavailable = [_part(name, record)], list(record.holds), []
+    notes = [record.why_part] if record.why_part else []
+    if megatron_class is not None and record.holds:
+        return tuple(parts), (NotLoaded((), f"not asked for (--megatron-class {name})"),), tuple(notes)
+    for other_name, other in CLASSES[family].items():
+        if other_name == name or not record.holds or other.overlaps(tuple(taken)):
+            continue
+        try:
+            models.require(other.upstream)
+        except models.UpstreamUnavailable as exc:
+            unavailable.append((other_name, other, str(exc)))
+            continue
+        parts.append(_part(other_name, other))
+        taken += other.holds
+    not_loaded = []
+    for other_name, other, reason in unavailable:
+        left = tuple(p for p in other.holds if not any(p.startswith(t) for t in taken))
+        if left:
+            not_loaded.append(NotLoaded(left, f"{other_name} holds it: {reason}"))
+            taken += left
+    return tuple(parts), tuple(not_loaded), tuple(notes)
 
 
 def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
-             tp: Optional[int] = None) -> tuple[LoadJob, str, str, int]:
+             tp: Optional[int] = None, pp: Optional[int] = None) -> tuple[LoadJob, str, str, int]:
     """What loading ``directory`` into Megatron takes: ``(job, family, class name, world size)``.
     Raises as :func:`load_into_megatron`."""
     root = Path(directory)
@@ -196,17 +372,16 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
     family = manifest.provenance.family
     if family is None:
         raise CheckpointError(f"{root}: the manifest names no family")
-    if tp is not None and tp < 1:
-        raise CheckpointError(f"--tp must be >= 1, got {tp}")
-    if tp is not None and manifest.layout == LAYOUT_LEGACY and tp != manifest.tensor_parallel_size:
-        raise CheckpointError(f"{root}: a legacy checkpoint loads at its own TP size "
-                              f"({manifest.tensor_parallel_size}), not {tp}")
-    name, mclass = megatron_class_for(family, megatron_class)
-    pp = manifest.pipeline_parallel_size
-    if pp != 1 and not mclass.pipelined:
-        raise CheckpointError(f"{root}: PP {pp}: Megatron's {name} is not built in pipeline stages (only "
-                              "LLaVAModel's language model is); convert with --pp 1")
+    for axis, asked, recorded in (("TP", tp, manifest.tensor_parallel_size),
+                                  ("PP", pp, manifest.pipeline_parallel_size)):
+        if asked is not None and asked < 1:
+            raise CheckpointError(f"--{axis.lower()} must be >= 1, got {asked}")
+        if asked is not None and manifest.layout == LAYOUT_LEGACY and asked != recorded:
+            raise CheckpointError(f"{root}: a legacy checkpoint loads at its own {axis} size "
+                                  f"({recorded}), not {asked}")
+    megatron_class_for(family, megatron_class)  # an unknown family or class, before the files
     tp = tp or manifest.tensor_parallel_size
+    pp = pp or manifest.pipeline_parallel_size
     try:
         # Opened and checked exactly as convert opens and checks a source, before anything is built
         # or spawned: the config bounded by the weights, the recorded TP, PP, layer split and
@@ -217,23 +392,38 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         _validate_tp(source.rules, tp)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
-    models.require(mclass.upstream)
-    job = LoadJob(str(root), manifest.layout, mclass.upstream, source.cfg, tp=tp, pp=pp,
-                  layer_counts=manifest.pipeline_layer_counts, divisible_by=source.vocab_multiple)
-    return job, family, name, job.world_size
+    parts, not_loaded, notes = plan_parts(family, megatron_class)
+    layer_counts = manifest.pipeline_layer_counts
+    if pp != 1:
+        # Megatron-LM builds only a language model in stages; a class holding the pipelined stack
+        # that is built whole (a tower) has no place for a stage's slice of it.
+        layout = pp_mod.pipeline_layout(source.order)
+        whole = [p.name for p in parts if p.holds_key(layout.layer_prefix) and not p.pipelined]
+        if whole:
+            raise CheckpointError(f"{root}: PP {pp}: Megatron's {' + '.join(whole)} is not built in pipeline "
+                                  "stages (only a language model is: LLaVAModel's, GPTModel); convert "
+                                  "with --pp 1")
+        if manifest.layout == LAYOUT_TORCH_DIST:  # global tensors: stages split as convert --pp splits
+            try:
+                layer_counts = tuple(layout.layer_counts(pp))
+            except pp_mod.PipelineError as exc:
+                raise CheckpointError(f"{root}: {exc}") from None
+    job = LoadJob(str(root), manifest.layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts,
+                  divisible_by=source.vocab_multiple, not_loaded=not_loaded, notes=notes)
+    return job, family, " + ".join(p.name for p in parts), job.world_size
 
 
 def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[str] = None,
-                       tp: Optional[int] = None) -> LoadReport:
-    """Build Megatron's class at the checkpoint's TP and PP sizes (torch_dist: at TP ``tp`` if given,
-    as it holds global tensors) and load every rank strictly.
+                       tp: Optional[int] = None, pp: Optional[int] = None) -> LoadReport:
+    """Build Megatron's class at the checkpoint's TP and PP sizes (torch_dist: at TP ``tp`` and PP
+    ``pp`` if given, as it holds global tensors) and load every rank strictly.
 
     Raises :class:`CheckpointError` for a directory that is not an mmparity mcore checkpoint,
     :class:`~mmparity.cases.megatron.NoMegatronClass` for a family without a Megatron class and
     :class:`~mmparity.upstream.models.UpstreamUnavailable` when the class is not importable.
     A checkpoint that does not fit the class is a failed rank, not an exception.
     """
-    job, family, name, world_size = load_job(directory, megatron_class, tp)
+    job, family, name, world_size = load_job(directory, megatron_class, tp, pp)
     if world_size == 1:
         ranks = [_load_rank(0, 1, job)]
     else:
@@ -241,4 +431,6 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
     refused = [r for r in ranks if r.refused]
     if refused:  # not a checkpoint that fails to fit the class: one that must not be loaded at all
         raise RefusedPickle(refused[0].message)
-    return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp)
+    partial = len(job.parts) > 1 or any(p.holds for p in job.parts)
+    return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp,
+                      parts=job.parts if partial else (), not_loaded=job.not_loaded, notes=job.notes)

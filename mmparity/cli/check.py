@@ -308,6 +308,8 @@ def run(args) -> int:
                               megatron=report.megatron)
         elif report.megatron is not None:
             combined.megatron["classes"].update(report.megatron["classes"])
+            if "notes" in report.megatron:
+                combined.megatron.setdefault("notes", {}).update(report.megatron["notes"])
         combined.results.extend(report.results)
     elapsed = time.perf_counter() - started
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:

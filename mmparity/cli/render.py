@@ -77,6 +77,10 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
                           _fmt(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")), _console_text(where))
         table.title = _console_text(title)
         console.print(table)
+        if report.megatron is not None:
+            for family, note in report.megatron.get("notes", {}).items():
+                console.print(_console_text(f"note: {family}: {report.megatron['classes'][family]}: {note}"),
+                              soft_wrap=True)
     failed = report.failures()
     status = "passed" if report.passed else "FAILED"
     console.print(f"{len(report.results) - len(failed)} passed, {len(failed)} failed "

@@ -22,6 +22,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=None, metavar="N",
                         help="with --load, a torch_dist checkpoint (global tensors) loads at any TP "
                              "size: load it on N ranks (default: the size recorded)")
+    parser.add_argument("--pp", type=int, default=None, metavar="N",
+                        help="with --load, a torch_dist checkpoint loads at any PP size too: build "
+                             "Megatron's language model in N stages (default: the size recorded)")
     parser.add_argument("--quiet", action="store_true", help="print only problems")
 
 
@@ -31,8 +34,9 @@ def run(args) -> int:
 
     if args.megatron_class is not None and not args.load:
         raise UsageError("--megatron-class needs --load")
-    if args.tp is not None and not args.load:
-        raise UsageError("--tp needs --load")
+    for option, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value is not None and not args.load:
+            raise UsageError(f"{option} needs --load")
     for directory in args.dirs:
         if not os.path.isdir(directory):
             raise UsageError(f"{directory}: no such directory")
@@ -64,7 +68,7 @@ def _run_load(args) -> int:
     ok = True
     for directory in args.dirs:
         try:
-            report = load_into_megatron(directory, args.megatron_class, args.tp)
+            report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp)
         except CheckpointError as exc:  # names the checkpoint (or the option) itself
             raise UsageError(str(exc)) from None
         except (NoMegatronClass, UpstreamUnavailable) as exc:

@@ -166,6 +166,16 @@ def _layer_key_pattern(layer_prefix: str) -> re.Pattern:
     return re.compile(rf"^{re.escape(layer_prefix)}(\d+)\.(.+)$")
 
 
+def _on_last_stage(key: str, last_stage_prefixes: tuple) -> bool:
+    """Whether a non-layer key lives on the last stage. The prefixes may be whole tensor keys
+    (`pipeline_layout`'s); a TE module's `_extra_state` slot is not among them but must be where
+    the module is, or its stage's strict load sees it missing and the first stage's unexpected."""
+    if key.startswith(last_stage_prefixes):
+        return True
+    module, _, leaf = key.rpartition(".")
+    return leaf == "_extra_state" and any(p.startswith(module + ".") for p in last_stage_prefixes)
+
+
 def split_pipeline_stages(
     state_dict: Mapping[str, torch.Tensor],
     layer_counts: Sequence[int],
@@ -175,8 +185,9 @@ def split_pipeline_stages(
 ) -> list[dict[str, torch.Tensor]]:
     """One globally numbered state dict -> one locally numbered state dict per pipeline stage.
 
-    Non-layer keys go to the last stage if they start with one of `last_stage_prefixes`, else to
-    the first stage. Tensors are shared, not copied.
+    Non-layer keys go to the last stage if they start with one of `last_stage_prefixes` (or are
+    the `_extra_state` of a module whose tensors do), else to the first stage. Tensors are shared,
+    not copied.
     """
     counts = _checked_counts(layer_counts)
     pattern = _layer_key_pattern(layer_prefix)
@@ -186,7 +197,7 @@ def split_pipeline_stages(
     for key, value in state_dict.items():
         match = pattern.match(key)
         if match is None:
-            stage = len(counts) - 1 if key.startswith(tuple(last_stage_prefixes)) else 0
+            stage = len(counts) - 1 if _on_last_stage(key, tuple(last_stage_prefixes)) else 0
             stages[stage][key] = value
             continue
         global_index = int(match.group(1))

@@ -150,9 +150,13 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             mclass_name, mclass = megatron_cases.megatron_class(family, megatron_class)
         except megatron_cases.NoMegatronClass as exc:
             raise InputError(str(exc)) from None
-        if pp != 1:
-            raise InputError(f"{family}: --impl {impl} runs Megatron's class without pipeline "
+        if pp != 1 and mclass.stage_module is None:
+            raise InputError(f"{family}: --impl {impl} runs Megatron's {mclass_name} without pipeline "
                              f"stages; drop --pp {pp}")
+        if runs_native and mclass.holds:
+            raise InputError(f"{family}: --impl both sets the whole model beside the native one; "
+                             f"Megatron's {mclass_name} holds only {', '.join(p + '*' for p in mclass.holds)}"
+                             f"{f' ({mclass.why_part})' if mclass.why_part else ''}: use --impl megatron")
         models.require(mclass.upstream)
         if cfg is None and mclass.default_config is not None:
             cfg = mclass.default_config()
@@ -195,11 +199,12 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         # tensors are what it has no place for.
         megatron_shards = [{k: v for k, v in shard.items() if k not in extra}
                            for shard, extra in zip(native_shards, side)]
-        mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device))
-        if tp == 1 or runtime.launched_world_size() == tp:
-            megatron_cases_run = mjob.run(megatron_shards, layout=(tp, 1))
+        megatron_stages, _ = split_stages(family, cfg, megatron_shards, pp, layer_counts)
+        mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device), counts)
+        if world == 1 or runtime.launched_world_size() == world:
+            megatron_cases_run = mjob.run(megatron_stages, layout=(tp, pp))
         else:
-            megatron_cases_run = runtime.spawn(_megatron_rank, tp, mjob, megatron_shards)[0]
+            megatron_cases_run = runtime.spawn(_megatron_rank, world, mjob, megatron_stages)[0]
 
     ref32 = _move(ref, device, torch.float32)
     report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp,
@@ -207,23 +212,29 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if runs_megatron:
         report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
                            "classes": {fam.name: mclass_name}}
+        notes = megatron_cases.class_notes(family, mclass_name)
+        if notes:
+            report.megatron["notes"] = {fam.name: notes}
     ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
         ref_lp = _move(copy.deepcopy(ref), device, torch_dtype)
         ref_lp_side = Side(ref_lp, hooks.reference.run, hooks.reference.pairs(ref_lp, cfg))
     if runs_megatron:
-        # The reference's pairs as set against Megatron's modules (e.g. cut to the same rows).
-        ref32_for_megatron = Side(ref32, hooks.reference.run,
+        # The reference's pairs as set against Megatron's modules (e.g. cut to the same rows); a
+        # class holding a part runs the reference's part alone.
+        reference_run = (hooks.reference.run if mclass.reference_run is None
+                         else lambda model, case: mclass.reference_run(model, case, cfg))
+        ref32_for_megatron = Side(ref32, reference_run,
                                   mclass.reference_pairs(hooks.reference.pairs(ref32, cfg), cfg))
-        ref_lp_for_megatron = (Side(ref_lp_side.model, hooks.reference.run,
+        ref_lp_for_megatron = (Side(ref_lp_side.model, reference_run,
                                     mclass.reference_pairs(ref_lp_side.pairs, cfg))
                                if ref_lp_side else None)
 
     for index, case in enumerate(cases):
-        reference = ref32_side.run(case)
-        low_precision = ref_lp_side.run(case) if ref_lp_side else ({}, {})
         if runs_native:
+            reference = ref32_side.run(case)
+            low_precision = ref_lp_side.run(case) if ref_lp_side else ({}, {})
             report.results.extend(_compare_case(fam.name, case, [p.name for p in ref32_side.pairs],
                                                 reference, native_cases[index], low_precision,
                                                 torch_dtype))
@@ -233,9 +244,9 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                 mlow = ref_lp_for_megatron.run(case)
                 mlow = (mclass.reference_outputs(mlow[0], case, cfg, tp), mlow[1])
             mreference = (mclass.reference_outputs(mreference[0], case, cfg, tp), mreference[1])
-            if mclass.note:
+            if mclass.notes:
                 case = dataclasses.replace(case, description="; ".join(
-                    d for d in (case.description, mclass.note) if d))
+                    d for d in (case.description, mclass.notes) if d))
             report.results.extend(_compare_megatron_case(
                 fam.name, case, megatron_cases_run[index], mreference, mlow, torch_dtype))
     with torch.no_grad():
@@ -249,33 +260,41 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
 
 
 class MegatronJob:
-    """Megatron's own class on the cases, picklable so that spawned TP ranks can run it too."""
+    """Megatron's own class on the cases, picklable so that spawned ranks can run it too."""
 
-    def __init__(self, family, class_name, cfg, cases, dtype, device):
+    def __init__(self, family, class_name, cfg, cases, dtype, device, layer_counts=None):
         self.family, self.class_name, self.cfg, self.cases = family, class_name, cfg, cases
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.layer_counts = dtype, device, layer_counts
 
     @torch.no_grad()
-    def run(self, shards: list, layout=None) -> list:
-        """Per case: ``MegatronRun``. ``shards``: Megatron's per-TP-rank state dicts."""
+    def run(self, stage_shards: list, layout=None) -> list:
+        """Per case: ``MegatronRun`` (merged over the pipeline stages). ``stage_shards[stage][tp_rank]``:
+        the family's mcore state each rank's Megatron class takes its part of."""
         with exact_float32(self.device, DTYPES[self.dtype]):
             if layout is not None:
-                runtime.init_parallel(*layout, device=self.device)
+                runtime.init_parallel(*layout, device=self.device, layer_counts=self.layer_counts)
             _name, mclass = megatron_cases.megatron_class(self.family, self.class_name)
             torch_dtype = DTYPES[self.dtype]
             model = models.build(mclass.upstream, self.cfg, torch_dtype)
+            shards = stage_shards[runtime.pipeline_rank()]
             state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
             models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v
                                        for k, v in mclass.state(state).items()})
             model = _move(model, self.device, torch_dtype)
             pairs = [pair for pair in mclass.pairs(model, self.cfg) if pair.module is not None]
-            return [_run_megatron_case(mclass, model, pairs, case, self.cfg,
-                                       compare_modules=case.name in mclass.module_cases)
-                    for case in self.cases]
+            pp = len(stage_shards)
+            with pipeline.StageLink(model, mclass.stage_module(model)) if pp > 1 else contextlib.nullcontext():
+                results = [_run_megatron_case(mclass, model, pairs, case, self.cfg,
+                                              compare_modules=case.name in mclass.module_cases)
+                           for case in self.cases]
+            if pp == 1:
+                return results
+            return _merge_stages(pipeline.gather_stage_results((results, {})), pp)[0]
 
 
-def _megatron_rank(rank: int, world_size: int, job: MegatronJob, shards: list):
-    result = job.run(shards, layout=(world_size, 1))
+def _megatron_rank(rank: int, world_size: int, job: MegatronJob, stage_shards: list):
+    tp = len(stage_shards[0])
+    result = job.run(stage_shards, layout=(tp, world_size // tp))
     return result if rank == 0 else None
 
 
@@ -411,16 +430,17 @@ class NativeJob:
 
 
 def _merge_stages(gathered: list, pp: int):
-    """Outputs from the last stage, paired-module captures and components from every stage (TP
-    rank 0 of each: TP ranks hold the same replicated activations)."""
+    """Outputs (and what else a case's result holds after its captures: Megatron's error) from
+    the last stage, paired-module captures and components from every stage (TP rank 0 of each:
+    TP ranks hold the same replicated activations)."""
     by_stage = {stage: result for stage, tp_rank, result in gathered if tp_rank == 0}
     last_cases, _ = by_stage[pp - 1]
     merged_cases, merged_components = [], {}
-    for index, (outputs, _) in enumerate(last_cases):
+    for index, (outputs, _, *rest) in enumerate(last_cases):
         modules = {}
         for stage in range(pp):
             modules.update(by_stage[stage][0][index][1])
-        merged_cases.append((outputs, modules))
+        merged_cases.append((outputs, modules, *rest))
     for stage in range(pp):
         merged_components.update(by_stage[stage][1])
     return merged_cases, merged_components

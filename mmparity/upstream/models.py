@@ -10,6 +10,12 @@ clip            stock ``CLIPViTModel`` (``model_subtype='clip'``)
 siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
 llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
                 ``MultimodalProjector``, ``language_model`` ``GPTModel``)
+language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
+projector       a whole VLM's projector alone: stock ``MultimodalProjector``
+vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: Megatron-LM main's
+                ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the projector.
+                With the language model these are the parts of a VLM whose ``vit_model`` tower
+                Megatron-LM's ``LLaVAModel`` cannot hold (docs/megatron.md, discrepancy 5)
 pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
 pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as ``vision_model``,
                 ``MultimodalProjector`` as ``vision_projection`` (``LLaVAModel``'s names)
@@ -36,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import activations as mcore_activations
 from megatron.core import package_info
+from megatron.core.models.gpt import gpt_model
 from megatron.core.models.multimodal import llava_model
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -44,7 +51,9 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity import runtime
-from mmparity.hfconfig import first_int, image_hw, padded_vocab_size, rope_theta, select_strategy, vision_of
+from mmparity.hfconfig import (decoder_biases, feature_layer_indices, first_int, has_patch_merger, head_dim,
+                               image_hw, padded_vocab_size, rope_theta, select_strategy, tied_embeddings,
+                               tower_depth, vision_of)
 from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.upstream import te_stand_ins
 from mmparity.upstream.te_stand_ins import buildable_without_te, te_class
@@ -53,8 +62,8 @@ VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
 INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
                 "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
                 "`pip install triton` (it is only imported)")
-STOCK_FAMILIES = ("clip", "siglip", "llava")
-MAIN_FAMILIES = ("pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "clip_vit")
+STOCK_FAMILIES = ("clip", "siglip", "llava", "language_model", "projector")
+MAIN_FAMILIES = ("pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "clip_vit", "vlm_vision")
 # Megatron-LM's LLaVAModel selects the tower by these names.
 VISION_MODEL_TYPES = {"clip": "clip", "siglip": "siglip", "pixtral": "pixtral-vit",
                       "pixtral_large": "pixtral-vit-large", "qwen3_5": "qwen-vl",
@@ -205,9 +214,9 @@ def _vit_model(vc, config: TransformerConfig, **mode):
                             **mode)
 
 
-def _pixtral_vit(vc, params_dtype, **mode):
-    return _vit_model(vc, pixtral_config(vc, params_dtype), ln_pre=True, ln_pre_eps=PIXTRAL_NORM_EPS,
-                      pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
+def _pixtral_vit(vc, params_dtype, num_layers: Optional[int] = None, **mode):
+    return _vit_model(vc, pixtral_config(vc, params_dtype, num_layers), ln_pre=True,
+                      ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
 
 
 def build_pixtral(cfg, params_dtype=torch.float32):
@@ -220,14 +229,35 @@ def build_pixtral_large(cfg, params_dtype=torch.float32):
     config's ``rms_norm_eps``); that is Megatron's behaviour and is kept."""
     if getattr(cfg, "model_type", None) != "mistral3":
         raise ValueError(f"pixtral_large needs a Mistral3 config, got {getattr(cfg, 'model_type', None)!r}")
-    vc, text = cfg.vision_config, cfg.text_config
-    tower = _pixtral_vit(vc, params_dtype, use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
-    projection = MultimodalProjector(
-        projection_config(text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
-                          bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm",
-                          text.rms_norm_eps),
-        te_stand_ins.projector_spec(), "mlp", vc.hidden_size)
-    return VisionWithProjection(tower, projection).eval()
+    tower = _pixtral_vit(cfg.vision_config, params_dtype, use_merger=True,
+                         spatial_merge_size=cfg.spatial_merge_size)
+    return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
+
+
+def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
+    """A LLaVA / Mistral3 projector's config: two linears to the text width, the HF activation."""
+    text = cfg.text_config
+    return projection_config(text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
+                             bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm", text.rms_norm_eps)
+
+
+def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
+    """A whole VLM's projector alone, as ``LLaVAModel`` builds its ``vision_projection``: its input
+    is the tower's width times the feature layers HF concatenates (a merger keeps the width)."""
+    width = cfg.vision_config.hidden_size * len(feature_layer_indices(cfg))
+    return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
+                               "mlp", width).eval()
+
+
+def build_vlm_vision(cfg, params_dtype=torch.float32):
+    """A whole VLM's vision part under ``LLaVAModel``'s names, for the VLMs ``LLaVAModel`` cannot
+    hold: Megatron-LM main's Pixtral ``ViTModel`` built ``tower_depth`` layers deep as the
+    converter writes it (with ``PixtralLargePatchMerger`` where the VLM merges patches, Mistral3),
+    and the projector."""
+    merger = (dict(use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
+              if has_patch_merger(cfg) else {})
+    tower = _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype, tower_depth(cfg), **merger)
+    return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
 
 
 def build_qwen3_5(cfg, params_dtype=torch.float32,
@@ -326,13 +356,45 @@ def feature_layer_count(cfg) -> int:
     return layer + total + 1 if layer < 0 else layer
 
 
+@dataclass(frozen=True)
+class LanguageModelArgs:
+    """What Megatron-LM builds a dense decoder's ``GPTModel`` with, read off the HF config once:
+    ``LLaVAModel`` takes them as its ``language_*`` arguments, :func:`build_language_model` hands
+    them to ``GPTModel`` itself."""
+
+    config: TransformerConfig
+    vocab_size: int  # padded as Megatron-LM pads it at the current TP size
+    max_sequence_length: int
+    rotary_base: float
+    tied: bool  # share_embeddings_and_output_weights
+
+
+def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = 128) -> LanguageModelArgs:
+    """A whole VLM's dense decoder (Llama / Mistral / Qwen2 text config): RMSNorm, gated MLP, GQA,
+    an explicit head width, q/k/v and linear biases as the model type has them, RoPE with the
+    config's base; the layer stack split over the pipeline stages."""
+    text = cfg.text_config
+    layout = runtime.current_layout()
+    tp = layout.tp if layout is not None else 1
+    qkv_bias, linear_bias = decoder_biases(text)
+    config = transformer_config(
+        pipelined=True,
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
+        kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
+        norm_eps=text.rms_norm_eps, activation=activation(text.hidden_act), gated=True,
+        bias=linear_bias, add_qkv_bias=qkv_bias, params_dtype=params_dtype)
+    return LanguageModelArgs(config, padded_vocab_size(text.vocab_size, divisible_by, tp),
+                             text.max_position_embeddings, rope_theta(text), tied_embeddings(cfg))
+
+
 def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
                 parallel_output: bool = True):
     """Stock ``LLaVAModel``: the tower ``vision_model_type`` names (stock CLIP/SigLIP, or
     Megatron-LM main's ``ViTModel`` for Pixtral), ``MultimodalProjector``, ``GPTModel`` with a
     Llama decoder. The tower is built ``feature_layer_count`` layers deep; the vocabulary is padded
     as Megatron-LM pads it."""
-    vc, text = cfg.vision_config, cfg.text_config
+    vc = cfg.vision_config
     tower_family = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
                     "pixtral": "pixtral"}.get(vc.model_type)
     if tower_family is None:
@@ -347,32 +409,22 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
     else:
         vision_config = clip_config(vc, params_dtype, layers)
     vision_config.vision_model_type = VISION_MODEL_TYPES[tower_family]
-    layout = runtime.current_layout()
-    tp = layout.tp if layout is not None else 1
-    language_config = transformer_config(
-        pipelined=True,
-        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
-        kv_channels=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        ffn_hidden_size=text.intermediate_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
-        activation=activation(text.hidden_act), gated=True, bias=False, params_dtype=params_dtype)
+    language = language_model_args(cfg, params_dtype, divisible_by)
     img_h, img_w = image_hw(vc)
     with buildable_without_te(*modules):
         model = llava_model.LLaVAModel(
-            language_transformer_config=language_config,
+            language_transformer_config=language.config,
             language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
-            language_vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
-            language_max_sequence_length=text.max_position_embeddings,
+            language_vocab_size=language.vocab_size,
+            language_max_sequence_length=language.max_sequence_length,
             vision_transformer_config=vision_config,
             vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
             drop_vision_class_token=select_strategy(cfg) == "default",
-            vision_projection_config=projection_config(
-                text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
-                bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm", text.rms_norm_eps),
+            vision_projection_config=vlm_projection_config(cfg, params_dtype),
             vision_projection_layer_spec=te_stand_ins.projector_spec(),
             vision_projection_type="mlp",
-            share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
-            language_position_embedding_type="rope", language_rotary_base=rope_theta(text),
+            share_embeddings_and_output_weights=language.tied,
+            language_position_embedding_type="rope", language_rotary_base=language.rotary_base,
             img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
             parallel_output=parallel_output,
             # Megatron-LM's LLaVA under pipeline parallelism: the encoder and the embedding on the
@@ -382,10 +434,29 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
     return model.eval()
 
 
+def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                         parallel_output: bool = True):
+    """A whole VLM's language model alone: stock ``GPTModel`` exactly as ``LLaVAModel`` builds its
+    ``language_model`` (the same arguments, :func:`language_model_args`), this pipeline stage of it
+    (embedding on the first stage, final norm and output layer on the last)."""
+    language = language_model_args(cfg, params_dtype, divisible_by)
+    with buildable_without_te(gpt_model):
+        model = gpt_model.GPTModel(
+            config=language.config, transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
+            vocab_size=language.vocab_size, max_sequence_length=language.max_sequence_length,
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            parallel_output=parallel_output, share_embeddings_and_output_weights=language.tied,
+            position_embedding_type="rope", rotary_base=language.rotary_base,
+            scatter_embedding_sequence_parallel=False)
+    return model.eval()
+
+
 BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_siglip,
             "pixtral": build_pixtral,
             "pixtral_large": build_pixtral_large, "qwen3_5": build_qwen3_5,
-            "kimi_k25": build_kimi_k25, "llava": build_llava}
+            "kimi_k25": build_kimi_k25, "llava": build_llava,
+            "language_model": build_language_model, "projector": build_projector,
+            "vlm_vision": build_vlm_vision}
 
 
 def build(family: str, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None, **options):

@@ -30,17 +30,17 @@ def _first_tensor(output):
 class StageLink:
     """Hooks that move activations between this stage and its neighbours (use as a context).
 
-    ``model.pipelined_module()`` names the module whose input comes from the previous stage
-    (through ``model.set_input_tensor``) and whose output is the next stage's input: the
-    transformer block of a vision tower, the whole ``GPTModel`` of LLaVA (it sizes its RoPE table
-    from the received tensor before its block runs).
+    ``model.pipelined_module()`` (or ``module``, for a class of Megatron's own that names none)
+    is the module whose input comes from the previous stage (through ``model.set_input_tensor``)
+    and whose output is the next stage's input: the transformer block of a vision tower, the whole
+    ``GPTModel`` of LLaVA (it sizes its RoPE table from the received tensor before its block runs).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module | None = None):
         from megatron.core import parallel_state
 
         self.model = model
-        self.module = model.pipelined_module()
+        self.module = module if module is not None else model.pipelined_module()
         self.group = parallel_state.get_pipeline_model_parallel_group()
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
