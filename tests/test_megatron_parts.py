@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mmparity import families, runtime
-from mmparity.checkpoint.fsio import load_safetensors_state_dict
+from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.checkpoint import megatron_load, torch_dist
 from mmparity.checkpoint.legacy import open_legacy, write_legacy
 from mmparity.checkpoint.manifest import Provenance
