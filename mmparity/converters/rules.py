@@ -547,7 +547,7 @@ def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[st
 
 def _merged_meta(parts: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
     """The meta tensor of ``tp.merge(parts, kind)``, checking replicated copies agree."""
-    if kind == "replicated" or (kind == "row" and parts[0].dim() <= 1):
+    if tp_mod.split_of(kind).cut_dim(parts[0].dim()) is None:
         tp_mod.check_replicated(parts)
         return _meta(parts[0])
     return tp_mod.merge([_meta(p) for p in parts], kind)
