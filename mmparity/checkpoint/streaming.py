@@ -55,7 +55,7 @@ from mmparity.checkpoint.layout import (
     LEGACY_FILE,
     TRACKER_FILE,
     checkpoint_extent,
-    parse_legacy_rank_dirname,
+    parse_rank_dirname,
     resolve_iteration_dir,
 )
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
@@ -734,7 +734,7 @@ def _source_kind(path: Path) -> str:
             raise ConvertError(str(exc)) from None
         raise ConvertError(f"{path}: neither an HF safetensors directory ({SAFETENSORS_SINGLE_FILE} or its index) "
                            f"nor an mcore checkpoint ({TRACKER_FILE})") from None
-    if any(parse_legacy_rank_dirname(p.name) for p in iteration_dir.iterdir()):
+    if any(parse_rank_dirname(p.name) for p in iteration_dir.iterdir()):
         return "legacy"
     if is_torch_dist_dir(iteration_dir):
         return "torch_dist"
