@@ -200,3 +200,70 @@ def test_cat_on_meta_is_torch_cat_by_shape(shapes, dim):
 def test_cat_on_meta_refuses_what_torch_cat_refuses():
     with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 0"):
         tp.cat([torch.empty(3, 4, device="meta"), torch.empty(3, 5, device="meta")])
+
+
+def _dense_then_moe() -> RuleSet:
+    """Layers 0..1 dense, 2..4 "MoE" under another key: one variable per kind of layer, the second
+    starting at 2."""
+    from mmparity.converters.rules import values
+
+    mc, hf = "decoder.layers.", "model.layers."
+    rules = (
+        rename(mc + "{i}.mlp.linear_fc1.weight", hf + "{i}.mlp.up.weight", "column"),
+        rename(mc + "{i}.mlp.linear_fc2.weight", hf + "{i}.mlp.down.weight", "row"),
+        rename(mc + "{m}.mlp.router.weight", hf + "{m}.moe.gate.weight"),
+        rename(mc + "{m}.mlp.experts.linear_fc1.weight", hf + "{m}.moe.up.weight", "column"),
+        rename("decoder.final_layernorm.weight", "model.norm.weight"),
+    )
+    assert list(values((2, 5))) == [2, 3, 4] and values(range(2, 5)) == range(2, 5)
+    return RuleSet(rules, variables={"i": 2, "m": (2, 5)})
+
+
+def _dense_then_moe_hf() -> dict:
+    g = torch.Generator().manual_seed(0)
+    state = {"model.norm.weight": torch.randn(4, generator=g)}
+    for i in range(2):
+        state[f"model.layers.{i}.mlp.up.weight"] = torch.randn(6, 4, generator=g)
+        state[f"model.layers.{i}.mlp.down.weight"] = torch.randn(4, 6, generator=g)
+    for m in range(2, 5):
+        state[f"model.layers.{m}.moe.gate.weight"] = torch.randn(3, 4, generator=g)
+        state[f"model.layers.{m}.moe.up.weight"] = torch.randn(8, 4, generator=g)
+    return state
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_range_from_k_round_trips_bit_exact(tp_size):
+    from mmparity.converters.rules import convert_mcore_to_hf, expected_keys
+
+    rule_set, hf_state = _dense_then_moe(), _dense_then_moe_hf()
+    hf_keys, mcore_keys = expected_keys(rule_set)
+    assert sorted(hf_keys) == sorted(hf_state)
+    assert "decoder.layers.2.mlp.router.weight" in mcore_keys
+    assert "decoder.layers.1.mlp.router.weight" not in mcore_keys
+    assert "decoder.layers.2.mlp.linear_fc1.weight" not in mcore_keys
+    shards = convert_hf_to_mcore(rule_set, hf_state, tp_size)
+    assert shards[-1]["decoder.layers.4.mlp.experts.linear_fc1.weight"].shape == (8 // tp_size, 4)
+    back = convert_mcore_to_hf(rule_set, shards)
+    assert back.keys() == hf_state.keys()
+    assert all(tp.same_bytes(back[k], hf_state[k]) for k in hf_state)
+
+
+def test_a_range_from_k_splits_over_pipeline_stages():
+    from mmparity.converters import pp
+
+    shards = convert_hf_to_mcore(_dense_then_moe(), _dense_then_moe_hf(), 1)
+    layout = pp.pipeline_layout(list(shards[0]))
+    assert layout.layer_ranges(2) == [range(0, 3), range(3, 5)]
+    stages = pp.split_pipeline_stages(shards[0], layout.layer_counts(2))
+    assert sorted(stages[0]) == [
+        "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+        "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc2.weight",
+        "decoder.layers.2.mlp.experts.linear_fc1.weight", "decoder.layers.2.mlp.router.weight"]
+    # Global MoE layers 3 and 4 are the last stage's local 0 and 1, with the final norm.
+    assert sorted(stages[1]) == [
+        "decoder.final_layernorm.weight",
+        "decoder.layers.0.mlp.experts.linear_fc1.weight", "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight", "decoder.layers.1.mlp.router.weight"]
+    merged = pp.merge_pipeline_stages(stages)
+    assert merged.keys() == shards[0].keys()
+    assert all(merged[k] is shards[0][k] for k in merged)

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 
 import torch
 
+from mmparity.converters.tp import split_of
+
 SUFFIX = "._extra_state"
 _TE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 # GPTModel leaves its output layer's slot out of its sharded state dict (old checkpoints lacked it).
@@ -39,7 +41,7 @@ def extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
     modules = []
     for key, kind in kinds.items():
         module, _, param = key.rpartition(".")
-        if param != "weight" or kind == "replicated" or _module_name(module) not in _TE_LINEARS:
+        if param != "weight" or split_of(kind).dim is None or _module_name(module) not in _TE_LINEARS:
             continue
         modules.append(module)
         if _module_name(module) == "linear_qkv":

@@ -4,6 +4,7 @@
     <root>/iter_0000007/                          one iteration
         mp_rank_00/model_optim_rng.pt             legacy, PP = 1
         mp_rank_00_001/model_optim_rng.pt         legacy, TP rank 0 of PP stage 1
+        mp_rank_00_001_002/model_optim_rng.pt     legacy, ... of expert-parallel rank 2
         .metadata, __0_0.distcp, metadata.json    torch_dist (megatron.core.dist_checkpointing)
     <root>/mmparity.json                          ours: what was written, with checksums
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
+from mmparity.converters.axes import Grid
 
 __all__ = [
     "TRACKER_FILE",
@@ -27,7 +29,9 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "iteration_dirname",
     "legacy_rank_dirname",
+    "rank_dirname",
     "parse_legacy_rank_dirname",
+    "parse_rank_dirname",
     "write_tracker",
     "read_tracker",
     "resolve_iteration_dir",
@@ -43,7 +47,7 @@ DIST_CONFIG_FILE = "metadata.json"
 CHECKPOINT_VERSION = 3.0
 
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
-_LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?$")
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 
 
 def iteration_dirname(iteration: int | str) -> str:
@@ -54,17 +58,47 @@ def iteration_dirname(iteration: int | str) -> str:
     return f"iter_{iteration:07d}"
 
 
-def legacy_rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Megatron-LM omits the pipeline suffix when there is no pipeline parallelism."""
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dirname(grid: Grid, tp_rank: int, pp_rank: int = 0, ep_rank: int = 0) -> str:
+    """Megatron-LM's ``get_checkpoint_name``: a slot per axis of size > 1 after the TP rank, PP's
+    then EP's; with PP = 1 and EP > 1 the one suffix is the expert rank."""
+    name = f"mp_rank_{tp_rank:02d}"
+    if grid.pp.size > 1:
+        name += f"_{pp_rank:03d}"
+    if grid.ep.size > 1:
+        name += f"_{ep_rank:03d}"
+    return name
 
 
-def parse_legacy_rank_dirname(name: str) -> tuple[int, int | None] | None:
-    """`mp_rank_01_002` -> (1, 2); `mp_rank_01` -> (1, None); anything else -> None."""
+def legacy_rank_dirname(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Megatron-LM omits the pipeline (expert) suffix when there is no pipeline (expert) parallelism."""
+    return rank_dirname(Grid.of(pp=pp_size, ep=ep_size), tp_rank, pp_rank, ep_rank)
+
+
+def parse_rank_dirname(name: str, grid: Grid | None = None) -> tuple[int, int | None, int | None] | None:
+    """(tp rank, pp rank, ep rank) of a rank directory's name, None for a slot the name lacks;
+    anything else -> None.
+
+    One suffix is a pipeline stage, unless ``grid`` says the checkpoint has expert parallelism and
+    no pipeline: the name alone cannot tell, as Megatron's own reader cannot.
+    """
     match = _LEGACY_RANK_DIR.match(name)
     if match is None:
         return None
-    return int(match.group(1)), (int(match.group(2)) if match.group(2) is not None else None)
+    tp_rank, first, second = (int(g) if g is not None else None for g in match.groups())
+    if second is not None:
+        return tp_rank, first, second
+    if first is not None and grid is not None and grid.pp.size == 1 and grid.ep.size > 1:
+        return tp_rank, None, first
+    return tp_rank, first, None
+
+
+def parse_legacy_rank_dirname(name: str) -> tuple[int, int | None] | None:
+    """`mp_rank_01_002` -> (1, 2); `mp_rank_01` -> (1, None); an expert-parallel name
+    (`mp_rank_01_002_003`) or anything else -> None."""
+    parsed = parse_rank_dirname(name)
+    if parsed is None or parsed[2] is not None:
+        return None
+    return parsed[0], parsed[1]
 
 
 def write_tracker(root: Path, iteration: int | str) -> None:

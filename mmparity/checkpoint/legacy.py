@@ -27,6 +27,7 @@ import torch
 
 from mmparity import errors
 from mmparity.converters import pp
+from mmparity.converters.axes import EP_REFUSAL
 from mmparity.checkpoint import extra_state, unpickle
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
@@ -39,6 +40,7 @@ from mmparity.checkpoint.layout import (
     iteration_dirname,
     legacy_rank_dirname,
     parse_legacy_rank_dirname,
+    parse_rank_dirname,
     resolve_iteration_dir,
 )
 from mmparity.checkpoint.manifest import (
@@ -406,6 +408,8 @@ def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) 
     root, iteration_dir, found_iteration = resolve_iteration_dir(path, iteration)
     ranks: dict[tuple[int, int | None], Path] = {}
     for entry in sorted(iteration_dir.iterdir()):
+        if entry.is_dir() and (named := parse_rank_dirname(entry.name)) is not None and named[2] is not None:
+            raise CheckpointError(f"{iteration_dir}: {entry.name}: {EP_REFUSAL}")
         parsed = parse_legacy_rank_dirname(entry.name)
         if parsed is not None and entry.is_dir():
             ranks[parsed] = entry / LEGACY_FILE

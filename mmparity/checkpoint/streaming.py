@@ -55,7 +55,7 @@ from mmparity.checkpoint.layout import (
     LEGACY_FILE,
     TRACKER_FILE,
     checkpoint_extent,
-    parse_legacy_rank_dirname,
+    parse_rank_dirname,
     resolve_iteration_dir,
 )
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
@@ -643,14 +643,14 @@ class _LegacySource(_McoreSource):
             if len(set(shapes)) != 1:
                 problems.append(f"{key}: TP ranks hold different shapes {shapes}")
                 continue
-            self.metas[key] = filt.meta(Meta(self.ranks[0][key].dtype, _merged_shape(shapes[0], self.kinds[key], self.tp)))
+            self.metas[key] = filt.meta(Meta(self.ranks[0][key].dtype, tp_mod.split_of(self.kinds[key]).merged_shape(shapes[0], self.tp)))
         if problems:
             raise ConvertError(_problems_line(f"{self.root}: cannot merge the TP={self.tp} legacy checkpoint", problems))
         self.metas.update(self._side_metas())
 
     def _parts(self, key: str) -> list[torch.Tensor]:
         parts = [self._filter(key, state[key], self.root) for state in self.ranks]
-        if len(parts) > 1 and self.kinds[key] == "replicated":
+        if len(parts) > 1 and tp_mod.split_of(self.kinds[key]).cut_dim(parts[0].dim()) is None:
             try:
                 tp_mod.check_replicated(parts)
             except ShardError as exc:
@@ -673,15 +673,6 @@ class _LegacySource(_McoreSource):
 
     def locate(self, piece) -> tuple[int, int] | None:
         return self.file_ranges.locate(piece)
-
-
-def _merged_shape(shape: tuple, kind: str, tp: int) -> tuple:
-    if kind == "replicated" or tp == 1 or not shape:
-        return shape
-    dim = 1 if kind == "row" and len(shape) > 1 else 0
-    if kind == "row" and len(shape) == 1:
-        return shape
-    return shape[:dim] + (shape[dim] * tp,) + shape[dim + 1:]
 
 
 class _TorchDistSource(_McoreSource):
@@ -743,7 +734,7 @@ def _source_kind(path: Path) -> str:
             raise ConvertError(str(exc)) from None
         raise ConvertError(f"{path}: neither an HF safetensors directory ({SAFETENSORS_SINGLE_FILE} or its index) "
                            f"nor an mcore checkpoint ({TRACKER_FILE})") from None
-    if any(parse_legacy_rank_dirname(p.name) for p in iteration_dir.iterdir()):
+    if any(parse_rank_dirname(p.name) for p in iteration_dir.iterdir()):
         return "legacy"
     if is_torch_dist_dir(iteration_dir):
         return "torch_dist"

@@ -21,6 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--to", required=True, choices=("mcore", "hf"), help="output kind")
     parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size of mcore output")
     parser.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel size of mcore output")
+    parser.add_argument("--ep", type=int, default=1, metavar="N",
+                        help="expert-parallel size of mcore output (only 1: no registered family has experts yet)")
     parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
                         help="mcore output format (default torch_dist)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -102,6 +104,10 @@ def run(args) -> int:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
     if args.to == "mcore" and args.max_shard_size is not None:
         raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
+    if args.ep != 1:
+        from mmparity.converters.axes import EP_REFUSAL
+
+        raise UsageError(EP_REFUSAL if args.ep > 1 else f"--ep must be >= 1, got {args.ep}")
     options = ConvertOptions(
         src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp,
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,

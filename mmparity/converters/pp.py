@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mmparity.converters import tp as tp_mod
+from mmparity.converters.axes import Axis, PipelineError, pipeline_axis
 
 __all__ = [
     "DEFAULT_LAYER_PREFIX",
@@ -41,28 +42,11 @@ DEFAULT_LAYER_PREFIX = "decoder.layers."
 DEFAULT_LAST_STAGE_PREFIXES: tuple[str, ...] = ("decoder.final_layernorm.", "decoder.final_norm.")
 
 
-class PipelineError(ValueError):
-    """A pipeline split that cannot be made or undone; the message is one line."""
-
-
 def buildable_layer_counts(num_layers: int, pp: int) -> list[int]:
-    """The one split of `num_layers` over `pp` stages used everywhere: one that mcore can build.
-
-    Megatron-LM splits evenly; otherwise it only takes explicit sizes for the first and last stage
-    (`num_layers_in_first/last_pipeline_stage`) with the middle stages even. So the middle stages
-    get `num_layers // pp` each and the rest is shared by the ends, the first taking the larger
-    half: 7 over 2 -> [4, 3], 7 over 3 -> [3, 2, 2], 6 over 4 -> [2, 1, 1, 2]. Checkpoints record
-    the counts, so reading back needs no hint.
-    """
-    if pp < 1:
-        raise PipelineError(f"--pp must be >= 1, got {pp}")
-    if num_layers < 0:
-        raise PipelineError(f"a layer count must be >= 0, got {num_layers}")
-    base = num_layers // pp
-    if pp == 1 or num_layers % pp == 0:
-        return [base] * pp
-    ends = num_layers - base * (pp - 2)
-    return [ends - ends // 2] + [base] * (pp - 2) + [ends // 2]
+    """The one split of `num_layers` over `pp` stages used everywhere: one that mcore can build
+    (the pipeline axis's rule, :meth:`Axis.counts`). Checkpoints record the counts, so reading back
+    needs no hint."""
+    return pipeline_axis(pp).counts(num_layers)
 
 
 _LAYER_KEY = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.+)$")
@@ -92,13 +76,18 @@ class PipelineLayout:
     num_layers: int
     last_stage_keys: tuple
 
-    def layer_counts(self, pp: int) -> list[int]:
-        if pp < 1:
-            raise PipelineError(f"--pp must be >= 1, got {pp}")
-        if pp > 1 and pp > self.num_layers:
-            raise PipelineError(f"--pp {pp} is more pipeline stages than the {self.num_layers} layers of "
+    def layer_counts(self, pp: int | Axis) -> list[int]:
+        return [len(r) for r in self.layer_ranges(pp)]
+
+    def layer_ranges(self, pp: int | Axis) -> list[range]:
+        """The global layers of each stage of the pipeline axis ``pp`` (an axis or its size)."""
+        axis = pp if isinstance(pp, Axis) else pipeline_axis(pp)
+        if axis.splits != "layers":
+            raise PipelineError(f"axis {axis.name} splits {axis.splits}, not layers")
+        if axis.size > 1 and axis.size > self.num_layers:
+            raise PipelineError(f"--pp {axis.size} is more pipeline stages than the {self.num_layers} layers of "
                                 f"{self.layer_prefix}")
-        return buildable_layer_counts(self.num_layers, pp)
+        return axis.ranges(self.num_layers)
 
 
 def pipeline_layout(mcore_keys: Sequence[str]) -> PipelineLayout:

@@ -107,12 +107,24 @@ def with_side(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[dict]:
     return [{**s, **{k: v for k, v in extra.items() if k not in unused}} for s, extra in zip(shards, side)]
 
 
+def values(variable: int | range | tuple) -> range:
+    """A :class:`RuleSet` variable's values as a range."""
+    if isinstance(variable, range):
+        return variable
+    if isinstance(variable, tuple):
+        start, stop = variable
+        return range(start, stop)
+    return range(variable)
+
+
 @dataclass(frozen=True)
 class RuleSet:
     """One family's table for one HF layout, with the variable ranges of its patterns."""
 
     rules: tuple
-    variables: Mapping[str, int]
+    # Each variable's values: a count (0 .. n-1), a ``range`` or a ``(start, stop)`` pair, so that
+    # a table can say "layers k..N-1 are MoE" with one variable per kind of layer.
+    variables: Mapping[str, int | range | tuple]
     hf_prefixes: tuple = ("",)
     # Whole-key regexes for HF tensors that are deliberately not converted (e.g. a language model
     # next to the vision tower). Everything else unconsumed is an error.
@@ -126,7 +138,7 @@ class RuleSet:
 
     def bindings(self, patterns: Iterable[str]) -> list[dict]:
         names = sorted({v for p in patterns for v in _VAR.findall(p)})
-        ranges = [range(self.variables[n]) for n in names]
+        ranges = [values(self.variables[n]) for n in names]
         return [dict(zip(names, combo)) for combo in itertools.product(*ranges)]
 
 
@@ -547,7 +559,7 @@ def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[st
 
 def _merged_meta(parts: Sequence[torch.Tensor], kind: str) -> torch.Tensor:
     """The meta tensor of ``tp.merge(parts, kind)``, checking replicated copies agree."""
-    if kind == "replicated" or (kind == "row" and parts[0].dim() <= 1):
+    if tp_mod.split_of(kind).cut_dim(parts[0].dim()) is None:
         tp_mod.check_replicated(parts)
         return _meta(parts[0])
     return tp_mod.merge([_meta(p) for p in parts], kind)

@@ -1,6 +1,7 @@
 """Tensor-parallel shard / merge, kept apart from names and layouts.
 
-Kinds (what mcore's layers expect on rank r of ``tp``):
+Each kind is a :class:`Split` record in ``KINDS``, by the name rule tables use (what mcore's
+layers expect on rank r of ``tp``):
 
 * ``replicated`` – every rank holds the full tensor (norms, row-parallel biases, conv stems).
 * ``column``     – rows split in ``tp`` contiguous chunks (ColumnParallelLinear weight and bias).
@@ -16,11 +17,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-
-KINDS = ("replicated", "column", "row", "qkv", "gated", "vocab")
-
 
 def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat``; on meta tensors, where conversions are planned, made from the shapes alone.
@@ -47,28 +46,6 @@ class ShardError(ValueError):
     pass
 
 
-def _split(t: torch.Tensor, tp: int, dim: int, kind: str) -> list[torch.Tensor]:
-    if t.dim() <= dim or t.shape[dim] % tp:
-        raise ShardError(f"{kind}: dim {dim} of shape {tuple(t.shape)} is not divisible by tp={tp}")
-    # One copy per chunk: `contiguous().clone()` copied a column chunk twice.
-    return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(t, tp, dim=dim)]
-
-
-def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
-    """Full tensor -> ``tp`` per-rank tensors."""
-    if kind == "replicated":
-        return [t if r == 0 else t.clone() for r in range(tp)]
-    if kind in ("column", "qkv", "vocab"):
-        return _split(t, tp, 0, kind)
-    if kind == "row":
-        return _split(t, tp, 1 if t.dim() > 1 else 0, kind) if t.dim() > 1 else [t.clone() for _ in range(tp)]
-    if kind == "gated":
-        gate, up = _split(t, 2, 0, kind)
-        gates, ups = _split(gate, tp, 0, kind), _split(up, tp, 0, kind)
-        return [cat([g, u], dim=0) for g, u in zip(gates, ups)]
-    raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
-
-
 _SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -93,23 +70,6 @@ def check_replicated(parts: list[torch.Tensor]) -> None:
     for r, p in enumerate(parts[1:], start=1):
         if not same_bytes(p, parts[0]):
             raise ShardError(f"replicated tensor differs between rank 0 and rank {r}")
-
-
-def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
-    """Per-rank tensors -> full tensor; replicated parts must agree bit for bit."""
-    if not parts:
-        raise ShardError("no shards to merge")
-    if kind == "replicated":
-        check_replicated(parts)
-        return parts[0].clone(memory_format=torch.contiguous_format)
-    if kind in ("column", "qkv", "vocab"):
-        return cat(parts, dim=0)
-    if kind == "row":
-        return cat(parts, dim=1) if parts[0].dim() > 1 else merge(parts, "replicated")
-    if kind == "gated":
-        halves = [torch.chunk(p, 2, dim=0) for p in parts]
-        return cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
 
 
 class ColumnJoin:
@@ -158,36 +118,131 @@ def as_tensor(piece) -> torch.Tensor:
     return piece.tensor() if isinstance(piece, ColumnJoin) else piece
 
 
-def merge_pieces(parts: list[torch.Tensor], kind: str) -> list:
-    """Pieces whose concatenation along dim 0 is ``merge(parts, kind)``: views of ``parts``, or one
-    ``ColumnJoin`` for a row-parallel matrix. Lets a writer put TP parts straight into place
-    instead of concatenating them first. Replicated parts are not compared here."""
-    if not parts:
-        raise ShardError("no shards to merge")
-    if kind == "replicated" or (kind == "row" and parts[0].dim() <= 1):
-        return [parts[0]]
-    if kind in ("column", "qkv", "vocab"):
-        return list(parts)
-    if kind == "gated":
-        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+# --- the split kinds, as records ----------------------------------------------------------------
+
+
+def _chunks(t: torch.Tensor, tp: int, dim: int, kind: str) -> list[torch.Tensor]:
+    if t.dim() <= dim or t.shape[dim] % tp:
+        raise ShardError(f"{kind}: dim {dim} of shape {tuple(t.shape)} is not divisible by tp={tp}")
+    # One copy per chunk: `contiguous().clone()` copied a column chunk twice.
+    return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(t, tp, dim=dim)]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One TP split kind: which dim of a whole tensor is cut into ``tp`` contiguous chunks.
+
+    ``dim`` None: every rank holds the whole tensor. ``whole_below``: tensors of fewer dims than
+    this are held whole too (a row-parallel layer cuts its weight's columns, but a 1-D tensor has
+    none to cut). ``paired``: the tensor is two dim-0 halves (``[gate; up]``) cut separately, so
+    that rank r holds ``[gate_r; up_r]`` and each rank's GLU halves still pair up.
+    """
+
+    name: str
+    dim: int | None = 0
+    whole_below: int = 0
+    paired: bool = False
+
+    def cut_dim(self, ndim: int) -> int | None:
+        """The dim a tensor of ``ndim`` dims is cut along, None when every rank holds it whole."""
+        return None if self.dim is None or ndim < self.whole_below else self.dim
+
+    def shard(self, t: torch.Tensor, tp: int) -> list[torch.Tensor]:
+        """Full tensor -> ``tp`` per-rank tensors."""
+        dim = self.cut_dim(t.dim())
+        if dim is None:
+            # A replicated tensor's rank 0 is the tensor itself; a row kind's vector was always
+            # copied for every rank, and stays so.
+            return [t if r == 0 and self.dim is None else t.clone() for r in range(tp)]
+        if self.paired:
+            gate, up = _chunks(t, 2, dim, self.name)
+            gates, ups = _chunks(gate, tp, dim, self.name), _chunks(up, tp, dim, self.name)
+            return [cat([g, u], dim=dim) for g, u in zip(gates, ups)]
+        return _chunks(t, tp, dim, self.name)
+
+    def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-rank tensors -> full tensor; parts held whole must agree bit for bit."""
+        if not parts:
+            raise ShardError("no shards to merge")
+        dim = self.cut_dim(parts[0].dim())
+        if dim is None:
+            check_replicated(parts)
+            return parts[0].clone(memory_format=torch.contiguous_format)
+        return cat(self._ordered(parts, dim), dim=dim)
+
+    def _ordered(self, parts: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
+        if not self.paired:
+            return list(parts)
+        halves = [torch.chunk(p, 2, dim=dim) for p in parts]
         return [h[0] for h in halves] + [h[1] for h in halves]
-    if kind == "row":
-        return [ColumnJoin(parts)]
-    raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}")
+
+    def pieces(self, parts: list[torch.Tensor]) -> list:
+        """Pieces whose concatenation along dim 0 is ``merge(parts)``: views of ``parts``, or one
+        ``ColumnJoin`` for a tensor cut along dim 1. Parts held whole are not compared here."""
+        if not parts:
+            raise ShardError("no shards to merge")
+        dim = self.cut_dim(parts[0].dim())
+        if dim is None:
+            return [parts[0]]
+        if dim == 1:
+            return [ColumnJoin(parts)]
+        return self._ordered(parts, dim)
+
+    def slices(self, shape: tuple, tp: int, rank: int) -> list[tuple[int, int, int]]:
+        """(dim, start, stop) ranges of the full tensor that rank ``rank`` needs: one per half for a
+        paired kind, none when the whole tensor is needed."""
+        dim = self.cut_dim(len(shape))
+        if dim is None:
+            return []
+        halves = 2 if self.paired else 1
+        half = shape[dim] // halves
+        step = half // tp
+        return [(dim, h * half + rank * step, h * half + (rank + 1) * step) for h in range(halves)]
+
+    def merged_shape(self, shape: tuple, tp: int) -> tuple:
+        """The whole tensor's shape, from one rank's part's."""
+        dim = self.cut_dim(len(shape))
+        if dim is None or tp == 1 or not shape:
+            return shape
+        return shape[:dim] + (shape[dim] * tp,) + shape[dim + 1:]
+
+
+# The names rule tables use. ``qkv`` and ``vocab`` cut like ``column``; they are kinds of their own
+# because what must divide differs (whole query groups; a vocabulary the caller pads) and the
+# checks that say so find them by name.
+KINDS: dict[str, Split] = {s.name: s for s in (
+    Split("replicated", dim=None),
+    Split("column"),
+    Split("row", dim=1, whole_below=2),
+    Split("qkv"),
+    Split("gated", paired=True),
+    Split("vocab"),
+)}
+
+
+def split_of(kind: str) -> Split:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise ShardError(f"unknown TP kind {kind!r}; known: {', '.join(KINDS)}") from None
+
+
+def shard(t: torch.Tensor, kind: str, tp: int) -> list[torch.Tensor]:
+    """Full tensor -> ``tp`` per-rank tensors."""
+    return split_of(kind).shard(t, tp)
+
+
+def merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Per-rank tensors -> full tensor; replicated parts must agree bit for bit."""
+    return split_of(kind).merge(parts)
+
+
+def merge_pieces(parts: list[torch.Tensor], kind: str) -> list:
+    """:meth:`Split.pieces` of ``kind``: lets a writer put TP parts straight into place instead of
+    concatenating them first."""
+    return split_of(kind).pieces(parts)
 
 
 def shard_slices(shape: tuple, kind: str, tp: int, rank: int) -> list[tuple[int, int, int]]:
-    """(dim, start, stop) ranges of the full tensor that rank ``rank`` needs, for lazy reads.
-
-    ``gated`` needs two ranges (its gate part and its up part); the others one, or none when the
-    whole tensor is needed.
-    """
-    if kind == "replicated" or (kind == "row" and len(shape) == 1):
-        return []
-    dim = 1 if kind == "row" else 0
-    if kind == "gated":
-        half = shape[0] // 2
-        step = half // tp
-        return [(0, rank * step, (rank + 1) * step), (0, half + rank * step, half + (rank + 1) * step)]
-    step = shape[dim] // tp
-    return [(dim, rank * step, (rank + 1) * step)]
+    """:meth:`Split.slices` of ``kind``: (dim, start, stop) ranges for lazy reads."""
+    return split_of(kind).slices(shape, tp, rank)

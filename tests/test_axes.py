@@ -1,0 +1,72 @@
+"""Parallel axes as records: their range splits, the EP placeholder, and rank directory names."""
+
+import pytest
+
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.layout import legacy_rank_dirname, parse_legacy_rank_dirname, parse_rank_dirname, rank_dirname
+from mmparity.checkpoint.legacy import open_legacy
+from mmparity.converters import pp, tp
+from mmparity.converters.axes import EP_REFUSAL, AxisError, Grid, PipelineError, expert_axis, pipeline_axis, tensor_axis
+
+
+def test_pipeline_axis_splits_a_range_that_need_not_start_at_zero():
+    assert pipeline_axis(2).ranges(range(2, 9)) == [range(2, 6), range(6, 9)]
+    assert pipeline_axis(3).ranges(7) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert pipeline_axis(4).counts(6) == pp.buildable_layer_counts(6, 4) == [2, 1, 1, 2]
+    with pytest.raises(PipelineError, match="--pp must be >= 1"):
+        pipeline_axis(0)
+
+
+def test_expert_axis_splits_evenly_or_not_at_all():
+    assert expert_axis(2).ranges(range(0, 8)) == [range(0, 4), range(4, 8)]
+    with pytest.raises(AxisError, match="does not divide"):
+        expert_axis(3).ranges(8)
+
+
+def test_tensor_axis_cuts_by_split_kind():
+    assert tensor_axis(2).split("gated") is tp.KINDS["gated"]
+    with pytest.raises(AxisError):
+        tensor_axis(2).ranges(4)
+
+
+def test_ep_above_one_is_refused_in_one_line():
+    assert Grid.of(tp=2, pp=2).problems() == []
+    assert Grid.of(ep=2).problems() == [EP_REFUSAL]
+    assert len(Grid.of(tp=2, pp=3, ep=2).ranks()) == 12
+
+
+@pytest.mark.parametrize("pp_size, ep_size", [(1, 1), (3, 1), (1, 4), (3, 4)])
+def test_rank_names_round_trip(pp_size, ep_size):
+    grid = Grid.of(tp=2, pp=pp_size, ep=ep_size)
+    names = {rank_dirname(grid, *r): r for r in grid.ranks()}
+    assert len(names) == len(grid.ranks())
+    for name, (t, p, e) in names.items():
+        assert parse_rank_dirname(name, grid) == (t, p if pp_size > 1 else None, e if ep_size > 1 else None)
+
+
+def test_rank_names_follow_megatron():
+    # EP = 1 keeps the names of before; the EP slot comes after PP's, alone when PP = 1.
+    assert legacy_rank_dirname(1, 0, 1) == "mp_rank_01"
+    assert legacy_rank_dirname(1, 2, 4) == "mp_rank_01_002"
+    assert legacy_rank_dirname(1, 2, 4, 3, 8) == "mp_rank_01_002_003"
+    assert legacy_rank_dirname(1, 0, 1, 3, 8) == "mp_rank_01_003"
+    assert parse_legacy_rank_dirname("mp_rank_01_002") == (1, 2)
+    assert parse_legacy_rank_dirname("mp_rank_01") == (1, None)
+    assert parse_legacy_rank_dirname("mp_rank_01_002_003") is None
+    assert parse_rank_dirname("mp_rank_01_002") == (1, 2, None)
+    assert parse_rank_dirname("rank_01") is None
+
+
+def test_reading_an_expert_parallel_checkpoint_is_refused(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release\n")
+    (tmp_path / "release" / "mp_rank_00_000_001").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=EP_REFUSAL):
+        open_legacy(tmp_path)
+
+
+def test_convert_refuses_ep_above_one(tmp_path, capsys):
+    from mmparity.cli.main import main
+
+    assert main(["convert", "--src", str(tmp_path / "a"), "--dst", str(tmp_path / "b"), "--to", "mcore",
+                 "--ep", "2"]) == 2
+    assert EP_REFUSAL in capsys.readouterr().err
