@@ -467,6 +467,21 @@ def pipeline_problems(cfg, pp: int) -> list[str]:
     return []
 
 
+def random_text(pick, config_class, vocabs, **fixed):
+    """A random dense-decoder text config and its vocabulary and tied flag: GQA, a head_dim that is
+    not hidden/heads, a vocabulary from ``vocabs``, tied or untied head; ``fixed`` as given."""
+    groups = pick([1, 2])
+    heads = groups * pick([1, 2, 3])
+    vocab = pick(vocabs)
+    tied = pick([False, True])
+    # transformers insists on hidden % heads == 0 even with an explicit head_dim
+    text = config_class(vocab_size=vocab, hidden_size=heads * 4 * pick([1, 2, 3]),
+                        intermediate_size=2 * pick(range(1, 13)), num_hidden_layers=pick([1, 2]),
+                        num_attention_heads=heads, num_key_value_heads=groups, head_dim=pick([4, 6]),
+                        tie_word_embeddings=tied, **fixed)
+    return text, vocab, tied
+
+
 def random_config(pick):
     """Whole-LLaVA configs on the tiny Pixtral tower: tower depth, feature layers, GQA, a head_dim
     that is not hidden/heads, a vocabulary that needs padding or not, tied head, projector bias.
@@ -477,18 +492,30 @@ def random_config(pick):
     feature_layer = pick(index)
     if pick([False, True]):
         feature_layer = [feature_layer, pick(index)]
-    groups = pick([1, 2])
-    heads = groups * pick([1, 2, 3])
-    vocab = pick([5, 101, 128, 257])
-    tied = pick([False, True])
-    # transformers insists on hidden % heads == 0 even with an explicit head_dim
-    text = LlamaConfig(vocab_size=vocab, hidden_size=heads * 4 * pick([1, 2, 3]),
-                       intermediate_size=2 * pick(range(1, 13)), num_hidden_layers=pick([1, 2]),
-                       num_attention_heads=heads, num_key_value_heads=groups, head_dim=pick([4, 6]),
-                       tie_word_embeddings=tied)
+    text, vocab, tied = random_text(pick, LlamaConfig, [5, 101, 128, 257])
     return LlavaConfig(vision_config=vision, text_config=text, image_token_index=pick(range(vocab)),
                        vision_feature_layer=feature_layer, vision_feature_select_strategy="full",
                        multimodal_projector_bias=pick([False, True]), tie_word_embeddings=tied)
+
+
+def published_pixtral_mistral(source: str, *, patch: int, image_size: int, ffn: int, positions: int,
+                              projector_bias: bool, batch: tuple) -> Published:
+    """A released Pixtral-tower + Mistral-decoder VLM for the bench: the 24 x 1024 tower and the
+    40 x 5120 decoder (GQA 32/8, head 128, vocabulary 131072) that Pixtral-12B and
+    Mistral-Small-3.1 share, with what differs between them."""
+    return Published(
+        source=source,
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                    num_attention_heads=16, head_dim=64, image_size=image_size, patch_size=patch,
+                    num_channels=3, hidden_act="silu"),
+        parent={"text_config.hidden_size": 5120, "text_config.intermediate_size": ffn,
+                "text_config.num_hidden_layers": 40, "text_config.num_attention_heads": 32,
+                "text_config.num_key_value_heads": 8, "text_config.head_dim": 128,
+                "text_config.vocab_size": 131072, "text_config.rms_norm_eps": 1e-5,
+                "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1e9},
+                "text_config.max_position_embeddings": positions,
+                "multimodal_projector_bias": projector_bias},
+        images=batch[0], image_size=batch[1], note="whole forward, language model included")
 
 
 # How a whole VLM lays its images out among the text ids.

@@ -29,18 +29,30 @@ IGNORE_INDEX = -100
 PLACEHOLDER = -200  # mcore's DEFAULT_IMAGE_TOKEN_INDEX in compact ids
 
 
+def tiny_pixtral(*, hidden: int, ffn: int, layers: int, image_size: int, **extra) -> PixtralVisionConfig:
+    """A tiny Pixtral tower of 4 heads, patch 8, SwiGLU: the whole VLMs' tiny towers."""
+    return PixtralVisionConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                               num_attention_heads=4, image_size=image_size, patch_size=8,
+                               hidden_act="silu", num_channels=3, **extra)
+
+
+def tiny_text(config_class, *, vocab: int, hidden: int, ffn: int, heads: int, groups: int, head_dim: int,
+              eps: float, theta: float, positions: int = 512, **extra):
+    """A tiny two-layer dense decoder config, untied, with an explicit head width and RoPE base."""
+    return config_class(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+                        num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
+                        rms_norm_eps=eps, max_position_embeddings=positions, hidden_act="silu",
+                        rope_parameters={"rope_type": "default", "rope_theta": theta},
+                        tie_word_embeddings=False, **extra)
+
+
 def tiny_config() -> LlavaConfig:
     """Pixtral tower (3 layers, features from the penultimate one), Llama decoder with GQA and a
     head_dim that is not hidden/heads, a vocabulary that needs padding (101 -> 128), projector
     biases, untied embeddings, a non-default RoPE base."""
-    vision = PixtralVisionConfig(hidden_size=48, intermediate_size=44, num_hidden_layers=3,
-                                 num_attention_heads=4, image_size=64, patch_size=8,
-                                 hidden_act="silu", num_channels=3)
-    text = LlamaConfig(vocab_size=101, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                       rms_norm_eps=1e-6, max_position_embeddings=256, hidden_act="silu",
-                       rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-                       tie_word_embeddings=False)
+    vision = tiny_pixtral(hidden=48, ffn=44, layers=3, image_size=64)
+    text = tiny_text(LlamaConfig, vocab=101, hidden=40, ffn=52, heads=4, groups=2, head_dim=12, eps=1e-6,
+                     theta=5000.0, positions=256)
     return LlavaConfig(vision_config=vision, text_config=text, image_token_index=71,
                        projector_hidden_act="gelu", vision_feature_layer=-2,
                        vision_feature_select_strategy="full", multimodal_projector_bias=True,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+from transformers import Mistral3Config, MistralConfig
 
-from mmparity.reference.llava import fill_tied_head, whole_model_shapes
+from mmparity.reference.llava import fill_tied_head, tiny_pixtral, tiny_text, whole_model_shapes
 from mmparity.reference.pixtral_large import projector_shapes
 
 if TYPE_CHECKING:
@@ -26,14 +26,9 @@ def tiny_config() -> Mistral3Config:
     both) and a head_dim that is not hidden/heads,
     a vocabulary that needs padding (97 -> 128), a text epsilon far from the tower's (the merger
     norm must take the text one), projector biases, untied head, a non-default RoPE base."""
-    vision = PixtralVisionConfig(hidden_size=48, intermediate_size=44, num_hidden_layers=3,
-                                 num_attention_heads=4, image_size=96, patch_size=8,
-                                 hidden_act="silu", num_channels=3)
-    text = MistralConfig(vocab_size=97, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=12,
-                         rms_norm_eps=1e-3, max_position_embeddings=512, sliding_window=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": 7000.0},
-                         tie_word_embeddings=False)
+    vision = tiny_pixtral(hidden=48, ffn=44, layers=3, image_size=96)
+    text = tiny_text(MistralConfig, vocab=97, hidden=40, ffn=52, heads=8, groups=4, head_dim=12, eps=1e-3,
+                     theta=7000.0, sliding_window=None)
     return Mistral3Config(vision_config=vision, text_config=text, image_token_index=10,
                           spatial_merge_size=2, projector_hidden_act="gelu",
                           multimodal_projector_bias=True, vision_feature_layer=-1,
