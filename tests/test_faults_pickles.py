@@ -30,7 +30,9 @@ from tests.test_faults import run_cli
 
 pytestmark = pytest.mark.fault
 
-FAMILY = "clip"  # its Megatron class is stock megatron-core's, so verify --load always runs
+# Stock megatron-core classes hold both, so verify --load always runs: clip's tower whole, and
+# mistral3 part by part (GPTModel + MultimodalProjector), the whole-VLM load path.
+FAMILIES = ("clip", "mistral3")
 
 
 class Payload:
@@ -43,9 +45,10 @@ class Payload:
         return (os.mkdir, (self.marker,))
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    fam = families.get(FAMILY)
+@pytest.fixture(scope="module", params=FAMILIES)
+def clean(request, tmp_path_factory):
+    family = request.param
+    fam = families.get(family)
     model = fam.build_reference(fam.tiny_config())
     model.load_state_dict(random_like_state(model.state_dict(), seed=21))
     base = tmp_path_factory.mktemp("pickles")
@@ -53,7 +56,7 @@ def clean(tmp_path_factory):
     made = {"hf": base / "hf"}
     for name, argv in (("legacy1", ["--format", "legacy"]), ("legacy2", ["--format", "legacy", "--tp", "2"]),
                        ("torch_dist", [])):
-        assert main(["convert", "--family", FAMILY, "--src", str(base / "hf"), "--dst", str(base / name),
+        assert main(["convert", "--family", family, "--src", str(base / "hf"), "--dst", str(base / name),
                      "--to", "mcore", *argv, "--quiet"]) == 0
         made[name] = base / name
     return made
