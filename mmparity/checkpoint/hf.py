@@ -158,14 +158,15 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
-def read_hf_config(directory: str | os.PathLike):
-    """``(config, config.json bytes)`` of an HF directory: its config.json through transformers,
-    or, for a Mistral-native release with only ``params.json``, that file translated
+def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG):
+    """``(config, config file bytes)`` of a directory: its ``config_name`` (an HF directory's
+    config.json, or the copy an mcore checkpoint keeps) through transformers, or, for a
+    Mistral-native release with only ``params.json``, that file translated
     (:mod:`mmparity.reference.mistral_params`) and the HF config.json it amounts to, which is what a
     converted checkpoint then carries. ``CheckpointError`` names the file and what is wrong."""
     directory = Path(directory)
-    config_path, params_path = directory / HF_CONFIG, directory / MISTRAL_PARAMS
-    refuse_links_outside(directory, root_names=[n for n in (HF_CONFIG, MISTRAL_PARAMS)
+    config_path, params_path = directory / config_name, directory / MISTRAL_PARAMS
+    refuse_links_outside(directory, root_names=[n for n in (config_name, MISTRAL_PARAMS)
                                                 if os.path.lexists(directory / n)])
     if os.path.lexists(config_path):
         require_regular_file(config_path, "config")
@@ -175,9 +176,9 @@ def read_hf_config(directory: str | os.PathLike):
             full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
         except Exception as exc:  # transformers raises several types for a bad config
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckpointError(f"{config_path}: cannot read config.json: {first}") from None
+            raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
         return full, config_path.read_bytes()
-    if os.path.lexists(params_path):
+    if config_name == HF_CONFIG and os.path.lexists(params_path):
         from mmparity.reference.mistral_params import ParamsError, config_from_params
 
         try:
@@ -185,7 +186,7 @@ def read_hf_config(directory: str | os.PathLike):
         except (ParamsError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{params_path}: {exc}") from None
         return full, full.to_json_string().encode()
-    raise CheckpointError(f"{directory}: no {HF_CONFIG} (expected an HF save_pretrained directory, or "
+    raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
                           f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
 
 

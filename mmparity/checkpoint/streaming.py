@@ -286,17 +286,7 @@ def load_family_config(config_path: Path, family: str, where: Path):
         raise ConvertError(f"{where}: no {HF_CONFIG_FILE} (the HF config an mcore checkpoint needs "
                            "to be converted; mmparity convert keeps the source's config.json there)")
     try:
-        if config_path.name == HF_CONFIG_FILE:
-            from transformers import AutoConfig
-
-            try:
-                full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
-            except Exception as exc:  # transformers raises several types for a bad config
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise ConvertError(f"{config_path}: cannot read the HF config: {first}") from None
-            raw = config_path.read_bytes()
-        else:
-            full, raw = read_hf_config(where)
+        full, raw = read_hf_config(where, config_path.name)
     except CheckpointError as exc:
         raise ConvertError(str(exc)) from None
     try:
