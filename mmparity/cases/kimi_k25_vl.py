@@ -11,6 +11,8 @@ fraction of tokens whose top-k expert set is HF's, and whether a different set i
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ from mmparity.converters import kimi_k25_vl as converter
 from mmparity.hfconfig import moe_layer_range
 from mmparity.native import kimi_k25_vl as native
 from mmparity.native.core.layers import numbered_layers
+from mmparity.parity.router import routing_tensor
 from mmparity.reference import kimi_k25_vl as reference
 
 OUTPUTS = ("logits", "token_loss")
@@ -88,12 +91,13 @@ def reference_run(model, case: Case) -> dict:
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
 
-def _hf_routing(output, case: Case):
-    """HF's router output ``(logits, top-k weights, top-k indices)`` -> the dense ``[tokens,
-    experts]`` routing weights, tokens batch-major."""
+def _hf_routing(output, case: Case, *, router):
+    """HF's router output ``(logits, top-k weights, top-k indices)`` -> the dense routing weights
+    and the scores the choice was made on (sigmoid plus the correction bias), tokens batch-major:
+    :func:`mmparity.parity.router.routing_tensor`."""
     logits, weights, indices = output
-    dense = torch.zeros_like(logits, dtype=weights.dtype)
-    return dense.scatter(1, indices, weights)
+    dense = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, indices, weights)
+    return routing_tensor(dense, logits.float().sigmoid() + router.e_score_correction_bias.float())
 
 
 def _hf_rows(output, case: Case):
@@ -113,7 +117,7 @@ def language_pairs(layers, cfg, *, hf: bool) -> list[Pair]:
         if hf:
             out.append(Pair(name + ".self_attention", layer.self_attn, tokens_2d))
             if i in moe:
-                out += [Pair(name + ".mlp.router", layer.mlp.gate, _hf_routing),
+                out += [Pair(name + ".mlp.router", layer.mlp.gate, partial(_hf_routing, router=layer.mlp.gate)),
                         Pair(name + ".mlp.shared_experts", layer.mlp.shared_experts, tokens_2d),
                         Pair(name + ".mlp.experts", layer.mlp.experts, _hf_rows)]
             out.append(Pair(name, layer, tokens_2d))
@@ -147,7 +151,7 @@ def _mcore_routing(output, case: Case):
     """mcore's router output ``(probs, routing_map)`` over sequence-major tokens -> the dense
     routing weights, batch-major."""
     probs, _ = output
-    return _sequence_major_to_batch_major(probs, case)
+    return routing_tensor(_sequence_major_to_batch_major(probs, case))
 
 
 def _mcore_rows(output, case: Case):

@@ -21,6 +21,7 @@ from mmparity.converters.rules import with_side
 from mmparity.hfconfig import first_int, vision_sub_config
 from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
+from mmparity.parity import router
 from mmparity.cases import megatron as megatron_cases
 from mmparity.cases.core import Case
 from mmparity.cases.inputs import random_like_state
@@ -477,6 +478,11 @@ def _compare_case(family, case, pair_names, reference, native, low_precision, dt
     for name in pair_names:
         if name not in ref_mods or name not in nat_mods:
             continue
+        if router.is_router(name):
+            row, div = _compare_router(name, nat_mods[name], ref_mods[name], lp_mods.get(name), dtype)
+            module_rows.append(row)
+            divergence = divergence or div
+            continue
         tol = _tolerance(dtype, lp_mods.get(name), ref_mods[name])
         try:
             m = M.compare(nat_mods[name], ref_mods[name])
@@ -509,6 +515,22 @@ def _compare_case(family, case, pair_names, reference, native, low_precision, dt
                               first_divergence=div if not passed else None,
                               description=case.description, modules=module_rows, impl=impl))
     return results
+
+
+def _compare_router(name, actual, expected, low_precision, dtype):
+    """A router pair's row and divergence: every token routed to HF's experts (or a tie), and
+    the routing weights of the tokens that agree within the usual tolerance."""
+    try:
+        verdict, same = router.agreement(actual, expected, dtype)
+    except ValueError as exc:
+        return {"module": name, "error": str(exc), "passed": False}, Divergence(name, {"error": str(exc)}, {})
+    weights = lambda t: t[same][..., 0]  # noqa: E731
+    tol = _tolerance(dtype, None if low_precision is None else weights(low_precision), weights(expected))
+    m = M.compare(weights(actual), weights(expected)) if bool(same.any()) else None
+    passed = verdict.passed and (m is None or tol.accepts(m))
+    metrics = {**(m.as_dict() if m is not None else {}), "router": verdict.as_dict()}
+    row = {"module": name, "metrics": metrics, "tolerance": tol.rel_l2, "passed": passed}
+    return row, (None if passed else Divergence(name, metrics, tol.as_dict()))
 
 
 def _compare_component(family, name, actual, expected, low_precision, dtype) -> Result:

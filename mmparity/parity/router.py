@@ -1,0 +1,85 @@
+"""Router agreement: whether an MoE layer sends every token to the experts HF sends it to.
+
+Comparing routing weights as one tensor cannot tell a tie from a bug: two experts whose scores
+are equal to within rounding may be picked in either order, and one such token moves a whole row
+of weights. So a router pair is judged token by token. Both sides hand over ``[tokens, experts,
+2]``: the routing weights (zero where an expert was not chosen) and the scores the choice was made
+on (HF's sigmoid scores plus the correction bias; a side that does not expose them gives zeros).
+For each token whose chosen set differs from HF's, the gap is the smallest difference of HF's
+choice scores between an expert only HF chose and one only the other side chose: within
+:func:`tie_tolerance` it is a tie (rounding decided), otherwise a disagreement, which fails and
+names the layer. Tokens with the same set then compare their weights as any module output does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Choice scores are sigmoid outputs plus a bias, of order one; a tie is a difference the model's
+# arithmetic could have made (a few units in the last place of its dtype).
+_TIE_ULPS = 8
+
+
+# Paired modules of this name are routers: compared by :func:`agreement`, not as one tensor.
+ROUTER_SUFFIX = ".mlp.router"
+
+
+def is_router(name: str) -> bool:
+    return name.endswith(ROUTER_SUFFIX)
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    return _TIE_ULPS * torch.finfo(dtype).eps
+
+
+def routing_tensor(weights: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[tokens, experts, 2]`` a router pair's extractor returns."""
+    scores = torch.zeros_like(weights) if scores is None else scores.to(weights.dtype)
+    return torch.stack([weights, scores], dim=-1)
+
+
+@dataclass
+class RouterAgreement:
+    tokens: int
+    agreeing: int
+    ties: int
+    worst_gap: float  # the largest choice-score gap among disagreeing tokens (0 if none)
+    tie_tolerance: float
+
+    @property
+    def fraction(self) -> float:
+        return self.agreeing / self.tokens if self.tokens else 1.0
+
+    @property
+    def passed(self) -> bool:
+        return self.agreeing + self.ties == self.tokens
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "same_experts": self.agreeing, "fraction": self.fraction,
+                "ties": self.ties, "disagreements": self.tokens - self.agreeing - self.ties,
+                "worst_gap": self.worst_gap, "tie_tolerance": self.tie_tolerance}
+
+
+def agreement(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[RouterAgreement, torch.Tensor]:
+    """The agreement of ``actual``'s routing with ``expected``'s (HF's), and the mask of tokens
+    that chose the same experts."""
+    if actual.shape != expected.shape or actual.dim() != 3 or actual.shape[-1] != 2:
+        raise ValueError(f"router outputs of shapes {tuple(actual.shape)} and {tuple(expected.shape)}: "
+                         "expected equal [tokens, experts, 2]")
+    chosen, reference = actual[..., 0] != 0, expected[..., 0] != 0
+    same = (chosen == reference).all(dim=-1)
+    scores = expected[..., 1]
+    tolerance = tie_tolerance(dtype)
+    ties, worst = 0, 0.0
+    for token in (~same).nonzero().flatten().tolist():
+        only_reference = scores[token][reference[token] & ~chosen[token]]
+        only_actual = scores[token][chosen[token] & ~reference[token]]
+        if not len(only_reference) or not len(only_actual):  # a different number of experts
+            worst = float("inf")
+            continue
+        gap = float((only_reference[:, None] - only_actual[None, :]).abs().min())
+        worst = max(worst, gap)
+        ties += gap <= tolerance
+    return RouterAgreement(int(same.numel()), int(same.sum()), ties, worst, tolerance), same
