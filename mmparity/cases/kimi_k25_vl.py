@@ -192,7 +192,7 @@ def random_config(pick):
                 num_hidden_layers=pick([2, 3]), first_k_dense_replace=pick([0, 1]),
                 n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups,
                 topk_group=top_k // 2 if groups > 1 else 1, q_lora_rank=pick([None, 8]),
-                n_shared_experts=pick([0, 1]), moe_intermediate_size=pick([6, 10]))
+                n_shared_experts=pick([1, 2]), moe_intermediate_size=pick([6, 10]))
     return reference.tiny_config(**text)
 
 

@@ -71,9 +71,10 @@ TEXT_MODEL_TYPES = ("deepseek_v3",)
 @contextlib.contextmanager
 def host_placement(device: torch.device | str):
     """mcore's router and YaRN table put buffers on ``torch.cuda.current_device()`` (at build and
-    on first forward), whatever device the model is on; for a model on the CPU that call must name
-    the CPU. Elsewhere nothing changes."""
-    if torch.device(device).type != "cpu":
+    on first forward), whatever device the model is on; for a model on the CPU (or on the meta
+    device, where the converter plans torch_dist files) that call must name the CPU. Elsewhere
+    nothing changes."""
+    if torch.device(device).type not in ("cpu", "meta"):
         yield
         return
     saved = torch.cuda.current_device
@@ -106,6 +107,8 @@ def config_problems(text) -> list[str]:
         if bool(text.norm_topk_prob) != (k > 1):
             problems.append(f"norm_topk_prob={text.norm_topk_prob} with num_experts_per_tok={k}: mcore "
                             "renormalises sigmoid scores exactly when top-k > 1")
+        if not getattr(text, "n_shared_experts", 0):
+            problems.append("n_shared_experts=0 (HF still builds a shared MLP, of width 0)")
         if getattr(text, "topk_method", "noaux_tc") not in ("noaux_tc", None):
             problems.append(f"topk_method {text.topk_method!r} (noaux_tc only)")
     return problems
