@@ -135,3 +135,124 @@ def test_group_keys_names_every_offender():
                  "modules_to_not_convert lists lm_head"):
         assert name in message, message
     assert "\n" not in message
+
+
+# --------------------------------------------------------------------------------------------------
+# end to end: a whole VLM whose language model is stored block-scaled FP8
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mmparity import families  # noqa: E402
+from mmparity.cases.inputs import random_like_state  # noqa: E402
+from mmparity.checkpoint import read_manifest  # noqa: E402
+from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
+from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint  # noqa: E402
+from mmparity.checkpoint.streaming import read_mcore_shards  # noqa: E402
+from mmparity.cli.main import main  # noqa: E402
+
+# Blocks that cut the tiny model's rows and columns into partial edge blocks.
+E2E = Q.QuantScheme("fp8", (16, 24), modules_to_not_convert=("lm_head",))
+
+
+def _is_quantized(key: str, value: torch.Tensor) -> bool:
+    return "language_model" in key and value.ndim == 2 and key.endswith("proj.weight")
+
+
+def _save(path: Path, state: dict, config: dict) -> Path:
+    save_safetensors_checkpoint(path, state, max_shard_size="40KB",
+                                extra_files={"config.json": json.dumps(config, indent=2)})
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp8_vlm(tmp_path_factory):
+    """(FP8 source, the same model with the dequantized values stored plainly, its stored state)."""
+    root = tmp_path_factory.mktemp("fp8")
+    fam = families.get("mistral3")
+    cfg = fam.tiny_config()
+    model = fam.build_reference(cfg)
+    model.load_state_dict(random_like_state(model.state_dict(), seed=11))
+    model.save_pretrained(root / "plain0")
+    state = {k: v.to(torch.bfloat16) for k, v in load_safetensors_state_dict(root / "plain0").items()}
+    config = json.loads((root / "plain0" / "config.json").read_text())
+    stored, dequantized = {}, {}
+    for key, value in state.items():
+        if _is_quantized(key, value):
+            q, s = Q.quantize(value, E2E)
+            stored[key], stored[key[: -len(".weight")] + ".weight_scale_inv"] = q, s
+            dequantized[key] = Q.dequantize(q, s, E2E, torch.bfloat16)
+        else:
+            stored[key] = dequantized[key] = value
+    assert sum(v.dtype == Q.FP8_DTYPE for v in stored.values()) >= 4
+    src = _save(root / "fp8", stored, {**config, "quantization_config": {**E2E.to_json(), "fmt": "e4m3"}})
+    plain = _save(root / "plain", dequantized, config)
+    return src, plain, stored
+
+
+def _run(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def test_fp8_vlm_converts_as_its_dequantized_values_and_requantizes_exactly(fp8_vlm, tmp_path, capsys):
+    src, plain, stored = fp8_vlm
+    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--format", "legacy",
+                "--quiet") == 0
+    assert _run("convert", "--src", plain, "--dst", tmp_path / "m-plain", "--to", "mcore", "--format", "legacy",
+                "--quiet") == 0
+    # The mcore tensors are the dequantized values, bit for bit, as if the source had stored them.
+    _, _, got = read_mcore_shards(tmp_path / "m")
+    _, _, want = read_mcore_shards(tmp_path / "m-plain")
+    assert sorted(got[0]) == sorted(want[0])
+    for key, value in want[0].items():
+        assert _same(got[0][key], value), key
+    record = read_manifest(tmp_path / "m").provenance.extra["quantization"]
+    quantized = [k for k in stored if k.endswith("_scale_inv")]
+    assert record == {"method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 24],
+                      "modules_to_not_convert": ["lm_head"], "dequantized": len(quantized), "dtype": "bfloat16",
+                      "scales_file": "quant_scales.safetensors"}
+
+    # Back to HF dequantized: the plain model, and a config.json without quantization_config.
+    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf", "--to", "hf", "--quiet") == 0
+    back, plain_state = load_safetensors_state_dict(tmp_path / "hf"), load_safetensors_state_dict(plain)
+    assert sorted(back) == sorted(plain_state) and all(_same(back[k], plain_state[k]) for k in plain_state)
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+    # --requantize: the source's bytes and scales, its quantization_config, and zero error.
+    capsys.readouterr()
+    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf-q", "--to", "hf", "--requantize") == 0
+    line = [s for s in capsys.readouterr().out.splitlines() if "re-quantized" in s]
+    assert line and f"re-quantized {len(quantized)} tensors: max abs error 0, 0 not exact, 0 with bytes" in line[0]
+    again = load_safetensors_state_dict(tmp_path / "hf-q")
+    assert sorted(again) == sorted(stored)
+    for key, value in stored.items():
+        assert again[key].dtype == value.dtype and torch.equal(again[key].view(torch.uint8),
+                                                               value.view(torch.uint8)), key
+    config = json.loads((tmp_path / "hf-q" / "config.json").read_text())
+    assert Q.parse_quantization_config(config["quantization_config"]) == E2E
+    assert read_manifest(tmp_path / "hf-q").provenance.extra["requantized"] == {
+        "tensors": len(quantized), "max_abs_error": 0.0, "inexact": 0, "bytes_changed": 0}
+    # Re-quantizing a source that never was quantized is refused.
+    assert _run("convert", "--src", tmp_path / "m-plain", "--dst", tmp_path / "x", "--to", "hf",
+                "--requantize", "--quiet") == 2
+
+
+def test_broken_scales_and_unknown_methods_exit_2_in_one_line(fp8_vlm, tmp_path, capsys):
+    src, _, stored = fp8_vlm
+    config = json.loads((src / "config.json").read_text())
+    victim = sorted(k for k in stored if k.endswith("_scale_inv"))[0]
+    broken = {**stored, victim: stored[victim][:, :-1].contiguous()}
+    orphan = "model.language_model.layers.0.mlp.extra_proj.weight_scale_inv"
+    broken[orphan] = torch.ones(1, 1)
+    cases = [(_save(tmp_path / "broken", broken, config), [victim[: -len("_scale_inv")], orphan, "scale shape"]),
+             (_save(tmp_path / "int4", stored, {**config, "quantization_config": {
+                 "quant_method": "compressed-tensors", "format": "pack-quantized"}}), ["'compressed-tensors'"])]
+    for path, words in cases:
+        capsys.readouterr()
+        assert _run("convert", "--src", path, "--dst", tmp_path / f"out-{path.name}", "--to", "mcore",
+                    "--quiet") == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        for word in words:
+            assert word in err, err
+        assert not (tmp_path / f"out-{path.name}").exists()
