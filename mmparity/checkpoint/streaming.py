@@ -76,6 +76,8 @@ from mmparity.checkpoint.fsio.safetensors_format import (DEFAULT_MAX_SHARD_SIZE,
                                                          SAFETENSORS_SINGLE_FILE, has_hf_weights, parse_size)
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
+from mmparity.checkpoint import quantized as quant_io
+from mmparity.converters import quant as quant_mod
 from mmparity.converters.ops import LayoutError, PadRows
 from mmparity.converters.tp import ShardError
 
@@ -153,6 +155,9 @@ class ConvertOptions:
     # Megatron's vocabulary layers load at any TP). None: Megatron-LM's default for an HF source,
     # the divisor an mcore source records (its tables are re-padded for the target either way).
     make_vocab_size_divisible_by: int | None = None
+    # --to hf from an mcore checkpoint of a quantized (FP8) source: write the weights in the source's
+    # scheme again, with its quantization_config (see mmparity.checkpoint.quantized).
+    requantize: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +222,7 @@ class ConvertResult:
     note: str = ""  # the rule table's ``mcore_note`` when writing mcore
     source_use: SourceUse | None = None  # an HF source's: what was converted, what left out
     detection: families.Detection | None = None  # how the family was told, when not given
+    requant: quant_mod.RequantError | None = None  # --requantize: what re-quantizing changed
 
 
 class Progress:
@@ -323,20 +329,37 @@ def _mcore_order(rule_set: R.RuleSet) -> list[str]:
 def _side_tensors(source: "_Source", rule_set: R.RuleSet) -> tuple[dict[str, bytes], tuple, dict]:
     """(extra files, manifest records, manifest extra) for the side file of ``source``: nothing
     when the family keeps nothing aside."""
+    files, records, extra = _quant_scales(source)
     keys = R.side_keys(rule_set)
     if not keys:
-        return {}, (), {}
+        return files, records, extra
     tensors = {key: joined(source.mcore_pieces(key)).contiguous().clone() for key in keys}
-    records = tuple(TensorRecord(SIDE_FILE, key, tensor_checksum(t)) for key, t in tensors.items())
-    return {SIDE_FILE: safetensors_save(tensors)}, records, {"side_file": SIDE_FILE}
+    records += tuple(TensorRecord(SIDE_FILE, key, tensor_checksum(t)) for key, t in tensors.items())
+    return {SIDE_FILE: safetensors_save(tensors), **files}, records, {"side_file": SIDE_FILE, **extra}
 
 
-def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The side tensors of an mcore checkpoint, checked against the manifest's checksums."""
+def _quant_scales(source: "_Source") -> tuple[dict[str, bytes], tuple, dict]:
+    """The scales of a quantized source, kept beside the mcore checkpoint (checksummed in its
+    manifest) for ``--requantize``: nothing for an unquantized one."""
+    scales = source.quant_scales()
+    if not scales:
+        return {}, (), {}
+    name = quant_io.QUANT_SCALES_FILE
+    records = tuple(TensorRecord(name, key, tensor_checksum(t)) for key, t in scales.items())
+    return {name: safetensors_save(scales)}, records, {}
+
+
+def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str],
+                    name: str = SIDE_FILE) -> dict[str, torch.Tensor]:
+    """The side tensors of an mcore checkpoint (or the tensors of another file beside it, ``name``),
+    checked against the manifest's checksums."""
     if not keys:
         return {}
-    records = {r.key: r for r in (manifest.tensors if manifest is not None else ()) if r.file == SIDE_FILE}
-    path = root / SIDE_FILE
+    records = {r.key: r for r in (manifest.tensors if manifest is not None else ()) if r.file == name}
+    path = root / name
+    if name != SIDE_FILE and not (records and path.is_file()):
+        raise ConvertError(f"{root}: no {name} recorded in its {MANIFEST_FILE} (the scales of the quantized "
+                           "source it was converted from)")
     if not records or not path.is_file():
         raise ConvertError(f"{root}: no side file {SIDE_FILE} recorded in its {MANIFEST_FILE} (it holds "
                            f"the tensors Megatron's class has no place for: {', '.join(keys[:4])}"
@@ -385,6 +408,13 @@ class _Source:
     # What the original HF -> mcore conversion left out (``SourceUse.to_json``), recorded in every
     # manifest down the line: a checkpoint made from part of a VLM says so.
     left_out_record: dict | None = None
+    # A quantized source's record (``quantized.QuantRecord.to_json``), kept down the line like
+    # ``left_out_record``: an mcore checkpoint of an FP8 release says it was dequantized.
+    quant_record: dict | None = None
+
+    def quant_scales(self) -> dict[str, torch.Tensor]:
+        """The source's quantization scales by HF key (empty: not a quantized source)."""
+        return {}
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         raise NotImplementedError
@@ -410,6 +440,8 @@ class _Source:
                  "make_vocab_size_divisible_by": self.vocab_multiple}
         if self.left_out_record:
             extra["left_out"] = self.left_out_record
+        if self.quant_record:
+            extra["quantization"] = self.quant_record
         return extra
 
 
@@ -422,6 +454,11 @@ class _HFSource(_Source):
         self.vocab_tp, self.vocab_multiple = tp, vocab_multiple
         self.cfg, self.config_bytes = load_family_config(path / CONFIG_FILE, family, path)
         self.ckpt = SafetensorsCheckpoint(path)
+        scheme = quant_io.read_scheme(self.config_bytes, path / CONFIG_FILE)
+        if scheme is not None:
+            # The logical tensors, dequantized on read; planned, like any source, from headers.
+            self.ckpt = quant_io.DequantizingCheckpoint(self.ckpt, scheme, filt.dtype)
+            self.quant_record = self.ckpt.record().to_json()
         infos = self.ckpt.infos()
         self.rules = _rule_set(family, self.cfg, hf_format, keys=list(infos))
         self.hf_format = self.rules.hf_format
@@ -452,6 +489,9 @@ class _HFSource(_Source):
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         return joined(self.mcore_pieces(key))
+
+    def quant_scales(self) -> dict[str, torch.Tensor]:
+        return self.ckpt.scales() if isinstance(self.ckpt, quant_io.DequantizingCheckpoint) else {}
 
     def locate(self, piece) -> tuple[int, int] | None:
         return self.ckpt.file_ranges.locate(piece)
@@ -497,6 +537,8 @@ class _McoreSource(_Source):
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
         if isinstance(extra.get("left_out"), dict):
             self.left_out_record = extra["left_out"]
+        if isinstance(extra.get("quantization"), dict):
+            self.quant_record = extra["quantization"]
         recorded = extra.get("hf_format") or (manifest.provenance.source_format if manifest else None)
         formats = families.get(self.family).converter.formats
         self.hf_format = recorded if recorded in formats else formats[0]
@@ -538,6 +580,13 @@ class _McoreSource(_Source):
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         return joined(self.mcore_pieces(key))
+
+    def quant_scales(self) -> dict[str, torch.Tensor]:
+        if not self.quant_record:
+            return {}
+        name = quant_io.QUANT_SCALES_FILE
+        keys = [r.key for r in (self.manifest.tensors if self.manifest is not None else ()) if r.file == name]
+        return _read_side_file(self.root, self.manifest, keys or ["(none recorded)"], name)
 
     def _stored_pieces(self, key: str) -> list[torch.Tensor]:
         return [self._stored_tensor(key)]
@@ -858,7 +907,7 @@ def _hf_target_format(source: _Source, requested: str | None) -> str:
     return fmt
 
 
-def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
+def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int, object]:
     fmt = _hf_target_format(source, options.hf_format)
     rules = _rule_set(source.family, source.cfg, fmt)
     prefix = source.prefix if source.prefix in rules.hf_prefixes else ""
@@ -867,6 +916,9 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
     except R.ConversionError as exc:
         raise ConvertError(_problems_line(f"cannot lay out {source.family!r} as HF {fmt!r}", exc.problems)) from None
     entries = [(key, t.dtype, tuple(t.shape)) for key, t in plan.outputs.items()]
+    requant = _requant_plan(source, options, entries)
+    if requant is not None:
+        entries = requant.entries
     total = sum(Meta(d, s).nbytes for _, d, s in entries)
     progress.phase(f"{source.family} -> hf", len(entries), total)
     provenance = Provenance(family=source.family, source_layout=source.layout, source_format=fmt,
@@ -877,7 +929,10 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
                                             locate=source.locate)
 
         def put(key: str, pieces: list) -> None:
-            writer.write(key, pieces)
+            if requant is not None and key in requant.scales:
+                pieces = requant.write(key, joined(pieces), writer)
+            else:
+                writer.write(key, pieces)
             nbytes = sum(p.numel() * p.element_size() for p in pieces)
             progress.advance(1, nbytes)
             heap.check(nbytes)
@@ -889,12 +944,69 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
             writer.close()
         finally:
             writer.abort()
-        (staging / CONFIG_FILE).write_bytes(source.config_bytes)
+        if requant is not None:
+            config = quant_io.config_with_quantization(source.config_bytes, requant.scheme)
+            provenance = dataclasses.replace(provenance, extra={**provenance.extra,
+                                                                "requantized": requant.error.to_json()})
+        else:
+            config = quant_io.config_without_quantization(source.config_bytes)
+        (staging / CONFIG_FILE).write_bytes(config)
         write_manifest(staging, Manifest(
             layout=LAYOUT_HF,
             tensors=tuple(TensorRecord(writer.weight_map[n], n, c) for n, c in writer.checksums.items()),
             provenance=provenance))
-    return len(entries), total
+    return len(entries), total, (requant.error if requant is not None else None)
+
+
+class _Requant:
+    """``--requantize``: the weights a quantized source held, written back in its scheme, each
+    block with its source scale where its values still fit it (``quant.quantize``)."""
+
+    def __init__(self, scheme: quant_mod.QuantScheme, scales: dict[str, torch.Tensor], entries: list):
+        self.scheme, self.scales = scheme, scales
+        self.names = quant_mod.quantized_names(scales)
+        self.entries = []
+        for key, dtype, shape in entries:
+            if key in scales:
+                weight_key, scale_key = self.names[key]
+                self.entries += [(weight_key, quant_mod.FP8_DTYPE, shape),
+                                 (scale_key, scales[key].dtype, tuple(scales[key].shape))]
+            else:
+                self.entries.append((key, dtype, shape))
+        self.error = quant_mod.RequantError()
+
+    def write(self, key: str, value: torch.Tensor, writer) -> list:
+        weight, scale = quant_mod.quantize(value, self.scheme, self.scales[key])
+        error, exact = quant_mod.requant_error(value, weight, scale, self.scheme)
+        # With the source's scales kept and its values coming back exactly, the bytes are the
+        # source's (quantize inverts dequantize, tests/test_quant.py); otherwise they changed.
+        same = exact and torch.equal(scale, self.scales[key])
+        self.error = self.error.add(error, exact, same)
+        weight_key, scale_key = self.names[key]
+        writer.write(weight_key, [weight])
+        writer.write(scale_key, [scale])
+        return [weight, scale]
+
+
+def _requant_plan(source: _Source, options: ConvertOptions, entries: list) -> _Requant | None:
+    if not options.requantize:
+        return None
+    if not source.quant_record:
+        raise ConvertError(f"--requantize: {source.path} records no quantized source (only an mcore checkpoint "
+                           "converted from a quantized HF release can be re-quantized)")
+    try:
+        record = quant_io.QuantRecord.from_json(source.quant_record, source.path)
+    except CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+    scales = source.quant_scales()
+    planned = {key: shape for key, _, shape in entries}
+    problems = [f"{key} is not among the HF tensors written" for key in scales if key not in planned]
+    problems += [f"{key}: scale {list(t.shape)} does not fit {list(planned[key])}" for key, t in scales.items()
+                 if key in planned and tuple(t.shape) != quant_mod.scale_shape(planned[key], record.scheme.block)]
+    if problems:
+        raise ConvertError(_problems_line(f"--requantize: the recorded scales do not fit the HF output "
+                                          f"(--hf-format {options.hf_format or source.hf_format!r})", problems))
+    return _Requant(record.scheme, scales, entries)
 
 
 def _mcore_provenance(source: _Source, options: ConvertOptions, **extra) -> Provenance:
@@ -1139,8 +1251,11 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         if isinstance(source, _McoreSource) and options.to == "mcore":
             # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
             source.repad_vocab(vocab_tp, options.make_vocab_size_divisible_by or source.vocab_multiple)
+        requant = None
+        if options.requantize and options.to != "hf":
+            raise ConvertError("--requantize re-quantizes HF output; it does not apply to --to mcore")
         if options.to == "hf":
-            count, nbytes = _write_hf(source, options, progress)
+            count, nbytes, requant = _write_hf(source, options, progress)
             layout, tp, pp = LAYOUT_HF, 1, 1
         elif options.format == "legacy":
             count, nbytes = _write_legacy(source, options, progress)
@@ -1153,7 +1268,8 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
     return ConvertResult(dst, layout, source.family, count, nbytes, time.perf_counter() - started, tp, pp,
-                         source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection)
+                         source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection,
+                         requant)
 
 
 # --------------------------------------------------------------------------------------------------

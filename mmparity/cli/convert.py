@@ -26,7 +26,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
                         help="mcore output format (default torch_dist)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="cast floating tensors (default: keep each tensor's dtype, bit-exact)")
+                        help="cast floating tensors (default: keep each tensor's dtype, bit-exact; an FP8 "
+                             "source's quantized weights are dequantized to bfloat16)")
+    parser.add_argument("--requantize", action="store_true",
+                        help="with --to hf from an mcore checkpoint of an FP8 source: write its weights "
+                             "block-scaled FP8 again, with the source's quantization_config")
     parser.add_argument("--hf-format", metavar="F", default=None,
                         help="HF-side layout: of the source when converting to mcore (default: detected), "
                              "of the output with --to hf (default: the source's)")
@@ -112,7 +116,8 @@ def run(args) -> int:
         src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp,
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
-        force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        requantize=args.requantize)
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)
@@ -149,6 +154,10 @@ def run(args) -> int:
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)")
+        if result.requant is not None:
+            r = result.requant
+            print(f"{result.family}: re-quantized {r.tensors} tensors: max abs error {r.max_abs_error:g}, "
+                  f"{r.inexact} not exact, {r.bytes_changed} with bytes other than the source's")
         if result.note:
             print(f"{result.family}: note: {result.note}")
         if result.source_use is not None and result.source_use.left_out:

@@ -26,12 +26,14 @@ HF_FORMAT_METADATA = {"format": "pt"}
 # An mcore checkpoint's side file: the tensors Megatron's class has no place for (see
 # `checkpoint.streaming`). Safetensors, but no HF weights: it never makes a directory an HF one.
 MCORE_SIDE_FILE = "mcore_side.safetensors"
+# The scales of a quantized HF source, beside the mcore checkpoint made from it (--requantize).
+MCORE_QUANT_SCALES_FILE = "quant_scales.safetensors"
 
 
 def has_hf_weights(path: Path) -> bool:
     """Whether directory `path` holds HF safetensors weights (a single file, an index, or shards)."""
     return ((path / SAFETENSORS_SINGLE_FILE).is_file() or (path / SAFETENSORS_INDEX_FILE).is_file()
-            or any(p.name != MCORE_SIDE_FILE for p in path.glob("*.safetensors")))
+            or any(p.name not in (MCORE_SIDE_FILE, MCORE_QUANT_SCALES_FILE) for p in path.glob("*.safetensors")))
 
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
