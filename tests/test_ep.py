@@ -302,3 +302,53 @@ def test_legacy_writer_refuses_ep_without_experts_or_not_dividing(tmp_path):
     with pytest.raises(CheckpointError, match="--ep 4 does not divide the 6 experts"):
         write_tp_shards(tmp_path / "b", moe_state(11, experts=6), Grid.of(ep=4))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# --- Megatron's own MoE layers under runtime.init_parallel(ep=...) ---------------------------------
+
+
+def _megatron_moe_block(rank: int, world_size: int, grouped: bool) -> dict:
+    """On each of ``world_size`` gloo ranks at EP = world size: a 2-layer mcore block whose
+    layers are MoE (4 experts); what its state dict and sharded state dict hold."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mmparity import runtime
+
+    layout = runtime.init_parallel(1, 1, ep=world_size)
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=FFN, gated_linear_unit=True,
+                               add_bias_linear=False, expert_model_parallel_size=world_size,
+                               use_cpu_initialization=True, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    block = TransformerBlock(config, spec, post_layer_norm=False)
+    sharded = block.sharded_state_dict(prefix="decoder.")
+    offsets = {key: (entry.key, tuple(entry.global_offset), tuple(entry.global_shape))
+               for key, entry in sharded.items() if ".experts." in key and hasattr(entry, "global_offset")}
+    keys = [k for k in block.state_dict(prefix="decoder.") if not k.endswith("_extra_state")]
+    return {"ep": layout.ep, "keys": keys, "offsets": offsets}
+
+
+def test_megatron_moe_layers_built_at_ep_2_hold_what_split_expert_ranks_gives_them():
+    results = __import__("mmparity.runtime", fromlist=["spawn"]).spawn(_megatron_moe_block, 2, False)
+    # The whole model's keys, globally numbered, are rank 0's with its experts 0..1 as 0..3.
+    whole = {}
+    for key in results[0]["keys"]:
+        parsed = ep.parse_expert_key(key)
+        for expert in (range(4) if parsed else [None]):
+            whole[parsed.spell(expert=expert) if parsed else key] = None
+    assert ep.expert_count(whole) == 4
+    for rank, (result, split) in enumerate(zip(results, ep.split_expert_ranks(whole, 2, 4))):
+        assert result["ep"] == 2
+        assert sorted(result["keys"]) == sorted(split), rank  # Megatron's own local numbering
+        # ... and its sharded state dict places local expert i at global offset 2·rank + i.
+        checked = 0
+        for key, (sharded_key, offset, shape) in result["offsets"].items():
+            parsed = ep.parse_expert_key(key)
+            if parsed is None or not parsed.rest.endswith("weight"):
+                continue
+            checked += 1
+            assert sharded_key == "decoder.layers.mlp.experts.experts." + parsed.rest
+            assert shape[:2] == (2, 4) and offset[1] == 2 * rank + parsed.expert, (key, offset)
+        assert checked == 2 * 2, result["offsets"]  # fc2 of 2 local experts x 2 layers (fc1: a factory)
