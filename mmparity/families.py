@@ -433,6 +433,14 @@ _LANGUAGE_MODELS: dict[str, LanguageModel] = {
         text_model_types=("llama", "mistral", "qwen2"),
         module="language",
     ),
+    "deepseek_v3": LanguageModel(
+        name="deepseek_v3",
+        summary="DeepSeek-V3 / Kimi-K2 decoder: multi-latent attention, leading dense layers, then "
+                "routed experts with a shared expert (sigmoid, score-correction bias, group-limited "
+                "top-k, scaling factor), YaRN RoPE; GPTModel with mcore's MLA and MoE layers",
+        text_model_types=("deepseek_v3",),
+        module="deepseek_v3",
+    ),
 }
 
 

@@ -164,3 +164,42 @@ def feature_layer_indices(cfg) -> list[int]:
 def vision_layers_run(cfg) -> int:
     """Vision layers the features depend on; later layers are converted but never run."""
     return max(feature_layer_indices(cfg))
+
+
+# --- MoE decoders with multi-latent attention (DeepSeek-V3, Kimi-K2) ----------------------------
+
+def routed_experts(text) -> int:
+    """How many routed experts each MoE layer has (0: a dense decoder)."""
+    return int(getattr(text, "n_routed_experts", None) or getattr(text, "num_local_experts", None) or 0)
+
+
+def moe_layer_range(text) -> range:
+    """The layers whose MLP is a mixture of experts: all after the ``first_k_dense_replace``
+    leading dense layers."""
+    if not routed_experts(text):
+        return range(text.num_hidden_layers, text.num_hidden_layers)
+    return range(min(int(text.first_k_dense_replace or 0), text.num_hidden_layers), text.num_hidden_layers)
+
+
+def dense_layer_range(text) -> range:
+    return range(0, moe_layer_range(text).start)
+
+
+def shared_expert_size(text) -> int:
+    """The shared experts' combined intermediate width (HF builds them as one MLP)."""
+    return int(text.moe_intermediate_size) * int(getattr(text, "n_shared_experts", 0) or 0)
+
+
+def rope_parameters(text) -> dict:
+    """The RoPE parameters, whichever spelling the config uses (transformers 5's
+    ``rope_parameters``, older ``rope_scaling`` + ``rope_theta``), with ``rope_type`` always set."""
+    params = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", rope_theta(text))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def mtp_layers(text) -> int:
+    """Multi-token-prediction layers a release stores after the decoder (``layers.N…``), which
+    transformers' model does not build."""
+    return int(getattr(text, "num_nextn_predict_layers", 0) or 0)

@@ -163,9 +163,10 @@ def rule_set(cfg, hf_format: str, tower: Tower, language: LanguageKeys) -> RuleS
                             layout=layout.decoder)
              + vision + merger_rules(cfg, norm, merging) + projector_rules(cfg, linear_1, linear_2))
     head_key = layout.head_key
-    drops = _DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
+    drops = (_DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
+             + language.drops_of(cfg.text_config, layout.lm_root))
     return RuleSet(rules=rules,
-                   variables={"i": cfg.text_config.num_hidden_layers, **vision_vars},
+                   variables={**language.variables_of(cfg.text_config), **vision_vars},
                    hf_prefixes=("",), drop_hf=drops, hf_format=hf_format,
                    validate_tp=lambda tp: tp_problems(cfg, tp, tower, language))
 

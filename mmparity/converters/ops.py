@@ -314,6 +314,38 @@ class Concat(Op):
         return f"Concat(n={self.n_hf}, dim={self.dim})"
 
 
+@dataclass(frozen=True, repr=False)
+class Unstack(Op):
+    """One HF tensor holding a stack of ``count`` along dim 0 (transformers' fused experts,
+    ``[experts, rows, cols]``) <-> ``count`` mcore tensors, one per entry (one per expert)."""
+
+    count: int
+
+    @property
+    def n_mcore(self) -> int:
+        return self.count
+
+    def _check(self, t):
+        if t.dim() < 2 or t.shape[0] != self.count:
+            raise LayoutError(f"{self!r}: expected a stack of {self.count} along dim 0, got {tuple(t.shape)}")
+
+    def apply(self, hf):
+        self._check(hf[0])
+        return [_own(hf[0][j], hf) for j in range(self.count)]
+
+    def apply_pieces(self, hf):
+        self._check(hf[0])
+        return [[hf[0][j]] for j in range(self.count)]
+
+    def invert(self, mcore):
+        if len(mcore) != self.count or len({tuple(t.shape) for t in mcore}) != 1:
+            raise LayoutError(f"{self!r}: expected {self.count} tensors of one shape, got {_shapes(mcore)}")
+        return [_own(cat([t.unsqueeze(0) for t in mcore], dim=0), mcore)]
+
+    def __repr__(self):
+        return f"Unstack(count={self.count})"
+
+
 def fuse_gate_up() -> Concat:
     """HF ``gate_proj``/``up_proj`` -> mcore ``linear_fc1`` = [gate; up] (activation on the first half)."""
     return Concat(n_hf=2, dim=0)

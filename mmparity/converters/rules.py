@@ -163,6 +163,23 @@ class LanguageKeys:
     layouts: tuple
     rules: Callable
     tp_problems: Callable
+    # The ranges of the rules' variables (default: ``{i}`` over every layer), for a decoder whose
+    # layers are of several kinds (dense then MoE) or that has experts (``{e}``).
+    variables: Callable | None = None
+    # Whole-key regexes of what a release stores beside the decoder and no model reads
+    # (``drops(text_config, lm_root)``: DeepSeek's multi-token-prediction layers).
+    drops: Callable | None = None
+    # How many routed experts each MoE layer has (0: none), which the expert axis splits.
+    experts: Callable | None = None
+
+    def variables_of(self, text) -> dict:
+        return dict(self.variables(text)) if self.variables else {"i": text.num_hidden_layers}
+
+    def drops_of(self, text, lm_root: str) -> tuple:
+        return tuple(self.drops(text, lm_root)) if self.drops else ()
+
+    def experts_of(self, text) -> int:
+        return int(self.experts(text)) if self.experts else 0
 
 
 @dataclass(frozen=True)
@@ -253,13 +270,21 @@ def _respell(key: str, table) -> str:
     return key
 
 
+# Layers whose norms are separate modules in Transformer Engine's spelling too: multi-latent
+# attention (its first projections take the normed input unfused) and MoE MLPs (the router reads it).
+_UNFUSED_NORM_LAYERS = re.compile(r"^(.*\.)(self_attention\.linear_kv_down_proj|mlp\.router)\.")
+
+
 def to_te_spelling(state: Mapping[str, torch.Tensor]) -> dict:
     """Read either spelling: local-spec norm keys become TE fused-norm keys; ``_extra_state`` goes."""
+    unfused = {m.group(1) + ("input_layernorm." if "attention" in m.group(2) else "pre_mlp_layernorm.")
+               for key in state if (m := _UNFUSED_NORM_LAYERS.match(key))}
     out = {}
     for key, value in state.items():
         if key.endswith("._extra_state") or key.endswith("_extra_state"):
             continue
-        out[_respell(key, _LOCAL_TO_TE)] = value
+        keep = any(key.startswith(p) for p in unfused)
+        out[key if keep else _respell(key, _LOCAL_TO_TE)] = value
     return out
 
 

@@ -60,7 +60,8 @@ class CausalCoreAttention(torch.nn.Module):
             causal = torch.ones(seq, k.shape[2], dtype=torch.bool, device=q.device).tril()
             allowed = causal & ~attention_mask.bool()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+        # Values may be narrower than queries and keys (multi-latent attention's v_head_dim).
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * value.shape[-1])
 
 
 class LanguageRotaryEmbedding(RotaryEmbedding):
