@@ -352,3 +352,45 @@ def test_megatron_moe_layers_built_at_ep_2_hold_what_split_expert_ranks_gives_th
             assert sharded_key == "decoder.layers.mlp.experts.experts." + parsed.rest
             assert shape[:2] == (2, 4) and offset[1] == 2 * rank + parsed.expert, (key, offset)
         assert checked == 2 * 2, result["offsets"]  # fc2 of 2 local experts x 2 layers (fc1: a factory)
+
+
+@pytest.mark.parametrize("moe_layer_freq", [[0, 1, 1], 1])
+def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, moe_layer_freq):
+    """Megatron's MoE block saved as torch_dist (its sharded state dict at EP 1: global experts on
+    a stacked expert axis, and a stacked layer axis unless dense layers come first), read back one
+    (layer, expert) at a time under the per-expert keys, bit-exact."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mmparity import runtime
+    from mmparity.checkpoint.streaming import torch_dist_index
+    from mmparity.checkpoint.torch_dist import save_torch_dist
+    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+    from mmparity.converters.rules import to_te_spelling
+
+    with runtime.parallel_context(1, 1):
+        config = TransformerConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                                   num_moe_experts=6, moe_router_topk=2, moe_ffn_hidden_size=FFN,
+                                   moe_layer_freq=moe_layer_freq, gated_linear_unit=True, add_bias_linear=False,
+                                   use_cpu_initialization=True, moe_grouped_gemm=False)
+        # Dense layer 0, MoE 1 and 2: mcore's per-layer specs, and per-layer sharded keys.
+        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if moe_layer_freq != 1
+                else get_gpt_layer_local_spec(num_experts=6, moe_grouped_gemm=False))
+        block = TransformerBlock(config, spec, post_layer_norm=False)
+        # mcore's local spec saves its MoE layers' pre-MLP norm under TE's fused name all the same.
+        state = {k.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"): v
+                 for k, v in to_te_spelling({k: v for k, v in block.state_dict(prefix="decoder.").items()
+                                             if isinstance(v, torch.Tensor)}).items()}
+        save_torch_dist(tmp_path / "ckpt", block.sharded_state_dict(prefix="decoder."), tp_size=1, pp_size=1)
+    files = TorchDistFiles(tmp_path / "ckpt" / "iter_0000001")
+    index = torch_dist_index(files, list(state))
+    assert set(index) == set(state)
+    assert ep.expert_count(index) == 6
+    for key, (ckpt_key, position, meta) in index.items():
+        if position is None:
+            t = files.read(ckpt_key)
+        else:
+            t = files.read_region(ckpt_key, position + (0,) * len(meta.shape),
+                                  (1,) * len(position) + meta.shape).reshape(meta.shape)
+        assert torch.equal(t, state[key]), key

@@ -115,10 +115,12 @@ MCORE_FORMATS = ("torch_dist", "legacy")
 _NOT_MODEL_KEYS = re.compile(r"^(optimizer\.|rng_state|rerun_state_machine_state|common_state)")
 # mcore's stacked layer tensors: `<root>decoder.layers.<name>` without a layer number.
 _STACKED_KEY = re.compile(r"^((?:.*\.)?decoder\.layers\.)(?!\d+\.)(.+)$")
-# ... and their expert tensors, stacked over (layer, global expert) by both of mcore's experts
-# modules: `<root>decoder.layers.mlp.experts.experts.linear_fc1.weight` of shape [layers, experts, ...].
-_STACKED_EXPERT_KEY = re.compile(r"^((?:.*\.)?decoder\.layers\.)(?!\d+\.)((?:.*\.)?mlp\.experts\.)experts\."
-                                 r"(linear_fc[12]\.(?:weight|bias))$")
+# MoE expert tensors, stacked over the global experts by both of mcore's experts modules, and over
+# the layers too unless the block is non-homogeneous (dense and MoE layers, mcore then keeps each
+# layer's number in the key): `<root>decoder.layers.[<n>.]mlp.experts.experts.linear_fc1.weight` of
+# shape [layers, experts, ...] or [experts, ...].
+_STACKED_EXPERT_KEY = re.compile(r"^(?P<stack>(?:.*\.)?decoder\.layers\.)(?:(?P<layer>\d+)\.)?"
+                                 r"(?P<module>(?:.*\.)?mlp\.experts\.)experts\.(?P<rest>linear_fc[12]\.(?:weight|bias))$")
 _MAX_PROBLEMS_SHOWN = 4
 
 
@@ -698,6 +700,35 @@ class _LegacySource(_McoreSource):
         return self.file_ranges.locate(piece)
 
 
+def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, tuple]:
+    """Where each mcore tensor of a torch_dist checkpoint is: TE-spelled, globally numbered local
+    key -> (checkpoint key, its position along the stacked axes (layer, expert, or both) or None,
+    Meta of the tensor there). Only the positions the saved chunks cover: a stack of MoE layers
+    among dense ones holds those layers alone. Expert tensors are named in the layout ``order``
+    (the rule table's keys) spells them in. Spelled all at once, so that a layer's own keys say
+    whether its norms are fused (``rules.to_te_spelling``)."""
+    raw: dict[str, tuple] = {}
+    expert_layout = ep_mod.expert_key_layout(order) or ep_mod.GROUPED
+    for ckpt_key, (dtype, shape) in files.tensors.items():
+        if _NOT_MODEL_KEYS.match(ckpt_key):
+            continue
+        experts = _STACKED_EXPERT_KEY.match(ckpt_key)
+        stacked = _STACKED_KEY.match(ckpt_key)
+        axes = 2 if experts and experts["layer"] is None else 1
+        if experts and len(shape) > axes:
+            for position in sorted(files.covered(ckpt_key, axes)):
+                layer = experts["layer"] if axes == 1 else position[0]
+                local = ep_mod.ExpertKey(f"{experts['stack']}{layer}.{experts['module']}", position[-1],
+                                         experts["rest"], expert_layout).spell()
+                raw[local] = (ckpt_key, position, Meta(dtype, tuple(shape[axes:])))
+        elif stacked and shape:
+            for (layer,) in sorted(files.covered(ckpt_key, 1)):
+                raw[f"{stacked.group(1)}{layer}.{stacked.group(2)}"] = (ckpt_key, (layer,), Meta(dtype, tuple(shape[1:])))
+        else:
+            raw[ckpt_key] = (ckpt_key, None, Meta(dtype, tuple(shape)))
+    return {key: raw[name] for key, name in R.to_te_spelling({name: name for name in raw}).items()}
+
+
 class _TorchDistSource(_McoreSource):
     layout = LAYOUT_TORCH_DIST
 
@@ -708,30 +739,7 @@ class _TorchDistSource(_McoreSource):
         self._init_common(root, manifest, family, filt, complete)
         self._check_recorded_parallelism(None, None)
         self.files = TorchDistFiles(iteration_dir)
-        # TE-spelled local key -> (checkpoint key, its position along the stacked axes (layer, or
-        # layer and expert) or None, Meta). Only the positions the saved chunks cover: a stack of
-        # MoE layers among dense ones holds those layers alone.
-        self.index: dict[str, tuple] = {}
-        expert_layout = ep_mod.expert_key_layout(self.order) or ep_mod.GROUPED
-        for ckpt_key, (dtype, shape) in self.files.tensors.items():
-            if _NOT_MODEL_KEYS.match(ckpt_key):
-                continue
-            experts = _STACKED_EXPERT_KEY.match(ckpt_key)
-            stacked = _STACKED_KEY.match(ckpt_key)
-            if experts and len(shape) > 2:
-                for layer, expert in sorted(self.files.covered(ckpt_key, 2)):
-                    local = ep_mod.ExpertKey(f"{experts.group(1)}{layer}.{experts.group(2)}", expert,
-                                             experts.group(3), expert_layout).spell()
-                    self.index[local] = (ckpt_key, (layer, expert), Meta(dtype, tuple(shape[2:])))
-            elif stacked and shape:
-                for (layer,) in sorted(self.files.covered(ckpt_key, 1)):
-                    local = _te_key(f"{stacked.group(1)}{layer}.{stacked.group(2)}")
-                    if local is not None:
-                        self.index[local] = (ckpt_key, (layer,), Meta(dtype, tuple(shape[1:])))
-            else:
-                local = _te_key(ckpt_key)
-                if local is not None:
-                    self.index[local] = (ckpt_key, None, Meta(dtype, tuple(shape)))
+        self.index = torch_dist_index(self.files, self.order)
         self._check_keys(self.index, "torch_dist")
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order if key in self.index} | self._side_metas()
