@@ -121,6 +121,9 @@ class Family:
     # (``mmparity.converters.llava``) over the registered vision tower its config names, not a
     # ``mmparity.converters.<name>`` of its own.
     composed: bool = False
+    # Built of registered parts with its own key table (not LLaVA's): its hooks are given the
+    # tower and the language-model lookups, as a composed family's are.
+    with_language: bool = False
 
     def takes(self, facts: ConfigFacts) -> tuple[int, int]:
         """How well this family takes a checkpoint: (2 whole, 1 part, 0 not at all; how many facts
@@ -139,7 +142,8 @@ class Family:
         module = importlib.import_module(f"mmparity.cases.{self.name}")
         try:
             # A whole VLM is composed of registered parts: its tower and its language model.
-            hooks = module.hooks(tower_of, language_of) if self.composed else module.hooks(tower_of)
+            hooks = (module.hooks(tower_of, language_of) if self.composed or self.with_language
+                     else module.hooks(tower_of))
         except TypeError as exc:  # a required hook left out of the record
             raise FamilyError(f"family {self.name!r}: {exc}") from None
         if not isinstance(hooks, FamilyHooks):
@@ -344,6 +348,21 @@ _REGISTRY: dict[str, Family] = {
                         "multi_modal_projector.*)",
         takes_whole=(Takes(architecture="Kimi_K25VisionModel"), Takes(model_type="kimi_k25_vision")),
         takes_part=(Takes(architecture="Kimi_K25ForConditionalGeneration"), Takes(model_type="kimi_k25")),
+    ),
+    "kimi_k25_vl": Family(
+        name="kimi_k25_vl",
+        summary="Kimi-K2.5 whole: MoonViT + projector + DeepSeek-V3 decoder (MLA, leading dense "
+                "layers, routed and shared experts); logits, per-token loss, router agreement",
+        reference_classes=("Kimi_K25ForConditionalGeneration",),
+        compared=("vision layers", "vision_projection", "attention", "router", "shared_experts",
+                  "routed experts", "language layers", "final_norm"),
+        checkpoint_note="whole Kimi_K25ForConditionalGeneration checkpoint as Megatron's LLaVAModel "
+                        "(vision_model, vision_projection, language_model with MoE layers); module "
+                        "names or the release layout (language_model.model.layers.N, one tensor per "
+                        "expert); experts as TEGroupedMLP names them; MTP layers dropped and reported",
+        takes_whole=(Takes(architecture="Kimi_K25ForConditionalGeneration", text_model_type="deepseek_v3"),
+                     Takes(model_type="kimi_k25", text_model_type="deepseek_v3")),
+        with_language=True,
     ),
     "llava": Family(
         name="llava",

@@ -33,6 +33,9 @@ class Pair:
     name: str
     module: Any
     extract: Extractor = field(default=None)
+    # Copy the output when it is produced: the model later adds to it in place (mcore's
+    # bias-dropout-add on an attention output), so the tensor read after the run is not it.
+    snapshot: bool = False
 
 
 def first_tensor(output):

@@ -204,6 +204,19 @@ def _from_grouped_names(state_dict, prefix, *unused):
                        f"{match['kind']}"] = state_dict.pop(key)
 
 
+class ProbedMoELayer(MoELayer):
+    """mcore's ``MoELayer`` with its routed experts' combined output passed through a stateless
+    probe module (``routed_experts``) before the shared expert's is added, so that parity can hook
+    the routed part alone, as it hooks HF's ``experts`` module."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.routed_experts = torch.nn.Identity()
+
+    def postprocess(self, output, shared_expert_output):
+        return super().postprocess(self.routed_experts(output), shared_expert_output)
+
+
 def _attention_spec() -> ModuleSpec:
     return ModuleSpec(
         module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
@@ -222,7 +235,8 @@ def _expert_mlp() -> MLPSubmodules:
 
 def layer_spec(moe: bool) -> ModuleSpec:
     if moe:
-        mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        mlp = ModuleSpec(module=ProbedMoELayer if hasattr(MoELayer, "postprocess") else MoELayer,
+                         submodules=MoESubmodules(
             experts=ModuleSpec(module=GroupedNamesSequentialMLP, submodules=_expert_mlp()),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_expert_mlp())))
     else:

@@ -52,14 +52,22 @@ def capture(pairs) -> Iterable[dict]:
     seen: dict = {}
     handles = []
     for pair in pairs:
-        def hook(module, args, output, _name=pair.name):
-            seen[_name] = output
+        def hook(module, args, output, _name=pair.name, _copy=pair.snapshot):
+            seen[_name] = _snapshot(output) if _copy else output
         handles.append(pair.module.register_forward_hook(hook))
     try:
         yield seen
     finally:
         for h in handles:
             h.remove()
+
+
+def _snapshot(output):
+    if isinstance(output, torch.Tensor):
+        return output.detach().clone()
+    if isinstance(output, (tuple, list)):
+        return type(output)(_snapshot(o) for o in output)
+    return output
 
 
 def _extract(pairs, seen: dict, case: Case) -> dict:

@@ -1,0 +1,77 @@
+"""Kimi-K2.5 whole on mcore: the ``kimi_k25`` family's MoonViT and projector as ``vision_model`` /
+``vision_projection`` and the registered language-model part (DeepSeek-V3's ``GPTModel``) as
+``language_model``: ``LLaVAModel``'s tree, so the keys are Megatron's.
+
+Images are laid out as Kimi's processor lays them out: every merged patch has one image token in
+the ids (no compact placeholders to expand), and the projected image embeddings replace those
+tokens' embeddings in order, row by row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from mmparity import runtime
+from mmparity.hfconfig import padded_vocab_size, tied_embeddings
+from mmparity.native import kimi_k25 as tower
+from mmparity.native.core.layers import tolerate_missing_extra_state
+from mmparity.native.llava import LLaVAModel
+
+
+class KimiK25VLModel(tower.KimiViTWithProjector):
+    def __init__(self, vision_model, projection_config, language_model, *, image_token_id: int, vocab_size: int):
+        super().__init__(vision_model, projection_config)
+        self.language_model = language_model
+        self.image_token_id = image_token_id
+        self.vocab_size = vocab_size
+        tolerate_missing_extra_state(self)
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor], imgs_sizes=None,
+              num_frames: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """``[s, b, h]`` decoder input: token embeddings with the image tokens' replaced."""
+        image = input_ids == self.image_token_id
+        ids = input_ids.masked_fill(image, 0)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        embedded = self.language_model.embedding(input_ids=ids, position_ids=positions)  # [s, b, h]
+        if pixel_values is None:
+            return embedded
+        features = self.encode(pixel_values, imgs_sizes=imgs_sizes, num_frames=num_frames).image_embeds
+        features = features.reshape(-1, embedded.shape[-1]).to(embedded.dtype)
+        if int(image.sum()) != features.shape[0]:
+            raise ValueError(f"{int(image.sum())} image tokens in the ids for {features.shape[0]} image embeddings")
+        batch_major = embedded.transpose(0, 1).clone()
+        batch_major[image] = features
+        return batch_major.transpose(0, 1).contiguous()
+
+    def forward(self, pixel_values: Optional[torch.Tensor], input_ids: torch.Tensor, *, imgs_sizes=None,
+                num_frames: Optional[Sequence[int]] = None, labels: Optional[torch.Tensor] = None):
+        """Logits ``[b, s, padded vocab]``, or with ``labels`` (the next token at every position)
+        Megatron's per-token loss ``[b, s]``."""
+        from mmparity.native.deepseek_v3 import host_placement
+
+        with host_placement(input_ids.device):
+            decoder_input = self.embed(input_ids, pixel_values, imgs_sizes, num_frames)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            if labels is None:
+                return self.language_model(None, positions, None, decoder_input=decoder_input,
+                                           runtime_gather_output=True)
+            logits = self.language_model(None, positions, None, decoder_input=decoder_input)
+            # Megatron's loss over the real vocabulary only, as the LLaVA model computes it.
+            return LLaVAModel._token_loss(self, logits, labels.contiguous())
+
+
+def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) -> KimiK25VLModel:
+    """The whole model for a ``Kimi_K25Config``; ``language``: the language-model part's native
+    module (its ``LanguageModelBuilder``)."""
+    text = cfg.text_config
+    with_projector = tower.build_native(cfg, params_dtype)
+    layout = runtime.current_layout()
+    vocab = padded_vocab_size(text.vocab_size, tp=layout.tp if layout is not None else 1)
+    language_model = language.LanguageModelBuilder(text, params_dtype)(
+        vocab, pre_process=True, post_process=True, parallel_output=False,
+        share_embeddings_and_output_weights=tied_embeddings(cfg))
+    model = KimiK25VLModel(with_projector.vision_model, tower.projection_config(cfg, params_dtype), language_model,
+                           image_token_id=cfg.image_token_id, vocab_size=text.vocab_size)
+    return model.to(params_dtype)

@@ -1,0 +1,61 @@
+"""Reference side of Kimi-K2.5 whole: transformers' ``Kimi_K25ForConditionalGeneration``, and its
+state-dict shapes read off the config from its parts (the ``kimi_k25`` tower and projector, the
+``deepseek_v3`` decoder)."""
+
+from __future__ import annotations
+
+from transformers import Kimi_K25Config
+
+from mmparity.reference import deepseek_v3 as decoder
+from mmparity.reference import kimi_k25 as tower
+
+MODEL_TYPES = ("kimi_k25",)
+
+
+def tiny_text(**overrides) -> dict:
+    """Awkward tiny DeepSeek-V3 sizes: 3 layers (1 dense, then MoE), 6 experts in 3 groups of which
+    2 are kept, top-4 (HF's top-2-per-group ranking is then mcore's), one shared expert, a q LoRA
+    rank, rope/nope/v head widths 4/6/5, YaRN past its original 12 positions."""
+    text = {"model_type": "deepseek_v3", "hidden_size": 40, "num_hidden_layers": 3, "vocab_size": 97,
+            "intermediate_size": 36, "moe_intermediate_size": 12, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "first_k_dense_replace": 1, "q_lora_rank": 12, "kv_lora_rank": 8,
+            "qk_rope_head_dim": 4, "qk_nope_head_dim": 6, "v_head_dim": 5, "n_routed_experts": 6,
+            "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 3, "topk_group": 2,
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 48,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 12, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "mscale": 1.0, "mscale_all_dim": 1.0}}
+    return text | overrides
+
+
+def tiny_config(**text_overrides) -> Kimi_K25Config:
+    vision = tower.tiny_config().vision_config
+    return Kimi_K25Config(vision_config=vision, text_config=tiny_text(**text_overrides),
+                          projection_hidden_size=vision.hidden_size, tie_word_embeddings=False,
+                          image_token_id=95)
+
+
+def vision_config(cfg):
+    """The family config: a whole Kimi-K2.5 config."""
+    if getattr(cfg, "model_type", None) in MODEL_TYPES and getattr(cfg, "text_config", None) is not None:
+        return cfg
+    raise ValueError(f"config of model_type {getattr(cfg, 'model_type', None)!r} is not a whole Kimi-K2.5 model")
+
+
+def build(cfg):
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    model = Kimi_K25ForConditionalGeneration(cfg).float().eval()
+    # HF's own per-expert loop, the definition its kernels (grouped_mm, which on the CPU also
+    # refuses bf16 strides that are not multiples of 16 bytes) must reproduce.
+    model.set_experts_implementation("eager")
+    return model
+
+
+def state_shapes(cfg) -> dict[str, tuple]:
+    text = cfg.text_config
+    shapes = {"model." + k: s for k, s in tower.state_shapes(cfg).items()}
+    shapes |= {"model.language_model." + k: s for k, s in decoder.decoder_shapes(text).items()}
+    shapes["lm_head.weight"] = (text.vocab_size, text.hidden_size)
+    return shapes
+
