@@ -394,3 +394,77 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
             t = files.read_region(ckpt_key, position + (0,) * len(meta.shape),
                                   (1,) * len(position) + meta.shape).reshape(meta.shape)
         assert torch.equal(t, state[key]), key
+
+
+# --- end to end: the tiny whole Kimi-K2.5 through convert --ep 2 and back ------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi_hf(tmp_path_factory):
+    """The tiny whole Kimi-K2.5 as an HF directory of its module names (transformers'
+    save_pretrained renames them, see the family's refusal), seeded random weights, sharded."""
+    from mmparity import families
+    from mmparity.cases.inputs import random_like_state
+    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+
+    family = families.get("kimi_k25_vl")
+    cfg = family.tiny_config()
+    model = family.build_reference(cfg)
+    path = tmp_path_factory.mktemp("kimi") / "hf"
+    save_safetensors_checkpoint(path, random_like_state(model.state_dict(), seed=3), max_shard_size="40KB",
+                                extra_files={"config.json": cfg.to_json_string()})
+    return path
+
+
+# torch_dist of this family does not write yet, at any EP: its block is non-homogeneous (dense layer 0,
+# then MoE), so mcore keys every layer's sharded entries by its own number, while the writer's
+# extra-state objects (checkpoint.torch_dist.extra_state_objects) stack them on a layer axis and
+# have no expert axis; DCP's access check then finds mcore's expert / per-layer extra states missing.
+_TORCH_DIST_PENDING = pytest.mark.xfail(strict=True, reason="torch_dist writer's extra states: stacked layers "
+                                        "only, no expert axis (non-homogeneous MoE block)")
+
+
+@pytest.mark.parametrize("fmt, tp_size", [("legacy", 1), ("legacy", 2),
+                                          pytest.param("torch_dist", 1, marks=_TORCH_DIST_PENDING),
+                                          pytest.param("torch_dist", 2, marks=_TORCH_DIST_PENDING)])
+def test_kimi_k25_vl_converts_at_ep_2_and_back_bit_exact(kimi_hf, tmp_path, fmt, tp_size, capsys, monkeypatch):
+    from mmparity.cli.main import main
+    from tests.test_convert_roundtrips import assert_same_checkpoint
+
+    if fmt == "torch_dist" and not torch.cuda.is_available():
+        # The torch_dist writer builds the native model on the meta device, where
+        # native.deepseek_v3.host_placement (CPU only) leaves mcore's torch.cuda.current_device()
+        # calls unpatched; until it covers meta too, the test names the CPU itself.
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "--src", str(kimi_hf), "--dst", str(mcore), "--to", "mcore", "--format", fmt,
+                 "--tp", str(tp_size), "--ep", "2"]) == 0, capsys.readouterr().err
+    assert f"tp={tp_size} pp=1 ep=2" in capsys.readouterr().out or fmt == "torch_dist"
+    manifest = read_manifest(mcore)
+    if fmt == "legacy":
+        assert manifest.expert_parallel_size == 2
+        names = sorted(p.name for p in (mcore / "iter_0000001").iterdir())
+        assert names == [f"mp_rank_{t:02d}_{e:03d}" for t in range(tp_size) for e in range(2)]
+        # Each EP rank's file holds half of every MoE layer's 6 experts, numbered from 0.
+        for name in names:
+            held = {(k.layer, k.expert) for k in map(ep.parse_expert_key,
+                                                     load_rank_file(mcore / "iter_0000001" / name / "model_optim_rng.pt"))
+                    if k is not None}
+            assert held and {e for _, e in held} == {0, 1, 2}
+    assert verify(mcore).ok
+    assert main(["convert", "--src", str(mcore), "--dst", str(back), "--to", "hf"]) == 0, capsys.readouterr().err
+    assert_same_checkpoint(back, kimi_hf)
+
+
+def test_convert_ep_refuses_a_family_without_experts_and_an_ep_not_dividing(kimi_hf, tmp_path, capsys):
+    from mmparity.cli.main import main
+    from tests.test_convert_roundtrips import save_hf
+
+    clip = save_hf("clip", tmp_path / "clip")
+    assert main(["convert", "--src", str(clip), "--dst", str(tmp_path / "a"), "--to", "mcore", "--ep", "2"]) == 2
+    assert "--ep 2: no experts in family clip" in capsys.readouterr().err
+    assert main(["convert", "--src", str(kimi_hf), "--dst", str(tmp_path / "b"), "--to", "mcore", "--ep", "4",
+                 "--format", "legacy"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep 4 does not divide the 6 experts" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

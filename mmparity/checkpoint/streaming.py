@@ -1055,6 +1055,15 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         with torch.device("meta"):
             model = families.get(source.family).build_native(source.cfg)
         sharded = model.sharded_state_dict()
+        # The converter's name of every sharded entry, spelled all at once (a layer's own keys say
+        # whether its norms are fused) and with expert keys in the rule table's layout (mcore's
+        # SequentialMLP names its sharded entries local_experts.{e}. whatever its state dict says).
+        tensors = {local: local for local, entry in sharded.items()
+                   if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))}
+        spelled = R.to_te_spelling(tensors)
+        if ep_mod.expert_key_layout(order):
+            spelled = ep_mod.respell(spelled, ep_mod.expert_key_layout(order))
+        converter_key = {local: key for key, local in spelled.items()}
         local_keys: dict[str, str] = {}
         problems = []
         for local, entry in sharded.items():
@@ -1063,7 +1072,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             if not isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory)):
                 problems.append(f"{local}: unsupported sharded entry {type(entry).__name__}")
                 continue
-            key = _te_key(local)
+            key = converter_key.get(local)
             if key in aside:  # the native model's own modules for side tensors (e.g. CLIP's ln_post)
                 continue
             if key not in source.metas:
@@ -1079,7 +1088,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
         # placeholder is kept alive so the key stays unique.
         key_of: dict[int, tuple[str, torch.Tensor]] = {}
-        for local in [name for name in sharded if _te_key(name) in aside]:
+        for local in [name for name in sharded if converter_key.get(name) in aside]:
             del sharded[local]
         # The native model's extra states are its own modules'; Megatron's class declares others
         # (its attention's, none for linears it keeps whole): written as Megatron's, empty.
