@@ -41,6 +41,8 @@ class ParallelLayout:
     backend: str
     # Layers of the pipelined stack on each stage; None means mcore's even split.
     layer_counts: tuple[int, ...] | None = None
+    # Megatron's expert_model_parallel_size: MoE layers built now hold 1/ep of their experts.
+    ep: int = 1
 
 
 _layout: ParallelLayout | None = None
@@ -58,7 +60,7 @@ def current_layout() -> ParallelLayout | None:
     return _layout
 
 
-def init_parallel(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu",
+def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | torch.device = "cpu",
                   seed: int = 0, layer_counts: Sequence[int] | None = None) -> ParallelLayout:
     """Initialise torch.distributed (if needed) and mcore's model-parallel groups.
 
@@ -66,12 +68,20 @@ def init_parallel(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu
     different sizes tear the old groups down first, because mcore keeps exactly one global layout.
     ``layer_counts`` (one count per stage) is how models built afterwards split their pipelined
     layer stack; see :func:`uneven_stage_fields` for which splits mcore can build.
+
+    ``ep`` is Megatron's ``expert_model_parallel_size``, with its default expert TP (= ``tp``):
+    the world is ``tp x pp x dp`` ranks and ``ep`` must divide ``dp`` (mcore lays the expert
+    groups over ``tp x ep x pp``), so EP 2 needs at least two ranks. MoE layers built afterwards
+    hold their EP rank's experts, and their sharded state dicts place them at global offsets.
     """
     global _layout, _we_created_process_group
     from megatron.core import parallel_state
 
     counts = _checked_layer_counts(layer_counts, pp)
-    if _layout is not None and (_layout.tp, _layout.pp) == (tp, pp):
+    for name, size in (("tensor-parallel", tp), ("pipeline-parallel", pp), ("expert-parallel", ep)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} size must be a positive integer, got {size!r}")
+    if _layout is not None and (_layout.tp, _layout.pp, _layout.ep) == (tp, pp, ep):
         _seed_everything(seed, device)
         if _layout.layer_counts != counts:
             _layout = replace(_layout, layer_counts=counts)
@@ -88,13 +98,18 @@ def init_parallel(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu
     if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-parallel {tp} x pipeline-parallel {pp}")
+    if world_size % (tp * pp * ep) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor-parallel {tp} x pipeline-parallel {pp} x "
+            f"expert-parallel {ep}: EP must divide the data-parallel size {world_size // (tp * pp)}")
     # The extra gloo groups are for the distributed optimizer's CPU-side traffic, which nothing
     # here runs; each one costs time to make and to free.
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        create_gloo_process_groups=False)
     _seed_everything(seed, device)
     _layout = ParallelLayout(tp=tp, pp=pp, world_size=world_size, rank=dist.get_rank(),
-                             backend=backend, layer_counts=counts)
+                             backend=backend, layer_counts=counts, ep=ep)
     return _layout
 
 
@@ -442,17 +457,17 @@ def process_group(device: str | torch.device = "cpu"):
 
 
 @contextlib.contextmanager
-def parallel_context(tp: int = 1, pp: int = 1, *, device: str | torch.device = "cpu", seed: int = 0):
+def parallel_context(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | torch.device = "cpu", seed: int = 0):
     """Parallel state for the duration of a block; an enclosing layout of the same size is reused."""
     previous = _layout
-    layout = init_parallel(tp, pp, device=device, seed=seed)
+    layout = init_parallel(tp, pp, ep=ep, device=device, seed=seed)
     try:
         yield layout
     finally:
         if previous is None:
             teardown_parallel()
-        elif (previous.tp, previous.pp) != (tp, pp):
-            init_parallel(previous.tp, previous.pp, device=device, seed=seed)
+        elif (previous.tp, previous.pp, previous.ep) != (tp, pp, ep):
+            init_parallel(previous.tp, previous.pp, ep=previous.ep, device=device, seed=seed)
 
 
 def _seed_everything(seed: int, device: str | torch.device) -> None:

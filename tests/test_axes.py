@@ -1,4 +1,4 @@
-"""Parallel axes as records: their range splits, the EP placeholder, and rank directory names."""
+"""Parallel axes as records: their range splits, what EP needs of a model, and rank directory names."""
 
 import pytest
 
@@ -6,7 +6,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.layout import legacy_rank_dirname, parse_legacy_rank_dirname, parse_rank_dirname, rank_dirname
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.converters import pp, tp
-from mmparity.converters.axes import EP_REFUSAL, AxisError, Grid, PipelineError, expert_axis, pipeline_axis, tensor_axis
+from mmparity.converters.axes import AxisError, Grid, PipelineError, expert_axis, no_experts, pipeline_axis, tensor_axis
 
 
 def test_pipeline_axis_splits_a_range_that_need_not_start_at_zero():
@@ -29,9 +29,10 @@ def test_tensor_axis_cuts_by_split_kind():
         tensor_axis(2).ranges(4)
 
 
-def test_ep_above_one_is_refused_in_one_line():
+def test_ep_above_one_needs_experts_it_divides():
     assert Grid.of(tp=2, pp=2).problems() == []
-    assert Grid.of(ep=2).problems() == [EP_REFUSAL]
+    assert Grid.of(ep=2).problems(0, "clip") == [no_experts("clip", 2)]
+    assert Grid.of(ep=2).problems(8) == [] and Grid.of(ep=3).problems(8) == ["--ep 3 does not divide the 8 experts"]
     assert len(Grid.of(tp=2, pp=3, ep=2).ranks()) == 12
 
 
@@ -57,16 +58,16 @@ def test_rank_names_follow_megatron():
     assert parse_rank_dirname("rank_01") is None
 
 
-def test_reading_an_expert_parallel_checkpoint_is_refused(tmp_path):
+def test_an_incomplete_expert_parallel_grid_names_the_missing_rank(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release\n")
     (tmp_path / "release" / "mp_rank_00_000_001").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match=EP_REFUSAL):
+    with pytest.raises(CheckpointError, match="incomplete TP=1 PP=1 EP=2 grid, missing mp_rank_00_000_000/"):
         open_legacy(tmp_path)
 
 
-def test_convert_refuses_ep_above_one(tmp_path, capsys):
+def test_convert_refuses_ep_below_one(tmp_path, capsys):
     from mmparity.cli.main import main
 
     assert main(["convert", "--src", str(tmp_path / "a"), "--dst", str(tmp_path / "b"), "--to", "mcore",
-                 "--ep", "2"]) == 2
-    assert EP_REFUSAL in capsys.readouterr().err
+                 "--ep", "0"]) == 2
+    assert "--ep must be >= 1, got 0" in capsys.readouterr().err

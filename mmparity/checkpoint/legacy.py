@@ -1,19 +1,21 @@
 """Megatron-LM's legacy (`torch` / non-distributed) checkpoint format, written and read on CPU.
 
-One `torch.save` file per (TP rank, PP stage):
+One `torch.save` file per (TP rank, PP stage, EP rank):
 
     <root>/latest_checkpointed_iteration.txt
-    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
         {"model": local state dict, "checkpoint_version": 3.0, "iteration": 1}
 
 Each `model` dict holds that rank's TP shard of every tensor, with the layers of its pipeline stage
-numbered from 0. Megatron-LM also stores `args` (an argparse.Namespace), optimizer and RNG state;
+numbered from 0 and, under expert parallelism, only its EP rank's experts of each MoE layer,
+numbered from 0 (`converters.ep`); everything else is in every EP rank's file. Megatron-LM also stores `args` (an argparse.Namespace), optimizer and RNG state;
 we write only what a model load needs (`--no-load-optim --no-load-rng`, or `--finetune`), and
 only objects `torch.load(weights_only=True)` accepts, which is also how everything is read back:
 a checkpoint is data, never code.
 
 The public functions take and return what the converters produce: one globally numbered state
-dict per TP rank. Pipeline splitting and merging happen here via `converters.pp`.
+dict per TP rank. Pipeline and expert splitting and merging happen here via `converters.pp` and
+`converters.ep`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from pathlib import Path
 import torch
 
 from mmparity import errors
+from mmparity.converters import ep as ep_mod
 from mmparity.converters import pp
-from mmparity.converters.axes import EP_REFUSAL
+from mmparity.converters.axes import AxisError, Grid
+from mmparity.converters.rules import ConversionError
 from mmparity.checkpoint import extra_state, unpickle
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
@@ -38,9 +42,8 @@ from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
     iteration_dirname,
-    legacy_rank_dirname,
-    parse_legacy_rank_dirname,
     parse_rank_dirname,
+    rank_dirname,
     resolve_iteration_dir,
 )
 from mmparity.checkpoint.manifest import (
@@ -102,11 +105,15 @@ class LegacyWriter:
     `torch.load` ignores them, the manifest's per-tensor checksums replace them).
 
     `rank_entries[tp_rank]` maps every *globally numbered* key of that TP rank to a `(dtype, shape)`
-    pair, or to a plain value (None, int, str …) that goes into the pickle as is.
+    pair, or to a plain value (None, int, str …) that goes into the pickle as is. With `ep_size > 1`
+    each (TP rank, PP stage) is one file per EP rank, holding its share of the `num_experts`
+    experts of every MoE layer and a copy of everything else: a key's `write` fills every file
+    that holds it.
     """
 
     def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, pp_size: int, layer_counts: Sequence[int],
-                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int, locate=None):
+                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int, locate=None,
+                 ep_size: int = 1, num_experts: int = 0):
         if not rank_entries:
             raise CheckpointError("no TP shards to write")
         reference_keys = set(rank_entries[0])
@@ -117,7 +124,12 @@ class LegacyWriter:
                 diff = sorted(set(entries) ^ reference_keys)
                 raise CheckpointError(f"TP rank {tp_rank} and rank 0 hold different keys, e.g. {', '.join(diff[:8])}")
         self.staging = Path(staging)
+        grid = Grid.of(len(rank_entries), pp_size, ep_size)
+        problems = grid.problems(num_experts)
+        if problems:
+            raise CheckpointError(problems[0])
         self.files: list[str] = []
+        self._slots_of: dict[tuple[int, str], list[str]] = {}  # (tp rank, global key) -> slot names
         self._local: dict[str, tuple[int, str]] = {}  # slot name -> (file number, local key)
         self._extra_states: list[tuple[int, str, object]] = []  # (file number, local key, value)
         slots: dict[str, Slot] = {}
@@ -131,8 +143,11 @@ class LegacyWriter:
                                                       last_stage_prefixes=last_stage_prefixes)
                 except pp.PipelineError as exc:
                     raise CheckpointError(str(exc)) from None
-                for pp_rank, local_to_global in enumerate(stages):
-                    relative = Path(iteration_dir) / legacy_rank_dirname(tp_rank, pp_rank, pp_size) / LEGACY_FILE
+                # ... and splitting each stage's {local: global} over EP, in which EP rank's file.
+                files = [(pp_rank, ep_rank, local_to_global) for pp_rank, stage in enumerate(stages)
+                         for ep_rank, local_to_global in enumerate(_expert_ranks(stage, grid, num_experts))]
+                for pp_rank, ep_rank, local_to_global in files:
+                    relative = Path(iteration_dir) / rank_dirname(grid, tp_rank, pp_rank, ep_rank) / LEGACY_FILE
                     path = self.staging / relative
                     path.parent.mkdir(parents=True)
                     number = len(self.files)
@@ -150,7 +165,8 @@ class LegacyWriter:
                     for local, (offset, nbytes) in zip(tensor_keys, offsets):
                         key = local_to_global[local]
                         dtype, shape = entries[key]
-                        name = self.slot_name(tp_rank, key)
+                        name = self.slot_name(tp_rank, key, ep_rank)
+                        self._slots_of.setdefault((tp_rank, key), []).append(name)
                         slots[name] = Slot(number, offset, nbytes, dtype, tuple(shape))
                         self._local[name] = (number, local)
         except BaseException:
@@ -160,12 +176,17 @@ class LegacyWriter:
         self._writer = SlotWriter(self.staging, fds, slots, locate=locate)
 
     @staticmethod
-    def slot_name(tp_rank: int, key: str) -> str:
-        return f"{tp_rank}:{key}"
+    def slot_name(tp_rank: int, key: str, ep_rank: int = 0) -> str:
+        return f"{tp_rank}:{ep_rank}:{key}"
 
     def write(self, tp_rank: int, key: str, pieces) -> None:
-        """TP rank `tp_rank`'s tensor of global key `key`, whole or as consecutive dim-0 pieces."""
-        self._writer.write(self.slot_name(tp_rank, key), pieces)
+        """TP rank `tp_rank`'s tensor of global key `key`, whole or as consecutive dim-0 pieces,
+        into every file that holds it (one per EP rank for a tensor replicated over EP)."""
+        names = self._slots_of.get((tp_rank, key))
+        if names is None:
+            raise CheckpointError(f"{self.staging}: tensor {key!r} of TP rank {tp_rank} was not announced")
+        for name in names:
+            self._writer.write(name, pieces)
 
     def close(self) -> list[TensorRecord]:
         """Waits for every write; returns the manifest records (per rank file, local key), the
@@ -178,6 +199,16 @@ class LegacyWriter:
 
     def abort(self) -> None:
         self._writer.abort()
+
+
+def _expert_ranks(stage: Mapping[str, str], grid: Grid, num_experts: int) -> list[Mapping[str, str]]:
+    """A stage's {local key: global key} split over the grid's EP ranks (itself when EP = 1)."""
+    if grid.ep.size == 1:
+        return [stage]
+    try:
+        return ep_mod.split_expert_ranks(stage, grid.ep, num_experts)
+    except (ConversionError, AxisError) as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _is_tensor_entry(value) -> bool:
@@ -236,11 +267,15 @@ def write_legacy(
     extra_files: Mapping[str, str | bytes] | None = None,
     on_file: Callable[[str, int], None] | None = None,
     force: bool = False,
+    ep_size: int = 1,
+    num_experts: int | None = None,
 ) -> Path:
     """Writes one globally numbered state dict per TP rank as a Megatron-LM legacy checkpoint.
 
     `pp_size > 1` splits the layer stack evenly (or by `layer_counts`) with pre-process keys on the
-    first stage and `last_stage_prefixes` keys on the last. `extra_files` (e.g. the HF config a
+    first stage and `last_stage_prefixes` keys on the last. `ep_size > 1` splits the experts of
+    every MoE layer (`num_experts` each, by default read off the keys) over that many EP ranks,
+    with Megatron's local numbering. `extra_files` (e.g. the HF config a
     converter keeps next to the weights) land at the root in the same atomic step; `on_file(path,
     nbytes)` is called once per rank file when everything is written (progress). Atomic: `root`
     appears complete or not at all. Returns `root`.
@@ -253,11 +288,17 @@ def write_legacy(
     for tp_rank, state_dict in enumerate(tp_shards):
         _check_writable(tp_rank, state_dict)
     counts = _plan_pipeline(tp_shards, pp_size, layer_counts, layer_prefix)
+    if num_experts is None:
+        try:
+            num_experts = ep_mod.expert_count(tp_shards[0])
+        except ConversionError as exc:
+            raise CheckpointError(str(exc)) from None
     entries = [{k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
                for shard in tp_shards]
     with atomic_directory(root, force=force) as staging:
         writer = LegacyWriter(staging, entries, pp_size=pp_size, layer_counts=counts, layer_prefix=layer_prefix,
-                              last_stage_prefixes=last_stage_prefixes, iteration=iteration)
+                              last_stage_prefixes=last_stage_prefixes, iteration=iteration, ep_size=ep_size,
+                              num_experts=num_experts)
         try:
             for tp_rank, state_dict in enumerate(tp_shards):
                 for key, value in state_dict.items():
@@ -267,7 +308,7 @@ def write_legacy(
         finally:
             writer.abort()
         finish_legacy(staging, records, tp_size=len(tp_shards), pp_size=pp_size, layer_counts=counts,
-                      iteration=iteration, provenance=provenance, extra_files=extra_files)
+                      iteration=iteration, provenance=provenance, extra_files=extra_files, ep_size=ep_size)
     if on_file is not None:
         for relative in writer.files:
             on_file(relative, 0)
@@ -276,7 +317,7 @@ def write_legacy(
 
 def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: int, pp_size: int,
                   layer_counts: Sequence[int], iteration: int, provenance: Provenance | None,
-                  extra_files: Mapping[str, str | bytes] | None) -> None:
+                  extra_files: Mapping[str, str | bytes] | None, ep_size: int = 1) -> None:
     """The small files beside the rank files: extra files, the tracker and the manifest."""
     write_mcore_root(
         staging,
@@ -287,6 +328,7 @@ def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: in
             tensor_parallel_size=tp_size,
             pipeline_parallel_size=pp_size,
             pipeline_layer_counts=tuple(layer_counts) if pp_size > 1 else None,
+            expert_parallel_size=ep_size,
             iteration=iteration,
         ),
         extra_files,
@@ -372,30 +414,51 @@ class LegacyCheckpoint:
     iteration: int | str
     tp_size: int
     pp_size: int
-    files: Mapping[tuple[int, int], Path]  # (tp rank, pp stage) -> model_optim_rng.pt
+    files: Mapping[tuple[int, int, int], Path]  # (tp rank, pp stage, ep rank) -> model_optim_rng.pt
     manifest: Manifest | None
+    ep_size: int = 1
 
-    def load_rank(self, tp_rank: int, pp_rank: int = 0, *, mmap: bool = False, file_ranges=None) -> dict:
-        """The locally numbered state dict of one (TP rank, PP stage); `mmap` as in `load_rank_file`."""
-        if (tp_rank, pp_rank) not in self.files:
+    def load_rank(self, tp_rank: int, pp_rank: int = 0, ep_rank: int = 0, *, mmap: bool = False,
+                  file_ranges=None) -> dict:
+        """The locally numbered state dict of one (TP rank, PP stage, EP rank); `mmap` as in
+        `load_rank_file`."""
+        if (tp_rank, pp_rank, ep_rank) not in self.files:
             raise CheckpointError(
-                f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} in a TP={self.tp_size} PP={self.pp_size} checkpoint"
+                f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} / EP rank {ep_rank} in a "
+                f"TP={self.tp_size} PP={self.pp_size} EP={self.ep_size} checkpoint"
             )
-        return load_rank_file(self.files[tp_rank, pp_rank], mmap=mmap, file_ranges=file_ranges)
+        return load_rank_file(self.files[tp_rank, pp_rank, ep_rank], mmap=mmap, file_ranges=file_ranges)
+
+    def stage_state(self, tp_rank: int, pp_rank: int = 0, *, num_experts: int | None = None, mmap: bool = False,
+                    file_ranges=None) -> dict:
+        """One (TP rank, PP stage)'s state dict, its EP ranks' experts merged back to global
+        numbers (`converters.ep.merge_expert_ranks`: every expert once, replicated tensors equal
+        on every EP rank); layers still numbered locally."""
+        states = [self.load_rank(tp_rank, pp_rank, ep_rank, mmap=mmap, file_ranges=file_ranges)
+                  for ep_rank in range(self.ep_size)]
+        if self.ep_size == 1:
+            return states[0]
+        try:
+            return ep_mod.merge_expert_ranks(states, num_experts)
+        except (ConversionError, AxisError) as exc:
+            where = rank_dirname(Grid.of(self.tp_size, self.pp_size, self.ep_size), tp_rank, pp_rank, 0)
+            raise CheckpointError(f"{self.iteration_dir}: {where} and its EP ranks: {exc}") from None
 
     def tp_shards(
         self,
         layer_counts: Sequence[int] | None = None,
         *,
         layer_prefix: str | None = None,
+        num_experts: int | None = None,
     ) -> list[dict]:
-        """One globally numbered state dict per TP rank (the input `mcore_to_hf` takes)."""
+        """One globally numbered state dict per TP rank (the input `mcore_to_hf` takes): layers and
+        experts under their global numbers."""
         layer_prefix = pp.DEFAULT_LAYER_PREFIX if layer_prefix is None else layer_prefix
         if layer_counts is None and self.manifest is not None and self.manifest.pipeline_layer_counts:
             layer_counts = self.manifest.pipeline_layer_counts
         shards = []
         for tp_rank in range(self.tp_size):
-            stages = [self.load_rank(tp_rank, pp_rank) for pp_rank in range(self.pp_size)]
+            stages = [self.stage_state(tp_rank, pp_rank, num_experts=num_experts) for pp_rank in range(self.pp_size)]
             try:
                 shards.append(pp.merge_pipeline_stages(stages, layer_counts, layer_prefix=layer_prefix))
             except pp.PipelineError as exc:
@@ -404,37 +467,50 @@ class LegacyCheckpoint:
 
 
 def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) -> LegacyCheckpoint:
-    """Finds and validates the rank files of a legacy checkpoint (a root or an iteration dir)."""
+    """Finds and validates the rank files of a legacy checkpoint (a root or an iteration dir).
+
+    A rank directory with one suffix (`mp_rank_00_001`) is a pipeline stage unless the manifest
+    records expert parallelism without a pipeline: the name alone cannot tell (see
+    `layout.parse_rank_dirname`); two suffixes are always (stage, EP rank)."""
     root, iteration_dir, found_iteration = resolve_iteration_dir(path, iteration)
-    ranks: dict[tuple[int, int | None], Path] = {}
+    manifest = read_manifest(root) if os.path.lexists(root / MANIFEST_FILE) else None
+    recorded = (Grid.of(manifest.tensor_parallel_size, manifest.pipeline_parallel_size, manifest.expert_parallel_size)
+                if manifest is not None else None)
+    ranks: dict[tuple[int, int | None, int | None], Path] = {}
     for entry in sorted(iteration_dir.iterdir()):
-        if entry.is_dir() and (named := parse_rank_dirname(entry.name)) is not None and named[2] is not None:
-            raise CheckpointError(f"{iteration_dir}: {entry.name}: {EP_REFUSAL}")
-        parsed = parse_legacy_rank_dirname(entry.name)
+        parsed = parse_rank_dirname(entry.name, recorded)
         if parsed is not None and entry.is_dir():
             ranks[parsed] = entry / LEGACY_FILE
     if not ranks:
         raise CheckpointError(f"{iteration_dir}: no mp_rank_* directories; not a legacy checkpoint")
-    with_stage = {r for r in ranks if r[1] is not None}
-    if with_stage and len(with_stage) != len(ranks):
-        raise CheckpointError(f"{iteration_dir}: mixes mp_rank_XX and mp_rank_XX_YYY directories")
-    tp_size = max(tp for tp, _ in ranks) + 1
-    pp_size = max(stage for _, stage in with_stage) + 1 if with_stage else 1
-    files: dict[tuple[int, int], Path] = {}
+    slots = {(r[1] is not None, r[2] is not None) for r in ranks}
+    if len(slots) > 1:
+        raise CheckpointError(f"{iteration_dir}: mixes rank directories of different name patterns "
+                              "(mp_rank_XX, mp_rank_XX_YYY, mp_rank_XX_YYY_ZZZ)")
+    ((with_stage, with_expert),) = slots
+    tp_size = max(r[0] for r in ranks) + 1
+    pp_size = max(r[1] for r in ranks) + 1 if with_stage else 1
+    ep_size = max(r[2] for r in ranks) + 1 if with_expert else 1
+    files: dict[tuple[int, int, int], Path] = {}
     absent = []
     for tp_rank in range(tp_size):
         for pp_rank in range(pp_size):
-            path_of_rank = ranks.get((tp_rank, pp_rank if with_stage else None))
-            if path_of_rank is None or not path_of_rank.is_file():
-                absent.append(legacy_rank_dirname(tp_rank, pp_rank, pp_size if with_stage else 1) + f"/{LEGACY_FILE}")
-            else:
-                files[tp_rank, pp_rank] = path_of_rank
+            for ep_rank in range(ep_size):
+                named = (tp_rank, pp_rank if with_stage else None, ep_rank if with_expert else None)
+                path_of_rank = ranks.get(named)
+                if path_of_rank is None or not path_of_rank.is_file():
+                    # Named with the slots the directories have (a lone stage 000 included).
+                    absent.append(f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if with_stage else "")
+                                  + (f"_{ep_rank:03d}" if with_expert else "") + f"/{LEGACY_FILE}")
+                else:
+                    files[tp_rank, pp_rank, ep_rank] = path_of_rank
     if absent:
-        raise CheckpointError(f"{iteration_dir}: incomplete TP={tp_size} PP={pp_size} grid, missing {', '.join(absent[:8])}")
-    manifest = read_manifest(root) if os.path.lexists(root / MANIFEST_FILE) else None
-    return LegacyCheckpoint(root, iteration_dir, found_iteration, tp_size, pp_size, files, manifest)
+        sizes = f"TP={tp_size} PP={pp_size}" + (f" EP={ep_size}" if ep_size > 1 else "")
+        raise CheckpointError(f"{iteration_dir}: incomplete {sizes} grid, missing {', '.join(absent[:8])}")
+    return LegacyCheckpoint(root, iteration_dir, found_iteration, tp_size, pp_size, files, manifest, ep_size)
 
 
-def read_legacy(path: str | os.PathLike, *, iteration: int | str | None = None, layer_counts: Sequence[int] | None = None) -> list[dict]:
+def read_legacy(path: str | os.PathLike, *, iteration: int | str | None = None, layer_counts: Sequence[int] | None = None,
+                num_experts: int | None = None) -> list[dict]:
     """One globally numbered state dict per TP rank from a legacy checkpoint."""
-    return open_legacy(path, iteration=iteration).tp_shards(layer_counts)
+    return open_legacy(path, iteration=iteration).tp_shards(layer_counts, num_experts=num_experts)

@@ -1,7 +1,7 @@
 """`mmparity.json`: what we wrote, so a checkpoint can be re-checked long after it left our hands.
 
 Every checkpoint mmparity writes carries one at its root: the layout, family, where the weights
-came from, key prefixes, TP/PP sizes, the mmparity version, and a checksum record (dtype, shape,
+came from, key prefixes, TP/PP/EP sizes, the mmparity version, and a checksum record (dtype, shape,
 and an xxh3-128 or sha256 digest of the bytes) per tensor, or per written shard for torch_dist, where a record also holds
 the shard's offset in the global tensor. `mmparity.checkpoint.verify` re-reads everything
 against it.
@@ -100,6 +100,9 @@ class Manifest:
     pipeline_layer_counts: tuple[int, ...] | None = None
     iteration: int | str | None = None
     mmparity_version: str = mmparity.__version__
+    # Megatron's expert_model_parallel_size: legacy rank files hold their EP rank's experts;
+    # torch_dist's global tensors load at any, so it records what was asked.
+    expert_parallel_size: int = 1
 
     def to_json(self) -> dict:
         p = self.provenance
@@ -114,6 +117,7 @@ class Manifest:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "pipeline_layer_counts": list(self.pipeline_layer_counts) if self.pipeline_layer_counts else None,
+            "expert_parallel_size": self.expert_parallel_size,
             "iteration": self.iteration,
             "extra": dict(p.extra or {}),
             "tensors": [r.to_json() for r in sorted(self.tensors, key=lambda r: (r.file, r.key, r.offset or ()))],
@@ -155,6 +159,7 @@ class Manifest:
                                    if counts is not None else None),
             iteration=_expect(data.get("iteration"), (int, str, type(None)), "iteration"),
             mmparity_version=str(data.get("mmparity_version", "unknown")),
+            expert_parallel_size=_positive(data.get("expert_parallel_size", 1), "expert_parallel_size"),
         )
 
 

@@ -62,7 +62,9 @@ from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
                                           Provenance, TensorRecord, read_manifest, write_manifest)
 from mmparity.checkpoint.torch_dist_files import TorchDistFiles, is_torch_dist_dir
+from mmparity.converters import ep as ep_mod
 from mmparity.converters import pp as pp_mod
+from mmparity.converters.axes import Grid
 from mmparity.converters.pp import PipelineError
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
@@ -115,6 +117,12 @@ MCORE_FORMATS = ("torch_dist", "legacy")
 _NOT_MODEL_KEYS = re.compile(r"^(optimizer\.|rng_state|rerun_state_machine_state|common_state)")
 # mcore's stacked layer tensors: `<root>decoder.layers.<name>` without a layer number.
 _STACKED_KEY = re.compile(r"^((?:.*\.)?decoder\.layers\.)(?!\d+\.)(.+)$")
+# MoE expert tensors, stacked over the global experts by both of mcore's experts modules, and over
+# the layers too unless the block is non-homogeneous (dense and MoE layers, mcore then keeps each
+# layer's number in the key): `<root>decoder.layers.[<n>.]mlp.experts.experts.linear_fc1.weight` of
+# shape [layers, experts, ...] or [experts, ...].
+_STACKED_EXPERT_KEY = re.compile(r"^(?P<stack>(?:.*\.)?decoder\.layers\.)(?:(?P<layer>\d+)\.)?"
+                                 r"(?P<module>(?:.*\.)?mlp\.experts\.)experts\.(?P<rest>linear_fc[12]\.(?:weight|bias))$")
 _MAX_PROBLEMS_SHOWN = 4
 
 
@@ -144,6 +152,9 @@ class ConvertOptions:
     family: str | None = None  # None: an HF source's is detected from its config, an mcore one's recorded
     tp: int = 1
     pp: int = 1
+    # Megatron's expert_model_parallel_size: legacy rank files hold their EP rank's experts (see
+    # converters.ep); torch_dist's global tensors load at any EP that divides the experts.
+    ep: int = 1
     format: str = "torch_dist"  # mcore target format
     dtype: str | None = None  # cast floating tensors; None keeps every tensor's own dtype
     hf_format: str | None = None  # HF-side layout (of the source, or of HF output)
@@ -223,6 +234,7 @@ class ConvertResult:
     source_use: SourceUse | None = None  # an HF source's: what was converted, what left out
     detection: families.Detection | None = None  # how the family was told, when not given
     requant: quant_mod.RequantError | None = None  # --requantize: what re-quantizing changed
+    ep: int = 1
 
 
 class Progress:
@@ -600,21 +612,29 @@ class _McoreSource(_Source):
     def _side_tensor(self, key: str) -> torch.Tensor:
         return self._filter(key, self.side[key], self.root)
 
-    def _check_recorded_parallelism(self, stored_tp: int | None, stored_pp: int | None) -> None:
-        """The TP and PP sizes and the layer split the manifest records, bounded by what is present
-        before anything is built or spawned from them: a legacy checkpoint's must be its rank
-        directories' (``stored_tp`` x ``stored_pp``); torch_dist's (global tensors) must fit the
-        model as a ``--tp`` / ``--pp`` would; the layer counts must split the config's layers."""
+    def _check_recorded_parallelism(self, stored_tp: int | None, stored_pp: int | None,
+                                    stored_ep: int | None = None) -> None:
+        """The TP, PP and EP sizes and the layer split the manifest records, bounded by what is
+        present before anything is built or spawned from them: a legacy checkpoint's must be its
+        rank directories' (``stored_tp`` x ``stored_pp`` x ``stored_ep``); torch_dist's (global
+        tensors) must fit the model as a ``--tp`` / ``--pp`` / ``--ep`` would; the layer counts must
+        split the config's layers."""
         manifest = self.manifest
         if manifest is None:
+            if stored_ep is not None and stored_ep > 1:
+                self._check_ep(stored_ep, self.root)
             return
         where = self.root / MANIFEST_FILE
         tp, pp, counts = (manifest.tensor_parallel_size, manifest.pipeline_parallel_size,
                           manifest.pipeline_layer_counts)
-        if stored_tp is not None and (tp, pp) != (stored_tp, stored_pp):
-            raise ConvertError(f"{where}: records TP {tp} and PP {pp}, but the checkpoint holds {stored_tp} TP "
-                               f"rank(s) x {stored_pp} pipeline stage(s) of rank directories; the manifest "
-                               "is not this checkpoint's (re-create it with mmparity convert)")
+        ep = manifest.expert_parallel_size
+        if stored_tp is not None and (tp, pp, ep) != (stored_tp, stored_pp, stored_ep or 1):
+            recorded = f"TP {tp} and PP {pp}" + (f" and EP {ep}" if ep > 1 or (stored_ep or 1) > 1 else "")
+            held = f"{stored_tp} TP rank(s) x {stored_pp} pipeline stage(s)" + (
+                f" x {stored_ep} EP rank(s)" if ep > 1 or (stored_ep or 1) > 1 else "")
+            raise ConvertError(f"{where}: records {recorded}, but the checkpoint holds {held} of rank directories; "
+                               "the manifest is not this checkpoint's (re-create it with mmparity convert)")
+        self._check_ep(ep, where)
         problems = (list(self.rules.validate_tp(tp)) if stored_tp is None and self.rules.validate_tp and tp > 1
                     else [])
         if problems:  # (a legacy checkpoint's own TP is checked against the model when merged)
@@ -627,6 +647,19 @@ class _McoreSource(_Source):
             raise ConvertError(f"{where}: the recorded pipeline layer counts {list(counts)} do not split the "
                                f"{layout.num_layers} layers of {layout.layer_prefix} its HF config describes "
                                f"into its {pp} stage(s)")
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer, as the family's rule table names them (0: none)."""
+        try:
+            return ep_mod.expert_count(self.order)
+        except R.ConversionError as exc:
+            raise _from_conversion_error(exc, f"{self.family!r}: ") from None
+
+    def _check_ep(self, ep: int, where: Path) -> None:
+        problems = Grid.of(ep=ep).problems(self.num_experts, self.family)
+        if problems:
+            raise ConvertError(f"{where}: records or holds EP {ep}: {problems[0]}")
 
     def _check_keys(self, present: Iterable[str], what: str) -> None:
         if not self.complete:
@@ -647,7 +680,7 @@ class _LegacySource(_McoreSource):
         self.path = path
         ckpt = open_legacy(path)
         self._init_common(ckpt.root, ckpt.manifest, family, filt, complete)
-        self._check_recorded_parallelism(ckpt.tp_size, ckpt.pp_size)
+        self._check_recorded_parallelism(ckpt.tp_size, ckpt.pp_size, ckpt.ep_size)
         self.file_ranges = FileRanges()
         self.tp = ckpt.tp_size
         extra = dict(ckpt.manifest.provenance.extra or {}) if ckpt.manifest else {}
@@ -658,7 +691,9 @@ class _LegacySource(_McoreSource):
         for tp_rank in range(ckpt.tp_size):
             # mmap: only the header pickle is read now; tensor bytes come from the page cache when
             # a step needs them.
-            stages = [ckpt.load_rank(tp_rank, stage, mmap=True, file_ranges=self.file_ranges)
+            # Each stage's EP ranks merged first: their experts back to global numbers.
+            stages = [ckpt.stage_state(tp_rank, stage, num_experts=self.num_experts or None, mmap=True,
+                                       file_ranges=self.file_ranges)
                       for stage in range(ckpt.pp_size)]
             merged = (pp_mod.merge_pipeline_stages(stages, counts, layer_prefix=layer_prefix)
                       if ckpt.pp_size > 1 else stages[0])
@@ -714,6 +749,35 @@ class _LegacySource(_McoreSource):
         return self.file_ranges.locate(piece)
 
 
+def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, tuple]:
+    """Where each mcore tensor of a torch_dist checkpoint is: TE-spelled, globally numbered local
+    key -> (checkpoint key, its position along the stacked axes (layer, expert, or both) or None,
+    Meta of the tensor there). Only the positions the saved chunks cover: a stack of MoE layers
+    among dense ones holds those layers alone. Expert tensors are named in the layout ``order``
+    (the rule table's keys) spells them in. Spelled all at once, so that a layer's own keys say
+    whether its norms are fused (``rules.to_te_spelling``)."""
+    raw: dict[str, tuple] = {}
+    expert_layout = ep_mod.expert_key_layout(order) or ep_mod.GROUPED
+    for ckpt_key, (dtype, shape) in files.tensors.items():
+        if _NOT_MODEL_KEYS.match(ckpt_key):
+            continue
+        experts = _STACKED_EXPERT_KEY.match(ckpt_key)
+        stacked = _STACKED_KEY.match(ckpt_key)
+        axes = 2 if experts and experts["layer"] is None else 1
+        if experts and len(shape) > axes:
+            for position in sorted(files.covered(ckpt_key, axes)):
+                layer = experts["layer"] if axes == 1 else position[0]
+                local = ep_mod.ExpertKey(f"{experts['stack']}{layer}.{experts['module']}", position[-1],
+                                         experts["rest"], expert_layout).spell()
+                raw[local] = (ckpt_key, position, Meta(dtype, tuple(shape[axes:])))
+        elif stacked and shape:
+            for (layer,) in sorted(files.covered(ckpt_key, 1)):
+                raw[f"{stacked.group(1)}{layer}.{stacked.group(2)}"] = (ckpt_key, (layer,), Meta(dtype, tuple(shape[1:])))
+        else:
+            raw[ckpt_key] = (ckpt_key, None, Meta(dtype, tuple(shape)))
+    return {key: raw[name] for key, name in R.to_te_spelling({name: name for name in raw}).items()}
+
+
 class _TorchDistSource(_McoreSource):
     layout = LAYOUT_TORCH_DIST
 
@@ -724,21 +788,7 @@ class _TorchDistSource(_McoreSource):
         self._init_common(root, manifest, family, filt, complete)
         self._check_recorded_parallelism(None, None)
         self.files = TorchDistFiles(iteration_dir)
-        # TE-spelled local key -> (checkpoint key, layer index in a stacked tensor or None, Meta)
-        self.index: dict[str, tuple] = {}
-        for ckpt_key, (dtype, shape) in self.files.tensors.items():
-            if _NOT_MODEL_KEYS.match(ckpt_key):
-                continue
-            stacked = _STACKED_KEY.match(ckpt_key)
-            if stacked and shape:
-                for layer in range(shape[0]):
-                    local = _te_key(f"{stacked.group(1)}{layer}.{stacked.group(2)}")
-                    if local is not None:
-                        self.index[local] = (ckpt_key, layer, Meta(dtype, tuple(shape[1:])))
-            else:
-                local = _te_key(ckpt_key)
-                if local is not None:
-                    self.index[local] = (ckpt_key, None, Meta(dtype, tuple(shape)))
+        self.index = torch_dist_index(self.files, self.order)
         self._check_keys(self.index, "torch_dist")
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order if key in self.index} | self._side_metas()
@@ -746,12 +796,14 @@ class _TorchDistSource(_McoreSource):
     def _stored_tensor(self, key: str) -> torch.Tensor:
         if key in self.side:
             return self._side_tensor(key)
-        ckpt_key, layer, meta = self.index[key]
-        if layer is None:
+        ckpt_key, position, meta = self.index[key]
+        if position is None:
             t = self.files.read(ckpt_key)
         else:
-            # One layer's chunk of the stacked tensor: reading it never touches the other layers.
-            t = self.files.read_region(ckpt_key, (layer,) + (0,) * len(meta.shape), (1,) + meta.shape)
+            # One layer's (one expert's) chunk of the stacked tensor: reading it never touches the
+            # other layers.
+            t = self.files.read_region(ckpt_key, position + (0,) * len(meta.shape),
+                                       (1,) * len(position) + meta.shape)
             t = t.reshape(meta.shape)
         return self._filter(key, t, self.root)
 
@@ -1023,6 +1075,13 @@ def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], di
     rules = _rule_set(source.family, source.cfg, source.hf_format)
     _validate_tp(rules, options.tp)
     order, kinds = _mcore_order(rules), _kinds(rules)
+    try:
+        num_experts = ep_mod.expert_count(order)
+    except R.ConversionError as exc:
+        raise _from_conversion_error(exc, f"{source.family!r}: ") from None
+    grid_problems = Grid.of(options.tp, options.pp, options.ep).problems(num_experts, source.family)
+    if grid_problems:
+        raise ConvertError(grid_problems[0])
     problems = [f"missing mcore tensor {k}" for k in order if k not in source.metas]
     for key in order:
         if key in source.metas and options.tp > 1:
@@ -1039,6 +1098,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     order, kinds = _mcore_plan(source, options)
     layout = pp_mod.pipeline_layout(order)
     counts = layout.layer_counts(options.pp)
+    num_experts = ep_mod.expert_count(order)
     total = sum(source.metas[k].nbytes for k in order)
     entries = [{} for _ in range(options.tp)]
     for key in order:
@@ -1054,7 +1114,8 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     for key in extra_state.extra_state_keys({k: kinds[k] for k in order}):
         for rank in range(options.tp):
             entries[rank][key] = None
-    progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}", len(order), total)
+    progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}"
+                   + (f" ep{options.ep}" if options.ep > 1 else ""), len(order), total)
     side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
                                                                             source.hf_format))
     heap = heap_budget()
@@ -1062,7 +1123,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
         with atomic_directory(options.dst, force=options.force) as staging:
             writer = LegacyWriter(staging, entries, pp_size=options.pp, layer_counts=counts,
                                   layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
-                                  iteration=1, locate=source.locate)
+                                  iteration=1, locate=source.locate, ep_size=options.ep, num_experts=num_experts)
             def put(key: str, kind: str, pieces: list, inputs: list) -> None:
                 shape = tuple(source.metas[key].shape)
                 for rank in range(options.tp):
@@ -1080,7 +1141,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
             finally:
                 writer.abort()
             finish_legacy(staging, records, tp_size=options.tp, pp_size=options.pp, layer_counts=counts,
-                          iteration=1, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
+                          iteration=1, ep_size=options.ep, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
                           provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix,
                                                        **side_extra))
     except CheckpointError as exc:
@@ -1094,7 +1155,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     order, kinds = _mcore_plan(source, options)
-    # torch_dist stores global tensors: the TP/PP sizes only had to fit (checked above).
+    # torch_dist stores global tensors: the TP/PP/EP sizes only had to fit (checked above).
     pp_mod.pipeline_layout(order).layer_counts(options.pp)
     total = sum(source.metas[k].nbytes for k in order)
     rules = _rule_set(source.family, source.cfg, source.hf_format)
@@ -1106,6 +1167,15 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         with torch.device("meta"):
             model = families.get(source.family).build_native(source.cfg)
         sharded = model.sharded_state_dict()
+        # The converter's name of every sharded entry, spelled all at once (a layer's own keys say
+        # whether its norms are fused) and with expert keys in the rule table's layout (mcore's
+        # SequentialMLP names its sharded entries local_experts.{e}. whatever its state dict says).
+        tensors = {local: local for local, entry in sharded.items()
+                   if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))}
+        spelled = R.to_te_spelling(tensors)
+        if ep_mod.expert_key_layout(order):
+            spelled = ep_mod.respell(spelled, ep_mod.expert_key_layout(order))
+        converter_key = {local: key for key, local in spelled.items()}
         local_keys: dict[str, str] = {}
         problems = []
         for local, entry in sharded.items():
@@ -1114,7 +1184,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             if not isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory)):
                 problems.append(f"{local}: unsupported sharded entry {type(entry).__name__}")
                 continue
-            key = _te_key(local)
+            key = converter_key.get(local)
             if key in aside:  # the native model's own modules for side tensors (e.g. CLIP's ln_post)
                 continue
             if key not in source.metas:
@@ -1130,7 +1200,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
         # placeholder is kept alive so the key stays unique.
         key_of: dict[int, tuple[str, torch.Tensor]] = {}
-        for local in [name for name in sharded if _te_key(name) in aside]:
+        for local in [name for name in sharded if converter_key.get(name) in aside]:
             del sharded[local]
         # The native model's extra states are its own modules'; Megatron's class declares others
         # (its attention's, none for linears it keeps whole): written as Megatron's, empty.
@@ -1182,7 +1252,8 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         try:
             save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options, **side_extra),
                             extra_records=side_records,
-                            tp_size=1, pp_size=1, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
+                            tp_size=1, pp_size=1, ep_size=1,
+                            extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
                             force=options.force, produce=produce, locate=source.locate)
         except CheckpointError as exc:
             raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
@@ -1199,14 +1270,14 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
         raise ConvertError(f"--to must be one of {', '.join(TARGETS)}, got {options.to!r}")
     if options.format not in MCORE_FORMATS:
         raise ConvertError(f"--format must be one of {', '.join(MCORE_FORMATS)}, got {options.format!r}")
-    for name in ("tp", "pp", "make_vocab_size_divisible_by"):
+    for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
         value = getattr(options, name)
         if value is None and name == "make_vocab_size_divisible_by":
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConvertError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if options.to == "hf" and (options.tp != 1 or options.pp != 1):
-        raise ConvertError("--tp/--pp shard mcore output; HF output is never sharded by TP/PP")
+    if options.to == "hf" and (options.tp != 1 or options.pp != 1 or options.ep != 1):
+        raise ConvertError("--tp/--pp/--ep shard mcore output; HF output is never sharded by TP/PP/EP")
     try:
         parse_size(options.max_shard_size)
     except CheckpointError as exc:
@@ -1256,20 +1327,20 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
             raise ConvertError("--requantize re-quantizes HF output; it does not apply to --to mcore")
         if options.to == "hf":
             count, nbytes, requant = _write_hf(source, options, progress)
-            layout, tp, pp = LAYOUT_HF, 1, 1
+            layout, tp, pp, ep = LAYOUT_HF, 1, 1, 1
         elif options.format == "legacy":
             count, nbytes = _write_legacy(source, options, progress)
-            layout, tp, pp = LAYOUT_LEGACY, options.tp, options.pp
+            layout, tp, pp, ep = LAYOUT_LEGACY, options.tp, options.pp, options.ep
         else:
             count, nbytes = _write_torch_dist(source, options, progress)
-            layout, tp, pp = LAYOUT_TORCH_DIST, 1, 1
+            layout, tp, pp, ep = LAYOUT_TORCH_DIST, 1, 1, 1
     except (CheckpointError, PipelineError, UnknownFamilyError) as exc:
         raise ConvertError(str(exc)) from None
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
     return ConvertResult(dst, layout, source.family, count, nbytes, time.perf_counter() - started, tp, pp,
                          source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection,
-                         requant)
+                         requant, ep)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -347,6 +347,7 @@ def save_torch_dist(
     provenance: Provenance | None = None,
     tp_size: int | None = None,
     pp_size: int | None = None,
+    ep_size: int | None = None,
     content_metadata: Mapping | None = None,
     extra_files: Mapping[str, str | bytes] | None = None,
     force: bool = False,
@@ -357,8 +358,8 @@ def save_torch_dist(
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
 
     `sharded_state_dict` is the model's `sharded_state_dict()` on this rank (or a callable
-    producing it, so a failure while producing it is agreed on like any other). TP/PP sizes for the
-    manifest default to the initialised mcore parallel state. `content_metadata` is passed to mcore
+    producing it, so a failure while producing it is agreed on like any other). TP/PP/EP sizes for
+    the manifest default to the initialised mcore parallel state. `content_metadata` is passed to mcore
     as is: give it the `metadata` you passed to `sharded_state_dict(metadata=...)`, so Megatron-LM
     rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys).
     `extra_files` (plain names) are written at the root by rank 0 in the same atomic step, and
@@ -372,6 +373,11 @@ def save_torch_dist(
     rank = dist.get_rank()
     root = Path(root).absolute()
     tp_size, pp_size = _parallel_sizes(tp_size, pp_size)
+    if ep_size is None:
+        from megatron.core import parallel_state
+
+        ep_size = (parallel_state.get_expert_model_parallel_world_size()
+                   if parallel_state.model_parallel_is_initialized() else 1)
     iteration_name = iteration_dirname(iteration)
 
     announcement: list = [None]
@@ -434,6 +440,7 @@ def save_torch_dist(
                         provenance=provenance or Provenance(),
                         tensor_parallel_size=tp_size,
                         pipeline_parallel_size=pp_size,
+                        expert_parallel_size=ep_size,
                         iteration=iteration,
                     ),
                     extra_files,

@@ -346,6 +346,19 @@ class TorchDistFiles:
             if isinstance(entry, TensorStorageMetadata)
         }
 
+    def covered(self, key: str, axes: int) -> set[tuple[int, ...]]:
+        """The positions along the first ``axes`` axes of ``key``'s global tensor that its saved
+        chunks cover: the layers of a stacked layer tensor (``axes=1``), the (layer, expert) pairs
+        of a stacked expert tensor (``axes=2``). A stack of only some layers (MoE layers among
+        dense ones) covers those layers alone."""
+        import itertools
+
+        positions: set[tuple[int, ...]] = set()
+        for chunk in self.metadata.state_dict_metadata[key].chunks:
+            ranges = [range(int(o), int(o) + int(n)) for o, n in zip(tuple(chunk.offsets)[:axes], tuple(chunk.sizes)[:axes])]
+            positions.update(itertools.product(*ranges))
+        return positions
+
     def read_region(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan

@@ -50,13 +50,16 @@ class VerifyReport:
     # What the manifest says the conversion left out of its HF source (a tower family's checkpoint
     # made from a whole VLM), e.g. "left out 11 of 37 source tensors: language_model".
     partial: str = ""
+    # An mcore checkpoint's parallel sizes as its manifest records them, e.g. "tp=2 pp=1 ep=2".
+    parallel: str = ""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def __str__(self) -> str:
-        head = f"{self.directory} ({self.layout}): {self.checked} tensor records checked"
+        layout = f"{self.layout} {self.parallel}" if self.parallel else self.layout
+        head = f"{self.directory} ({layout}): {self.checked} tensor records checked"
         if self.partial:
             head = f"{head} (made from part of its source: {self.partial})"
         if self.ok:
@@ -219,7 +222,11 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
     root = Path(directory)
     refuse_manifest_link(root)
     manifest = read_manifest(root)
-    report = VerifyReport(root, manifest.layout, partial=_left_out((manifest.provenance.extra or {}).get("left_out")))
+    parallel = ("" if manifest.layout == LAYOUT_HF else
+                f"tp={manifest.tensor_parallel_size} pp={manifest.pipeline_parallel_size} "
+                f"ep={manifest.expert_parallel_size}")
+    report = VerifyReport(root, manifest.layout, partial=_left_out((manifest.provenance.extra or {}).get("left_out")),
+                          parallel=parallel)
     # A symbolic link leaving the directory is damage: what it points to is no part of what the
     # manifest certifies (fsio.refuse_links_outside has the policy). Listed, and not read.
     escaping = links_outside(root, [root], recursive=True, root_names=())

@@ -22,7 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size of mcore output")
     parser.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel size of mcore output")
     parser.add_argument("--ep", type=int, default=1, metavar="N",
-                        help="expert-parallel size of mcore output (only 1: no registered family has experts yet)")
+                        help="expert-parallel size of mcore output (Megatron's --expert-model-parallel-size; "
+                             "a model with experts only, dividing their count)")
     parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
                         help="mcore output format (default torch_dist)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -108,12 +109,10 @@ def run(args) -> int:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
     if args.to == "mcore" and args.max_shard_size is not None:
         raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
-    if args.ep != 1:
-        from mmparity.converters.axes import EP_REFUSAL
-
-        raise UsageError(EP_REFUSAL if args.ep > 1 else f"--ep must be >= 1, got {args.ep}")
+    if args.ep < 1:
+        raise UsageError(f"--ep must be >= 1, got {args.ep}")
     options = ConvertOptions(
-        src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp,
+        src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp, ep=args.ep,
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
@@ -150,7 +149,8 @@ def run(args) -> int:
     if not args.quiet:
         if result.detection is not None:
             print(result.detection.line())
-        parallel = f" tp={result.tp} pp={result.pp}" if result.layout == "mcore_legacy" else ""
+        parallel = (f" tp={result.tp} pp={result.pp}" + (f" ep={result.ep}" if result.ep > 1 else "")
+                    if result.layout == "mcore_legacy" else f" ep={result.ep}" if result.ep > 1 else "")
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)")

@@ -2,8 +2,8 @@
 
 An :class:`Axis` is a name, a size and what it splits: tensors by their TP split kind (``tp``),
 ranges of a layer stack (``pp``), ranges of an expert list (``ep``). A :class:`Grid` is one axis of
-each. Expert parallelism is a placeholder: its axis exists so that rank names and plans have its
-slot, but no registered family has experts, so a size above 1 is refused (:func:`Grid.problems`).
+each. Expert parallelism splits the experts of every MoE layer (``converters.ep``); a model without
+experts has nothing to split, so an EP size above 1 for it is refused (:func:`Grid.problems`).
 
 Pure: no framework import.
 """
@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 from mmparity.converters import tp as tp_mod
 
-__all__ = ["AxisError", "PipelineError", "Axis", "Grid", "EP_REFUSAL", "tensor_axis", "pipeline_axis",
+__all__ = ["AxisError", "PipelineError", "Axis", "Grid", "no_experts", "tensor_axis", "pipeline_axis",
            "expert_axis"]
 
-EP_REFUSAL = "expert parallelism: no registered family has experts yet"
+
+def no_experts(family: str | None, ep: int) -> str:
+    """The one line for an expert-parallel size above 1 asked of a model without experts."""
+    return f"--ep {ep}: no experts in family {family or '(unknown)'} (expert parallelism splits MoE experts)"
 
 
 class AxisError(ValueError):
@@ -116,6 +119,15 @@ class Grid:
         """Every (tp rank, pp rank, ep rank)."""
         return list(itertools.product(*(range(a.size) for a in self.axes)))
 
-    def problems(self) -> list[str]:
-        """What this grid asks that nothing here can do yet, one line each."""
-        return [EP_REFUSAL] if self.ep.size > 1 else []
+    def problems(self, num_experts: int = 0, family: str | None = None) -> list[str]:
+        """What this grid asks that a model of ``num_experts`` experts per MoE layer (0: a model
+        without experts, of ``family``) cannot be laid out as, one line each."""
+        if self.ep.size == 1:
+            return []
+        if not num_experts:
+            return [no_experts(family, self.ep.size)]
+        try:
+            self.ep.counts(num_experts)
+        except AxisError as exc:
+            return [str(exc)]
+        return []
