@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
                              "one that cannot run here is an error")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="run the native model across N tensor-parallel ranks (spawned, or torchrun's)")
+    parser.add_argument("--ep", type=int, default=1, metavar="N",
+                        help="expert-parallel size of the native model (MoE families): each MoE layer's "
+                             "experts spread over N ranks, as convert --ep lays them out")
     parser.add_argument("--pp", type=int, default=None, metavar="N",
                         help="run the native model as N pipeline stages, each loading what "
                              "'mmparity convert --pp N' writes for it; tp*pp ranks in all (default 1)")
@@ -285,7 +288,7 @@ def run(args) -> int:
                 raise UsageError(str(exc)) from None
         try:
             report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
-                                   seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp,
+                                   seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
                                    layer_counts=layer_counts, components=not args.no_components,
                                    native_shards=native_shards, impl=args.impl,
                                    megatron_class=args.megatron_class)

@@ -207,17 +207,16 @@ def _from_grouped_names(state_dict, prefix, *unused):
                        f"{match['kind']}"] = state_dict.pop(key)
 
 
-class ProbedMoELayer(MoELayer):
-    """mcore's ``MoELayer`` with its routed experts' combined output passed through a stateless
-    probe module (``routed_experts``) before the shared expert's is added, so that parity can hook
-    the routed part alone, as it hooks HF's ``experts`` module."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.routed_experts = torch.nn.Identity()
-
-    def postprocess(self, output, shared_expert_output):
-        return super().postprocess(self.routed_experts(output), shared_expert_output)
+def add_routed_experts_probe(moe: MoELayer) -> None:
+    """Pass an MoE layer's combined routed-expert output through a stateless probe module
+    (``routed_experts``) before the shared expert's output is added, so that parity can hook the
+    routed part alone, as it hooks HF's ``experts`` module. Set on the built layer rather than
+    by subclassing: mcore hands its process groups only to ``MoELayer`` itself."""
+    if not hasattr(moe, "postprocess"):
+        return  # a release without that step: the routed part is not paired
+    moe.routed_experts = torch.nn.Identity()
+    postprocess = moe.postprocess
+    moe.postprocess = lambda output, shared: postprocess(moe.routed_experts(output), shared)
 
 
 def _attention_spec() -> ModuleSpec:
@@ -238,8 +237,7 @@ def _expert_mlp() -> MLPSubmodules:
 
 def layer_spec(moe: bool) -> ModuleSpec:
     if moe:
-        mlp = ModuleSpec(module=ProbedMoELayer if hasattr(MoELayer, "postprocess") else MoELayer,
-                         submodules=MoESubmodules(
+        mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(
             experts=ModuleSpec(module=GroupedNamesSequentialMLP, submodules=_expert_mlp()),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_expert_mlp())))
     else:
@@ -274,10 +272,14 @@ class LanguageModelBuilder:
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False) -> GPTModel:
         with host_placement(torch.get_default_device()):
-            return GPTModel(config=self.config, transformer_layer_spec=block_spec(self.text),
+            model = GPTModel(config=self.config, transformer_layer_spec=block_spec(self.text),
                             vocab_size=vocab_size, max_sequence_length=self.max_sequence_length,
                             pre_process=pre_process, post_process=post_process,
                             parallel_output=parallel_output,
                             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                             position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
+        for layer in model.decoder.layers:
+            if isinstance(layer.mlp, MoELayer):
+                add_routed_experts_probe(layer.mlp)
+        return model
 

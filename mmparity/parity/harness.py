@@ -127,7 +127,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
           native_shards: Optional[list] = None, tp: int = 1, pp: int = 1,
           layer_counts: Optional[list] = None, impl: str = "native",
-          megatron_class: Optional[str] = None) -> Report:
+          megatron_class: Optional[str] = None, ep: int = 1) -> Report:
     """Parity of one family; returns a :class:`Report` (no printing, no exit codes).
 
     ``hf_state``: HF-layout weights of the reference model (keys as the reference module expects);
@@ -142,6 +142,9 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     ``impl``: ``native`` (mmparity's mcore model), ``megatron`` (Megatron's own class,
     :mod:`mmparity.cases.megatron`; ``megatron_class`` picks one where a family has several) or
     ``both`` side by side; every result names its ``impl``.
+    ``ep > 1`` spreads each MoE layer's experts over that many ranks as ``mmparity convert --ep``
+    does (every rank runs the same batch: mcore's all-gather dispatcher sends each token to the
+    rank holding its experts and back), so the outputs must be the EP 1 ones.
     Raises :class:`InputError` for a pipeline the model cannot take, and
     :class:`~mmparity.upstream.models.UpstreamUnavailable` when Megatron's class cannot be imported.
     """
@@ -193,10 +196,12 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         raise InputError(f"{family}: {exc}") from None
     cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
     component_names = hooks.components if components and runs_native else ()
-    world = tp * pp
+    if ep != 1:
+        stage_shards = _split_experts(family, stage_shards, ep, runs_megatron)
+    world = tp * pp * ep
     native_cases, native_components = [], {}
     if runs_native:
-        job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts)
+        job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts, ep)
         if world == 1 or runtime.launched_world_size() == world:
             # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
             native_cases, native_components = job.run(stage_shards, layout=(tp, pp))
@@ -358,6 +363,25 @@ def _compare_megatron_case(family, case, megatron_run, reference, low_precision,
                          dtype, impl="megatron")
 
 
+def _split_experts(family: str, stage_shards: list, ep: int, runs_megatron: bool) -> list:
+    """``states[stage][tp_rank]`` -> ``states[stage][tp_rank][ep_rank]``, each rank's experts
+    under local numbers (:func:`mmparity.converters.ep.split_expert_ranks`)."""
+    from mmparity.converters import ep as ep_mod
+    from mmparity.converters.axes import AxisError, expert_axis
+
+    if runs_megatron:
+        raise InputError(f"{family}: --ep runs the native model only; drop --impl megatron")
+    experts = ep_mod.expert_count(list(stage_shards[0][0]))
+    try:
+        axis = expert_axis(ep)
+        if not experts:
+            raise AxisError(f"--ep {ep}: no experts in family {family}")
+        axis.counts(experts)
+        return [[ep_mod.split_expert_ranks(state, axis, experts) for state in stage] for stage in stage_shards]
+    except AxisError as exc:
+        raise InputError(f"{family}: {exc}") from None
+
+
 def split_stages(family: str, cfg, shards: list, pp: int,
                  layer_counts: Optional[list] = None) -> tuple[list, Optional[list]]:
     """Per-TP-rank, globally numbered mcore states -> ``(states[stage][tp_rank], layer counts)``.
@@ -397,10 +421,11 @@ def split_stages(family: str, cfg, shards: list, pp: int,
 class NativeJob:
     """Everything the native side needs, picklable so that spawned ranks can run it too."""
 
-    def __init__(self, family, cfg, cases, components, dtype, device, seed, layer_counts=None):
+    def __init__(self, family, cfg, cases, components, dtype, device, seed, layer_counts=None, ep=1):
         self.family, self.cfg, self.cases, self.components = family, cfg, cases, components
         self.dtype, self.device, self.seed = dtype, device, seed
         self.layer_counts = layer_counts
+        self.ep = ep
 
     @torch.no_grad()
     def run(self, stage_shards: list, layout=None):
@@ -411,12 +436,16 @@ class NativeJob:
         """``stage_shards[stage][tp_rank]``: the state each rank loads. Returns the outputs and
         the paired-module captures per case, and the components, merged over the stages."""
         if layout is not None:
-            runtime.init_parallel(*layout, device=self.device, seed=self.seed,
+            runtime.init_parallel(*layout, ep=self.ep, device=self.device, seed=self.seed,
                                   layer_counts=self.layer_counts)
         pp = len(stage_shards)
         stage = runtime.pipeline_rank()
         shards = stage_shards[stage]
         state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
+        if self.ep > 1:
+            from megatron.core import parallel_state
+
+            state = state[parallel_state.get_expert_model_parallel_rank()]
         torch_dtype = DTYPES[self.dtype]
         fam = families.get(self.family)
         hooks = fam.hooks
@@ -458,7 +487,7 @@ def _merge_stages(gathered: list, pp: int):
 def _native_rank(rank: int, world_size: int, job: NativeJob, stage_shards: list):
     """Entry point of one spawned rank; only rank 0's (merged) results are sent back."""
     tp = len(stage_shards[0])
-    result = job.run(stage_shards, layout=(tp, world_size // tp))
+    result = job.run(stage_shards, layout=(tp, world_size // (tp * job.ep)))
     return result if rank == 0 else None
 
 
