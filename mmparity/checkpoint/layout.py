@@ -169,6 +169,14 @@ def checkpoint_extent(path: str | os.PathLike) -> Path:
     what the source still needs. Anything else is read from `path` itself.
     """
     path = Path(path).resolve()
-    if path.is_dir() and (_ITERATION_DIR.match(path.name) or path.name == RELEASE) and not (path / TRACKER_FILE).exists():
+    if path.is_dir() and (_ITERATION_DIR.match(path.name) or path.name == RELEASE) and not (path / TRACKER_FILE).exists() \
+            and _holds_mcore_ranks(path):
         return path.parent
     return path
+
+
+def _holds_mcore_ranks(path: Path) -> bool:
+    """Whether a directory holds an mcore iteration's files, not merely its name (an HF release
+    may well be called ``release``)."""
+    return any(child.name.startswith("mp_rank_") or child.name in (".metadata", "metadata.json")
+               for child in path.iterdir())
