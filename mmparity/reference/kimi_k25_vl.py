@@ -65,3 +65,40 @@ def state_shapes(cfg) -> dict[str, tuple]:
     shapes["lm_head.weight"] = (text.vocab_size, text.hidden_size)
     return shapes
 
+
+
+# Kimi-K2.5's released text config, as recalled (not read from the hub here): the Kimi-K2
+# decoder, 1.04T parameters of which 32B are active per token.
+PUBLISHED_TEXT = {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840, "intermediate_size": 18432,
+                  "moe_intermediate_size": 2048, "num_attention_heads": 64, "num_key_value_heads": 64,
+                  "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                  "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 384, "n_shared_experts": 1,
+                  "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                  "routed_scaling_factor": 2.827, "max_position_embeddings": 262144,
+                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                                      "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+PUBLISHED_VISION = dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4, num_attention_heads=16,
+                        num_hidden_layers=27, hidden_size=1152, intermediate_size=4304,
+                        hidden_act="gelu_pytorch_tanh", merge_kernel_size=(2, 2))
+
+
+def published_config(scale: int = 1, layers: int | None = None) -> Kimi_K25Config:
+    """The released Kimi-K2.5 config, or a proportionally scaled one: every width and the expert
+    count divided by ``scale`` (heads kept whole), ``layers`` decoder layers if given."""
+    from transformers import Kimi_K25VisionConfig
+
+    def cut(n: int) -> int:
+        return max(1, n // scale)
+
+    text = dict(PUBLISHED_TEXT)
+    for name in ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                 "vocab_size", "n_routed_experts"):
+        text[name] = cut(text[name])
+    text["num_attention_heads"] = text["num_key_value_heads"] = max(1, 64 // scale)
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+    vision = dict(PUBLISHED_VISION, hidden_size=cut(1152) // 16 * 16, intermediate_size=cut(4304))
+    return Kimi_K25Config(vision_config=Kimi_K25VisionConfig(**vision), text_config=tiny_text(**text),
+                          projection_hidden_size=vision["hidden_size"], tie_word_embeddings=False,
+                          image_token_id=text["vocab_size"] - 1)
