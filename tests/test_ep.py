@@ -416,17 +416,7 @@ def kimi_hf(tmp_path_factory):
     return path
 
 
-# torch_dist of this family does not write yet, at any EP: its block is non-homogeneous (dense layer 0,
-# then MoE), so mcore keys every layer's sharded entries by its own number, while the writer's
-# extra-state objects (checkpoint.torch_dist.extra_state_objects) stack them on a layer axis and
-# have no expert axis; DCP's access check then finds mcore's expert / per-layer extra states missing.
-_TORCH_DIST_PENDING = pytest.mark.xfail(strict=True, reason="torch_dist writer's extra states: stacked layers "
-                                        "only, no expert axis (non-homogeneous MoE block)")
-
-
-@pytest.mark.parametrize("fmt, tp_size", [("legacy", 1), ("legacy", 2),
-                                          pytest.param("torch_dist", 1, marks=_TORCH_DIST_PENDING),
-                                          pytest.param("torch_dist", 2, marks=_TORCH_DIST_PENDING)])
+@pytest.mark.parametrize("fmt, tp_size", [("legacy", 1), ("legacy", 2), ("torch_dist", 1), ("torch_dist", 2)])
 def test_kimi_k25_vl_converts_at_ep_2_and_back_bit_exact(kimi_hf, tmp_path, fmt, tp_size, capsys, monkeypatch):
     from mmparity.cli.main import main
     from tests.test_convert_roundtrips import assert_same_checkpoint
@@ -468,3 +458,76 @@ def test_convert_ep_refuses_a_family_without_experts_and_an_ep_not_dividing(kimi
     err = capsys.readouterr().err
     assert "--ep 4 does not divide the 6 experts" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_torch_dist_extra_states_of_the_moe_family_are_keyed_as_mcore_keys_them():
+    """The writer's empty extra states for kimi_k25_vl's non-homogeneous decoder (dense layer 0,
+    MoE layers after it): every ShardedObject mcore's own modules give the native language model
+    (per-layer keys, one expert axis of the global experts) comes out under the same key, shape
+    and offset; beyond them only what Megatron's TE spec adds (MLA's duplicated TELinear down
+    projections and its TEDotProductAttention)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    from mmparity import families, runtime
+    from mmparity.checkpoint import _mcore_compat as mc
+    from mmparity.checkpoint import extra_state, streaming
+    from mmparity.checkpoint.torch_dist import extra_state_objects
+    from mmparity.converters import pp
+
+    family = families.get("kimi_k25_vl")
+    cfg = family.tiny_config()
+    rules = streaming._rule_set("kimi_k25_vl", cfg, None)
+    order, kinds = streaming._mcore_order(rules), streaming._kinds(rules)
+    with runtime.parallel_context(1, 1), torch.device("meta"):
+        sharded = family.build_native(cfg).sharded_state_dict()
+    per_layer = {parts[0] for entry in sharded.values() if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))
+                 and (parts := pp.layer_key_parts(entry.key)) is not None}
+    assert per_layer == {"language_model.decoder.layers."}  # the vision tower's block stays stacked
+    ours = extra_state_objects(extra_state.sharded_extra_state_keys({k: kinds[k] for k in order}), order, per_layer)
+
+    def placed(objects):
+        return {(o.key, tuple(o.global_shape), tuple(o.global_offset)) for o in objects
+                if o.key.startswith("language_model.")}
+
+    native = placed(v for v in sharded.values() if isinstance(v, ShardedObject) and extra_state.is_extra_state(v.key))
+    written = placed(ours.values())
+    assert {o.replica_id for o in ours.values()} == {(0, 0, 0)}
+    experts = {(key, shape, offset) for key, shape, offset in native if ".mlp.experts.experts." in key}
+    assert len(experts) == 2 * 6 * (cfg.text_config.num_hidden_layers - 1) and {s for _, s, _ in experts} == {(6,)}
+    assert native <= written
+    added = {key.rsplit(".", 2)[-2] for key, _, _ in written - native}
+    assert added == {"linear_q_down_proj", "linear_kv_down_proj", "core_attention"}, written - native
+
+
+@pytest.mark.parametrize("moe_layer_freq", [[0, 1, 1], 1])
+def test_torch_dist_expert_extra_states_match_mcores_in_stacked_and_per_layer_blocks(moe_layer_freq):
+    """mcore's SequentialMLP keys its experts' extra states on the global expert axis, behind the
+    layer axis when the block is homogeneous: extra_state_objects places them the same way."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mmparity import runtime
+    from mmparity.checkpoint.torch_dist import extra_state_objects
+    from mmparity.converters import pp
+
+    with runtime.parallel_context(1, 1):
+        config = TransformerConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                                   num_moe_experts=6, moe_router_topk=2, moe_ffn_hidden_size=FFN,
+                                   moe_layer_freq=moe_layer_freq, gated_linear_unit=True, add_bias_linear=False,
+                                   use_cpu_initialization=True, moe_grouped_gemm=False)
+        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if moe_layer_freq != 1
+                else get_gpt_layer_local_spec(num_experts=6, moe_grouped_gemm=False))
+        block = TransformerBlock(config, spec, post_layer_norm=False)
+        sharded = block.sharded_state_dict(prefix="decoder.")
+    tensor_keys = list(block.state_dict(prefix="decoder."))
+    per_layer = {parts[0] for key, v in sharded.items() if not isinstance(v, ShardedObject)
+                 and (parts := pp.layer_key_parts(v.key)) is not None}
+    assert bool(per_layer) == (moe_layer_freq != 1)
+    native = {k: v for k, v in sharded.items() if isinstance(v, ShardedObject) and ".local_experts." in k}
+    assert len(native) == 2 * 6 * (2 if moe_layer_freq != 1 else 3)
+    ours = extra_state_objects(list(native), tensor_keys, per_layer)
+    for key, obj in native.items():
+        assert (ours[key].key, ours[key].global_shape, ours[key].global_offset, ours[key].replica_id) == \
+            (obj.key, obj.global_shape, obj.global_offset, obj.replica_id), key

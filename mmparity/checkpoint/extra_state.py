@@ -24,10 +24,14 @@ from collections.abc import Mapping
 
 import torch
 
+from mmparity.converters import ep
 from mmparity.converters.tp import split_of
 
 SUFFIX = "._extra_state"
 _TE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+# Megatron's multi-latent attention's TE linears (see sharded_extra_state_keys).
+_MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                "linear_kv_up_proj")
 # GPTModel leaves its output layer's slot out of its sharded state dict (old checkpoints lacked it).
 _NOT_SHARDED = ("output_layer",)
 
@@ -50,8 +54,36 @@ def extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
 
 
 def sharded_extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
-    """The subset Megatron's ``sharded_state_dict()`` holds as ``ShardedObject``s."""
-    return [k for k in extra_state_keys(kinds) if _module_name(k[: -len(SUFFIX)]) not in _NOT_SHARDED]
+    """The ``_extra_state`` slots Megatron's TE-built ``sharded_state_dict()`` holds as
+    ``ShardedObject``s: those of :func:`extra_state_keys` less ``output_layer``'s, plus those of
+    Megatron's multi-latent attention and MoE experts (a torch_dist load asks for each of them).
+
+    * MLA (``get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)``): the down
+      projections are ``TELinear`` in duplicated mode (whole on every TP rank, hence replicated
+      kinds, still TE modules with a slot), the up projections (or ``linear_q_proj``)
+      ``TELayerNormColumnParallelLinear`` / ``TEColumnParallelLinear``, and its
+      ``core_attention`` a ``TEDotProductAttention``.
+    * Routed experts: ``TEGroupedMLP``'s grouped linears give every expert a slot of its own
+      (``TEGroupedLinear._sharded_state_dict_grouped``), named here in the sequential spelling
+      ``<layer>.mlp.experts.local_experts.<e>.linear_fc1._extra_state`` with the global expert
+      number (``converters.ep``); ``checkpoint.torch_dist.extra_state_objects`` keys them as
+      mcore does. The router (``TopKRouter``) has no slot.
+    """
+    keys = {k for k in extra_state_keys(kinds) if _module_name(k[: -len(SUFFIX)]) not in _NOT_SHARDED}
+    for key in kinds:
+        module, _, param = key.rpartition(".")
+        name = _module_name(module)
+        if param == "weight" and name in _MLA_LINEARS and module.rpartition(".")[0].endswith("self_attention"):
+            keys.add(f"{module}{SUFFIX}")
+            if name == "linear_kv_down_proj":  # every MLA has one, beside its core attention
+                keys.add(module.rpartition(".")[0] + ".core_attention" + SUFFIX)
+            continue
+        expert = ep.parse_expert_key(key)
+        if expert is not None:
+            linear, _, param = expert.rest.rpartition(".")
+            if param == "weight" and linear in ("linear_fc1", "linear_fc2"):
+                keys.add(expert.spell(ep.SEQUENTIAL).rpartition(".")[0] + SUFFIX)
+    return sorted(keys)
 
 
 def is_extra_state(key: str) -> bool:

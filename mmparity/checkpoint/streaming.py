@@ -1167,6 +1167,11 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         with torch.device("meta"):
             model = families.get(source.family).build_native(source.cfg)
         sharded = model.sharded_state_dict()
+        # The layer stacks mcore keys layer by layer (a non-homogeneous block: dense and MoE
+        # layers), as its sharded tensors' keys tell; the extra states follow them.
+        per_layer_stacks = {parts[0] for entry in sharded.values()
+                            if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))
+                            and (parts := pp_mod.layer_key_parts(entry.key)) is not None}
         # The converter's name of every sharded entry, spelled all at once (a layer's own keys say
         # whether its norms are fused) and with expert keys in the rule table's layout (mcore's
         # SequentialMLP names its sharded entries local_experts.{e}. whatever its state dict says).
@@ -1208,7 +1213,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
                       if isinstance(entry, ShardedObject) and extra_state.is_extra_state(name)]:
             del sharded[local]
         sharded.update(extra_state_objects(extra_state.sharded_extra_state_keys(
-            {k: kinds[k] for k in order}), order))
+            {k: kinds[k] for k in order}), order, per_layer_stacks))
         for local, key in local_keys.items():
             entry = sharded[local]
             meta = source.metas[key]

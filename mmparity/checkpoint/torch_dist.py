@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from mmparity import errors
 from mmparity.checkpoint import _mcore_compat as mc
 from mmparity.checkpoint import extra_state, torch_dist_files
-from mmparity.converters import pp
+from mmparity.converters import ep, pp
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     iteration_dirname,
@@ -242,25 +242,51 @@ def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
     return [whole_base.as_strided(target.shape, target.stride(), target.storage_offset()).contiguous()]
 
 
-def extra_state_objects(keys: Sequence[str], tensor_keys: Sequence[str]) -> dict:
+def extra_state_objects(keys: Sequence[str], tensor_keys: Sequence[str],
+                        per_layer_stacks: Collection[str] = ()) -> dict:
     """Empty ``_extra_state`` ``ShardedObject``s under the keys, offsets and replica ids Megatron's
-    classes give them at TP 1, for the global state-dict ``keys`` (see ``extra_state``); a layer's
-    is stacked as its tensors are (``decoder.layers.<rest>`` at offset ``i`` of the block's layer
-    count, which ``tensor_keys`` tell). Only TP rank 0's copy is the main replica, so the result is
-    the same whatever TP size loads it."""
+    classes give them at TP 1, for the global state-dict ``keys`` (see ``extra_state``).
+
+    As ``megatron.core.transformer.utils.make_sharded_object_for_checkpoint`` does, an object takes
+    the axes its module's tensors are prepended, as its shape and offset (``(1,)`` / ``(0,)``
+    with none):
+
+    * a layer's: ``decoder.layers.<rest>`` at offset ``i`` of the block's layer count (which
+      ``tensor_keys`` tell), unless its stack is among ``per_layer_stacks`` (a non-homogeneous
+      block, dense and MoE layers: ``TransformerBlock.sharded_state_dict`` then keeps the layer
+      number in the key and prepends no layer axis);
+    * a routed expert's (``...mlp.experts.local_experts.<e>.<linear>._extra_state``, global ``e``):
+      ``...mlp.experts.experts.<linear>._extra_state``, one key for all the layer's experts, on
+      one more axis of the global expert count at offset ``e`` (``SequentialMLP`` and
+      ``TEGroupedLinear`` alike; at EP ``r`` of ``n`` a rank's local expert ``j`` is global
+      ``r·E/n + j``, so the objects are those of any EP).
+
+    Only TP rank 0's copy is the main replica, and each expert's object is its own shard, so the
+    result is the same whatever TP or EP size loads it."""
     layers = pp.layer_stacks(tensor_keys)
+    num_experts = None
     objects = {}
     for key in keys:
-        parts = pp.layer_key_parts(key)
+        name, expert_axis = key, ()
+        expert = ep.parse_expert_key(key)
+        if expert is not None:
+            if num_experts is None:
+                num_experts = ep.expert_count(tensor_keys)
+            if not 0 <= expert.expert < num_experts:
+                raise CheckpointError(f"{key}: no expert {expert.expert} among the {num_experts} of the state dict")
+            name, expert_axis = f"{expert.prefix}experts.{expert.rest}", ((num_experts, expert.expert),)
+        parts = pp.layer_key_parts(name)
+        layer_axis = ()
         if parts is not None:
             stack, index, rest = parts
             count = len(layers.get(stack, ()))
-            if index >= count:
+            if index not in layers.get(stack, ()):
                 raise CheckpointError(f"{key}: no tensors of its layer in the state dict")
-            shape, offset, stacked = (count,), (index,), stack + rest
-        else:
-            shape, offset, stacked = (1,), (0,), key
-        objects[key] = mc.ShardedObject(stacked, None, shape, offset, replica_id=(0, 0, 0))
+            if stack not in per_layer_stacks:
+                layer_axis, name = ((count, index),), stack + rest
+        axes = layer_axis + expert_axis or ((1, 0),)
+        objects[key] = mc.ShardedObject(name, None, tuple(size for size, _ in axes),
+                                        tuple(offset for _, offset in axes), replica_id=(0, 0, 0))
     return objects
 
 
