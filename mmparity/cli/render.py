@@ -90,6 +90,10 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
 def _divergence_detail(metrics: dict) -> str:
     if "error" in metrics:
         return metrics["error"]
+    verdict = metrics.get("router")
+    if verdict is not None and verdict["disagreements"]:
+        return (f"{verdict['disagreements']} of {verdict['tokens']} tokens routed to other experts, "
+                f"score gap up to {_fmt(verdict['worst_gap'])} (a tie is <= {_fmt(verdict['tie_tolerance'])})")
     return f"rel_l2 {_fmt(metrics.get('rel_l2'))}"
 
 
