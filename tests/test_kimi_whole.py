@@ -49,9 +49,10 @@ def test_whole_model_parity_and_router_agreement(dtype):
         assert {LAYER.format(2) + s for s in (".self_attention", ".mlp.shared_experts", ".mlp.experts")} <= names
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_parity_across_tensor_and_expert_ranks(tp, ep):
-    report = harness.check(FAMILY, seed=1, tp=tp, ep=ep, components=False)
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 1, 2), pytest.param(2, 1, 2, marks=pytest.mark.slow),
+                                      pytest.param(1, 2, 2, marks=pytest.mark.slow)])
+def test_parity_across_tensor_pipeline_and_expert_ranks(tp, pp, ep):
+    report = harness.check(FAMILY, seed=1, tp=tp, pp=pp, ep=ep, components=False)
     assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
     assert all(r.metrics["rel_l2"] <= 1e-5 for r in report.results)
 

@@ -20,7 +20,7 @@ from mmparity.cases import inputs
 from mmparity.cases import kimi_k25 as tower_cases
 from mmparity.cases.core import Case, FamilyHooks, Pair, Side, first_tensor, sbh_tokens_2d, tokens_2d
 from mmparity.converters import kimi_k25_vl as converter
-from mmparity.hfconfig import moe_layer_range
+from mmparity.hfconfig import moe_layer_range, tied_embeddings
 from mmparity.native import kimi_k25_vl as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.parity.router import routing_tensor
@@ -160,22 +160,29 @@ def _mcore_rows(output, case: Case):
 
 def native_run(model, case) -> dict:
     param = next(model.parameters())
-    rows = tower_cases._rows(case.data["images"], model.patch_dim).to(param.device, param.dtype)
+    rows = (tower_cases._rows(case.data["images"], model.patch_dim).to(param.device, param.dtype)
+            if model.pre_process else None)
     ids = case.data["input_ids"].to(param.device)
     common = dict(imgs_sizes=case.data["sizes"], num_frames=case.data["frames"])
-    logits = model(rows, ids, **common)[..., :model.vocab_size].float()
+    logits = model(rows, ids, **common)
     loss = model(rows, ids, labels=next_tokens(ids), **common)
+    if not model.post_process:
+        return {}  # an earlier pipeline stage: the last one holds the outputs
+    logits = logits[..., :model.vocab_size].float()
     mask = token_mask(case.data["input_ids"], model.image_token_id).to(param.device)
     return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
 
 
 def native_pairs(model, cfg) -> list[Pair]:
-    out = [Pair("vision_model." + p.name, p.module, p.extract) for p in tower_cases.native_pairs(model, cfg)
-           if p.name != "projector"]
-    out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
+    out = []
+    if model.vision_model is not None:  # the first pipeline stage
+        out += [Pair("vision_model." + p.name, p.module, p.extract)
+                for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
+        out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
     out += language_pairs(numbered_layers(model.language_model.decoder), cfg, hf=False)
-    out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
-                    sbh_tokens_2d))
+    if model.post_process:
+        out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
+                        sbh_tokens_2d))
     return out
 
 
@@ -197,7 +204,9 @@ def random_config(pick):
 
 
 def pipeline_problems(cfg, pp: int) -> list[str]:
-    return ["whole Kimi-K2.5 under pipeline parallelism is not built yet"] if pp > 1 else []
+    if pp > 1 and tied_embeddings(cfg):
+        return ["tied input and output embeddings are not supported under pipeline parallelism"]
+    return []
 
 
 def image_size_problems(cfg, sizes) -> list[str]:

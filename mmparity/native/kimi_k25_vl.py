@@ -4,7 +4,8 @@
 
 Images are laid out as Kimi's processor lays them out: every merged patch has one image token in
 the ids (no compact placeholders to expand), and the projected image embeddings replace those
-tokens' embeddings in order, row by row.
+tokens' embeddings in order, row by row. Under pipeline parallelism the language model is split
+over the stages; the tower and projector are whole on the first stage, as Megatron-LM keeps them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 from mmparity import runtime
 from mmparity.hfconfig import padded_vocab_size, tied_embeddings
@@ -20,13 +22,31 @@ from mmparity.native.core.layers import tolerate_missing_extra_state
 from mmparity.native.llava import LLaVAModel
 
 
-class KimiK25VLModel(tower.KimiViTWithProjector):
-    def __init__(self, vision_model, projection_config, language_model, *, image_token_id: int, vocab_size: int):
-        super().__init__(vision_model, projection_config)
+class KimiK25VLModel(MegatronModule):
+    def __init__(self, vision: Optional[tower.KimiViTWithProjector], language_model, *, patch_dim: int,
+                 image_token_id: int, vocab_size: int):
+        super().__init__(config=language_model.config)
         self.language_model = language_model
+        self.vision_model = vision.vision_model if vision is not None else None
+        self.vision_projection = vision.vision_projection if vision is not None else None
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.patch_dim = patch_dim
         self.image_token_id = image_token_id
         self.vocab_size = vocab_size
         tolerate_missing_extra_state(self)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.language_model.set_input_tensor(input_tensor)
+
+    def pipelined_module(self) -> torch.nn.Module:
+        return self.language_model
+
+    def image_embeddings(self, pixel_values: torch.Tensor, imgs_sizes=None,
+                         num_frames: Optional[Sequence[int]] = None) -> torch.Tensor:
+        out = self.vision_model.encode(pixel_values, imgs_sizes=imgs_sizes, num_frames=num_frames)
+        return self.vision_projection(out.pooler_output)
 
     def embed(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor], imgs_sizes=None,
               num_frames: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -37,7 +57,7 @@ class KimiK25VLModel(tower.KimiViTWithProjector):
         embedded = self.language_model.embedding(input_ids=ids, position_ids=positions)  # [s, b, h]
         if pixel_values is None:
             return embedded
-        features = self.encode(pixel_values, imgs_sizes=imgs_sizes, num_frames=num_frames).image_embeds
+        features = self.image_embeddings(pixel_values, imgs_sizes, num_frames)
         features = features.reshape(-1, embedded.shape[-1]).to(embedded.dtype)
         if int(image.sum()) != features.shape[0]:
             raise ValueError(f"{int(image.sum())} image tokens in the ids for {features.shape[0]} image embeddings")
@@ -48,13 +68,15 @@ class KimiK25VLModel(tower.KimiViTWithProjector):
     def forward(self, pixel_values: Optional[torch.Tensor], input_ids: torch.Tensor, *, imgs_sizes=None,
                 num_frames: Optional[Sequence[int]] = None, labels: Optional[torch.Tensor] = None):
         """Logits ``[b, s, padded vocab]``, or with ``labels`` (the next token at every position)
-        Megatron's per-token loss ``[b, s]``."""
+        Megatron's per-token loss over the real vocabulary ``[b, s]``; on a stage before the last,
+        the hidden states it hands on."""
         from mmparity.native.deepseek_v3 import host_placement
 
         with host_placement(input_ids.device):
-            decoder_input = self.embed(input_ids, pixel_values, imgs_sizes, num_frames)
+            decoder_input = (self.embed(input_ids, pixel_values, imgs_sizes, num_frames)
+                             if self.pre_process else None)
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            if labels is None:
+            if labels is None or not self.post_process:
                 return self.language_model(None, positions, None, decoder_input=decoder_input,
                                            runtime_gather_output=True)
             logits = self.language_model(None, positions, None, decoder_input=decoder_input)
@@ -63,15 +85,22 @@ class KimiK25VLModel(tower.KimiViTWithProjector):
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) -> KimiK25VLModel:
-    """The whole model for a ``Kimi_K25Config``; ``language``: the language-model part's native
-    module (its ``LanguageModelBuilder``)."""
+    """The whole model for a ``Kimi_K25Config`` at this pipeline stage; ``language``: the
+    language-model part's native module (its ``LanguageModelBuilder``)."""
     text = cfg.text_config
-    with_projector = tower.build_native(cfg, params_dtype)
-    layout = runtime.current_layout()
-    vocab = padded_vocab_size(text.vocab_size, tp=layout.tp if layout is not None else 1)
+    first, last = runtime.is_first_stage(), runtime.is_last_stage()
+    if tied_embeddings(cfg) and not (first and last):
+        raise ValueError("tied embeddings under pipeline parallelism are not supported")
+    # The tower is never split; later stages only need its patch size, read off the config.
+    vision = None
+    if first:
+        with runtime.single_stage():
+            vision = tower.build_native(cfg, params_dtype)
+    vocab = padded_vocab_size(text.vocab_size, tp=runtime.current_layout().tp)
     language_model = language.LanguageModelBuilder(text, params_dtype)(
-        vocab, pre_process=True, post_process=True, parallel_output=False,
+        vocab, pre_process=first, post_process=last, parallel_output=True,
         share_embeddings_and_output_weights=tied_embeddings(cfg))
-    model = KimiK25VLModel(with_projector.vision_model, tower.projection_config(cfg, params_dtype), language_model,
+    model = KimiK25VLModel(vision, language_model, patch_dim=tower._patch(cfg.vision_config),
                            image_token_id=cfg.image_token_id, vocab_size=text.vocab_size)
     return model.to(params_dtype)
+
