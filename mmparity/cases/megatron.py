@@ -414,7 +414,10 @@ class MegatronClass:
     ``root`` the prefix its own keys sit under there (``language_model.`` for ``GPTModel``);
     ``reference_run(model, case, cfg)``: the HF model's run for a class that holds a part, in place
     of the family's whole run; ``why_part``: why the family's whole model has no Megatron class
-    here (shown wherever the part is checked or loaded)."""
+    here (shown wherever the part is checked or loaded); ``unwritten_extra_state``: modules (by the
+    last parts of their names) of the class whose TE ``_extra_state`` slot mmparity's converter
+    does not write yet: ``verify --load`` fills exactly those with the empty slot the writer writes
+    for every other TE module (``None``) and says how many it filled."""
 
     upstream: str
     cases: Callable
@@ -432,6 +435,7 @@ class MegatronClass:
     root: str = ""
     reference_run: Optional[Callable] = None
     why_part: str = ""
+    unwritten_extra_state: tuple = ()
 
     def holds_key(self, key: str) -> bool:
         return not self.holds or key.startswith(self.holds)
@@ -483,6 +487,32 @@ def _whole_vlm_parts(vision_note: str = "") -> dict[str, MegatronClass]:
                                  ("MultimodalProjector", PROJECTION))}
 
 
+# TE modules of Megatron's MLA + grouped-GEMM MoE layers whose ``_extra_state`` the converter's rule
+# (``checkpoint/extra_state.py``) does not write: MLA's four projections and its core attention,
+# ``TEGroupedMLP``'s two grouped linears.
+MLA_MOE_UNWRITTEN_EXTRA_STATE = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+                                 "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj",
+                                 "self_attention.core_attention", "mlp.experts.linear_fc1",
+                                 "mlp.experts.linear_fc2")
+MOE_LANGUAGE_MODEL = dataclasses.replace(
+    LANGUAGE_MODEL, upstream="moe_language_model", why_part=WHY_PARTS,
+    note=f"the DeepSeek-V3 language model part (language_model.*) on text-only ids, stock GPTModel on "
+         f"mcore's TE block spec for MLA + MoE (grouped-GEMM experts); {PADDED_LOSS_NOTE}",
+    unwritten_extra_state=MLA_MOE_UNWRITTEN_EXTRA_STATE)
+
+
+def _kimi_vl_vision_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
+    raise UnsupportedInput("the kimi_k25_vl vision part (KimiViTModel + projection) is loaded by "
+                           "verify --load where Megatron-LM main is importable, not checked on its own "
+                           "yet: check the kimi_k25 family for the tower and projector")
+
+
+KIMI_VL_VISION = MegatronClass(
+    "kimi_k25", _kimi_vl_vision_cases, _run_kimi, _kimi_pairs, module_cases=(),
+    note="the vision part (vision_model.*, vision_projection.*): the kimi_k25 family's class",
+    holds=("vision_model.", "vision_projection."), why_part=WHY_PARTS)
+
+
 CLASSES: dict[str, dict[str, MegatronClass]] = {
     "clip": {
         "CLIPViTModel": MegatronClass("clip", _configured_size(lambda cfg: cfg), _run_clip, _clip_pairs),
@@ -508,6 +538,7 @@ CLASSES: dict[str, dict[str, MegatronClass]] = {
     "mistral3": _whole_vlm_parts("Megatron's merger norm takes the vision epsilon, HF the text "
                                  "rms_norm_eps (discrepancy 2)"),
     "pixtral_12b": _whole_vlm_parts(),
+    "kimi_k25_vl": {"GPTModel": MOE_LANGUAGE_MODEL, "KimiViTModel+MultimodalProjector": KIMI_VL_VISION},
 }
 
 

@@ -54,6 +54,7 @@ class RankLoad:
     refused: bool = False  # the checkpoint holds a pickle that is not plain data: a user error
     loaded: dict = dataclasses.field(default_factory=dict)  # class name -> entries loaded
     not_loaded: dict = dataclasses.field(default_factory=dict)  # prefix -> entries left in the checkpoint
+    filled: int = 0  # empty _extra_state slots filled for modules the converter writes none for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,15 @@ class LoadPart:
     holds: tuple = ()
     root: str = ""  # the prefix the class's own keys sit under in the checkpoint
     pipelined: bool = False  # built on every stage; otherwise whole, on the first stage
+    unwritten_extra_state: tuple = ()  # modules whose empty _extra_state slot the converter does not write
+
+    def fills(self, key: str) -> bool:
+        """Whether ``key`` (the class's own name, under ``root``) is an ``_extra_state`` slot of a
+        module the converter writes none for (filled with the empty slot it writes elsewhere)."""
+        if not key.endswith("._extra_state") or not key.startswith(self.root):
+            return False
+        module = key[: -len("._extra_state")]
+        return any(module == name or module.endswith("." + name) for name in self.unwritten_extra_state)
 
     def holds_key(self, key: str) -> bool:
         return not self.holds or key.startswith(self.holds)
@@ -96,6 +106,7 @@ class LoadReport:
     tp: int
     ranks: list = dataclasses.field(default_factory=list)
     pp: int = 1
+    ep: int = 1
     parts: tuple = ()  # LoadParts, where the load is split over several classes or holds a part
     not_loaded: tuple = ()
     notes: tuple = ()
@@ -106,7 +117,8 @@ class LoadReport:
 
     def __str__(self) -> str:
         head = (f"{self.directory} ({self.layout}, TP {self.tp}"
-                f"{f', PP {self.pp}' if self.pp > 1 else ''}): strict load into Megatron's "
+                f"{f', PP {self.pp}' if self.pp > 1 else ''}{f', EP {self.ep}' if self.ep > 1 else ''}): "
+                f"strict load into Megatron's "
                 f"{self.megatron_class} ({self.family}, megatron-core {models.megatron_version()}, "
                 f"{models.describe_te()})")
         lines = [f"{head}: {'all ranks load' if self.ok else 'FAILED'}"]
@@ -117,21 +129,27 @@ class LoadReport:
         lines += [f"  not loaded: {n.described}: {n.reason}" for n in self.not_loaded]
         lines += [f"  note: {note}" for note in self.notes]
         for r in self.ranks:
-            where = f" (TP rank {r.rank % self.tp}, PP stage {r.rank // self.tp})" if self.pp > 1 else ""
+            tp_rank, pp_rank, ep_rank = grid_ranks(r.rank, self.tp, self.pp, self.ep)
+            where = ", ".join(([f"TP rank {tp_rank}"] if self.pp > 1 or self.ep > 1 else [])
+                              + ([f"PP stage {pp_rank}"] if self.pp > 1 else [])
+                              + ([f"EP rank {ep_rank}"] if self.ep > 1 else []))
+            where = f" ({where})" if where else ""
             lines.append(f"  rank {r.rank}{where}: {'ok' if r.ok else 'FAIL'}: "
                          f"{self._loads(r) if r.ok else r.message}")
         return "\n".join(lines)
 
     def _loads(self, r: RankLoad) -> str:
         """What the rank loaded, counted, where the load is split; plain "loads" otherwise."""
+        filled = (f"; filled {r.filled} empty _extra_state slots the converter does not write (TE modules of "
+                  "MLA and grouped-GEMM experts)" if r.filled else "")
         if not self.parts:
-            return "loads"
+            return "loads" + filled
         text = "loads " + (", ".join(f"{name} {count} keys" for name, count in r.loaded.items())
                            or "nothing on this stage")
         if r.not_loaded:
             unit = "stored" if self.layout == LAYOUT_TORCH_DIST else "keys"
             text += "; not loaded: " + ", ".join(f"{what} {count} {unit}" for what, count in r.not_loaded.items())
-        return text
+        return text + filled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +161,7 @@ class LoadJob:
     tp: int = 1
     pp: int = 1
     layer_counts: Optional[tuple] = None  # the pipelined stack's split, as the manifest records it
+    ep: int = 1  # Megatron's expert_model_parallel_size (legacy: one rank file per EP rank)
     divisible_by: Optional[int] = None  # the vocabulary divisor the checkpoint was padded with
     not_loaded: tuple = ()  # NotLoaded
     notes: tuple = ()  # why the load is split, where it is
@@ -165,11 +184,33 @@ class LoadJob:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.ep
 
     def init_parallel(self) -> None:
-        """mcore's parallel state for this job (TP ranks fastest, as mcore orders them)."""
-        runtime.init_parallel(self.tp, self.pp, layer_counts=self.layer_counts)
+        """mcore's parallel state for this job (TP ranks fastest, as mcore orders them; the
+        data-parallel size is EP, whose expert groups mcore lays over it)."""
+        runtime.init_parallel(self.tp, self.pp, ep=self.ep, layer_counts=self.layer_counts)
+
+
+def grid_ranks(rank: int, tp: int, pp: int, ep: int = 1) -> tuple[int, int, int]:
+    """``(TP rank, PP stage, EP rank)`` of a global rank in a world of ``tp x ep x pp`` ranks laid
+    out as mcore lays them (TP fastest, then data parallel, whose ranks are the EP ranks here, then
+    pipeline)."""
+    return rank % tp, rank // (tp * ep), (rank // tp) % ep
+
+
+def _own_ranks(rank: int, job: "LoadJob") -> tuple[int, int, int]:
+    """This rank's place in mcore's parallel state (what it builds and loads), checked against
+    :func:`grid_ranks`."""
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        return grid_ranks(rank, job.tp, job.pp, job.ep)
+    own = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+           ps.get_expert_model_parallel_rank() if job.ep > 1 else 0)
+    if own != grid_ranks(rank, job.tp, job.pp, job.ep):
+        raise CheckpointError(f"rank {rank}: mcore places it at (TP, PP, EP) {own}, not "
+                              f"{grid_ranks(rank, job.tp, job.pp, job.ep)}")
+    return own
 
 
 def sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -205,7 +246,7 @@ class Parts(torch.nn.Module):
 
 def _build(rank: int, job: LoadJob) -> tuple[torch.nn.Module, list]:
     """This rank's stage of the job's classes, and ``[(part, model)]`` of the parts built."""
-    first = rank // job.tp == 0
+    first = _own_ranks(rank, job)[1] == 0
     built = [(part, models.build(part.upstream, job.cfg, **job.build_options))
              for part in job.parts if part.pipelined or first]
     if len(job.parts) == 1 and not job.parts[0].root:
@@ -217,21 +258,26 @@ def _load(rank: int, job: LoadJob) -> tuple[torch.nn.Module, dict, dict]:
     """``(model, {class: entries loaded}, {prefix: entries not loaded})`` for this rank."""
     model, built = _build(rank, job)
     not_loaded: dict = {}
+    filled = 0
     if job.layout == LAYOUT_LEGACY:
         state = {}
-        for key, value in open_legacy(job.root).load_rank(rank % job.tp, rank // job.tp).items():
+        for key, value in open_legacy(job.root).load_rank(*_own_ranks(rank, job)).items():
             skipped = job.skips(key)
             if skipped is None:
                 state[key] = value
             else:
                 not_loaded[skipped] = not_loaded.get(skipped, 0) + 1
+        for key in model.state_dict():
+            if key not in state and any(part.fills(key) for part, _ in built):
+                state[key] = None  # the empty slot the writer writes for every other TE module
+                filled += 1
     else:
         wanted = sharded_state_dict(model)
         not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1)
         state = torch_dist.load_torch_dist(job.root, wanted)
     load_state_dict_strictly(model, state)
     loaded = {part.name: sum(1 for key in state if part.holds_key(key)) for part, _ in built}
-    return model, loaded, not_loaded
+    return model, loaded, not_loaded, filled
 
 
 def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
@@ -262,14 +308,14 @@ def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
 def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
     job.init_parallel()
     try:
-        _model, loaded, not_loaded = _load(rank, job)
+        _model, loaded, not_loaded, filled = _load(rank, job)
     except RefusedPickle as exc:
         return RankLoad(rank, False, str(exc), refused=True)
     except (models.StrictLoadError, CheckpointError) as exc:
         return RankLoad(rank, False, str(exc))
     except Exception as exc:  # from inside Megatron's class or torch: the cause, on one line
         return RankLoad(rank, False, errors.one_line(exc))
-    return RankLoad(rank, True, loaded=loaded, not_loaded=not_loaded)
+    return RankLoad(rank, True, loaded=loaded, not_loaded=not_loaded, filled=filled)
 
 
 def _compare_sharded_keys(root: str, wanted: dict, skips=lambda key: None, stages: bool = False) -> dict:
@@ -324,7 +370,8 @@ def _all_ranks(value) -> list:
 
 
 def _part(name: str, record: MegatronClass) -> LoadPart:
-    return LoadPart(name, record.upstream, record.holds, record.root, record.pipelined)
+    return LoadPart(name, record.upstream, record.holds, record.root, record.pipelined,
+                    record.unwritten_extra_state)
 
 
 def plan_parts(family: str, megatron_class: Optional[str] = None) -> tuple[tuple, tuple, tuple]:
@@ -408,7 +455,8 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
                 layer_counts = tuple(layout.layer_counts(pp))
             except pp_mod.PipelineError as exc:
                 raise CheckpointError(f"{root}: {exc}") from None
-    job = LoadJob(str(root), manifest.layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts,
+    ep = manifest.expert_parallel_size if manifest.layout == LAYOUT_LEGACY else 1
+    job = LoadJob(str(root), manifest.layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts, ep=ep,
                   divisible_by=source.vocab_multiple, not_loaded=not_loaded, notes=notes)
     return job, family, " + ".join(p.name for p in parts), job.world_size
 
@@ -432,5 +480,5 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
     if refused:  # not a checkpoint that fails to fit the class: one that must not be loaded at all
         raise RefusedPickle(refused[0].message)
     partial = len(job.parts) > 1 or any(p.holds for p in job.parts)
-    return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp,
+    return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp, ep=job.ep,
                       parts=job.parts if partial else (), not_loaded=job.not_loaded, notes=job.notes)

@@ -11,6 +11,8 @@ siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
 llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
                 ``MultimodalProjector``, ``language_model`` ``GPTModel``)
 language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
+moe_language_   a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock ``GPTModel`` on
+model           mcore's TE block spec for MLA + MoE (grouped-GEMM experts, shared experts)
 projector       a whole VLM's projector alone: stock ``MultimodalProjector``
 vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: Megatron-LM main's
                 ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the projector.
@@ -62,7 +64,7 @@ VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
 INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
                 "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
                 "`pip install triton` (it is only imported)")
-STOCK_FAMILIES = ("clip", "siglip", "llava", "language_model", "projector")
+STOCK_FAMILIES = ("clip", "siglip", "llava", "language_model", "projector", "moe_language_model")
 MAIN_FAMILIES = ("pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "clip_vit", "vlm_vision")
 # Megatron-LM's LLaVAModel selects the tower by these names.
 VISION_MODEL_TYPES = {"clip": "clip", "siglip": "siglip", "pixtral": "pixtral-vit",
@@ -451,12 +453,44 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 12
     return model.eval()
 
 
+def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                             parallel_output: bool = True):
+    """A whole VLM's DeepSeek-V3 language model (Kimi-K2.5's) alone: stock ``GPTModel`` as
+    Megatron-LM's DeepSeek-V3 / Kimi-K2 recipes build it (``--multi-latent-attention
+    --qk-layernorm --num-experts --moe-layer-freq --moe-grouped-gemm``, TE): the block spec from
+    mcore's own ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
+    (:func:`te_stand_ins.gpt_decoder_block_spec`), the config mmparity's native DeepSeek-V3 build
+    reads off the HF text config (``native.deepseek_v3.transformer_config``: MLA, YaRN, the
+    sigmoid router with expert bias and group-limited top-k, ``moe_layer_freq``, at the current
+    TP / PP / EP) with the experts as grouped GEMMs; this pipeline stage of it."""
+    import dataclasses as _dataclasses
+
+    from megatron.core.transformer import multi_latent_attention
+
+    from mmparity.native import deepseek_v3  # its import also corrects mcore 0.16's TE guards
+
+    text = cfg.text_config
+    layout = runtime.current_layout()
+    tp = layout.tp if layout is not None else 1
+    config = _dataclasses.replace(deepseek_v3.transformer_config(text, params_dtype), moe_grouped_gemm=True)
+    with buildable_without_te(gpt_model, multi_latent_attention), \
+            deepseek_v3.host_placement(torch.get_default_device()):
+        model = gpt_model.GPTModel(
+            config=config, transformer_layer_spec=te_stand_ins.gpt_decoder_block_spec(config),
+            vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
+            max_sequence_length=text.max_position_embeddings,
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            parallel_output=parallel_output, share_embeddings_and_output_weights=tied_embeddings(cfg),
+            position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
+    return model.eval()
+
+
 BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_siglip,
             "pixtral": build_pixtral,
             "pixtral_large": build_pixtral_large, "qwen3_5": build_qwen3_5,
             "kimi_k25": build_kimi_k25, "llava": build_llava,
             "language_model": build_language_model, "projector": build_projector,
-            "vlm_vision": build_vlm_vision}
+            "vlm_vision": build_vlm_vision, "moe_language_model": build_moe_language_model}
 
 
 def build(family: str, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None, **options):

@@ -21,6 +21,14 @@ TE module (Megatron's wrapper)      stand-in and its parameters
 ``TERowParallelLinear``             :class:`TERowParallelLinear`: mcore's ``RowParallelLinear``
                                     (``weight`` columns split, ``bias`` replicated, added once after
                                     the all-reduce)
+``TELinear`` (``"duplicated"``)     :class:`TELinear`: ``weight`` (and ``bias``) whole on every TP rank,
+                                    no communication (MLA's down projections)
+``TEColumnParallelGroupedLinear``   :class:`TEColumnParallelGroupedLinear`: ``weight0`` .. ``weightN-1``
+                                    (``TEGroupedMLP``'s fc1 over its N local experts), each
+                                    ``[out / expert TP, in]``; one ``_extra_state`` for the module
+``TERowParallelGroupedLinear``      :class:`TERowParallelGroupedLinear`: likewise, each
+                                    ``[out, in / expert TP]`` (fc2); the token dispatcher, not the
+                                    linear, reduces over the expert TP ranks, as with TE
 ``TEDotProductAttention``           :class:`TEDotProductAttention`: softmax attention with
                                     ``torch.nn.functional.scaled_dot_product_attention``; padding-free
                                     packed (THD) input attends within each ``cu_seqlens`` segment
@@ -146,6 +154,114 @@ class TERowParallelLinear(RowParallelLinear):
                          tp_group=tp_group)
 
 
+class TELinear(MegatronModule):
+    """TE's plain ``Linear`` as Megatron wraps it, in its ``"duplicated"`` mode, the one Megatron's
+    specs use it in (MLA's ``linear_q_down_proj`` / ``linear_kv_down_proj``): the whole ``weight``
+    ``[out, in]`` (and ``bias``) on every TP rank, no communication. Returns ``(output, bias)``
+    like every Megatron linear (the bias is added unless ``skip_bias_add``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, parallel_mode: Optional[str],
+                 config: TransformerConfig, init_method, bias: bool, skip_bias_add: bool,
+                 skip_weight_param_allocation: bool, tp_comm_buffer_name: Optional[str] = None,
+                 is_expert: bool = False, symmetric_ar_type: Optional[str] = None, tp_group=None):
+        super().__init__(config=config)
+        if parallel_mode != "duplicated":
+            raise NotImplementedError(f"TELinear stand-in: parallel_mode {parallel_mode!r} is not modelled "
+                                      "(Megatron's specs use TEColumn/RowParallelLinear for split ones)")
+        if skip_weight_param_allocation:
+            raise ValueError("Transformer Engine linear layers do not support skip_weight_param_allocation")
+        _refuse_unmodelled(config)
+        self.parallel_mode = None  # TE's wrapper records "duplicated" as no parallel mode
+        self.skip_bias_add = skip_bias_add
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if config.perform_initialization:
+            init_method(self.weight)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        return None
+
+    def forward(self, x):
+        if self.bias is None:
+            return F.linear(x, self.weight), None
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
+        return F.linear(x, self.weight, self.bias), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Replicated over TP and DP, as TE's wrapper gives it."""
+        from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                     make_sharded_tensors_for_checkpoint)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
+                                                   sharded_offsets, dp_cp_group=metadata["dp_cp_group"])
+
+
+class _GroupedLinear(MegatronModule):
+    """TE's ``GroupedLinear`` as Megatron wraps it (``TEGroupedLinear``): ``num_gemms`` linears, one
+    per local expert, registered ``weight0`` .. ``weight{N-1}`` (and ``bias{i}``), each split over
+    the expert TP ranks along ``parallel_mode``'s axis. Like TE under expert parallelism or
+    expert TP > 1, it does no communication itself (the token dispatcher does), and at expert TP 1
+    there is nothing to communicate. ``forward(x, m_splits)``: rows of ``x`` in expert order,
+    ``m_splits`` rows per expert."""
+
+    parallel_mode: str = ""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: TransformerConfig,
+                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        if not is_expert:
+            raise ValueError("TEGroupedLinear only supports expert parallelism")
+        if bias:
+            raise NotImplementedError("grouped-linear stand-in: expert biases are not modelled")
+        _refuse_unmodelled(config)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.utils import get_pg_size
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        tp = get_pg_size(pg_collection.expt_tp)
+        if self.parallel_mode == "column":
+            output_size //= tp
+        else:
+            input_size //= tp
+        self.num_gemms = num_gemms
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            if config.perform_initialization:
+                init_method(weight)
+            self.register_parameter(f"weight{i}", weight)
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        return None
+
+    def forward(self, x, m_splits):
+        chunks = torch.split(x, list(m_splits))
+        out = torch.cat([F.linear(chunk, getattr(self, f"weight{i}")) for i, chunk in enumerate(chunks)])
+        return out, None
+
+
+class TEColumnParallelGroupedLinear(_GroupedLinear):
+    """``TEGroupedMLP``'s fc1: each expert's weight split by rows over the expert TP ranks."""
+
+    parallel_mode = "column"
+
+
+class TERowParallelGroupedLinear(_GroupedLinear):
+    """``TEGroupedMLP``'s fc2: each expert's weight split by columns over the expert TP ranks."""
+
+    parallel_mode = "row"
+
+
 class TEDotProductAttention(MegatronModule):
     """Softmax attention over this rank's heads, in the layouts mcore hands TE's attention.
 
@@ -231,6 +347,9 @@ _STAND_INS = {
     "TEColumnParallelLinear": TEColumnParallelLinear,
     "TERowParallelLinear": TERowParallelLinear,
     "TEDotProductAttention": TEDotProductAttention,
+    "TELinear": TELinear,
+    "TEColumnParallelGroupedLinear": TEColumnParallelGroupedLinear,
+    "TERowParallelGroupedLinear": TERowParallelGroupedLinear,
 }
 
 
@@ -323,6 +442,46 @@ def gpt_layer_spec() -> ModuleSpec:
                                                                    self_attention=causal))
 
 
+def gpt_decoder_block_spec(config: TransformerConfig):
+    """Megatron-LM's GPT decoder block spec with TE for ``config``, this pipeline stage's layers:
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``, which for a MoE / MLA
+    config (DeepSeek-V3, Kimi-K2) gives dense layers up to ``moe_layer_freq``'s first MoE layer and
+    ``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm,
+    qk_layernorm, multi_latent_attention)`` layers after (MLA with TE's "duplicated" ``TELinear``
+    down projections and norm-fused up projections, ``MoELayer`` with ``TEGroupedMLP`` experts and a
+    ``SharedExpertMLP``), ``TENorm`` as the final norm.
+
+    With TE importable that is the spec itself. Without it megatron-core's spec module never
+    defines ``TESpecProvider`` / ``TENorm`` and the provider falls back to the legacy
+    ``GroupedMLP`` (TE's grouped linears are ``None``): for the call, those names point at the
+    provider, the placeholder and the grouped-linear stand-ins, so Megatron's own functions choose
+    every module; then each placeholder is replaced by its stand-in."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    if HAVE_TE:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+    missing = object()
+    saved = []
+
+    def swap(module, name, value):
+        saved.append((module, name, getattr(module, name, missing)))
+        setattr(module, name, value)
+
+    try:
+        swap(gpt_layer_specs, "TENorm", te_ext.TENorm)
+        swap(gpt_layer_specs, "TESpecProvider", provider.TESpecProvider)
+        swap(provider, "TEColumnParallelGroupedLinear", TEColumnParallelGroupedLinear)
+        swap(provider, "TERowParallelGroupedLinear", TERowParallelGroupedLinear)
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    finally:
+        for module, name, value in reversed(saved):
+            if value is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+    return _checked(substitute_te(spec))
+
+
 def projector_spec():
     """The MLP submodules Megatron-LM gives ``MultimodalProjector`` with TE (column-parallel fc1,
     row-parallel fc2, no fused norm), stand-ins when needed."""
@@ -344,6 +503,8 @@ def buildable_without_te(*modules):
 
     * ``vit_model.py`` binds ``_NORM_IMPL = TENorm`` and asserts ``HAVE_TE`` in every constructor;
       megatron-core's TE placeholder lets that import succeed, but building it fails.
+    * ``multi_latent_attention`` builds its down projections in TE's "duplicated" mode only when
+      the spec's class is the ``TELinear`` it imported (the placeholder); it is the stand-in here.
     * stock ``clip_vit_model.CLIPViTModel`` defaults ``ln_pre_impl`` / ``ln_post_impl`` to
       ``torch.nn.LayerNorm`` without TE, which cannot be built with TENorm's arguments; with TE the
       default is ``TENorm``. It also moves its position ids with ``.cuda()`` at construction.
@@ -362,6 +523,9 @@ def buildable_without_te(*modules):
 
     try:
         for module in modules:
+            # MLA picks the down projections' mode by identity with the TELinear it imported.
+            if getattr(module, "TELinear", None) is getattr(te_ext, "TELinear", None) is not None:
+                swap(module, "TELinear", TELinear)
             if hasattr(module, "_NORM_IMPL"):
                 swap(module, "_NORM_IMPL", TENorm)
                 swap(module, "HAVE_TE", True)

@@ -1,0 +1,141 @@
+"""Megatron's own ``GPTModel`` for Kimi-K2.5's DeepSeek-V3 language model (``kimi_k25_vl``).
+
+Stock megatron-core's ``GPTModel`` on its own TE block spec for MLA + grouped-GEMM MoE
+(``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``), built on the CPU with the
+TE stand-ins: its tensor keys are the converter's mcore keys, ``check --impl megatron`` passes at
+fp32 tolerance at TP 1 and 2 (and a corrupted expert is located in its layer), and ``verify
+--load`` loads legacy checkpoints written at (TP, PP, EP) strictly, one rank per grid point.
+Spawning cells (world > 1) are ``slow``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmparity import families, runtime
+from mmparity.cases.megatron import MLA_MOE_UNWRITTEN_EXTRA_STATE, megatron_class
+from mmparity.checkpoint.legacy import open_legacy
+from mmparity.checkpoint.megatron_load import LoadPart, grid_ranks
+from mmparity.cli.main import main
+from mmparity.parity import harness
+from mmparity.parity.metrics import FP32_REL_L2
+from mmparity.upstream import models
+from tests.test_convert_roundtrips import save_hf
+
+FAMILY = "kimi_k25_vl"
+GRID = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return save_hf(FAMILY, tmp_path_factory.mktemp("kimi_lm") / "hf", seed=11)
+
+
+@pytest.fixture(scope="module")
+def legacy(hf_dir):
+    made = {}
+
+    def _legacy(tp: int, pp: int, ep: int) -> Path:
+        if (tp, pp, ep) not in made:
+            dst = hf_dir.parent / f"legacy_tp{tp}_pp{pp}_ep{ep}"
+            argv = ["convert", "--family", FAMILY, "--src", str(hf_dir), "--dst", str(dst), "--to", "mcore",
+                    "--format", "legacy", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--quiet"]
+            assert main(argv) == 0, argv
+            made[tp, pp, ep] = dst
+        return made[tp, pp, ep]
+
+    return _legacy
+
+
+def test_the_record_is_stock_gptmodel_on_the_language_model_part():
+    name, record = megatron_class(FAMILY)
+    assert name == "GPTModel" and record.upstream == "moe_language_model"
+    assert record.holds == ("language_model.",) and record.root == "language_model." and record.pipelined
+
+
+def test_built_from_megatrons_te_spec_with_grouped_experts():
+    cfg = families.get(FAMILY).tiny_config()
+    with runtime.parallel_context(1, 1):
+        model = models.build("moe_language_model", cfg)
+    assert type(model).__name__ == "GPTModel" and model.config.moe_grouped_gemm
+    moe = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    dense = [layer for layer in model.decoder.layers if not hasattr(layer.mlp, "router")]
+    assert moe and dense
+    attention = model.decoder.layers[0].self_attention
+    assert type(attention).__name__ == "MLASelfAttention"
+    assert type(attention.linear_q_down_proj).__name__ == "TELinear"
+    assert type(attention.linear_kv_up_proj).__name__ == "TELayerNormColumnParallelLinear"
+    experts = moe[0].mlp.experts
+    assert type(experts).__name__ == "TEGroupedMLP"
+    assert type(experts.linear_fc1).__name__ == "TEColumnParallelGroupedLinear"
+    count = cfg.text_config.n_routed_experts
+    assert sorted(n for n, _ in experts.linear_fc1.named_parameters()) == sorted(f"weight{e}" for e in range(count))
+
+
+def test_state_dict_is_the_converters_keys(legacy):
+    """Every tensor key and shape of the stock class is the converted checkpoint's; what the
+    checkpoint lacks is only the empty ``_extra_state`` slots of the modules the record names."""
+    cfg = families.get(FAMILY).tiny_config()
+    with runtime.parallel_context(1, 1):
+        model = models.build("moe_language_model", cfg)
+    own = model.state_dict()
+    stored = {k[len("language_model."):]: v for k, v in open_legacy(legacy(1, 1, 1)).load_rank(0, 0).items()
+              if k.startswith("language_model.")}
+    assert [k for k in stored if k not in own] == []
+    assert [k for k in stored if torch.is_tensor(own[k]) and own[k].shape != stored[k].shape] == []
+    missing = [k for k in own if k not in stored]
+    part = LoadPart("GPTModel", "moe_language_model", unwritten_extra_state=MLA_MOE_UNWRITTEN_EXTRA_STATE)
+    assert missing and all(part.fills(k) for k in missing), missing
+    assert not part.fills("decoder.layers.0.self_attention.linear_proj._extra_state")
+    assert not part.fills("decoder.layers.1.mlp.experts.linear_fc1.weight0")
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_check_megatron_passes(tp):
+    report = harness.check(FAMILY, impl="megatron", tp=tp)
+    results = [r for r in report.results if r.impl == "megatron"]
+    assert {r.check for r in results} == {"text:logits", "text:token_loss"}
+    assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in results]
+    assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results)
+
+
+def test_a_corrupted_expert_is_located_in_its_layer():
+    def corrupt(shard):
+        key = next(k for k in shard if "decoder.layers.2." in k and "mlp.experts.linear_fc2.weight" in k)
+        shard[key] = shard[key] * 3 + 1
+
+    report = harness.check(FAMILY, impl="megatron", mutate_native=corrupt)
+    logits = next(r for r in report.results if r.impl == "megatron" and r.check == "text:logits")
+    assert not logits.passed
+    assert logits.first_divergence.module.startswith("language_model.decoder.layers.2"), logits.first_divergence
+
+
+@pytest.mark.parametrize("tp, pp, ep", [pytest.param(*g, marks=[pytest.mark.slow] if g[0] * g[1] * g[2] > 1 else [],
+                                                     id=f"tp{g[0]}-pp{g[1]}-ep{g[2]}") for g in GRID])
+def test_verify_load_at_tp_pp_ep(tp, pp, ep, legacy, capsys):
+    directory = legacy(tp, pp, ep)
+    capsys.readouterr()
+    code = main(["verify", "--load", str(directory)])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert f"TP {tp}" in out and (ep == 1 or f"EP {ep}" in out), out
+    for rank in range(tp * pp * ep):
+        t, p, e = grid_ranks(rank, tp, pp, ep)
+        assert f"rank {rank}" in out and f"rank {rank} " in out.replace(":", " "), out
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"rank {rank} ")
+                    or line.strip().startswith(f"rank {rank}:"))
+        assert ": ok:" in line, line
+        if ep > 1:
+            assert f"EP rank {e}" in line and f"TP rank {t}" in line, line
+        if pp > 1:
+            assert f"PP stage {p}" in line, line
+    assert "not loaded: vision_model.*, vision_projection.*" in out or models.available("kimi_k25"), out
+
+
+def test_grid_ranks_follow_mcores_order():
+    """TP fastest, then the EP (data-parallel) ranks, then the pipeline stage."""
+    assert [grid_ranks(r, 2, 1, 2) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+    assert [grid_ranks(r, 1, 2, 2) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
