@@ -547,12 +547,13 @@ def quantize_int4(value: torch.Tensor, scheme: PackedInt4Scheme,
                   scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, scale)`` of ``value``; the inverse of ``dequantize_int4``.
 
-    With ``scale`` (the source's), each group whose values are within ``8.5`` scales of zero keeps
-    its scale (beyond ``[-8, 7]`` they clamp, as compressed-tensors' own quantizer clamps ``+amax``): a value ``dequantize_int4`` produced is within a relative rounding (2^-8 at worst) of
-    ``q * scale``, at most 8 * 2^-8 from ``q`` once divided, so it rounds back to ``q``. Other groups,
-    and all when no scale is given, take compressed-tensors' symmetric min-max scale ``amax / 8``
-    (zero groups its ``eps``), in the scale's dtype (bfloat16 when
-    none is given)."""
+    With ``scale`` (the source's), each group whose values are within 8.5 scales of zero keeps its
+    scale (past ``[-8, 7]`` they clamp, as compressed-tensors' own quantizer clamps ``+amax``): a
+    value ``dequantize_int4`` produced is within a relative rounding (2^-8 at worst) of
+    ``q * scale``, at most 8 * 2^-8 from ``q`` once divided, so it rounds back to ``q``. Other
+    groups, and all when no scale is given, take compressed-tensors' symmetric min-max scale
+    ``amax / 8`` (zero groups: the dtype's ``eps``), in the scale's dtype (bfloat16 when none is
+    given)."""
     if value.ndim < 2 or value.shape[-1] % scheme.group_size:
         raise QuantError(f"cannot quantize a tensor of shape {list(value.shape)} in groups of {scheme.group_size} "
                          "input columns")
