@@ -341,6 +341,16 @@ def test_int4_kimi_converts_as_its_dequantized_values_and_requantizes_to_its_byt
     assert config["quantization_config"] == kimi_config(E2E_GROUP)
     assert read_manifest(tmp_path / "hf-q").provenance.extra["requantized"] == {
         "tensors": len(packed), "max_abs_error": 0.0, "inexact": 0, "bytes_changed": 0}
+    # Through an mcore -> mcore re-sharding (TP 2 x EP 2) the record and scales travel, and still
+    # re-quantize to the source's bytes.
+    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "m-tp2", "--to", "mcore", "--format",
+                "legacy", "--tp", "2", "--ep", "2", "--quiet") == 0
+    assert _run("convert", "--src", tmp_path / "m-tp2", "--dst", tmp_path / "hf-q2", "--to", "hf", "--requantize",
+                "--quiet") == 0
+    again2 = load_safetensors_state_dict(tmp_path / "hf-q2")
+    assert sorted(again2) == sorted(stored) and all(torch.equal(again2[k].view(torch.uint8),
+                                                                v.contiguous().view(torch.uint8))
+                                                    for k, v in stored.items())
     # The written INT4 checkpoint reads back as the same model.
     assert _run("convert", "--src", tmp_path / "hf-q", "--dst", tmp_path / "m2", "--to", "mcore", "--format",
                 "legacy", "--quiet") == 0
