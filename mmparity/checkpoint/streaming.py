@@ -166,7 +166,7 @@ class ConvertOptions:
     # Megatron's vocabulary layers load at any TP). None: Megatron-LM's default for an HF source,
     # the divisor an mcore source records (its tables are re-padded for the target either way).
     make_vocab_size_divisible_by: int | None = None
-    # --to hf from an mcore checkpoint of a quantized (FP8) source: write the weights in the source's
+    # --to hf from an mcore checkpoint of a quantized (FP8 or INT4) source: write the weights in the source's
     # scheme again, with its quantization_config (see mmparity.checkpoint.quantized).
     requantize: bool = False
 
@@ -1014,15 +1014,12 @@ class _Requant:
     """``--requantize``: the weights a quantized source held, written back in its scheme, each
     block with its source scale where its values still fit it (``quant.quantize``)."""
 
-    def __init__(self, scheme: quant_mod.QuantScheme, scales: dict[str, torch.Tensor], entries: list):
+    def __init__(self, scheme, scales: dict[str, torch.Tensor], entries: list):
         self.scheme, self.scales = scheme, scales
-        self.names = quant_mod.quantized_names(scales)
         self.entries = []
         for key, dtype, shape in entries:
             if key in scales:
-                weight_key, scale_key = self.names[key]
-                self.entries += [(weight_key, quant_mod.FP8_DTYPE, shape),
-                                 (scale_key, scales[key].dtype, tuple(scales[key].shape))]
+                self.entries += scheme.stored_entries(key, shape, scales[key])
             else:
                 self.entries.append((key, dtype, shape))
         self.error = quant_mod.RequantError()
@@ -1034,10 +1031,13 @@ class _Requant:
         # source's (quantize inverts dequantize, tests/test_quant.py); otherwise they changed.
         same = exact and torch.equal(scale, self.scales[key])
         self.error = self.error.add(error, exact, same)
-        weight_key, scale_key = self.names[key]
-        writer.write(weight_key, [weight])
-        writer.write(scale_key, [scale])
-        return [weight, scale]
+        if isinstance(self.scheme, quant_mod.PackedInt4Scheme):
+            stored = self.scheme.stored_tensors(key, weight, scale, tuple(value.shape))
+        else:
+            stored = self.scheme.stored_tensors(key, weight, scale)
+        for name, tensor in stored.items():
+            writer.write(name, [tensor])
+        return list(stored.values())
 
 
 def _requant_plan(source: _Source, options: ConvertOptions, entries: list) -> _Requant | None:
@@ -1054,7 +1054,7 @@ def _requant_plan(source: _Source, options: ConvertOptions, entries: list) -> _R
     planned = {key: shape for key, _, shape in entries}
     problems = [f"{key} is not among the HF tensors written" for key in scales if key not in planned]
     problems += [f"{key}: scale {list(t.shape)} does not fit {list(planned[key])}" for key, t in scales.items()
-                 if key in planned and tuple(t.shape) != quant_mod.scale_shape(planned[key], record.scheme.block)]
+                 if key in planned and tuple(t.shape) != record.scheme.scale_shape(planned[key])]
     if problems:
         raise ConvertError(_problems_line(f"--requantize: the recorded scales do not fit the HF output "
                                           f"(--hf-format {options.hf_format or source.hf_format!r})", problems))

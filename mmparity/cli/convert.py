@@ -27,11 +27,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
                         help="mcore output format (default torch_dist)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="cast floating tensors (default: keep each tensor's dtype, bit-exact; an FP8 "
-                             "source's quantized weights are dequantized to bfloat16)")
+                        help="cast floating tensors (default: keep each tensor's dtype, bit-exact; a quantized "
+                             "(FP8 or INT4) source's quantized weights are dequantized to bfloat16)")
     parser.add_argument("--requantize", action="store_true",
-                        help="with --to hf from an mcore checkpoint of an FP8 source: write its weights "
-                             "block-scaled FP8 again, with the source's quantization_config")
+                        help="with --to hf from an mcore checkpoint of a quantized source: write its weights "
+                             "in its scheme again (block-scaled FP8, or pack-quantized INT4), with the "
+                             "source's quantization_config")
     parser.add_argument("--hf-format", metavar="F", default=None,
                         help="HF-side layout: of the source when converting to mcore (default: detected), "
                              "of the output with --to hf (default: the source's)")

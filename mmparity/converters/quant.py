@@ -11,15 +11,22 @@ do: both operands in float32, one float32 product, then one cast to the asked dt
 order (casting the scale to bfloat16 first, as transformers' backward-pass helper does) rounds
 twice and differs in the last bit for some elements, so the order is the contract here.
 
-compressed-tensors' INT4 "pack-quantized" format (Kimi-K2) is refused: transformers delegates its
-unpacking to the external ``compressed_tensors`` package and does not describe the bit layout.
+compressed-tensors' INT4 "pack-quantized" format (Kimi-K2's routed experts) is ``PackedInt4Scheme``:
+``X.weight_packed`` (int32, eight 4-bit values per word along the input dimension, value ``q + 8``
+in bits ``4j..4j+3`` of word ``j // 8``, the last word zero-padded), ``X.weight_scale`` (one scale per
+``group_size`` input columns, ``(..., rows, cols / group_size)``), and ``X.weight_shape`` (the
+logical shape). The value is ``q.to(scale.dtype) * scale`` in the scale's dtype, then cast once to
+the asked dtype: the op order of the ``compressed_tensors`` package's ``PackedQuantizationCompressor``
+(``dequantize`` -> ``_dequantize``) followed by transformers' ``.to(dtype)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -73,6 +80,18 @@ class QuantScheme:
     def from_json(cls, record: Mapping) -> "QuantScheme":
         return parse_quantization_config(record)
 
+    def scale_shape(self, weight_shape: Sequence[int]) -> tuple[int, ...]:
+        return scale_shape(weight_shape, self.block)
+
+    def stored_entries(self, key: str, shape: Sequence[int], scale: torch.Tensor) -> list[tuple]:
+        """(name, dtype, shape) of the stored tensors of logical ``key`` (for a writer's plan)."""
+        weight_key, scale_key = quantized_names([key])[key]
+        return [(weight_key, FP8_DTYPE, tuple(shape)), (scale_key, scale.dtype, tuple(scale.shape))]
+
+    def stored_tensors(self, key: str, weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        weight_key, scale_key = quantized_names([key])[key]
+        return {weight_key: weight, scale_key: scale}
+
     def skips(self, module: str) -> bool:
         """Whether ``modules_to_not_convert`` names ``module``, matched as transformers matches it
         (a prefix up to a module boundary, a regex with that boundary, or a suffix)."""
@@ -96,10 +115,11 @@ def parse_quantization_config(config: Mapping | None) -> QuantScheme | None:
     if not isinstance(config, Mapping):
         raise QuantError(f"quantization_config is {type(config).__name__}, expected an object")
     method = config.get("quant_method")
+    if method == CT_METHOD:
+        return parse_compressed_tensors(config)
     if method != FP8_METHOD:
-        detail = f" (format {config.get('format')!r})" if method == "compressed-tensors" else ""
-        raise QuantError(f"quantization_config.quant_method {method!r}{detail} is not supported; mmparity "
-                         f"reads block-scaled FP8 ({FP8_METHOD!r}, fmt e4m3) only")
+        raise QuantError(f"quantization_config.quant_method {method!r} is not supported; mmparity reads "
+                         f"block-scaled FP8 ({FP8_METHOD!r}, fmt e4m3) and {CT_METHOD!r} {CT_FORMAT!r} INT4 only")
     problems = []
     fmt = config.get("fmt", "e4m3")
     if fmt != "e4m3":
@@ -156,6 +176,8 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, scheme: QuantSchem
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The value of a quantized weight in ``dtype``: float32 ``weight * scale_inv`` per block, cast
     once (the op order of transformers' loader, see the module doc)."""
+    if isinstance(scheme, PackedInt4Scheme):
+        return dequantize_int4(weight, scale_inv, scheme, dtype)
     problems = _check_pair(tuple(weight.shape), weight.dtype, tuple(scale_inv.shape), scale_inv.dtype,
                            scheme.block)
     if problems:
@@ -183,6 +205,8 @@ def quantize(value: torch.Tensor, scheme: QuantScheme,
     and every block when no scales are given, takes a fresh max-abs scale, computed in the op
     order of transformers' ``Fp8Quantize`` (forward scale ``448 / amax``, stored inverse
     ``1 / scale``, zero blocks scale 1) so that whole-block shapes match its bytes too."""
+    if isinstance(scheme, PackedInt4Scheme):
+        return quantize_int4(value, scheme, scale_inv)
     if value.ndim < 2:
         raise QuantError(f"cannot quantize a {value.ndim}-d tensor in {scheme.block[0]}x{scheme.block[1]} blocks")
     x = value.to(torch.float32)
@@ -249,6 +273,8 @@ class QuantGroup:
     logical: str
     weight: str
     scale: str
+    shape: tuple[int, ...] | None = None  # the logical shape where it is not the stored weight's
+    shape_key: str | None = None  # compressed-tensors' ``X.weight_shape``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,11 +291,17 @@ class QuantLayout:
         return sorted([*self.groups, *self.unquantized])
 
 
-def group_keys(scheme: QuantScheme, infos: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> QuantLayout:
+def group_keys(scheme: "QuantScheme | PackedInt4Scheme", infos: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+               shapes: Mapping[str, tuple[int, ...]] | None = None) -> QuantLayout:
     """Groups stored keys (name -> (dtype, shape), from headers) into logical tensors. Every scale
     without its weight, fp8 weight without its scale, scale grid that does not fit its weight,
     weight listed in ``modules_to_not_convert`` yet stored quantized, and key of another
-    quantization layout is an offender; ``QuantError`` names all of them in one line."""
+    quantization layout is an offender; ``QuantError`` names all of them in one line.
+
+    ``shapes`` (``X.weight_shape`` key -> its values, read by the caller) is for a compressed-tensors
+    scheme, whose logical shapes are stored as tensors."""
+    if isinstance(scheme, PackedInt4Scheme):
+        return group_keys_int4(scheme, infos, shapes or {})
     problems = []
     groups: dict[str, QuantGroup] = {}
     scale_keys = {k for k in infos if k.endswith(SCALE_SUFFIX)}
@@ -303,7 +335,8 @@ def logical_infos(layout: QuantLayout, infos: Mapping[str, tuple[torch.dtype, tu
                   dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of every logical tensor, without reading a byte: dequantized ones in ``dtype``."""
     out = {key: infos[key] for key in layout.unquantized}
-    out.update({key: (dtype, tuple(infos[g.weight][1])) for key, g in layout.groups.items()})
+    out.update({key: (dtype, tuple(g.shape if g.shape is not None else infos[g.weight][1]))
+                for key, g in layout.groups.items()})
     return dict(sorted(out.items()))
 
 
@@ -311,3 +344,298 @@ def quantized_names(logical: Iterable[str]) -> dict[str, tuple[str, str]]:
     """logical ``X.weight`` -> (stored weight key, stored scale key): the inverse naming of
     ``group_keys``, for writing a re-quantized checkpoint."""
     return {key: (key, key[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX) for key in logical}
+
+
+# --------------------------------------------------------------------------------------------------
+# compressed-tensors "pack-quantized" INT4 (Kimi-K2 / K2.5 routed experts)
+
+CT_METHOD = "compressed-tensors"
+CT_FORMAT = "pack-quantized"
+PACKED_SUFFIX = ".weight_packed"
+CT_SCALE_SUFFIX = ".weight_scale"
+SHAPE_SUFFIX = ".weight_shape"
+ZERO_POINT_SUFFIX = ".weight_zero_point"
+INT4_BITS = 4
+INT4_PER_WORD = 32 // INT4_BITS
+INT4_MIN, INT4_MAX = -(1 << (INT4_BITS - 1)), (1 << (INT4_BITS - 1)) - 1  # [-8, 7]
+INT4_OFFSET = 1 << (INT4_BITS - 1)  # stored unsigned: q + 8
+CT_SCALE_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+SHAPE_DTYPES = (torch.int64, torch.int32)
+# Weight arguments whose value is the only one read here (None: the key may be absent).
+_CT_WEIGHT_ARGS = {"num_bits": (INT4_BITS,), "type": ("int",), "symmetric": (True,), "strategy": ("group",),
+                   "dynamic": (False, None), "actorder": (None,), "block_structure": (None,)}
+# Keys of the other layouts, refused in a compressed-tensors source.
+CT_FOREIGN_SUFFIXES = (SCALE_SUFFIX, ".weight_g_idx", ".weight_global_scale", ".input_scale",
+                       ".input_global_scale", ".input_zero_point", ".output_scale", ".k_scale", ".v_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedInt4Scheme:
+    """compressed-tensors' symmetric INT4 group quantization, stored "pack-quantized"; ``config`` is
+    the source's ``quantization_config`` verbatim (JSON text), written back on ``--requantize``."""
+
+    group_size: int
+    ignore: tuple[str, ...] = ()
+    config: str = "{}"
+    # The dtype of the source's ``X.weight_shape`` tensors (None: it stores none), set from its headers.
+    shape_dtype: str | None = "int64"
+    method: str = CT_METHOD
+    fmt: str = CT_FORMAT
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.int32
+
+    def to_json(self) -> dict:
+        return json.loads(self.config)
+
+    def skips(self, module: str) -> bool:
+        """Whether ``ignore`` names ``module`` as compressed-tensors matches a name (``re:`` a regex
+        matched from the start, otherwise the whole name)."""
+        for target in self.ignore:
+            if target.startswith("re:"):
+                try:
+                    if re.match(target[3:], module):
+                        return True
+                except re.error:
+                    pass
+            elif target == module:
+                return True
+        return False
+
+    def scale_shape(self, weight_shape: Sequence[int]) -> tuple[int, ...]:
+        *lead, rows, cols = weight_shape
+        return (*lead, rows, cols // self.group_size)
+
+    def packed_shape(self, weight_shape: Sequence[int]) -> tuple[int, ...]:
+        *lead, rows, cols = weight_shape
+        return (*lead, rows, math.ceil(cols / INT4_PER_WORD))
+
+    def names(self, key: str) -> tuple[str, str, str]:
+        base = key[: -len(WEIGHT_SUFFIX)]
+        return base + PACKED_SUFFIX, base + CT_SCALE_SUFFIX, base + SHAPE_SUFFIX
+
+    def stored_entries(self, key: str, shape: Sequence[int], scale: torch.Tensor) -> list[tuple]:
+        packed_key, scale_key, shape_key = self.names(key)
+        out = [(packed_key, torch.int32, self.packed_shape(shape)), (scale_key, scale.dtype, tuple(scale.shape))]
+        if self.shape_dtype is not None:
+            out.append((shape_key, getattr(torch, self.shape_dtype), (len(shape),)))
+        return out
+
+    def stored_tensors(self, key: str, packed: torch.Tensor, scale: torch.Tensor,
+                       shape: Sequence[int]) -> dict[str, torch.Tensor]:
+        packed_key, scale_key, shape_key = self.names(key)
+        out = {packed_key: packed, scale_key: scale}
+        if self.shape_dtype is not None:
+            out[shape_key] = torch.tensor(list(shape), dtype=getattr(torch, self.shape_dtype))
+        return out
+
+
+def parse_compressed_tensors(config: Mapping) -> PackedInt4Scheme:
+    """The scheme of a compressed-tensors ``quantization_config``: only symmetric INT4 weight-only
+    group quantization stored ``pack-quantized``, one group size for every config group."""
+    problems = []
+    fmt = config.get("format")
+    if fmt != CT_FORMAT:
+        problems.append(f"format {fmt!r} (only {CT_FORMAT!r})")
+    status = config.get("quantization_status", "compressed")
+    if status != "compressed":
+        problems.append(f"quantization_status {status!r} (only 'compressed')")
+    for name in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if config.get(name):
+            problems.append(f"{name} is set (not supported)")
+    groups = config.get("config_groups")
+    sizes = set()
+    if not isinstance(groups, Mapping) or not groups:
+        problems.append(f"config_groups {groups!r:.60} (expected at least one group)")
+        groups = {}
+    for gname, group in groups.items():
+        if not isinstance(group, Mapping):
+            problems.append(f"config_groups.{gname} is not an object")
+            continue
+        if group.get("format") not in (None, CT_FORMAT):
+            problems.append(f"config_groups.{gname}.format {group.get('format')!r} (only {CT_FORMAT!r})")
+        for act in ("input_activations", "output_activations"):
+            if group.get(act) is not None:
+                problems.append(f"config_groups.{gname}.{act} is set (activation quantization is not supported)")
+        weights = group.get("weights")
+        if not isinstance(weights, Mapping):
+            problems.append(f"config_groups.{gname}.weights {weights!r:.60} (expected INT4 weight arguments)")
+            continue
+        for arg, allowed in _CT_WEIGHT_ARGS.items():
+            value = weights.get(arg, None if None in allowed else "(absent)")
+            if value not in allowed:
+                problems.append(f"config_groups.{gname}.weights.{arg} {value!r} (only "
+                                f"{' or '.join(repr(a) for a in allowed if a is not None) or 'null'})")
+        size = weights.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            problems.append(f"config_groups.{gname}.weights.group_size {size!r} (expected a positive integer)")
+        else:
+            sizes.add(size)
+    if len(sizes) > 1:
+        problems.append(f"config groups with different group sizes {sorted(sizes)} (one is supported)")
+    ignore = config.get("ignore") or ()
+    if not isinstance(ignore, (list, tuple)) or not all(isinstance(s, str) for s in ignore):
+        problems.append(f"ignore {ignore!r:.60} (expected a list of names)")
+    if problems:
+        raise _problems(f"quantization_config ({CT_METHOD}) is not supported", problems)
+    return PackedInt4Scheme(sizes.pop(), tuple(ignore), json.dumps(dict(config), sort_keys=True))
+
+
+def _check_int4(shape, packed, scale, stored_shape, scheme: PackedInt4Scheme) -> list[str]:
+    """Problems of one group: ``shape`` the logical shape, the others (dtype, shape) pairs (
+    ``stored_shape`` the values of ``X.weight_shape``, or None)."""
+    (p_dtype, p_shape), (s_dtype, s_shape) = packed, scale
+    problems = []
+    if p_dtype != torch.int32:
+        problems.append(f"packed weight is {str(p_dtype).removeprefix('torch.')}, expected int32")
+    if s_dtype not in CT_SCALE_DTYPES:
+        problems.append(f"scale is {str(s_dtype).removeprefix('torch.')}, expected bfloat16 or float32")
+    if len(shape) < 2:
+        return problems + [f"a {len(shape)}-d weight cannot be group-quantized"]
+    if shape[-1] % scheme.group_size:
+        problems.append(f"{shape[-1]} input columns are not a whole number of groups of {scheme.group_size}")
+    if tuple(p_shape) != scheme.packed_shape(shape):
+        problems.append(f"packed shape {list(p_shape)} does not fit weight_shape {list(shape)} (expected "
+                        f"{list(scheme.packed_shape(shape))}: {INT4_PER_WORD} values per int32)")
+    if tuple(s_shape) != scheme.scale_shape(shape):
+        problems.append(f"scale shape {list(s_shape)} does not fit weight {list(shape)} in groups of "
+                        f"{scheme.group_size} (expected {list(scheme.scale_shape(shape))})")
+    return problems
+
+
+def _int4_shape(packed_shape, scale_shape_, stored_shape, scheme) -> tuple[int, ...]:
+    if stored_shape is not None:
+        return tuple(int(n) for n in stored_shape)
+    return (*packed_shape[:-1], scale_shape_[-1] * scheme.group_size) if len(packed_shape) >= 2 else tuple(packed_shape)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """The int8 values ``[-8, 7]`` of an int32 tensor packed eight per word, cut to ``cols``."""
+    if sys.byteorder != "little":
+        raise QuantError("unpacking int4 needs a little-endian host")
+    nibbles = packed.contiguous().view(torch.uint8)
+    both = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).flatten(-2)
+    return both[..., :cols].to(torch.int8) - INT4_OFFSET
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int32 words of the int8 values ``q`` in ``[-8, 7]``, eight per word along the last dim,
+    element ``j`` in bits ``4(j % 8)`` of word ``j // 8``; a last partial word is zero-padded."""
+    if sys.byteorder != "little":
+        raise QuantError("packing int4 needs a little-endian host")
+    cols = q.shape[-1]
+    u = (q.to(torch.int16) + INT4_OFFSET).to(torch.uint8)
+    u = torch.nn.functional.pad(u, (0, -cols % INT4_PER_WORD))
+    pairs = u.unflatten(-1, (-1, 2))
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.int32)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, scheme: PackedInt4Scheme,
+                    dtype: torch.dtype = torch.bfloat16, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """The value of a packed INT4 weight: ``q.to(scale.dtype) * scale`` per group, in the scale's
+    dtype, then one cast to ``dtype`` (the compressed_tensors package's op order, see the module doc)."""
+    shape = _int4_shape(tuple(packed.shape), tuple(scale.shape), shape, scheme)
+    problems = _check_int4(shape, (packed.dtype, packed.shape), (scale.dtype, scale.shape), shape, scheme)
+    if problems:
+        raise _problems("cannot dequantize", problems)
+    q = unpack_int4(packed, shape[-1]).unflatten(-1, (-1, scheme.group_size))
+    return (q.to(scale.dtype) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def quantize_int4(value: torch.Tensor, scheme: PackedInt4Scheme,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, scale)`` of ``value``; the inverse of ``dequantize_int4``.
+
+    With ``scale`` (the source's), each group whose values are within 8.5 scales of zero keeps its
+    scale (past ``[-8, 7]`` they clamp, as compressed-tensors' own quantizer clamps ``+amax``): a
+    value ``dequantize_int4`` produced is within a relative rounding (2^-8 at worst) of
+    ``q * scale``, at most 8 * 2^-8 from ``q`` once divided, so it rounds back to ``q``. Other
+    groups, and all when no scale is given, take compressed-tensors' symmetric min-max scale
+    ``amax / 8`` (zero groups: the dtype's ``eps``), in the scale's dtype (bfloat16 when none is
+    given)."""
+    if value.ndim < 2 or value.shape[-1] % scheme.group_size:
+        raise QuantError(f"cannot quantize a tensor of shape {list(value.shape)} in groups of {scheme.group_size} "
+                         "input columns")
+    x = value.to(torch.float32).unflatten(-1, (-1, scheme.group_size))
+    out_dtype = scale.dtype if scale is not None else torch.bfloat16
+    amax = x.abs().amax(dim=-1)
+    fresh = (amax / -INT4_MIN).to(out_dtype)
+    fresh = torch.where(fresh == 0, torch.full_like(fresh, torch.finfo(out_dtype).eps), fresh)
+    if scale is None:
+        chosen = fresh
+    else:
+        if tuple(scale.shape) != scheme.scale_shape(value.shape):
+            raise QuantError(f"scale shape {list(scale.shape)} does not fit weight {list(value.shape)} in groups of "
+                             f"{scheme.group_size} (expected {list(scheme.scale_shape(value.shape))})")
+        kept = scale.to(torch.float32)
+        ratio = x / torch.where(kept > 0, kept, torch.ones_like(kept)).unsqueeze(-1)
+        fits = (kept > 0) & (ratio.abs() <= -INT4_MIN + 0.5).all(dim=-1)
+        chosen = torch.where(fits, scale, fresh)
+    q = torch.round(torch.clamp(x / chosen.to(torch.float32).unsqueeze(-1), INT4_MIN, INT4_MAX))
+    return pack_int4(q.flatten(-2).to(torch.int8)), chosen
+
+
+def group_keys_int4(scheme: PackedInt4Scheme, infos: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                    shapes: Mapping[str, tuple[int, ...]]) -> QuantLayout:
+    """``X.weight_packed`` + ``X.weight_scale`` (+ ``X.weight_shape``) -> logical ``X.weight``. A packed
+    weight without its scale, a scale or shape without its packed weight, a zero point (the scheme
+    is symmetric), a scale or packed shape that does not fit the weight's shape, a module ``ignore``
+    lists stored packed, a mixture of groups with and without ``weight_shape``, and a key of another
+    quantization layout are offenders, all named in one ``QuantError`` line."""
+    problems = []
+    groups: dict[str, QuantGroup] = {}
+    packed_keys = {k for k in infos if k.endswith(PACKED_SUFFIX)}
+    used = set(packed_keys)
+    shape_dtypes = set()
+    for key in sorted(packed_keys):
+        base = key[: -len(PACKED_SUFFIX)]
+        logical = base + WEIGHT_SUFFIX
+        scale_key, shape_key = base + CT_SCALE_SUFFIX, base + SHAPE_SUFFIX
+        if scale_key not in infos:
+            problems.append(f"{key} has no scale {scale_key}")
+            continue
+        used.add(scale_key)
+        stored_shape = None
+        if shape_key in infos:
+            used.add(shape_key)
+            dtype, dims = infos[shape_key]
+            shape_dtypes.add(dtype)
+            if dtype not in SHAPE_DTYPES or len(dims) != 1 or shape_key not in shapes:
+                problems.append(f"{shape_key} is {str(dtype).removeprefix('torch.')} {list(dims)}, expected a "
+                                "1-d int64 tensor")
+                continue
+            stored_shape = tuple(int(n) for n in shapes[shape_key])
+            if len(stored_shape) != len(infos[key][1]):
+                problems.append(f"{shape_key} {list(stored_shape)} does not fit packed {list(infos[key][1])}")
+                continue
+        else:
+            shape_dtypes.add(None)
+        shape = _int4_shape(tuple(infos[key][1]), tuple(infos[scale_key][1]), stored_shape, scheme)
+        problems += [f"{logical}: {p}" for p in _check_int4(shape, infos[key], infos[scale_key], stored_shape, scheme)]
+        if scheme.skips(base):
+            problems.append(f"{key} is stored packed but the ignore list names {base}")
+        if logical in infos:
+            problems.append(f"{logical} is stored both plain and packed")
+        groups[logical] = QuantGroup(logical, key, scale_key, shape, shape_key if stored_shape is not None else None)
+    if len(shape_dtypes) > 1:
+        problems.append("some packed weights have a weight_shape and some do not, or in different dtypes")
+    unquantized = []
+    for key, (dtype, _shape) in sorted(infos.items()):
+        if key in used or key in groups:
+            continue
+        if key.endswith(ZERO_POINT_SUFFIX):
+            problems.append(f"{key} is a zero point, but the scheme is symmetric")
+        elif key.endswith((CT_SCALE_SUFFIX, SHAPE_SUFFIX)):
+            problems.append(f"{key} has no packed weight {key.rsplit('.', 1)[0] + PACKED_SUFFIX}")
+        elif key.endswith(CT_FOREIGN_SUFFIXES):
+            problems.append(f"{key} belongs to another quantization layout than pack-quantized int4")
+        elif dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.int8, torch.uint8):
+            problems.append(f"{key} is {str(dtype).removeprefix('torch.')}, neither packed int4 nor a float tensor")
+        else:
+            unquantized.append(key)
+    if problems:
+        raise _problems(f"quantized tensors do not fit the {CT_FORMAT} int4 scheme", problems)
+    dtype = next(iter(shape_dtypes), "int64")
+    shape_dtype = None if dtype is None else str(dtype).removeprefix("torch.")
+    return QuantLayout(dataclasses.replace(scheme, shape_dtype=shape_dtype), groups, tuple(unquantized))
