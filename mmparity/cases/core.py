@@ -58,6 +58,16 @@ def sbh_tokens_2d(output, case: Case):
     return t.transpose(0, 1).reshape(-1, t.shape[-1])
 
 
+def routing_tensor(weights, scores=None):
+    """What a router pair's extractor returns, ``[tokens, experts, 2]``: the routing weights (zero
+    where an expert was not chosen) and the scores the choice was made on (zeros where a side
+    does not expose them); :mod:`mmparity.parity.router` judges such pairs token by token."""
+    import torch
+
+    scores = torch.zeros_like(weights) if scores is None else scores.to(weights.dtype)
+    return torch.stack([weights, scores], dim=-1)
+
+
 def keep_case(case: Case, cfg) -> Case:
     return case
 

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from mmparity.cases import inputs
 from mmparity.cases import kimi_k25 as tower_cases
-from mmparity.cases.core import Case, FamilyHooks, Pair, Side, first_tensor, sbh_tokens_2d, tokens_2d
+from mmparity.cases.core import (Case, FamilyHooks, Pair, Side, first_tensor, routing_tensor, sbh_tokens_2d,
+                                 tokens_2d)
 from mmparity.converters import kimi_k25_vl as converter
 from mmparity.hfconfig import moe_layer_range, tied_embeddings
 from mmparity.native import kimi_k25_vl as native
 from mmparity.native.core.layers import numbered_layers
-from mmparity.parity.router import routing_tensor
 from mmparity.reference import kimi_k25_vl as reference
 
 OUTPUTS = ("logits", "token_loss")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmparity.cases.core import routing_tensor  # noqa: F401  (what router pairs' extractors return)
+
 # Choice scores are sigmoid outputs plus a bias, of order one; a tie is a difference the model's
 # arithmetic could have made (a few units in the last place of its dtype).
 _TIE_ULPS = 8
@@ -32,12 +34,6 @@ def is_router(name: str) -> bool:
 
 def tie_tolerance(dtype: torch.dtype) -> float:
     return _TIE_ULPS * torch.finfo(dtype).eps
-
-
-def routing_tensor(weights: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``[tokens, experts, 2]`` a router pair's extractor returns."""
-    scores = torch.zeros_like(weights) if scores is None else scores.to(weights.dtype)
-    return torch.stack([weights, scores], dim=-1)
 
 
 @dataclass

@@ -460,14 +460,14 @@ def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int 
     --qk-layernorm --num-experts --moe-layer-freq --moe-grouped-gemm``, TE): the block spec from
     mcore's own ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
     (:func:`te_stand_ins.gpt_decoder_block_spec`), the config mmparity's native DeepSeek-V3 build
-    reads off the HF text config (``native.deepseek_v3.transformer_config``: MLA, YaRN, the
+    reads off the HF text config (``native.core.mla_moe.transformer_config``: MLA, YaRN, the
     sigmoid router with expert bias and group-limited top-k, ``moe_layer_freq``, at the current
     TP / PP / EP) with the experts as grouped GEMMs; this pipeline stage of it."""
     import dataclasses as _dataclasses
 
     from megatron.core.transformer import multi_latent_attention
 
-    from mmparity.native import deepseek_v3  # its import also corrects mcore 0.16's TE guards
+    from mmparity.native.core import mla_moe as deepseek_v3  # its import also corrects mcore 0.16's TE guards
 
     text = cfg.text_config
     layout = runtime.current_layout()
