@@ -17,6 +17,7 @@ hooks here read and write the grouped names, as the fused-norm linears keep TE's
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -141,7 +142,12 @@ class LanguageModelBuilder:
 
     def __init__(self, text, params_dtype: torch.dtype = torch.float32, config=None):
         self.text = text
-        self.config = transformer_config(text, params_dtype) if config is None else config
+        if config is None:
+            # The q and kv latent norms live in the up projections here (NormedColumnParallelLinear,
+            # TE's fused names), so MLA itself must add none: with qk_layernorm set, mcore 0.19
+            # accepts only its backend's own fused class for those projections.
+            config = dataclasses.replace(transformer_config(text, params_dtype), qk_layernorm=False)
+        self.config = config
         self.max_sequence_length = text.max_position_embeddings
 
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,

@@ -19,7 +19,7 @@ from mmparity.native.core.layers import activation_from_hf
 
 
 def _without_transformer_engine() -> None:
-    """mcore 0.16's import guards misfire when Transformer Engine is absent: its extensions
+    """mcore's import guards misfire when Transformer Engine is absent. 0.16: its extensions
     module subclasses a ``MagicMock`` stand-in, so ``multi_latent_attention`` believes TE is
     there and checks ``isinstance`` against a mock, and ``moe_utils`` never defines the
     ``te_general_gemm`` name its router GEMM tests. Tell both modules the truth."""
@@ -31,6 +31,12 @@ def _without_transformer_engine() -> None:
     multi_latent_attention.HAVE_TE = False
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if getattr(multi_latent_attention, "Linear", None) is None:
+        # 0.19 imports the replicated linear it accepts for the down projections only beside TE,
+        # though the class needs no TE: without it MLA refuses every replicated down projection.
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        multi_latent_attention.Linear = Linear
 
 
 _without_transformer_engine()
