@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from mmparity import families, runtime
-from mmparity.cases.megatron import MLA_MOE_UNWRITTEN_EXTRA_STATE, megatron_class
+from mmparity.cases.megatron import megatron_class
 from mmparity.checkpoint.legacy import open_legacy
-from mmparity.checkpoint.megatron_load import LoadPart, grid_ranks
+from mmparity.checkpoint.megatron_load import grid_ranks
 from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
@@ -76,21 +76,20 @@ def test_built_from_megatrons_te_spec_with_grouped_experts():
 
 
 def test_state_dict_is_the_converters_keys(legacy):
-    """Every tensor key and shape of the stock class is the converted checkpoint's; what the
-    checkpoint lacks is only the empty ``_extra_state`` slots of the modules the record names."""
+    """Every key and shape of the stock class is the converted checkpoint's, the empty
+    ``_extra_state`` slots of MLA's projections and core attention and of ``TEGroupedMLP``'s two
+    grouped linears (one each) included: nothing is filled on load."""
     cfg = families.get(FAMILY).tiny_config()
     with runtime.parallel_context(1, 1):
         model = models.build("moe_language_model", cfg)
     own = model.state_dict()
     stored = {k[len("language_model."):]: v for k, v in open_legacy(legacy(1, 1, 1)).load_rank(0, 0).items()
               if k.startswith("language_model.")}
-    assert [k for k in stored if k not in own] == []
+    assert sorted(stored) == sorted(own)
     assert [k for k in stored if torch.is_tensor(own[k]) and own[k].shape != stored[k].shape] == []
-    missing = [k for k in own if k not in stored]
-    part = LoadPart("GPTModel", "moe_language_model", unwritten_extra_state=MLA_MOE_UNWRITTEN_EXTRA_STATE)
-    assert missing and all(part.fills(k) for k in missing), missing
-    assert not part.fills("decoder.layers.0.self_attention.linear_proj._extra_state")
-    assert not part.fills("decoder.layers.1.mlp.experts.linear_fc1.weight0")
+    assert "decoder.layers.1.mlp.experts.linear_fc1._extra_state" in stored
+    assert "decoder.layers.0.self_attention.linear_q_down_proj._extra_state" in stored
+    assert megatron_class(FAMILY)[1].unwritten_extra_state == ()
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -139,3 +138,56 @@ def test_grid_ranks_follow_mcores_order():
     """TP fastest, then the EP (data-parallel) ranks, then the pipeline stage."""
     assert [grid_ranks(r, 2, 1, 2) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
     assert [grid_ranks(r, 1, 2, 2) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+
+
+class _Group:
+    """A process group as mcore's ``get_pg_rank`` / ``get_pg_size`` read one."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("linear, tp_axis", [("TEColumnParallelGroupedLinear", 0), ("TERowParallelGroupedLinear", 1)])
+def test_grouped_linear_stand_ins_shard_as_te_groups_experts(linear, tp_axis):
+    """``TEGroupedLinear._sharded_state_dict_grouped``'s layout, here at EP rank 1 of 2, expert TP
+    rank 1 of 2 and expert-DP rank 1 of 3: local expert ``i`` is global ``2 + i`` of 4 on an axis
+    prepended after the given offsets, the weight split over expert TP on the linear's axis, one
+    extra-state object per expert, and every replica id's DP part the expert-DP rank."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from mmparity.upstream import te_stand_ins
+
+    with runtime.parallel_context(1, 1):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+        groups = ProcessGroupCollection(ep=_Group(1, 2), expt_tp=_Group(1, 2), expt_dp=_Group(1, 3))
+        module = getattr(te_stand_ins, linear)(2, 8, 12, config=config, init_method=torch.nn.init.normal_,
+                                               bias=False, skip_bias_add=False, is_expert=True,
+                                               pg_collection=groups)
+        local = (6, 8) if tp_axis == 0 else (12, 4)
+        assert module.weight0.shape == local
+        shards = module.sharded_state_dict("experts.fc.", sharded_offsets=((0, 3, 5),),
+                                           metadata={"dp_cp_group": _Group(0, 1)})
+        assert sorted(shards) == ["experts.fc._extra_state", "experts.fc._extra_state1",
+                                  "experts.fc.weight0", "experts.fc.weight1"]
+        for i in range(2):
+            weight = shards[f"experts.fc.weight{i}"]
+            assert isinstance(weight, ShardedTensor) and weight.key == "experts.fc.weight"
+            assert weight.global_shape == (5, 4, 12, 8)
+            offset = [3, 2 + i, 0, 0]
+            offset[2 + tp_axis] = local[tp_axis]
+            assert weight.global_offset == tuple(offset) and weight.local_shape == local
+            assert weight.replica_id == (0, 0, 1)
+            extra = shards[f"experts.fc._extra_state{i or ''}"]
+            assert isinstance(extra, ShardedObject) and extra.key == "experts.fc._extra_state"
+            assert (extra.global_shape, extra.global_offset) == ((5, 4), (3, 2 + i))
+            assert extra.replica_id == (0, 1, 1)  # only expert TP rank 0's copy is the main one
+        # a dist-checkpoint load hands back one extra state per expert; the module keeps one
+        state = {**module.state_dict(), "_extra_state1": None}
+        assert not module.load_state_dict(state, strict=True).unexpected_keys

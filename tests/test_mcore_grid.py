@@ -24,10 +24,6 @@ from tests.test_megatron_load import llava_clip_config
 # (grid name, family, config factory or None for the family's tiny config)
 ENTRIES = [(name, name, None) for name in families.names()] + [("llava_clip", "llava", llava_clip_config)]
 FORMATS = ["legacy", "torch_dist"]
-# (entry, format) whose writer is still being fixed (branch tdist: the torch_dist writer's extra
-# states of a MoE block mixing dense and MoE layers): verify --load skips with convert's error
-# while convert cannot write it, and runs as soon as it can.
-WRITER_PENDING = {("kimi_k25_vl", "torch_dist")}
 
 
 def _cells():
@@ -56,7 +52,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("grid")
     hf, made = {}, {}
 
-    def _checkpoint(name: str, tp: int, fmt: str, pending_ok: bool = False) -> Path:
+    def _checkpoint(name: str, tp: int, fmt: str) -> Path:
         _, family, _ = _entry(name)
         problems = families.get(family).rule_set(_config(name)).validate_tp
         problems = list(problems(tp)) if problems and tp > 1 else []
@@ -70,9 +66,6 @@ def checkpoints(tmp_path_factory):
             argv = ["convert", "--family", family, "--src", str(hf[name]), "--dst", str(dst), "--to", "mcore",
                     "--format", fmt, "--tp", str(tp), "--quiet"]
             code = main(argv)
-            if code != 0 and pending_ok and (name, fmt) in WRITER_PENDING:
-                pytest.skip(f"{name}: convert cannot write {fmt} yet (writer being fixed on branch tdist), "
-                            f"exit {code}")
             assert code == 0, argv
             made[key] = dst
         return made[key]
@@ -112,7 +105,7 @@ def _require_megatron_class(name: str) -> None:
 @pytest.mark.parametrize("name, tp, fmt", CELLS)
 def test_verify_load(name, tp, fmt, checkpoints, capsys):
     _require_megatron_class(name)
-    directory = checkpoints(name, tp, fmt, pending_ok=True)
+    directory = checkpoints(name, tp, fmt)
     capsys.readouterr()
     code = main(["verify", "--load", str(directory), *_at_tp(fmt, tp)])
     out, err = capsys.readouterr()

@@ -487,18 +487,11 @@ def _whole_vlm_parts(vision_note: str = "") -> dict[str, MegatronClass]:
                                  ("MultimodalProjector", PROJECTION))}
 
 
-# TE modules of Megatron's MLA + grouped-GEMM MoE layers whose ``_extra_state`` the converter's rule
-# (``checkpoint/extra_state.py``) does not write: MLA's four projections and its core attention,
-# ``TEGroupedMLP``'s two grouped linears.
-MLA_MOE_UNWRITTEN_EXTRA_STATE = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
-                                 "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj",
-                                 "self_attention.core_attention", "mlp.experts.linear_fc1",
-                                 "mlp.experts.linear_fc2")
 MOE_LANGUAGE_MODEL = dataclasses.replace(
     LANGUAGE_MODEL, upstream="moe_language_model", why_part=WHY_PARTS,
     note=f"the DeepSeek-V3 language model part (language_model.*) on text-only ids, stock GPTModel on "
          f"mcore's TE block spec for MLA + MoE (grouped-GEMM experts); {PADDED_LOSS_NOTE}",
-    unwritten_extra_state=MLA_MOE_UNWRITTEN_EXTRA_STATE)
+    unwritten_extra_state=())
 
 
 def _kimi_vl_vision_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:

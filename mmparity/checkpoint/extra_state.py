@@ -12,7 +12,8 @@ Which modules have one is a property of Megatron's TE spec, read here from the m
 their TP kinds (the checkpoint holds nothing else to read it from): the TP-split
 ``linear_qkv`` / ``linear_proj`` / ``linear_fc1`` / ``linear_fc2`` (decoder layers, the
 ``MultimodalProjector``) and ``output_layer``, and the ``core_attention`` beside each
-``linear_qkv``. Plain ``nn.Linear``s that Megatron keeps whole (Qwen's merger, Pixtral-Large's
+``linear_qkv``; multi-latent attention's projections and core attention; ``TEGroupedMLP``'s two
+grouped linears (one slot each in a plain state dict, one per expert in a sharded one). Plain ``nn.Linear``s that Megatron keeps whole (Qwen's merger, Pixtral-Large's
 merging layer) have none. ``tests/test_extra_state.py`` checks the rule against every family's
 recorded layout (``tests/data/megatron_layout``).
 """
@@ -29,7 +30,7 @@ from mmparity.converters.tp import split_of
 
 SUFFIX = "._extra_state"
 _TE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-# Megatron's multi-latent attention's TE linears (see sharded_extra_state_keys).
+# Megatron's multi-latent attention's TE linears (see extra_state_keys).
 _MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                 "linear_kv_up_proj")
 # GPTModel leaves its output layer's slot out of its sharded state dict (old checkpoints lacked it).
@@ -40,44 +41,74 @@ def _module_name(module: str) -> str:
     return module.rpartition(".")[2]
 
 
+def _is_mla_linear(module: str) -> bool:
+    return _module_name(module) in _MLA_LINEARS and module.rpartition(".")[0].endswith("self_attention")
+
+
+def _grouped_linear(key: str) -> str | None:
+    """``<layer>.mlp.experts.linear_fc{1,2}`` for a grouped-layout expert weight's key
+    (``...linear_fc1.weight<e>``), else None."""
+    expert = ep.parse_expert_key(key)
+    if expert is None or expert.layout != ep.GROUPED:
+        return None
+    linear, _, param = expert.rest.rpartition(".")
+    return f"{expert.prefix}{linear}" if param == "weight" and linear in ("linear_fc1", "linear_fc2") else None
+
+
 def extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
-    """Every ``_extra_state`` key of Megatron's state dict, given its tensors' mcore keys and TP kinds."""
-    modules = []
+    """Every ``_extra_state`` key of Megatron's state dict, given its tensors' mcore keys and TP kinds.
+
+    Besides the TP-split TE linears and the ``core_attention`` beside each ``linear_qkv``:
+
+    * Megatron's multi-latent attention (``get_gpt_layer_with_transformer_engine_spec(
+      multi_latent_attention=True)``): each of its projections (``linear_q_proj`` or
+      ``linear_q_down_proj`` / ``linear_q_up_proj``, ``linear_kv_down_proj`` /
+      ``linear_kv_up_proj``), the down projections included although they are whole on every TP
+      rank (TE's ``TELinear`` in duplicated mode), and its ``core_attention``
+      (``TEDotProductAttention``) beside ``linear_kv_down_proj``;
+    * ``TEGroupedMLP``'s two grouped linears, one slot each (``<layer>.mlp.experts.linear_fc1``
+      and ``linear_fc2``, TE's ``GroupedLinear`` keeps one extra state for all its experts) where
+      the experts are in the grouped layout (``linear_fc1.weight<e>``); in the sequential layout
+      each expert's linear is a TE linear of its own, as above.
+    """
+    modules = set()
     for key, kind in kinds.items():
         module, _, param = key.rpartition(".")
-        if param != "weight" or split_of(kind).dim is None or _module_name(module) not in _TE_LINEARS:
+        grouped = _grouped_linear(key)
+        if grouped is not None:
+            modules.add(grouped)
             continue
-        modules.append(module)
+        if param != "weight":
+            continue
+        if _is_mla_linear(module):
+            modules.add(module)
+            if _module_name(module) == "linear_kv_down_proj":  # every MLA has one
+                modules.add(module.rpartition(".")[0] + ".core_attention")
+            continue
+        if split_of(kind).dim is None or _module_name(module) not in _TE_LINEARS:
+            continue
+        modules.add(module)
         if _module_name(module) == "linear_qkv":
-            modules.append(module.rpartition(".")[0] + ".core_attention")
+            modules.add(module.rpartition(".")[0] + ".core_attention")
     return sorted(f"{module}{SUFFIX}" for module in modules)
 
 
 def sharded_extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
     """The ``_extra_state`` slots Megatron's TE-built ``sharded_state_dict()`` holds as
-    ``ShardedObject``s: those of :func:`extra_state_keys` less ``output_layer``'s, plus those of
-    Megatron's multi-latent attention and MoE experts (a torch_dist load asks for each of them).
+    ``ShardedObject``s: those of :func:`extra_state_keys` (multi-latent attention's included) less
+    ``output_layer``'s, and with one slot per routed expert in place of each grouped linear's one
+    (a torch_dist load asks for each of them).
 
-    * MLA (``get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)``): the down
-      projections are ``TELinear`` in duplicated mode (whole on every TP rank, hence replicated
-      kinds, still TE modules with a slot), the up projections (or ``linear_q_proj``)
-      ``TELayerNormColumnParallelLinear`` / ``TEColumnParallelLinear``, and its
-      ``core_attention`` a ``TEDotProductAttention``.
-    * Routed experts: ``TEGroupedMLP``'s grouped linears give every expert a slot of its own
-      (``TEGroupedLinear._sharded_state_dict_grouped``), named here in the sequential spelling
-      ``<layer>.mlp.experts.local_experts.<e>.linear_fc1._extra_state`` with the global expert
-      number (``converters.ep``); ``checkpoint.torch_dist.extra_state_objects`` keys them as
-      mcore does. The router (``TopKRouter``) has no slot.
+    ``TEGroupedMLP``'s grouped linears give every expert a slot of its own
+    (``TEGroupedLinear._sharded_state_dict_grouped``), named here in the sequential spelling
+    ``<layer>.mlp.experts.local_experts.<e>.linear_fc1._extra_state`` with the global expert number
+    (``converters.ep``); ``checkpoint.torch_dist.extra_state_objects`` keys them as mcore does.
+    The router (``TopKRouter``) has no slot.
     """
-    keys = {k for k in extra_state_keys(kinds) if _module_name(k[: -len(SUFFIX)]) not in _NOT_SHARDED}
+    grouped = {module for key in kinds if (module := _grouped_linear(key)) is not None}
+    keys = {k for k in extra_state_keys(kinds)
+            if _module_name(k[: -len(SUFFIX)]) not in _NOT_SHARDED and k[: -len(SUFFIX)] not in grouped}
     for key in kinds:
-        module, _, param = key.rpartition(".")
-        name = _module_name(module)
-        if param == "weight" and name in _MLA_LINEARS and module.rpartition(".")[0].endswith("self_attention"):
-            keys.add(f"{module}{SUFFIX}")
-            if name == "linear_kv_down_proj":  # every MLA has one, beside its core attention
-                keys.add(module.rpartition(".")[0] + ".core_attention" + SUFFIX)
-            continue
         expert = ep.parse_expert_key(key)
         if expert is not None:
             linear, _, param = expert.rest.rpartition(".")

@@ -76,11 +76,30 @@ def _to_grouped_names(module, state_dict, prefix, local_metadata):
 
 
 def _from_grouped_names(state_dict, prefix, *unused):
+    # TEGroupedMLP's grouped linears each hold one (empty) extra state for all their experts; the
+    # sequential experts here have theirs per expert (left to the model's tolerance of missing ones).
+    for fc in (1, 2):
+        state_dict.pop(f"{prefix}linear_fc{fc}._extra_state", None)
     for key in [k for k in state_dict if k.startswith(prefix)]:
         match = _GROUPED.match(key[len(prefix):])
         if match:
             state_dict[f"{prefix}{match['root']}local_experts.{match['e']}.linear_fc{match['fc']}."
                        f"{match['kind']}"] = state_dict.pop(key)
+
+
+def accept_te_extra_states(module: torch.nn.Module) -> None:
+    """Let ``module`` load a state dict holding an ``_extra_state`` slot for each of its children
+    that is a TE module in Megatron-LM's spec but is none here (MLA's ``TELinear`` down projections
+    and ``TEDotProductAttention`` core attention): a load pre-hook drops the slots of the children
+    that have no extra state of their own."""
+    stateless = [name for name, child in module.named_children()
+                 if type(child).get_extra_state is torch.nn.Module.get_extra_state]
+
+    def drop(state_dict, prefix, *unused):
+        for name in stateless:
+            state_dict.pop(f"{prefix}{name}._extra_state", None)
+
+    module._register_load_state_dict_pre_hook(drop)
 
 
 def add_routed_experts_probe(moe: MoELayer) -> None:
@@ -160,6 +179,7 @@ class LanguageModelBuilder:
                             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                             position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
         for layer in model.decoder.layers:
+            accept_te_extra_states(layer.self_attention)
             if isinstance(layer.mlp, MoELayer):
                 add_routed_experts_probe(layer.mlp)
         return model

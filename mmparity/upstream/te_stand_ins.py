@@ -25,7 +25,9 @@ TE module (Megatron's wrapper)      stand-in and its parameters
                                     no communication (MLA's down projections)
 ``TEColumnParallelGroupedLinear``   :class:`TEColumnParallelGroupedLinear`: ``weight0`` .. ``weightN-1``
                                     (``TEGroupedMLP``'s fc1 over its N local experts), each
-                                    ``[out / expert TP, in]``; one ``_extra_state`` for the module
+                                    ``[out / expert TP, in]``; one ``_extra_state`` for the module;
+                                    sharded as TE's wrapper shards it (global ``weight`` with an
+                                    expert axis, an ``_extra_state`` object per expert)
 ``TERowParallelGroupedLinear``      :class:`TERowParallelGroupedLinear`: likewise, each
                                     ``[out, in / expert TP]`` (fc2); the token dispatcher, not the
                                     linear, reduces over the expert TP ranks, as with TE
@@ -226,12 +228,16 @@ class _GroupedLinear(MegatronModule):
         from megatron.core.utils import get_pg_size
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        self.use_bias = False
         tp = get_pg_size(pg_collection.expt_tp)
         if self.parallel_mode == "column":
             output_size //= tp
         else:
             input_size //= tp
         self.num_gemms = num_gemms
+        self._register_load_state_dict_pre_hook(_merge_expert_extra_states, with_module=True)
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
             if config.perform_initialization:
@@ -244,10 +250,78 @@ class _GroupedLinear(MegatronModule):
     def set_extra_state(self, state) -> None:
         return None
 
+    # Which axis of each expert's weight the expert TP ranks split (TE's wrappers: fc1's rows,
+    # fc2's columns).
+    _tp_axis: int = 0
+
+    def _split_extra_state(self, state) -> list:
+        """One extra state per expert out of the module's one, as ``TEGroupedLinear`` splits it;
+        without FP8 (all the stand-ins model) every expert gets the module's state as it is."""
+        return [state] * self.num_gemms
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The layout of ``TEGroupedLinear._sharded_state_dict_grouped``: each local expert ``i``
+        (global ``g = EP rank · N + i`` of ``EP · N``) becomes one shard of global tensors keyed
+        as the sequential experts' are, ``<prefix>weight`` with an expert axis prepended after
+        ``sharded_offsets`` (offset ``g``) and this module's split over the expert TP ranks on
+        ``_tp_axis``, and ``<prefix>_extra_state`` on the same expert axis. The entries are named
+        ``<prefix>weight<i>`` and ``<prefix>_extra_state`` (expert 0) / ``_extra_state<i>``, the
+        names ``TEGroupedMLP`` looks for, and every replica id's data-parallel part is the rank in
+        the expert data-parallel group (experts are replicated over DP modulo EP).
+        ``singleton_local_shards`` metadata keeps one tensor per expert instead
+        (``<g>.<prefix>weight``, no expert axis)."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                     make_sharded_tensors_for_checkpoint)
+        from megatron.core.utils import get_pg_rank, get_pg_size
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        ep_size, ep_rank = get_pg_size(self._pg_collection.ep), get_pg_rank(self._pg_collection.ep)
+        total = ep_size * self.num_gemms
+        edp_rank = get_pg_rank(self._pg_collection.expt_dp)
+        own = self.state_dict(prefix="", keep_vars=True)
+        extra_states = self._split_extra_state(own["_extra_state"])
+        out = {}
+        for i in range(self.num_gemms):
+            expert = ep_rank * self.num_gemms + i
+            local = {f"{i}.weight": own[f"weight{i}"], f"{i}._extra_state": extra_states[i]}
+            if singleton:
+                sharded_prefix, offsets = f"{expert}.{prefix}", tuple(sharded_offsets)
+            else:
+                sharded_prefix = prefix
+                offsets = (*sharded_offsets, (len(sharded_offsets), expert, total))
+            shards = make_sharded_tensors_for_checkpoint(
+                local, "", {f"{i}.weight": self._tp_axis}, offsets, tp_group=self._tp_group,
+                dp_cp_group=metadata["dp_cp_group"])
+            replace_prefix_for_sharding(shards, f"{i}.", sharded_prefix)
+            out[f"{prefix}weight{i}"] = shards[f"{i}.weight"]
+            out[f"{prefix}_extra_state{i or ''}"] = shards[f"{i}._extra_state"]
+        for shard in out.values():
+            if len(shard.replica_id) != 3:
+                raise ValueError(f"{shard.key}: replica id {shard.replica_id} is not (PP, TP, DP)")
+            fully_sharded = getattr(shard, "is_data_parallel_fully_shard", False)  # Megatron-FSDP's
+            shard.replica_id = (*shard.replica_id[:2], 0 if fully_sharded else edp_rank)
+        return out
+
     def forward(self, x, m_splits):
         chunks = torch.split(x, list(m_splits))
         out = torch.cat([F.linear(chunk, getattr(self, f"weight{i}")) for i, chunk in enumerate(chunks)])
         return out, None
+
+
+def _merge_expert_extra_states(module: _GroupedLinear, state_dict, prefix, *unused) -> None:
+    """The load pre-hook ``TEGroupedLinear`` registers (``merge_extra_states``): a dist-checkpoint
+    load hands the module one extra state per expert (``_extra_state``, ``_extra_state1`` ..
+    ``_extra_state{N-1}``, as :meth:`_GroupedLinear.sharded_state_dict` names them); it takes
+    ``_extra_state1`` onwards out, stopping at the first absent one (a plain state dict has only
+    ``_extra_state``), and keeps ``_extra_state`` for the module. TE then merges the experts' FP8
+    scales into it when they hold any; the stand-ins model no FP8, so there is nothing to merge."""
+    if not any("_extra_state" in str(key) for key in state_dict):
+        return
+    for i in range(1, module.num_gemms):
+        if f"{prefix}_extra_state{i}" not in state_dict:
+            return
+        state_dict.pop(f"{prefix}_extra_state{i}")
 
 
 class TEColumnParallelGroupedLinear(_GroupedLinear):
@@ -260,6 +334,7 @@ class TERowParallelGroupedLinear(_GroupedLinear):
     """``TEGroupedMLP``'s fc2: each expert's weight split by columns over the expert TP ranks."""
 
     parallel_mode = "row"
+    _tp_axis = 1
 
 
 class TEDotProductAttention(MegatronModule):
