@@ -473,7 +473,9 @@ def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int 
     layout = runtime.current_layout()
     tp = layout.tp if layout is not None else 1
     config = _dataclasses.replace(deepseek_v3.transformer_config(text, params_dtype), moe_grouped_gemm=True)
-    with buildable_without_te(gpt_model, multi_latent_attention), \
+    from megatron.core.extensions import transformer_engine_spec_provider
+
+    with buildable_without_te(gpt_model, multi_latent_attention, transformer_engine_spec_provider), \
             deepseek_v3.host_placement(torch.get_default_device()):
         model = gpt_model.GPTModel(
             config=config, transformer_layer_spec=te_stand_ins.gpt_decoder_block_spec(config),

@@ -165,7 +165,8 @@ class TELinear(MegatronModule):
     def __init__(self, input_size: int, output_size: int, *, parallel_mode: Optional[str],
                  config: TransformerConfig, init_method, bias: bool, skip_bias_add: bool,
                  skip_weight_param_allocation: bool, tp_comm_buffer_name: Optional[str] = None,
-                 is_expert: bool = False, symmetric_ar_type: Optional[str] = None, tp_group=None):
+                 is_expert: bool = False, symmetric_ar_type: Optional[str] = None, tp_group=None,
+                 name: Optional[str] = None):  # name: megatron-core 0.19 labels modules, unused here
         super().__init__(config=config)
         if parallel_mode != "duplicated":
             raise NotImplementedError(f"TELinear stand-in: parallel_mode {parallel_mode!r} is not modelled "
@@ -217,7 +218,7 @@ class _GroupedLinear(MegatronModule):
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: TransformerConfig,
                  init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str] = None, pg_collection=None):
+                 tp_comm_buffer_name: Optional[str] = None, pg_collection=None, name: Optional[str] = None):
         super().__init__(config=config)
         if not is_expert:
             raise ValueError("TEGroupedLinear only supports expert parallelism")
@@ -436,10 +437,26 @@ def te_class(name: str):
     return getattr(te_ext, name) if HAVE_TE else _STAND_INS[name]
 
 
+class TENormWithResidual:
+    """megatron-core 0.19's spec adapter ``TENorm(..., has_residual=True)``: a residual-fused norm
+    only under ``config.fused_residual_rmsnorm``, which is not modelled; otherwise TENorm itself."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        if getattr(config, "fused_residual_rmsnorm", False):
+            raise NotImplementedError("TENorm stand-in: fused_residual_rmsnorm is not modelled")
+        return TENorm(config, hidden_size, eps)
+
+
 def _placeholder_map() -> dict:
     """id of each TE wrapper megatron-core defines -> the class to build instead."""
-    return {id(getattr(te_ext, name)): te_class(name) for name in _STAND_INS
-            if getattr(te_ext, name, None) is not None}
+    mapping = {id(getattr(te_ext, name)): te_class(name) for name in _STAND_INS
+               if getattr(te_ext, name, None) is not None}
+    try:  # 0.19's specs name an adapter of TENorm rather than TENorm itself
+        from megatron.core.extensions.transformer_engine_spec_provider import _TENormWithResidual
+    except ImportError:
+        return mapping
+    mapping[id(_TENormWithResidual)] = TENormWithResidual
+    return mapping
 
 
 def substitute_te(spec, mapping: Optional[dict] = None):
@@ -598,9 +615,16 @@ def buildable_without_te(*modules):
 
     try:
         for module in modules:
-            # MLA picks the down projections' mode by identity with the TELinear it imported.
-            if getattr(module, "TELinear", None) is getattr(te_ext, "TELinear", None) is not None:
+            # MLA picks the down projections' mode by identity with the TELinear it imported
+            # (megatron-core 0.16: the mock-derived class; 0.19 imports None without TE).
+            if hasattr(module, "TELinear") and (module.TELinear is None or
+                                                module.TELinear is getattr(te_ext, "TELinear", None)):
                 swap(module, "TELinear", TELinear)
+            # megatron-core 0.19's MLA asks its backend (TESpecProvider) which class is the fused
+            # norm + linear and accepts the spec's only if it is that class.
+            for name in ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear"):
+                if module.__name__.endswith("transformer_engine_spec_provider") and hasattr(module, name):
+                    swap(module, name, te_class(name))
             if hasattr(module, "_NORM_IMPL"):
                 swap(module, "_NORM_IMPL", TENorm)
                 swap(module, "HAVE_TE", True)
