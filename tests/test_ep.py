@@ -359,10 +359,6 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
     """Megatron's MoE block saved as torch_dist (its sharded state dict at EP 1: global experts on
     a stacked expert axis, and a stacked layer axis unless dense layers come first), read back one
     (layer, expert) at a time under the per-expert keys, bit-exact."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from mmparity import runtime
     from mmparity.checkpoint.streaming import torch_dist_index
     from mmparity.checkpoint.torch_dist import save_torch_dist
@@ -370,14 +366,8 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
     from mmparity.converters.rules import to_te_spelling
 
     with runtime.parallel_context(1, 1):
-        config = TransformerConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-                                   num_moe_experts=6, moe_router_topk=2, moe_ffn_hidden_size=FFN,
-                                   moe_layer_freq=moe_layer_freq, gated_linear_unit=True, add_bias_linear=False,
-                                   use_cpu_initialization=True, moe_grouped_gemm=False)
         # Dense layer 0, MoE 1 and 2: mcore's per-layer specs, and per-layer sharded keys.
-        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if moe_layer_freq != 1
-                else get_gpt_layer_local_spec(num_experts=6, moe_grouped_gemm=False))
-        block = TransformerBlock(config, spec, post_layer_norm=False)
+        block = mcore_moe_block(moe_layer_freq)
         # mcore's local spec saves its MoE layers' pre-MLP norm under TE's fused name all the same.
         state = {k.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"): v
                  for k, v in to_te_spelling({k: v for k, v in block.state_dict(prefix="decoder.").items()
@@ -504,22 +494,12 @@ def test_torch_dist_expert_extra_states_match_mcores_in_stacked_and_per_layer_bl
     """mcore's SequentialMLP keys its experts' extra states on the global expert axis, behind the
     layer axis when the block is homogeneous: extra_state_objects places them the same way."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from mmparity import runtime
     from mmparity.checkpoint.torch_dist import extra_state_objects
     from mmparity.converters import pp
 
     with runtime.parallel_context(1, 1):
-        config = TransformerConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-                                   num_moe_experts=6, moe_router_topk=2, moe_ffn_hidden_size=FFN,
-                                   moe_layer_freq=moe_layer_freq, gated_linear_unit=True, add_bias_linear=False,
-                                   use_cpu_initialization=True, moe_grouped_gemm=False)
-        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if moe_layer_freq != 1
-                else get_gpt_layer_local_spec(num_experts=6, moe_grouped_gemm=False))
-        block = TransformerBlock(config, spec, post_layer_norm=False)
+        block = mcore_moe_block(moe_layer_freq)
         sharded = block.sharded_state_dict(prefix="decoder.")
     tensor_keys = list(block.state_dict(prefix="decoder."))
     per_layer = {parts[0] for key, v in sharded.items() if not isinstance(v, ShardedObject)
@@ -531,3 +511,19 @@ def test_torch_dist_expert_extra_states_match_mcores_in_stacked_and_per_layer_bl
     for key, obj in native.items():
         assert (ours[key].key, ours[key].global_shape, ours[key].global_offset, ours[key].replica_id) == \
             (obj.key, obj.global_shape, obj.global_offset, obj.replica_id), key
+
+
+def mcore_moe_block(moe_layer_freq):
+    """mcore's own local-spec MoE block of 3 layers and 6 experts (under a parallel context):
+    non-homogeneous for a ``moe_layer_freq`` list (per-layer specs and sharded keys), stacked for 1."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+                               num_moe_experts=6, moe_router_topk=2, moe_ffn_hidden_size=FFN,
+                               moe_layer_freq=moe_layer_freq, gated_linear_unit=True, add_bias_linear=False,
+                               use_cpu_initialization=True, moe_grouped_gemm=False)
+    spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False) if moe_layer_freq != 1
+            else get_gpt_layer_local_spec(num_experts=6, moe_grouped_gemm=False))
+    return TransformerBlock(config, spec, post_layer_norm=False)

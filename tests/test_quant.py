@@ -195,40 +195,48 @@ def _run(*argv) -> int:
     return main([str(a) for a in argv])
 
 
-def test_fp8_vlm_converts_as_its_dequantized_values_and_requantizes_exactly(fp8_vlm, tmp_path, capsys):
-    src, plain, stored = fp8_vlm
-    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--format", "legacy",
-                "--quiet") == 0
-    assert _run("convert", "--src", plain, "--dst", tmp_path / "m-plain", "--to", "mcore", "--format", "legacy",
-                "--quiet") == 0
-    # The mcore tensors are the dequantized values, bit for bit, as if the source had stored them.
+def assert_imports_as_dequantized(src, plain, tmp_path) -> None:
+    """A quantized source and the same model stored dequantized (``plain``) convert to the same
+    mcore tensors bit for bit (``tmp_path/m`` and ``tmp_path/m-plain``)."""
+    for path, name in ((src, "m"), (plain, "m-plain")):
+        assert _run("convert", "--src", path, "--dst", tmp_path / name, "--to", "mcore", "--format", "legacy",
+                    "--quiet") == 0
     _, _, got = read_mcore_shards(tmp_path / "m")
     _, _, want = read_mcore_shards(tmp_path / "m-plain")
     assert sorted(got[0]) == sorted(want[0])
     for key, value in want[0].items():
         assert _same(got[0][key], value), key
+
+
+def assert_exports_round_trip(tmp_path, plain, stored: dict, count: int, capsys) -> None:
+    """The mcore checkpoint ``tmp_path/m`` of a quantized source: exported plainly it is the
+    dequantized model ``plain`` with no quantization_config; with ``--requantize`` every stored
+    byte comes back (``hf-q``), ``count`` tensors re-quantized with zero error."""
+    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf", "--to", "hf", "--quiet") == 0
+    back, plain_state = load_safetensors_state_dict(tmp_path / "hf"), load_safetensors_state_dict(plain)
+    assert sorted(back) == sorted(plain_state) and all(_same(back[k], plain_state[k]) for k in plain_state)
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    capsys.readouterr()
+    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf-q", "--to", "hf", "--requantize") == 0
+    line = [s for s in capsys.readouterr().out.splitlines() if "re-quantized" in s]
+    assert line and f"re-quantized {count} tensors: max abs error 0, 0 not exact, 0 with bytes" in line[0]
+    again = load_safetensors_state_dict(tmp_path / "hf-q")
+    assert sorted(again) == sorted(stored)
+    for key, value in stored.items():
+        assert again[key].dtype == value.dtype and torch.equal(again[key].view(torch.uint8),
+                                                               value.contiguous().view(torch.uint8)), key
+
+
+def test_fp8_vlm_converts_as_its_dequantized_values_and_requantizes_exactly(fp8_vlm, tmp_path, capsys):
+    src, plain, stored = fp8_vlm
+    assert_imports_as_dequantized(src, plain, tmp_path)
     record = read_manifest(tmp_path / "m").provenance.extra["quantization"]
     quantized = [k for k in stored if k.endswith("_scale_inv")]
     assert record == {"method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 24],
                       "modules_to_not_convert": ["lm_head"], "dequantized": len(quantized), "dtype": "bfloat16",
                       "scales_file": "quant_scales.safetensors"}
 
-    # Back to HF dequantized: the plain model, and a config.json without quantization_config.
-    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf", "--to", "hf", "--quiet") == 0
-    back, plain_state = load_safetensors_state_dict(tmp_path / "hf"), load_safetensors_state_dict(plain)
-    assert sorted(back) == sorted(plain_state) and all(_same(back[k], plain_state[k]) for k in plain_state)
-    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
-
-    # --requantize: the source's bytes and scales, its quantization_config, and zero error.
-    capsys.readouterr()
-    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf-q", "--to", "hf", "--requantize") == 0
-    line = [s for s in capsys.readouterr().out.splitlines() if "re-quantized" in s]
-    assert line and f"re-quantized {len(quantized)} tensors: max abs error 0, 0 not exact, 0 with bytes" in line[0]
-    again = load_safetensors_state_dict(tmp_path / "hf-q")
-    assert sorted(again) == sorted(stored)
-    for key, value in stored.items():
-        assert again[key].dtype == value.dtype and torch.equal(again[key].view(torch.uint8),
-                                                               value.view(torch.uint8)), key
+    assert_exports_round_trip(tmp_path, plain, stored, len(quantized), capsys)
     config = json.loads((tmp_path / "hf-q" / "config.json").read_text())
     assert Q.parse_quantization_config(config["quantization_config"]) == E2E
     assert read_manifest(tmp_path / "hf-q").provenance.extra["requantized"] == {

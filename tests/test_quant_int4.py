@@ -6,7 +6,6 @@ experts are INT4 as its dequantized values, and re-quantizes it to the source's 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -252,21 +251,15 @@ from mmparity import families  # noqa: E402
 from mmparity.cases.inputs import random_like_state  # noqa: E402
 from mmparity.checkpoint import read_manifest  # noqa: E402
 from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
-from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint  # noqa: E402
 from mmparity.checkpoint.streaming import read_mcore_shards  # noqa: E402
 from mmparity.cli.main import main  # noqa: E402
 from mmparity.converters.rules import convert_mcore_to_hf  # noqa: E402
 from mmparity.reference import kimi_k25_vl as reference  # noqa: E402
+from tests.test_quant import _save, assert_exports_round_trip, assert_imports_as_dequantized  # noqa: E402
 
 # The tiny decoder's expert widths (hidden 40, moe_intermediate 12) in groups of 4: 40 and 12 input
 # columns, i.e. 5 and 2 int32 words, the last of the 12-column rows half padding.
 E2E_GROUP = 4
-
-
-def _save(path: Path, state: dict, config: dict) -> Path:
-    save_safetensors_checkpoint(path, state, max_shard_size="40KB",
-                                extra_files={"config.json": json.dumps(config, indent=2)})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -305,15 +298,7 @@ def _run(*argv) -> int:
 
 def test_int4_kimi_converts_as_its_dequantized_values_and_requantizes_to_its_bytes(int4_kimi, tmp_path, capsys):
     src, plain, stored = int4_kimi
-    for path, name in ((src, "m"), (plain, "m-plain")):
-        assert _run("convert", "--src", path, "--dst", tmp_path / name, "--to", "mcore", "--format", "legacy",
-                    "--quiet") == 0
-    # The mcore tensors are the dequantized values, bit for bit, as if the source had stored them.
-    _, _, got = read_mcore_shards(tmp_path / "m")
-    _, _, want = read_mcore_shards(tmp_path / "m-plain")
-    assert sorted(got[0]) == sorted(want[0])
-    for key, value in want[0].items():
-        assert _same(got[0][key], value), key
+    assert_imports_as_dequantized(src, plain, tmp_path)
     record = read_manifest(tmp_path / "m").provenance.extra["quantization"]
     packed = [k for k in stored if k.endswith("_packed")]
     assert record["method"] == "compressed-tensors" and record["format"] == "pack-quantized"
@@ -321,22 +306,7 @@ def test_int4_kimi_converts_as_its_dequantized_values_and_requantizes_to_its_byt
     assert (record["dequantized"], record["dtype"]) == (len(packed), "bfloat16")
     assert record["quantization_config"] == kimi_config(E2E_GROUP)
 
-    # Back to HF dequantized: the plain model, without quantization_config.
-    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf", "--to", "hf", "--quiet") == 0
-    back, plain_state = load_safetensors_state_dict(tmp_path / "hf"), load_safetensors_state_dict(plain)
-    assert sorted(back) == sorted(plain_state) and all(_same(back[k], plain_state[k]) for k in plain_state)
-    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
-
-    # --requantize: every packed word, scale and shape of the source, its quantization_config, no error.
-    capsys.readouterr()
-    assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / "hf-q", "--to", "hf", "--requantize") == 0
-    line = [s for s in capsys.readouterr().out.splitlines() if "re-quantized" in s]
-    assert line and f"re-quantized {len(packed)} tensors: max abs error 0, 0 not exact, 0 with bytes" in line[0]
-    again = load_safetensors_state_dict(tmp_path / "hf-q")
-    assert sorted(again) == sorted(stored)
-    for key, value in stored.items():
-        assert again[key].dtype == value.dtype and torch.equal(again[key].view(torch.uint8),
-                                                               value.contiguous().view(torch.uint8)), key
+    assert_exports_round_trip(tmp_path, plain, stored, len(packed), capsys)
     config = json.loads((tmp_path / "hf-q" / "config.json").read_text())
     assert config["quantization_config"] == kimi_config(E2E_GROUP)
     assert read_manifest(tmp_path / "hf-q").provenance.extra["requantized"] == {
@@ -355,6 +325,7 @@ def test_int4_kimi_converts_as_its_dequantized_values_and_requantizes_to_its_byt
     assert _run("convert", "--src", tmp_path / "hf-q", "--dst", tmp_path / "m2", "--to", "mcore", "--format",
                 "legacy", "--quiet") == 0
     _, _, again_mcore = read_mcore_shards(tmp_path / "m2")
+    _, _, want = read_mcore_shards(tmp_path / "m-plain")
     assert all(_same(again_mcore[0][k], v) for k, v in want[0].items())
 
 
