@@ -203,3 +203,26 @@ def test_round_trip_over_tensor_and_expert_ranks_is_bit_exact(fam, data):
     back = fam.mcore_to_hf(type(shards)(merged, shards.side, shards.unused), cfg, hf_format="hf")
     assert sorted(back) == sorted(model_state)
     assert all(torch.equal(back[k], model_state[k]) for k in model_state)
+
+
+def test_sequential_expert_layout_writes_local_experts_and_reads_back_bit_exact(fam, tmp_path):
+    """``--expert-layout sequential``: SequentialMLP's names in every EP rank file, locally
+    numbered; the checkpoint converts back to the same HF tensors."""
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.checkpoint.legacy import load_rank_file, open_legacy
+    from mmparity.cli.main import main
+    from tests.test_convert_roundtrips import save_hf
+
+    src = save_hf(FAMILY, tmp_path / "hf", seed=3)
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "--src", str(src), "--dst", str(mcore), "--to", "mcore", "--format", "legacy",
+                 "--tp", "2", "--ep", "2", "--expert-layout", "sequential", "--quiet"]) == 0
+    checkpoint = open_legacy(mcore)
+    for (tp, pp, ep), path in checkpoint.files.items():
+        keys = load_rank_file(path).keys()
+        experts = sorted({k.split("local_experts.")[1].split(".")[0] for k in keys if ".local_experts." in k})
+        assert experts == ["0", "1", "2"], (tp, ep, experts)
+        assert not any(".mlp.experts.linear_fc" in k for k in keys)
+    assert main(["convert", "--src", str(mcore), "--dst", str(tmp_path / "back"), "--to", "hf", "--quiet"]) == 0
+    expected, got = load_safetensors_state_dict(src), load_safetensors_state_dict(tmp_path / "back")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)

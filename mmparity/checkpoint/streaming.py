@@ -169,6 +169,11 @@ class ConvertOptions:
     # --to hf from an mcore checkpoint of a quantized (FP8 or INT4) source: write the weights in the source's
     # scheme again, with its quantization_config (see mmparity.checkpoint.quantized).
     requantize: bool = False
+    # How a legacy checkpoint names the routed experts: ``grouped`` as TEGroupedMLP does
+    # (``linear_fc1.weight{e}``, Megatron-LM's ``--moe-grouped-gemm``), ``sequential`` as
+    # SequentialMLP does (``local_experts.{e}.linear_fc1.weight``). torch_dist files are the same
+    # either way (mcore shards both on one global expert axis).
+    expert_layout: str = "grouped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -697,8 +702,13 @@ class _LegacySource(_McoreSource):
                       for stage in range(ckpt.pp_size)]
             merged = (pp_mod.merge_pipeline_stages(stages, counts, layer_prefix=layer_prefix)
                       if ckpt.pp_size > 1 else stages[0])
-            self.ranks.append({k: v for k, v in R.to_te_spelling(merged).items()
-                               if isinstance(v, torch.Tensor)})
+            state = {k: v for k, v in R.to_te_spelling(merged).items() if isinstance(v, torch.Tensor)}
+            # Experts saved in the other layout (``--expert-layout``, or Megatron-LM run without
+            # grouped GEMM) are read under the rule table's names.
+            wanted = ep_mod.expert_key_layout(self.order)
+            if wanted and ep_mod.expert_key_layout(state) not in (None, wanted):
+                state = ep_mod.respell(state, wanted)
+            self.ranks.append(state)
         self._check_keys(set().union(*self.ranks), "legacy")
         check_source_dtypes(ckpt.iteration_dir, {k: t.dtype for state in self.ranks for k, t in state.items()})
         problems = list(self.rules.validate_tp(self.tp)) if self.rules.validate_tp else []
@@ -1099,6 +1109,10 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     layout = pp_mod.pipeline_layout(order)
     counts = layout.layer_counts(options.pp)
     num_experts = ep_mod.expert_count(order)
+    if options.expert_layout not in ep_mod.LAYOUTS:
+        raise ConvertError(f"--expert-layout must be one of {', '.join(ep_mod.LAYOUTS)}, got {options.expert_layout!r}")
+    spelled = ({k: k for k in order} if not num_experts or options.expert_layout == ep_mod.GROUPED
+               else {k: (p.spell(options.expert_layout) if (p := ep_mod.parse_expert_key(k)) else k) for k in order})
     total = sum(source.metas[k].nbytes for k in order)
     entries = [{} for _ in range(options.tp)]
     for key in order:
@@ -1108,10 +1122,10 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
             shape = list(meta.shape)
             if ranges:  # every range of one rank lies along the same dim (gated has two on dim 0)
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
-            entries[rank][key] = (meta.dtype, tuple(shape))
+            entries[rank][spelled[key]] = (meta.dtype, tuple(shape))
     # Megatron's own legacy save writes the TE modules' (empty) extra states; its class demands
     # them back under strict=True.
-    for key in extra_state.extra_state_keys({k: kinds[k] for k in order}):
+    for key in extra_state.extra_state_keys({spelled[k]: kinds[k] for k in order}):
         for rank in range(options.tp):
             entries[rank][key] = None
     progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}"
@@ -1130,7 +1144,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                     # tp.shard_slices names the rows / columns each rank holds (two row ranges
                     # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
                     ranges = tp_mod.shard_slices(shape, kind, options.tp, rank) if options.tp > 1 else []
-                    writer.write(rank, key, [view for dim, start, stop in ranges
+                    writer.write(rank, spelled[key], [view for dim, start, stop in ranges
                                              for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
                 progress.advance(1, source.metas[key].nbytes)
                 heap.check(source.metas[key].nbytes)

@@ -29,6 +29,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast floating tensors (default: keep each tensor's dtype, bit-exact; a quantized "
                              "(FP8 or INT4) source's quantized weights are dequantized to bfloat16)")
+    parser.add_argument("--expert-layout", choices=("grouped", "sequential"), default="grouped",
+                        help="legacy output of an MoE model: routed experts named as TEGroupedMLP does "
+                             "(grouped, linear_fc1.weight<e>: Megatron-LM's --moe-grouped-gemm) or as "
+                             "SequentialMLP does (sequential, local_experts.<e>.linear_fc1.weight)")
     parser.add_argument("--requantize", action="store_true",
                         help="with --to hf from an mcore checkpoint of a quantized source: write its weights "
                              "in its scheme again (block-scaled FP8, or pack-quantized INT4), with the "
@@ -117,7 +121,7 @@ def run(args) -> int:
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        requantize=args.requantize)
+        requantize=args.requantize, expert_layout=args.expert_layout)
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)
