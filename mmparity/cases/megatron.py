@@ -495,14 +495,29 @@ MOE_LANGUAGE_MODEL = dataclasses.replace(
 
 
 def _kimi_vl_vision_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
-    raise UnsupportedInput("the kimi_k25_vl vision part (KimiViTModel + projection) is loaded by "
-                           "verify --load where Megatron-LM main is importable, not checked on its own "
-                           "yet: check the kimi_k25 family for the tower and projector")
+    """The kimi_k25 family's tower-and-projector cases on the whole model's config (its tower and
+    projector are that family's), clips aside as for that family's class."""
+    from mmparity.cases import kimi_k25
+
+    return [c for c in kimi_k25.cases(cfg, seed, image_sizes) if c.name != "video"]
+
+
+def _reference_kimi_vl_vision(model, case: Case, cfg) -> dict:
+    """HF's whole model's ``vision_tower`` and ``mm_projector``, run as the kimi_k25 family runs
+    its reference (the same modules, seen through that family's reference wrapper)."""
+    from mmparity.cases import kimi_k25
+    from mmparity.reference.kimi_k25 import KimiK25VisionReference
+
+    view = KimiK25VisionReference(cfg)
+    view.vision_tower, view.mm_projector = model.model.vision_tower, model.model.mm_projector
+    return kimi_k25.REFERENCE.run(view, case)
 
 
 KIMI_VL_VISION = MegatronClass(
     "kimi_k25", _kimi_vl_vision_cases, _run_kimi, _kimi_pairs, module_cases=(),
-    note="the vision part (vision_model.*, vision_projection.*): the kimi_k25 family's class",
+    reference_run=_reference_kimi_vl_vision,
+    note="the vision part (vision_model.*, vision_projection.*): the kimi_k25 family's class, on "
+         "that family's cases",
     holds=("vision_model.", "vision_projection."), why_part=WHY_PARTS)
 
 
