@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from mmparity import families
 from mmparity.cases.inputs import random_like_state
 from mmparity.converters import ep as ep_mod
+from mmparity.converters import pp as pp_mod
 from mmparity.converters.axes import AxisError, expert_axis
 from mmparity.converters.rules import ConversionError, convert_mcore_to_hf
 from mmparity.parity import harness, router
@@ -184,7 +185,7 @@ def test_whole_checkpoint_is_detected_as_the_whole_family(fam, tmp_path):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_round_trip_over_tensor_and_expert_ranks_is_bit_exact(fam, data):
+def test_round_trip_over_tensor_pipeline_and_expert_ranks_is_bit_exact(fam, data):
     cfg = fam.hooks.random_config(lambda options: data.draw(st.sampled_from(list(options))))
     text = cfg.text_config
     model_state = random_like_state(fam.build_reference(cfg).state_dict(), seed=data.draw(st.integers(0, 99)))
@@ -196,10 +197,20 @@ def test_round_trip_over_tensor_and_expert_ranks_is_bit_exact(fam, data):
         with pytest.raises(AxisError, match=f"--ep {ep} does not divide the {experts} experts"):
             ep_mod.split_expert_ranks(shards[0], expert_axis(ep), experts)
         return
-    ranks = [ep_mod.split_expert_ranks(shard, expert_axis(ep), experts) for shard in shards]
-    for per_ep in ranks:  # local numbering: every EP rank holds experts 0 .. E/ep - 1
-        assert ep_mod.expert_count(list(per_ep[0])) == experts // ep
-    merged = [ep_mod.merge_expert_ranks(per_ep, experts) for per_ep in ranks]
+    pp = data.draw(st.sampled_from([1, 2]))
+    layout = pp_mod.pipeline_layout(list(shards[0]))
+    counts = layout.layer_counts(pp)
+    merged = []
+    for shard in shards:
+        # Each (TP, PP) rank's file holds its stage's layers, each EP rank's its local experts.
+        stages = pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
+                                              last_stage_prefixes=layout.last_stage_keys)
+        per_stage = [ep_mod.split_expert_ranks(stage, expert_axis(ep), experts) for stage in stages]
+        for per_ep in per_stage:  # local numbering: every EP rank holds experts 0 .. E/ep - 1
+            assert all(ep_mod.expert_count(list(s)) in (0, experts // ep) for s in per_ep)
+        back_stages = [ep_mod.merge_expert_ranks(per_ep, experts) for per_ep in per_stage]
+        merged.append(pp_mod.merge_pipeline_stages(back_stages, counts, layer_prefix=layout.layer_prefix)
+                      if pp > 1 else back_stages[0])
     back = fam.mcore_to_hf(type(shards)(merged, shards.side, shards.unused), cfg, hf_format="hf")
     assert sorted(back) == sorted(model_state)
     assert all(torch.equal(back[k], model_state[k]) for k in model_state)
