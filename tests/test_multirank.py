@@ -65,7 +65,8 @@ def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
         # Every whole VLM has a language model, so a padded vocabulary: re-padded where TP 2's
         # multiple of 256 differs from TP 1's of 128 (101 -> 128 / 256; 131 -> 256 either way).
         family = families.get(name)
-        words = family.tiny_config().text_config.vocab_size if family.composed else 0
-        repads = family.composed and padded_vocab_size(words, tp=1) != padded_vocab_size(words, tp=2)
+        whole = family.composed or family.with_language
+        words = family.tiny_config().text_config.vocab_size if whole else 0
+        repads = whole and padded_vocab_size(words, tp=1) != padded_vocab_size(words, tp=2)
         assert repadded == (vocab if repads else set()), (name, mismatched)
         assert set(mismatched) == repadded, (name, mismatched)
