@@ -19,6 +19,7 @@ from mmparity import runtime
 from mmparity.hfconfig import padded_vocab_size, tied_embeddings
 from mmparity.native import kimi_k25 as tower
 from mmparity.native.core.layers import tolerate_missing_extra_state
+from mmparity.native.core.mla_moe import host_placement
 from mmparity.native.llava import LLaVAModel
 
 
@@ -70,8 +71,6 @@ class KimiK25VLModel(MegatronModule):
         """Logits ``[b, s, padded vocab]``, or with ``labels`` (the next token at every position)
         Megatron's per-token loss over the real vocabulary ``[b, s]``; on a stage before the last,
         the hidden states it hands on."""
-        from mmparity.native.deepseek_v3 import host_placement
-
         with host_placement(input_ids.device):
             decoder_input = (self.embed(input_ids, pixel_values, imgs_sizes, num_frames)
                              if self.pre_process else None)
