@@ -216,6 +216,16 @@ class Family:
         dtype = torch.float32 if params_dtype is None else params_dtype
         return self.hooks.build_native(cfg, params_dtype=dtype).eval()
 
+    # --- Megatron's own classes -----------------------------------------------------------------
+
+    def megatron_class(self, name: str | None = None):
+        """``(class name, MegatronClass)``: the Megatron class ``name`` the family's hooks list (None:
+        the default, the first). Raises ``cases.core.NoMegatronClass`` with the family's reason
+        when it has none, or naming its classes when it has no ``name``."""
+        from mmparity.cases.core import megatron_class
+
+        return megatron_class(self.hooks, self.name, name)
+
     # --- conversion by name -------------------------------------------------------------------
 
     def rule_set(self, cfg, hf_format: str | None = None, keys=None) -> RuleSet:
@@ -418,12 +428,31 @@ class LanguageModel:
     ``mmparity.converters.<module>`` (``SPEC``, a ``LanguageKeys``: rules per layout),
     ``mmparity.native.<module>`` (``transformer_config``, ``LanguageModelBuilder``) and
     ``mmparity.reference.<module>`` (``decoder_shapes``). A composed family finds its language
-    model here by ``text_config.model_type``, as it finds its tower among the families."""
+    model here by ``text_config.model_type``, as it finds its tower among the families.
+
+    ``megatron``: where Megatron's class for the part is built, ``"module:function"`` (a builder
+    ``(whole cfg, params_dtype, divisible_by=, parallel_output=)`` of the part alone, as
+    ``mmparity.upstream.models.build_language_model``); every whole VLM composed with the part
+    checks and loads its ``language_model.*`` in it. Empty: Megatron has no class for it, and
+    ``why_no_megatron`` says why."""
 
     name: str
     summary: str
     text_model_types: tuple
     module: str
+    megatron: str = ""
+    why_no_megatron: str = ""
+
+    @cached_property
+    def megatron_build(self):
+        """The part's Megatron builder (``megatron``), imported on first use."""
+        if not self.megatron:
+            from mmparity.cases.core import NoMegatronClass
+
+            raise NoMegatronClass(f"language model {self.name!r} has no Megatron class: "
+                                  f"{self.why_no_megatron or 'its registry entry names none'}")
+        module, _, function = self.megatron.partition(":")
+        return getattr(importlib.import_module(module), function)
 
     @cached_property
     def converter(self):
@@ -451,6 +480,7 @@ _LANGUAGE_MODELS: dict[str, LanguageModel] = {
                 "model type has them, tied or untied head) as Megatron's GPTModel",
         text_model_types=("llama", "mistral", "qwen2"),
         module="language",
+        megatron="mmparity.upstream.models:build_language_model",
     ),
     "deepseek_v3": LanguageModel(
         name="deepseek_v3",
@@ -459,6 +489,7 @@ _LANGUAGE_MODELS: dict[str, LanguageModel] = {
                 "top-k, scaling factor), YaRN RoPE; GPTModel with mcore's MLA and MoE layers",
         text_model_types=("deepseek_v3",),
         module="deepseek_v3",
+        megatron="mmparity.upstream.models:build_moe_language_model",
     ),
 }
 
@@ -485,6 +516,11 @@ class UnknownFamilyError(KeyError):
 
 def names() -> list[str]:
     return list(_REGISTRY)
+
+
+def megatron_class(family: str, name: str | None = None):
+    """:meth:`Family.megatron_class` of the registered ``family``."""
+    return get(family).megatron_class(name)
 
 
 def get(name: str) -> Family:

@@ -28,6 +28,13 @@ def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads(cfg)
 
 
+# Norm epsilons HF hard-codes in its modules instead of reading a config field: every layer that
+# builds these towers (native, upstream) reads them here.
+PIXTRAL_NORM_EPS = 1e-5  # every PixtralRMSNorm of the tower, ln_pre included
+QWEN_VISION_NORM_EPS = 1e-6  # every LayerNorm of the Qwen3.5 vision tower
+KIMI_VISION_NORM_EPS = 1e-5  # every vision LayerNorm of Kimi-K2.5, as in the release
+
+
 def query_groups(cfg) -> int:
     """Key/value heads (GQA groups): ``num_key_value_heads`` when set, else one per head."""
     return getattr(cfg, "num_key_value_heads", None) or num_heads(cfg)

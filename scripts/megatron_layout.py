@@ -22,10 +22,11 @@ from megatron.core import package_info  # noqa: E402
 
 from mmparity import families  # noqa: E402
 from mmparity.upstream import layout, models  # noqa: E402
-from tests.megatron_interop import llava_clip_config  # noqa: E402
+from tests.megatron_interop import layout_config, whole_class_families  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "megatron_layout"
-FAMILIES = ("clip", "siglip", "llava", "pixtral", "pixtral_large", "qwen3_5", "kimi_k25")
+# Every registered family whose default Megatron class holds the whole model.
+FAMILIES = tuple(whole_class_families())
 
 
 def config_for(family: str):
@@ -33,10 +34,10 @@ def config_for(family: str):
     if family == "llava":
         # Stock LLaVAModel builds CLIP-like towers only, and Megatron-LM main's LLaVAModel cannot
         # be built with a pixtral-vit tower (see docs/megatron.md): the llava record is the
-        # llava tiny text model with the clip tiny tower.
-        return llava_clip_config(), ("llava tiny text model + clip tiny tower "
-                                     "(vision_feature_layer -2, default select)")
-    return families.get(family).tiny_config(), f"{family} tiny config"
+        # llava tiny text model with the clip tiny tower (its Megatron record's default config).
+        return layout_config(family), ("llava tiny text model + clip tiny tower "
+                                       "(vision_feature_layer -2, default select)")
+    return layout_config(family), f"{family} tiny config"
 
 
 def main(argv: list[str]) -> int:
@@ -48,15 +49,16 @@ def main(argv: list[str]) -> int:
         return 2
     OUT.mkdir(parents=True, exist_ok=True)
     for family in wanted:
-        if not models.available(family):
+        build = families.megatron_class(family)[1].build
+        if not models.available(build):
             print(f"{family}: skipped ({models.INSTALL_HINT})")
             continue
         cfg, described = config_for(family)
-        record = layout.measure(family, cfg)
+        record = layout.measure(family, build, cfg)
         record["config"] = described
         record["measured_with"] = (f"megatron-core {package_info.__version__}"
                                    + (" (Megatron-LM main vit_model.py)"
-                                      if family in models.MAIN_FAMILIES else ""))
+                                      if getattr(build, "needs_vit_model", False) else ""))
         path = OUT / f"{family}.json"
         path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         split = sum(1 for e in record["tensors"].values() if e["split_dim"] is not None)

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     report = []
     for run in args.families:
         family = run.split("/")[0]
-        if not models.available(family):
+        if not models.available(mi.megatron_class(family).build):
             print(f"{run}: skipped ({models.INSTALL_HINT})")
             continue
         cfg = mi.llava_clip_config() if family == "llava" else None

@@ -2,8 +2,8 @@
 
 For a family: seeded HF weights, ``Family.hf_to_mcore`` (the real converter, which writes
 Megatron's layout with what it has no place for aside), a strict load
-(``upstream.models.load_strict``) of its mcore state into the class ``mmparity.upstream.models`` builds, a forward on the cases the product's Megatron record
-(``mmparity.cases.megatron``) gives, and the comparison with HF's outputs, output by output and
+(``upstream.models.load_strict``) of its mcore state into the class its Megatron record (the
+family's hooks' ``megatron``) builds, a forward on the cases that record gives, and the comparison with HF's outputs, output by output and
 module by module. ``check --impl megatron`` does the same through the parity harness; this driver
 keeps the raw per-output numbers and the Kimi projection variants for ``tests/test_upstream.py``
 and ``scripts/megatron_parity.py``.
@@ -18,15 +18,14 @@ import torch
 
 from mmparity import families, runtime
 from mmparity.cases import inputs
-from mmparity.cases import megatron as megatron_cases
-from mmparity.cases.core import Case
+from mmparity.cases.core import Case, MegatronClass, NoMegatron
+from mmparity.cases.llava import llava_clip_config
 from mmparity.parity.metrics import compare, fp32_tolerance
 from mmparity.upstream import models
 
 TOLERANCE = fp32_tolerance().rel_l2
 # Megatron's class name in the study -> (the mmparity family it is fed from, its Megatron class).
 CLASS_OF = {"clip_vit": ("clip", "ViTModel")}
-llava_clip_config = megatron_cases.llava_clip_config
 load_strict = models.load_strict
 
 
@@ -34,8 +33,26 @@ def source(family: str) -> str:
     return CLASS_OF.get(family, (family,))[0]
 
 
-def megatron_class(family: str) -> megatron_cases.MegatronClass:
-    return megatron_cases.megatron_class(*CLASS_OF.get(family, (family, None)))[1]
+def megatron_class(family: str) -> MegatronClass:
+    return families.megatron_class(*CLASS_OF.get(family, (family, None)))[1]
+
+
+def whole_class_families() -> list[str]:
+    """The registered families whose default Megatron class holds their whole mcore state dict,
+    in registry order: each has a recorded layout (``tests/data/megatron_layout/<family>.json``)."""
+    out = []
+    for name in families.names():
+        classes = families.get(name).hooks.megatron
+        if not isinstance(classes, NoMegatron) and not next(iter(classes.values())).holds:
+            out.append(name)
+    return out
+
+
+def layout_config(family: str):
+    """The HF config a family's default Megatron class is measured and checked on: the record's
+    ``default_config`` where the family's tiny config has no Megatron class (LLaVA's), else it."""
+    record = families.megatron_class(family)[1]
+    return record.default_config() if record.default_config is not None else families.get(family).tiny_config()
 
 
 def hf_model(family: str, cfg, seed: int):
@@ -158,7 +175,7 @@ def _tp_rank(rank: int, world: int, family: str, cfg, seed: int, options: dict):
     try:
         ref = hf_model(family, cfg, seed)
         shards, side = megatron_state(family, cfg, ref.state_dict(), world, **_map_options(options))
-        model = models.build(family, cfg, **_build_options(family, options))
+        model = models.build(megatron_class(family).build, cfg, **_build_options(family, options))
         tolerated = load_strict(model, shards[rank])
         results, errors = _run_cases(family, model, cfg, family_cases(family, cfg, seed))
         return {"tolerated": tolerated, "side": list(side), "results": results, "errors": errors}
@@ -187,7 +204,7 @@ def study(family: str, cfg=None, *, tp: int = 1, seed: int = 0, modules: bool = 
         if runtime.current_layout() is None:
             runtime.init_parallel(1, 1)
         shards, side = megatron_state(family, cfg, ref.state_dict(), 1, **_map_options(options))
-        model = models.build(family, cfg, **_build_options(family, options))
+        model = models.build(megatron_class(family).build, cfg, **_build_options(family, options))
         tolerated = load_strict(model, shards[0])
         results, errors = _run_cases(family, model, cfg, cases)
         side_keys = list(side)

@@ -78,7 +78,7 @@ def test_torch_dist_holds_megatrons_objects_certified(tmp_path, clip_hf):
     assert run("convert", "--family", "clip", "--src", clip_hf, "--dst", dst, "--to", "mcore",
                "--format", "torch_dist", "--quiet") == 0
     runtime.init_parallel(1, 1)
-    asked = {v.unique_key for v in sharded_state_dict(models.build("clip", config_for("clip"))).values()
+    asked = {v.unique_key for v in sharded_state_dict(models.build(models.build_clip, config_for("clip"))).values()
              if v.key.endswith("._extra_state")}
     stored = torch_dist_files.object_keys(dst / "iter_0000001")
     assert set(stored) == asked and len(asked) == 10

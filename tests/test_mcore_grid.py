@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mmparity import families
-from mmparity.cases.megatron import megatron_class
+from mmparity.families import megatron_class
 from mmparity.cli.main import main
 from mmparity.upstream import models
 from tests.test_convert_roundtrips import save_hf
@@ -92,12 +92,12 @@ def _require_megatron_class(name: str) -> None:
     imported here: Megatron-LM main's vit_model for pixtral, pixtral_large, qwen3_5, kimi_k25, and
     for LLaVA on a Pixtral tower."""
     _, family, _ = _entry(name)
-    needed = [megatron_class(family)[1].upstream]
+    needed = [megatron_class(family)[1].build]
     if family == "llava" and _config(name).vision_config.model_type == "pixtral":
-        needed.append("pixtral")
-    for upstream in needed:
+        needed.append(models.build_pixtral)
+    for builder in needed:
         try:
-            models.require(upstream)
+            models.require(builder)
         except models.UpstreamUnavailable as exc:
             pytest.skip(f"{name}: {exc}")
 

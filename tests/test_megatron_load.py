@@ -31,7 +31,7 @@ from mmparity.converters.rules import side_keys
 from mmparity.upstream import models
 from tests.test_convert_roundtrips import save_hf
 
-NEEDS_MAIN = pytest.mark.skipif(not models.available("pixtral"),
+NEEDS_MAIN = pytest.mark.skipif(not models.available(),
                                 reason="needs Megatron-LM main (vit_model) on PYTHONPATH")
 # Every family with a Megatron class. The stock ones always run; the vit_model ones where
 # Megatron-LM main is importable (CI cannot fetch it).

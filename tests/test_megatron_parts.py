@@ -32,7 +32,7 @@ from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
 
 WHOLE = ("mistral3", "pixtral_12b")
-HAVE_MAIN = models.available("vlm_vision")
+HAVE_MAIN = models.available()
 needs_main = pytest.mark.skipif(not HAVE_MAIN, reason=models.INSTALL_HINT)
 LAYER_1 = "language_model.decoder.layers.1"
 # What stock megatron-core loads of a mistral3 checkpoint (the tower needs Megatron-LM main).

@@ -1,7 +1,12 @@
 """A family written here, in the test, and registered for its duration: the generic machinery (hook
 validation, conversion both ways, the parity harness with its localisation, the test strategies,
-the bench) picks it up with nothing else edited. docs/families.md walks through the
-same steps for a real family; the fixture stands in its modules (reference, converters, cases)."""
+the bench, ``--impl megatron``) picks it up with nothing else edited. docs/families.md walks
+through the same steps for a real family; the fixture stands in its modules (reference,
+converters, cases).
+
+The toy has no Megatron class (Megatron has none for a stack of bare MLP blocks) and its record
+says so; a second throwaway tower, on CLIP's architecture, declares stock ``CLIPViTModel`` in its
+own cases module, and ``check --impl megatron`` and ``verify --load`` take it from there."""
 
 from __future__ import annotations
 
@@ -15,10 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmparity import families
-from mmparity.cases.core import Case, FamilyHooks, Pair, Side, tokens_2d
+from mmparity.cases import clip as clip_cases
+from mmparity.cases import megatron as megatron_side
+from mmparity.cases.core import Case, FamilyHooks, NoMegatron, NoMegatronClass, Pair, Side, tokens_2d
+from mmparity.cli.main import main
 from mmparity.converters.ops import fuse_gate_up
 from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
 from mmparity.parity import bench, harness
+from mmparity.parity.metrics import FP32_REL_L2
+from mmparity.upstream import models as upstream
 from tests.strategies import config_and_tp, family_configs
 
 
@@ -137,7 +147,10 @@ def hooks(towers) -> FamilyHooks:
         build_native=lambda cfg, params_dtype=torch.float32: NativeToy(cfg).to(params_dtype),
         converter=SPEC, cases=cases,
         reference=Side(run, reference_pairs, no_component), native=Side(run, native_pairs, no_component),
-        random_config=random_config, image_size_multiple=lambda cfg: 1)
+        random_config=random_config, image_size_multiple=lambda cfg: 1, megatron=NO_MEGATRON)
+
+
+NO_MEGATRON = NoMegatron("Megatron has no class for a stack of bare gated MLP blocks (a test toy)")
 
 
 def family_config(cfg):
@@ -219,7 +232,16 @@ def test_a_missing_required_hook_fails_naming_the_family(monkeypatch):
         del fields["cases"]
         return FamilyHooks(**fields)
 
-    for name, make in (("toy_bad", incomplete), ("toy_missing", missing)):
+    def silent_on_megatron(towers):  # neither a Megatron class nor the reason it has none
+        fields = dict(hooks(towers).__dict__)
+        del fields["megatron"]
+        return FamilyHooks(**fields)
+
+    def empty_megatron(towers):
+        return FamilyHooks(**{**hooks(towers).__dict__, "megatron": {}})
+
+    for name, make in (("toy_bad", incomplete), ("toy_missing", missing), ("toy_silent", silent_on_megatron),
+                       ("toy_empty", empty_megatron)):
         module = types.ModuleType(f"mmparity.cases.{name}")
         module.hooks = make
         monkeypatch.setitem(sys.modules, f"mmparity.cases.{name}", module)
@@ -227,3 +249,75 @@ def test_a_missing_required_hook_fails_naming_the_family(monkeypatch):
         with pytest.raises(families.FamilyError, match=name):
             families.get(name).hooks
 
+
+
+def test_no_megatron_class_is_reported_with_the_records_reason(toy, capsys):
+    with pytest.raises(NoMegatronClass, match="bare gated MLP blocks"):
+        toy.megatron_class()
+    with pytest.raises(harness.InputError, match="family 'toy' has no Megatron class: Megatron has no class"):
+        harness.check("toy", impl="megatron")
+    capsys.readouterr()
+    assert main(["check", "toy", "--impl", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert "toy" in err and "bare gated MLP blocks" in err and "Traceback" not in err
+    with pytest.raises(TypeError, match="reason"):
+        NoMegatron(" ")
+
+
+# --- a throwaway tower with a Megatron class ------------------------------------------------------
+# A tower on CLIP's architecture (as another release of it would be): CLIP's reference, native and
+# converter modules under a new name, and its own cases module, whose record names stock
+# CLIPViTModel. Nothing else knows the name.
+
+def clip_like_hooks(towers) -> FamilyHooks:
+    megatron = {"CLIPViTModel": megatron_side.MegatronClass(
+        upstream.build_clip, megatron_side.configured_size(lambda cfg: cfg), clip_cases.megatron_run,
+        clip_cases.megatron_pairs)}
+    return FamilyHooks(**{**clip_cases.hooks(towers).__dict__, "megatron": megatron, "llava_tower": None})
+
+
+@pytest.fixture
+def clip_like(monkeypatch):
+    from mmparity.converters import clip as clip_converter
+    from mmparity.reference import clip as clip_reference
+
+    for layer, module in (("reference", clip_reference), ("converters", clip_converter)):
+        monkeypatch.setitem(sys.modules, f"mmparity.{layer}.toy_clip", module)
+    cases_module = types.ModuleType("mmparity.cases.toy_clip")
+    cases_module.hooks = clip_like_hooks
+    monkeypatch.setitem(sys.modules, cases_module.__name__, cases_module)
+    monkeypatch.setitem(families._REGISTRY, "toy_clip", families.Family(
+        name="toy_clip", summary="a throwaway tower on CLIP's architecture",
+        reference_classes=("CLIPVisionModel",)))
+    return families.get("toy_clip")
+
+
+def test_impl_megatron_takes_the_class_its_record_names(clip_like):
+    assert clip_like.megatron_class() == ("CLIPViTModel", clip_like.hooks.megatron["CLIPViTModel"])
+    report = harness.check("toy_clip", impl="megatron")
+    results = [r for r in report.results if r.impl == "megatron"]
+    assert report.passed and results and report.megatron["classes"] == {"toy_clip": "CLIPViTModel"}
+    assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results)
+
+    def corrupt(shard):  # negative control: located in Megatron's class
+        shard["decoder.layers.1.mlp.linear_fc1.weight"] = shard["decoder.layers.1.mlp.linear_fc1.weight"].flip(0)
+
+    failed = harness.check("toy_clip", impl="megatron", mutate_native=corrupt)
+    static = next(r for r in failed.results if r.check == "static:last_hidden_state")
+    assert not static.passed and static.first_divergence.module == "layer.1"
+
+
+def test_cli_check_and_verify_load_take_it(clip_like, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["check", "toy_clip", "--impl", "megatron", "--no-components"]) == 0, capsys.readouterr()
+    assert "CLIPViTModel" in capsys.readouterr().out
+    cfg = clip_like.tiny_config()
+    ref = clip_like.build_reference(cfg)
+    hf = tmp_path / "hf"
+    ref.save_pretrained(hf)
+    assert main(["convert", "--src", str(hf), "--dst", str(tmp_path / "mcore"), "--to", "mcore",
+                 "--family", "toy_clip"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    code = main(["verify", "--load", str(tmp_path / "mcore")])
+    out, err = capsys.readouterr()
+    assert code == 0 and "CLIPViTModel" in out, out + err

@@ -1,15 +1,18 @@
 """A language-model part and a whole VLM written here, in the test, and registered for its
 duration: one registry entry and its modules each, nothing else edited. The whole VLM composes a
 registered tower (CLIP) with the throwaway language model, and the generic machinery (conversion
-both ways, shapes without the model, detection, the parity harness with its localisation) takes
-it. tests/test_new_family.py does the same for a tower family; docs/families.md walks through
-all three.
+both ways, shapes without the model, detection, the parity harness with its localisation,
+``--impl megatron``) takes it. The language model names its Megatron class in its registry entry
+(a builder in its own native module: stock ``GPTModel``); the whole VLM lists its Megatron classes
+in its own cases module (stock ``LLaVAModel`` for the whole model, and the parts), and ``check
+--impl megatron`` runs both with nothing else edited. tests/test_new_family.py does the same for a
+tower family; docs/families.md walks through all three.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-
 import sys
 import types
 
@@ -24,10 +27,13 @@ from mmparity.converters import language as dense_rules
 from mmparity.converters.rules import LanguageKeys, with_side
 from mmparity.native import language as dense_native
 from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
+from mmparity.cli.main import main
 from mmparity.parity import harness
+from mmparity.parity.metrics import FP32_REL_L2
 from mmparity.reference import clip as clip_reference
 from mmparity.reference import language as dense_reference
 from mmparity.reference import llava as llava_reference
+from mmparity.upstream import models as upstream
 
 
 # --- the language model: an HF text model transformers builds inside a VLM from its config -------
@@ -62,11 +68,22 @@ def toy_builder(text, params_dtype=torch.float32):
     return dense_native.LanguageModelBuilder(text, params_dtype, config=toy_transformer_config(text, params_dtype))
 
 
+BUILT = []
+
+
+def toy_megatron_builder(cfg, params_dtype=torch.float32, divisible_by: int = 128, parallel_output: bool = True):
+    """Megatron's class for the toy decoder: stock GPTModel, as for any Llama-style decoder (the
+    call is recorded so the test sees its registry entry chose it)."""
+    BUILT.append(cfg.text_config.model_type)
+    return upstream.build_language_model(cfg, params_dtype, divisible_by, parallel_output)
+
+
 LANGUAGE_MODULES = {
     # Its own table: only the HF layout, the dense rules under its names.
     "converters": dict(SPEC=LanguageKeys(layouts=("hf",), rules=dense_rules.language_rules,
                                          tp_problems=dense_rules.tp_problems)),
-    "native": dict(transformer_config=toy_transformer_config, LanguageModelBuilder=toy_builder),
+    "native": dict(transformer_config=toy_transformer_config, LanguageModelBuilder=toy_builder,
+                   megatron_builder=toy_megatron_builder),
     "reference": dict(decoder_shapes=dense_reference.decoder_shapes),
 }
 
@@ -87,8 +104,14 @@ VLM_REFERENCE = dict(tiny_config=tiny_config, vision_config=llava_reference.visi
                      build=llava_reference.build, state_shapes=llava_reference.state_shapes)
 
 
+# Its Megatron classes: stock LLaVAModel holds a LLaVA on a CLIP tower whole (on the VLM's own tiny
+# config), and its parts each alone.
+VLM_MEGATRON = {"LLaVAModel": dataclasses.replace(llava_cases.LLAVA_MODEL, default_config=None),
+                **llava_cases.whole_vlm_parts(why="checked beside LLaVAModel, part by part")}
+
+
 def vlm_hooks(towers, languages):
-    return llava_cases.hooks(towers, languages, llava_cases.Composition(),
+    return llava_cases.hooks(towers, languages, llava_cases.Composition(megatron=VLM_MEGATRON),
                              sys.modules["mmparity.reference.toy_vlm"])
 
 
@@ -106,7 +129,7 @@ def parts(monkeypatch):
     # One registry entry each.
     monkeypatch.setitem(families._LANGUAGE_MODELS, "toy_decoder", families.LanguageModel(
         name="toy_decoder", summary="a throwaway decoder", text_model_types=("toy_decoder",),
-        module="toy_decoder"))
+        module="toy_decoder", megatron="mmparity.native.toy_decoder:megatron_builder"))
     monkeypatch.setitem(families._REGISTRY, "toy_vlm", families.Family(
         name="toy_vlm", summary="a throwaway whole VLM", reference_classes=("LlavaForConditionalGeneration",),
         composed=True, takes_whole=(
@@ -157,3 +180,39 @@ def test_parity_passes_and_a_fault_is_named_by_its_part(parts):
 
     report = harness.check("toy_vlm", seed=3, mutate_native=perturb, components=False)
     assert {r.first_divergence.module for r in report.failures()} == {"language_model.decoder.layers.1"}
+
+
+def _megatron_results(report):
+    return [r for r in report.results if r.impl == "megatron"]
+
+
+def test_impl_megatron_runs_its_whole_vlm_in_stock_llava_model(parts):
+    assert parts.megatron_class()[0] == "LLaVAModel"
+    report = harness.check("toy_vlm", seed=3, impl="megatron")
+    results = _megatron_results(report)
+    assert report.passed and results, [(r.check, r.metrics) for r in results]
+    assert report.megatron["classes"] == {"toy_vlm": "LLaVAModel"}
+    logits = next(r for r in results if r.check.endswith("logits"))
+    assert logits.metrics["rel_l2"] <= FP32_REL_L2
+
+
+def test_impl_megatron_runs_its_language_model_in_the_class_its_entry_names(parts):
+    BUILT.clear()
+    report = harness.check("toy_vlm", seed=3, impl="megatron", megatron_class="GPTModel")
+    assert report.passed and _megatron_results(report) and BUILT == ["toy_decoder"]
+
+    def perturb(state):
+        key = "language_model.decoder.layers.1.mlp.linear_fc2.weight"
+        state[key] = state[key].clone()
+        state[key][0, 0] += 0.5
+
+    failed = harness.check("toy_vlm", seed=3, impl="megatron", megatron_class="GPTModel", mutate_native=perturb)
+    assert {r.first_divergence.module for r in _megatron_results(failed) if not r.passed} == \
+        {"language_model.decoder.layers.1"}
+
+
+def test_cli_check_impl_megatron_takes_it(parts, capsys):
+    capsys.readouterr()
+    code = main(["check", "toy_vlm", "--impl", "megatron", "--megatron-class", "MultimodalProjector"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "MultimodalProjector" in out, out + err

@@ -3,8 +3,10 @@
 Three kinds of test:
 
 * always run (no Megatron-LM needed): the recorded layouts in ``tests/data/megatron_layout``
-  against what the converter writes, for all seven families, what it keeps aside, and its exact
-  way back to HF; the stand-ins' parameter names and functions;
+  against what the converter writes, for every registered family whose default Megatron class
+  holds the whole model (read off the registry: a new such family without a recorded layout or
+  pinned side tensors fails here), what it keeps aside, and its exact way back to HF; the
+  stand-ins' parameter names and functions;
 * stock classes of the installed megatron-core (``CLIPViTModel``, ``LLaVAModel``,
   ``MultimodalProjector``, ``GPTModel``): their layout against the recorded one at TP 1 and 2,
   strict loads and parity with HF at TP 1 and 2;
@@ -30,13 +32,22 @@ from megatron.core.transformer.enums import AttnMaskType
 from mmparity import families, runtime
 from mmparity.parity.metrics import compare
 from mmparity.cases.llava import expected_loss_mask
-from mmparity.hfconfig import padded_vocab_size
+from mmparity.hfconfig import PIXTRAL_NORM_EPS, padded_vocab_size
 from mmparity.upstream import layout, models, te_stand_ins
 from tests import megatron_interop as mi
 
 LAYOUT_DIR = Path(__file__).parent / "data" / "megatron_layout"
-ALL_FAMILIES = ("clip", "siglip", "llava", "pixtral", "pixtral_large", "qwen3_5", "kimi_k25")
-HAVE_MAIN = models.available("pixtral")
+# Every family whose default Megatron class holds its whole mcore state dict, from the registry.
+ALL_FAMILIES = tuple(mi.whole_class_families())
+
+
+def _needs_main(family: str) -> bool:
+    return getattr(mi.megatron_class(family).build, "needs_vit_model", False)
+
+
+STOCK_FAMILIES = [f for f in ALL_FAMILIES if not _needs_main(f)]
+MAIN_FAMILIES = [f for f in ALL_FAMILIES if _needs_main(f)]
+HAVE_MAIN = models.available()
 needs_main = pytest.mark.skipif(not HAVE_MAIN, reason=models.INSTALL_HINT)
 # What Megatron must reach where its code computes HF's function: the project's fp32 policy.
 TOL = mi.TOLERANCE
@@ -46,8 +57,7 @@ def recorded(family: str) -> dict:
     return json.loads((LAYOUT_DIR / f"{family}.json").read_text())
 
 
-def config_for(family: str):
-    return mi.llava_clip_config() if family == "llava" else families.get(family).tiny_config()
+config_for = mi.layout_config
 
 
 def converted(family: str, tp: int, seed: int = 0):
@@ -103,12 +113,22 @@ EXPECTED_SIDE = {
     "qwen3_5": set(),
     # Kimi's projector norm is written in Megatron's fused-norm place, tiled (exactly invertible).
     "kimi_k25": set(),
+    # The CLIP tower's layer past vision_feature_layer (Megatron builds the tower that deep) and
+    # ln_post; test_llava_keeps_aside_what_megatron_has_no_place_for says more.
+    "llava": {f"vision_model.decoder.layers.1.{k}" for k in (
+        "mlp.linear_fc1.bias", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.layer_norm_weight",
+        "mlp.linear_fc1.weight", "mlp.linear_fc2.bias", "mlp.linear_fc2.weight",
+        "self_attention.linear_proj.bias", "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.bias", "self_attention.linear_qkv.layer_norm_bias",
+        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight")}
+    | {"vision_model.ln_post.weight", "vision_model.ln_post.bias"},
 }
 
 
-@pytest.mark.parametrize("family", sorted(EXPECTED_SIDE))
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_side_tensors_are_pinned(family, tp):
+    assert family in EXPECTED_SIDE, f"pin in EXPECTED_SIDE what {family}'s Megatron class has no place for"
     _, shards = converted(family, tp)
     assert all(set(side) == EXPECTED_SIDE[family] for side in shards.side)
     assert all(not set(shard) & EXPECTED_SIDE[family] for shard in shards)
@@ -270,15 +290,16 @@ def test_stand_in_attention_packed_gqa_causal():
 @pytest.mark.skipif(HAVE_MAIN, reason="Megatron-LM main is importable here")
 def test_missing_megatron_lm_names_what_to_install():
     with pytest.raises(models.UpstreamUnavailable, match="Megatron-LM.*PYTHONPATH.*triton"):
-        models.build("pixtral", families.get("pixtral").tiny_config())
+        models.build(mi.megatron_class("pixtral").build, families.get("pixtral").tiny_config())
 
 
 # --- stock classes of the installed megatron-core ----------------------------------------------
 
-@pytest.mark.parametrize("family", ["clip", "siglip", "llava"])
+@pytest.mark.parametrize("family", STOCK_FAMILIES)
 def test_stock_layout_matches_recorded(family):
     """A layout change in the installed megatron-core's classes fails here, listing every key."""
-    assert layout.differences(recorded(family), layout.measure(family, config_for(family))) == []
+    measured = layout.measure(family, mi.megatron_class(family).build, config_for(family))
+    assert layout.differences(recorded(family), measured) == []
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip"])
@@ -308,7 +329,7 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
     runtime.init_parallel(1, 1)
     ref = mi.hf_model("llava", cfg, 0)
     shards, _ = mi.megatron_state("llava", cfg, ref.state_dict(), 1)
-    model = models.build("llava", cfg, parallel_output=False)
+    model = models.build(models.build_llava, cfg, parallel_output=False)
     mi.load_strict(model, shards[0])
     case = mi.family_cases("llava", cfg, 0)[0]
     mine = mi.megatron_outputs("llava", model, case, cfg)
@@ -330,9 +351,10 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
 # --- Megatron-LM main's vit_model classes -------------------------------------------------------
 
 @needs_main
-@pytest.mark.parametrize("family", ["pixtral", "pixtral_large", "qwen3_5", "kimi_k25"])
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
 def test_main_layout_matches_recorded(family):
-    assert layout.differences(recorded(family), layout.measure(family, config_for(family))) == []
+    measured = layout.measure(family, mi.megatron_class(family).build, config_for(family))
+    assert layout.differences(recorded(family), measured) == []
 
 
 @needs_main
@@ -368,7 +390,7 @@ def test_pixtral_large_merger_norm_takes_the_vision_epsilon(tp):
         first = mi.first_divergence(study.modules)
         assert first["module"] == "merger_norm", study.modules
     cfg = families.get("pixtral_large").tiny_config()
-    cfg.text_config.rms_norm_eps = models.PIXTRAL_NORM_EPS
+    cfg.text_config.rms_norm_eps = PIXTRAL_NORM_EPS
     control = mi.study("pixtral_large", cfg, tp=tp, modules=False)
     assert all(m["rel_l2"] <= TOL for m in control.outputs.values()), control.outputs
 
@@ -420,4 +442,4 @@ def test_main_llava_cannot_build_a_vit_model_tower():
     pixtral-vit-large, qwen-vl and kimi-vit to vit_model, then asks clip_vit_model's
     get_num_image_embeddings for the tower's token count, which knows none of them."""
     with pytest.raises(NotImplementedError, match="unknown vision model type pixtral-vit"):
-        models.build("llava", families.get("llava").tiny_config())
+        models.build(models.build_llava, families.get("llava").tiny_config())

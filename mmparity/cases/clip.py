@@ -10,6 +10,7 @@ import torch
 from transformers import CLIPVisionConfig
 
 from mmparity.cases import inputs
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
                                  first_tensor, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.converters import clip as converter
@@ -17,6 +18,7 @@ from mmparity.native import clip as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.reference import clip as reference
 from mmparity.reference.clip import CLASS_TOKEN_LEN, OUTPUTS, patch_size
+from mmparity.upstream import models as upstream
 
 COMPONENTS = ("patch_embed", "pos_embed")
 
@@ -201,10 +203,61 @@ PUBLISHED = Published(
            (224, 168)), mixed_images=64)
 
 
+# --- Megatron's own classes (check --impl megatron, verify --load) --------------------------------
+
+def image_groups(case: Case) -> list:
+    """The case's images as stock ``CLIPViTModel`` takes them: one batch per call HF makes."""
+    images = case.data["images"]
+    return [[img] for img in images] if case.data.get("per_image") else [images]
+
+
+def megatron_run(model, case: Case, cfg) -> dict:
+    return {"last_hidden_state": torch.cat([upstream.run_clip(model, g).tokens for g in image_groups(case)])}
+
+
+def megatron_run_as_vit(model, case: Case, cfg) -> dict:
+    return {"last_hidden_state": torch.cat([upstream.run_vit(model, g).tokens for g in image_groups(case)])}
+
+
+def megatron_pairs(model, cfg) -> list[Pair]:
+    """Stock ``CLIPViTModel``'s modules (SigLIP's too) under the reference's pair names."""
+    out = [Pair("patch_embed", model.conv1, conv_tokens)]
+    if model.ln_pre is not None:
+        out.append(Pair("ln_pre", model.ln_pre, tokens_2d))
+    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+    if model.ln_post is not None:
+        out.append(Pair("ln_post", model.ln_post, tokens_2d))
+    return out
+
+
+def patch_rows_of_reference_ln_pre(pairs: list, cfg) -> list:
+    """``ViTModel``'s CLIP mode normalises the patch rows alone: HF CLIP's ``ln_pre`` output
+    (class token first) is cut to its patch rows to be set against it."""
+    tokens = (cfg.image_size // cfg.patch_size) ** 2
+
+    def patch_rows_only(pair):
+        def extract(output, case):
+            t = pair.extract(output, case)
+            return t.view(-1, 1 + tokens, t.shape[-1])[:, 1:].reshape(-1, t.shape[-1])
+        return Pair(pair.name, pair.module, extract)
+
+    return [patch_rows_only(p) if p.name == "ln_pre" else p for p in pairs]
+
+
+MEGATRON = {
+    "CLIPViTModel": megatron_side.MegatronClass(upstream.build_clip, megatron_side.configured_size(lambda cfg: cfg),
+                                                megatron_run, megatron_pairs),
+    "ViTModel": megatron_side.MegatronClass(upstream.build_clip_as_vit, megatron_side.configured_size(lambda cfg: cfg),
+                                            megatron_run_as_vit, lambda model, cfg: megatron_side.vit_pairs(model),
+                                            reference_pairs=patch_rows_of_reference_ln_pre,
+                                            renamed=(("conv1.weight", "patch_embed.proj.weight"),)),
+}
+
+
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
-                        flop_shape=flop_shape, published=PUBLISHED,
+                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
+                        prepare_case=prepare_case, flop_shape=flop_shape, published=PUBLISHED,
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type,
                                                class_token_len=CLASS_TOKEN_LEN,
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))

@@ -7,7 +7,7 @@ Framework-free: plain tensors, dataclasses and callables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from mmparity.converters.rules import ConverterSpec
 
@@ -151,6 +151,107 @@ class LlavaTower:
     v4_checkpoint_root: str = ""
 
 
+def keep_reference_pairs(pairs: list, cfg) -> list:
+    return pairs
+
+
+def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int) -> dict:
+    return outputs
+
+
+@dataclass(frozen=True)
+class MegatronClass:
+    """One Megatron class a family's converted weights load into (``check --impl megatron``,
+    ``verify --load``); a family lists its own in its hooks' ``megatron``.
+
+    ``build(cfg, params_dtype, **options)``: the builder of :mod:`mmparity.upstream.models` (a
+    builder marked ``needs_vit_model`` needs Megatron-LM main);
+    ``cases(hooks, cfg, seed, image_sizes)``: the family's cases it accepts;
+    ``run(model, case, cfg)``: its outputs under the HF output names (an HF output it has no
+    counterpart for is absent); ``pairs(model, cfg)``: its submodules named as the reference's pairs;
+    ``reference_pairs(pairs, cfg)``: the reference's pairs as set against this class;
+    ``reference_outputs(outputs, case, cfg, tp)``: the reference's outputs as this class computes
+    them by design (``note`` says how, in each result's description);
+    ``module_cases``: the cases whose per-module outputs are compared (Megatron's packed paths call
+    some modules once per image, where HF calls them once);
+    ``default_config``: the config ``check`` uses (and the recorded layout is measured on) when none
+    is given, where the family's tiny one has no Megatron class; ``renamed``: ``(mcore key, this
+    class's key)`` pairs where a class other than the family's default spells a tensor differently
+    (the converter writes the default's);
+    ``pipelined``: Megatron builds the class in pipeline stages (``LLaVAModel``'s language model),
+    so a PP > 1 checkpoint loads into it stage by stage; a class that is not is built whole on the
+    first stage; ``stage_module(model)``: where ``check --pp`` runs the class in stages, the
+    module whose input comes from the previous stage (None: not run in stages);
+    ``holds``: the prefixes of the family's mcore keys the class holds (empty: all of them), and
+    ``root`` the prefix its own keys sit under there (``language_model.`` for ``GPTModel``);
+    ``reference_run(model, case, cfg)``: the HF model's run for a class that holds a part, in place
+    of the family's whole run; ``why_part``: why the family's whole model has no Megatron class
+    here (shown wherever the part is checked or loaded); ``unwritten_extra_state``: modules (by the
+    last parts of their names) of the class whose TE ``_extra_state`` slot mmparity's converter
+    does not write yet: ``verify --load`` fills exactly those with the empty slot the writer writes
+    for every other TE module (``None``) and says how many it filled."""
+
+    build: Callable
+    cases: Callable
+    run: Callable
+    pairs: Callable
+    reference_pairs: Callable = keep_reference_pairs
+    reference_outputs: Callable = keep_reference_outputs
+    note: str = ""
+    module_cases: tuple = ("static",)
+    default_config: Optional[Callable[[], object]] = None
+    renamed: tuple = ()
+    pipelined: bool = False
+    stage_module: Optional[Callable] = None
+    holds: tuple = ()
+    root: str = ""
+    reference_run: Optional[Callable] = None
+    why_part: str = ""
+    unwritten_extra_state: tuple = ()
+
+    def holds_key(self, key: str) -> bool:
+        return not self.holds or key.startswith(self.holds)
+
+    def overlaps(self, prefixes: tuple) -> bool:
+        """Whether this class holds any key under ``prefixes`` (empty: everything)."""
+        if not self.holds or not prefixes:
+            return True
+        return any(a.startswith(b) or b.startswith(a) for a in self.holds for b in prefixes)
+
+    def state(self, mcore_state: Mapping) -> dict:
+        """The keys of the family's mcore state dict this class holds, as it names them."""
+        names = dict(self.renamed)
+        return {names.get(key[len(self.root):], key[len(self.root):]): value
+                for key, value in mcore_state.items() if self.holds_key(key)}
+
+    @property
+    def notes(self) -> str:
+        return "; ".join(n for n in (self.note, self.why_part) if n)
+
+
+@dataclass(frozen=True)
+class NoMegatron:
+    """A family's record where Megatron has no class its weights load into: ``because`` says why
+    (``check --impl megatron`` and ``verify --load`` report it)."""
+
+    because: str
+
+    def __post_init__(self):
+        if not self.because.strip():
+            raise TypeError("NoMegatron needs the reason the family has no Megatron class")
+
+
+# A family's Megatron classes by name (the first is the default), or why it has none.
+MegatronClasses = Union[Mapping[str, MegatronClass], NoMegatron]
+
+
+class NoMegatronClass(KeyError):
+    """The family (or the class asked for) has no Megatron class."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 # ``pick(options)`` returns one of ``options``; a family's ``random_config(pick)`` builds a config
 # from such choices, so tests can drive it with hypothesis and the library needs none.
 Pick = Callable[[Sequence], Any]
@@ -169,6 +270,8 @@ class FamilyHooks:
     reference: Side
     native: Side
     random_config: Callable[[Pick], Any]
+    # Megatron's own classes the converted weights load into, or NoMegatron saying why none.
+    megatron: MegatronClasses
 
     components: tuple = ()
     # Components the native side computes on the last pipeline stage (the rest on the first).
@@ -195,12 +298,30 @@ class FamilyHooks:
                 ok = value is None or isinstance(value, Published)
             elif f.name == "llava_tower":
                 ok = value is None or isinstance(value, LlavaTower)
+            elif f.name == "megatron":
+                ok = isinstance(value, NoMegatron) or (
+                    isinstance(value, Mapping) and len(value) > 0
+                    and all(isinstance(k, str) and isinstance(v, MegatronClass) for k, v in value.items()))
             elif f.name in ("components", "last_stage_components"):
                 ok = isinstance(value, tuple) and all(isinstance(n, str) for n in value)
             else:
                 ok = callable(value) or (value is None and f.default is None)
             if not ok:
                 raise TypeError(f"family {family!r}: hook {f.name!r} is {value!r}, which does not fit")
+
+
+def megatron_class(hooks: FamilyHooks, family: str, name: Optional[str] = None) -> tuple[str, MegatronClass]:
+    """``(class name, record)`` of ``family``'s Megatron class ``name`` (None: its default, the
+    first); :class:`NoMegatronClass` saying why when it has none or not that one."""
+    options = hooks.megatron
+    if isinstance(options, NoMegatron):
+        raise NoMegatronClass(f"family {family!r} has no Megatron class: {options.because}")
+    if name is None:
+        name = next(iter(options))
+    if name not in options:
+        raise NoMegatronClass(f"family {family!r}: no Megatron class {name!r}; choose one of "
+                              f"{', '.join(options)}")
+    return name, options[name]
 
 
 def module_hooks(reference_module, native_module, converter: ConverterSpec, /, **hooks) -> FamilyHooks:

@@ -14,6 +14,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
 from mmparity.cases import inputs
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks,
                                  recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.converters import kimi_k25 as converter
@@ -26,6 +27,7 @@ from mmparity.native.core.layers import numbered_layers
 from mmparity.native.kimi_k25 import KimiViTWithProjector, tower
 from mmparity.reference import kimi_k25 as reference
 from mmparity.reference.kimi_k25 import CHANNELS, KimiK25VisionReference, patch_size, vision_tower
+from mmparity.upstream import models as upstream
 
 COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "merger")
 
@@ -319,7 +321,43 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
     return replace(base, merger=((wide, wide), (wide, cfg.text_config.hidden_size)))
 
 
+# --- Megatron's own class: Megatron-LM main's KimiViTModel (+ the closest projector) ---------------
+
+def megatron_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
+    """Every case but the clip: ``KimiViTModel`` has no temporal axis."""
+    return [c for c in hooks.cases(cfg, seed, image_sizes) if c.name != "video"]
+
+
+def megatron_run(model, case: Case, cfg) -> dict:
+    tower, projection = upstream.kimi_parts(model)
+    if case.name == "projector":
+        return {"image_embeds": projection(case.data["features"])}
+    seen = {}
+    handle = tower.final_ln.register_forward_hook(lambda module, args, out: seen.setdefault("x", out))
+    try:
+        merged, projected = upstream.run_kimi(model, case.data["images"])
+    finally:
+        handle.remove()
+    out = {"pooler_output": merged, "last_hidden_state": seen["x"].reshape(-1, merged.shape[-1] // 4)}
+    if projected is not None:
+        out["image_embeds"] = projected
+    return out
+
+
+def megatron_pairs(model, cfg) -> list[Pair]:
+    tower, projection = upstream.kimi_parts(model)
+    out = [Pair("patch_embed", tower.patch_embed, tokens_2d)] + megatron_side.layer_pairs(tower)
+    out.append(Pair("final_layernorm", tower.final_ln, tokens_2d))
+    if projection is not None:
+        out.append(Pair("projector", projection, tokens_2d))
+    return out
+
+
+MEGATRON = {"KimiViTModel+MultimodalProjector": megatron_side.MegatronClass(
+    upstream.build_kimi_k25, megatron_cases, megatron_run, megatron_pairs)}
+
+
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=prepare_case,
                         image_size_multiple=image_size_multiple, flop_shape=flop_shape, published=PUBLISHED)

@@ -11,12 +11,14 @@ fraction of tokens whose top-k expert set is HF's, and whether a different set i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from mmparity.cases import inputs
+from mmparity.cases import inputs, llava
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases import kimi_k25 as tower_cases
 from mmparity.cases.core import (Case, FamilyHooks, Pair, Side, first_tensor, routing_tensor, sbh_tokens_2d,
                                  tokens_2d)
@@ -25,6 +27,7 @@ from mmparity.hfconfig import moe_layer_range, tied_embeddings
 from mmparity.native import kimi_k25_vl as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.reference import kimi_k25_vl as reference
+from mmparity.upstream import models as upstream
 
 OUTPUTS = ("logits", "token_loss")
 CHANNELS = 3
@@ -213,6 +216,41 @@ def image_size_problems(cfg, sizes) -> list[str]:
     return []
 
 
+# --- Megatron's own classes: its DeepSeek-V3 language model in stock GPTModel, its vision part in
+# the kimi_k25 family's class -----------------------------------------------------------------------
+
+MOE_LANGUAGE_MODEL = replace(
+    llava.LANGUAGE_MODEL, why_part=llava.WHY_PARTS,
+    note=f"the DeepSeek-V3 language model part (language_model.*) on text-only ids, stock GPTModel on "
+         f"mcore's TE block spec for MLA + MoE (grouped-GEMM experts); {llava.PADDED_LOSS_NOTE}",
+    unwritten_extra_state=())
+
+
+def megatron_vision_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
+    """The kimi_k25 family's tower-and-projector cases on the whole model's config (its tower and
+    projector are that family's), clips aside as for that family's class."""
+    return [c for c in tower_cases.cases(cfg, seed, image_sizes) if c.name != "video"]
+
+
+def megatron_reference_vision(model, case: Case, cfg) -> dict:
+    """HF's whole model's ``vision_tower`` and ``mm_projector``, run as the kimi_k25 family runs
+    its reference (the same modules, seen through that family's reference wrapper)."""
+    from mmparity.reference.kimi_k25 import KimiK25VisionReference
+
+    view = KimiK25VisionReference(cfg)
+    view.vision_tower, view.mm_projector = model.model.vision_tower, model.model.mm_projector
+    return tower_cases.REFERENCE.run(view, case)
+
+
+KIMI_VISION = megatron_side.MegatronClass(
+    upstream.build_kimi_k25, megatron_vision_cases, tower_cases.megatron_run, tower_cases.megatron_pairs,
+    module_cases=(), reference_run=megatron_reference_vision,
+    note="the vision part (vision_model.*, vision_projection.*): the kimi_k25 family's class, on "
+         "that family's cases",
+    holds=("vision_model.", "vision_projection."), why_part=llava.WHY_PARTS)
+MEGATRON = {"GPTModel": MOE_LANGUAGE_MODEL, "KimiViTModel+MultimodalProjector": KIMI_VISION}
+
+
 def hooks(towers, languages) -> FamilyHooks:
     def build_native(cfg, params_dtype=torch.float32):
         return native.build_native(cfg, params_dtype, language=languages(cfg).native)
@@ -222,6 +260,7 @@ def hooks(towers, languages) -> FamilyHooks:
         build_reference=reference.build, build_native=build_native, converter=converter.SPEC,
         cases=cases, reference=Side(reference_run, reference_pairs, no_component),
         native=Side(native_run, native_pairs, no_component), random_config=random_config,
+        megatron=llava.bind_language(MEGATRON, languages),
         prepare_case=tower_cases.prepare_case, image_size_multiple=tower_cases.image_size_multiple,
         image_size_problems=image_size_problems, pipeline_problems=pipeline_problems)
 

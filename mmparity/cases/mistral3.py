@@ -37,7 +37,14 @@ PUBLISHED = llava.published_pixtral_mistral(
     patch=14, image_size=1540, ffn=32768, positions=131072, projector_bias=False, batch=(2, (896, 896)))
 
 
+# LLaVAModel cannot hold it (a vit_model tower): the language model, the vision part (Pixtral
+# ViTModel with the merger) and the projector, each alone.
+MEGATRON = llava.whole_vlm_parts(llava.pixtral_vision_part(
+    "Megatron's merger norm takes the vision epsilon, HF the text rms_norm_eps (discrepancy 2)"))
+
+
 def hooks(towers: TowerLookup, languages) -> FamilyHooks:
     return llava.hooks(towers, languages, llava.Composition(llava.ROWS, build_tower=build_tower,
-                                                 random_config=random_config, published=PUBLISHED),
+                                                 random_config=random_config, published=PUBLISHED,
+                                                 megatron=MEGATRON),
                        reference)

@@ -10,6 +10,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from transformers import PixtralVisionConfig
 
 from mmparity.cases import inputs
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
                                  first_tensor, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.hfconfig import head_dim
@@ -19,6 +20,7 @@ from mmparity.native import pixtral as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.reference import pixtral as reference
 from mmparity.reference.pixtral import patch_size
+from mmparity.upstream import models as upstream
 
 COMPONENTS = ("rope2d", "patch_embed")
 
@@ -170,8 +172,17 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
     return replace(base, gated=True)
 
 
+def megatron_run(model, case: Case, cfg) -> dict:
+    return {"last_hidden_state": upstream.run_vit(model, case.data["images"]).tokens}
+
+
+# Megatron-LM main's ViTModel (rope2d, ln_pre) on every case, mixed sizes packed.
+MEGATRON = {"ViTModel": megatron_side.MegatronClass(upstream.build_pixtral, megatron_side.same_cases, megatron_run,
+                                                    lambda model, cfg: megatron_side.vit_pairs(model))}
+
+
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, components=COMPONENTS, prepare_case=prepare_case,
+                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED,
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True))

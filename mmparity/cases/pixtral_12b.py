@@ -29,6 +29,11 @@ PUBLISHED = llava.published_pixtral_mistral(
     patch=16, image_size=1024, ffn=14336, positions=1024000, projector_bias=True, batch=(2, (1024, 1024)))
 
 
+# LLaVAModel cannot hold it (a vit_model tower): the language model, the vision part (Pixtral
+# ViTModel) and the projector, each alone.
+MEGATRON = llava.whole_vlm_parts(llava.pixtral_vision_part())
+
+
 def hooks(towers: TowerLookup, languages) -> FamilyHooks:
     return llava.hooks(towers, languages, llava.Composition(llava.ROWS, random_config=random_config,
-                                                 published=PUBLISHED), reference)
+                                                 published=PUBLISHED, megatron=MEGATRON), reference)

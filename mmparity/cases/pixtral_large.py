@@ -9,12 +9,14 @@ import torch
 from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
 from mmparity.cases import inputs, pixtral
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, Pair, Side, TowerShape, module_hooks,
                                  recording_patch, tokens_2d)
 from mmparity.converters import pixtral_large as converter
 from mmparity.native import pixtral_large as native
 from mmparity.reference import pixtral_large as reference
 from mmparity.reference.pixtral_large import OUTPUTS, patch_size, vision_config
+from mmparity.upstream import models as upstream
 
 COMPONENTS = ("merger",)
 # Components whose module lives on the last pipeline stage (the others run on the first).
@@ -163,8 +165,37 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
                    merger=((base.hidden * m * m, base.hidden), (base.hidden, text), (text, text)))
 
 
+# --- Megatron's own class: ViTModel(use_merger=True) + MultimodalProjector ------------------------
+
+def megatron_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
+    """Even grids (4x6, 6x2 patches, which Megatron's merger takes) for the numbers, and odd ones
+    (5x7, 3x5: HF drops the last row / column, Megatron's merger raises) as ``odd_*`` cases."""
+    if image_sizes:
+        return hooks.cases(cfg, seed, image_sizes)
+    p = cfg.vision_config.patch_size
+    even = hooks.cases(cfg, seed, [(4 * p, 6 * p), (6 * p, 2 * p)])
+    odd = [replace(c, name=f"odd_{c.name}") for c in hooks.cases(cfg, seed, [(5 * p, 7 * p), (3 * p, 5 * p)])]
+    return even + odd
+
+
+def megatron_run(model, case: Case, cfg) -> dict:
+    merged, projected = megatron_side.tower_and_projection(model, case)
+    return {"merger": merged, "projector": projected}
+
+
+def megatron_pairs(model, cfg) -> list[Pair]:
+    tower = model.vision_model
+    return megatron_side.vit_pairs(tower) + [Pair("merger_norm", tower.merger.pre_norm, tokens_2d),
+                                             Pair("merger", tower.merger, tokens_2d),
+                                             Pair("projector", model.vision_projection, tokens_2d)]
+
+
+MEGATRON = {"ViTModel+MultimodalProjector": megatron_side.MegatronClass(
+    upstream.build_pixtral_large, megatron_cases, megatron_run, megatron_pairs)}
+
+
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, components=COMPONENTS,
+                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
                         last_stage_components=LAST_STAGE_COMPONENTS, prepare_case=prepare_case,
                         image_size_problems=image_size_problems, flop_shape=flop_shape)

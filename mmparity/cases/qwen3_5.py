@@ -17,6 +17,7 @@ from transformers.vision_utils import (get_vision_interpolation_indices_and_weig
                                        get_vision_position_ids)
 
 from mmparity.cases import inputs
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks,
                                  sbh_tokens_2d, tokens_2d)
 from mmparity.converters import qwen3_5 as converter
@@ -27,6 +28,7 @@ from mmparity.native.core.layers import numbered_layers
 from mmparity.native.qwen3_5 import block_first, block_first_ids
 from mmparity.reference import qwen3_5 as reference
 from mmparity.reference.qwen3_5 import OUTPUTS, table_side
+from mmparity.upstream import models as upstream
 
 COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "block_first", "merger")
 # Components whose module lives on the last pipeline stage (the others run on the first).
@@ -290,7 +292,29 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
     return replace(base, merge=m, merger=((wide, wide), (wide, vision.out_hidden_size)))
 
 
+# --- Megatron's own class: Megatron-LM main's QwenVLViTModel --------------------------------------
+
+def megatron_run(model, case: Case, cfg) -> dict:
+    rows, grid_thw = processor_rows(case, cfg)
+    grids = [(h, w) for _, h, w in grid_thw.tolist()]
+    if case.data["layout"] == "pixels":
+        tokens, merged = upstream.run_qwen(model, grids, pixels=torch.stack(case.data["images"]))
+    else:
+        tokens, merged = upstream.run_qwen(model, grids, rows=rows)
+    return {"last_hidden_state": tokens, "pooler_output": merged}
+
+
+def megatron_pairs(model, cfg) -> list[Pair]:
+    return megatron_side.layer_pairs(model) + [Pair("merger.norm", model.merger.patch_norm, tokens_2d),
+                                               Pair("merger.linear_fc1", model.merger.linear_fc1, tokens_2d),
+                                               Pair("merger.linear_fc2", model.merger.linear_fc2, tokens_2d)]
+
+
+MEGATRON = {"QwenVLViTModel": megatron_side.MegatronClass(upstream.build_qwen3_5, megatron_side.same_cases,
+                                                          megatron_run, megatron_pairs)}
+
+
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, components=COMPONENTS,
+                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
                         last_stage_components=LAST_STAGE_COMPONENTS, flop_shape=flop_shape, published=PUBLISHED)

@@ -9,6 +9,7 @@ import torch
 from transformers import SiglipVisionConfig
 
 from mmparity.cases import clip, inputs
+from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
                                  module_hooks, tokens_2d)
 from mmparity.converters import siglip as converter
@@ -16,6 +17,7 @@ from mmparity.hfconfig import vision_sub_config
 from mmparity.native import siglip as native
 from mmparity.reference import siglip as reference
 from mmparity.reference.siglip import vision_config
+from mmparity.upstream import models as upstream
 
 COMPONENTS = clip.COMPONENTS
 
@@ -75,9 +77,15 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
     return replace(base, head="attention_pool" if vision_sub_config(cfg).vision_use_head else None)
 
 
+# Stock CLIPViTModel as SigLIP (conv bias, ln_post on every token; the attention-pool head has no
+# place there and is kept aside by the converter).
+MEGATRON = {"CLIPViTModel": megatron_side.MegatronClass(
+    upstream.build_siglip, megatron_side.configured_size(lambda cfg: cfg), clip.megatron_run, clip.megatron_pairs)}
+
+
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=clip.NATIVE, cases=cases,
-                        random_config=random_config, components=COMPONENTS, prepare_case=clip.prepare_case,
+                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=clip.prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED,
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type,
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))

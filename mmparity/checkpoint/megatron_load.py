@@ -1,6 +1,6 @@
 """``verify --load``: does a checkpoint on disk load strictly into Megatron's own class?
 
-The class for the checkpoint's family (:mod:`mmparity.cases.megatron`) is built from the HF config
+The class for the checkpoint's family (the ``megatron`` record of its hooks) is built from the HF config
 the checkpoint keeps beside its weights, at the checkpoint's TP size, one process per TP rank
 (spawned, gloo). A legacy checkpoint: each rank's ``model`` state dict through
 ``load_state_dict(strict=True)``. torch_dist: ``dist_checkpointing.load`` against the class's whole
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,9 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from mmparity import errors, runtime
-from mmparity.cases.megatron import CLASSES, MegatronClass
-from mmparity.cases.megatron import megatron_class as megatron_class_for
+from mmparity import errors, families, runtime
+from mmparity.cases.megatron import MegatronClass
+from mmparity.families import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
@@ -62,7 +62,7 @@ class LoadPart:
     """One Megatron class of a load and the checkpoint keys it holds (all of them: ``holds`` empty)."""
 
     name: str
-    upstream: str
+    build: Callable  # the class's builder in mmparity.upstream.models
     holds: tuple = ()
     root: str = ""  # the prefix the class's own keys sit under in the checkpoint
     pipelined: bool = False  # built on every stage; otherwise whole, on the first stage
@@ -247,7 +247,7 @@ class Parts(torch.nn.Module):
 def _build(rank: int, job: LoadJob) -> tuple[torch.nn.Module, list]:
     """This rank's stage of the job's classes, and ``[(part, model)]`` of the parts built."""
     first = _own_ranks(rank, job)[1] == 0
-    built = [(part, models.build(part.upstream, job.cfg, **job.build_options))
+    built = [(part, models.build(part.build, job.cfg, **job.build_options))
              for part in job.parts if part.pipelined or first]
     if len(job.parts) == 1 and not job.parts[0].root:
         return built[0][1], built
@@ -370,7 +370,7 @@ def _all_ranks(value) -> list:
 
 
 def _part(name: str, record: MegatronClass) -> LoadPart:
-    return LoadPart(name, record.upstream, record.holds, record.root, record.pipelined,
+    return LoadPart(name, record.build, record.holds, record.root, record.pipelined,
                     record.unwritten_extra_state)
 
 
@@ -383,16 +383,16 @@ def plan_parts(family: str, megatron_class: Optional[str] = None) -> tuple[tuple
     only classes that cannot be imported hold is not loaded, with their reason. Raises
     :class:`~mmparity.upstream.models.UpstreamUnavailable` when the first class cannot be imported."""
     name, record = megatron_class_for(family, megatron_class)
-    models.require(record.upstream)
+    models.require(record.build)
     parts, taken, unavailable = [_part(name, record)], list(record.holds), []
     notes = [record.why_part] if record.why_part else []
     if megatron_class is not None and record.holds:
         return tuple(parts), (NotLoaded((), f"not asked for (--megatron-class {name})"),), tuple(notes)
-    for other_name, other in CLASSES[family].items():
+    for other_name, other in families.get(family).hooks.megatron.items():
         if other_name == name or not record.holds or other.overlaps(tuple(taken)):
             continue
         try:
-            models.require(other.upstream)
+            models.require(other.build)
         except models.UpstreamUnavailable as exc:
             unavailable.append((other_name, other, str(exc)))
             continue

@@ -55,11 +55,9 @@ from mmparity.native.core.layers import (NormedColumnParallelLinear, activation_
                                          vision_transformer_config)
 from mmparity.native.core.vit import (ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm,
                                       _cat_rope, _dynamic_patch_grid_lists, check_image_size)
-from mmparity.hfconfig import head_dim, rope_theta
+from mmparity.hfconfig import KIMI_VISION_NORM_EPS, head_dim, rope_theta
 from mmparity import runtime
-
-# HF builds every vision LayerNorm with a literal eps=1e-5 (no config field), as does the release.
-KIMI_NORM_EPS = 1e-5
+KIMI_NORM_EPS = KIMI_VISION_NORM_EPS
 
 Grid = Tuple[int, int]
 

@@ -10,10 +10,7 @@ import torch
 
 from mmparity.native.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.native.core.vit import ViTModel
-from mmparity.hfconfig import head_dim, rope_theta
-
-# HF's PixtralRMSNorm instances are built with a literal 1e-5, not a config field.
-PIXTRAL_NORM_EPS = 1e-5
+from mmparity.hfconfig import PIXTRAL_NORM_EPS, head_dim, rope_theta
 
 
 def _image_hw(cfg) -> tuple[int, int]:

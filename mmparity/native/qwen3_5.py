@@ -41,11 +41,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mmparity.native.core.layers import (activation_from_hf, tolerate_missing_extra_state,
                                          vision_layer_spec, vision_transformer_config)
 from mmparity.native.core.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
-from mmparity.hfconfig import head_dim, rope_theta
+from mmparity.hfconfig import QWEN_VISION_NORM_EPS, head_dim, rope_theta
 from mmparity import runtime
-
-# HF builds every LayerNorm of this tower with a literal eps, not a config field.
-QWEN_NORM_EPS = 1e-6
+QWEN_NORM_EPS = QWEN_VISION_NORM_EPS
 
 Grid = Tuple[int, int]
 GridArg = Union[int, Sequence[int]]

@@ -159,7 +159,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     mclass_name, mclass = None, None
     if runs_megatron:
         try:
-            mclass_name, mclass = megatron_cases.megatron_class(family, megatron_class)
+            mclass_name, mclass = families.megatron_class(family, megatron_class)
         except megatron_cases.NoMegatronClass as exc:
             raise InputError(str(exc)) from None
         if pp != 1 and mclass.stage_module is None:
@@ -169,7 +169,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             raise InputError(f"{family}: --impl both sets the whole model beside the native one; "
                              f"Megatron's {mclass_name} holds only {', '.join(p + '*' for p in mclass.holds)}"
                              f"{f' ({mclass.why_part})' if mclass.why_part else ''}: use --impl megatron")
-        models.require(mclass.upstream)
+        models.require(mclass.build)
         if cfg is None and mclass.default_config is not None:
             cfg = mclass.default_config()
     cfg = cfg if cfg is not None else fam.tiny_config()
@@ -226,7 +226,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if runs_megatron:
         report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
                            "classes": {fam.name: mclass_name}}
-        notes = megatron_cases.class_notes(family, mclass_name)
+        notes = megatron_cases.class_notes(hooks.megatron, mclass_name)
         if notes:
             report.megatron["notes"] = {fam.name: notes}
     ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
@@ -287,9 +287,9 @@ class MegatronJob:
         with exact_float32(self.device, DTYPES[self.dtype]):
             if layout is not None:
                 runtime.init_parallel(*layout, device=self.device, layer_counts=self.layer_counts)
-            _name, mclass = megatron_cases.megatron_class(self.family, self.class_name)
+            _name, mclass = families.megatron_class(self.family, self.class_name)
             torch_dtype = DTYPES[self.dtype]
-            model = models.build(mclass.upstream, self.cfg, torch_dtype)
+            model = models.build(mclass.build, self.cfg, torch_dtype)
             shards = stage_shards[runtime.pipeline_rank()]
             state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
             models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v

@@ -9,7 +9,7 @@ as a failing test that lists every key that moved.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -28,9 +28,9 @@ def state_shapes(model: torch.nn.Module) -> tuple[dict, list]:
     return tensors, sorted(extra)
 
 
-def _build_shapes(family: str, cfg, options: dict) -> dict:
+def _build_shapes(build: Callable, cfg, options: dict) -> dict:
     with torch.device("cpu"):
-        model = models.build(family, cfg, **options)
+        model = models.build(build, cfg, **options)
     tensors, extra = state_shapes(model)
     return {"class": _describe(model), "tensors": tensors, "extra_state": extra}
 
@@ -48,24 +48,25 @@ def _describe(model) -> str:
     return _qualified(model)
 
 
-def _rank_shapes(rank: int, world: int, family: str, cfg, options: dict) -> dict:
+def _rank_shapes(rank: int, world: int, build: Callable, cfg, options: dict) -> dict:
     runtime.init_parallel(world, 1)
     try:
-        return _build_shapes(family, cfg, options)
+        return _build_shapes(build, cfg, options)
     finally:
         runtime.teardown_parallel()
 
 
-def measure(family: str, cfg, tp_sizes: Sequence[int] = (1, 2), **options) -> dict:
-    """Per TP size, every rank's shapes -> one record per key (see the module docstring)."""
+def measure(family: str, build: Callable, cfg, tp_sizes: Sequence[int] = (1, 2), **options) -> dict:
+    """Per TP size, every rank's shapes of the class ``build`` makes (``family``'s Megatron class,
+    a builder of :mod:`mmparity.upstream.models`) -> one record per key (see the module docstring)."""
     per_tp = {}
     for tp in tp_sizes:
         if tp == 1:
             if runtime.current_layout() is None:
                 runtime.init_parallel(1, 1)
-            per_tp[tp] = [_build_shapes(family, cfg, options)]
+            per_tp[tp] = [_build_shapes(build, cfg, options)]
         else:
-            per_tp[tp] = runtime.spawn(_rank_shapes, tp, family, cfg, options)
+            per_tp[tp] = runtime.spawn(_rank_shapes, tp, build, cfg, options)
     base = per_tp[tp_sizes[0]][0]
     record = {"family": family, "class": base["class"], "extra_state": base["extra_state"],
               "tp_sizes": list(tp_sizes), "tensors": {}}

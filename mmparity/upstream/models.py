@@ -1,32 +1,37 @@
-"""Megatron's own class for each family, built from the family's HF config, and its forward.
+"""Builders of Megatron's own classes from HF configs, and their forward.
 
-The HF config is the only source of shapes and hyper-parameters (read duck-typed: this layer never
-imports transformers). Each builder makes the class a Megatron-LM user trains with:
+The HF config is the only source of shapes and hyper-parameters (read duck-typed through
+:mod:`mmparity.hfconfig`: this layer never imports transformers). Each builder makes the class a
+Megatron-LM user trains with. They are plain functions: which family loads into which is said by
+the family itself (its hooks' ``megatron`` record, in ``mmparity.cases.<name>``), not here.
 
-==============  ===============================================================================
-family          Megatron class (module tree)
-==============  ===============================================================================
-clip            stock ``CLIPViTModel`` (``model_subtype='clip'``)
-siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
-llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
-                ``MultimodalProjector``, ``language_model`` ``GPTModel``)
-language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
-moe_language_   a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock ``GPTModel`` on
-model           mcore's TE block spec for MLA + MoE (grouped-GEMM experts, shared experts)
-projector       a whole VLM's projector alone: stock ``MultimodalProjector``
-vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: Megatron-LM main's
-                ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the projector.
-                With the language model these are the parts of a VLM whose ``vit_model`` tower
-                Megatron-LM's ``LLaVAModel`` cannot hold (docs/megatron.md, discrepancy 5)
-pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
-pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as ``vision_model``,
-                ``MultimodalProjector`` as ``vision_projection`` (``LLaVAModel``'s names)
-qwen3_5         Megatron-LM ``vit_model.QwenVLViTModel``
-kimi_k25        a tower alone: ``KimiViTModel``; a whole model: :class:`VisionWithProjection`,
-                ``KimiViTModel`` as ``vision_model`` and the closest Megatron construction of
-                the projector as ``vision_projection`` (:func:`kimi_projection`; Megatron has
-                no exact place for Kimi's projector)
-==============  ===============================================================================
+====================  =========================================================================
+builder               Megatron class (module tree)
+====================  =========================================================================
+build_clip            stock ``CLIPViTModel`` (``model_subtype='clip'``)
+build_siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
+build_llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
+                      ``MultimodalProjector``, ``language_model`` ``GPTModel``)
+build_language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
+build_moe_language_   a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock
+model                 ``GPTModel`` on mcore's TE block spec for MLA + MoE (grouped-GEMM experts)
+build_projector       a whole VLM's projector alone: stock ``MultimodalProjector``
+build_vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: Megatron-LM main's
+                      ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the
+                      projector (the parts of a VLM whose ``vit_model`` tower Megatron-LM's
+                      ``LLaVAModel`` cannot hold: docs/megatron.md, discrepancy 5)
+build_clip_as_vit     Megatron-LM main's ``ViTModel`` in its CLIP mode
+build_pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
+build_pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as
+                      ``vision_model``, ``MultimodalProjector`` as ``vision_projection``
+build_qwen3_5         Megatron-LM ``vit_model.QwenVLViTModel``
+build_kimi_k25        a tower alone: ``KimiViTModel``; a whole model: :class:`VisionWithProjection`,
+                      ``KimiViTModel`` as ``vision_model`` and the closest Megatron construction
+                      of the projector (:func:`kimi_projection`; Megatron has no exact place)
+====================  =========================================================================
+
+A builder that needs Megatron-LM main's ``vit_model.py`` is marked :func:`needs_vit_model`, so that
+:func:`require` / :func:`available` say so before anything is built.
 
 All builders use the parallel state already initialised (``mmparity.runtime``); TE modules are
 the real ones when Transformer Engine is importable, else the stand-ins of
@@ -53,8 +58,9 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity import runtime
-from mmparity.hfconfig import (decoder_biases, feature_layer_indices, first_int, has_patch_merger, head_dim,
-                               image_hw, padded_vocab_size, rope_theta, select_strategy, tied_embeddings,
+from mmparity.hfconfig import (KIMI_VISION_NORM_EPS, PIXTRAL_NORM_EPS, QWEN_VISION_NORM_EPS, decoder_biases,
+                               feature_layer_indices, first_int, has_patch_merger, head_dim, image_hw, num_heads,
+                               padded_vocab_size, query_groups, rope_theta, select_strategy, tied_embeddings,
                                tower_depth, vision_of)
 from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.upstream import te_stand_ins
@@ -64,16 +70,10 @@ VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
 INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
                 "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
                 "`pip install triton` (it is only imported)")
-STOCK_FAMILIES = ("clip", "siglip", "llava", "language_model", "projector", "moe_language_model")
-MAIN_FAMILIES = ("pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "clip_vit", "vlm_vision")
-# Megatron-LM's LLaVAModel selects the tower by these names.
-VISION_MODEL_TYPES = {"clip": "clip", "siglip": "siglip", "pixtral": "pixtral-vit",
-                      "pixtral_large": "pixtral-vit-large", "qwen3_5": "qwen-vl",
-                      "kimi_k25": "kimi-vit"}
-# HF hard-codes these epsilons in its modules rather than reading a config field.
-PIXTRAL_NORM_EPS = 1e-5
-QWEN_NORM_EPS = 1e-6
-KIMI_NORM_EPS = 1e-5
+# Megatron-LM's LLaVAModel selects its tower by ``vision_model_type``: the HF tower model types
+# stock LLaVAModel (and Megatron-LM main's, for Pixtral) is built with here.
+LLAVA_VISION_MODEL_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
+                            "pixtral": "pixtral-vit"}
 # Upstream's default RoPE table sides (768/16 for Qwen, 896/14 for Kimi); HF has no cap.
 QWEN_MAX_PATCHES_PER_SIDE = 48
 KIMI_MAX_PATCHES_PER_SIDE = 64
@@ -91,18 +91,23 @@ def vit_model_module():
         raise UpstreamUnavailable(f"{INSTALL_HINT} (import failed: {exc})") from None
 
 
-def require(family: str) -> None:
-    """Raise :class:`UpstreamUnavailable` (naming what to install) unless ``family``'s class can be
-    imported here."""
-    if family not in STOCK_FAMILIES:
+def needs_vit_model(builder: Callable) -> Callable:
+    """Marks a builder whose class lives in Megatron-LM main's ``vit_model.py``."""
+    builder.needs_vit_model = True
+    return builder
+
+
+def require(builder: Optional[Callable] = None) -> None:
+    """Raise :class:`UpstreamUnavailable` (naming what to install) unless ``builder``'s class can be
+    imported here (None: unless Megatron-LM main's ``vit_model`` can)."""
+    if builder is None or getattr(builder, "needs_vit_model", False):
         vit_model_module()
 
 
-def available(family: str) -> bool:
-    if family in STOCK_FAMILIES:
-        return True
+def available(builder: Optional[Callable] = None) -> bool:
+    """Whether ``builder``'s class can be imported here (None: Megatron-LM main's ``vit_model``)."""
     try:
-        vit_model_module()
+        require(builder)
     except UpstreamUnavailable:
         return False
     return True
@@ -130,17 +135,16 @@ def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None
     return transformer_config(
         num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
         num_attention_heads=vc.num_attention_heads,
-        kv_channels=vc.hidden_size // vc.num_attention_heads, ffn_hidden_size=vc.intermediate_size,
+        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size,
         normalization="LayerNorm", norm_eps=vc.layer_norm_eps, activation=activation(vc.hidden_act),
         gated=False, bias=True, params_dtype=params_dtype)
 
 
 def pixtral_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
     """Pixtral towers: RMSNorm (HF's literal 1e-5), gated MLP, no biases, interleaved 2D RoPE."""
-    head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_attention_heads
     return transformer_config(
         num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
-        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim,
+        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim(vc),
         ffn_hidden_size=vc.intermediate_size, normalization="RMSNorm", norm_eps=PIXTRAL_NORM_EPS,
         activation=activation(vc.hidden_act), gated=True, bias=False, rotary_interleaved=True,
         params_dtype=params_dtype)
@@ -196,6 +200,7 @@ def _stock_clip(vc, subtype: str, config: TransformerConfig):
     return model.eval()
 
 
+@needs_vit_model
 def build_clip_as_vit(cfg, params_dtype=torch.float32):
     """Megatron-LM main's ``ViTModel`` in its CLIP mode (class token, learned absolute positions,
     ``ln_pre``), the alternative to the stock class its docstring offers. It applies ``ln_pre``
@@ -221,10 +226,12 @@ def _pixtral_vit(vc, params_dtype, num_layers: Optional[int] = None, **mode):
                       ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
 
 
+@needs_vit_model
 def build_pixtral(cfg, params_dtype=torch.float32):
     return _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype).eval()
 
 
+@needs_vit_model
 def build_pixtral_large(cfg, params_dtype=torch.float32):
     """``ViTModel(use_merger=True)`` + the Mistral3 projector's two linears as a
     ``MultimodalProjector``. Megatron's merger norm takes the *vision* epsilon (HF: the text
@@ -251,6 +258,7 @@ def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
                                "mlp", width).eval()
 
 
+@needs_vit_model
 def build_vlm_vision(cfg, params_dtype=torch.float32):
     """A whole VLM's vision part under ``LLaVAModel``'s names, for the VLMs ``LLaVAModel`` cannot
     hold: Megatron-LM main's Pixtral ``ViTModel`` built ``tower_depth`` layers deep as the
@@ -262,17 +270,17 @@ def build_vlm_vision(cfg, params_dtype=torch.float32):
     return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
 
 
+@needs_vit_model
 def build_qwen3_5(cfg, params_dtype=torch.float32,
                   max_patches_per_side: int = QWEN_MAX_PATCHES_PER_SIDE):
     vit = vit_model_module()
     vc = vision_of(cfg, ("qwen3_5_moe_vision", "qwen3_5_vision"))
     p = first_int(vc.patch_size)
     g = int(round(vc.num_position_embeddings ** 0.5))
-    head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_heads
     config = transformer_config(
-        num_layers=vc.depth, hidden_size=vc.hidden_size, num_attention_heads=vc.num_heads,
-        kv_channels=head_dim, ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm",
-        norm_eps=QWEN_NORM_EPS, activation=activation(vc.hidden_act), gated=False, bias=True,
+        num_layers=vc.depth, hidden_size=vc.hidden_size, num_attention_heads=num_heads(vc),
+        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm",
+        norm_eps=QWEN_VISION_NORM_EPS, activation=activation(vc.hidden_act), gated=False, bias=True,
         params_dtype=params_dtype)
     side = max_patches_per_side * p
     with buildable_without_te(vit):
@@ -318,6 +326,7 @@ def _kimi_merge(vc) -> int:
     return kh
 
 
+@needs_vit_model
 def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = "fused_norm_over_merged",
                    max_patches_per_side: int = KIMI_MAX_PATCHES_PER_SIDE):
     vit = vit_model_module()
@@ -327,8 +336,8 @@ def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = 
     config = transformer_config(
         num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
         num_attention_heads=vc.num_attention_heads,
-        kv_channels=vc.hidden_size // vc.num_attention_heads, ffn_hidden_size=vc.intermediate_size,
-        normalization="LayerNorm", norm_eps=KIMI_NORM_EPS, activation=activation(vc.hidden_act), gated=False,
+        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size,
+        normalization="LayerNorm", norm_eps=KIMI_VISION_NORM_EPS, activation=activation(vc.hidden_act), gated=False,
         bias=True, rotary_interleaved=True, params_dtype=params_dtype)
     side = max_patches_per_side * p
     with buildable_without_te(vit):
@@ -382,7 +391,7 @@ def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = 128
     config = transformer_config(
         pipelined=True,
         num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
+        num_attention_heads=text.num_attention_heads, num_query_groups=query_groups(text),
         kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
         norm_eps=text.rms_norm_eps, activation=activation(text.hidden_act), gated=True,
         bias=linear_bias, add_qkv_bias=qkv_bias, params_dtype=params_dtype)
@@ -397,20 +406,19 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
     Llama decoder. The tower is built ``feature_layer_count`` layers deep; the vocabulary is padded
     as Megatron-LM pads it."""
     vc = cfg.vision_config
-    tower_family = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
-                    "pixtral": "pixtral"}.get(vc.model_type)
-    if tower_family is None:
+    vision_model_type = LLAVA_VISION_MODEL_TYPES.get(vc.model_type)
+    if vision_model_type is None:
         raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
     if select_strategy(cfg) not in ("default", "full"):
         raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
     layers = feature_layer_count(cfg)
     modules = [llava_model, clip_vit_model]
-    if tower_family == "pixtral":
+    if vision_model_type == "pixtral-vit":
         modules.append(vit_model_module())
         vision_config = pixtral_config(vc, params_dtype, layers)
     else:
         vision_config = clip_config(vc, params_dtype, layers)
-    vision_config.vision_model_type = VISION_MODEL_TYPES[tower_family]
+    vision_config.vision_model_type = vision_model_type
     language = language_model_args(cfg, params_dtype, divisible_by)
     img_h, img_w = image_hw(vc)
     with buildable_without_te(*modules):
@@ -487,24 +495,17 @@ def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int 
     return model.eval()
 
 
-BUILDERS = {"clip": build_clip, "clip_vit": build_clip_as_vit, "siglip": build_siglip,
-            "pixtral": build_pixtral,
-            "pixtral_large": build_pixtral_large, "qwen3_5": build_qwen3_5,
-            "kimi_k25": build_kimi_k25, "llava": build_llava,
-            "language_model": build_language_model, "projector": build_projector,
-            "vlm_vision": build_vlm_vision, "moe_language_model": build_moe_language_model}
-
-
-def build(family: str, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None, **options):
-    """Megatron's class for ``family`` from its HF config, in eval mode, at the current TP size
+def build(builder: Callable, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None,
+          **options):
+    """``builder``'s Megatron class from the HF config, in eval mode, at the current TP size
     (TP 1 is initialised when no parallel state exists). ``divisible_by``: Megatron-LM's
     ``--make-vocab-size-divisible-by`` for a class with a vocabulary (LLaVA's), ignored by the
     others (None: Megatron-LM's default)."""
-    if family not in BUILDERS:
-        raise KeyError(f"no Megatron class for family {family!r}; known: {', '.join(BUILDERS)}")
+    if not callable(builder):
+        raise TypeError(f"models.build takes a builder function, not {builder!r}")
+    require(builder)
     if runtime.current_layout() is None:
         runtime.init_parallel(1, 1)
-    builder = BUILDERS[family]
     if divisible_by is not None and "divisible_by" in inspect.signature(builder).parameters:
         options["divisible_by"] = divisible_by
     return builder(cfg, params_dtype, **options)
