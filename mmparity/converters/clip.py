@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from mmparity.converters.ops import FuseQKV, Reshape
 from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, TowerKeys, aside, rename
-from mmparity.hfconfig import tower_config_or_self
+from mmparity.hfconfig import head_dim, tower_config_or_self
 
 FORMATS = ("hf",)
 
@@ -26,10 +26,6 @@ DROP_HF = (r"^(model\.)?text_model\.", r"^text_projection\.", r"^visual_projecti
            r"^(model\.)?multi_modal_projector\.", r"^(model\.)?image_newline$",
            # persistent position-id buffers of checkpoints written by transformers 4
            r"^(.*\.)?embeddings\.position_ids$")
-
-
-def head_dim(cfg) -> int:
-    return cfg.hidden_size // cfg.num_attention_heads
 
 
 def tp_problems(cfg, tp: int) -> list[str]:

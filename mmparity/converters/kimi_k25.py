@@ -44,6 +44,7 @@ import torch
 
 from mmparity.converters.ops import FuseQKV, LayoutError, Op, RegroupQKV, RopeInterleave
 from mmparity.hfconfig import has_vision_sub_config as has_projector
+from mmparity.hfconfig import head_dim
 from mmparity.hfconfig import vision_sub_config as vision_cfg
 from mmparity.converters.rules import ConversionError, ConverterSpec, Rule, RuleSet, rename
 
@@ -132,7 +133,7 @@ class TileBlocks(Op):
 def _tower_rules(cfg, hf_format: str, hf_root: str, mcore_root: str) -> list[Rule]:
     vc = vision_cfg(cfg)
     heads = vc.num_attention_heads
-    d = vc.hidden_size // heads
+    d = head_dim(vc)
     n = _TOWER[hf_format]
     layer = hf_root + n["layer"]
     block = mcore_root + "decoder.layers.{i}."
