@@ -50,7 +50,7 @@ from safetensors.torch import load_file as safetensors_load, save as safetensors
 from mmparity import families, runtime
 from mmparity.checkpoint import extra_state
 from mmparity.checkpoint import formats as ckpt_formats
-from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
+from mmparity.checkpoint.hf import bound_config, read_hf_config
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import TRACKER_FILE, checkpoint_extent, resolve_iteration_dir
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
@@ -852,22 +852,6 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
     path = Path(path)
     return _source_kind(path).open_source(path, family, hf_format, _TensorFilter(dtype, check_finite), tp,
                                           vocab_multiple, complete)
-
-
-def open_hf_source(path: Path, family: str | None, hf_format: str | None, filt: _TensorFilter, tp: int,
-                   vocab_multiple: int) -> _HFSource:
-    """An HF source, its family told from its config when not given."""
-    detection = None
-    if family is None:
-        try:
-            detection = detect_family(path)
-        except families.DetectError as exc:
-            raise ConvertError(f"{path}: {exc}") from None
-        family = detection.family
-    families.get(family)
-    source = _HFSource(path, family, hf_format, filt, tp, vocab_multiple)
-    source.detection = detection
-    return source
 
 
 # --------------------------------------------------------------------------------------------------

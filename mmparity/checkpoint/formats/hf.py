@@ -3,16 +3,29 @@ the checkpoint. Read by ``streaming``'s HF source, written by its safetensors wr
 
 from __future__ import annotations
 
+from mmparity import families
 from mmparity.axes import Grid
 from mmparity.checkpoint import streaming
 from mmparity.checkpoint.verify import _verify_hf
 from mmparity.checkpoint.formats import HF, Format, Written
+from mmparity.checkpoint.hf import detect_family
 from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_SINGLE_FILE, has_hf_weights
 from mmparity.checkpoint.manifest import LAYOUT_HF
 
 
 def _open(path, family, hf_format, filt, tp, vocab_multiple, complete):
-    return streaming.open_hf_source(path, family, hf_format, filt, tp, vocab_multiple)
+    """An HF source, its family told from its config when not given."""
+    detection = None
+    if family is None:
+        try:
+            detection = detect_family(path)
+        except families.DetectError as exc:
+            raise streaming.ConvertError(f"{path}: {exc}") from None
+        family = detection.family
+    families.get(family)
+    source = streaming._HFSource(path, family, hf_format, filt, tp, vocab_multiple)
+    source.detection = detection
+    return source
 
 
 def _write(source, options, progress) -> Written:
