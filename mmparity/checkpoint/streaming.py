@@ -148,7 +148,8 @@ class ConvertOptions:
     # Megatron's expert_model_parallel_size: legacy rank files hold their EP rank's experts (see
     # converters.ep); torch_dist's global tensors load at any EP that divides the experts.
     ep: int = 1
-    format: str = "torch_dist"  # mcore target format
+    # mcore target format (formats.writable()); default: the registry's default (torch_dist)
+    format: str = dataclasses.field(default_factory=lambda: ckpt_formats.writable()[0])
     dtype: str | None = None  # cast floating tensors; None keeps every tensor's own dtype
     hf_format: str | None = None  # HF-side layout (of the source, or of HF output)
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
