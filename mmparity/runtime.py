@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mmparity import errors
+from mmparity.axes import Grid
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class ParallelLayout:
     layer_counts: tuple[int, ...] | None = None
     # Megatron's expert_model_parallel_size: MoE layers built now hold 1/ep of their experts.
     ep: int = 1
+
+    @property
+    def grid(self) -> Grid:
+        """The parallel axes the groups were made for."""
+        return Grid.of(self.tp, self.pp, self.ep)
 
 
 _layout: ParallelLayout | None = None
@@ -60,9 +66,23 @@ def current_layout() -> ParallelLayout | None:
     return _layout
 
 
-def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | torch.device = "cpu",
+def _sizes(tp: int | Grid, pp: int, ep: int) -> tuple[int, int, int]:
+    """(TP, PP, EP) of a :class:`~mmparity.axes.Grid`, or of the three sizes given as integers
+    (checked here, with this module's own messages)."""
+    if isinstance(tp, Grid):
+        if (pp, ep) != (1, 1):
+            raise ValueError(f"a Grid holds every size: pp={pp!r} and ep={ep!r} must not be given beside it")
+        return tp.sizes
+    for name, size in (("tensor-parallel", tp), ("pipeline-parallel", pp), ("expert-parallel", ep)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} size must be a positive integer, got {size!r}")
+    return tp, pp, ep
+
+
+def init_parallel(tp: int | Grid = 1, pp: int = 1, *, ep: int = 1, device: str | torch.device = "cpu",
                   seed: int = 0, layer_counts: Sequence[int] | None = None) -> ParallelLayout:
-    """Initialise torch.distributed (if needed) and mcore's model-parallel groups.
+    """Initialise torch.distributed (if needed) and mcore's model-parallel groups for a
+    :class:`~mmparity.axes.Grid` (or its TP, PP and EP sizes as integers).
 
     Re-initialising with the same sizes keeps the groups (only ``layer_counts`` is replaced);
     different sizes tear the old groups down first, because mcore keeps exactly one global layout.
@@ -77,10 +97,8 @@ def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | torch.
     global _layout, _we_created_process_group
     from megatron.core import parallel_state
 
-    counts = _checked_layer_counts(layer_counts, pp)
-    for name, size in (("tensor-parallel", tp), ("pipeline-parallel", pp), ("expert-parallel", ep)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} size must be a positive integer, got {size!r}")
+    counts = _checked_layer_counts(layer_counts, tp.pp.size if isinstance(tp, Grid) else pp)
+    tp, pp, ep = _sizes(tp, pp, ep)
     if _layout is not None and (_layout.tp, _layout.pp, _layout.ep) == (tp, pp, ep):
         _seed_everything(seed, device)
         if _layout.layer_counts != counts:
@@ -457,8 +475,10 @@ def process_group(device: str | torch.device = "cpu"):
 
 
 @contextlib.contextmanager
-def parallel_context(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | torch.device = "cpu", seed: int = 0):
-    """Parallel state for the duration of a block; an enclosing layout of the same size is reused."""
+def parallel_context(tp: int | Grid = 1, pp: int = 1, *, ep: int = 1, device: str | torch.device = "cpu",
+                     seed: int = 0):
+    """Parallel state for the duration of a block (a :class:`~mmparity.axes.Grid`, or its sizes);
+    an enclosing layout of the same size is reused."""
     previous = _layout
     layout = init_parallel(tp, pp, ep=ep, device=device, seed=seed)
     try:
@@ -466,8 +486,8 @@ def parallel_context(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | tor
     finally:
         if previous is None:
             teardown_parallel()
-        elif (previous.tp, previous.pp, previous.ep) != (tp, pp, ep):
-            init_parallel(previous.tp, previous.pp, ep=previous.ep, device=device, seed=seed)
+        elif previous.grid != layout.grid:
+            init_parallel(previous.grid, device=device, seed=seed)
 
 
 def _seed_everything(seed: int, device: str | torch.device) -> None:

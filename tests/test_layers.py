@@ -20,6 +20,7 @@ LAYERS = {
     "mmparity": 0,
     "mmparity.hfconfig": 0,
     "mmparity.runtime": 0,
+    "mmparity.axes": 0,
     "mmparity.errors": 0,
     "mmparity.converters": 1,
     # Megatron's own classes and the key map onto them: megatron and the converters' records below.
@@ -42,6 +43,7 @@ FORBIDDEN = {
                             "shutil", "tempfile", "io"),
     "mmparity.hfconfig": ("transformers", "megatron", "torch"),
     "mmparity.errors": ("transformers", "megatron", "torch"),
+    "mmparity.axes": ("transformers", "megatron", "torch"),
     "mmparity.native": ("transformers",),
     "mmparity.reference": ("megatron",),
 }

@@ -43,6 +43,22 @@ def _return_tensors(rank: int, world_size: int, count: int) -> list[torch.Tensor
     return [torch.full((7,), float(rank * count + i)) for i in range(count)]
 
 
+def test_parallel_state_is_made_from_a_grid_and_describes_itself_as_one():
+    from mmparity.axes import Grid
+
+    _leave_parallel_state()
+    with runtime.parallel_context(Grid.of()) as layout:
+        assert layout.grid == Grid.of() and (layout.tp, layout.pp, layout.ep) == (1, 1, 1)
+        # The same grid given as integers reuses the groups.
+        assert runtime.init_parallel(1, 1, ep=1) is runtime.current_layout()
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="must not be given beside it"):
+        runtime.init_parallel(Grid.of(), 2)
+    with pytest.raises(ValueError, match="tensor-parallel size must be a positive integer, got 0"):
+        runtime.init_parallel(0)
+    assert runtime.current_layout() is None
+
+
 def test_spawned_ranks_hand_back_tensors_that_live_in_their_memory():
     # torch's queue sends each tensor as a handle that the sending process serves; the parent
     # fetches them one by one while unpickling, so a rank that exits right after sending loses

@@ -3,7 +3,8 @@
 Everything that writes also writes `mmparity.json` (layout, provenance, TP/PP sizes, per-tensor
 checksums) and does so atomically; `verify(dir)` re-checks a written checkpoint against it.
 
-Importing this package does not import megatron: only `mmparity.checkpoint.torch_dist` (and the
+Each format is one module of `mmparity.checkpoint.formats` behind one record (detect, source,
+writer, verify, Megatron load), registered here. Importing this package does not import megatron: only `mmparity.checkpoint.torch_dist` (and the
 `save_torch_dist` / `load_torch_dist` names, resolved on first use) need megatron-core.
 """
 
@@ -33,6 +34,13 @@ from mmparity.checkpoint.verify import Problem, VerifyReport, verify
 from mmparity.checkpoint.torch_dist_files import global_state_dict as torch_dist_global_state_dict
 from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
 from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint import formats
+from mmparity.checkpoint.formats import hf as _hf_format
+from mmparity.checkpoint.formats import legacy as _legacy_format
+from mmparity.checkpoint.formats import torch_dist as _torch_dist_format
+
+# The formats, one module each (see mmparity.checkpoint.formats), in the order detection tries them.
+formats.register(_hf_format.FORMAT, _legacy_format.FORMAT, _torch_dist_format.FORMAT)
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -59,6 +67,7 @@ __all__ = [
     "resolve_iteration_dir",
     "save_torch_dist",
     "torch_dist_global_state_dict",
+    "formats",
     "verify",
     "write_hf",
     "write_legacy",

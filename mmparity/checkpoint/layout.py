@@ -58,15 +58,21 @@ def iteration_dirname(iteration: int | str) -> str:
     return f"iter_{iteration:07d}"
 
 
+# Megatron-LM's ``get_checkpoint_name``, one slot per axis of the grid, in the grid's order: the
+# digits of its rank, and whether the slot is there when the axis has one rank only.
+RANK_SLOTS = {"tp": (2, True), "pp": (3, False), "ep": (3, False)}
+
+
+def _named_axes(grid: Grid) -> list[str]:
+    """The names of the grid's axes that get a slot in a rank directory's name."""
+    return [axis.name for axis in grid.axes if RANK_SLOTS[axis.name][1] or axis.size > 1]
+
+
 def rank_dirname(grid: Grid, tp_rank: int, pp_rank: int = 0, ep_rank: int = 0) -> str:
     """Megatron-LM's ``get_checkpoint_name``: a slot per axis of size > 1 after the TP rank, PP's
     then EP's; with PP = 1 and EP > 1 the one suffix is the expert rank."""
-    name = f"mp_rank_{tp_rank:02d}"
-    if grid.pp.size > 1:
-        name += f"_{pp_rank:03d}"
-    if grid.ep.size > 1:
-        name += f"_{ep_rank:03d}"
-    return name
+    rank = dict(zip((axis.name for axis in grid.axes), (tp_rank, pp_rank, ep_rank)))
+    return "mp_rank_" + "_".join(f"{rank[name]:0{RANK_SLOTS[name][0]}d}" for name in _named_axes(grid))
 
 
 def legacy_rank_dirname(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
@@ -84,12 +90,16 @@ def parse_rank_dirname(name: str, grid: Grid | None = None) -> tuple[int, int | 
     match = _LEGACY_RANK_DIR.match(name)
     if match is None:
         return None
-    tp_rank, first, second = (int(g) if g is not None else None for g in match.groups())
-    if second is not None:
-        return tp_rank, first, second
-    if first is not None and grid is not None and grid.pp.size == 1 and grid.ep.size > 1:
-        return tp_rank, None, first
-    return tp_rank, first, None
+    numbers = [int(g) for g in match.groups() if g is not None]
+    # The slots the name holds, in the grid's order: every axis that always has one, then as many
+    # of the others as the name has numbers left; a grid tells which of those its axes name.
+    names = [axis.name for axis in (grid or Grid.of()).axes]
+    always = [n for n in names if RANK_SLOTS[n][1]]
+    optional = [n for n in names if not RANK_SLOTS[n][1]]
+    if grid is not None and len(numbers) - len(always) == len(_named_axes(grid)) - len(always):
+        optional = [n for n in _named_axes(grid) if not RANK_SLOTS[n][1]]
+    rank = dict(zip(always + optional, numbers))
+    return tuple(rank.get(n) for n in names)
 
 
 def parse_legacy_rank_dirname(name: str) -> tuple[int, int | None] | None:

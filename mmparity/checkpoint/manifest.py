@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import mmparity
+from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.fsio.checksums import TensorChecksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
@@ -179,8 +180,9 @@ def _positive(value, what: str) -> int:
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
-    if manifest.layout not in LAYOUTS:
-        raise CheckpointError(f"unknown checkpoint layout {manifest.layout!r}; known: {', '.join(LAYOUTS)}")
+    known = [f.layout for f in ckpt_formats.formats()]  # every registered format's
+    if manifest.layout not in known:
+        raise CheckpointError(f"unknown checkpoint layout {manifest.layout!r}; known: {', '.join(known)}")
     path = Path(directory) / MANIFEST_FILE
     with open(path, "w", encoding="utf-8") as f:
         json.dump(manifest.to_json(), f, indent=1)

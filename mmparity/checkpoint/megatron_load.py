@@ -32,13 +32,15 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from mmparity import errors, families, runtime
+from mmparity.axes import Grid
 from mmparity.cases.megatron import MegatronClass
+from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.families import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
-from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
+from mmparity.checkpoint.manifest import read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
 from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, _check_shapes, _validate_tp, open_source
 from mmparity.checkpoint.unpickle import RefusedPickle
@@ -147,7 +149,7 @@ class LoadReport:
         text = "loads " + (", ".join(f"{name} {count} keys" for name, count in r.loaded.items())
                            or "nothing on this stage")
         if r.not_loaded:
-            unit = "stored" if self.layout == LAYOUT_TORCH_DIST else "keys"
+            unit = ckpt_formats.by_layout(self.layout).load_unit
             text += "; not loaded: " + ", ".join(f"{what} {count} {unit}" for what, count in r.not_loaded.items())
         return text + filled
 
@@ -183,13 +185,17 @@ class LoadJob:
         return {"divisible_by": self.divisible_by} if self.divisible_by is not None else {}
 
     @property
+    def grid(self) -> Grid:
+        return Grid.of(self.tp, self.pp, self.ep)
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.ep
+        return self.grid.world_size
 
     def init_parallel(self) -> None:
         """mcore's parallel state for this job (TP ranks fastest, as mcore orders them; the
         data-parallel size is EP, whose expert groups mcore lays over it)."""
-        runtime.init_parallel(self.tp, self.pp, ep=self.ep, layer_counts=self.layer_counts)
+        runtime.init_parallel(self.grid, layer_counts=self.layer_counts)
 
 
 def grid_ranks(rank: int, tp: int, pp: int, ep: int = 1) -> tuple[int, int, int]:
@@ -257,27 +263,35 @@ def _build(rank: int, job: LoadJob) -> tuple[torch.nn.Module, list]:
 def _load(rank: int, job: LoadJob) -> tuple[torch.nn.Module, dict, dict]:
     """``(model, {class: entries loaded}, {prefix: entries not loaded})`` for this rank."""
     model, built = _build(rank, job)
-    not_loaded: dict = {}
-    filled = 0
-    if job.layout == LAYOUT_LEGACY:
-        state = {}
-        for key, value in open_legacy(job.root).load_rank(*_own_ranks(rank, job)).items():
-            skipped = job.skips(key)
-            if skipped is None:
-                state[key] = value
-            else:
-                not_loaded[skipped] = not_loaded.get(skipped, 0) + 1
-        for key in model.state_dict():
-            if key not in state and any(part.fills(key) for part, _ in built):
-                state[key] = None  # the empty slot the writer writes for every other TE module
-                filled += 1
-    else:
-        wanted = sharded_state_dict(model)
-        not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1)
-        state = torch_dist.load_torch_dist(job.root, wanted)
+    state, not_loaded, filled = ckpt_formats.by_layout(job.layout).load_state(rank, job, model, built)
     load_state_dict_strictly(model, state)
     loaded = {part.name: sum(1 for key in state if part.holds_key(key)) for part, _ in built}
     return model, loaded, not_loaded, filled
+
+
+def legacy_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -> tuple[dict, dict, int]:
+    """``(state, {prefix: entries not loaded}, empty slots filled)``: this rank's file, as it is."""
+    not_loaded: dict = {}
+    filled = 0
+    state = {}
+    for key, value in open_legacy(job.root).load_rank(*_own_ranks(rank, job)).items():
+        skipped = job.skips(key)
+        if skipped is None:
+            state[key] = value
+        else:
+            not_loaded[skipped] = not_loaded.get(skipped, 0) + 1
+    for key in model.state_dict():
+        if key not in state and any(part.fills(key) for part, _ in built):
+            state[key] = None  # the empty slot the writer writes for every other TE module
+            filled += 1
+    return state, not_loaded, filled
+
+
+def torch_dist_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -> tuple[dict, dict, int]:
+    """The same, read by DCP against the classes' own sharded state dict (a collective)."""
+    wanted = sharded_state_dict(model)
+    not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1)
+    return torch_dist.load_torch_dist(job.root, wanted), not_loaded, 0
 
 
 def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
@@ -413,7 +427,8 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
     Raises as :func:`load_into_megatron`."""
     root = Path(directory)
     manifest = read_manifest(root)
-    if manifest.layout not in (LAYOUT_LEGACY, LAYOUT_TORCH_DIST):
+    fmt = ckpt_formats.by_layout(manifest.layout)
+    if fmt is None or fmt.load_state is None:
         raise CheckpointError(f"{root}: --load needs an mcore checkpoint (legacy or torch_dist), "
                               f"this one is {manifest.layout}")
     family = manifest.provenance.family
@@ -423,7 +438,7 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
                                   ("PP", pp, manifest.pipeline_parallel_size)):
         if asked is not None and asked < 1:
             raise CheckpointError(f"--{axis.lower()} must be >= 1, got {asked}")
-        if asked is not None and manifest.layout == LAYOUT_LEGACY and asked != recorded:
+        if asked is not None and fmt.stores_grid and asked != recorded:
             raise CheckpointError(f"{root}: a legacy checkpoint loads at its own {axis} size "
                                   f"({recorded}), not {asked}")
     megatron_class_for(family, megatron_class)  # an unknown family or class, before the files
@@ -450,12 +465,12 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
             raise CheckpointError(f"{root}: PP {pp}: Megatron's {' + '.join(whole)} is not built in pipeline "
                                   "stages (only a language model is: LLaVAModel's, GPTModel); convert "
                                   "with --pp 1")
-        if manifest.layout == LAYOUT_TORCH_DIST:  # global tensors: stages split as convert --pp splits
+        if not fmt.stores_grid:  # global tensors: stages split as convert --pp splits
             try:
                 layer_counts = tuple(layout.layer_counts(pp))
             except pp_mod.PipelineError as exc:
                 raise CheckpointError(f"{root}: {exc}") from None
-    ep = manifest.expert_parallel_size if manifest.layout == LAYOUT_LEGACY else 1
+    ep = manifest.expert_parallel_size if fmt.stores_grid else 1
     job = LoadJob(str(root), manifest.layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts, ep=ep,
                   divisible_by=source.vocab_multiple, not_loaded=not_loaded, notes=notes)
     return job, family, " + ".join(p.name for p in parts), job.world_size

@@ -49,19 +49,14 @@ from safetensors.torch import load_file as safetensors_load, save as safetensors
 
 from mmparity import families, runtime
 from mmparity.checkpoint import extra_state
-from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
+from mmparity.checkpoint import formats as ckpt_formats
+from mmparity.checkpoint.hf import bound_config, read_hf_config
 from mmparity.families import UnknownFamilyError
-from mmparity.checkpoint.layout import (
-    LEGACY_FILE,
-    TRACKER_FILE,
-    checkpoint_extent,
-    parse_rank_dirname,
-    resolve_iteration_dir,
-)
+from mmparity.checkpoint.layout import TRACKER_FILE, checkpoint_extent, resolve_iteration_dir
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
                                           Provenance, TensorRecord, read_manifest, write_manifest)
-from mmparity.checkpoint.torch_dist_files import TorchDistFiles, is_torch_dist_dir
+from mmparity.checkpoint.torch_dist_files import TorchDistFiles
 from mmparity.converters import ep as ep_mod
 from mmparity.converters import pp as pp_mod
 from mmparity.converters.axes import Grid
@@ -74,8 +69,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.heap import heap_budget
 from mmparity.checkpoint.fsio.pieces import FileRanges, joined, narrow_pieces, route_pieces
 from mmparity.checkpoint.fsio.publish import atomic_directory, recover_destination
-from mmparity.checkpoint.fsio.safetensors_format import (DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE,
-                                                         SAFETENSORS_SINGLE_FILE, has_hf_weights, parse_size)
+from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE, parse_size
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 from mmparity.checkpoint import quantized as quant_io
@@ -111,7 +105,6 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16,
 }
 TARGETS = ("mcore", "hf")
-MCORE_FORMATS = ("torch_dist", "legacy")
 
 # Sharded keys of a Megatron-LM torch_dist checkpoint that are not model weights.
 _NOT_MODEL_KEYS = re.compile(r"^(optimizer\.|rng_state|rerun_state_machine_state|common_state)")
@@ -155,7 +148,8 @@ class ConvertOptions:
     # Megatron's expert_model_parallel_size: legacy rank files hold their EP rank's experts (see
     # converters.ep); torch_dist's global tensors load at any EP that divides the experts.
     ep: int = 1
-    format: str = "torch_dist"  # mcore target format
+    # mcore target format (formats.writable()); default: the registry's default (torch_dist)
+    format: str = dataclasses.field(default_factory=lambda: ckpt_formats.writable()[0])
     dtype: str | None = None  # cast floating tensors; None keeps every tensor's own dtype
     hf_format: str | None = None  # HF-side layout (of the source, or of HF output)
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
@@ -174,6 +168,11 @@ class ConvertOptions:
     # SequentialMLP does (``local_experts.{e}.linear_fc1.weight``). torch_dist files are the same
     # either way (mcore shards both on one global expert axis).
     expert_layout: str = "grouped"
+
+    @property
+    def grid(self) -> Grid:
+        """The parallel axes of mcore output (``--tp``, ``--pp``, ``--ep``)."""
+        return Grid.of(self.tp, self.pp, self.ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -821,26 +820,27 @@ class _TorchDistSource(_McoreSource):
         return self.files.file_ranges.locate(piece)
 
 
-def _source_kind(path: Path) -> str:
+def _source_kind(path: Path) -> ckpt_formats.Format:
+    """The format of a source directory (see :mod:`mmparity.checkpoint.formats`)."""
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise ConvertError(f"{path}: not a directory (expected an HF save_pretrained directory or an mcore checkpoint)")
-    if has_hf_weights(path):
-        return "hf"
+    found = ckpt_formats.detect_directory(path)
+    if found is not None:
+        return found
     try:
         _, iteration_dir, _ = resolve_iteration_dir(path)
     except CheckpointError as exc:
         if (path / TRACKER_FILE).exists() or path.name.startswith("iter_"):
             raise ConvertError(str(exc)) from None
-        raise ConvertError(f"{path}: neither an HF safetensors directory ({SAFETENSORS_SINGLE_FILE} or its index) "
-                           f"nor an mcore checkpoint ({TRACKER_FILE})") from None
-    if any(parse_rank_dirname(p.name) for p in iteration_dir.iterdir()):
-        return "legacy"
-    if is_torch_dist_dir(iteration_dir):
-        return "torch_dist"
-    raise ConvertError(f"{iteration_dir}: neither legacy rank directories (mp_rank_*/{LEGACY_FILE}) "
-                       "nor a torch_dist checkpoint (.metadata, metadata.json)")
+        whats = [f.what for f in ckpt_formats.formats(ckpt_formats.HF)] + [f"an mcore checkpoint ({TRACKER_FILE})"]
+        raise ConvertError(f"{path}: {ckpt_formats.neither(whats)}") from None
+    found = ckpt_formats.detect_iteration(iteration_dir)
+    if found is not None:
+        return found
+    raise ConvertError(f"{iteration_dir}: "
+                       f"{ckpt_formats.neither([f.what for f in ckpt_formats.formats(ckpt_formats.MCORE)])}")
 
 
 def open_source(path, family: str | None = None, hf_format: str | None = None, *,
@@ -851,23 +851,8 @@ def open_source(path, family: str | None = None, hf_format: str | None = None, *
     ``complete=False`` opens an mcore checkpoint that may lack tensors or hold foreign ones (see
     ``_McoreSource._init_common``)."""
     path = Path(path)
-    kind = _source_kind(path)
-    filt = _TensorFilter(dtype, check_finite)
-    if kind == "hf":
-        detection = None
-        if family is None:
-            try:
-                detection = detect_family(path)
-            except families.DetectError as exc:
-                raise ConvertError(f"{path}: {exc}") from None
-            family = detection.family
-        families.get(family)
-        source = _HFSource(path, family, hf_format, filt, tp, vocab_multiple)
-        source.detection = detection
-        return source
-    if kind == "legacy":
-        return _LegacySource(path, family, filt, complete)
-    return _TorchDistSource(path, family, filt, complete)
+    return _source_kind(path).open_source(path, family, hf_format, _TensorFilter(dtype, check_finite), tp,
+                                          vocab_multiple, complete)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -902,7 +887,7 @@ def _check_recorded_divisor(source: _Source) -> None:
     divisor = getattr(source, "recorded_divisor", None)
     if divisor is None:
         return
-    if source.layout == LAYOUT_LEGACY:
+    if ckpt_formats.by_layout(source.layout).stores_grid:
         tps = {source.tp}
     else:
         tps = {1, source.manifest.tensor_parallel_size if source.manifest is not None else 1}
@@ -933,7 +918,8 @@ def _check_shapes(source: _Source) -> None:
     problems = []
     for key, meta in source.metas.items():
         want = expected.get(key)
-        if (want is not None and source.layout != LAYOUT_HF and kinds.get(key) == "vocab"
+        if (want is not None and ckpt_formats.by_layout(source.layout).kind == ckpt_formats.MCORE
+                and kinds.get(key) == "vocab"
                 and tuple(meta.shape[1:]) == want[1:] and meta.shape[0] >= want[0]):
             continue  # padded for another TP size or multiple: export trims it all the same
         if want is not None and tuple(meta.shape) != want:
@@ -1079,46 +1065,49 @@ def _mcore_provenance(source: _Source, options: ConvertOptions, **extra) -> Prov
                "dtype": options.dtype, **extra})
 
 
-def _mcore_plan(source: _Source, options: ConvertOptions) -> tuple[list[str], dict[str, str]]:
-    """(the mcore keys to write, in order, their TP kinds), checked for ``--tp``; side keys are
-    not among them (see :func:`_side_tensors`)."""
+def _mcore_plan(source: _Source, grid: Grid) -> tuple[list[str], dict[str, str]]:
+    """(the mcore keys to write, in order, their TP kinds), checked for the ``grid`` (``--tp``,
+    ``--pp``, ``--ep``); side keys are not among them (see :func:`_side_tensors`)."""
     rules = _rule_set(source.family, source.cfg, source.hf_format)
-    _validate_tp(rules, options.tp)
+    tp = grid.tp.size
+    _validate_tp(rules, tp)
     order, kinds = _mcore_order(rules), _kinds(rules)
     try:
         num_experts = ep_mod.expert_count(order)
     except R.ConversionError as exc:
         raise _from_conversion_error(exc, f"{source.family!r}: ") from None
-    grid_problems = Grid.of(options.tp, options.pp, options.ep).problems(num_experts, source.family)
+    grid_problems = grid.problems(num_experts, source.family)
     if grid_problems:
         raise ConvertError(grid_problems[0])
     problems = [f"missing mcore tensor {k}" for k in order if k not in source.metas]
     for key in order:
-        if key in source.metas and options.tp > 1:
+        if key in source.metas and tp > 1:
             try:
-                tp_mod.shard(source.metas[key].tensor(), kinds[key], options.tp)
+                tp_mod.shard(source.metas[key].tensor(), kinds[key], tp)
             except ShardError as exc:
                 problems.append(f"{key} {list(source.metas[key].shape)}: {exc}")
     if problems:
-        raise ConvertError(_problems_line(f"cannot shard {source.family!r} for --tp {options.tp}", problems))
+        raise ConvertError(_problems_line(f"cannot shard {source.family!r} for --tp {tp}", problems))
     return order, kinds
 
 
 def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
-    order, kinds = _mcore_plan(source, options)
+    grid = options.grid
+    order, kinds = _mcore_plan(source, grid)
+    tp = grid.tp.size
     layout = pp_mod.pipeline_layout(order)
-    counts = layout.layer_counts(options.pp)
+    counts = layout.layer_counts(grid.pp)
     num_experts = ep_mod.expert_count(order)
     if options.expert_layout not in ep_mod.LAYOUTS:
         raise ConvertError(f"--expert-layout must be one of {', '.join(ep_mod.LAYOUTS)}, got {options.expert_layout!r}")
     spelled = ({k: k for k in order} if not num_experts or options.expert_layout == ep_mod.GROUPED
                else {k: (p.spell(options.expert_layout) if (p := ep_mod.parse_expert_key(k)) else k) for k in order})
     total = sum(source.metas[k].nbytes for k in order)
-    entries = [{} for _ in range(options.tp)]
+    entries = [{} for _ in range(tp)]
     for key in order:
         meta = source.metas[key]
-        for rank in range(options.tp):
-            ranges = tp_mod.shard_slices(tuple(meta.shape), kinds[key], options.tp, rank) if options.tp > 1 else []
+        for rank in range(tp):
+            ranges = tp_mod.shard_slices(tuple(meta.shape), kinds[key], tp, rank) if tp > 1 else []
             shape = list(meta.shape)
             if ranges:  # every range of one rank lies along the same dim (gated has two on dim 0)
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
@@ -1126,10 +1115,10 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     # Megatron's own legacy save writes the TE modules' (empty) extra states; its class demands
     # them back under strict=True.
     for key in extra_state.extra_state_keys({spelled[k]: kinds[k] for k in order}):
-        for rank in range(options.tp):
+        for rank in range(tp):
             entries[rank][key] = None
-    progress.phase(f"{source.family} -> legacy tp{options.tp} pp{options.pp}"
-                   + (f" ep{options.ep}" if options.ep > 1 else ""), len(order), total)
+    progress.phase(f"{source.family} -> legacy tp{tp} pp{grid.pp.size}"
+                   + (f" ep{grid.ep.size}" if grid.ep.size > 1 else ""), len(order), total)
     side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
                                                                             source.hf_format))
     heap = heap_budget()
@@ -1140,10 +1129,10 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                                   iteration=1, locate=source.locate, ep_size=options.ep, num_experts=num_experts)
             def put(key: str, kind: str, pieces: list, inputs: list) -> None:
                 shape = tuple(source.metas[key].shape)
-                for rank in range(options.tp):
+                for rank in range(tp):
                     # tp.shard_slices names the rows / columns each rank holds (two row ranges
                     # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
-                    ranges = tp_mod.shard_slices(shape, kind, options.tp, rank) if options.tp > 1 else []
+                    ranges = tp_mod.shard_slices(shape, kind, tp, rank) if tp > 1 else []
                     writer.write(rank, spelled[key], [view for dim, start, stop in ranges
                                              for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
                 progress.advance(1, source.metas[key].nbytes)
@@ -1168,9 +1157,9 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
     from mmparity.checkpoint.torch_dist import extra_state_objects, save_torch_dist
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
-    order, kinds = _mcore_plan(source, options)
+    order, kinds = _mcore_plan(source, options.grid)
     # torch_dist stores global tensors: the TP/PP/EP sizes only had to fit (checked above).
-    pp_mod.pipeline_layout(order).layer_counts(options.pp)
+    pp_mod.pipeline_layout(order).layer_counts(options.grid.pp)
     total = sum(source.metas[k].nbytes for k in order)
     rules = _rule_set(source.family, source.cfg, source.hf_format)
     aside = set(R.side_keys(rules))
@@ -1287,8 +1276,8 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
 def _check_options(options: ConvertOptions) -> torch.dtype | None:
     if options.to not in TARGETS:
         raise ConvertError(f"--to must be one of {', '.join(TARGETS)}, got {options.to!r}")
-    if options.format not in MCORE_FORMATS:
-        raise ConvertError(f"--format must be one of {', '.join(MCORE_FORMATS)}, got {options.format!r}")
+    if options.format not in ckpt_formats.writable():
+        raise ConvertError(f"--format must be one of {', '.join(ckpt_formats.writable())}, got {options.format!r}")
     for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
         value = getattr(options, name)
         if value is None and name == "make_vocab_size_divisible_by":
@@ -1330,11 +1319,13 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         if not src.exists():
             raise ConvertError(f"{src}: no such file or directory")
         _check_paths(src, dst, options.force)
+        target = ckpt_formats.target(options.to, options.format)
         # --hf-format names the HF side: the source's layout when converting from HF to mcore, the
         # output's when writing HF (the source's is then detected, or recorded in its manifest).
-        source_format = options.hf_format if options.to == "mcore" and _source_kind(src) == "hf" else None
-        # Legacy rank files hold Megatron-LM's per-TP padding; torch_dist's global tensors TP 1's.
-        vocab_tp = options.tp if options.to == "mcore" and options.format == "legacy" else 1
+        source_format = (options.hf_format if target.kind == ckpt_formats.MCORE
+                         and _source_kind(src).kind == ckpt_formats.HF else None)
+        # Rank files (legacy) hold Megatron-LM's per-TP padding; global tensors (torch_dist) TP 1's.
+        vocab_tp = options.tp if target.kind == ckpt_formats.MCORE and target.stores_grid else 1
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
                              tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE)
         _check_shapes(source)  # as stored, before the tables are re-padded from what it records
@@ -1344,22 +1335,16 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
         requant = None
         if options.requantize and options.to != "hf":
             raise ConvertError("--requantize re-quantizes HF output; it does not apply to --to mcore")
-        if options.to == "hf":
-            count, nbytes, requant = _write_hf(source, options, progress)
-            layout, tp, pp, ep = LAYOUT_HF, 1, 1, 1
-        elif options.format == "legacy":
-            count, nbytes = _write_legacy(source, options, progress)
-            layout, tp, pp, ep = LAYOUT_LEGACY, options.tp, options.pp, options.ep
-        else:
-            count, nbytes = _write_torch_dist(source, options, progress)
-            layout, tp, pp, ep = LAYOUT_TORCH_DIST, 1, 1, 1
+        written = target.write(source, options, progress)
     except (CheckpointError, PipelineError, UnknownFamilyError) as exc:
         raise ConvertError(str(exc)) from None
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
-    return ConvertResult(dst, layout, source.family, count, nbytes, time.perf_counter() - started, tp, pp,
+    tp, pp, ep = written.grid.sizes
+    return ConvertResult(dst, target.layout, source.family, written.tensors, written.nbytes,
+                         time.perf_counter() - started, tp, pp,
                          source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection,
-                         requant, ep)
+                         written.requant, ep)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1377,12 +1362,12 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
     path = Path(path)
     try:
         kind = _source_kind(path)
-        if kind == "hf":
+        if kind.kind != ckpt_formats.MCORE:
             raise ConvertError(f"{path}: an HF directory, not an mcore checkpoint")
-        source = (_LegacySource if kind == "legacy" else _TorchDistSource)(path, family, _TensorFilter(None, False))
+        source = kind.open_source(path, family, None, _TensorFilter(None, False), 1, R.VOCAB_MULTIPLE, True)
         _check_shapes(source)  # exactly as convert checks it, before any tensor is read
         aside = R.side_keys(source.rules)
-        if kind == "legacy" and (tp is None or tp == source.tp):
+        if kind.stores_grid and (tp is None or tp == source.tp):
             sink = R.MemorySink(source.tp)
             R.stream_to_mcore(aside, source.kinds, source.produce, sink.put)
             shards = R.McoreShards([{k: state[k] for k in source.order} for state in source.rank_states()],

@@ -18,12 +18,12 @@ import torch
 from safetensors import safe_open
 
 from mmparity.checkpoint import extra_state, torch_dist_files
+from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import link_outside, links_outside, require_regular_file
 from mmparity.checkpoint.legacy import load_rank_file
-from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE,
-                                          TensorRecord, read_manifest)
+from mmparity.checkpoint.manifest import MANIFEST_FILE, TensorRecord, read_manifest
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
@@ -183,6 +183,14 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
         _unexpected(report, dir_name, (set(metadata) | set(objects)) - set(by_key) - {"common_state"})
 
 
+def verify_mcore(own, root: Path, by_file: Mapping[str, list[TensorRecord]], report: VerifyReport) -> None:
+    """An mcore format's records: its side file (tensors Megatron's class has no place for) is
+    safetensors, the rest its own files, checked by ``own``."""
+    side = {f: r for f, r in by_file.items() if f.endswith(_DATA_SUFFIXES)}
+    _verify_hf(root, side, report)
+    own(root, {f: r for f, r in by_file.items() if f not in side}, report)
+
+
 # What holds weights in any layout: safetensors shards, legacy rank files, and torch_dist data files
 # with their metadata (a torch_dist record names the directory of those, so that is the unit).
 _DATA_FILE_NAMES = ("model_optim_rng.pt",)
@@ -222,7 +230,10 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
     root = Path(directory)
     refuse_manifest_link(root)
     manifest = read_manifest(root)
-    parallel = ("" if manifest.layout == LAYOUT_HF else
+    fmt = ckpt_formats.by_layout(manifest.layout)
+    if fmt is None:
+        raise CheckpointError(f"{root / MANIFEST_FILE}: unknown layout {manifest.layout!r}")
+    parallel = ("" if fmt.kind == ckpt_formats.HF else
                 f"tp={manifest.tensor_parallel_size} pp={manifest.pipeline_parallel_size} "
                 f"ep={manifest.expert_parallel_size}")
     report = VerifyReport(root, manifest.layout, partial=_left_out((manifest.provenance.extra or {}).get("left_out")),
@@ -246,7 +257,7 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
             report.problems.append(Problem(file_name, None, f"missing; {len(records)} record(s) not checked"))
             continue
         # A torch_dist record names its directory; a side file is a file in any layout.
-        if manifest.layout != LAYOUT_TORCH_DIST or file_name.endswith(_DATA_SUFFIXES):
+        if not fmt.records_directories or file_name.endswith(_DATA_SUFFIXES):
             try:
                 require_regular_file(path, "data file")
             except CheckpointError as exc:
@@ -255,17 +266,5 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
         present[file_name] = records
     for unit in sorted(_data_units(root) - set(by_file)):
         report.problems.append(Problem(unit, None, "data file not covered by the manifest: nothing certifies it"))
-    # An mcore checkpoint's side file (tensors Megatron's class has no place for) is safetensors.
-    side = {f: r for f, r in present.items() if f.endswith(_DATA_SUFFIXES)}
-    rest = {f: r for f, r in present.items() if f not in side}
-    if manifest.layout == LAYOUT_HF:
-        _verify_hf(root, present, report)
-    elif manifest.layout == LAYOUT_LEGACY:
-        _verify_hf(root, side, report)
-        _verify_legacy(root, rest, report)
-    elif manifest.layout == LAYOUT_TORCH_DIST:
-        _verify_hf(root, side, report)
-        _verify_torch_dist(root, rest, report)
-    else:
-        raise CheckpointError(f"{root / MANIFEST_FILE}: unknown layout {manifest.layout!r}")
+    fmt.verify(root, present, report)
     return report

@@ -188,9 +188,8 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
     (and layer split) unless ``--pp`` says otherwise. torch_dist holds global tensors; like its
     TP size, its pipeline size is only how it was saved, so it runs at ``--pp`` (default 1).
     """
-    from mmparity.checkpoint import (LAYOUT_LEGACY, MANIFEST_FILE, CheckpointError, open_legacy,
-                                     read_manifest, resolve_iteration_dir)
-    from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
+    from mmparity.checkpoint import (MANIFEST_FILE, CheckpointError, formats, open_legacy, read_manifest,
+                                     resolve_iteration_dir)
     from mmparity.checkpoint.streaming import ConvertError, read_mcore_shards
 
     if len(args.families) > 1:
@@ -205,10 +204,11 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
         root = resolve_iteration_dir(args.mcore)[0]
         manifest = read_manifest(root) if os.path.isfile(os.path.join(root, MANIFEST_FILE)) else None
         stored_pp, stored_counts = 1, None
+        # Rank files (legacy) fix the pipeline they were written for; global tensors do not.
         if manifest is not None:
-            if manifest.layout == LAYOUT_LEGACY:
+            if formats.by_layout(manifest.layout).stores_grid:
                 stored_pp, stored_counts = manifest.pipeline_parallel_size, manifest.pipeline_layer_counts
-        elif not is_torch_dist_dir(root):
+        elif formats.detect_iteration(resolve_iteration_dir(args.mcore)[1]).stores_grid:
             stored_pp = open_legacy(args.mcore).pp_size
     except (ConvertError, CheckpointError) as exc:
         raise UsageError(f"--mcore {args.mcore}: {exc}") from None

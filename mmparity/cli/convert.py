@@ -103,6 +103,7 @@ class _NoProgress:
 
 def run(args) -> int:
     quiet_third_party_warnings()
+    from mmparity.checkpoint import formats
     from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert
     from mmparity.checkpoint.fsio.errors import CheckpointError
     from mmparity.checkpoint.fsio.paths import refuse_link_destination
@@ -118,7 +119,7 @@ def run(args) -> int:
         raise UsageError(f"--ep must be >= 1, got {args.ep}")
     options = ConvertOptions(
         src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp, ep=args.ep,
-        format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
+        format=args.format or formats.writable()[0], dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         requantize=args.requantize, expert_layout=args.expert_layout)
@@ -155,7 +156,7 @@ def run(args) -> int:
         if result.detection is not None:
             print(result.detection.line())
         parallel = (f" tp={result.tp} pp={result.pp}" + (f" ep={result.ep}" if result.ep > 1 else "")
-                    if result.layout == "mcore_legacy" else f" ep={result.ep}" if result.ep > 1 else "")
+                    if formats.by_layout(result.layout).stores_grid else f" ep={result.ep}" if result.ep > 1 else "")
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)")

@@ -1,0 +1,38 @@
+"""megatron.core's ``dist_checkpointing`` (torch_dist): global tensors in DCP files with their
+``.metadata`` and ``metadata.json``, loadable at any TP/PP size. Read by ``streaming``'s
+torch_dist source (over ``torch_dist_files``), written by its DCP writer (``save_torch_dist``)."""
+
+from __future__ import annotations
+
+from mmparity.axes import Grid
+from mmparity.checkpoint import streaming
+from mmparity.checkpoint.verify import _verify_torch_dist, verify_mcore
+from mmparity.checkpoint.formats import MCORE, Format, Written
+from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST
+from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
+
+
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete):
+    return streaming._TorchDistSource(path, family, filt, complete)
+
+
+def _write(source, options, progress) -> Written:
+    count, nbytes = streaming._write_torch_dist(source, options, progress)
+    return Written(count, nbytes, Grid.of())
+
+
+def _verify(root, records, report) -> None:
+    verify_mcore(_verify_torch_dist, root, records, report)
+
+
+def _load_state(rank, job, model, built):
+    from mmparity.checkpoint import megatron_load
+
+    return megatron_load.torch_dist_state(rank, job, model, built)
+
+
+FORMAT = Format(
+    name="torch_dist", layout=LAYOUT_TORCH_DIST, kind=MCORE,
+    what="a torch_dist checkpoint (.metadata, metadata.json)",
+    detect=is_torch_dist_dir, open_source=_open, write=_write, verify=_verify, load_state=_load_state,
+    records_directories=True, load_unit="stored", default=True)
