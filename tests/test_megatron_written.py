@@ -28,6 +28,7 @@ live here, in the harness, never in mmparity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -120,6 +121,18 @@ def cpu_fp32_optimizer(model: torch.nn.Module):
     return optimizer
 
 
+@contextlib.contextmanager
+def cpu_stand_ins():
+    """megatron-core's torch_dist save syncs the CUDA device and keeps its error flag there: on a
+    CPU build, a no-op sync and the CPU stand in (harness only)."""
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
 def _replicated(key: str, tensor: torch.Tensor, tp_rank: int):
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -170,7 +183,8 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
                  "num_floating_point_operations_so_far": 12345}
         state["optimizer"] = optimizer.sharded_state_dict(state["model"])
         iteration_dir.mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(state, str(iteration_dir))
+        with cpu_stand_ins():
+            dist_checkpointing.save(state, str(iteration_dir))
     if rank == 0:
         (Path(out) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return True
