@@ -133,6 +133,20 @@ def cpu_stand_ins():
         torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
+def _tp_replicas(sharded: dict, tp_rank: int) -> None:
+    """Tensors whole on every TP rank must say which replica each rank holds. The CPU stand-ins
+    for TE's duplicated linears (MLA's q/kv down-projections) give replica 0 on every rank, which
+    DCP's save refuses as an invalid access pattern; with TE each rank names its own (harness
+    only)."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    for value in sharded.values():
+        whole = (isinstance(value, ShardedTensor) and tuple(value.local_shape) == tuple(value.global_shape)) or (
+            isinstance(value, ShardedObject) and all(n == 1 for n in value.global_shape))
+        if whole and value.replica_id in (0, (0, 0, 0)):
+            value.replica_id = (0, tp_rank, 0)
+
+
 def _replicated(key: str, tensor: torch.Tensor, tp_rank: int):
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -174,6 +188,8 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
     else:
         trained_global = open_legacy(trained_tp1).load_rank(0)
         sharded = megatron_load.sharded_state_dict(model)
+        if tp_rank:
+            _tp_replicas(sharded, tp_rank)
         for key in beside:
             sharded[key] = _replicated(key, trained_global[key], tp_rank)
         optimizer = cpu_fp32_optimizer(model)
@@ -314,3 +330,23 @@ def test_verify_describes_megatron_written(capsys, tmp_path):
         assert code == 0, out + err
         assert f"Megatron-written {fmt} checkpoint, iteration 7" in out
         assert "optimizer" in out and "RNG" in out and "args" in out and "TP 1" in out
+
+
+def test_verify_base_compares_untrained_tensors(capsys, tmp_path):
+    base, trained = make_pair("clip", tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, "clip", 1, "legacy", base, trained)
+    result = check_export(capsys, ckpt, tmp_path / "hf", base, trained)
+    code, out, err = run_cli(capsys, "verify", tmp_path / "hf", "--base", base)
+    assert code == 0 and f"{len(result['from_base'])} tensors from the base, not trained, equal" in out, out + err
+    # A negative control: another base (its ln_post changed) is told apart.
+    from safetensors.torch import save_file
+
+    other = shutil.copytree(base, tmp_path / "other")
+    state = load_safetensors_state_dict(other)
+    key = sorted(result["from_base"])[0]
+    state[key] = state[key] + 1
+    for f in other.glob("*.safetensors*"):
+        f.unlink()
+    save_file(state, str(other / "model.safetensors"))
+    code, out, err = run_cli(capsys, "verify", tmp_path / "hf", "--base", other)
+    assert code == 1 and key in out and "differ" in out, out + err

@@ -81,7 +81,8 @@ def _compare_base(args, directory) -> bool:
     if args.base is None:
         return True
     from mmparity.checkpoint import CheckpointError
-    from mmparity.checkpoint.megatron_written import FROM_BASE, compare_with_base
+    from mmparity.checkpoint.base_compare import compare_with_base
+    from mmparity.checkpoint.megatron_written import FROM_BASE
 
     try:
         count, problems = compare_with_base(directory, args.base)
