@@ -331,6 +331,12 @@ def test_megatron_classes_become_inert_records_never_imports():
     with pytest.raises(unpickle.RefusedPickle, match="builtins.eval"):
         unpickle.loads(b"\x80\x02cbuiltins\neval\nX\x01\x00\x00\x001\x85R.", unpickle.LEGACY_NAMES, "test",
                        unpickle.MEGATRON_INERT_MODULES)
+    # Megatron-LM's args.exit_signal: the Signals enum is inert, the signal module's functions are not.
+    assert unpickle.loads(b"\x80\x02csignal\nSignals\nK\x0f\x85R.", unpickle.LEGACY_NAMES, "test",
+                          unpickle.MEGATRON_INERT_MODULES).name == "Signals"
+    with pytest.raises(unpickle.RefusedPickle, match="signal.alarm"):
+        unpickle.loads(b"\x80\x02csignal\nalarm\nK\x0f\x85R.", unpickle.LEGACY_NAMES, "test",
+                       unpickle.MEGATRON_INERT_MODULES)
     with pytest.raises(unpickle.RefusedPickle, match="megatron.core.enums.ModelType"):
         unpickle.loads(b"\x80\x02cmegatron.core.enums\nModelType\nK\x01\x85R.", unpickle.LEGACY_NAMES, "test")
 

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import random
+import signal
 import shutil
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def megatron_args(tp: int, pp: int = 1, ep: int = 1) -> argparse.Namespace:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         virtual_pipeline_model_parallel_size=None, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
         ckpt_format="torch", make_vocab_size_divisible_by=128, iteration=ITERATION, lr=1e-4, seed=1234,
-        recompute_modules=["core_attn"], no_save_rng=False, no_save_optim=False, data_parallel_random_init=False)
+        recompute_modules=["core_attn"], exit_signal=signal.SIGTERM, no_save_rng=False, no_save_optim=False, data_parallel_random_init=False)
 
 
 def rng_state() -> list:

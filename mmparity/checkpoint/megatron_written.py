@@ -103,17 +103,28 @@ def iterations(root: Path) -> list[int | str]:
 
 
 def read_common(iteration_dir: Path) -> dict | None:
-    """A torch_dist iteration's ``common.pt`` (megatron-core's non-sharded state: Megatron-LM's
+    """A torch_dist iteration's ``common.pt`` or ``common_state`` item (megatron-core's non-sharded state: Megatron-LM's
     ``args``, ``iteration``, the optimizer's param groups ...), decoded under the legacy allow-list
     with Megatron's classes inert; None when absent."""
+    from mmparity.checkpoint import torch_dist_files
+
     path = Path(iteration_dir) / COMMON_FILE
-    if not os.path.lexists(path):
-        return None
-    require_regular_file(path, "torch_dist common state")
-    data = path.read_bytes()
-    common = unpickle.load_torch_archive(data, unpickle.LEGACY_NAMES, str(path), unpickle.MEGATRON_INERT_MODULES)
+    if os.path.lexists(path):
+        require_regular_file(path, "torch_dist common state")
+        data, where = path.read_bytes(), str(path)
+    else:
+        # Newer savers keep it inside the DCP files, as the byte item `common_state/shard_0_1`.
+        metadata = torch_dist_files.load_metadata(iteration_dir)
+        keys = [k for k in metadata.state_dict_metadata if k.split("/")[0] == "common_state"]
+        if len(keys) != 1:
+            return None
+        data = torch_dist_files.object_bytes(iteration_dir, keys[0], metadata)
+        where = f"{iteration_dir}: object {keys[0]!r}"
+    common = unpickle.load_torch_archive(data, unpickle.LEGACY_NAMES, where, unpickle.MEGATRON_INERT_MODULES)
+    if isinstance(common, list) and len(common) == 1:  # a ShardedObject's item, as DCP stores it
+        common = common[0]
     if not isinstance(common, dict):
-        raise CheckpointError(f"{path}: expected a dict, found {type(common).__name__}")
+        raise CheckpointError(f"{where}: expected a dict, found {type(common).__name__}")
     return common
 
 

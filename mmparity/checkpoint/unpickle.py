@@ -110,6 +110,9 @@ LEGACY_NAMES: Mapping[str, frozenset[str]] = {
 # arguments, state), which nothing calls. Anything outside these packages is still refused, and a
 # model entry holding an Inert record is refused by its reader (weights are tensors).
 MEGATRON_INERT_MODULES = ("megatron.core.", "megatron.training.", "megatron.legacy.")
+# Outside Megatron, only these exact classes are kept inert where Megatron classes are: Megatron-LM's
+# `args.exit_signal` is a `signal.Signals` member (the module's functions stay refused).
+INERT_NAMES: Mapping[str, frozenset[str]] = {"signal": frozenset({"Signals"})}
 
 
 class Inert:
@@ -189,8 +192,10 @@ class RestrictedUnpickler(pickle.Unpickler):
             return _latin1_bytes  # how protocol 2 spells a bytes object
         if name in self.allowed.get(module, ()):
             return super().find_class(module, name)
-        if self.inert and isinstance(module, str) and isinstance(name, str) and module.startswith(self.inert) \
-                and name.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        if self.inert and isinstance(module, str) and isinstance(name, str) and (
+                (module.startswith(self.inert) and name.isidentifier()
+                 and all(part.isidentifier() for part in module.split(".")))
+                or name in INERT_NAMES.get(module, ())):
             return _inert_factory(module, name)
         raise RefusedPickle(f"{self.where}: refusing to unpickle {module}.{name} (not a plain data "
                             "class a checkpoint may hold; nothing from it was run)")
