@@ -219,3 +219,134 @@ def test_megatrons_saved_plans_are_read(capsys, tmp_path, clean):
     back, original = load_file(next((tmp_path / "hf").glob("*.safetensors"))), load_file(
         next(clean["hf"].glob("*.safetensors")))
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints Megatron's own savers wrote (args, RNG, optimizer; megatron-core's .metadata)
+
+
+@pytest.fixture(scope="module")
+def megatron_written(tmp_path_factory):
+    """A clip checkpoint saved by Megatron's savers, legacy (Megatron-LM's rank-file layout) and
+    torch_dist (``dist_checkpointing.save`` with an optimizer's sharded state), and its base."""
+    from tests.test_megatron_written import make_pair, megatron_written as written
+
+    class _Quiet:  # run_cli's capsys, outside a test
+        def readouterr(self):
+            return "", ""
+
+    tmp = tmp_path_factory.mktemp("megatron_written")
+    base, trained = make_pair("clip", tmp)
+    return {"base": base, **{fmt: written(_Quiet(), tmp, "clip", 1, fmt, base, trained)
+                             for fmt in ("legacy", "torch_dist")}}
+
+
+def _megatron_commands(root: Path, base: Path, out: Path) -> dict[str, list]:
+    return {"verify": ["verify", root],
+            "convert --base": ["convert", "--src", root, "--dst", out / "hf", "--to", "hf", "--base", base]}
+
+
+def test_megatron_written_rank_file_naming_os_system_is_refused(capsys, tmp_path, megatron_written):
+    root = shutil.copytree(megatron_written["legacy"], tmp_path / "ckpt")
+    marker = tmp_path / "PAYLOAD-RAN"
+    path = next(root.glob("iter_*/mp_rank_00*/model_optim_rng.pt"))
+
+    class System:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    # The file as Megatron-LM wrote it (its args, optimizer, RNG), with one hostile entry added.
+    from mmparity.checkpoint.legacy import load_rank_payload
+
+    assert {"args", "optimizer", "rng_state", "opt_param_scheduler", "iteration"} <= set(load_rank_payload(path))
+    payload = torch.load(path, weights_only=False)  # the harness's own file, to re-save with a payload
+    for entry in ("opt_param_scheduler", "args"):
+        hostile = dict(payload)
+        hostile[entry] = System()
+        path.write_bytes(_torch_save(hostile))
+        for name, argv in _megatron_commands(root, megatron_written["base"], tmp_path / "out").items():
+            code, out, err = run_cli(capsys, *argv)
+            assert not marker.exists(), f"`mmparity {name}` ran code planted in {entry}"
+            assert code == 2 and "refusing to unpickle posix.system" in err and "model_optim_rng.pt" in err, (
+                name, out, err)
+            assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_megatron_written_metadata_naming_os_system_is_refused(capsys, tmp_path, megatron_written):
+    """megatron-core's own `.metadata` (its SavePlans included), with a hostile planner entry."""
+    root = shutil.copytree(megatron_written["torch_dist"], tmp_path / "ckpt")
+    marker = tmp_path / "PAYLOAD-RAN"
+    iteration = _iteration_dir(root)
+    metadata = torch_dist_files.load_metadata(iteration)
+    assert metadata.all_local_plans, "megatron-core's saver keeps every rank's SavePlan"
+
+    class System:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    metadata.planner_data = {"hostile": System()}
+    (iteration / ".metadata").write_bytes(pickle.dumps(metadata))
+    for name, argv in _megatron_commands(root, megatron_written["base"], tmp_path / "out").items():
+        code, out, err = run_cli(capsys, *argv)
+        assert not marker.exists(), f"`mmparity {name}` ran code planted in .metadata"
+        assert code == 2 and "refusing to unpickle posix.system" in err and ".metadata" in err, (name, out, err)
+
+
+def test_megatron_core_plan_classes_are_allowed(megatron_written):
+    """What megatron-core's saver put in `.metadata` names only allow-listed classes: every global
+    of the pickle, read without decoding it, is on DCP_METADATA_NAMES."""
+    from mmparity.checkpoint import unpickle
+
+    data = (_iteration_dir(megatron_written["torch_dist"]) / ".metadata").read_bytes()
+    named = set()
+
+    class Recording(unpickle.RestrictedUnpickler):
+        def find_class(self, module, name):
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    metadata = Recording(io.BytesIO(data), unpickle.DCP_METADATA_NAMES, "test").load()
+    assert ("torch.distributed.checkpoint.planner", "SavePlan") in named
+    assert ("torch.distributed.checkpoint.planner", "WriteItem") in named
+    assert metadata.all_local_plans and all(type(p).__name__ == "SavePlan" for p in metadata.all_local_plans)
+    # The optimizer's sharded state is there too (and ignored by the export).
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in metadata.state_dict_metadata)
+
+
+def test_megatron_classes_become_inert_records_never_imports():
+    """Megatron's enums in `args` are kept as inert records: nothing under `megatron.` is
+    imported; anything else (builtins.eval) is still refused; an inert record where weights
+    belong is refused by the rank-file reader."""
+    import sys
+
+    from mmparity.checkpoint import unpickle
+
+    data = (b"\x80\x02cmegatron.core.not_a_module\nAttnBackend\nK\x05\x85R."
+            b"")
+    before = set(sys.modules)
+    value = unpickle.loads(data, unpickle.LEGACY_NAMES, "test", unpickle.MEGATRON_INERT_MODULES)
+    assert isinstance(value, unpickle.Inert) and value.args == (5,) and value.name == "AttnBackend"
+    assert "megatron.core.not_a_module" not in sys.modules and not {m for m in set(sys.modules) - before
+                                                                   if m.startswith("megatron")}
+    with pytest.raises(unpickle.RefusedPickle, match="builtins.eval"):
+        unpickle.loads(b"\x80\x02cbuiltins\neval\nX\x01\x00\x00\x001\x85R.", unpickle.LEGACY_NAMES, "test",
+                       unpickle.MEGATRON_INERT_MODULES)
+    # Megatron-LM's args.exit_signal: the Signals enum is inert, the signal module's functions are not.
+    assert unpickle.loads(b"\x80\x02csignal\nSignals\nK\x0f\x85R.", unpickle.LEGACY_NAMES, "test",
+                          unpickle.MEGATRON_INERT_MODULES).name == "Signals"
+    with pytest.raises(unpickle.RefusedPickle, match="signal.alarm"):
+        unpickle.loads(b"\x80\x02csignal\nalarm\nK\x0f\x85R.", unpickle.LEGACY_NAMES, "test",
+                       unpickle.MEGATRON_INERT_MODULES)
+    with pytest.raises(unpickle.RefusedPickle, match="megatron.core.enums.ModelType"):
+        unpickle.loads(b"\x80\x02cmegatron.core.enums\nModelType\nK\x01\x85R.", unpickle.LEGACY_NAMES, "test")
+
+
+def test_inert_record_in_model_entry_is_refused(tmp_path):
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.legacy import load_rank_file
+    from megatron.core.transformer.enums import AttnBackend
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": {"w": torch.zeros(2), "x": AttnBackend.auto}, "checkpoint_version": 3.0}, path)
+    with pytest.raises(CheckpointError, match="Megatron's classes where weights belong"):
+        load_rank_file(path)

@@ -46,7 +46,7 @@ def _toy_format(written: list, verified: list) -> formats.Format:
     return formats.Format(
         name="toy", layout="mcore_toy", kind=formats.MCORE, what="a toy checkpoint (toy.json)",
         detect=lambda iteration_dir: (iteration_dir / "toy.json").is_file(),
-        open_source=lambda path, family, hf_format, filt, tp, multiple, complete: _ToySource(path, family, complete),
+        open_source=lambda path, family, hf_format, filt, tp, multiple, complete, **described: _ToySource(path, family, complete),
         write=write, verify=lambda root, records, report: verified.append(sorted(records)), stores_grid=True)
 
 

@@ -57,7 +57,7 @@ from mmparity.checkpoint.manifest import (
 )
 
 __all__ = ["write_legacy", "LegacyWriter", "finish_legacy", "open_legacy", "read_legacy", "LegacyCheckpoint",
-           "load_rank_file"]
+           "load_rank_file", "load_rank_payload", "model_chunk_keys"]
 
 # Values a weights_only load accepts, and therefore all we are willing to write.
 _PLAIN_VALUES = (torch.Tensor, type(None), bool, int, float, str)
@@ -335,15 +335,14 @@ def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: in
     )
 
 
-def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=None) -> dict:
-    """The `model` state dict of one `model_optim_rng.pt`, loaded with weights_only=True.
-
-    `mmap=True` maps the file instead of reading it: tensors are backed by the page cache and only
-    the bytes actually used are read, so a converter can stream through a rank file.
-    """
+def load_rank_payload(path: str | os.PathLike, *, mmap: bool = False) -> dict:
+    """Everything one `model_optim_rng.pt` holds, decoded under the legacy allow-list: the model,
+    and what Megatron-LM's own `save_checkpoint` adds (`args`, `iteration`, `optimizer`,
+    `opt_param_scheduler`, `rng_state`, ...), Megatron's classes among them as inert records
+    (`unpickle.Inert`, never imported)."""
     path = Path(path)
     require_regular_file(path, "rank file")
-    restricted = unpickle.torch_pickle_module(unpickle.LEGACY_NAMES, str(path))
+    restricted = unpickle.torch_pickle_module(unpickle.LEGACY_NAMES, str(path), unpickle.MEGATRON_INERT_MODULES)
     try:
         # torch's own weights_only list is process-wide (megatron-core adds to it on import); ours
         # is the explicit one, with torch still handling storages and mmap.
@@ -356,18 +355,44 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
         raise CheckpointError(f"{path}: unreadable as a torch.save file ({errors.one_line(exc, 300)})") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path}: expected a dict, found {type(payload).__name__}")
-    if "model" not in payload:
-        if any(k.startswith("model") and k[5:].isdigit() for k in payload):
-            raise CheckpointError(f"{path}: virtual-pipeline checkpoints (model0, model1, ...) are not supported")
-        raise CheckpointError(f"{path}: no 'model' entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
+    return payload
+
+
+def model_chunk_keys(payload: Mapping) -> list[str]:
+    """`["model"]`, or Megatron-LM's virtual-pipeline chunks `["model0", "model1", ...]` in order."""
+    if "model" in payload:
+        return ["model"]
+    chunks = sorted((int(k[5:]), k) for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isdigit())
+    return [k for _, k in chunks]
+
+
+def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=None, chunk: str = "model") -> dict:
+    """The `model` state dict of one `model_optim_rng.pt` (or virtual-pipeline chunk `chunk`,
+    `model0` ...), decoded under the legacy allow-list (`load_rank_payload`).
+
+    `mmap=True` maps the file instead of reading it: tensors are backed by the page cache and only
+    the bytes actually used are read, so a converter can stream through a rank file.
+    """
+    path = Path(path)
+    payload = load_rank_payload(path, mmap=mmap)
+    if chunk not in payload:
+        chunks = model_chunk_keys(payload)
+        if chunks and chunk == "model":
+            raise CheckpointError(f"{path}: virtual-pipeline chunks ({', '.join(chunks)}) where a 'model' entry "
+                                  "was expected")
+        raise CheckpointError(f"{path}: no {chunk!r} entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
     version = payload.get("checkpoint_version", 0)
     if not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION:
         # Before 3.0 the fused QKV rows were ordered differently; converting them as 3.0 would be
         # silently wrong.
         raise CheckpointError(f"{path}: checkpoint_version {version!r} is older than {CHECKPOINT_VERSION}; not supported")
-    model = payload["model"]
+    model = payload[chunk]
     if not isinstance(model, dict):
-        raise CheckpointError(f"{path}: 'model' is a {type(model).__name__}, not a state dict")
+        raise CheckpointError(f"{path}: {chunk!r} is a {type(model).__name__}, not a state dict")
+    inert = unpickle.inert_values(model)
+    if inert:
+        raise CheckpointError(f"{path}: {chunk!r} holds objects of Megatron's classes where weights belong "
+                              f"({', '.join(inert[:4])}); not a model state dict")
     if mmap:
         base = _check_mapped_spans(path, model)
         if file_ranges is not None and base is not None:
@@ -419,7 +444,7 @@ class LegacyCheckpoint:
     ep_size: int = 1
 
     def load_rank(self, tp_rank: int, pp_rank: int = 0, ep_rank: int = 0, *, mmap: bool = False,
-                  file_ranges=None) -> dict:
+                  file_ranges=None, chunk: str = "model") -> dict:
         """The locally numbered state dict of one (TP rank, PP stage, EP rank); `mmap` as in
         `load_rank_file`."""
         if (tp_rank, pp_rank, ep_rank) not in self.files:
@@ -427,14 +452,14 @@ class LegacyCheckpoint:
                 f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} / EP rank {ep_rank} in a "
                 f"TP={self.tp_size} PP={self.pp_size} EP={self.ep_size} checkpoint"
             )
-        return load_rank_file(self.files[tp_rank, pp_rank, ep_rank], mmap=mmap, file_ranges=file_ranges)
+        return load_rank_file(self.files[tp_rank, pp_rank, ep_rank], mmap=mmap, file_ranges=file_ranges, chunk=chunk)
 
     def stage_state(self, tp_rank: int, pp_rank: int = 0, *, num_experts: int | None = None, mmap: bool = False,
-                    file_ranges=None) -> dict:
+                    file_ranges=None, chunk: str = "model") -> dict:
         """One (TP rank, PP stage)'s state dict, its EP ranks' experts merged back to global
         numbers (`converters.ep.merge_expert_ranks`: every expert once, replicated tensors equal
         on every EP rank); layers still numbered locally."""
-        states = [self.load_rank(tp_rank, pp_rank, ep_rank, mmap=mmap, file_ranges=file_ranges)
+        states = [self.load_rank(tp_rank, pp_rank, ep_rank, mmap=mmap, file_ranges=file_ranges, chunk=chunk)
                   for ep_rank in range(self.ep_size)]
         if self.ep_size == 1:
             return states[0]

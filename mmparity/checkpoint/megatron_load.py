@@ -42,7 +42,7 @@ from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
 from mmparity.checkpoint.manifest import read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
-from mmparity.checkpoint.streaming import HF_CONFIG_FILE, ConvertError, _check_shapes, _validate_tp, open_source
+from mmparity.checkpoint.streaming import ConvertError, _check_shapes, _validate_tp, open_source
 from mmparity.checkpoint.unpickle import RefusedPickle
 from mmparity.converters import pp as pp_mod
 from mmparity.upstream import models

@@ -50,10 +50,11 @@ from safetensors.torch import load_file as safetensors_load, save as safetensors
 from mmparity import families, runtime
 from mmparity.checkpoint import extra_state
 from mmparity.checkpoint import formats as ckpt_formats
-from mmparity.checkpoint.hf import bound_config, read_hf_config
+from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import TRACKER_FILE, checkpoint_extent, resolve_iteration_dir
-from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, open_legacy
+from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, load_rank_payload, model_chunk_keys, open_legacy
+from mmparity.checkpoint.megatron_written import FROM_BASE, ModelConfig, args_parallelism, copy_base_files
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
                                           Provenance, TensorRecord, read_manifest, write_manifest)
 from mmparity.checkpoint.torch_dist_files import TorchDistFiles
@@ -69,7 +70,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.heap import heap_budget
 from mmparity.checkpoint.fsio.pieces import FileRanges, joined, narrow_pieces, route_pieces
 from mmparity.checkpoint.fsio.publish import atomic_directory, recover_destination
-from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE, parse_size
+from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE, has_hf_weights, parse_size
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 from mmparity.checkpoint import quantized as quant_io
@@ -168,6 +169,12 @@ class ConvertOptions:
     # SequentialMLP does (``local_experts.{e}.linear_fc1.weight``). torch_dist files are the same
     # either way (mcore shards both on one global expert axis).
     expert_layout: str = "grouped"
+    # An mcore checkpoint Megatron-LM wrote (no mmparity.json, no hf_config.json, no side file):
+    # the HF release it was converted from (config, tokenizer/processor files and the tensors
+    # Megatron has no place for), or just an HF config file; and which iteration of several.
+    base: Path | None = None
+    hf_config: Path | None = None
+    iteration: int | str | None = None
 
     @property
     def grid(self) -> Grid:
@@ -239,6 +246,9 @@ class ConvertResult:
     detection: families.Detection | None = None  # how the family was told, when not given
     requant: quant_mod.RequantError | None = None  # --requantize: what re-quantizing changed
     ep: int = 1
+    from_base: tuple = ()  # HF keys written from --base, not from the checkpoint (not trained)
+    copied: tuple = ()  # files copied from --base (tokenizer, processor, ...)
+    iteration: int | str | None = None  # the mcore source's iteration
 
 
 class Progress:
@@ -534,22 +544,74 @@ def _manifest_family(manifest: Manifest | None, family: str | None, where: Path)
     return name
 
 
+def _manifest_of_iteration(manifest: Manifest | None, iteration) -> Manifest | None:
+    """The root's manifest as it bears on ``iteration``: whole when it records that iteration (or
+    none); else (Megatron-LM trained on and saved into the directory mmparity wrote) only what is
+    beside the iterations (family, HF provenance, the side file), with no sizes or tensor records
+    of the iteration it no longer describes."""
+    if manifest is None or manifest.iteration is None or manifest.iteration == iteration:
+        return manifest
+    beside = tuple(r for r in manifest.tensors if "/" not in r.file and r.offset is None)
+    return dataclasses.replace(manifest, tensors=beside, pipeline_layer_counts=None, iteration=None)
+
+
+def _check_megatron_args(ckpt) -> list[str]:
+    """The model entries of a legacy checkpoint's rank files (``model``, or the virtual-pipeline
+    chunks ``model0`` ...), and the TP / PP / EP sizes its ``args`` record (a checkpoint Megatron-LM
+    wrote) against its rank directories: one rank file is read (mapped) for both."""
+    first = ckpt.files[min(ckpt.files)]
+    payload = load_rank_payload(first, mmap=True)
+    chunks = model_chunk_keys(payload)
+    if not chunks:
+        raise ConvertError(f"{first}: no 'model' entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
+    recorded = args_parallelism(payload.get("args"))
+    held = {"tp": ckpt.tp_size, "pp": ckpt.pp_size, "ep": ckpt.ep_size}
+    wrong = [f"{axis.upper()} {recorded[axis]}" for axis in held if axis in recorded and recorded[axis] != held[axis]]
+    if wrong:
+        raise ConvertError(f"{first}: its args record {' and '.join(wrong)}, but {ckpt.iteration_dir} holds "
+                           f"TP {ckpt.tp_size} x PP {ckpt.pp_size} x EP {ckpt.ep_size} of rank directories")
+    vpp = recorded.get("vpp")
+    if vpp is not None and len(chunks) != vpp and not (vpp == 1 and chunks == ["model"]):
+        raise ConvertError(f"{first}: its args record {vpp} virtual-pipeline chunks, it holds {', '.join(chunks)}")
+    return chunks
+
+
 class _McoreSource(_Source):
     """Shared by the two mcore formats: family, config and HF provenance from the root."""
 
     # The divisor the manifest records (None: none recorded, Megatron-LM's default is assumed).
     recorded_divisor: int | None = None
 
+    # Set when the config and side tensors come from --base / --hf-config (see ModelConfig).
+    model_config: ModelConfig | None = None
+    manifest_elsewhere = False  # the root's manifest records another iteration than the one read
+    from_base: tuple = ()  # mcore side keys taken from the base
+    iteration: int | str | None = None
+
     def _init_common(self, root: Path, manifest: Manifest | None, family: str | None,
-                     filt: _TensorFilter, complete: bool = True) -> None:
+                     filt: _TensorFilter, complete: bool = True, model_config: ModelConfig | None = None) -> None:
         """``complete=False`` (``verify --load``): tensors missing or foreign to the family are left
         for the strict load to name, and the side file (which Megatron's class never reads) is
         checked only where present; the shapes of the tensors present, the records of the manifest
         and the TP size are checked all the same."""
         self.root, self.manifest, self._filter = root, manifest, filt
         self.complete = complete
-        self.family = _manifest_family(manifest, family, root)
-        self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root)
+        self.model_config = model_config
+        if model_config is not None:
+            recorded = manifest.provenance.family if manifest is not None else None
+            if recorded is not None and recorded != model_config.family:
+                raise ConvertError(f"{root}: holds a {recorded!r} checkpoint (its {MANIFEST_FILE}), but "
+                                   f"{model_config.origin} describes a {model_config.family!r} model")
+            self.family = model_config.family
+            self.cfg, self.config_bytes = model_config.cfg, model_config.config_bytes
+        else:
+            if manifest is None and not (root / HF_CONFIG_FILE).is_file():
+                raise ConvertError(f"{root}: no {MANIFEST_FILE} and no {HF_CONFIG_FILE}: a checkpoint Megatron-LM "
+                                   "wrote needs the model it was converted from: --base HF_DIR (the HF release: "
+                                   "config, tokenizer and the tensors Megatron keeps no place for) or "
+                                   "--hf-config FILE (with --family)")
+            self.family = _manifest_family(manifest, family, root)
+            self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root)
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
         if isinstance(extra.get("left_out"), dict):
             self.left_out_record = extra["left_out"]
@@ -559,6 +621,8 @@ class _McoreSource(_Source):
         formats = families.get(self.family).converter.formats
         self.hf_format = recorded if recorded in formats else formats[0]
         self.prefix = str(extra.get("hf_prefix") or "")
+        if model_config is not None and (manifest is None or model_config.base is not None):
+            self.hf_format, self.prefix = model_config.hf_format, model_config.prefix
         multiple = extra.get("make_vocab_size_divisible_by")
         if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 0:
             self.vocab_multiple = self.recorded_divisor = multiple
@@ -566,8 +630,18 @@ class _McoreSource(_Source):
         self.kinds = _kinds(self.rules)
         self.order = _mcore_order(self.rules)
         side_keys = R.side_keys(self.rules)
-        self.side = (_read_side_file(root, manifest, side_keys)
-                     if complete or (root / SIDE_FILE).is_file() else {})
+        if side_keys and model_config is not None and model_config.side_tensors is not None:
+            # Megatron never held these: the base's own, by the family's rules, named in the output.
+            self.side = model_config.side_tensors(side_keys)
+            self.from_base = tuple(side_keys)
+        elif side_keys and model_config is not None and manifest is None:
+            raise ConvertError(f"{root}: Megatron's class has no place for {', '.join(side_keys[:4])}"
+                               f"{' ...' if len(side_keys) > 4 else ''}, so a checkpoint Megatron wrote lacks them: "
+                               f"pass --base HF_DIR (the release it was converted from) instead of "
+                               f"{model_config.origin}")
+        else:
+            self.side = (_read_side_file(root, manifest, side_keys)
+                         if complete or (root / SIDE_FILE).is_file() else {})
         self._repad: dict[str, PadRows] = {}  # mcore key -> the padding it is served with
 
     def repad_vocab(self, tp: int, multiple: int) -> None:
@@ -623,7 +697,7 @@ class _McoreSource(_Source):
         rank directories' (``stored_tp`` x ``stored_pp`` x ``stored_ep``); torch_dist's (global
         tensors) must fit the model as a ``--tp`` / ``--pp`` / ``--ep`` would; the layer counts must
         split the config's layers."""
-        manifest = self.manifest
+        manifest = None if self.manifest_elsewhere else self.manifest
         if manifest is None:
             if stored_ep is not None and stored_ep > 1:
                 self._check_ep(stored_ep, self.root)
@@ -680,11 +754,18 @@ class _McoreSource(_Source):
 class _LegacySource(_McoreSource):
     layout = LAYOUT_LEGACY
 
-    def __init__(self, path: Path, family: str | None, filt: _TensorFilter, complete: bool = True):
+    def __init__(self, path: Path, family: str | None, filt: _TensorFilter, complete: bool = True,
+                 model_config: ModelConfig | None = None, iteration: int | str | None = None):
         self.path = path
-        ckpt = open_legacy(path)
-        self._init_common(ckpt.root, ckpt.manifest, family, filt, complete)
+        ckpt = open_legacy(path, iteration=iteration)
+        self.iteration = ckpt.iteration
+        manifest = _manifest_of_iteration(ckpt.manifest, ckpt.iteration)
+        if manifest is not ckpt.manifest:
+            ckpt = dataclasses.replace(ckpt, manifest=manifest)
+            self.manifest_elsewhere = True
+        self._init_common(ckpt.root, manifest, family, filt, complete, model_config)
         self._check_recorded_parallelism(ckpt.tp_size, ckpt.pp_size, ckpt.ep_size)
+        chunks = _check_megatron_args(ckpt)
         self.file_ranges = FileRanges()
         self.tp = ckpt.tp_size
         extra = dict(ckpt.manifest.provenance.extra or {}) if ckpt.manifest else {}
@@ -696,11 +777,14 @@ class _LegacySource(_McoreSource):
             # mmap: only the header pickle is read now; tensor bytes come from the page cache when
             # a step needs them.
             # Each stage's EP ranks merged first: their experts back to global numbers.
+            # Virtual-pipeline chunks (model0, model1, ...) are further stages, chunk-major: chunk c
+            # of stage p holds the (c * PP + p)-th slice of the layer stack.
             stages = [ckpt.stage_state(tp_rank, stage, num_experts=self.num_experts or None, mmap=True,
-                                       file_ranges=self.file_ranges)
-                      for stage in range(ckpt.pp_size)]
-            merged = (pp_mod.merge_pipeline_stages(stages, counts, layer_prefix=layer_prefix)
-                      if ckpt.pp_size > 1 else stages[0])
+                                       file_ranges=self.file_ranges, chunk=chunk)
+                      for chunk in chunks for stage in range(ckpt.pp_size)]
+            merged = (pp_mod.merge_pipeline_stages(stages, counts if len(chunks) == 1 else None,
+                                                   layer_prefix=layer_prefix)
+                      if len(stages) > 1 else stages[0])
             state = {k: v for k, v in R.to_te_spelling(merged).items() if isinstance(v, torch.Tensor)}
             # Experts saved in the other layout (``--expert-layout``, or Megatron-LM run without
             # grouped GEMM) are read under the rule table's names.
@@ -790,11 +874,15 @@ def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, t
 class _TorchDistSource(_McoreSource):
     layout = LAYOUT_TORCH_DIST
 
-    def __init__(self, path: Path, family: str | None, filt: _TensorFilter, complete: bool = True):
+    def __init__(self, path: Path, family: str | None, filt: _TensorFilter, complete: bool = True,
+                 model_config: ModelConfig | None = None, iteration: int | str | None = None):
         self.path = path
-        root, iteration_dir, _ = resolve_iteration_dir(path)
+        root, iteration_dir, self.iteration = resolve_iteration_dir(path, iteration)
         manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
-        self._init_common(root, manifest, family, filt, complete)
+        recorded = manifest
+        manifest = _manifest_of_iteration(manifest, self.iteration)
+        self.manifest_elsewhere = manifest is not recorded
+        self._init_common(root, manifest, family, filt, complete, model_config)
         self._check_recorded_parallelism(None, None)
         self.files = TorchDistFiles(iteration_dir)
         self.index = torch_dist_index(self.files, self.order)
@@ -820,7 +908,7 @@ class _TorchDistSource(_McoreSource):
         return self.files.file_ranges.locate(piece)
 
 
-def _source_kind(path: Path) -> ckpt_formats.Format:
+def _source_kind(path: Path, iteration: int | str | None = None) -> ckpt_formats.Format:
     """The format of a source directory (see :mod:`mmparity.checkpoint.formats`)."""
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
@@ -830,7 +918,7 @@ def _source_kind(path: Path) -> ckpt_formats.Format:
     if found is not None:
         return found
     try:
-        _, iteration_dir, _ = resolve_iteration_dir(path)
+        _, iteration_dir, _ = resolve_iteration_dir(path, iteration)
     except CheckpointError as exc:
         if (path / TRACKER_FILE).exists() or path.name.startswith("iter_"):
             raise ConvertError(str(exc)) from None
@@ -845,14 +933,16 @@ def _source_kind(path: Path) -> ckpt_formats.Format:
 
 def open_source(path, family: str | None = None, hf_format: str | None = None, *,
                 dtype: torch.dtype | None = None, check_finite: bool = False, tp: int = 1,
-                vocab_multiple: int = R.VOCAB_MULTIPLE, complete: bool = True) -> _Source:
+                vocab_multiple: int = R.VOCAB_MULTIPLE, complete: bool = True,
+                model_config: ModelConfig | None = None, iteration: int | str | None = None) -> _Source:
     """Opens and fully validates a source checkpoint (HF, legacy or torch_dist); reads no weights.
     An HF source is planned for ``tp`` ranks with vocabularies padded to ``vocab_multiple × tp``.
     ``complete=False`` opens an mcore checkpoint that may lack tensors or hold foreign ones (see
     ``_McoreSource._init_common``)."""
     path = Path(path)
-    return _source_kind(path).open_source(path, family, hf_format, _TensorFilter(dtype, check_finite), tp,
-                                          vocab_multiple, complete)
+    return _source_kind(path, iteration).open_source(path, family, hf_format, _TensorFilter(dtype, check_finite), tp,
+                                                     vocab_multiple, complete, model_config=model_config,
+                                                     iteration=iteration)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -999,6 +1089,15 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
         else:
             config = quant_io.config_without_quantization(source.config_bytes)
         (staging / CONFIG_FILE).write_bytes(config)
+        model_config = getattr(source, "model_config", None)
+        if model_config is not None and model_config.base is not None:
+            source.copied = tuple(copy_base_files(model_config.base, staging))
+        from_base = set(getattr(source, "from_base", ()))
+        if from_base:
+            # The HF tensors made only of side tensors the base gave: Megatron never held them.
+            source.from_base_hf = tuple(sorted(k for k in plan.outputs if set(plan.source_keys(k)) <= from_base))
+            provenance = dataclasses.replace(provenance, extra={**provenance.extra, "from_base": {
+                "base": str(model_config.base), "note": FROM_BASE, "tensors": list(source.from_base_hf)}})
         write_manifest(staging, Manifest(
             layout=LAYOUT_HF,
             tensors=tuple(TensorRecord(writer.weight_map[n], n, c) for n, c in writer.checksums.items()),
@@ -1326,13 +1425,14 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
                          and _source_kind(src).kind == ckpt_formats.HF else None)
         # Rank files (legacy) hold Megatron-LM's per-TP padding; global tensors (torch_dist) TP 1's.
         vocab_tp = options.tp if target.kind == ckpt_formats.MCORE and target.stores_grid else 1
+        model_config = model_config_for(src, options.family, options.base, options.hf_config, options.iteration)
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
-                             tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE)
+                             tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE,
+                             model_config=model_config, iteration=options.iteration)
         _check_shapes(source)  # as stored, before the tables are re-padded from what it records
         if isinstance(source, _McoreSource) and options.to == "mcore":
             # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
             source.repad_vocab(vocab_tp, options.make_vocab_size_divisible_by or source.vocab_multiple)
-        requant = None
         if options.requantize and options.to != "hf":
             raise ConvertError("--requantize re-quantizes HF output; it does not apply to --to mcore")
         written = target.write(source, options, progress)
@@ -1344,7 +1444,67 @@ def convert(options: ConvertOptions, progress: Progress | None = None) -> Conver
     return ConvertResult(dst, target.layout, source.family, written.tensors, written.nbytes,
                          time.perf_counter() - started, tp, pp,
                          source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection,
-                         written.requant, ep)
+                         written.requant, ep, getattr(source, "from_base_hf", ()), getattr(source, "copied", ()),
+                         getattr(source, "iteration", None))
+
+
+def model_config_for(src: Path, family: str | None, base: Path | None, hf_config: Path | None,
+                     iteration: int | str | None = None) -> ModelConfig | None:
+    """The model of an mcore checkpoint at ``src`` as ``--base HF_DIR`` or ``--hf-config FILE``
+    describe it (None: neither given, the checkpoint's own files describe it). The family is the
+    one given, else the checkpoint's manifest's, else told from the base's (the file's) config."""
+    if base is None and hf_config is None:
+        return None
+    if base is not None and hf_config is not None:
+        raise ConvertError("--base and --hf-config both describe the model; pass one (--base also gives "
+                           "the tensors Megatron has no place for)")
+    if _source_kind(src, iteration).kind == ckpt_formats.HF:
+        raise ConvertError(f"{src}: an HF source has its own config; --base / --hf-config describe an mcore "
+                           "checkpoint that lacks one")
+    root = resolve_iteration_dir(src, iteration)[0]
+    if family is None and (root / MANIFEST_FILE).is_file():
+        family = read_manifest(root).provenance.family
+    if base is not None:
+        base = Path(base)
+        if not base.is_dir() or not has_hf_weights(base):
+            raise ConvertError(f"--base {base}: not an HF save_pretrained directory (config.json and safetensors "
+                               "weights: the release the checkpoint was converted from)")
+        if family is None:
+            try:
+                family = detect_family(base).family
+            except families.DetectError as exc:
+                raise ConvertError(f"--base {base}: {exc}") from None
+        families.get(family)
+        hf = _HFSource(base, family, None, _TensorFilter(None, False))
+
+        def side(keys: Sequence[str]) -> dict[str, torch.Tensor]:
+            return {key: joined(hf.mcore_pieces(key)).contiguous() for key in keys}
+
+        return ModelConfig(family, hf.cfg, hf.config_bytes, hf.hf_format, hf.prefix, f"--base {base}", base, side,
+                           hf.hf_sources)
+    path = Path(hf_config)
+    if not path.is_file():
+        raise ConvertError(f"--hf-config {path}: no such file (an HF config.json of the model)")
+    if family is None:
+        if path.name != CONFIG_FILE:
+            raise ConvertError(f"--hf-config {path}: pass --family too (the family is told only from a file "
+                               f"named {CONFIG_FILE})")
+        try:
+            family = detect_family(path.parent).family
+        except families.DetectError as exc:
+            raise ConvertError(f"--hf-config {path}: {exc}") from None
+    families.get(family)
+    try:
+        full, raw = read_hf_config(path.parent, path.name)
+        cfg = families.get(family).family_config(full)
+    except CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+    except ValueError as exc:
+        raise ConvertError(f"--hf-config {path}: {exc} (family {family!r})") from None
+    bound_config(cfg, path, root)
+    formats = families.get(family).converter.formats
+    fmt = HF_SAVE_LAYOUT if HF_SAVE_LAYOUT in formats else formats[0]
+    return ModelConfig(family, cfg, raw, fmt, "", f"--hf-config {path}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,6 +35,9 @@ __all__ = [
     "DCP_METADATA_NAMES",
     "OBJECT_NAMES",
     "LEGACY_NAMES",
+    "MEGATRON_INERT_MODULES",
+    "Inert",
+    "inert_values",
     "torch_pickle_module",
     "loads",
     "load_torch_archive",
@@ -101,15 +104,81 @@ LEGACY_NAMES: Mapping[str, frozenset[str]] = {
 }
 
 
+# Megatron-LM's own files (its `args` Namespace, RNG, optimizer and scheduler entries) name a few of
+# Megatron's classes: enums (`AttnBackend`, `ModelType`, ...) and small records. Those names are
+# never imported: each becomes an :class:`Inert` record of what the pickle said (module, name,
+# arguments, state), which nothing calls. Anything outside these packages is still refused, and a
+# model entry holding an Inert record is refused by its reader (weights are tensors).
+MEGATRON_INERT_MODULES = ("megatron.core.", "megatron.training.", "megatron.legacy.")
+# Outside Megatron, only these exact classes are kept inert where Megatron classes are: Megatron-LM's
+# `args.exit_signal` is a `signal.Signals` member (the module's functions stay refused).
+INERT_NAMES: Mapping[str, frozenset[str]] = {"signal": frozenset({"Signals"})}
+
+
+class Inert:
+    """What a pickle built from a class that was not imported: its name, the arguments it was
+    called with and the state it was given. Compares equal by those; holds no behaviour."""
+
+    __slots__ = ("module", "name", "args", "state")
+
+    def __init__(self, module: str, name: str, args: tuple = ()):
+        self.module, self.name, self.args, self.state = module, name, args, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<not imported: {self.module}.{self.name}{self.args!r}>"
+
+    def __eq__(self, other):
+        return isinstance(other, Inert) and (self.module, self.name, self.args, self.state) == (
+            other.module, other.name, other.args, other.state)
+
+    def __hash__(self):
+        return hash((self.module, self.name))
+
+
+def _inert_factory(module: str, name: str):
+    """A stand-in for ``module.name`` that a pickle may call (REDUCE), instantiate (NEWOBJ) and
+    fill (BUILD); every path ends in an :class:`Inert`."""
+
+    class _Factory:
+        def __new__(cls, *args, **kwargs):
+            return Inert(module, name, args)
+
+    _Factory.__name__ = _Factory.__qualname__ = name
+    _Factory.__module__ = "mmparity.checkpoint.unpickle.inert"
+    return _Factory
+
+
+def inert_values(value, path: str = "", depth: int = 0) -> list[str]:
+    """The paths inside ``value`` (dicts, lists, tuples) that hold an :class:`Inert` record."""
+    if isinstance(value, Inert):
+        return [path or "(top)"]
+    if depth > 64:
+        return []
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += inert_values(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found += inert_values(item, f"{path}[{index}]", depth + 1)
+    return found
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves only ``allowed`` names (and torch dtypes); ``where`` is
     how a refusal names the file and item. ``storage(key, dtype, numel)`` serves torch's persistent
-    storage references; without it a pickle that has any is refused."""
+    storage references; without it a pickle that has any is refused. ``inert`` (module prefixes,
+    e.g. :data:`MEGATRON_INERT_MODULES`): names under them become :class:`Inert` records instead
+    of being refused, never imported."""
 
     def __init__(self, file, allowed: Mapping[str, frozenset[str]], where: str,
-                 storage: Callable[[str, torch.dtype, int], object] | None = None, **kwargs):
+                 storage: Callable[[str, torch.dtype, int], object] | None = None,
+                 inert: tuple[str, ...] = (), **kwargs):
         super().__init__(file, **kwargs)
-        self.allowed, self.where, self.storage = allowed, where, storage
+        self.allowed, self.where, self.storage, self.inert = allowed, where, storage, inert
         # Assigned, not defined on the class: the C unpickler reads the hook through its own
         # descriptor, and torch.load installs its storage hook the same way.
         self.persistent_load = self._storage_reference
@@ -123,6 +192,11 @@ class RestrictedUnpickler(pickle.Unpickler):
             return _latin1_bytes  # how protocol 2 spells a bytes object
         if name in self.allowed.get(module, ()):
             return super().find_class(module, name)
+        if self.inert and isinstance(module, str) and isinstance(name, str) and (
+                (module.startswith(self.inert) and name.isidentifier()
+                 and all(part.isidentifier() for part in module.split(".")))
+                or name in INERT_NAMES.get(module, ())):
+            return _inert_factory(module, name)
         raise RefusedPickle(f"{self.where}: refusing to unpickle {module}.{name} (not a plain data "
                             "class a checkpoint may hold; nothing from it was run)")
 
@@ -159,7 +233,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         return self.storage(str(key.decode() if isinstance(key, bytes) else key), dtype, numel)
 
 
-def torch_pickle_module(allowed: Mapping[str, frozenset[str]], where: str) -> types.ModuleType:
+def torch_pickle_module(allowed: Mapping[str, frozenset[str]], where: str,
+                        inert: tuple[str, ...] = ()) -> types.ModuleType:
     """A ``pickle_module`` for ``torch.load`` whose unpickler is restricted to ``allowed``: torch
     keeps its own storage handling (``mmap=True`` included) and every other name is ours to
     resolve. Use with ``weights_only=False``, which then means "not torch's allow-list"."""
@@ -167,7 +242,7 @@ def torch_pickle_module(allowed: Mapping[str, frozenset[str]], where: str) -> ty
 
     class Unpickler(RestrictedUnpickler):
         def __init__(self, file, **kwargs):
-            super().__init__(file, allowed, where, **kwargs)
+            super().__init__(file, allowed, where, inert=inert, **kwargs)
 
     module.Unpickler = Unpickler
     module.UnpicklingError = pickle.UnpicklingError
@@ -182,10 +257,10 @@ def _latin1_bytes(text, encoding="latin1"):
     return text.encode("latin-1")
 
 
-def loads(data: bytes, allowed: Mapping[str, frozenset[str]], where: str):
-    """A plain pickle (no tensor storages), decoded under ``allowed``."""
+def loads(data: bytes, allowed: Mapping[str, frozenset[str]], where: str, inert: tuple[str, ...] = ()):
+    """A plain pickle (no tensor storages), decoded under ``allowed`` (and ``inert``)."""
     try:
-        return RestrictedUnpickler(io.BytesIO(data), allowed, where).load()
+        return RestrictedUnpickler(io.BytesIO(data), allowed, where, inert=inert).load()
     except RefusedPickle:
         raise
     except Exception as exc:  # a truncated or malformed pickle raises many types
@@ -196,7 +271,8 @@ def loads(data: bytes, allowed: Mapping[str, frozenset[str]], where: str):
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def load_torch_archive(data: bytes, allowed: Mapping[str, frozenset[str]] = OBJECT_NAMES, where: str = "object"):
+def load_torch_archive(data: bytes, allowed: Mapping[str, frozenset[str]] = OBJECT_NAMES, where: str = "object",
+                       inert: tuple[str, ...] = ()):
     """What ``torch.save`` wrote into ``data`` (its zip format), decoded under ``allowed``; tensor
     storages are copied out of the archive's records, sized as the pickle says and checked
     against the record. torch's older non-zip format is refused: nothing mmparity, mcore or
@@ -227,7 +303,7 @@ def load_torch_archive(data: bytes, allowed: Mapping[str, frozenset[str]] = OBJE
         return typed
 
     try:
-        return RestrictedUnpickler(io.BytesIO(pickled), allowed, where, storage).load()
+        return RestrictedUnpickler(io.BytesIO(pickled), allowed, where, storage, inert=inert).load()
     except CheckpointError:
         raise
     except Exception as exc:

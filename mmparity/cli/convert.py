@@ -45,6 +45,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                         help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
                              "(default 128, Megatron-LM's default; for an mcore source, the N it records)")
+    parser.add_argument("--base", metavar="HF_DIR", default=None,
+                        help="with --to hf from an mcore checkpoint Megatron-LM wrote: the HF release it was "
+                             "converted from; its config, tokenizer and processor files are copied to the output "
+                             "and the tensors Megatron has no place for are taken from it (listed as not trained)")
+    parser.add_argument("--hf-config", metavar="FILE", default=None,
+                        help="with --to hf from an mcore checkpoint without mmparity's files: the HF config.json "
+                             "of the model (no tensors aside: use --base for families that keep some)")
+    parser.add_argument("--iteration", metavar="N", default=None,
+                        help="which iteration of an mcore checkpoint root to read (a number or 'release'; "
+                             "default: the tracker file's)")
     parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
@@ -117,12 +127,22 @@ def run(args) -> int:
         raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
     if args.ep < 1:
         raise UsageError(f"--ep must be >= 1, got {args.ep}")
+    iteration = getattr(args, "iteration", None)
+    if iteration is not None:
+        if iteration != "release" and not iteration.isdigit():
+            raise UsageError(f"--iteration takes an iteration number or 'release', got {iteration!r}")
+        iteration = iteration if iteration == "release" else int(iteration)
+    base, hf_config = getattr(args, "base", None), getattr(args, "hf_config", None)
+    if args.to != "hf" and (base is not None or hf_config is not None):
+        raise UsageError("--base / --hf-config describe an mcore source converted --to hf")
     options = ConvertOptions(
         src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp, ep=args.ep,
         format=args.format or formats.writable()[0], dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        requantize=args.requantize, expert_layout=args.expert_layout)
+        requantize=args.requantize, expert_layout=args.expert_layout,
+        base=Path(base) if base is not None else None, hf_config=Path(hf_config) if hf_config is not None else None,
+        iteration=iteration)
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)
@@ -166,6 +186,14 @@ def run(args) -> int:
                   f"{r.inexact} not exact, {r.bytes_changed} with bytes other than the source's")
         if result.note:
             print(f"{result.family}: note: {result.note}")
+        if result.iteration is not None and result.layout == "hf_safetensors":
+            print(f"{result.family}: read iteration {result.iteration} of {options.src}")
+        if result.from_base:
+            from mmparity.checkpoint.megatron_written import FROM_BASE
+            shown = ", ".join(result.from_base[:6]) + (" ..." if len(result.from_base) > 6 else "")
+            print(f"{result.family}: {len(result.from_base)} tensors {FROM_BASE} ({options.base}): {shown}")
+        if result.copied:
+            print(f"{result.family}: copied from the base: {', '.join(result.copied)}")
         if result.source_use is not None and result.source_use.left_out:
             facts = result.detection.facts if result.detection is not None else config_facts(options.src)
             print(left_out_line(result.family, result.source_use, facts))

@@ -25,6 +25,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=None, metavar="N",
                         help="with --load, a torch_dist checkpoint loads at any PP size too: build "
                              "Megatron's language model in N stages (default: the size recorded)")
+    parser.add_argument("--base", metavar="HF_DIR", default=None,
+                        help="also compare the tensors that were never trained (an HF export's 'from the base', "
+                             "an mcore checkpoint's side file) with the HF release they came from")
+    parser.add_argument("--iteration", metavar="N", default=None,
+                        help="with a checkpoint Megatron-LM wrote: which iteration to describe (default: the "
+                             "tracker's)")
     parser.add_argument("--quiet", action="store_true", help="print only problems")
 
 
@@ -37,6 +43,10 @@ def run(args) -> int:
     for option, value in (("--tp", args.tp), ("--pp", args.pp)):
         if value is not None and not args.load:
             raise UsageError(f"{option} needs --load")
+    megatron_written = [d for d in args.dirs if os.path.isdir(d) and not os.path.lexists(Path(d) / "mmparity.json")
+                        and _is_mcore_dir(Path(d))]
+    if megatron_written:
+        return _run_megatron_written(args, megatron_written)
     for directory in args.dirs:
         if not os.path.isdir(directory):
             raise UsageError(f"{directory}: no such directory")
@@ -56,7 +66,60 @@ def run(args) -> int:
         ok = ok and report.ok
         if not report.ok or not args.quiet:
             print(report)
+        ok = _compare_base(args, directory) and ok
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def _is_mcore_dir(path: Path) -> bool:
+    from mmparity.checkpoint.layout import TRACKER_FILE
+
+    return (path / TRACKER_FILE).is_file() or path.name.startswith("iter_") or any(
+        p.name.startswith("iter_") for p in path.iterdir() if p.is_dir())
+
+
+def _compare_base(args, directory) -> bool:
+    if args.base is None:
+        return True
+    from mmparity.checkpoint import CheckpointError
+    from mmparity.checkpoint.base_compare import compare_with_base
+    from mmparity.checkpoint.megatron_written import FROM_BASE
+
+    try:
+        count, problems = compare_with_base(directory, args.base)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    if problems:
+        print(f"{directory}: FAIL: {len(problems)} of {count} tensors {FROM_BASE} differ from {args.base}: "
+              + "; ".join(problems[:6]))
+        return False
+    if not args.quiet:
+        print(f"{directory}: {count} tensors {FROM_BASE}, equal to {args.base}'s" if count else
+              f"{directory}: no tensors {FROM_BASE} to compare")
+    return True
+
+
+def _run_megatron_written(args, directories) -> int:
+    """Directories Megatron-LM wrote (no mmparity.json): what each is. Their weights carry no
+    checksums to re-check; ``convert --to hf --base`` checks every shape against the config."""
+    from mmparity.checkpoint import CheckpointError
+    from mmparity.checkpoint.megatron_written import describe
+
+    if args.load:
+        raise UsageError(f"{directories[0]}: --load of a checkpoint without mmparity.json is not supported yet; "
+                         "convert it with --to hf --base HF_DIR, then back with --to mcore")
+    iteration = args.iteration
+    if iteration is not None and iteration != "release":
+        if not iteration.isdigit():
+            raise UsageError(f"--iteration takes an iteration number or 'release', got {iteration!r}")
+        iteration = int(iteration)
+    for directory in args.dirs:
+        if os.path.lexists(Path(directory) / "mmparity.json"):
+            raise UsageError(f"{directory}: verify checkpoints Megatron-LM wrote separately from mmparity's")
+        try:
+            print(describe(directory, iteration))
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from None
+    return EXIT_OK
 
 
 def _run_load(args) -> int:

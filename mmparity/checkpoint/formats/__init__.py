@@ -52,7 +52,9 @@ class Format:
     kind: str
     what: str  # a directory of it in words, for "neither ... nor ..." messages
     detect: Callable[[Path], bool]
-    # (path, family, hf_format, tensor filter, tp, vocab_multiple, complete) -> a streaming source
+    # (path, family, hf_format, tensor filter, tp, vocab_multiple, complete, *, model_config, iteration)
+    # -> a streaming source; model_config and iteration describe a checkpoint Megatron-LM wrote
+    # (--base / --hf-config, --iteration)
     open_source: Callable[..., object]
     # (source, ConvertOptions, Progress) -> Written
     write: Callable[..., Written]

@@ -13,7 +13,7 @@ from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_SINGLE_FILE,
 from mmparity.checkpoint.manifest import LAYOUT_HF
 
 
-def _open(path, family, hf_format, filt, tp, vocab_multiple, complete):
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None):
     """An HF source, its family told from its config when not given."""
     detection = None
     if family is None:

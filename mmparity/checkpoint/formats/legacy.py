@@ -17,8 +17,9 @@ def _detect(iteration_dir: Path) -> bool:
     return any(parse_rank_dirname(p.name) for p in iteration_dir.iterdir())
 
 
-def _open(path, family, hf_format, filt, tp, vocab_multiple, complete):
-    return streaming._LegacySource(path, family, filt, complete)
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None):
+    # model_config: --base / --hf-config describing a checkpoint Megatron-LM wrote (no manifest).
+    return streaming._LegacySource(path, family, filt, complete, model_config, iteration)
 
 
 def _write(source, options, progress) -> Written:

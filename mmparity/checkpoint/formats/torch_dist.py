@@ -12,8 +12,9 @@ from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST
 from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
 
 
-def _open(path, family, hf_format, filt, tp, vocab_multiple, complete):
-    return streaming._TorchDistSource(path, family, filt, complete)
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None):
+    # model_config: --base / --hf-config describing a checkpoint Megatron-LM wrote (no manifest).
+    return streaming._TorchDistSource(path, family, filt, complete, model_config, iteration)
 
 
 def _write(source, options, progress) -> Written:
