@@ -426,17 +426,18 @@ _BEFORE = {"mistral": _head_dim_and_groups, "llama": _head_dim_and_groups, "pixt
 
 
 class ConfigView:
-    """A read-only HF config built from config.json's mapping as transformers builds its own
-    (see above). Attribute access as on transformers' object; a field the file lacks and the
-    class has no default for is an ``AttributeError``, as there. ``to_dict()`` is transformers'
-    ``to_dict()`` (without ``transformers_version``)."""
+    """An HF config built from config.json's mapping as transformers builds its own (see above):
+    read-only (a ``copy.copy`` may be edited). Attribute access as on transformers' object; a
+    field the file lacks and the class has no default for is an ``AttributeError``, as there.
+    ``to_dict()`` is transformers' ``to_dict()`` (without ``transformers_version``)."""
 
-    __slots__ = ("_values", "_aliases", "model_type")
+    __slots__ = ("_values", "_aliases", "model_type", "_writable")
 
-    def __init__(self, values: dict, model_type: str, aliases: dict):
+    def __init__(self, values: dict, model_type: str, aliases: dict, writable: bool = False):
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_aliases", aliases)
         object.__setattr__(self, "model_type", model_type)
+        object.__setattr__(self, "_writable", writable)
 
     def __getattr__(self, name: str):
         values = object.__getattribute__(self, "_values")
@@ -452,18 +453,29 @@ class ConfigView:
         raise AttributeError(f"{self.model_type} config has no field {name!r}")
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"a ConfigView is read-only (setting {name!r})")
+        # The view read from a file is shared by every reader; a copy is its taker's own (the
+        # native models copy a tower config to build fewer layers, as with transformers' objects).
+        if not self._writable:
+            raise AttributeError(f"a ConfigView is read-only (setting {name!r}); copy.copy() it to edit")
+        self._values[self._aliases.get(name, name)] = value
 
     def __repr__(self) -> str:
         return f"ConfigView({self.model_type!r}, {len(self._values)} fields)"
+
+    def __copy__(self):
+        return ConfigView(dict(self._values), self.model_type, self._aliases, writable=True)
+
+    def __deepcopy__(self, memo):
+        return ConfigView(_copy.deepcopy(self._values, memo), self.model_type, self._aliases, writable=True)
+
+    def __reduce__(self):
+        return ConfigView, (self._values, self.model_type, self._aliases, self._writable)
 
     def to_dict(self) -> dict:
         out = {}
         for key, value in self._values.items():
             out[key] = value.to_dict() if isinstance(value, ConfigView) else _copy.deepcopy(value)
         out["model_type"] = self.model_type
-        if isinstance(out.get("id2label"), dict):  # as JSON holds it
-            out["id2label"] = {k: v for k, v in out["id2label"].items()}
         return out
 
 
