@@ -1,10 +1,13 @@
-"""Facts read off Hugging Face config objects, shared by every layer.
+"""Facts read off Hugging Face config objects, shared by every layer, and config.json read as
+transformers reads it (:class:`ConfigView`) for commands that need the facts, not the classes.
 
 Attribute access only: nothing here imports transformers or megatron, so the converters, the
 native models and the reference models read a config the same way.
 """
 
 from __future__ import annotations
+
+import copy
 
 
 def first_int(value) -> int:
@@ -218,7 +221,6 @@ def mtp_layers(text) -> int:
 # own classes, so a transformers release that changes a default fails there, not in a conversion.
 # Commands that build models (check, bench) keep transformers' classes.
 
-import copy as _copy
 
 # Fields of every config (transformers' PreTrainedConfig), with their defaults after init.
 _BASE_FIELDS = {"architectures": None, "output_hidden_states": False, "return_dict": True, "dtype": None,
@@ -466,7 +468,7 @@ class ConfigView:
         return ConfigView(dict(self._values), self.model_type, self._aliases, writable=True)
 
     def __deepcopy__(self, memo):
-        return ConfigView(_copy.deepcopy(self._values, memo), self.model_type, self._aliases, writable=True)
+        return ConfigView(copy.deepcopy(self._values, memo), self.model_type, self._aliases, writable=True)
 
     def __reduce__(self):
         return ConfigView, (self._values, self.model_type, self._aliases, self._writable)
@@ -474,7 +476,7 @@ class ConfigView:
     def to_dict(self) -> dict:
         out = {}
         for key, value in self._values.items():
-            out[key] = value.to_dict() if isinstance(value, ConfigView) else _copy.deepcopy(value)
+            out[key] = value.to_dict() if isinstance(value, ConfigView) else copy.deepcopy(value)
         out["model_type"] = self.model_type
         return out
 
@@ -497,9 +499,9 @@ def config_view(data: dict, model_type: str | None = None) -> ConfigView:
                               f"(known: {', '.join(_TYPES)})")
     data = {kind.aliases.get(k, k): v for k, v in data.items()}
     fields = {**_BASE_FIELDS, **{kind.aliases.get(k, k): v for k, v in kind.fields.items()}}
-    values = {name: _copy.deepcopy(data[name] if name in data else default) for name, default in fields.items()}
+    values = {name: copy.deepcopy(data[name] if name in data else default) for name, default in fields.items()}
     values.pop("transformers_version", None)
-    extra = {k: _copy.deepcopy(v) for k, v in data.items() if k not in fields}
+    extra = {k: copy.deepcopy(v) for k, v in data.items() if k not in fields}
     if model_type in _BEFORE:
         _BEFORE[model_type](values, extra)
     for key, (default_type, by_model_type, init) in kind.subs.items():

@@ -102,17 +102,17 @@ def _differences(ours, theirs, where: str = "") -> list[str]:
 
 
 def _pairs(view: ConfigView, real) -> list[tuple[ConfigView, object, str]]:
+    """(view, transformers' object, where) for the config and each of its sub-configs."""
     pairs = [(view, real, "")]
-    for key, value in view.to_dict().items():
+    for key in view.to_dict():
         sub = getattr(view, key, None)
         if isinstance(sub, ConfigView):
-            pairs += [(v, getattr(real, key), f"{key}.{w}") for v, _, w in _pairs(sub, None)] if real is None \
-                else [(v, r, f"{key}.{w}") for v, r, w in _pairs(sub, getattr(real, key))]
+            pairs += [(v, r, f"{key}.{w}") for v, r, w in _pairs(sub, getattr(real, key))]
     return pairs
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, ConfigView) or hasattr(b, "to_dict") and not isinstance(b, dict):
+    if isinstance(a, ConfigView) or (hasattr(b, "to_dict") and not isinstance(b, dict)):
         return isinstance(a, ConfigView) and not _differences(a.to_dict(), b.to_dict())
     if b is not MISSING and type(b).__module__ == "torch":  # transformers holds dtype as torch's
         return a == str(b).split(".")[-1]
