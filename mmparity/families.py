@@ -7,9 +7,9 @@ tables) and ``mmparity.cases.<name>``, whose ``hooks(towers)`` returns the typed
 
 What a command needs is loaded when it asks, and no more: the entry itself is data (what
 ``list`` shows, which checkpoints detection gives the family), and this module imports no
-framework, so ``mmparity list`` and ``--help`` load none; conversion reads the config, the key
-tables and the tensor shapes straight from the reference and converters modules, which load
-transformers' configuration classes and nothing of either framework's models; the hooks (the
+framework, so ``mmparity list`` and ``--help`` load none; conversion reads the config (a
+``hfconfig.ConfigView``), the key tables and the tensor shapes straight from the reference and
+converters modules, which load neither framework's models nor transformers; the hooks (the
 models and the parity glue) load on first use and are checked then (a missing or mistyped hook
 fails naming the family).
 """

@@ -1,10 +1,13 @@
-"""Facts read off Hugging Face config objects, shared by every layer.
+"""Facts read off Hugging Face config objects, shared by every layer, and config.json read as
+transformers reads it (:class:`ConfigView`) for commands that need the facts, not the classes.
 
 Attribute access only: nothing here imports transformers or megatron, so the converters, the
 native models and the reference models read a config the same way.
 """
 
 from __future__ import annotations
+
+import copy
 
 
 def first_int(value) -> int:
@@ -210,3 +213,367 @@ def mtp_layers(text) -> int:
     """Multi-token-prediction layers a release stores after the decoder (``layers.N…``), which
     transformers' model does not build."""
     return int(getattr(text, "num_nextn_predict_layers", 0) or 0)
+
+
+# --- config.json read without transformers --------------------------------------------------------
+#
+# Conversion needs a config's facts, not transformers' configuration classes: importing those costs
+# more CPU than converting a small checkpoint (transformers' import pulls half of torch's optional
+# machinery). :class:`ConfigView` is what ``AutoConfig.from_pretrained`` would hold for the same
+# config.json, attribute for attribute: the file's fields over the defaults of its model_type's
+# class (the table below, transformers 5's dataclass defaults), the derived fields those classes
+# compute at init (``head_dim``, key/value heads, ``rope_parameters``), sub-configs built the same
+# way, and the classes' attribute aliases. It covers the model types the registered families
+# read; tests/test_config_view.py checks every entry, field by field, against transformers'
+# own classes, so a transformers release that changes a default fails there, not in a conversion.
+# Commands that build models (check, bench) keep transformers' classes.
+
+
+# Fields of every config (transformers' PreTrainedConfig), with their defaults after init.
+_BASE_FIELDS = {"architectures": None, "output_hidden_states": False, "return_dict": True, "dtype": None,
+                "chunk_size_feed_forward": 0, "is_encoder_decoder": False, "id2label": None,
+                "label2id": None, "problem_type": None}
+# Keys transformers' init consumes rather than keeps (generation defaults belong to a
+# GenerationConfig; the rest are loading options).
+_CONSUMED = {"max_length", "min_length", "do_sample", "use_cache", "early_stopping", "num_beams", "temperature",
+             "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+             "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+             "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+             "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "epsilon_cutoff",
+             "eta_cutoff", "encoder_repetition_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule",
+             "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "num_beam_groups",
+             "diversity_penalty", "_commit_hash", "attn_implementation", "experts_implementation",
+             "_attn_implementation_internal", "_experts_implementation_internal", "transformers_version",
+             "model_type", "num_labels"}
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
+                       "deepseek_sparse_attention": "indexed_attention",
+                       "qwen_sparse_attention": "indexed_attention"}
+_SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
+
+
+class _Type:
+    """One configuration class: its own fields and defaults, attribute aliases, sub-configs
+    (``key: (default model_type, resolved by the dict's model_type, init values when absent)``),
+    whether it standardises ``rope_parameters`` and with which default RoPE type."""
+
+    def __init__(self, fields: dict, aliases: dict | None = None, subs: dict | None = None,
+                 rope_type: str | None = None):
+        self.fields, self.aliases, self.subs, self.rope_type = fields, aliases or {}, subs or {}, rope_type
+
+
+_CLIP_VISION = {"hidden_size": 768, "intermediate_size": 3072, "projection_dim": 512, "num_hidden_layers": 12,
+                "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
+                "hidden_act": "quick_gelu", "layer_norm_eps": 1e-05, "attention_dropout": 0.0,
+                "initializer_range": 0.02, "initializer_factor": 1.0}
+_SIGLIP_VISION = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                  "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
+                  "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-06, "attention_dropout": 0.0,
+                  "vision_use_head": True}
+_DECODER = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
+            "pad_token_id": None, "tie_word_embeddings": False, "rope_parameters": None,
+            "attention_dropout": 0.0}
+
+_TYPES: dict[str, _Type] = {
+    "clip": _Type({"text_config": None, "vision_config": None, "projection_dim": 512,
+                   "logit_scale_init_value": 2.6592, "initializer_factor": 1.0},
+                  subs={"vision_config": ("clip_vision_model", False, {}),
+                        "text_config": ("clip_text_model", False, {})}),
+    "clip_vision_model": _Type(_CLIP_VISION),
+    "clip_text_model": _Type({"vocab_size": 49408, "hidden_size": 512, "intermediate_size": 2048,
+                              "projection_dim": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
+                              "max_position_embeddings": 77, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-05,
+                              "attention_dropout": 0.0, "initializer_range": 0.02, "initializer_factor": 1.0,
+                              "pad_token_id": 1, "bos_token_id": 49406, "eos_token_id": 49407}),
+    "siglip": _Type({"text_config": None, "vision_config": None, "initializer_factor": 1.0},
+                    subs={"vision_config": ("siglip_vision_model", False, {}),
+                          "text_config": ("siglip_text_model", False, {})}),
+    "siglip_vision_model": _Type(_SIGLIP_VISION),
+    "siglip_text_model": _Type({"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 3072,
+                                "num_hidden_layers": 12, "num_attention_heads": 12, "max_position_embeddings": 64,
+                                "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-06,
+                                "attention_dropout": 0.0, "pad_token_id": 1, "bos_token_id": 49406,
+                                "eos_token_id": 49407, "projection_size": None}),
+    "pixtral": _Type({"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "num_channels": 3, "image_size": 1024, "patch_size": 16,
+                      "hidden_act": "gelu", "attention_dropout": 0.0, "rope_parameters": None,
+                      "initializer_range": 0.02}, rope_type="axial"),
+    "llava": _Type({"vision_config": None, "text_config": None, "image_token_index": 32000,
+                    "image_seq_length": 576, "projector_hidden_act": "gelu",
+                    "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
+                    "multimodal_projector_bias": True, "tie_word_embeddings": False},
+                   aliases={"image_token_id": "image_token_index"},
+                   subs={"vision_config": ("clip_vision_model", True, {
+                             "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14, "image_size": 336,
+                             "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 32000,
+                             "projection_dim": 768}),
+                         "text_config": ("llama", True, {})}),
+    "mistral3": _Type({"vision_config": None, "text_config": None, "image_token_index": 10,
+                       "projector_hidden_act": "gelu", "vision_feature_layer": -1,
+                       "multimodal_projector_bias": False, "spatial_merge_size": 2, "tie_word_embeddings": True},
+                      aliases={"image_token_id": "image_token_index"},
+                      subs={"text_config": ("mistral", True, {
+                                "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+                                "initializer_range": 0.02, "intermediate_size": 32768,
+                                "max_position_embeddings": 131072, "model_type": "mistral",
+                                "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+                                "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None,
+                                "use_cache": True, "vocab_size": 131072}),
+                            "vision_config": ("pixtral", True, {
+                                "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14,
+                                "image_size": 1540, "num_hidden_layers": 24, "num_attention_heads": 16,
+                                "vocab_size": 32000, "head_dim": 64, "hidden_act": "gelu"})}),
+    "mistral": _Type({**_DECODER, "intermediate_size": 14336, "num_key_value_heads": 8, "head_dim": None,
+                      "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2,
+                      "sliding_window": 4096}, rope_type="default"),
+    "llama": _Type({**_DECODER, "intermediate_size": 11008, "num_key_value_heads": None,
+                    "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1,
+                    "attention_bias": False, "mlp_bias": False, "head_dim": None}, rope_type="default"),
+    "qwen2": _Type({**_DECODER, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+                    "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+                    "max_window_layers": 28, "layer_types": None, "bos_token_id": None, "eos_token_id": None},
+                   rope_type="default"),
+    "qwen3_5_moe": _Type({"text_config": None, "vision_config": None, "image_token_id": 248056,
+                          "video_token_id": 248057, "vision_start_token_id": 248053,
+                          "vision_end_token_id": 248054, "tie_word_embeddings": False},
+                         subs={"vision_config": ("qwen3_5_moe_vision", False, {}),
+                               "text_config": ("qwen3_5_moe_text", False, {})}),
+    "qwen3_5_moe_vision": _Type({"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh",
+                                 "intermediate_size": 4304, "num_heads": 16, "in_channels": 3, "patch_size": 16,
+                                 "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584,
+                                 "num_position_embeddings": 2304, "initializer_range": 0.02,
+                                 "rope_parameters": None},
+                                aliases={"num_attention_heads": "num_heads", "num_hidden_layers": "depth"},
+                                rope_type="axial"),
+    "qwen3_5_moe_text": _Type({**_DECODER, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                               "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                               "attention_bias": False, "head_dim": 256, "linear_conv_kernel_dim": 4,
+                               "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                               "linear_num_value_heads": 32, "moe_intermediate_size": 512,
+                               "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
+                               "output_router_logits": False, "router_aux_loss_coef": 0.001, "layer_types": None,
+                               "bos_token_id": None, "eos_token_id": None}, rope_type="default"),
+    "kimi_k25": _Type({"text_config": None, "vision_config": None, "projection_hidden_size": 1152,
+                       "projection_layer_norm_eps": 1e-05, "image_token_id": 163605, "video_token_id": 163840,
+                       "vision_start_token_id": 163602, "vision_end_token_id": 163604, "tie_word_embeddings": True},
+                      subs={"text_config": ("deepseek_v3", True, {}),
+                            "vision_config": ("kimi_k25_vision", False, {})}),
+    "kimi_k25_vision": _Type({"patch_size": 14, "pos_emb_height": 64, "pos_emb_width": 64, "pos_emb_time": 4,
+                              "num_attention_heads": 16, "num_hidden_layers": 27, "hidden_size": 1152,
+                              "intermediate_size": 4304, "hidden_act": "gelu_pytorch_tanh",
+                              "merge_kernel_size": [2, 2], "rope_parameters": None}, rope_type="axial"),
+    "deepseek_v3": _Type({**_DECODER, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                          "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                          "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+                          "output_router_logits": False, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+                          "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                          "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+                          "norm_topk_prob": True, "max_position_embeddings": 4096, "bos_token_id": 0,
+                          "eos_token_id": 1, "pretraining_tp": 1, "rope_interleave": True, "attention_bias": False,
+                          "num_mtp_layers": 1},
+                         aliases={"num_local_experts": "n_routed_experts",
+                                  "num_mtp_layers": "num_nextn_predict_layers"},
+                         rope_type="default"),
+}
+
+
+def _head_dim_and_groups(v: dict, extra: dict) -> None:
+    if v.get("head_dim") is None:
+        v["head_dim"] = v["hidden_size"] // v["num_attention_heads"]
+    if v["num_key_value_heads"] is None:
+        v["num_key_value_heads"] = v["num_attention_heads"]
+
+
+def _pixtral(v: dict, extra: dict) -> None:
+    # Pixtral's class derives head_dim from the sizes, whatever the file says.
+    v["head_dim"] = v["hidden_size"] // v["num_attention_heads"]
+
+
+def _qwen2(v: dict, extra: dict) -> None:
+    v["sliding_window"] = v["sliding_window"] if v["use_sliding_window"] else None
+    if v["num_key_value_heads"] is None:
+        v["num_key_value_heads"] = v["num_attention_heads"]
+    if v["layer_types"] is None:
+        v["layer_types"] = ["sliding_attention" if v["sliding_window"] is not None and i >= v["max_window_layers"]
+                            else "full_attention" for i in range(v["num_hidden_layers"])]
+
+
+def _qwen3_5_text(v: dict, extra: dict) -> None:
+    extra.setdefault("partial_rotary_factor", 0.25)
+    if v["layer_types"] is None:
+        interval = extra.pop("full_attention_interval", 4)
+        v["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
+                            for i in range(v["num_hidden_layers"])]
+
+
+def _deepseek_v3(v: dict, extra: dict) -> None:
+    if v["num_key_value_heads"] is None:
+        v["num_key_value_heads"] = v["num_attention_heads"]
+    v["qk_head_dim"] = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
+    v["head_dim"] = v["qk_rope_head_dim"]
+
+
+def _siglip_text(v: dict, extra: dict) -> None:
+    if v["projection_size"] is None:
+        v["projection_size"] = v["hidden_size"]
+
+
+def _renamed_sub(key: str, old: str, new: str):
+    """Old checkpoints whose sub-config names the wrong model type."""
+    def fix(v: dict, extra: dict) -> None:
+        if isinstance(v[key], dict) and v[key].get("model_type", new if key == "text_config" else None) == old:
+            v[key] = {**v[key], "model_type": new}
+    return fix
+
+
+# What each class computes at init before the common part (sub-configs, RoPE, labels) runs.
+_BEFORE = {"mistral": _head_dim_and_groups, "llama": _head_dim_and_groups, "pixtral": _pixtral,
+           "qwen2": _qwen2, "qwen3_5_moe_text": _qwen3_5_text, "deepseek_v3": _deepseek_v3,
+           "siglip_text_model": _siglip_text,
+           "kimi_k25": _renamed_sub("text_config", "kimi_k2", "deepseek_v3"),
+           "qwen3_5_moe": _renamed_sub("vision_config", "qwen3_5_moe", "qwen3_5_moe_vision")}
+
+
+class ConfigView:
+    """An HF config built from config.json's mapping as transformers builds its own (see above):
+    read-only (a ``copy.copy`` may be edited). Attribute access as on transformers' object; a
+    field the file lacks and the class has no default for is an ``AttributeError``, as there.
+    ``to_dict()`` is transformers' ``to_dict()`` (without ``transformers_version``)."""
+
+    __slots__ = ("_values", "_aliases", "model_type", "_writable")
+
+    def __init__(self, values: dict, model_type: str, aliases: dict, writable: bool = False):
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_aliases", aliases)
+        object.__setattr__(self, "model_type", model_type)
+        object.__setattr__(self, "_writable", writable)
+
+    def __getattr__(self, name: str):
+        values = object.__getattribute__(self, "_values")
+        name = object.__getattribute__(self, "_aliases").get(name, name)
+        if name in values:
+            return values[name]
+        if name == "rope_scaling" and "rope_parameters" in values:
+            return values["rope_parameters"]
+        if name == "num_labels":
+            return len(values["id2label"]) if values.get("id2label") is not None else None
+        if name == "name_or_path":
+            return values.get("_name_or_path")
+        raise AttributeError(f"{self.model_type} config has no field {name!r}")
+
+    def __setattr__(self, name, value):
+        # The view read from a file is shared by every reader; a copy is its taker's own (the
+        # native models copy a tower config to build fewer layers, as with transformers' objects).
+        if not self._writable:
+            raise AttributeError(f"a ConfigView is read-only (setting {name!r}); copy.copy() it to edit")
+        self._values[self._aliases.get(name, name)] = value
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self.model_type!r}, {len(self._values)} fields)"
+
+    def __copy__(self):
+        return ConfigView(dict(self._values), self.model_type, self._aliases, writable=True)
+
+    def __deepcopy__(self, memo):
+        return ConfigView(copy.deepcopy(self._values, memo), self.model_type, self._aliases, writable=True)
+
+    def __reduce__(self):
+        return ConfigView, (self._values, self.model_type, self._aliases, self._writable)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for key, value in self._values.items():
+            out[key] = value.to_dict() if isinstance(value, ConfigView) else copy.deepcopy(value)
+        out["model_type"] = self.model_type
+        return out
+
+
+class ConfigViewError(ValueError):
+    """config.json names a model type the view has no table for, or a malformed sub-config."""
+
+
+def known_model_types() -> tuple:
+    return tuple(_TYPES)
+
+
+def config_view(data: dict, model_type: str | None = None) -> ConfigView:
+    """The :class:`ConfigView` of a config.json mapping (``model_type``: the class to read it
+    as, default the mapping's own)."""
+    model_type = model_type or data.get("model_type")
+    kind = _TYPES.get(model_type)
+    if kind is None:
+        raise ConfigViewError(f"model_type {model_type!r} is not one mmparity reads without transformers "
+                              f"(known: {', '.join(_TYPES)})")
+    data = {kind.aliases.get(k, k): v for k, v in data.items()}
+    fields = {**_BASE_FIELDS, **{kind.aliases.get(k, k): v for k, v in kind.fields.items()}}
+    values = {name: copy.deepcopy(data[name] if name in data else default) for name, default in fields.items()}
+    values.pop("transformers_version", None)
+    extra = {k: copy.deepcopy(v) for k, v in data.items() if k not in fields}
+    if model_type in _BEFORE:
+        _BEFORE[model_type](values, extra)
+    for key, (default_type, by_model_type, init) in kind.subs.items():
+        sub = values[key]
+        if isinstance(sub, ConfigView):
+            continue
+        if sub is not None and not isinstance(sub, dict):
+            raise ConfigViewError(f"{key} is a {type(sub).__name__}, not an object")
+        sub_type = (sub or {}).get("model_type", default_type) if by_model_type else default_type
+        values[key] = config_view(init if sub is None else sub, sub_type)
+    torch_dtype = extra.pop("torch_dtype", None)
+    if values["dtype"] is None and torch_dtype is not None:
+        values["dtype"] = torch_dtype
+    if values["id2label"] is None:
+        labels = extra.get("num_labels", 2)
+        values["id2label"] = {i: f"LABEL_{i}" for i in range(labels)}
+        values["label2id"] = {f"LABEL_{i}": i for i in range(labels)}
+    else:
+        values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
+    if kind.rope_type is not None:
+        _standardize_rope(values, extra, kind.rope_type)
+    values["_name_or_path"] = str(extra.pop("name_or_path", ""))
+    values["output_attentions"] = extra.pop("output_attentions", False)
+    extra.pop("per_layer_config", None)
+    for key, value in extra.items():
+        if key not in _CONSUMED:
+            values[key] = value
+    for key in ("layer_types", "mtp_layer_types"):
+        if values.get(key) is not None:
+            values[key] = [_LEGACY_LAYER_TYPES.get(t, t) for t in values[key]]
+    if model_type == "llava" and not values["tie_word_embeddings"] and values["text_config"].tie_word_embeddings:
+        values["tie_word_embeddings"] = True  # transformers forwards the text config's flag
+    return ConfigView(values, model_type, kind.aliases)
+
+
+def _standardize_rope(values: dict, extra: dict, default_rope_type: str, default_theta: float = 10000.0) -> None:
+    """``rope_parameters`` as transformers 5 standardises it at init: a legacy ``rope_scaling``
+    taken over, ``rope_theta`` and ``partial_rotary_factor`` moved inside, ``rope_type`` set."""
+    scaling = extra.pop("rope_scaling", None)
+    params = scaling or values["rope_parameters"]
+    params = dict(params) if params is not None else {}
+    theta = extra.pop("rope_theta", values.get("rope_theta", default_theta))
+    partial = extra.pop("partial_rotary_factor", values.get("partial_rotary_factor"))
+    labels = values.get("layer_types") or ()
+    nested = [key for key in params if key in labels]
+    for group in ([params[k] for k in nested] or [params]):
+        if group is not None:
+            group.setdefault("rope_theta", theta)
+            if partial is not None:
+                group.setdefault("partial_rotary_factor", partial)
+    if not (params or values.get("rope_theta")):
+        values["rope_parameters"] = params
+        return
+    for group in ([params[k] for k in nested] if nested else [params]):
+        if group is None:
+            continue
+        group.setdefault("rope_type", group.get("type", "default"))
+        group.setdefault("rope_theta", theta)
+        if partial is not None:
+            group.setdefault("partial_rotary_factor", partial)
+        if group["rope_type"] in _SCALED_ROPE_TYPES:
+            if "original_max_position_embeddings" in values:
+                group["original_max_position_embeddings"] = values["original_max_position_embeddings"]
+            else:
+                group.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+        if default_rope_type != "default" and group["rope_type"] == "default":
+            group["rope_type"] = default_rope_type
+    values["rope_parameters"] = params

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mmparity.families import MISTRAL_NATIVE, ConfigFacts, Detection, detect
+from mmparity.hfconfig import ConfigViewError, config_view, known_model_types
 from mmparity.checkpoint.layout import LEGACY_FILE
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
 from mmparity.checkpoint.fsio.errors import CheckpointError
@@ -158,18 +159,30 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
-def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG):
+def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *, for_models: bool = False):
     """``(config, config file bytes)`` of a directory: its ``config_name`` (an HF directory's
-    config.json, or the copy an mcore checkpoint keeps) through transformers, or, for a
-    Mistral-native release with only ``params.json``, that file translated
-    (:mod:`mmparity.reference.mistral_params`) and the HF config.json it amounts to, which is what a
-    converted checkpoint then carries. ``CheckpointError`` names the file and what is wrong."""
+    config.json, or the copy an mcore checkpoint keeps), or, for a Mistral-native release with
+    only ``params.json``, that file translated (:mod:`mmparity.reference.mistral_params`) and the
+    HF config.json it amounts to, which is what a converted checkpoint then carries.
+
+    The config is a :class:`mmparity.hfconfig.ConfigView` (what transformers would hold, read
+    without importing it: conversion needs the facts, not the classes) unless ``for_models``, for
+    callers that build transformers' models from it, or its model type has no table there.
+    ``CheckpointError`` names the file and what is wrong."""
     directory = Path(directory)
     config_path, params_path = directory / config_name, directory / MISTRAL_PARAMS
     refuse_links_outside(directory, root_names=[n for n in (config_name, MISTRAL_PARAMS)
                                                 if os.path.lexists(directory / n)])
     if os.path.lexists(config_path):
         require_regular_file(config_path, "config")
+        if not for_models:
+            data = _read_json_object(config_path)
+            if data.get("model_type") in known_model_types():
+                try:
+                    return config_view(data), config_path.read_bytes()
+                except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
         from transformers import AutoConfig
 
         try:
@@ -185,7 +198,8 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG):
             full = config_from_params(_read_json_object(params_path))
         except (ParamsError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{params_path}: {exc}") from None
-        return full, full.to_json_string().encode()
+        raw = full.to_json_string().encode()
+        return (full if for_models else config_view(full.to_dict())), raw
     raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
                           f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
 

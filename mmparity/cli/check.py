@@ -92,7 +92,7 @@ def _load_hf(directory: str, family: str, hf_format):
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
     try:
-        full_cfg, _ = read_hf_config(directory)
+        full_cfg, _ = read_hf_config(directory, for_models=True)
     except CheckpointError as exc:
         raise UsageError(f"--hf {exc}") from None
     fam = families.get(family)

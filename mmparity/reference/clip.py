@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from transformers import CLIPVisionConfig
-
 from mmparity.hfconfig import tower_config
 
 if TYPE_CHECKING:
-    from transformers import CLIPVisionModel
+    from transformers import CLIPVisionConfig, CLIPVisionModel
 
 
 MODEL_TYPES = ("clip_vision_model",)
@@ -28,6 +26,8 @@ CLASS_TOKEN_LEN = 1
 
 def tiny_config() -> CLIPVisionConfig:
     """4 heads of 12 (TP 2 and 4), FFN 52 (not a multiple of 48), an odd 5x5 position grid."""
+    from transformers import CLIPVisionConfig
+
     return CLIPVisionConfig(hidden_size=48, intermediate_size=52, num_hidden_layers=2,
                             num_attention_heads=4, image_size=40, patch_size=8, num_channels=3,
                             hidden_act="quick_gelu", layer_norm_eps=1e-5)

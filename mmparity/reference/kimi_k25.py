@@ -9,11 +9,15 @@ HF takes pre-patchified ``(ΣN, 3, P, P)`` pixels with ``grid_thw``; clips are f
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
 from mmparity.hfconfig import has_vision_sub_config as has_projector
 from mmparity.hfconfig import vision_sub_config as vision_cfg
+
+if TYPE_CHECKING:
+    from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
 MODEL_TYPES = ("kimi_k25", "kimi_k25_vision")
 CHANNELS = 3  # HF's patch Conv2d has a literal 3 input channels
@@ -23,6 +27,8 @@ def tiny_config() -> Kimi_K25Config:
     """Awkward tiny sizes: 4 heads of 12 (TP 1/2/4; hd % 4 == 0 for 2D RoPE), FFN 44 (not a multiple
     of 48), patch 5, a 6x6 position table (so most grids resample), 4 temporal rows, text hidden 40.
     """
+    from transformers import Kimi_K25Config, Kimi_K25VisionConfig
+
     vision = Kimi_K25VisionConfig(patch_size=5, pos_emb_height=6, pos_emb_width=6, pos_emb_time=4,
                                   num_attention_heads=4, num_hidden_layers=2, hidden_size=48,
                                   intermediate_size=44)

@@ -5,8 +5,10 @@ state-dict shapes read off the config from its parts (the ``kimi_k25`` tower and
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-from transformers import Kimi_K25Config
+if TYPE_CHECKING:
+    from transformers import Kimi_K25Config
 
 from mmparity.reference import deepseek_v3 as decoder
 from mmparity.reference import kimi_k25 as tower
@@ -31,6 +33,8 @@ def tiny_text(**overrides) -> dict:
 
 
 def tiny_config(**text_overrides) -> Kimi_K25Config:
+    from transformers import Kimi_K25Config
+
     vision = tower.tiny_config().vision_config
     return Kimi_K25Config(vision_config=vision, text_config=tiny_text(**text_overrides),
                           projection_hidden_size=vision.hidden_size, tie_word_embeddings=False,
@@ -86,7 +90,7 @@ PUBLISHED_VISION = dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_
 def published_config(scale: int = 1, layers: int | None = None) -> Kimi_K25Config:
     """The released Kimi-K2.5 config, or a proportionally scaled one: every width and the expert
     count divided by ``scale`` (heads kept whole), ``layers`` decoder layers if given."""
-    from transformers import Kimi_K25VisionConfig
+    from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
     def cut(n: int) -> int:
         return max(1, n // scale)

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from transformers import LlamaConfig, LlavaConfig, PixtralVisionConfig
-
 from mmparity.hfconfig import tied_embeddings
 
 if TYPE_CHECKING:
-    from transformers import LlavaForConditionalGeneration
+    from transformers import LlamaConfig, LlavaConfig, PixtralVisionConfig, LlavaForConditionalGeneration
 
 MODEL_TYPES = ("llava",)
 OUTPUTS = ("logits", "loss_mask", "token_loss")
@@ -31,6 +29,8 @@ PLACEHOLDER = -200  # mcore's DEFAULT_IMAGE_TOKEN_INDEX in compact ids
 
 def tiny_pixtral(*, hidden: int, ffn: int, layers: int, image_size: int, **extra) -> PixtralVisionConfig:
     """A tiny Pixtral tower of 4 heads, patch 8, SwiGLU: the whole VLMs' tiny towers."""
+    from transformers import PixtralVisionConfig
+
     return PixtralVisionConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                                num_attention_heads=4, image_size=image_size, patch_size=8,
                                hidden_act="silu", num_channels=3, **extra)
@@ -50,6 +50,8 @@ def tiny_config() -> LlavaConfig:
     """Pixtral tower (3 layers, features from the penultimate one), Llama decoder with GQA and a
     head_dim that is not hidden/heads, a vocabulary that needs padding (101 -> 128), projector
     biases, untied embeddings, a non-default RoPE base."""
+    from transformers import LlamaConfig, LlavaConfig
+
     vision = tiny_pixtral(hidden=48, ffn=44, layers=3, image_size=64)
     text = tiny_text(LlamaConfig, vocab=101, hidden=40, ffn=52, heads=4, groups=2, head_dim=12, eps=1e-6,
                      theta=5000.0, positions=256)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from transformers import Mistral3Config, MistralConfig
-
 from mmparity.reference.llava import fill_tied_head, tiny_pixtral, tiny_text, whole_model_shapes
 from mmparity.reference.pixtral_large import projector_shapes
 
 if TYPE_CHECKING:
-    from transformers import Mistral3ForConditionalGeneration
+    from transformers import Mistral3Config, MistralConfig, Mistral3ForConditionalGeneration
 
 MODEL_TYPES = ("mistral3",)
 
@@ -26,6 +24,8 @@ def tiny_config() -> Mistral3Config:
     both) and a head_dim that is not hidden/heads,
     a vocabulary that needs padding (97 -> 128), a text epsilon far from the tower's (the merger
     norm must take the text one), projector biases, untied head, a non-default RoPE base."""
+    from transformers import Mistral3Config, MistralConfig
+
     vision = tiny_pixtral(hidden=48, ffn=44, layers=3, image_size=96)
     text = tiny_text(MistralConfig, vocab=97, hidden=40, ffn=52, heads=8, groups=4, head_dim=12, eps=1e-3,
                      theta=7000.0, sliding_window=None)

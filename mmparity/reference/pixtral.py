@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from transformers import PixtralVisionConfig
-
 from mmparity.hfconfig import tower_config
 
 if TYPE_CHECKING:
-    from transformers import PixtralVisionModel
+    from transformers import PixtralVisionConfig, PixtralVisionModel
 
 
 MODEL_TYPES = ("pixtral",)
@@ -19,6 +17,8 @@ PARENT_MODEL_TYPES = ("llava", "mistral3")
 
 def tiny_config() -> PixtralVisionConfig:
     """Awkward tiny sizes: 4 heads of 12 (hd % 4 == 0 for 2D RoPE), FFN not a multiple of hidden."""
+    from transformers import PixtralVisionConfig
+
     return PixtralVisionConfig(hidden_size=48, intermediate_size=44, num_hidden_layers=2,
                                num_attention_heads=4, image_size=64, patch_size=8,
                                hidden_act="silu", num_channels=3)

@@ -5,9 +5,12 @@ tower and a Mistral decoder, fed the ids HF's Pixtral processor lays out (rows o
 
 from __future__ import annotations
 
-from transformers import LlavaConfig, MistralConfig
+from typing import TYPE_CHECKING
 
 from mmparity.reference.llava import build, state_shapes, tiny_pixtral, tiny_text, vision_config  # noqa: F401  (the same HF class)
+
+if TYPE_CHECKING:
+    from transformers import LlavaConfig, MistralConfig
 
 MODEL_TYPES = ("llava",)
 
@@ -17,6 +20,8 @@ def tiny_config() -> LlavaConfig:
     (8 heads in 4 groups; TP 4 divides every split size),
     an explicit head_dim, a vocabulary that needs padding (131 -> 256), no projector bias, untied
     embeddings as released."""
+    from transformers import LlavaConfig, MistralConfig
+
     vision = tiny_pixtral(hidden=32, ffn=36, layers=2, image_size=64, head_dim=8)
     text = tiny_text(MistralConfig, vocab=131, hidden=48, ffn=40, heads=8, groups=4, head_dim=8, eps=1e-5,
                      theta=1000000.0, sliding_window=None)

@@ -11,10 +11,14 @@ patch merger, linear_1 -> act -> linear_2).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
 from mmparity.reference import pixtral
+
+if TYPE_CHECKING:
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
 MODEL_TYPES = ("mistral3",)
 OUTPUTS = ("merger", "projector")
@@ -24,6 +28,8 @@ def tiny_config() -> Mistral3Config:
     """Tiny Mistral3: Pixtral tower of 4 heads x 12, text hidden 40 (TP 2 and 4 divide both), a
     text ``rms_norm_eps`` far from the tower's 1e-5 so that taking the wrong epsilon shows, and
     projector biases on."""
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
     vision = PixtralVisionConfig(hidden_size=48, intermediate_size=44, num_hidden_layers=2,
                                  num_attention_heads=4, image_size=64, patch_size=8,
                                  hidden_act="silu", num_channels=3)

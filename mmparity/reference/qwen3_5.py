@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from transformers import Qwen3_5MoeVisionConfig
-
 from mmparity.hfconfig import tower_config
 
 if TYPE_CHECKING:
+    from transformers import Qwen3_5MoeVisionConfig
+
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
 MODEL_TYPES = ("qwen3_5_moe_vision",)
@@ -27,6 +27,8 @@ def tiny_config() -> Qwen3_5MoeVisionConfig:
     """Awkward tiny sizes: 4 heads of 12 (TP 2 and 4; hd % 4 == 0 for 2D RoPE), FFN 44 not a
     multiple of hidden 48, odd patch size 5, out size 36, and a 5×5 learned position table so that
     grids beyond the table are cheap."""
+    from transformers import Qwen3_5MoeVisionConfig
+
     return Qwen3_5MoeVisionConfig(depth=2, hidden_size=48, intermediate_size=44, num_heads=4,
                                   in_channels=3, patch_size=5, temporal_patch_size=2,
                                   spatial_merge_size=2, out_hidden_size=36,

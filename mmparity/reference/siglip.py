@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from transformers import SiglipVisionConfig
-
 from mmparity.hfconfig import tower_config
 from mmparity.reference.clip import encoder_shapes, patch_size
 
 if TYPE_CHECKING:
-    from transformers import SiglipVisionModel
+    from transformers import SiglipVisionConfig, SiglipVisionModel
 
 MODEL_TYPES = ("siglip_vision_model",)
 PARENT_MODEL_TYPES = ("siglip", "paligemma", "llava", "llava_next", "llava_onevision")
@@ -22,6 +20,8 @@ PARENT_MODEL_TYPES = ("siglip", "paligemma", "llava", "llava_next", "llava_onevi
 
 def tiny_config() -> SiglipVisionConfig:
     """4 heads of 12 (TP 2 and 4), FFN 52, an odd 5x5 position grid, the pooling head on."""
+    from transformers import SiglipVisionConfig
+
     return SiglipVisionConfig(hidden_size=48, intermediate_size=52, num_hidden_layers=2,
                               num_attention_heads=4, image_size=40, patch_size=8, num_channels=3,
                               hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
