@@ -45,6 +45,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                         help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
                              "(default 128, Megatron-LM's default; for an mcore source, the N it records)")
+    parser.add_argument("--release", action="store_true",
+                        help="with --to mcore: write Megatron-LM's release checkpoint (tracker 'release', "
+                             "directory release/), which its loader takes with a plain --load: iteration 0, "
+                             "no RNG or optimizer state looked for (default: iteration 1, see docs/megatron.md)")
     parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
@@ -114,6 +118,8 @@ def run(args) -> int:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
     if args.to == "mcore" and args.max_shard_size is not None:
         raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
+    if args.to == "hf" and args.release:
+        raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:
         raise UsageError(f"--ep must be >= 1, got {args.ep}")
     options = ConvertOptions(
@@ -121,7 +127,7 @@ def run(args) -> int:
         format=args.format or "torch_dist", dtype=args.dtype, hf_format=args.hf_format,
         max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        requantize=args.requantize, expert_layout=args.expert_layout)
+        requantize=args.requantize, expert_layout=args.expert_layout, release=args.release)
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)
