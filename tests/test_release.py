@@ -120,3 +120,50 @@ def test_args_that_are_not_a_namespace_are_refused(tmp_path):
     torch.save({"model": {}, "args": {"num_layers": 2}, "checkpoint_version": 3.0}, path)
     with pytest.raises(Exception, match="not an argparse.Namespace"):
         megatron_args.read_legacy_args(path)
+
+
+def _megatron_lm_training():
+    try:
+        from megatron.training import checkpointing
+    except Exception as exc:  # stock megatron-core has no megatron.training; main needs triton importable
+        pytest.skip(f"Megatron-LM main's megatron.training is not importable ({type(exc).__name__}); put a "
+                    "checkout first on PYTHONPATH")
+    return checkpointing
+
+
+@pytest.mark.parametrize("fmt,ckpt_format", [("legacy", "torch"), ("torch_dist", "torch_dist")])
+def test_megatron_lms_loader_sees_a_release_with_matching_args(capsys, releases, tmp_path, monkeypatch, fmt,
+                                                               ckpt_format):
+    """Megatron-LM main's own reading of the checkpoint: `_load_base_checkpoint` finds a release,
+    `check_checkpoint_args` accepts the args against a run's flags (and refuses another TP for
+    legacy files), and the content metadata is ours."""
+    ckpt = _megatron_lm_training()
+    from megatron.core import dist_checkpointing
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    dst = convert_release(capsys, releases["llava"], tmp_path / "mcore", fmt, tp=2)
+    text = families.get("llava").tiny_config().text_config
+
+    def run_args(tp: int):
+        monkeypatch.setattr("sys.argv", [
+            "pretrain", "--num-layers", str(text.num_hidden_layers), "--hidden-size", str(text.hidden_size),
+            "--num-attention-heads", str(text.num_attention_heads), "--load", str(dst),
+            "--ckpt-format", ckpt_format, "--tensor-model-parallel-size", str(tp), "--micro-batch-size", "1",
+            "--seq-length", "16", "--max-position-embeddings", str(text.max_position_embeddings)])
+        args = parse_args()
+        args.use_dist_ckpt = args.ckpt_format != "torch"  # what validate_args derives
+        global_vars.set_args(args)
+        return args
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    state, _, release, _ = ckpt._load_base_checkpoint(str(dst), run_args(2), rank0=True)
+    assert release is True and state["args"].no_save_optim and state["args"].no_save_rng
+    ckpt.set_checkpoint_version(state.get("checkpoint_version", 0))
+    ckpt.check_checkpoint_args(state["args"])
+    if fmt == "legacy":
+        run_args(1)
+        with pytest.raises(AssertionError, match="tensor_model_parallel_size"):
+            ckpt.check_checkpoint_args(state["args"])
+    else:
+        assert dist_checkpointing.load_content_metadata(preloaded_state_dict=state) == megatron_args.content_metadata()
