@@ -3,15 +3,16 @@
 One `torch.save` file per (TP rank, PP stage, EP rank):
 
     <root>/latest_checkpointed_iteration.txt
-    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
-        {"model": local state dict, "checkpoint_version": 3.0, "iteration": 1}
+    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt   (or release/)
+        {"model": local state dict, ["args": Namespace,] "checkpoint_version": 3.0, "iteration": 1}
 
 Each `model` dict holds that rank's TP shard of every tensor, with the layers of its pipeline stage
 numbered from 0 and, under expert parallelism, only its EP rank's experts of each MoE layer,
-numbered from 0 (`converters.ep`); everything else is in every EP rank's file. Megatron-LM also stores `args` (an argparse.Namespace), optimizer and RNG state;
-we write only what a model load needs (`--no-load-optim --no-load-rng`, or `--finetune`), and
-only objects `torch.load(weights_only=True)` accepts, which is also how everything is read back:
-a checkpoint is data, never code.
+numbered from 0 (`converters.ep`); everything else is in every EP rank's file. Megatron-LM also
+stores optimizer and RNG state; we write only what a model load needs, plus, where the converter
+gives it, the `args` Namespace of sizes its loader reads (`megatron_args`), and only objects that
+Megatron's `safe_globals` and our allow-list both accept, which is also how everything is read
+back: a checkpoint is data, never code. The iteration may be Megatron-LM's `release`.
 
 The public functions take and return what the converters produce: one globally numbered state
 dict per TP rank. Pipeline and expert splitting and merging happen here via `converters.pp` and

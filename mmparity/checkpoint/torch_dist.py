@@ -4,8 +4,10 @@
     <root>/iter_0000001/   {.metadata, __{rank}_0.distcp, common.pt (mcore < 0.19), metadata.json}
     <root>/mmparity.json
 
-The state dict is what Megatron-LM saves minus optimizer/RNG/args:
-`{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": N}`. It loads with
+The state dict is what Megatron-LM saves minus optimizer/RNG:
+`{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": N}`, plus the
+`common` entries a caller gives (the converter's `args`, see `megatron_args`) and its content
+metadata. It loads with
 `megatron.core.dist_checkpointing.load` at any TP size, because the files hold global tensors and
 each loading rank reads its own slice.
 
