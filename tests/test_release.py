@@ -167,3 +167,29 @@ def test_megatron_lms_loader_sees_a_release_with_matching_args(capsys, releases,
             ckpt.check_checkpoint_args(state["args"])
     else:
         assert dist_checkpointing.load_content_metadata(preloaded_state_dict=state) == megatron_args.content_metadata()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,ckpt_format", [("legacy", "torch"), ("torch_dist", "torch_dist")])
+def test_megatron_lms_load_checkpoint_takes_a_release_with_a_plain_load(capsys, tmp_path, fmt, ckpt_format):
+    """The whole of Megatron-LM main's ``load_checkpoint`` (LLaVA with a CLIP tower, CPU, one
+    rank), with nothing but ``--load`` and the model's sizes: it loads at iteration 0, changes
+    every tensor, and the result is exactly what ``live.import_hf`` loads from the release."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mmparity.cases.megatron import llava_clip_config
+    from mmparity.runtime import free_port
+
+    _megatron_lm_training()
+    hf_dir = save_hf("llava", tmp_path / "hf", seed=5, cfg=llava_clip_config())
+    dst = convert_release(capsys, hf_dir, tmp_path / "mcore", fmt)
+    script = Path(__file__).with_name("megatron_lm_release_load.py")
+    done = subprocess.run([sys.executable, str(script), str(dst), ckpt_format, str(hf_dir), str(free_port())],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["iteration"] == 0 and result["differ"] == []
+    assert result["changed"] == result["tensors"] > 0
