@@ -3,15 +3,16 @@
 One `torch.save` file per (TP rank, PP stage, EP rank):
 
     <root>/latest_checkpointed_iteration.txt
-    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
-        {"model": local state dict, "checkpoint_version": 3.0, "iteration": 1}
+    <root>/iter_0000001/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt   (or release/)
+        {"model": local state dict, ["args": Namespace,] "checkpoint_version": 3.0, "iteration": 1}
 
 Each `model` dict holds that rank's TP shard of every tensor, with the layers of its pipeline stage
 numbered from 0 and, under expert parallelism, only its EP rank's experts of each MoE layer,
-numbered from 0 (`converters.ep`); everything else is in every EP rank's file. Megatron-LM also stores `args` (an argparse.Namespace), optimizer and RNG state;
-we write only what a model load needs (`--no-load-optim --no-load-rng`, or `--finetune`), and
-only objects `torch.load(weights_only=True)` accepts, which is also how everything is read back:
-a checkpoint is data, never code.
+numbered from 0 (`converters.ep`); everything else is in every EP rank's file. Megatron-LM also
+stores optimizer and RNG state; we write only what a model load needs, plus, where the converter
+gives it, the `args` Namespace of sizes its loader reads (`megatron_args`), and only objects that
+Megatron's `safe_globals` and our allow-list both accept, which is also how everything is read
+back: a checkpoint is data, never code. The iteration may be Megatron-LM's `release`.
 
 The public functions take and return what the converters produce: one globally numbered state
 dict per TP rank. Pipeline and expert splitting and merging happen here via `converters.pp` and
@@ -41,6 +42,7 @@ from mmparity.checkpoint.fsio.slots import Slot, SlotWriter, torch_save_without_
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
+    RELEASE,
     iteration_dirname,
     parse_rank_dirname,
     rank_dirname,
@@ -112,8 +114,8 @@ class LegacyWriter:
     """
 
     def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, pp_size: int, layer_counts: Sequence[int],
-                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int, locate=None,
-                 ep_size: int = 1, num_experts: int = 0):
+                 layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int | str, locate=None,
+                 ep_size: int = 1, num_experts: int = 0, common: Mapping | None = None):
         if not rank_entries:
             raise CheckpointError("no TP shards to write")
         reference_keys = set(rank_entries[0])
@@ -154,7 +156,7 @@ class LegacyWriter:
                     self.files.append(relative.as_posix())
                     tensor_keys = [local for local, key in local_to_global.items() if _is_tensor_entry(entries[key])]
                     offsets = _write_skeleton(path, {local: entries[key] for local, key in local_to_global.items()},
-                                              iteration)
+                                              iteration, common)
                     fds.append(os.open(path, os.O_WRONLY))
                     for local, key in local_to_global.items():
                         if extra_state.is_extra_state(key) and not _is_tensor_entry(entries[key]):
@@ -215,8 +217,10 @@ def _is_tensor_entry(value) -> bool:
     return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.dtype)
 
 
-def _write_skeleton(path: Path, model: Mapping, iteration: int) -> list[tuple[int, int]]:
+def _write_skeleton(path: Path, model: Mapping, iteration: int | str,
+                    common: Mapping | None = None) -> list[tuple[int, int]]:
     """`torch.save` of `{"model": model, ...}` with every tensor's bytes reserved, not written.
+    `common`: further top-level entries (Megatron-LM's `args`, see `megatron_args`).
 
     Returns (offset, nbytes) of each tensor entry's storage in `model` order. torch numbers storages
     in the order the pickler meets them, which for one fresh storage per tensor is dict order; the
@@ -239,7 +243,9 @@ def _write_skeleton(path: Path, model: Mapping, iteration: int) -> list[tuple[in
     with warnings.catch_warnings(), torch_save_without_crc32():
         warnings.simplefilter("ignore")  # skip_data is marked as a prototype
         with torch.serialization.skip_data():
-            torch.save({"model": placeholders, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}, path)
+            # A release checkpoint's iteration is 0, as Megatron-LM's loader reads it.
+            torch.save({**(common or {}), "model": placeholders, "checkpoint_version": CHECKPOINT_VERSION,
+                        "iteration": 0 if iteration == RELEASE else iteration}, path)
     reader = torch._C.PyTorchFileReader(str(path))
     records = set(reader.get_all_records())
     result = []
@@ -316,7 +322,7 @@ def write_legacy(
 
 
 def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: int, pp_size: int,
-                  layer_counts: Sequence[int], iteration: int, provenance: Provenance | None,
+                  layer_counts: Sequence[int], iteration: int | str, provenance: Provenance | None,
                   extra_files: Mapping[str, str | bytes] | None, ep_size: int = 1) -> None:
     """The small files beside the rank files: extra files, the tracker and the manifest."""
     write_mcore_root(

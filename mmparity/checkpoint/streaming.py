@@ -48,11 +48,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as safetensors_load, save as safetensors_save
 
 from mmparity import families, runtime
-from mmparity.checkpoint import extra_state
+from mmparity.checkpoint import extra_state, megatron_args
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
 from mmparity.families import UnknownFamilyError
-from mmparity.checkpoint.layout import TRACKER_FILE, checkpoint_extent, resolve_iteration_dir
+from mmparity.checkpoint.layout import RELEASE, TRACKER_FILE, checkpoint_extent, resolve_iteration_dir
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, load_rank_payload, model_chunk_keys, open_legacy
 from mmparity.checkpoint.megatron_written import FROM_BASE, ModelConfig, args_parallelism, copy_base_files
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
@@ -175,6 +175,9 @@ class ConvertOptions:
     base: Path | None = None
     hf_config: Path | None = None
     iteration: int | str | None = None
+    # Write Megatron-LM's `release` iteration (tracker "release", directory release/): its loader
+    # then starts at iteration 0 and looks for no RNG or optimizer state, so a plain --load works.
+    release: bool = False
 
     @property
     def grid(self) -> Grid:
@@ -1221,11 +1224,16 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
                                                                             source.hf_format))
     heap = heap_budget()
+    iteration = RELEASE if options.release else 1
+    args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch",
+                                         tp=options.tp, pp=options.pp, ep=options.ep,
+                                         vocab_multiple=source.vocab_multiple)
     try:
         with atomic_directory(options.dst, force=options.force) as staging:
             writer = LegacyWriter(staging, entries, pp_size=options.pp, layer_counts=counts,
                                   layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
-                                  iteration=1, locate=source.locate, ep_size=options.ep, num_experts=num_experts)
+                                  iteration=iteration, locate=source.locate, ep_size=options.ep, num_experts=num_experts,
+                                  common={megatron_args.ARGS_KEY: args})
             def put(key: str, kind: str, pieces: list, inputs: list) -> None:
                 shape = tuple(source.metas[key].shape)
                 for rank in range(tp):
@@ -1243,7 +1251,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
             finally:
                 writer.abort()
             finish_legacy(staging, records, tp_size=options.tp, pp_size=options.pp, layer_counts=counts,
-                          iteration=1, ep_size=options.ep, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
+                          iteration=iteration, ep_size=options.ep, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
                           provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix,
                                                        **side_extra))
     except CheckpointError as exc:
@@ -1361,7 +1369,12 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
                             extra_records=side_records,
                             tp_size=1, pp_size=1, ep_size=1,
                             extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
-                            force=options.force, produce=produce, locate=source.locate)
+                            force=options.force, produce=produce, locate=source.locate,
+                            iteration=RELEASE if options.release else 1,
+                            common={megatron_args.ARGS_KEY: megatron_args.checkpoint_args(
+                                source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch_dist",
+                                tp=options.tp, pp=options.pp, ep=options.ep, vocab_multiple=source.vocab_multiple)},
+                            content_metadata=megatron_args.content_metadata())
         except CheckpointError as exc:
             raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
     progress.advance(len(local_keys), 0)

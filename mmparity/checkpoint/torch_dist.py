@@ -4,8 +4,10 @@
     <root>/iter_0000001/   {.metadata, __{rank}_0.distcp, common.pt (mcore < 0.19), metadata.json}
     <root>/mmparity.json
 
-The state dict is what Megatron-LM saves minus optimizer/RNG/args:
-`{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": N}`. It loads with
+The state dict is what Megatron-LM saves minus optimizer/RNG:
+`{"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": N}`, plus the
+`common` entries a caller gives (the converter's `args`, see `megatron_args`) and its content
+metadata. It loads with
 `megatron.core.dist_checkpointing.load` at any TP size, because the files hold global tensors and
 each loading rank reads its own slice.
 
@@ -43,6 +45,7 @@ from mmparity.checkpoint import extra_state, torch_dist_files
 from mmparity.converters import ep, pp
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
+    RELEASE,
     iteration_dirname,
     resolve_iteration_dir,
 )
@@ -369,7 +372,7 @@ def save_torch_dist(
     root: str | os.PathLike,
     sharded_state_dict: ShardedStateDict | Callable[[], ShardedStateDict],
     *,
-    iteration: int = 1,
+    iteration: int | str = 1,
     provenance: Provenance | None = None,
     tp_size: int | None = None,
     pp_size: int | None = None,
@@ -380,6 +383,7 @@ def save_torch_dist(
     produce: Producer | None = None,
     locate=None,
     extra_records: Sequence[TensorRecord] = (),
+    common: Mapping | None = None,
 ) -> Path:
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
 
@@ -393,7 +397,9 @@ def save_torch_dist(
     staging directory is created by rank 0 next to `root`, so all ranks must see the same
     filesystem (as Megatron-LM requires). Tensor data may be meta when `produce` gives the bytes of
     each meta base tensor on demand (a converter streaming from another checkpoint); `locate` says
-    which of those are views of source files, so they are copied file to file.
+    which of those are views of source files, so they are copied file to file. `common`: further
+    entries of the common (non-sharded) state, such as Megatron-LM's `args` (`megatron_args`);
+    `iteration` may be `"release"` (stored as iteration 0, as Megatron-LM's loader reads it).
     """
     _require_process_group()
     rank = dist.get_rank()
@@ -434,7 +440,8 @@ def save_torch_dist(
         _validate_sharding(produced)
 
         strategy = CpuTorchDistSaveStrategy(iteration_name, produce, locate)
-        common_state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+        common_state = {**(common or {}), "checkpoint_version": CHECKPOINT_VERSION,
+                        "iteration": 0 if iteration == RELEASE else iteration}
         error = None
         try:
             mc.dist_checkpointing.save(

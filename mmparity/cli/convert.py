@@ -55,6 +55,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--iteration", metavar="N", default=None,
                         help="which iteration of an mcore checkpoint root to read (a number or 'release'; "
                              "default: the tracker file's)")
+    parser.add_argument("--release", action="store_true",
+                        help="with --to mcore: write Megatron-LM's release checkpoint (tracker 'release', "
+                             "directory release/), which its loader takes with a plain --load: iteration 0, "
+                             "no RNG or optimizer state looked for (default: iteration 1, see docs/megatron.md)")
     parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
@@ -125,6 +129,8 @@ def run(args) -> int:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
     if args.to == "mcore" and args.max_shard_size is not None:
         raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
+    if args.to == "hf" and args.release:
+        raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:
         raise UsageError(f"--ep must be >= 1, got {args.ep}")
     iteration = getattr(args, "iteration", None)
@@ -142,7 +148,7 @@ def run(args) -> int:
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         requantize=args.requantize, expert_layout=args.expert_layout,
         base=Path(base) if base is not None else None, hf_config=Path(hf_config) if hf_config is not None else None,
-        iteration=iteration)
+        iteration=iteration, release=args.release)
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)

@@ -1,0 +1,119 @@
+"""What a converted mcore checkpoint tells Megatron-LM's loader about itself: its ``args`` and,
+for torch_dist, its content metadata. Nothing about training it never had.
+
+Megatron-LM's ``load_checkpoint`` reads an ``args`` Namespace from every checkpoint that has one
+(legacy rank files and torch_dist's common state alike) and, unless ``--finetune``, runs
+``check_checkpoint_args`` on it: ``num_layers``, ``hidden_size`` and ``num_attention_heads`` must
+equal the run's, and for legacy files ``tensor_model_parallel_size`` and
+``pipeline_model_parallel_size`` too (``add_position_embedding`` defaults to True when absent;
+``max_position_embeddings``, ``make_vocab_size_divisible_by``, ``padded_vocab_size`` and
+``tokenizer_type`` are compared only for runs with ``--vocab-file``). For torch_dist it reads
+the TP/PP sizes (warning "TP size not found in checkpoint args, using 1" without them) and whether
+the run that saved it kept RNG and optimizer state (``no_save_rng`` / ``no_save_optim``);
+``--use-checkpoint-args`` copies the model sizes from it. So we record exactly that subset, with
+values read off the HF config and the converted tensors, and say ``no_save_optim`` /
+``no_save_rng``: there is none. No iteration counters, no consumed samples, no RNG, no optimizer.
+
+A ``argparse.Namespace`` of plain values pickles as ``argparse.Namespace`` plus ints, floats,
+strings and bools: what Megatron's ``safe_globals`` and mmparity's own allow-list
+(``unpickle.OBJECT_NAMES`` / ``LEGACY_NAMES``) both accept.
+
+Content metadata (``dist_checkpointing.save(..., content_metadata=...)``, stored in the common
+state under ``content_metadata``) is what Megatron-LM's ``_build_sharded_state_dict_metadata``
+gives for a run without a distributed optimizer: the flags that shape the sharded state dict's
+keys. Ours were made with mcore's defaults, which these flags name; the distributed optimizer's
+sharding type is left out because there is no optimizer state to be sharded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from mmparity import hfconfig
+from mmparity.checkpoint import unpickle
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.converters import ep as ep_mod
+from mmparity.converters import pp as pp_mod
+
+__all__ = ["ARGS_KEY", "checkpoint_args", "content_metadata", "read_legacy_args"]
+
+ARGS_KEY = "args"
+# The embedding table whose rows are Megatron's padded vocabulary (``padded_vocab_size``).
+_EMBEDDING_SUFFIX = "embedding.word_embeddings.weight"
+
+
+def content_metadata() -> dict:
+    """The content metadata Megatron-LM records for a torch_dist save without a distributed
+    optimizer (``_build_sharded_state_dict_metadata`` less its process group)."""
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def _model_config(cfg):
+    """The config whose sizes Megatron's ``args`` describe: a whole VLM's language model (what
+    Megatron-LM's ``--num-layers`` etc. size in LLaVA training), else the family's own."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: str, tp: int, pp: int,
+                    ep: int = 1, vocab_multiple: int | None = None) -> argparse.Namespace:
+    """The ``args`` subset Megatron-LM's loader reads, for a checkpoint of ``shapes`` (mcore key ->
+    shape at TP 1, in plan order) converted from HF config ``cfg`` for a TP x PP x EP run.
+
+    ``ckpt_format`` is Megatron-LM's name (``torch`` for legacy, ``torch_dist``)."""
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
+    model = _model_config(cfg)
+    layout = pp_mod.pipeline_layout(list(shapes))
+    heads = hfconfig.num_heads(model)
+    groups = hfconfig.query_groups(model)
+    fields: dict = {
+        "num_layers": layout.num_layers or getattr(model, "num_hidden_layers", None),
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "group_query_attention": groups != heads,
+        "ffn_hidden_size": getattr(model, "intermediate_size", None),
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "expert_model_parallel_size": ep,
+        "ckpt_format": ckpt_format,
+        # What this checkpoint does not hold, as Megatron-LM records it for a run saved with
+        # --no-save-optim --no-save-rng: its loader then does not look for them.
+        "no_save_optim": True,
+        "no_save_rng": True,
+    }
+    if getattr(model, "kv_lora_rank", None) is None:  # multi-latent attention has no one head width
+        fields["kv_channels"] = hfconfig.head_dim(model)
+    embedding = next((k for k in shapes if k.endswith(_EMBEDDING_SUFFIX)), None)
+    if embedding is not None:
+        fields["padded_vocab_size"] = int(shapes[embedding][0])
+        fields["max_position_embeddings"] = getattr(model, "max_position_embeddings", None)
+        fields["untie_embeddings_and_output_weights"] = not hfconfig.tied_embeddings(cfg)
+        if vocab_multiple is not None:
+            fields["make_vocab_size_divisible_by"] = vocab_multiple
+    experts = ep_mod.expert_count(list(shapes))
+    if experts:
+        fields["num_experts"] = experts
+    return argparse.Namespace(**{k: v for k, v in fields.items() if v is not None})
+
+
+def read_legacy_args(path: str | os.PathLike) -> argparse.Namespace | None:
+    """The ``args`` of one legacy rank file (None when it has none), decoded by the allow-list
+    unpickler; tensors are mapped, not read."""
+    import torch
+
+    path = Path(path)
+    restricted = unpickle.torch_pickle_module(unpickle.LEGACY_NAMES, str(path))
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=restricted)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable as a torch.save file ({type(exc).__name__})") from None
+    args = payload.get(ARGS_KEY) if isinstance(payload, dict) else None
+    if args is not None and not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{path}: 'args' is a {type(args).__name__}, not an argparse.Namespace")
+    return args
