@@ -15,6 +15,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The quick loop (`-m "not slow"`) stays quick only if every test that spawns ranks says so: the
+# marker is checked where ranks are spawned, not left to memory.
+_running: list = []
+
+
+def pytest_configure(config):
+    from mmparity import runtime
+
+    spawn = runtime.spawn
+
+    def spawn_in_a_slow_test(fn, world_size, *args):
+        item = _running[-1] if _running else None
+        if item is not None and world_size > 1 and item.get_closest_marker("slow") is None:
+            raise AssertionError(f"{item.nodeid} spawns {world_size} ranks but is not marked slow "
+                                 "(pytest.mark.slow: spawned ranks are what the quick loop leaves out)")
+        return spawn(fn, world_size, *args)
+
+    runtime.spawn = spawn_in_a_slow_test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
 @pytest.fixture(autouse=True)
 def _single_process_parallel_state():
     """Every test starts from TP=1 mcore state so a test that changed it cannot leak."""

@@ -14,6 +14,7 @@ from megatron.training import checkpointing as ckpt, global_vars
 from megatron.training.arguments import parse_args
 from mmparity import runtime
 from mmparity.checkpoint import live
+from mmparity import families
 from mmparity.upstream import models
 
 dst, fmt, hf = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -40,11 +41,11 @@ def read_metadata(tracker):
     finally:
         torch.distributed.is_initialized = real
 ckpt.read_metadata = read_metadata
-model = models.build("llava", cfg)
+model = models.build(families.get("llava").megatron_class()[1].build, cfg)
 before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 iteration, flops = ckpt.load_checkpoint([model], None, None)
 # The loaded weights are what mmparity's own import gives for the release.
-fresh = models.build("llava", cfg)
+fresh = models.build(families.get("llava").megatron_class()[1].build, cfg)
 live.import_hf(fresh, hf, "llava")
 a = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 b = {k: v for k, v in fresh.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import runtime
-from mmparity.cases.megatron import llava_clip_config
+from mmparity import families, runtime
+from mmparity.cases.llava import llava_clip_config
 from mmparity.checkpoint import live
 from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
@@ -67,7 +67,7 @@ def _both_ways(rank: int, world: int, family: str, tp: int, pp: int, hf_dir: str
 
     runtime.init_parallel(tp, pp, seed=11)
     cfg = live.family_config(hf_dir, family)
-    model = models.build(family, cfg)
+    model = models.build(families.get(family).megatron_class()[1].build, cfg)
     _zero_vocabulary_padding(model, cfg)
     exported = dict(live.export_hf(model, family, cfg, base=hf_dir))
     out = Path(out)
@@ -80,7 +80,7 @@ def _both_ways(rank: int, world: int, family: str, tp: int, pp: int, hf_dir: str
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     problems = _differences(_model_state(model), _rank_file(out / "mcore", tp_rank, pp_rank), "export")
 
-    fresh = models.build(family, cfg)
+    fresh = models.build(families.get(family).megatron_class()[1].build, cfg)
     report = live.import_hf(fresh, hf_dir, family)
     problems += _differences(_model_state(fresh), _rank_file(Path(imported_mcore), tp_rank, pp_rank), "import")
     # And the export of what was imported is the release itself (the base fills only the aside).
@@ -118,7 +118,7 @@ def _negative(rank: int, world: int, hf_dir: str, broken_dir: str) -> dict:
 
     runtime.init_parallel(world, 1, seed=3)
     cfg = live.family_config(hf_dir, "clip")
-    model = models.build("clip", cfg)
+    model = models.build(families.get("clip").megatron_class()[1].build, cfg)
     found = {}
     try:
         live.export_hf(model, "clip", cfg)

@@ -22,7 +22,8 @@ from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dic
 from mmparity.checkpoint import megatron_load, torch_dist
 from mmparity.checkpoint.legacy import open_legacy, write_legacy
 from mmparity.checkpoint.manifest import Provenance
-from mmparity.checkpoint.megatron_load import HF_CONFIG_FILE, build_and_load, load_job
+from mmparity.checkpoint.megatron_load import build_and_load, load_job
+from mmparity.checkpoint.streaming import HF_CONFIG_FILE
 from mmparity.cli.main import main
 from mmparity.converters import pp as pp_mod
 from mmparity.parity import harness

@@ -180,7 +180,7 @@ def test_megatron_lms_load_checkpoint_takes_a_release_with_a_plain_load(capsys, 
     import subprocess
     import sys
 
-    from mmparity.cases.megatron import llava_clip_config
+    from mmparity.cases.llava import llava_clip_config
     from mmparity.runtime import free_port
 
     _megatron_lm_training()

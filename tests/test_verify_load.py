@@ -15,7 +15,7 @@ from mmparity.cases.inputs import random_like_state
 from mmparity.checkpoint import torch_dist
 from mmparity.checkpoint.legacy import write_legacy
 from mmparity.checkpoint.manifest import Provenance
-from mmparity.checkpoint.megatron_load import HF_CONFIG_FILE
+from mmparity.checkpoint.streaming import HF_CONFIG_FILE
 from mmparity.upstream import models
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
