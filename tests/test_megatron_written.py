@@ -351,3 +351,101 @@ def test_verify_base_compares_untrained_tensors(capsys, tmp_path):
     save_file(state, str(other / "model.safetensors"))
     code, out, err = run_cli(capsys, "verify", tmp_path / "hf", "--base", other)
     assert code == 1 and key in out and "differ" in out, out + err
+
+
+def verify_load(capsys, ckpt: Path, *extra) -> tuple[int, str, str]:
+    return run_cli(capsys, "verify", ckpt, "--load", *extra)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("family", FAST)
+def test_verify_load_megatron_written_tp1(capsys, tmp_path, family, fmt):
+    """``verify --load --base`` of what Megatron's savers wrote: strict, the model only; the
+    optimizer, RNG and args named as deliberately not loaded."""
+    base, trained = make_pair(family, tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, family, 1, fmt, base, trained)
+    code, out, err = verify_load(capsys, ckpt)
+    assert code == 2 and "--base HF_DIR" in err and len(err.strip().splitlines()) == 1, out + err
+    code, out, err = verify_load(capsys, ckpt, "--base", base)
+    assert code == 0, out + err
+    assert f"(mcore_{fmt}, TP 1)" in out and "all ranks load" in out and "rank 0: ok" in out, out
+    deliberately = next(line for line in out.splitlines() if "not loaded, deliberately" in line)
+    assert "optimizer" in deliberately and "rng_state" in deliberately and "args" in deliberately, out
+    if fmt == "torch_dist":
+        assert "training state" in out, out  # the per-rank count of optimizer / RNG items skipped
+    code, out2, err = verify_load(capsys, ckpt, "--base", base, "--iteration", "7")
+    assert code == 0 and out2 == out, out2 + err
+    code, out, err = verify_load(capsys, ckpt, "--base", base, "--iteration", "5")
+    assert code == 2 and "iter_0000005" in err, out + err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_verify_load_megatron_written_tp2(capsys, tmp_path, fmt):
+    base, trained = make_pair("llava", tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, "llava", 2, fmt, base, trained)
+    code, out, err = verify_load(capsys, ckpt, "--base", base)
+    assert code == 0, out + err
+    assert f"(mcore_{fmt}, TP 2)" in out and "rank 0: ok" in out and "rank 1: ok" in out, out
+    assert "optimizer" in out and "rng_state" in out, out
+
+
+def _legacy_rank_files(ckpt: Path) -> list[Path]:
+    return sorted(ckpt.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+
+
+@pytest.mark.parametrize("change", ["shape", "removed"])
+def test_verify_load_megatron_written_legacy_misfit_fails_naming_it(capsys, tmp_path, change):
+    """A negative control: one model tensor of a Megatron-written legacy checkpoint re-shaped or
+    removed (its optimizer, RNG and args kept) is a failed rank naming it."""
+    base, trained = make_pair("clip", tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, "clip", 1, "legacy", base, trained)
+    (path,) = _legacy_rank_files(ckpt)
+    state = torch.load(path, weights_only=False)
+    key = sorted(k for k, v in state["model"].items() if torch.is_tensor(v) and k.endswith("linear_fc1.bias"))[0]
+    if change == "shape":
+        state["model"][key] = torch.cat([state["model"][key], state["model"][key][:1]])
+    else:
+        del state["model"][key]
+    torch.save(state, path)
+    code, out, err = verify_load(capsys, ckpt, "--base", base)
+    if change == "shape":  # checked against the config before anything is built: one line
+        assert code == 2 and key in err and "shape mismatch" in err and len(err.strip().splitlines()) == 1, out + err
+    else:
+        assert code == 1 and f"rank 0: FAIL: missing 1: {key}" in out, out + err
+
+
+def test_verify_load_megatron_written_torch_dist_misfit_fails_naming_it(capsys, tmp_path):
+    """The same for torch_dist: a model tensor removed from the saved state is named."""
+    base, trained = make_pair("clip", tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, "clip", 1, "torch_dist", base, trained)
+    # Saved again without one model tensor (Megatron's saver given a state dict lacking it).
+    shutil.rmtree(ckpt)
+    original = _save_rank
+
+    removed = {}
+
+    def without_one(rank, world, *rest):
+        from megatron.core import dist_checkpointing
+
+        real = dist_checkpointing.save
+
+        def save(state, directory, *a, **k):
+            first = sorted(k for k in state["model"] if k.endswith("linear_fc1.bias"))[0]
+            removed["key"] = state["model"][first].key
+            # Every layer's shard of the stacked tensor, so that what is saved is a whole checkpoint.
+            for name in [k for k, v in state["model"].items() if getattr(v, "key", None) == removed["key"]]:
+                state["model"].pop(name)
+            state["optimizer"] = {}  # its optimizer state refers to the removed tensor
+            return real(state, directory, *a, **k)
+
+        dist_checkpointing.save = save
+        try:
+            return original(rank, world, *rest)
+        finally:
+            dist_checkpointing.save = real
+
+    without_one(0, 1, str(tmp_path / "base_mcore"), str(tmp_path / "trained_mcore"), str(tmp_path / "trained_tp1"),
+                str(ckpt), "torch_dist", ITERATION)
+    code, out, err = verify_load(capsys, ckpt, "--base", base)
+    assert code == 1 and "rank 0: FAIL" in out and removed["key"] in out, out + err

@@ -40,12 +40,20 @@ from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
 from mmparity.checkpoint.legacy import open_legacy
-from mmparity.checkpoint.manifest import read_manifest
+from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
-from mmparity.checkpoint.streaming import ConvertError, _check_shapes, _validate_tp, open_source
+from mmparity.checkpoint.streaming import (_NOT_MODEL_KEYS, ConvertError, _check_shapes, _validate_tp,
+                                           model_config_for, open_source)
+from mmparity.checkpoint.streaming import HF_CONFIG_FILE  # noqa: F401  (tests/test_verify_load.py imports it here)
 from mmparity.checkpoint.unpickle import RefusedPickle
 from mmparity.converters import pp as pp_mod
 from mmparity.upstream import models
+
+
+# How a rank's count of a Megatron-written torch_dist checkpoint's optimizer / RNG items is named.
+TRAINING_STATE = "training state"
+# A legacy rank file's entries that are Megatron-LM's bookkeeping, not state: not listed as left out.
+_BOOKKEEPING = ("checkpoint_version", "iteration")
 
 
 @dataclasses.dataclass
@@ -112,6 +120,7 @@ class LoadReport:
     parts: tuple = ()  # LoadParts, where the load is split over several classes or holds a part
     not_loaded: tuple = ()
     notes: tuple = ()
+    training_state: tuple = ()  # what of a Megatron-written checkpoint is not the model's (not loaded)
 
     @property
     def ok(self) -> bool:
@@ -129,6 +138,9 @@ class LoadReport:
                 f"{_described(p.holds)} -> {p.name} ({'every stage' if p.pipelined else 'first stage'})"
                 for p in self.parts))
         lines += [f"  not loaded: {n.described}: {n.reason}" for n in self.not_loaded]
+        if self.training_state:
+            lines.append(f"  not loaded, deliberately (Megatron's training state, not the model's): "
+                         f"{', '.join(self.training_state)}")
         lines += [f"  note: {note}" for note in self.notes]
         for r in self.ranks:
             tp_rank, pp_rank, ep_rank = grid_ranks(r.rank, self.tp, self.pp, self.ep)
@@ -145,7 +157,11 @@ class LoadReport:
         filled = (f"; filled {r.filled} empty _extra_state slots the converter does not write (TE modules of "
                   "MLA and grouped-GEMM experts)" if r.filled else "")
         if not self.parts:
-            return "loads" + filled
+            left = "; not loaded: " + ", ".join(f"{what} {count} {ckpt_formats.by_layout(self.layout).load_unit}"
+                                               for what, count in r.not_loaded.items()) if r.not_loaded else ""
+            # A Megatron-written checkpoint's rank: how much of it is the model that loaded.
+            count = f" {sum(r.loaded.values())} model keys" if self.training_state else ""
+            return "loads" + count + left + filled
         text = "loads " + (", ".join(f"{name} {count} keys" for name, count in r.loaded.items())
                            or "nothing on this stage")
         if r.not_loaded:
@@ -167,10 +183,14 @@ class LoadJob:
     divisible_by: Optional[int] = None  # the vocabulary divisor the checkpoint was padded with
     not_loaded: tuple = ()  # NotLoaded
     notes: tuple = ()  # why the load is split, where it is
+    iteration: Optional[object] = None  # the iteration read (None: the tracker's)
+    training_state: tuple = ()  # a Megatron-written checkpoint's non-model entries, described
 
     def skips(self, key: str) -> Optional[str]:
         """What of the checkpoint that is not loaded ``key`` belongs to (as the report names it),
         or None."""
+        if self.training_state and _NOT_MODEL_KEYS.match(key):
+            return TRAINING_STATE
         for left in self.not_loaded:
             if not left.prefixes and not any(part.holds_key(key) for part in self.parts):
                 return left.described
@@ -274,7 +294,7 @@ def legacy_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -
     not_loaded: dict = {}
     filled = 0
     state = {}
-    for key, value in open_legacy(job.root).load_rank(*_own_ranks(rank, job)).items():
+    for key, value in open_legacy(job.root, iteration=job.iteration).load_rank(*_own_ranks(rank, job)).items():
         skipped = job.skips(key)
         if skipped is None:
             state[key] = value
@@ -290,8 +310,8 @@ def legacy_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -
 def torch_dist_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -> tuple[dict, dict, int]:
     """The same, read by DCP against the classes' own sharded state dict (a collective)."""
     wanted = sharded_state_dict(model)
-    not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1)
-    return torch_dist.load_torch_dist(job.root, wanted), not_loaded, 0
+    not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1, iteration=job.iteration)
+    return torch_dist.load_torch_dist(job.root, wanted, iteration=job.iteration), not_loaded, 0
 
 
 def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
@@ -332,13 +352,14 @@ def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
     return RankLoad(rank, True, loaded=loaded, not_loaded=not_loaded, filled=filled)
 
 
-def _compare_sharded_keys(root: str, wanted: dict, skips=lambda key: None, stages: bool = False) -> dict:
+def _compare_sharded_keys(root: str, wanted: dict, skips=lambda key: None, stages: bool = False,
+                          iteration=None) -> dict:
     """Name every tensor and object the class asks for that the checkpoint lacks (or holds in
     another global shape where the class does not allow it), and every one it holds that the class
     has no place for, before DCP, which reports only the first. Stored items under a prefix
     ``skips`` names are not loaded and not unexpected: returns their count per prefix. ``stages``:
     the class is built in pipeline stages, each rank asking for its stage's (a collective)."""
-    iteration_dir = resolve_iteration_dir(root)[1]
+    iteration_dir = resolve_iteration_dir(root, iteration)[1]
     stored = torch_dist_files.tensor_metadata(iteration_dir)
     stored_objects = torch_dist_files.object_keys(iteration_dir)
     not_loaded: dict = {}
@@ -421,72 +442,144 @@ def plan_parts(family: str, megatron_class: Optional[str] = None) -> tuple[tuple
     return tuple(parts), tuple(not_loaded), tuple(notes)
 
 
+def _megatron_written(root: Path, family: Optional[str], base, hf_config, iteration) -> tuple:
+    """A checkpoint Megatron's savers wrote (no manifest): ``(layout, family, model config, its
+    description, a note saying where the model and sizes come from, TP, PP, EP, vocabulary divisor from its args or None, its training state
+    described)``; the model is the one ``--base`` / ``--hf-config`` describe, as ``convert --to hf``
+    reads it."""
+    from mmparity.checkpoint.megatron_written import describe, read_common
+
+    try:
+        model_config = model_config_for(root, family, base, hf_config, iteration)
+    except ConvertError as exc:
+        raise CheckpointError(str(exc)) from None
+    if model_config is None:
+        raise CheckpointError(f"{root}: no mmparity.json: --load of a checkpoint Megatron wrote needs the model "
+                              "it holds: --base HF_DIR (the HF release it was converted from) or --hf-config "
+                              "FILE (with --family)")
+    info = describe(root, iteration)
+    if info.format == "legacy":
+        from mmparity.checkpoint.legacy import load_rank_payload, model_chunk_keys
+
+        ckpt = open_legacy(root, iteration=info.iteration)
+        payload = load_rank_payload(ckpt.files[min(ckpt.files)], mmap=True)
+        args = payload.get("args")
+        chunks = set(model_chunk_keys(payload))
+        left = [str(k) for k in payload if k not in chunks and k not in _BOOKKEEPING]
+    else:
+        iteration_dir = info.iteration_dir
+        common = read_common(iteration_dir) or {}
+        args = common.get("args")
+        stored = list(torch_dist_files.tensor_metadata(iteration_dir)) + list(torch_dist_files.object_keys(iteration_dir))
+        counts: dict = {}
+        for key in stored:
+            if _NOT_MODEL_KEYS.match(key):
+                group = key.split(".")[0].split("/")[0]
+                counts[group] = counts.get(group, 0) + 1
+        where = {group: [f"{count} sharded item{'s' if count > 1 else ''}"] for group, count in counts.items()}
+        for key in common:
+            if key not in ("model", *_BOOKKEEPING):
+                where.setdefault(str(key), []).append("common state")
+        left = [f"{group} ({' + '.join(parts)})" for group, parts in where.items()]
+    divisor = (args.get if isinstance(args, dict) else lambda name: getattr(args, name, None))(
+        "make_vocab_size_divisible_by") if args is not None else None
+    divisor = divisor if isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0 else None
+    layout = LAYOUT_LEGACY if info.format == "legacy" else LAYOUT_TORCH_DIST
+    note = (f"{info.written_by}, iteration {info.iteration}: the model as {model_config.origin} describes it, "
+            f"its sizes from {info.parallelism_from}")
+    return (layout, model_config.family, model_config, info, note, info.tp or 1, info.pp or 1,
+            info.ep or 1, divisor, tuple(left))
+
+
 def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
-             tp: Optional[int] = None, pp: Optional[int] = None) -> tuple[LoadJob, str, str, int]:
+             tp: Optional[int] = None, pp: Optional[int] = None, *, base=None, hf_config=None,
+             family: Optional[str] = None, iteration=None) -> tuple[LoadJob, str, str, int]:
     """What loading ``directory`` into Megatron takes: ``(job, family, class name, world size)``.
+    A checkpoint Megatron wrote itself (no ``mmparity.json``) is described by ``base`` (an HF
+    directory) or ``hf_config`` (with ``family``), its iteration ``iteration`` (default: the
+    tracker's), its sizes by its ``args`` and rank layout; only its model entries are loaded.
     Raises as :func:`load_into_megatron`."""
     root = Path(directory)
-    manifest = read_manifest(root)
-    fmt = ckpt_formats.by_layout(manifest.layout)
+    written = None
+    if (root / "mmparity.json").is_file() or os.path.lexists(root / "mmparity.json"):
+        if base is not None or hf_config is not None:
+            raise CheckpointError(f"{root}: has its own mmparity.json; --base / --hf-config describe a "
+                                  "checkpoint Megatron wrote")
+        manifest = read_manifest(root)
+        layout, family = manifest.layout, manifest.provenance.family
+        recorded_tp, recorded_pp = manifest.tensor_parallel_size, manifest.pipeline_parallel_size
+        recorded_ep, model_config, training_state = manifest.expert_parallel_size, None, ()
+        layer_counts, args_divisor, iteration = manifest.pipeline_layer_counts, None, None
+    else:
+        (layout, family, model_config, written, written_note, recorded_tp, recorded_pp, recorded_ep, args_divisor,
+         training_state) = _megatron_written(root, family, base, hf_config, iteration)
+        layer_counts, iteration = None, written.iteration
+    fmt = ckpt_formats.by_layout(layout)
     if fmt is None or fmt.load_state is None:
         raise CheckpointError(f"{root}: --load needs an mcore checkpoint (legacy or torch_dist), "
-                              f"this one is {manifest.layout}")
-    family = manifest.provenance.family
+                              f"this one is {layout}")
     if family is None:
         raise CheckpointError(f"{root}: the manifest names no family")
-    for axis, asked, recorded in (("TP", tp, manifest.tensor_parallel_size),
-                                  ("PP", pp, manifest.pipeline_parallel_size)):
+    for axis, asked, recorded in (("TP", tp, recorded_tp), ("PP", pp, recorded_pp)):
         if asked is not None and asked < 1:
             raise CheckpointError(f"--{axis.lower()} must be >= 1, got {asked}")
         if asked is not None and fmt.stores_grid and asked != recorded:
             raise CheckpointError(f"{root}: a legacy checkpoint loads at its own {axis} size "
                                   f"({recorded}), not {asked}")
     megatron_class_for(family, megatron_class)  # an unknown family or class, before the files
-    tp = tp or manifest.tensor_parallel_size
-    pp = pp or manifest.pipeline_parallel_size
+    tp = tp or recorded_tp
+    pp = pp or recorded_pp
     try:
         # Opened and checked exactly as convert opens and checks a source, before anything is built
         # or spawned: the config bounded by the weights, the recorded TP, PP, layer split and
         # vocabulary divisor by what is present, every stored shape against the config. Missing and
         # foreign tensors are left to the strict load, which names them per rank.
-        source = open_source(root, family, complete=False)
+        source = open_source(root, family, complete=False, model_config=model_config, iteration=iteration)
         _check_shapes(source)
         _validate_tp(source.rules, tp)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
     parts, not_loaded, notes = plan_parts(family, megatron_class)
-    layer_counts = manifest.pipeline_layer_counts
+    if written is not None:
+        notes = (written_note, *notes)
     if pp != 1:
         # Megatron-LM builds only a language model in stages; a class holding the pipelined stack
         # that is built whole (a tower) has no place for a stage's slice of it.
-        layout = pp_mod.pipeline_layout(source.order)
-        whole = [p.name for p in parts if p.holds_key(layout.layer_prefix) and not p.pipelined]
+        layout_pp = pp_mod.pipeline_layout(source.order)
+        whole = [p.name for p in parts if p.holds_key(layout_pp.layer_prefix) and not p.pipelined]
         if whole:
             raise CheckpointError(f"{root}: PP {pp}: Megatron's {' + '.join(whole)} is not built in pipeline "
                                   "stages (only a language model is: LLaVAModel's, GPTModel); convert "
                                   "with --pp 1")
         if not fmt.stores_grid:  # global tensors: stages split as convert --pp splits
             try:
-                layer_counts = tuple(layout.layer_counts(pp))
+                layer_counts = tuple(layout_pp.layer_counts(pp))
             except pp_mod.PipelineError as exc:
                 raise CheckpointError(f"{root}: {exc}") from None
-    ep = manifest.expert_parallel_size if fmt.stores_grid else 1
-    job = LoadJob(str(root), manifest.layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts, ep=ep,
-                  divisible_by=source.vocab_multiple, not_loaded=not_loaded, notes=notes)
+    ep = recorded_ep if fmt.stores_grid else 1
+    divisor = args_divisor if args_divisor is not None else source.vocab_multiple
+    job = LoadJob(str(root), layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts, ep=ep,
+                  divisible_by=divisor, not_loaded=not_loaded, notes=notes, iteration=iteration,
+                  training_state=training_state)
     return job, family, " + ".join(p.name for p in parts), job.world_size
 
 
 def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[str] = None,
-                       tp: Optional[int] = None, pp: Optional[int] = None) -> LoadReport:
+                       tp: Optional[int] = None, pp: Optional[int] = None, *, base=None, hf_config=None,
+                       family: Optional[str] = None, iteration=None) -> LoadReport:
     """Build Megatron's class at the checkpoint's TP and PP sizes (torch_dist: at TP ``tp`` and PP
     ``pp`` if given, as it holds global tensors) and load every rank strictly.
 
-    Raises :class:`CheckpointError` for a directory that is not an mmparity mcore checkpoint,
+    A checkpoint Megatron wrote itself loads with ``base`` or ``hf_config`` (see :func:`load_job`);
+    its optimizer, RNG and other training state are not loaded, and the report lists them.
+
+    Raises :class:`CheckpointError` for a directory that is not an mcore checkpoint,
     :class:`~mmparity.cases.megatron.NoMegatronClass` for a family without a Megatron class and
     :class:`~mmparity.upstream.models.UpstreamUnavailable` when the class is not importable.
     A checkpoint that does not fit the class is a failed rank, not an exception.
     """
-    job, family, name, world_size = load_job(directory, megatron_class, tp, pp)
+    job, family, name, world_size = load_job(directory, megatron_class, tp, pp, base=base, hf_config=hf_config,
+                                             family=family, iteration=iteration)
     if world_size == 1:
         ranks = [_load_rank(0, 1, job)]
     else:
@@ -496,4 +589,5 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
         raise RefusedPickle(refused[0].message)
     partial = len(job.parts) > 1 or any(p.holds for p in job.parts)
     return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp, ep=job.ep,
-                      parts=job.parts if partial else (), not_loaded=job.not_loaded, notes=job.notes)
+                      parts=job.parts if partial else (), not_loaded=job.not_loaded, notes=job.notes,
+                      training_state=job.training_state)

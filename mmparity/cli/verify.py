@@ -27,10 +27,16 @@ def add_arguments(parser) -> None:
                              "Megatron's language model in N stages (default: the size recorded)")
     parser.add_argument("--base", metavar="HF_DIR", default=None,
                         help="also compare the tensors that were never trained (an HF export's 'from the base', "
-                             "an mcore checkpoint's side file) with the HF release they came from")
+                             "an mcore checkpoint's side file) with the HF release they came from; with --load "
+                             "of a checkpoint Megatron-LM wrote (no mmparity.json): the model it holds")
+    parser.add_argument("--hf-config", metavar="FILE", default=None,
+                        help="with --load of a checkpoint Megatron-LM wrote: the HF config.json of the model it "
+                             "holds, instead of --base (with --family unless the file is named config.json)")
+    parser.add_argument("--family", metavar="NAME", default=None,
+                        help="with --hf-config: the model family")
     parser.add_argument("--iteration", metavar="N", default=None,
-                        help="with a checkpoint Megatron-LM wrote: which iteration to describe (default: the "
-                             "tracker's)")
+                        help="with a checkpoint Megatron-LM wrote: which iteration to describe or load (default: "
+                             "the tracker's)")
     parser.add_argument("--quiet", action="store_true", help="print only problems")
 
 
@@ -43,6 +49,9 @@ def run(args) -> int:
     for option, value in (("--tp", args.tp), ("--pp", args.pp)):
         if value is not None and not args.load:
             raise UsageError(f"{option} needs --load")
+    for option, value in (("--hf-config", args.hf_config), ("--family", args.family)):
+        if value is not None and not args.load:
+            raise UsageError(f"{option} needs --load (of a checkpoint Megatron-LM wrote)")
     megatron_written = [d for d in args.dirs if os.path.isdir(d) and not os.path.lexists(Path(d) / "mmparity.json")
                         and _is_mcore_dir(Path(d))]
     if megatron_written:
@@ -99,14 +108,12 @@ def _compare_base(args, directory) -> bool:
 
 
 def _run_megatron_written(args, directories) -> int:
-    """Directories Megatron-LM wrote (no mmparity.json): what each is. Their weights carry no
+    """Directories Megatron-LM wrote (no mmparity.json): what each is (with ``--load``: whether its
+    model loads strictly, as ``--base`` / ``--hf-config`` describe it). Their weights carry no
     checksums to re-check; ``convert --to hf --base`` checks every shape against the config."""
     from mmparity.checkpoint import CheckpointError
     from mmparity.checkpoint.megatron_written import describe
 
-    if args.load:
-        raise UsageError(f"{directories[0]}: --load of a checkpoint without mmparity.json is not supported yet; "
-                         "convert it with --to hf --base HF_DIR, then back with --to mcore")
     iteration = args.iteration
     if iteration is not None and iteration != "release":
         if not iteration.isdigit():
@@ -115,6 +122,12 @@ def _run_megatron_written(args, directories) -> int:
     for directory in args.dirs:
         if os.path.lexists(Path(directory) / "mmparity.json"):
             raise UsageError(f"{directory}: verify checkpoints Megatron-LM wrote separately from mmparity's")
+    if args.load:
+        if args.base is None and args.hf_config is None:
+            raise UsageError(f"{directories[0]}: no mmparity.json: --load of a checkpoint Megatron-LM wrote needs "
+                             "the model it holds: --base HF_DIR (the HF release) or --hf-config FILE")
+        return _run_load(args, iteration=iteration, megatron_written=True)
+    for directory in args.dirs:
         try:
             print(describe(directory, iteration))
         except CheckpointError as exc:
@@ -122,7 +135,7 @@ def _run_megatron_written(args, directories) -> int:
     return EXIT_OK
 
 
-def _run_load(args) -> int:
+def _run_load(args, iteration=None, megatron_written: bool = False) -> int:
     from mmparity.cases.megatron import NoMegatronClass
     from mmparity.checkpoint import CheckpointError
     from mmparity.checkpoint.megatron_load import load_into_megatron
@@ -131,7 +144,11 @@ def _run_load(args) -> int:
     ok = True
     for directory in args.dirs:
         try:
-            report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp)
+            if megatron_written:
+                report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp, base=args.base,
+                                            hf_config=args.hf_config, family=args.family, iteration=iteration)
+            else:
+                report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp)
         except CheckpointError as exc:  # names the checkpoint (or the option) itself
             raise UsageError(str(exc)) from None
         except (NoMegatronClass, UpstreamUnavailable) as exc:
