@@ -373,6 +373,9 @@ def test_verify_load_megatron_written_tp1(capsys, tmp_path, family, fmt):
     assert "optimizer" in deliberately and "rng_state" in deliberately and "args" in deliberately, out
     if fmt == "torch_dist":
         assert "training state" in out, out  # the per-rank count of optimizer / RNG items skipped
+    # A config alone describes a load (Megatron's class has no place for what only the base holds).
+    code, out3, err = verify_load(capsys, ckpt, "--hf-config", base / "config.json")
+    assert code == 0 and "all ranks load" in out3 and "--hf-config" in out3, out3 + err
     code, out2, err = verify_load(capsys, ckpt, "--base", base, "--iteration", "7")
     assert code == 0 and out2 == out, out2 + err
     code, out, err = verify_load(capsys, ckpt, "--base", base, "--iteration", "5")

@@ -457,6 +457,10 @@ def _megatron_written(root: Path, family: Optional[str], base, hf_config, iterat
         raise CheckpointError(f"{root}: no mmparity.json: --load of a checkpoint Megatron wrote needs the model "
                               "it holds: --base HF_DIR (the HF release it was converted from) or --hf-config "
                               "FILE (with --family)")
+    if model_config.side_tensors is None:
+        # What Megatron has no place for (CLIP's ln_post) is what a config alone cannot give; a load
+        # into Megatron's class never reads it, so --hf-config describes the load in full.
+        model_config = dataclasses.replace(model_config, side_tensors=lambda keys: {})
     info = describe(root, iteration)
     if info.format == "legacy":
         from mmparity.checkpoint.legacy import load_rank_payload, model_chunk_keys
