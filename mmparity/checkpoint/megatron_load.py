@@ -44,7 +44,6 @@ from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_
 from mmparity.checkpoint.torch_dist import copy_containers
 from mmparity.checkpoint.streaming import (_NOT_MODEL_KEYS, ConvertError, _check_shapes, _validate_tp,
                                            model_config_for, open_source)
-from mmparity.checkpoint.streaming import HF_CONFIG_FILE  # noqa: F401  (tests/test_verify_load.py imports it here)
 from mmparity.checkpoint.unpickle import RefusedPickle
 from mmparity.converters import pp as pp_mod
 from mmparity.upstream import models
