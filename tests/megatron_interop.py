@@ -48,6 +48,18 @@ def whole_class_families() -> list[str]:
     return out
 
 
+def needs_megatron_lm_main(family: str) -> bool:
+    """Whether the family's default Megatron class is one of Megatron-LM main's (``vit_model``)."""
+    return getattr(megatron_class(family).build, "needs_vit_model", False)
+
+
+def stock_and_main_families() -> tuple[list[str], list[str]]:
+    """:func:`whole_class_families` split into those stock megatron-core builds and those that
+    need Megatron-LM main."""
+    whole = whole_class_families()
+    return ([f for f in whole if not needs_megatron_lm_main(f)], [f for f in whole if needs_megatron_lm_main(f)])
+
+
 def layout_config(family: str):
     """The HF config a family's default Megatron class is measured and checked on: the record's
     ``default_config`` where the family's tiny config has no Megatron class (LLaVA's), else it."""

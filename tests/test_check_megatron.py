@@ -15,6 +15,7 @@ from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
 from mmparity.upstream import models
+from tests import megatron_interop as mi
 
 HAVE_MAIN = models.available()
 needs_main = pytest.mark.skipif(not HAVE_MAIN, reason=models.INSTALL_HINT)
@@ -35,7 +36,7 @@ def by_check(report) -> dict:
     return {r.check: r for r in megatron_results(report)}
 
 
-@pytest.mark.parametrize("family", ["clip", "siglip", "llava"])
+@pytest.mark.parametrize("family", mi.stock_and_main_families()[0])
 def test_stock_class_passes(family):
     report = harness.check(family, impl="megatron")
     results = megatron_results(report)
@@ -105,7 +106,7 @@ def test_usage_errors_exit_2(capsys, argv, message):
 
 
 @pytest.mark.skipif(HAVE_MAIN, reason="Megatron-LM main is importable here")
-@pytest.mark.parametrize("family", ["pixtral", "pixtral_large", "qwen3_5", "kimi_k25"])
+@pytest.mark.parametrize("family", mi.stock_and_main_families()[1])
 def test_missing_megatron_lm_exits_2_naming_what_to_install(capsys, family):
     code, out, err = run_cli(capsys, "check", family, "--impl", "megatron")
     assert code == 2 and not out

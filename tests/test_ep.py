@@ -330,6 +330,7 @@ def _megatron_moe_block(rank: int, world_size: int, grouped: bool) -> dict:
     return {"ep": layout.ep, "keys": keys, "offsets": offsets}
 
 
+@pytest.mark.slow
 def test_megatron_moe_layers_built_at_ep_2_hold_what_split_expert_ranks_gives_them():
     results = __import__("mmparity.runtime", fromlist=["spawn"]).spawn(_megatron_moe_block, 2, False)
     # The whole model's keys, globally numbered, are rank 0's with its experts 0..1 as 0..3.

@@ -50,7 +50,8 @@ def test_whole_model_parity_and_router_agreement(dtype):
         assert {LAYER.format(2) + s for s in (".self_attention", ".mlp.shared_experts", ".mlp.experts")} <= names
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 1, 2), pytest.param(2, 1, 2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("tp,pp,ep", [pytest.param(2, 1, 1, marks=pytest.mark.slow),
+                                      pytest.param(1, 1, 2, marks=pytest.mark.slow), pytest.param(2, 1, 2, marks=pytest.mark.slow),
                                       pytest.param(1, 2, 2, marks=pytest.mark.slow)])
 def test_parity_across_tensor_pipeline_and_expert_ranks(tp, pp, ep):
     report = harness.check(FAMILY, seed=1, tp=tp, pp=pp, ep=ep, components=False)

@@ -29,21 +29,15 @@ from mmparity.cli.main import main
 from mmparity.converters import pp as pp_mod
 from mmparity.converters.rules import side_keys
 from mmparity.upstream import models
+from tests import megatron_interop as mi
 from tests.test_convert_roundtrips import save_hf
 
 NEEDS_MAIN = pytest.mark.skipif(not models.available(),
                                 reason="needs Megatron-LM main (vit_model) on PYTHONPATH")
-# Every family with a Megatron class. The stock ones always run; the vit_model ones where
-# Megatron-LM main is importable (CI cannot fetch it).
-FAMILIES = [
-    pytest.param("clip"),
-    pytest.param("siglip"),
-    pytest.param("llava"),
-    pytest.param("pixtral", marks=NEEDS_MAIN),
-    pytest.param("pixtral_large", marks=NEEDS_MAIN),
-    pytest.param("qwen3_5", marks=NEEDS_MAIN),
-    pytest.param("kimi_k25", marks=NEEDS_MAIN),
-]
+# Every family whose Megatron class holds the whole checkpoint, from the registry. The stock ones
+# always run; the vit_model ones where Megatron-LM main is importable (CI cannot fetch it).
+FAMILIES = [pytest.param(f, marks=NEEDS_MAIN) if mi.needs_megatron_lm_main(f) else pytest.param(f)
+            for f in mi.whole_class_families()]
 
 
 def llava_clip_config():
@@ -89,7 +83,7 @@ def hf_dirs(tmp_path_factory):
     return _hf_dir
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_convert_output_loads_strictly_into_megatron(family, fmt, tp, hf_dirs, tmp_path):

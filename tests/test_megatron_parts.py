@@ -29,10 +29,13 @@ from mmparity.converters import pp as pp_mod
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
 from mmparity.upstream import models
+from tests import megatron_interop as mi
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
 
-WHOLE = ("mistral3", "pixtral_12b")
+# The whole VLMs composed as LLaVAModel whose Megatron classes each hold a part (Megatron-LM's
+# LLaVAModel builds no vit_model tower), from the registry.
+WHOLE = tuple(f for f in families.names() if families.get(f).composed and mi.megatron_class(f).holds)
 HAVE_MAIN = models.available()
 needs_main = pytest.mark.skipif(not HAVE_MAIN, reason=models.INSTALL_HINT)
 LAYER_1 = "language_model.decoder.layers.1"

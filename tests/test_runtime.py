@@ -59,6 +59,7 @@ def test_parallel_state_is_made_from_a_grid_and_describes_itself_as_one():
     assert runtime.current_layout() is None
 
 
+@pytest.mark.slow
 def test_spawned_ranks_hand_back_tensors_that_live_in_their_memory():
     # torch's queue sends each tensor as a handle that the sending process serves; the parent
     # fetches them one by one while unpickling, so a rank that exits right after sending loses

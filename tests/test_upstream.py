@@ -41,12 +41,7 @@ LAYOUT_DIR = Path(__file__).parent / "data" / "megatron_layout"
 ALL_FAMILIES = tuple(mi.whole_class_families())
 
 
-def _needs_main(family: str) -> bool:
-    return getattr(mi.megatron_class(family).build, "needs_vit_model", False)
-
-
-STOCK_FAMILIES = [f for f in ALL_FAMILIES if not _needs_main(f)]
-MAIN_FAMILIES = [f for f in ALL_FAMILIES if _needs_main(f)]
+STOCK_FAMILIES, MAIN_FAMILIES = mi.stock_and_main_families()
 HAVE_MAIN = models.available()
 needs_main = pytest.mark.skipif(not HAVE_MAIN, reason=models.INSTALL_HINT)
 # What Megatron must reach where its code computes HF's function: the project's fp32 policy.
@@ -303,7 +298,7 @@ def test_stock_layout_matches_recorded(family):
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip"])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_stock_tower_loads_strictly_and_matches_hf(family, tp):
     study = mi.study(family, tp=tp, modules=tp == 1)
     assert not study.errors and study.outputs
@@ -313,7 +308,7 @@ def test_stock_tower_loads_strictly_and_matches_hf(family, tp):
     assert mi.first_divergence(study.modules) is None
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_stock_llava_loads_strictly_and_matches_hf_logits(tp):
     study = mi.study("llava", mi.llava_clip_config(), tp=tp, modules=False)
     assert not study.errors
