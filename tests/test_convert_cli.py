@@ -314,10 +314,16 @@ def test_verify_exit_codes(capsys, pixtral_hf, pixtral_legacy, tmp_path):
 # check --mcore
 
 
-def test_check_mcore_passes_and_locates_a_perturbed_tensor(capsys, pixtral_hf, pixtral_legacy, tmp_path):
+@pytest.mark.slow
+def test_check_mcore_runs_at_the_stored_layout(capsys, pixtral_legacy):
+    # TP 2 x PP 2 as stored: four spawned ranks.
     code, out, err = run_cli(capsys, "check", "--mcore", pixtral_legacy, "--no-components")
     assert code == 0, out + err  # --hf defaults to the source recorded in the manifest
-    # Merged to one rank, in-process: the stored layout already ran above.
+
+
+@pytest.mark.slow
+def test_check_mcore_passes_and_locates_a_perturbed_tensor(capsys, pixtral_hf, pixtral_legacy, tmp_path):
+    # The stored pipeline merged to one stage; its two TP shards still run as two spawned ranks.
     code, out, err = run_cli(capsys, "check", "pixtral", "--mcore", pixtral_legacy, "--hf", pixtral_hf, "--tp", "1",
                              "--pp", "1", "--no-components", "--quiet")
     assert code == 0, out + err
