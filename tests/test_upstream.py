@@ -290,6 +290,7 @@ def test_missing_megatron_lm_names_what_to_install():
 
 # --- stock classes of the installed megatron-core ----------------------------------------------
 
+@pytest.mark.slow  # measured at TP 1 and on two spawned TP 2 ranks
 @pytest.mark.parametrize("family", STOCK_FAMILIES)
 def test_stock_layout_matches_recorded(family):
     """A layout change in the installed megatron-core's classes fails here, listing every key."""
@@ -346,6 +347,7 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
 # --- Megatron-LM main's vit_model classes -------------------------------------------------------
 
 @needs_main
+@pytest.mark.slow  # measured at TP 1 and on two spawned TP 2 ranks
 @pytest.mark.parametrize("family", MAIN_FAMILIES)
 def test_main_layout_matches_recorded(family):
     measured = layout.measure(family, mi.megatron_class(family).build, config_for(family))
