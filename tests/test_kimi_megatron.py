@@ -55,7 +55,7 @@ def run_cli(capsys, *argv):
 
 # --- always: the layout -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_whole_model_is_written_under_llava_names_with_the_norm_tiled(tp):
     cfg = _whole()
     hf = _hf_state(cfg)
@@ -88,7 +88,7 @@ def test_native_model_holds_exactly_the_megatron_state_dict(cfg):
     native.load_state_dict(shards[0], strict=True)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tiled_norm_gives_hf_back_exactly_and_refuses_differing_blocks(tp):
     cfg = _whole()
     hf = _hf_state(cfg)
@@ -170,7 +170,7 @@ def _convert(capsys, src: Path, dst: Path, fmt: str, tp: int) -> Path:
 
 
 @needs_main
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_legacy_output_loads_strictly_with_verify(capsys, tmp_path, hf_dir, tp):
     ckpt = _convert(capsys, hf_dir, tmp_path / "mcore", "legacy", tp)
     code, out, err = run_cli(capsys, "verify", "--load", ckpt)
@@ -217,7 +217,7 @@ def _load_rank(rank: int, world: int, fmt: str, path: str, expected: list) -> di
 
 @needs_main
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_convert_output_loads_strictly_into_kimi_vit_model(capsys, tmp_path, hf_dir, fmt, tp):
     from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 

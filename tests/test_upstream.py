@@ -355,7 +355,7 @@ def test_main_layout_matches_recorded(family):
 
 
 @needs_main
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_pixtral_vit_matches_hf(tp):
     study = mi.study("pixtral", tp=tp, modules=tp == 1)
     assert not study.errors and set(study.outputs) == {"static/last_hidden_state",
@@ -375,7 +375,7 @@ def test_vit_model_clip_mode_normalises_before_class_token_and_positions():
 
 
 @needs_main
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_pixtral_large_merger_norm_takes_the_vision_epsilon(tp):
     """Discrepancy 2: Megatron's merger pre_norm uses the vision config's epsilon (1e-5); HF
     Mistral3 the text config's rms_norm_eps (1e-3 in the tiny config). The tower matches, the
@@ -402,7 +402,7 @@ def test_pixtral_large_merger_raises_on_odd_grids():
 
 
 @needs_main
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_qwen_tower_matches_and_merger_uses_tanh_gelu(tp):
     """Discrepancy 3: the tower and the merger norm match HF; QwenPatchMerger.forward applies tanh
     GELU between linear_fc1 and linear_fc2 where HF applies erf GELU."""
@@ -418,7 +418,7 @@ def test_qwen_tower_matches_and_merger_uses_tanh_gelu(tp):
 
 
 @needs_main
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_kimi_tower_matches_projector_has_no_exact_place(tp):
     """The KimiViTModel tower matches HF; the closest Megatron projector (MultimodalProjector with
     TE's fused norm over the merged vector) does not: Kimi normalises each sub-token."""
