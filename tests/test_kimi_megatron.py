@@ -180,6 +180,7 @@ def test_legacy_output_loads_strictly_with_verify(capsys, tmp_path, hf_dir, tp):
 
 
 @needs_main
+@pytest.mark.slow  # verify --load spawns the checkpoint's TP ranks
 def test_tower_alone_loads_strictly_with_verify(capsys, tmp_path):
     src = save_hf(FAMILY, tmp_path / "hf", seed=3, cfg=_tower())
     ckpt = _convert(capsys, src, tmp_path / "mcore", "legacy", 2)
