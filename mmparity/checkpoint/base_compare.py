@@ -6,6 +6,9 @@ import os
 from pathlib import Path
 
 from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
+from mmparity.checkpoint.manifest import LAYOUT_HF, read_manifest
+from mmparity.checkpoint.streaming import MANIFEST_FILE, SIDE_FILE, ConvertError, model_config_for
 from mmparity.checkpoint.megatron_written import equal_tensors
 
 __all__ = ["compare_with_base"]
@@ -16,9 +19,6 @@ def compare_with_base(directory: str | os.PathLike, base: str | os.PathLike) -> 
     against the base release's own. An HF export lists them in its manifest (``from_base``); an
     mcore checkpoint mmparity wrote keeps them in its side file, compared with what the family's
     rules make of the base's."""
-    from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
-    from mmparity.checkpoint.manifest import LAYOUT_HF, read_manifest
-    from mmparity.checkpoint.streaming import MANIFEST_FILE, SIDE_FILE, ConvertError, model_config_for
 
     directory, base = Path(directory), Path(base)
     if not (directory / MANIFEST_FILE).is_file():

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from mmparity import families
 from mmparity.checkpoint.fsio.pieces import narrow_pieces
+from mmparity.checkpoint.streaming import load_family_config, open_source
 from mmparity.converters import ep as ep_mod
 from mmparity.converters import pp as pp_mod
 from mmparity.converters import rules as R
@@ -219,7 +220,6 @@ def export_hf(model, family: str, cfg, *, base: str | os.PathLike | None = None,
     not fit the table raises here, on every rank, listing every problem."""
     aside_source = None
     if base is not None:
-        from mmparity.checkpoint.streaming import open_source
 
         # The base's own layout and prefix, unless asked otherwise: its tensors and ours agree.
         aside_source = open_source(Path(base), family, hf_format)
@@ -318,7 +318,6 @@ def import_hf(model, hf_dir: str | os.PathLike, family: str | None = None, *, hf
     problems agreed before any parameter is written: either every tensor of the model is
     replaced, or none is and one :class:`ConversionError` lists why. Each rank reads the bytes
     of its shard through the file mapping, not the whole file."""
-    from mmparity.checkpoint.streaming import open_source
 
     c = _coords()
     source = open_source(Path(hf_dir), family, hf_format, tp=c.tp, vocab_multiple=make_vocab_size_divisible_by)
@@ -363,7 +362,6 @@ def import_hf(model, hf_dir: str | os.PathLike, family: str | None = None, *, hf
 def family_config(hf_dir: str | os.PathLike, family: str):
     """The config ``family``'s model is built from, read from an HF directory as ``convert`` reads
     it (a whole VLM's config for a whole-VLM family, a tower's for a tower family)."""
-    from mmparity.checkpoint.streaming import load_family_config
 
     path = Path(hf_dir)
     return load_family_config(path / "config.json", family, path)[0]

@@ -39,7 +39,8 @@ from mmparity.families import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.layout import resolve_iteration_dir
-from mmparity.checkpoint.legacy import open_legacy
+from mmparity.checkpoint.legacy import load_rank_payload, model_chunk_keys, open_legacy
+from mmparity.checkpoint.megatron_written import describe, read_common
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
 from mmparity.checkpoint.streaming import (_NOT_MODEL_KEYS, ConvertError, _check_shapes, _validate_tp,
@@ -446,7 +447,6 @@ def _megatron_written(root: Path, family: Optional[str], base, hf_config, iterat
     description, a note saying where the model and sizes come from, TP, PP, EP, vocabulary divisor from its args or None, its training state
     described)``; the model is the one ``--base`` / ``--hf-config`` describe, as ``convert --to hf``
     reads it."""
-    from mmparity.checkpoint.megatron_written import describe, read_common
 
     try:
         model_config = model_config_for(root, family, base, hf_config, iteration)
@@ -462,7 +462,6 @@ def _megatron_written(root: Path, family: Optional[str], base, hf_config, iterat
         model_config = dataclasses.replace(model_config, side_tensors=lambda keys: {})
     info = describe(root, iteration)
     if info.format == "legacy":
-        from mmparity.checkpoint.legacy import load_rank_payload, model_chunk_keys
 
         ckpt = open_legacy(root, iteration=info.iteration)
         payload = load_rank_payload(ckpt.files[min(ckpt.files)], mmap=True)

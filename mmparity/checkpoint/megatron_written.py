@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from mmparity.checkpoint import unpickle
+from mmparity.checkpoint import torch_dist_files
+from mmparity.checkpoint.legacy import load_rank_payload, open_legacy
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.layout import (LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname,
@@ -106,7 +108,6 @@ def read_common(iteration_dir: Path) -> dict | None:
     """A torch_dist iteration's ``common.pt`` or ``common_state`` item (megatron-core's non-sharded state: Megatron-LM's
     ``args``, ``iteration``, the optimizer's param groups ...), decoded under the legacy allow-list
     with Megatron's classes inert; None when absent."""
-    from mmparity.checkpoint import torch_dist_files
 
     path = Path(iteration_dir) / COMMON_FILE
     if os.path.lexists(path):
@@ -194,8 +195,6 @@ def describe(path: str | os.PathLike, iteration: int | str | None = None) -> Meg
     ``iteration``), TP/PP/EP (from ``args`` when recorded, else the rank directories), and whether
     it holds ``args``, optimizer, RNG and scheduler state. Reads one rank file (legacy) or
     ``common.pt`` and ``.metadata`` (torch_dist), under the allow-lists."""
-    from mmparity.checkpoint import torch_dist_files
-    from mmparity.checkpoint.legacy import load_rank_payload, open_legacy
 
     root, iteration_dir, found = resolve_iteration_dir(path, iteration)
     tracker = read_tracker(root) if (root / TRACKER_FILE).is_file() else None

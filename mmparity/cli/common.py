@@ -73,6 +73,15 @@ def quiet_third_party_warnings() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
+def parse_iteration(text: str | None) -> int | str | None:
+    """``--iteration``: an iteration number, ``release``, or None (the tracker's)."""
+    if text is None or text == "release":
+        return text
+    if not text.isdigit():
+        raise UsageError(f"--iteration takes an iteration number or 'release', got {text!r}")
+    return int(text)
+
+
 def parse_image_size(text: str) -> tuple[int, int]:
     try:
         height, width = (int(v) for v in text.lower().split("x"))

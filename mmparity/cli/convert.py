@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mmparity import errors
 from mmparity.cli.common import (EXIT_OK, UsageError, config_facts, human_bytes, left_out_line,
-                                 quiet_third_party_warnings)
+                                 parse_iteration, quiet_third_party_warnings)
 
 
 def add_arguments(parser) -> None:
@@ -133,11 +133,7 @@ def run(args) -> int:
         raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:
         raise UsageError(f"--ep must be >= 1, got {args.ep}")
-    iteration = getattr(args, "iteration", None)
-    if iteration is not None:
-        if iteration != "release" and not iteration.isdigit():
-            raise UsageError(f"--iteration takes an iteration number or 'release', got {iteration!r}")
-        iteration = iteration if iteration == "release" else int(iteration)
+    iteration = parse_iteration(args.iteration)
     base, hf_config = getattr(args, "base", None), getattr(args, "hf_config", None)
     if args.to != "hf" and (base is not None or hf_config is not None):
         raise UsageError("--base / --hf-config describe an mcore source converted --to hf")

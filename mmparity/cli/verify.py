@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mmparity.cli.common import EXIT_FAIL, EXIT_OK, UsageError
+from mmparity.cli.common import EXIT_FAIL, EXIT_OK, UsageError, parse_iteration
 
 
 def add_arguments(parser) -> None:
@@ -114,11 +114,7 @@ def _run_megatron_written(args, directories) -> int:
     from mmparity.checkpoint import CheckpointError
     from mmparity.checkpoint.megatron_written import describe
 
-    iteration = args.iteration
-    if iteration is not None and iteration != "release":
-        if not iteration.isdigit():
-            raise UsageError(f"--iteration takes an iteration number or 'release', got {iteration!r}")
-        iteration = int(iteration)
+    iteration = parse_iteration(args.iteration)
     for directory in args.dirs:
         if os.path.lexists(Path(directory) / "mmparity.json"):
             raise UsageError(f"{directory}: verify checkpoints Megatron-LM wrote separately from mmparity's")
