@@ -482,6 +482,67 @@ def test_kill_at_every_point_of_a_forced_conversion(sources, tmp_path):
     assert _litter(tmp_path, "dst") == [], "the completed run left (or did not remove) temporary directories"
 
 
+def _as_megatron_wrote_it(legacy: Path, dst: Path) -> Path:
+    """mmparity's legacy output without mmparity's own files: what Megatron-LM's saver leaves (a
+    tracker, an iteration directory, rank files), read back with ``--base``."""
+    shutil.copytree(legacy, dst)
+    for name in ("mmparity.json", "hf_config.json", "mcore_side.safetensors"):
+        (dst / name).unlink(missing_ok=True)
+    return dst
+
+
+def _release_or_base_export(sources, tmp_path, case: str, dst: Path) -> list:
+    if case == "release":
+        return ["convert", "--family", FAMILY, "--src", sources["hf"], "--dst", dst, "--to", "mcore",
+                "--format", "legacy", "--release", "--quiet"]
+    src = tmp_path / "megatron_written"
+    if not src.exists():
+        _as_megatron_wrote_it(sources["legacy"], src)
+    return ["convert", "--src", src, "--dst", dst, "--to", "hf", "--base", sources["hf"], "--quiet"]
+
+
+@pytest.mark.parametrize("case", ["release", "base"])
+def test_kill_while_writing_a_release_or_a_base_export_leaves_no_destination(sources, tmp_path, case):
+    """A kill at any of the first writer steps of ``--release`` (mcore) or ``--base`` (HF export of
+    what Megatron wrote, base files copied in) leaves no destination; the next run completes."""
+    dst = tmp_path / "dst"
+    argv = _release_or_base_export(sources, tmp_path, case, dst)
+    killed = 0
+    for step in (1, 2, 3, 5, 8):
+        code, _, err = run_subprocess(*argv, env={"MMPARITY_FAULT": f"kill@{step}"})
+        assert "Traceback" not in err, err
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL, (step, code, err)
+        assert not dst.exists(), step
+        killed += 1
+    assert killed, "no kill landed before the conversion completed"
+    code, _, err = run_subprocess(*argv)
+    assert code == 0, err
+    assert main(["verify", str(dst), "--quiet"]) == 0
+    assert _litter(tmp_path, "dst") == []
+
+
+@pytest.mark.parametrize("case", ["release", "base"])
+def test_release_and_base_export_across_filesystems(sources, tmp_path, case):
+    """Written onto a second filesystem, the same files as on the first, byte for byte (the
+    manifest's recorded source path aside)."""
+    other = _other_filesystem(tmp_path)
+    if other is None:
+        pytest.skip("no second filesystem here (/dev/shm missing or on the same device as the temp dir)")
+    here = tmp_path / "here"
+    there = Path(tempfile.mkdtemp(dir=other)) / "there"
+    try:
+        for dst in (here, there):
+            code, _, err = run_subprocess(*_release_or_base_export(sources, tmp_path, case, dst))
+            assert code == 0, err
+        a, b = snapshot(here), snapshot(there)
+        assert sorted(a) == sorted(b)
+        assert all(a[k] == b[k] for k in a if k != "mmparity.json"), [k for k in a if a[k] != b[k]]
+    finally:
+        shutil.rmtree(there.parent, ignore_errors=True)
+
+
 def test_stale_staging_of_a_dead_writer_is_removed_and_reported(sources, tmp_path):
     dst = tmp_path / "dst"
     stale = tmp_path / ".dst.tmp-dead1234"  # as a writer killed before its publish leaves it

@@ -243,6 +243,7 @@ def megatron_written(tmp_path_factory):
 
 def _megatron_commands(root: Path, base: Path, out: Path) -> dict[str, list]:
     return {"verify": ["verify", root],
+            "verify --load --base": ["verify", root, "--load", "--base", base],
             "convert --base": ["convert", "--src", root, "--dst", out / "hf", "--to", "hf", "--base", base]}
 
 
@@ -290,6 +291,28 @@ def test_megatron_written_metadata_naming_os_system_is_refused(capsys, tmp_path,
         code, out, err = run_cli(capsys, *argv)
         assert not marker.exists(), f"`mmparity {name}` ran code planted in .metadata"
         assert code == 2 and "refusing to unpickle posix.system" in err and ".metadata" in err, (name, out, err)
+
+
+def test_megatron_written_common_state_naming_os_system_is_refused(capsys, tmp_path, megatron_written):
+    """The common state beside megatron-core's DCP files (``common.pt``: its args, iteration), with
+    a hostile entry: what reads it (verify's description, the load) refuses it before anything
+    runs; the export to HF takes its sizes from the DCP metadata and does not read it at all."""
+    root = shutil.copytree(megatron_written["torch_dist"], tmp_path / "ckpt")
+    marker = tmp_path / "PAYLOAD-RAN"
+
+    class System:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (_iteration_dir(root) / "common.pt").write_bytes(_torch_save({"iteration": 7, "args": System()}))
+    for name, argv in _megatron_commands(root, megatron_written["base"], tmp_path / "out").items():
+        code, out, err = run_cli(capsys, *argv)
+        assert not marker.exists(), f"`mmparity {name}` ran code planted in common.pt"
+        assert "Traceback" not in out + err, (name, out + err)
+        if name.startswith("verify"):
+            assert code == 2 and "refusing to unpickle posix.system" in err and "common.pt" in err, (name, out, err)
+        else:
+            assert code == 0, (name, out, err)
 
 
 def test_megatron_core_plan_classes_are_allowed(megatron_written):
