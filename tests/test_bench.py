@@ -228,6 +228,7 @@ def test_parity_verdict_applies_the_project_policy():
         bench.parity_verdict(torch.bfloat16, good, hf)
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_bf16_parity_passes_for_every_family():
     report = bench.bench(dtype="bfloat16", repeats=1, warmup=0)
     assert [r.family for r in report.results] == families.names()

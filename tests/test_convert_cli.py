@@ -280,6 +280,7 @@ def test_untrusted_pickles_are_never_unpickled(capsys, pixtral_legacy, tmp_path,
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_no_traceback_from_the_module_entry_point(tmp_path, pixtral_hf):
     proc = subprocess.run([sys.executable, "-m", "mmparity", "convert", "--family", "pixtral", "--src",
                            str(pixtral_hf), "--dst", str(tmp_path / "o"), "--to", "mcore", "--tp", "3"],

@@ -453,6 +453,7 @@ def _litter(parent: Path, name: str) -> list[str]:
     return sorted(p for p in os.listdir(parent) if p.startswith(f".{name}."))
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_kill_at_every_point_of_a_forced_conversion(sources, tmp_path):
     """SIGKILL at step N (the writer's own fault hook) for N = 1, 2, ... until a run completes:
     after every kill the destination is the old complete checkpoint or the new complete one."""
@@ -502,6 +503,7 @@ def _release_or_base_export(sources, tmp_path, case: str, dst: Path) -> list:
 
 
 @pytest.mark.parametrize("case", ["release", "base"])
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_kill_while_writing_a_release_or_a_base_export_leaves_no_destination(sources, tmp_path, case):
     """A kill at any of the first writer steps of ``--release`` (mcore) or ``--base`` (HF export of
     what Megatron wrote, base files copied in) leaves no destination; the next run completes."""
@@ -524,6 +526,7 @@ def test_kill_while_writing_a_release_or_a_base_export_leaves_no_destination(sou
 
 
 @pytest.mark.parametrize("case", ["release", "base"])
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_release_and_base_export_across_filesystems(sources, tmp_path, case):
     """Written onto a second filesystem, the same files as on the first, byte for byte (the
     manifest's recorded source path aside)."""
@@ -578,6 +581,7 @@ def test_signals_clean_up_like_sigint(sources, tmp_path, signum):
 
 
 @pytest.mark.parametrize("point", ["aside", "published", "removed"])
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_publish_without_rename_exchange_recovers_on_the_next_run(sources, tmp_path, point):
     """Where the filesystem has no RENAME_EXCHANGE, the old copy is moved aside first; a kill in
     that window leaves no destination, and the next run to the same destination puts it back."""
@@ -606,6 +610,7 @@ def test_publish_without_rename_exchange_recovers_on_the_next_run(sources, tmp_p
 
 @pytest.mark.parametrize("field,value", [("num_hidden_layers", 10**9), ("num_hidden_layers", 10**5),
                                          ("hidden_size", 2**40), ("intermediate_size", 2**40)])
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_config_bomb(sources, tmp_path, field, value):
     hf = copy_tree(sources["hf"], tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())

@@ -136,20 +136,24 @@ def test_a_timeout_option_that_is_no_duration_is_a_usage_error(capsys):
     ({"RANK": "0"}, "WORLD_SIZE"),
     ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
 ], ids=["partial", "not an integer"])
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_check_under_a_broken_launcher_environment(env, needle):
     one_line_error(*run_subprocess("check", "clip", "--no-components", env=env), needle, "unset")
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_check_with_a_rank_out_of_range():
     env = {"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     one_line_error(*run_subprocess("check", "clip", "--no-components", env=env), "RANK=5", "WORLD_SIZE=2")
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_verify_load_without_master_addr(torch_dist_checkpoint):
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": str(free_port())}
     one_line_error(*run_subprocess("verify", "--load", torch_dist_checkpoint / "dist", env=env), "MASTER_ADDR")
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_convert_when_master_port_is_taken(torch_dist_checkpoint, tmp_path):
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
@@ -161,6 +165,7 @@ def test_convert_when_master_port_is_taken(torch_dist_checkpoint, tmp_path):
     assert "Traceback" not in line and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_check_tp2_when_the_other_rank_never_comes():
     # A launcher environment of world size 2 and --tp 2: this process is rank 0 of a torchrun-style
     # launch, so it waits for rank 1, then names it (the option's timeout, not the environment's).
@@ -173,12 +178,14 @@ def test_check_tp2_when_the_other_rank_never_comes():
     assert time.monotonic() - started < 150, line
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_verify_load_when_rank_0_never_comes(torch_dist_checkpoint):
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     one_line_error(*run_subprocess("verify", "--load", torch_dist_checkpoint / "dist", env=env),
                    "timed out", "rank 0")
 
 
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_world_size_1_without_master_addr_runs_as_one_process():
     code, out, err = run_subprocess("check", "clip", "--no-components", "--quiet", env={"RANK": "0", "WORLD_SIZE": "1"})
     assert code == 0, err

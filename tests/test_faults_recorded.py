@@ -136,6 +136,7 @@ def _divisor(value):
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_an_implausible_recorded_divisor_is_refused_before_allocating(converted, tmp_path, fmt):
     directory = copy_of(converted(fmt), tmp_path / "ckpt")
     manifest = edit_manifest(directory, _divisor(1_000_000_000))
