@@ -2,9 +2,9 @@
 
 Start-up is most of what a small command costs, and every child process of the suite pays it:
 ``list`` and ``--help`` import no framework at all; ``convert`` imports no transformers (it
-reads config.json through ``hfconfig.ConfigView``, tests/test_config_view.py) and nothing of
-megatron's models except to write torch_dist, whose sharding metadata is mcore's own. A
-regression here is an import that crept up a module's top, so the test names the modules; the
+reads config.json through ``hfconfig.ConfigView``, tests/test_config_view.py) and no megatron at
+all, torch_dist included (its layout comes from the rule tables, tests/test_torch_dist_layout.py).
+A regression here is an import that crept up a module's top, so the test names the modules; the
 CPU bound on ``convert`` is what those imports are for.
 """
 
@@ -115,17 +115,15 @@ def test_convert_imports_no_model(tmp_path, converted, family, step):
     result = run_child(tmp_path, *argv)
     modules = result["modules"]
     loaded = models(modules)
-    if target == "torch_dist":
-        # Writing torch_dist takes its sharding metadata from mcore's own classes (and Megatron's
-        # model tree for it); still no transformers model.
-        loaded = [m for m in loaded if m.split(".")[0] != "megatron"]
     assert not loaded, loaded[:10]
-    if target != "torch_dist":
-        # The config was read without transformers (what writing torch_dist builds may import it).
-        assert not [m for m in modules if m.split(".")[0] == "transformers"], "transformers imported"
-        # Planning on meta tensors with torch's own cat would import torch._dynamo (see tp.cat).
-        assert "torch._dynamo" not in modules
-    if "torch_dist" not in step:
+    # The config was read without transformers.
+    assert not [m for m in modules if m.split(".")[0] == "transformers"], "transformers imported"
+    # Planning on meta tensors with torch's own cat would import torch._dynamo (see tp.cat).
+    assert "torch._dynamo" not in modules
+    if target == "torch_dist":
+        # DCP's index is written by dcp_metadata, not by DCP (whose import is DTensor and sympy).
+        assert not [m for m in modules if m.startswith("torch.distributed.checkpoint")], "DCP imported"
+    if source != "torch_dist":
         # The least of up to three runs: a shared machine's noise only ever adds CPU time. Reading
         # torch_dist is left out: torch.distributed.checkpoint's own import (DTensor, sympy) is
         # 0.6 CPU-s, which puts it at 1.5-1.8 on Python 3.11 and 1.9-2.1 on 3.12 (docs/convert.md).

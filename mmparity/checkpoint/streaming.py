@@ -13,8 +13,8 @@ tensors it maps with `SafetensorsCheckpoint.map`); a legacy source memory-maps i
 (`torch.load(mmap=True, weights_only=True)`) and merges the key's TP parts; a torch_dist source
 maps just that layer's chunk of mcore's stacked tensor. The HF writer inverts each step into
 safetensors shards whose headers were laid out in advance; the mcore writers shard each tensor for
-TP into legacy rank files (`checkpoint.LegacyWriter`) or a DCP data file
-(`checkpoint.save_torch_dist` with a producer).
+TP into legacy rank files (`checkpoint.LegacyWriter`), or places it as Megatron's classes shard it
+into a DCP data file (`torch_dist_layout`, `torch_dist_write`: no megatron, no torch.distributed).
 
 Everything that can be known before reading a byte is checked first, on `meta` tensors: missing,
 unexpected and mis-shaped tensors (against the shapes the HF config implies, via the reference
@@ -24,7 +24,7 @@ by one rename when complete, and any failure leaves nothing behind.
 
 Memory and bytes. No target holds more than a few tensors: each format's layout is fixed from the
 dry run before any tensor exists (safetensors headers; a `torch.save` skeleton per legacy rank
-file written under `skip_data`; DCP's plan made from meta placeholders), and a `SlotWriter` puts
+file written under `skip_data`; the DCP blobs framed from the torch_dist layout), and a `SlotWriter` puts
 every tensor straight into its reserved byte range. Sources hand tensors over as *pieces*, views
 of the file mappings they read from: a layout op that only moves row blocks (renames, q/k/v
 regrouping, gated halves), a TP split or a TP merge selects pieces instead of copying, so most
@@ -47,7 +47,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file as safetensors_load, save as safetensors_save
 
-from mmparity import families, runtime
+from mmparity import families
 from mmparity.checkpoint import extra_state, megatron_args
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
@@ -1260,125 +1260,46 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
 
 
 def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progress) -> tuple[int, int]:
-    from mmparity.checkpoint import _mcore_compat as mc
-    from mmparity.checkpoint.torch_dist import extra_state_objects, save_torch_dist
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+    """The rule table's tensors placed as Megatron's classes shard them (``torch_dist_layout``)
+    and written as megatron-core's ``dist_checkpointing`` writes them (``torch_dist_write``):
+    no megatron and no model needed."""
+    from mmparity.checkpoint import torch_dist_layout, torch_dist_write
 
     order, kinds = _mcore_plan(source, options.grid)
     # torch_dist stores global tensors: the TP/PP/EP sizes only had to fit (checked above).
     pp_mod.pipeline_layout(order).layer_counts(options.grid.pp)
     total = sum(source.metas[k].nbytes for k in order)
     rules = _rule_set(source.family, source.cfg, source.hf_format)
-    aside = set(R.side_keys(rules))
     side_files, side_records, side_extra = _side_tensors(source, rules)
-    with runtime.parallel_context(1, 1):
-        # The model only supplies mcore's sharding metadata (keys, layer offsets, the swiglu
-        # factory); built on meta it costs no memory, and its data is replaced below.
-        with torch.device("meta"):
-            model = families.get(source.family).build_native(source.cfg)
-        sharded = model.sharded_state_dict()
-        # The layer stacks mcore keys layer by layer (a non-homogeneous block: dense and MoE
-        # layers), as its sharded tensors' keys tell; the extra states follow them.
-        per_layer_stacks = {parts[0] for entry in sharded.values()
-                            if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))
-                            and (parts := pp_mod.layer_key_parts(entry.key)) is not None}
-        # The converter's name of every sharded entry, spelled all at once (a layer's own keys say
-        # whether its norms are fused) and with expert keys in the rule table's layout (mcore's
-        # SequentialMLP names its sharded entries local_experts.{e}. whatever its state dict says).
-        tensors = {local: local for local, entry in sharded.items()
-                   if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))}
-        spelled = R.to_te_spelling(tensors)
-        if ep_mod.expert_key_layout(order):
-            spelled = ep_mod.respell(spelled, ep_mod.expert_key_layout(order))
-        converter_key = {local: key for key, local in spelled.items()}
-        local_keys: dict[str, str] = {}
-        problems = []
-        for local, entry in sharded.items():
-            if isinstance(entry, ShardedObject):
-                continue
-            if not isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory)):
-                problems.append(f"{local}: unsupported sharded entry {type(entry).__name__}")
-                continue
-            key = converter_key.get(local)
-            if key in aside:  # the native model's own modules for side tensors (e.g. CLIP's ln_post)
-                continue
-            if key not in source.metas:
-                problems.append(f"the native model's {local} has no converted tensor")
-            local_keys[local] = key
-        problems += [f"converted tensor {k} is not in the native model" for k in sorted(set(order) - set(local_keys.values()))]
-        if problems:
-            raise ConvertError(_problems_line(f"{source.family!r}: the native model and the converter disagree", problems))
-        progress.phase(f"{source.family} -> torch_dist", len(local_keys), total)
-        padded_tables = _padded_tables(rules)
-        # Every entry gets a meta placeholder of the converted shape; DCP plans from those, and
-        # each tensor is produced from the source only when the writer reaches it.
-        # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
-        # placeholder is kept alive so the key stays unique.
-        key_of: dict[int, tuple[str, torch.Tensor]] = {}
-        for local in [name for name in sharded if converter_key.get(name) in aside]:
-            del sharded[local]
-        # The native model's extra states are its own modules'; Megatron's class declares others
-        # (its attention's, none for linears it keeps whole): written as Megatron's, empty.
-        for local in [name for name, entry in sharded.items()
-                      if isinstance(entry, ShardedObject) and extra_state.is_extra_state(name)]:
-            del sharded[local]
-        sharded.update(extra_state_objects(extra_state.sharded_extra_state_keys(
-            {k: kinds[k] for k in order}), order, per_layer_stacks))
-        for local, key in local_keys.items():
-            entry = sharded[local]
-            meta = source.metas[key]
-            placeholder = torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta")
-            key_of[placeholder.untyped_storage()._cdata] = (key, placeholder)
-            if isinstance(entry, ShardedTensorFactory):
-                sharded[local] = dataclasses.replace(entry, data=placeholder)
-            else:
-                if (key in padded_tables and tuple(meta.shape) != tuple(entry.local_shape)
-                        and tuple(meta.shape[1:]) == tuple(entry.local_shape[1:])):
-                    # The native model pads with Megatron-LM's default divisor; the table is
-                    # written with the one asked for (TP 1: the shard is the whole table).
-                    entry = dataclasses.replace(entry, data=placeholder, local_shape=tuple(meta.shape),
-                                                global_shape=tuple(meta.shape))
-                if tuple(meta.shape) != tuple(entry.local_shape):
-                    raise ConvertError(f"{key}: converted shape {list(meta.shape)}, the native model expects "
-                                       f"{list(entry.local_shape)}")
-                sharded[local] = dataclasses.replace(entry, data=placeholder, dtype=meta.dtype)
-        heap = heap_budget()
+    try:
+        layout = torch_dist_layout.plan(
+            order, kinds, {k: source.metas[k].shape for k in order}, {k: source.metas[k].dtype for k in order},
+            extra_state.sharded_extra_state_keys({k: kinds[k] for k in order}))
+    except CheckpointError as exc:
+        raise ConvertError(f"{source.family!r}: {exc}") from None
+    progress.phase(f"{source.family} -> torch_dist", len(order), total)
+    heap = heap_budget()
 
-        source_errors: list[ConvertError] = []
+    def produce(key: str) -> list:
+        pieces = source.mcore_pieces(key)
+        nbytes = sum(p.numel() * p.element_size() for p in pieces)
+        progress.advance(1, nbytes)
+        heap.check(nbytes)
+        return pieces
 
-        def produce(target: torch.Tensor) -> tuple:
-            key, placeholder = key_of.get(target.untyped_storage()._cdata, (None, None))
-            try:
-                if key is None:
-                    raise ConvertError(f"internal: a torch_dist shard of shape {list(target.shape)} has no source tensor")
-                pieces = source.mcore_pieces(key)
-            except ConvertError as exc:
-                source_errors.append(exc)  # DCP wraps it in a multi-line report; ours is the one line
-                raise
-            nbytes = sum(p.numel() * p.element_size() for p in pieces)
-            progress.advance(0, nbytes)
-            heap.check(nbytes)
-            return placeholder, pieces
-
-        del model
-    # The sharded state dict is complete: mcore's groups are freed (in the background) while the
-    # write runs under the default group alone.
-    with runtime.process_group():
-        try:
-            save_torch_dist(options.dst, sharded, provenance=_mcore_provenance(source, options, **side_extra),
-                            extra_records=side_records,
-                            tp_size=1, pp_size=1, ep_size=1,
-                            extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
-                            force=options.force, produce=produce, locate=source.locate,
-                            iteration=RELEASE if options.release else 1,
-                            common={megatron_args.ARGS_KEY: megatron_args.checkpoint_args(
-                                source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch_dist",
-                                tp=options.tp, pp=options.pp, ep=options.ep, vocab_multiple=source.vocab_multiple)},
-                            content_metadata=megatron_args.content_metadata())
-        except CheckpointError as exc:
-            raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
-    progress.advance(len(local_keys), 0)
-    return len(local_keys), total
+    args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order},
+                                         ckpt_format="torch_dist", tp=options.tp, pp=options.pp, ep=options.ep,
+                                         vocab_multiple=source.vocab_multiple)
+    try:
+        torch_dist_write.write_torch_dist(
+            options.dst, layout, produce, iteration=RELEASE if options.release else 1,
+            common={megatron_args.ARGS_KEY: args}, content_metadata=megatron_args.content_metadata(),
+            provenance=_mcore_provenance(source, options, **side_extra), extra_records=side_records,
+            extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files}, force=options.force,
+            locate=source.locate)
+    except CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+    return len(order), total
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,8 +41,7 @@ import torch.distributed as dist
 
 from mmparity import errors
 from mmparity.checkpoint import _mcore_compat as mc
-from mmparity.checkpoint import extra_state, torch_dist_files
-from mmparity.converters import ep, pp
+from mmparity.checkpoint import extra_state, torch_dist_files, torch_dist_layout
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     RELEASE,
@@ -248,49 +247,12 @@ def _bytes_of(target: torch.Tensor, produce: Producer | None) -> list:
 def extra_state_objects(keys: Sequence[str], tensor_keys: Sequence[str],
                         per_layer_stacks: Collection[str] = ()) -> dict:
     """Empty ``_extra_state`` ``ShardedObject``s under the keys, offsets and replica ids Megatron's
-    classes give them at TP 1, for the global state-dict ``keys`` (see ``extra_state``).
-
-    As ``megatron.core.transformer.utils.make_sharded_object_for_checkpoint`` does, an object takes
-    the axes its module's tensors are prepended, as its shape and offset (``(1,)`` / ``(0,)``
-    with none):
-
-    * a layer's: ``decoder.layers.<rest>`` at offset ``i`` of the block's layer count (which
-      ``tensor_keys`` tell), unless its stack is among ``per_layer_stacks`` (a non-homogeneous
-      block, dense and MoE layers: ``TransformerBlock.sharded_state_dict`` then keeps the layer
-      number in the key and prepends no layer axis);
-    * a routed expert's (``...mlp.experts.local_experts.<e>.<linear>._extra_state``, global ``e``):
-      ``...mlp.experts.experts.<linear>._extra_state``, one key for all the layer's experts, on
-      one more axis of the global expert count at offset ``e`` (``SequentialMLP`` and
-      ``TEGroupedLinear`` alike; at EP ``r`` of ``n`` a rank's local expert ``j`` is global
-      ``r·E/n + j``, so the objects are those of any EP).
-
-    Only TP rank 0's copy is the main replica, and each expert's object is its own shard, so the
-    result is the same whatever TP or EP size loads it."""
-    layers = pp.layer_stacks(tensor_keys)
-    num_experts = None
-    objects = {}
-    for key in keys:
-        name, expert_axis = key, ()
-        expert = ep.parse_expert_key(key)
-        if expert is not None:
-            if num_experts is None:
-                num_experts = ep.expert_count(tensor_keys)
-            if not 0 <= expert.expert < num_experts:
-                raise CheckpointError(f"{key}: no expert {expert.expert} among the {num_experts} of the state dict")
-            name, expert_axis = f"{expert.prefix}experts.{expert.rest}", ((num_experts, expert.expert),)
-        parts = pp.layer_key_parts(name)
-        layer_axis = ()
-        if parts is not None:
-            stack, index, rest = parts
-            count = len(layers.get(stack, ()))
-            if index not in layers.get(stack, ()):
-                raise CheckpointError(f"{key}: no tensors of its layer in the state dict")
-            if stack not in per_layer_stacks:
-                layer_axis, name = ((count, index),), stack + rest
-        axes = layer_axis + expert_axis or ((1, 0),)
-        objects[key] = mc.ShardedObject(name, None, tuple(size for size, _ in axes),
-                                        tuple(offset for _, offset in axes), replica_id=(0, 0, 0))
-    return objects
+    classes give them at TP 1, for the global state-dict ``keys`` (see ``extra_state`` and
+    ``torch_dist_layout.object_placements``, which places them; ``per_layer_stacks``: the layer
+    stacks of a non-homogeneous block, keyed layer by layer). Only TP rank 0's copy is the main
+    replica."""
+    placed = torch_dist_layout.object_placements(keys, tensor_keys, per_layer_stacks)
+    return {key: mc.ShardedObject(p.key, None, p.shape, p.offset, replica_id=(0, 0, 0)) for key, p in placed.items()}
 
 
 # --------------------------------------------------------------------------------------------------

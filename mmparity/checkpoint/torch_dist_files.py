@@ -250,21 +250,23 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, byte
     from mmparity.checkpoint.fsio.slots import torch_save_without_crc32
 
     nbytes = _numel(key[1]) * dtype.itemsize
-    # PyTorchFileWriter derives the archive name from the file name and refuses a leading dot.
-    with tempfile.NamedTemporaryFile(prefix="mmparity-frame-") as f:
+    # PyTorchFileWriter names the archive after the file: "archive", as torch.save into a stream
+    # (what DCP does) names it, so the frames, and the checkpoints, are the same from run to run.
+    with tempfile.TemporaryDirectory(prefix="mmparity-frame-") as scratch:
+        name = os.path.join(scratch, "archive")
         with warnings.catch_warnings(), torch_save_without_crc32():
             warnings.simplefilter("ignore")  # skip_data is marked as a prototype
             with torch.serialization.skip_data():
-                torch.save(torch.empty(key[1], dtype=dtype), f.name)
-        reader = torch._C.PyTorchFileReader(f.name)
+                torch.save(torch.empty(key[1], dtype=dtype), name)
+        reader = torch._C.PyTorchFileReader(name)
         if reader.get_record_size("data/0") != nbytes:
             raise CheckpointError(f"torch.save laid out a {dtype} {list(shape)} tensor unlike mmparity expects")
         start = reader.get_record_offset("data/0")
         pickled = reader.get_record("data.pkl")
-        f.seek(0)
-        head = f.read(start)
-        f.seek(start + nbytes)
-        tail = f.read()
+        with open(name, "rb") as f:
+            head = f.read(start)
+            f.seek(start + nbytes)
+            tail = f.read()
     _FRAMES[key] = cached = (head, nbytes, tail, pickled)
     return cached
 

@@ -1,0 +1,208 @@
+"""DCP's ``.metadata`` file, encoded without importing ``torch.distributed.checkpoint``.
+
+The file is a pickle of DCP's ``Metadata`` dataclass tree. Pickling the real objects would need
+DCP's modules imported (half a CPU-second of DTensor and sympy at start-up, for a command that
+only writes bytes): ``pickle`` resolves every class it writes to check that the name leads back
+to it. So this module writes the opcodes itself, naming each class by module and name, exactly as
+``pickle`` would for these objects (``NEWOBJ`` and a ``BUILD`` of the instance dict; a state
+tuple for ``TensorProperties``, which defines ``__setstate__``; ``REDUCE`` for ``torch.Size``, the
+layout lookup and the memory-format enum). Every name used is in
+``unpickle.DCP_METADATA_NAMES``, so our own reader takes the file, and DCP's reader (Megatron-LM's
+loader) unpickles it into the same objects its writer would have made; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["TensorEntry", "encode_metadata"]
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+# DCP's `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`: every tensor mmparity stores is contiguous.
+_CONTIGUOUS = 0
+# `Metadata.version` as the DCP this was checked against (torch 2.13) writes it.
+DCP_VERSION = "1.0.0"
+
+
+@dataclass(frozen=True)
+class _Global:
+    module: str
+    name: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """``func(*args)`` on load: ``REDUCE``."""
+    func: _Global
+    args: tuple
+
+
+@dataclass(frozen=True)
+class _Object:
+    """An instance of ``cls`` made without ``__init__`` and given ``state`` (``NEWOBJ`` + ``BUILD``)."""
+    cls: _Global
+    state: object = None
+
+
+class _Pairs(list):
+    """A dict as (key, value) pairs: DCP's storage_data is keyed by objects, which cannot be
+    dict keys here before they exist."""
+
+
+class _Encoder:
+    def __init__(self):
+        self.out = bytearray(b"\x80\x02")  # PROTO 2: no framing, every reader since Python 2.3
+        # Class names and keys recur for every chunk: written once, then fetched from the memo
+        # (as pickle itself does), which keeps a many-expert model's index a third the size.
+        self.memo: dict = {}
+
+    def _memoized(self, v) -> bool:
+        index = self.memo.get((type(v), v))
+        if index is not None:
+            self.out += b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+            return True
+        return False
+
+    def _memoize(self, v) -> None:
+        index = self.memo[(type(v), v)] = len(self.memo)
+        self.out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
+
+    def value(self, v) -> None:
+        out = self.out
+        if v is None:
+            out += b"N"
+        elif v is True:
+            out += b"\x88"
+        elif v is False:
+            out += b"\x89"
+        elif isinstance(v, int):
+            if -(1 << 31) <= v < (1 << 31):
+                out += b"J" + struct.pack("<i", v)
+            else:  # file offsets of a large checkpoint
+                raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+                out += b"\x8a" + bytes([len(raw)]) + raw
+        elif isinstance(v, str):
+            if not self._memoized(v):
+                raw = v.encode("utf-8")
+                out += b"X" + struct.pack("<I", len(raw)) + raw
+                self._memoize(v)
+        elif isinstance(v, tuple):
+            out += b"("
+            for item in v:
+                self.value(item)
+            out += b"t"
+        elif isinstance(v, _Pairs):
+            out += b"}"
+            if v:
+                out += b"("
+                for key, item in v:
+                    self.value(key)
+                    self.value(item)
+                out += b"u"
+        elif isinstance(v, list):
+            out += b"]"
+            if v:
+                out += b"("
+                for item in v:
+                    self.value(item)
+                out += b"e"
+        elif isinstance(v, dict):
+            out += b"}"
+            if v:
+                out += b"("
+                for key, item in v.items():
+                    self.value(key)
+                    self.value(item)
+                out += b"u"
+        elif isinstance(v, _Global):
+            if not self._memoized(v):
+                out += b"c" + v.module.encode() + b"\n" + v.name.encode() + b"\n"
+                self._memoize(v)
+        elif isinstance(v, _Call):
+            self.value(v.func)
+            self.value(tuple(v.args))
+            out += b"R"
+        elif isinstance(v, _Object):
+            self.value(v.cls)
+            out += b")\x81"  # EMPTY_TUPLE, NEWOBJ
+            if v.state is not None:
+                self.value(v.state)
+                out += b"b"
+        else:
+            raise TypeError(f"cannot encode a {type(v).__name__} in DCP metadata")
+
+
+def _size(values: Sequence[int]) -> _Call:
+    return _Call(_Global("torch", "Size"), (tuple(int(n) for n in values),))
+
+
+def _dtype(dtype) -> _Global:
+    module, _, name = str(dtype).rpartition(".")  # "torch.bfloat16"
+    if module != "torch":
+        raise TypeError(f"{dtype!r} is not a torch dtype")
+    return _Global("torch", name)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as DCP records it: global shape, dtype, and per chunk its offsets, sizes and
+    where its ``torch.save`` blob lies (relative file, offset, length)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: object
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[str, int, int]], ...]
+
+
+def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[str, int, int]]) -> bytes:
+    """The ``.metadata`` bytes of a DCP checkpoint holding ``tensors`` and the byte ``objects``
+    (item key -> (relative file, offset, length)), as DCP's ``FileSystemWriter`` under mcore's
+    save planner would write them (no planner data).
+
+    The same contents give the same bytes: DCP's writer records the directory it wrote to and a
+    random save id, which no reader uses; here the path is left out and the id is a digest of the
+    contents, so a checkpoint is reproducible wherever and however often it is written."""
+    state_dict_metadata: dict = {}
+    storage_data = _Pairs()
+    for entry in tensors:
+        properties = _Object(_Global(_DCP, "TensorProperties"), (
+            _dtype(entry.dtype),
+            _Call(_Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+            False,
+            _Call(_Global(_DCP, "_MEM_FORMAT_ENCODING"), (_CONTIGUOUS,)),
+            False,
+        ))
+        chunks = [_Object(_Global(_DCP, "ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(sizes)})
+                  for offsets, sizes, _ in entry.chunks]
+        state_dict_metadata[entry.key] = _Object(_Global(_DCP, "TensorStorageMetadata"), {
+            "properties": properties, "size": _size(entry.shape), "chunks": chunks})
+        for index, (offsets, _, where) in enumerate(entry.chunks):
+            storage_data.append((_index(entry.key, _size(offsets), index), _storage(where)))
+    for key, where in objects.items():
+        state_dict_metadata[key] = _Object(_Global(_DCP, "BytesStorageMetadata"))
+        storage_data.append((_index(key, None, None), _storage(where)))
+    digest = hashlib.sha256(repr((list(tensors), dict(objects))).encode()).digest()
+    storage_meta = _Object(_Global(_DCP, "StorageMeta"), {
+        "checkpoint_id": None, "save_id": str(uuid.UUID(bytes=digest[:16])), "load_id": None, "modules": []})
+    metadata = _Object(_Global(_DCP, "Metadata"), {
+        "state_dict_metadata": state_dict_metadata, "planner_data": None, "storage_data": storage_data,
+        "storage_meta": storage_meta, "version": DCP_VERSION})
+    encoder = _Encoder()
+    encoder.value(metadata)
+    encoder.out += b"."
+    return bytes(encoder.out)
+
+
+def _index(fqn: str, offset, index) -> _Object:
+    return _Object(_Global(_DCP, "MetadataIndex"), {"fqn": fqn, "offset": offset, "index": index})
+
+
+def _storage(where: tuple[str, int, int]) -> _Object:
+    relative_path, offset, length = where
+    return _Object(_Global(_FILESYSTEM, "_StorageInfo"),
+                   {"relative_path": relative_path, "offset": int(offset), "length": int(length)})

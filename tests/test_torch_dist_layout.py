@@ -1,0 +1,145 @@
+"""The megatron-free torch_dist writer (``torch_dist_layout`` + ``torch_dist_write``) against what
+megatron-core's own save of the family's Megatron model writes from the same source
+(``tests/torch_dist_reference.py``): the same DCP index, the same tensors chunk for chunk, the
+same byte objects and common state, the same manifest records. Plus the layout's refusals and
+the metadata encoder's corners."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmparity import families
+from mmparity.checkpoint import dcp_metadata, streaming, torch_dist_files, unpickle
+from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.manifest import read_manifest
+from mmparity.checkpoint.torch_dist_layout import plan
+from tests.test_convert_roundtrips import save_hf
+
+def _all_moe_kimi():
+    cfg = families.get("kimi_k25_vl").tiny_config()
+    cfg.text_config.first_k_dense_replace = 0  # no dense layer: still keyed layer by layer
+    return cfg
+
+
+# Every registered family (under a second each), and a MoE language model with no dense layer.
+CASES = [pytest.param(name, None, id=name) for name in families.names()]
+CASES.append(pytest.param("kimi_k25_vl", _all_moe_kimi, id="kimi_k25_vl-all-moe"))
+
+
+def _convert_both(tmp_path: Path, family: str, cfg=None) -> tuple[Path, Path]:
+    from tests.torch_dist_reference import write_with_mcore
+
+    hf = save_hf(family, tmp_path / "hf", seed=5, cfg=cfg)
+    paths = {}
+    for name, write in (("ours", streaming._write_torch_dist), ("mcore", write_with_mcore)):
+        paths[name] = tmp_path / name
+        options = streaming.ConvertOptions(src=hf, dst=paths[name], to="mcore", format="torch_dist")
+        write(streaming.open_source(hf, family), options, streaming.Progress())
+    return paths["ours"], paths["mcore"]
+
+
+@pytest.mark.parametrize("family, make_cfg", CASES)
+def test_written_as_mcores_save_writes_it(tmp_path, family, make_cfg):
+    ours, mcore = _convert_both(tmp_path, family, make_cfg() if make_cfg else None)
+    a, b = ours / "iter_0000001", mcore / "iter_0000001"
+    ma, mb = torch_dist_files.load_metadata(a), torch_dist_files.load_metadata(b)
+    assert sorted(ma.state_dict_metadata) == sorted(mb.state_dict_metadata)
+    for key, entry in mb.state_dict_metadata.items():
+        mine = ma.state_dict_metadata[key]
+        if hasattr(entry, "chunks"):
+            # DCP's dataclasses compare field by field; chunk order is the writer's own.
+            assert (mine.properties, mine.size) == (entry.properties, entry.size), key
+            order = lambda c: tuple(c.offsets)  # noqa: E731
+            assert sorted(mine.chunks, key=order) == sorted(entry.chunks, key=order), key
+        else:
+            assert type(mine) is type(entry), key
+    assert {(i.fqn, i.offset) for i in ma.storage_data} == {(i.fqn, i.offset) for i in mb.storage_data}
+    got, expected = torch_dist_files.global_state_dict(a), torch_dist_files.global_state_dict(b)
+    assert sorted(got) == sorted(expected)
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    for key in torch_dist_files.object_keys(b):
+        assert torch_dist_files.object_bytes(a, key) == torch_dist_files.object_bytes(b, key), key
+    common = [unpickle.load_torch_archive((d / "common.pt").read_bytes(), unpickle.OBJECT_NAMES) for d in (a, b)]
+    assert common[0] == common[1]
+    assert json.loads((a / "metadata.json").read_text()) == json.loads((b / "metadata.json").read_text())
+    records = [{json.dumps(r.to_json(), sort_keys=True) for r in read_manifest(root).tensors} for root in (ours, mcore)]
+    assert records[0] == records[1]
+    for name in ("hf_config.json", "latest_checkpointed_iteration.txt"):
+        assert (ours / name).read_bytes() == (mcore / name).read_bytes()
+
+
+def test_the_same_source_writes_the_same_bytes(tmp_path):
+    """No random ids, no destination paths, no scratch-file names in what is written: a
+    conversion is reproducible, wherever it writes."""
+    hf = save_hf("mistral3", tmp_path / "hf", seed=1)
+    outputs = []
+    for name in ("one", "two"):
+        options = streaming.ConvertOptions(src=hf, dst=tmp_path / name / "ckpt", to="mcore", format="torch_dist")
+        streaming.convert(options)
+        outputs.append(options.dst / "iter_0000001")
+    for file in sorted(p.name for p in outputs[0].iterdir()):
+        assert (outputs[0] / file).read_bytes() == (outputs[1] / file).read_bytes(), file
+
+
+def test_the_metadata_decodes_to_dcps_own_objects():
+    """What DCP's unpickler makes of our bytes equals the objects DCP's writer would pickle, and
+    byte offsets past 2 GiB survive."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    far = 5 * 2**30 + 3
+    entry = dcp_metadata.TensorEntry("decoder.layers.mlp.linear_fc1.weight", (2, 6, 4), torch.bfloat16, (
+        ((0, 0, 0), (1, 3, 4), ("__0_0.distcp", 0, 100)),
+        ((0, 3, 0), (1, 3, 4), ("__0_0.distcp", far, 100)),
+        ((1, 0, 0), (1, 6, 4), ("__0_0.distcp", 2**31, 2**31 + 7)),
+    ))
+    data = dcp_metadata.encode_metadata([entry], {"x._extra_state/shard_0_1": ("__0_0.distcp", 2**40, 9)})
+    decoded = pickle.loads(data)
+    tensor = decoded.state_dict_metadata[entry.key]
+    assert tensor == TensorStorageMetadata(
+        TensorProperties(dtype=torch.bfloat16), torch.Size((2, 6, 4)),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in entry.chunks])
+    assert isinstance(decoded.state_dict_metadata["x._extra_state/shard_0_1"], BytesStorageMetadata)
+    assert decoded.storage_data[MetadataIndex(entry.key, (0, 3, 0))] == _StorageInfo("__0_0.distcp", far, 100)
+    assert decoded.storage_data[MetadataIndex(entry.key, (1, 0, 0))].length == 2**31 + 7
+    assert decoded.storage_data[MetadataIndex("x._extra_state/shard_0_1")].offset == 2**40
+    # Our own reader's allow-list takes it too.
+    assert unpickle.loads(data, unpickle.DCP_METADATA_NAMES, "test").storage_data == decoded.storage_data
+
+
+def _shapes(keys, shape=(4, 2)):
+    return {k: shape for k in keys}, {k: torch.float32 for k in keys}
+
+
+def test_a_stack_with_a_missing_layer_tensor_is_laid_out_layer_by_layer():
+    keys = ["decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight",
+            "decoder.layers.1.mlp.linear_fc2.bias"]
+    shapes, dtypes = _shapes(keys)
+    layout = plan(keys, {k: "row" for k in keys}, shapes, dtypes)
+    assert sorted(t.key for t in layout.tensors) == sorted(keys)
+
+
+def test_layers_of_different_shapes_are_refused_with_both_named():
+    keys = ["decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight"]
+    shapes, dtypes = _shapes(keys)
+    shapes[keys[1]] = (4, 3)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.linear_fc2\.weight \[4, 3\].*layers\.0\."):
+        plan(keys, {k: "row" for k in keys}, shapes, dtypes)
+
+
+def test_gated_halves_are_two_chunks_and_an_odd_one_is_refused():
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+    layout = plan([key], {key: "gated"}, {key: (6, 2)}, {key: torch.bfloat16})
+    (tensor,) = layout.tensors
+    assert tensor.key == "decoder.layers.mlp.linear_fc1.weight" and tensor.shape == (1, 6, 2)
+    assert [(c.offsets, c.sizes, c.rows) for c in tensor.chunks] == [((0, 0, 0), (1, 3, 2), (0, 3)),
+                                                                   ((0, 3, 0), (1, 3, 2), (3, 6))]
+    with pytest.raises(CheckpointError, match="odd row count"):
+        plan([key], {key: "gated"}, {key: (5, 2)}, {key: torch.bfloat16})
