@@ -143,3 +143,29 @@ def test_gated_halves_are_two_chunks_and_an_odd_one_is_refused():
                                                                    ((0, 3, 0), (1, 3, 2), (3, 6))]
     with pytest.raises(CheckpointError, match="odd row count"):
         plan([key], {key: "gated"}, {key: (5, 2)}, {key: torch.bfloat16})
+
+
+def test_regions_across_chunks_read_the_same_mapped_or_loaded(tmp_path, monkeypatch):
+    """The reader without DCP: a region over several chunks (a gated FC1's halves, several
+    layers) is assembled from each chunk's overlap, the same whether a chunk is mapped in place
+    or its blob loaded with torch.load."""
+    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+
+    hf = save_hf("mistral3", tmp_path / "hf", seed=2)
+    options = streaming.ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
+    streaming.convert(options)
+    files = TorchDistFiles(options.dst / "iter_0000001")
+    key = "language_model.decoder.layers.mlp.linear_fc1.weight"
+    layers, rows, cols = files.tensors[key][1]
+    half = rows // 2
+    regions = [((0, 0, 0), (layers, rows, cols)), ((0, half - 1, 1), (layers, 2, cols - 1)),
+               ((layers - 1, half, 0), (1, half, cols))]
+    mapped = [files.read_region(key, *region) for region in regions]
+    assert not mapped[2].untyped_storage().resizable()  # one whole chunk: a view of the file
+    whole = mapped[0]
+    assert torch.equal(mapped[1], whole[:, half - 1:half + 1, 1:])
+    monkeypatch.setattr(TorchDistFiles, "_mapped_chunk", lambda *args: None)
+    for region, expected in zip(regions, mapped):
+        assert torch.equal(files.read_region(key, *region), expected), region
+    with pytest.raises(CheckpointError, match="outside"):
+        files.read_region(key, (0, 0, 0), (layers, rows + 1, cols))

@@ -78,7 +78,7 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
     never from the data; an upper bound (a legacy storage may be shared, its bytes count as
     elements), which is all a sanity bound needs. A torch_dist tensor of stacked layers counts once
     per layer."""
-    from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir, load_metadata
+    from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir, load_index
 
     path = Path(path)
     if has_hf_weights(path):
@@ -89,7 +89,7 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
     candidates = [path] + sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
     for directory in candidates:
         if is_torch_dist_dir(directory):
-            for entry in load_metadata(directory).state_dict_metadata.values():
+            for entry in load_index(directory).state_dict_metadata.values():
                 size = tuple(getattr(entry, "size", ()) or ())
                 if size:
                     tensors += max(1, int(size[0]))

@@ -115,7 +115,7 @@ def read_common(iteration_dir: Path) -> dict | None:
         data, where = path.read_bytes(), str(path)
     else:
         # Newer savers keep it inside the DCP files, as the byte item `common_state/shard_0_1`.
-        metadata = torch_dist_files.load_metadata(iteration_dir)
+        metadata = torch_dist_files.load_index(iteration_dir)
         keys = [k for k in metadata.state_dict_metadata if k.split("/")[0] == "common_state"]
         if len(keys) != 1:
             return None
@@ -222,7 +222,7 @@ def describe(path: str | os.PathLike, iteration: int | str | None = None) -> Meg
         raise CheckpointError(f"{iteration_dir}: neither legacy rank directories (mp_rank_*/{LEGACY_FILE}) "
                               "nor a torch_dist checkpoint (.metadata, metadata.json)")
     common = read_common(iteration_dir) or {}
-    metadata = torch_dist_files.load_metadata(iteration_dir)
+    metadata = torch_dist_files.load_index(iteration_dir)
     stored = list(metadata.state_dict_metadata)
     args = common.get("args")
     recorded = args_parallelism(args)

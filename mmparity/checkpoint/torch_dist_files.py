@@ -1,4 +1,4 @@
-"""Reading a torch_dist checkpoint's global tensors without megatron and without a process group.
+"""Reading a torch_dist checkpoint's global tensors without megatron, DCP or a process group.
 
 `megatron.core.dist_checkpointing` stores each ShardedTensor as one *global* tensor in
 torch.distributed.checkpoint (DCP) files, whatever TP size wrote it: column-parallel weights are
@@ -12,8 +12,10 @@ takes.
 Trust: DCP's `.metadata` file is a pickle. We never hand it to plain `pickle.load` (which is what
 torch's `FileSystemReader` does): `load_metadata` reads the file once and decodes those bytes with
 `unpickle`'s allow-list of DCP's metadata and plan classes, `torch.Size` and dtypes, refusing
-anything else. The tensor items themselves are read by DCP with `torch.load(weights_only=True)`
-or mapped in place. Byte items (`_extra_state`, `common_state`) are pickles too: `object_bytes`
+anything else; `load_index` decodes the same bytes into `dcp_index`'s plain records, so that
+reading needs no import of torch.distributed.checkpoint (`load_metadata`'s DCP classes are for
+megatron-core's loader alone). The tensor items themselves are mapped in place, or read with
+`torch.load(weights_only=True)` when a blob is not a plain contiguous tensor. Byte items (`_extra_state`, `common_state`) are pickles too: `object_bytes`
 reads an item's raw bytes (to checksum them), and `load_object` decodes them under
 `unpickle.OBJECT_NAMES`.
 """
@@ -38,6 +40,7 @@ from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 __all__ = [
     "is_torch_dist_dir",
     "load_metadata",
+    "load_index",
     "TorchDistFiles",
     "tensor_metadata",
     "object_keys",
@@ -58,16 +61,33 @@ def is_torch_dist_dir(path: str | os.PathLike) -> bool:
 
 
 def load_metadata(path: str | os.PathLike):
-    """A torch_dist directory's DCP `Metadata`, unpickled with an allow-list (see the trust note)."""
-    path = Path(path)
+    """A torch_dist directory's DCP `Metadata` in DCP's own classes, unpickled with an allow-list
+    (see the trust note): what DCP's reader (megatron-core's loader) is given. Everything else
+    reads `load_index`, which needs no DCP import."""
+    return _decode_metadata(Path(path), None)
+
+
+def load_index(path: str | os.PathLike):
+    """The same `.metadata` decoded into `dcp_index`'s plain records (same attributes), without
+    importing torch.distributed.checkpoint."""
+    from mmparity.checkpoint import dcp_index
+
+    return _decode_metadata(Path(path), dcp_index.SUBSTITUTES)
+
+
+def _decode_metadata(path: Path, substitutes):
     if not is_torch_dist_dir(path):
         raise CheckpointError(f"{path}: not a torch_dist checkpoint directory (needs .metadata and {DIST_CONFIG_FILE})")
     require_regular_file(path / ".metadata", "DCP metadata")
     with open(path / ".metadata", "rb") as f:
         data = f.read()
-    metadata = unpickle.loads(data, unpickle.DCP_METADATA_NAMES, f"{path / '.metadata'} (torch_dist metadata)")
+    metadata = unpickle.loads(data, unpickle.DCP_METADATA_NAMES, f"{path / '.metadata'} (torch_dist metadata)",
+                              substitutes=substitutes)
     if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
         raise CheckpointError(f"{path}: .metadata does not hold DCP checkpoint metadata")
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{path / '.metadata'}: state_dict_metadata is a "
+                              f"{type(metadata.state_dict_metadata).__name__}, not a dict")
     _check_storage(path, metadata)
     return metadata
 
@@ -97,13 +117,6 @@ def _check_storage(path: Path, metadata) -> None:
         if offset + length > sizes[relative]:
             raise CheckpointError(f"{path / relative}: holds {sizes[relative]} bytes, but .metadata places {fqn!r} "
                                   f"at bytes {offset}..{offset + length} (a truncated file?)")
-
-
-def _dcp_exception() -> type:
-    """DCP reports a failed read as a `CheckpointException`, which derives from BaseException."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
 
 
 def storage_reader(path: Path, metadata=None):
@@ -141,32 +154,32 @@ def decode_object(path: str | os.PathLike, key: str, data: bytes, metadata=None)
     return unpickle.load_torch_archive(data, unpickle.OBJECT_NAMES, where)
 
 
-def tensor_metadata(path: str | os.PathLike) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def tensor_metadata(path: str | os.PathLike, metadata=None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Sharded key -> (dtype, global shape) for every tensor; byte objects (`_extra_state`) are skipped."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from mmparity.checkpoint.dcp_index import is_tensor_entry
 
-    metadata = load_metadata(path)
+    metadata = load_index(path) if metadata is None else metadata
     return {
         key: (entry.properties.dtype, tuple(entry.size))
         for key, entry in sorted(metadata.state_dict_metadata.items())
-        if isinstance(entry, TensorStorageMetadata)
+        if is_tensor_entry(entry)
     }
 
 
 def object_keys(path: str | os.PathLike, metadata=None) -> list[str]:
     """The DCP keys of the byte objects (mcore's ``ShardedObject`` unique keys,
     ``<key>/shard_<offset>_<shape>``), mcore's own ``common_state`` left out."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from mmparity.checkpoint.dcp_index import is_tensor_entry
 
-    metadata = load_metadata(path) if metadata is None else metadata
+    metadata = load_index(path) if metadata is None else metadata
     return sorted(key for key, entry in metadata.state_dict_metadata.items()
-                  if isinstance(entry, BytesStorageMetadata) and key.split("/")[0] != _COMMON_STATE_KEY)
+                  if not is_tensor_entry(entry) and key.split("/")[0] != _COMMON_STATE_KEY)
 
 
 def object_bytes(path: str | os.PathLike, key: str, metadata=None) -> bytes:
     """The stored (pickled, never unpickled here) bytes of one byte object."""
     path = Path(path)
-    metadata = load_metadata(path) if metadata is None else metadata
+    metadata = load_index(path) if metadata is None else metadata
     found = [info for index, info in metadata.storage_data.items() if getattr(index, "fqn", index) == key]
     if len(found) != 1:
         raise CheckpointError(f"{path}: {len(found)} stored items for the object {key!r}")
@@ -180,36 +193,18 @@ def object_bytes(path: str | os.PathLike, key: str, metadata=None) -> bytes:
     return data
 
 
-def read_tensor(path: str | os.PathLike, key: str, metadata: dict | None = None) -> torch.Tensor:
-    """One global tensor, assembled from every rank's shards by DCP (only its bytes are read)."""
-    import torch.distributed.checkpoint as dcp
-
-    path = Path(path)
-    metadata = tensor_metadata(path) if metadata is None else metadata
-    if key not in metadata:
-        raise CheckpointError(f"{path}: no tensor {key!r} in the checkpoint")
-    dtype, shape = metadata[key]
-    target = {key: torch.empty(shape, dtype=dtype)}
-    try:
-        # no_dist: a plain local read, usable from any process with or without a process group
-        # (torch warns that it assumes a single process, which is exactly the intent).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(target, storage_reader=storage_reader(path), no_dist=True)
-    except CheckpointError:
-        raise
-    except (Exception, _dcp_exception()) as exc:
-        raise CheckpointError(f"{path}: cannot read {key!r} ({errors.one_line(exc, 300)})") from None
-    return target[key]
+def read_tensor(path: str | os.PathLike, key: str, metadata=None) -> torch.Tensor:
+    """One global tensor, assembled from its saved chunks (only their bytes are read)."""
+    return TorchDistFiles(path).read(key)
 
 
 def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """(sharded key, global tensor) one at a time, in key order."""
-    metadata = tensor_metadata(path)
-    for key in metadata:
+    files = TorchDistFiles(path)
+    for key in files.tensors:
         if key == _COMMON_STATE_KEY:
             continue
-        yield key, read_tensor(path, key, metadata)
+        yield key, files.read(key)
 
 
 def global_state_dict(path: str | os.PathLike, *, layer_prefix: str = "decoder.layers.") -> dict[str, torch.Tensor]:
@@ -304,49 +299,34 @@ class _FileRegion(io.RawIOBase):
         return len(data)
 
 
-class _RegionPlanner:
-    """The two `LoadPlanner` calls `FileSystemReader.read_data` makes, aimed at one target tensor."""
-
-    def __init__(self, target: torch.Tensor):
-        self.target = target
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        view = self.target
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            view = view.narrow(dim, offset, length)
-        return view
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        pass
-
-    def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError(f"{read_item.storage_index.fqn}: a byte object, not a tensor")
-
-
 class TorchDistFiles:
-    """One torch_dist directory opened for many reads: metadata unpickled once (safely), and any
-    rectangular region of a global tensor read without reading the rest.
+    """One torch_dist directory opened for many reads: its index unpickled once (safely, into
+    `dcp_index`'s records), and any rectangular region of a global tensor read from the chunks
+    that overlap it, without reading the rest and without DCP.
 
     `read_region` is what makes per-layer reads of mcore's stacked layer tensors cheap: each layer
     was written as its own DCP chunk, so reading layer i touches only that chunk's bytes.
     """
 
     def __init__(self, path: str | os.PathLike):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.path = Path(path)
-        self.metadata = load_metadata(self.path)
-        self._reader = storage_reader(self.path)
-        self._reader.set_up_storage_reader(self.metadata, True)
-        self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
+        from mmparity.checkpoint.dcp_index import is_tensor_entry
         from mmparity.checkpoint.fsio.pieces import FileRanges
 
+        self.path = Path(path)
+        self.metadata = load_index(self.path)
+        self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
         self.file_ranges = FileRanges()  # where mapped chunks live in the files
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             key: (entry.properties.dtype, tuple(entry.size))
             for key, entry in sorted(self.metadata.state_dict_metadata.items())
-            if isinstance(entry, TensorStorageMetadata)
+            if is_tensor_entry(entry)
         }
+        self._storage = {(index.fqn, tuple(index.offset)): info for index, info in self.metadata.storage_data.items()
+                         if getattr(index, "offset", None) is not None}
+
+    def _chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [(tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes))
+                for c in self.metadata.state_dict_metadata[key].chunks]
 
     def covered(self, key: str, axes: int) -> set[tuple[int, ...]]:
         """The positions along the first ``axes`` axes of ``key``'s global tensor that its saved
@@ -356,16 +336,12 @@ class TorchDistFiles:
         import itertools
 
         positions: set[tuple[int, ...]] = set()
-        for chunk in self.metadata.state_dict_metadata[key].chunks:
-            ranges = [range(int(o), int(o) + int(n)) for o, n in zip(tuple(chunk.offsets)[:axes], tuple(chunk.sizes)[:axes])]
+        for offsets, sizes in self._chunks(key):
+            ranges = [range(o, o + n) for o, n in zip(offsets[:axes], sizes[:axes])]
             positions.update(itertools.product(*ranges))
         return positions
 
     def read_region(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         if key not in self.tensors:
             raise CheckpointError(f"{self.path}: no tensor {key!r} in the checkpoint")
         dtype, shape = self.tensors[key]
@@ -374,48 +350,67 @@ class TorchDistFiles:
             o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)
         ):
             raise CheckpointError(f"{self.path}: region {list(offsets)}+{list(sizes)} is outside {key!r} {list(shape)}")
-        if _numel(sizes):
-            mapped = self._mapped_chunk(key, offsets, sizes, dtype)
-            if mapped is not None:
-                return mapped
+        chunks = self._chunks(key)
+        if _numel(sizes) and (offsets, sizes) in chunks:
+            return self._chunk_tensor(key, offsets, sizes, dtype)
         target = torch.empty(sizes, dtype=dtype)
         if target.numel() == 0:
             return target
-        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-        items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
-        covered = sum(_numel(item.lengths) for item in items)
+        covered = 0
+        for chunk_offsets, chunk_sizes in chunks:
+            low = [max(o, c) for o, c in zip(offsets, chunk_offsets)]
+            high = [min(o + n, c + m) for o, n, c, m in zip(offsets, sizes, chunk_offsets, chunk_sizes)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            source = self._chunk_tensor(key, chunk_offsets, chunk_sizes, dtype)
+            into, out_of = target, source
+            for dim, (lo, hi) in enumerate(zip(low, high)):
+                into = into.narrow(dim, lo - offsets[dim], hi - lo)
+                out_of = out_of.narrow(dim, lo - chunk_offsets[dim], hi - lo)
+            into.copy_(out_of)
+            covered += into.numel()
         if covered != target.numel():
             raise CheckpointError(f"{self.path}: the saved chunks of {key!r} do not cover region {list(offsets)}+{list(sizes)}")
-        try:
-            self._reader.read_data(LoadPlan(items), _RegionPlanner(target)).wait()
-        except CheckpointError:
-            raise
-        except (Exception, _dcp_exception()) as exc:
-            raise CheckpointError(f"{self.path}: cannot read {key!r} ({errors.one_line(exc, 300)})") from None
         return target
 
-    def _mapped_chunk(self, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor | None:
-        """A region that is exactly one saved chunk, stored as a plain contiguous tensor, as a view
-        of the file (page cache, copy-on-write, nothing read up front); None for anything else,
-        which then goes through DCP's reader (two copies: a buffered read and torch.load's)."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        chunks = self.metadata.state_dict_metadata[key].chunks
-        if not any(tuple(c.offsets) == offsets and tuple(c.sizes) == sizes for c in chunks):
-            return None
-        info = self._reader.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
-        if info is None or getattr(info, "transform_descriptors", None):
-            return None
+    def _chunk_tensor(self, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """One saved chunk: a view of the file when it is stored as a plain contiguous tensor (page
+        cache, copy-on-write, nothing read up front), else its blob loaded with
+        ``torch.load(weights_only=True)``."""
+        info = self._storage.get((key, offsets))
+        where = f"{self.path}: {key!r} chunk at {list(offsets)}"
+        if info is None:
+            raise CheckpointError(f"{where} has no stored bytes in .metadata")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{where} is stored with transforms {info.transform_descriptors!r}, which mmparity "
+                                  "does not read")
+        mapping = self._mapping(info.relative_path)
+        region = _FileRegion(mapping, info.offset, info.length)
+        mapped = self._mapped_chunk(mapping, region, info, sizes, dtype)
+        if mapped is not None:
+            return mapped
+        region.seek(0)
         try:
-            mapping = self._mapping(info.relative_path)
-            blob = torch._C.PyTorchFileReader(_FileRegion(mapping, info.offset, info.length))
+            tensor = torch.load(region, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"{where}: unreadable ({errors.one_line(exc, 300)})") from None
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != sizes:
+            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(f"{where}: holds {found}, .metadata says {dtype} {list(sizes)}")
+        return tensor
+
+    @staticmethod
+    def _mapped_chunk(mapping, region, info, sizes: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk as a view of the mapping when its blob is exactly what torch.save writes for a
+        fresh contiguous tensor of this dtype and shape (no storage offset, no strides of a
+        transposed view); None for anything else."""
+        try:
+            blob = torch._C.PyTorchFileReader(region)
             pickled = blob.get_record("data.pkl")
             start = info.offset + blob.get_record_offset("data/0")
         except Exception:
-            return None  # not the blob we know how to map: DCP's reader decides
+            return None  # not the blob we know how to map: torch.load decides
         _head, nbytes, _tail, expected = torch_save_frame(dtype, sizes)
-        # The same pickle as torch.save of a fresh contiguous tensor of this dtype and shape: no
-        # storage offset, no strides of a transposed view, CPU. Anything else is read by DCP.
         if pickled != expected or start % dtype.itemsize or start + nbytes > info.offset + info.length:
             return None
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)

@@ -172,13 +172,16 @@ class RestrictedUnpickler(pickle.Unpickler):
     how a refusal names the file and item. ``storage(key, dtype, numel)`` serves torch's persistent
     storage references; without it a pickle that has any is refused. ``inert`` (module prefixes,
     e.g. :data:`MEGATRON_INERT_MODULES`): names under them become :class:`Inert` records instead
-    of being refused, never imported."""
+    of being refused, never imported. ``substitutes`` ((module, name) -> a callable of ours): an
+    allowed name that resolves to our stand-in instead of being imported (``dcp_index``)."""
 
     def __init__(self, file, allowed: Mapping[str, frozenset[str]], where: str,
                  storage: Callable[[str, torch.dtype, int], object] | None = None,
-                 inert: tuple[str, ...] = (), **kwargs):
+                 inert: tuple[str, ...] = (), substitutes: Mapping[tuple[str, str], object] | None = None,
+                 **kwargs):
         super().__init__(file, **kwargs)
         self.allowed, self.where, self.storage, self.inert = allowed, where, storage, inert
+        self.substitutes = substitutes or {}
         # Assigned, not defined on the class: the C unpickler reads the hook through its own
         # descriptor, and torch.load installs its storage hook the same way.
         self.persistent_load = self._storage_reference
@@ -191,7 +194,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         if (module, name) == ("_codecs", "encode"):
             return _latin1_bytes  # how protocol 2 spells a bytes object
         if name in self.allowed.get(module, ()):
-            return super().find_class(module, name)
+            substitute = self.substitutes.get((module, name))
+            return super().find_class(module, name) if substitute is None else substitute
         if self.inert and isinstance(module, str) and isinstance(name, str) and (
                 (module.startswith(self.inert) and name.isidentifier()
                  and all(part.isidentifier() for part in module.split(".")))
@@ -257,10 +261,11 @@ def _latin1_bytes(text, encoding="latin1"):
     return text.encode("latin-1")
 
 
-def loads(data: bytes, allowed: Mapping[str, frozenset[str]], where: str, inert: tuple[str, ...] = ()):
-    """A plain pickle (no tensor storages), decoded under ``allowed`` (and ``inert``)."""
+def loads(data: bytes, allowed: Mapping[str, frozenset[str]], where: str, inert: tuple[str, ...] = (),
+          substitutes: Mapping[tuple[str, str], object] | None = None):
+    """A plain pickle (no tensor storages), decoded under ``allowed`` (and ``inert``, ``substitutes``)."""
     try:
-        return RestrictedUnpickler(io.BytesIO(data), allowed, where, inert=inert).load()
+        return RestrictedUnpickler(io.BytesIO(data), allowed, where, inert=inert, substitutes=substitutes).load()
     except RefusedPickle:
         raise
     except Exception as exc:  # a truncated or malformed pickle raises many types

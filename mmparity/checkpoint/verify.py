@@ -147,18 +147,19 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
     for dir_name, records in sorted(by_file.items()):
         path = root / dir_name
         try:
-            metadata = torch_dist_files.tensor_metadata(path)
+            files = torch_dist_files.TorchDistFiles(path)  # the index decoded once for every record
         except CheckpointError as exc:
             report.problems.append(Problem(dir_name, None, f"{exc}; {len(records)} shard record(s) not checked"))
             continue
-        objects = torch_dist_files.object_keys(path)
+        metadata = files.tensors
+        objects = torch_dist_files.object_keys(path, files.metadata)
         by_key: dict[str, list[TensorRecord]] = defaultdict(list)
         for record in records:
             by_key[record.key].append(record)
         for key, key_records in sorted(by_key.items()):
             if key in objects:  # an _extra_state object: its stored bytes, never unpickled
                 try:
-                    found = extra_state.bytes_tensor(torch_dist_files.object_bytes(path, key))
+                    found = extra_state.bytes_tensor(torch_dist_files.object_bytes(path, key, files.metadata))
                 except CheckpointError as exc:
                     report.problems.append(Problem(dir_name, key, str(exc)))
                     continue
@@ -169,7 +170,7 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
                 report.problems.append(Problem(dir_name, key, "missing from the checkpoint"))
                 continue
             try:
-                global_tensor = torch_dist_files.read_tensor(path, key, metadata)
+                global_tensor = files.read(key)
             except CheckpointError as exc:
                 report.problems.append(Problem(dir_name, key, str(exc)))
                 continue
