@@ -96,11 +96,11 @@ class _Encoder:
             for item in v:
                 self.value(item)
             out += b"t"
-        elif isinstance(v, _Pairs):
+        elif isinstance(v, (dict, _Pairs)):
             out += b"}"
             if v:
                 out += b"("
-                for key, item in v:
+                for key, item in (v.items() if isinstance(v, dict) else v):
                     self.value(key)
                     self.value(item)
                 out += b"u"
@@ -111,14 +111,6 @@ class _Encoder:
                 for item in v:
                     self.value(item)
                 out += b"e"
-        elif isinstance(v, dict):
-            out += b"}"
-            if v:
-                out += b"("
-                for key, item in v.items():
-                    self.value(key)
-                    self.value(item)
-                out += b"u"
         elif isinstance(v, _Global):
             if not self._memoized(v):
                 out += b"c" + v.module.encode() + b"\n" + v.name.encode() + b"\n"
