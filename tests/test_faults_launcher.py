@@ -153,19 +153,16 @@ def test_verify_load_without_master_addr(torch_dist_checkpoint):
     one_line_error(*run_subprocess("verify", "--load", torch_dist_checkpoint / "dist", env=env), "MASTER_ADDR")
 
 
-@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
-def test_convert_when_master_port_is_taken(torch_dist_checkpoint, tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("0.0.0.0", 0))
-        taken.listen()
-        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1])}
-        line = one_line_error(*run_subprocess("convert", "--family", "clip", "--src", torch_dist_checkpoint / "hf",
-                                              "--dst", tmp_path / "out", "--to", "mcore", env=env),
-                              f"MASTER_PORT={taken.getsockname()[1]}", "already in use")
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_convert_under_a_two_rank_launcher_refuses_to_race(torch_dist_checkpoint, tmp_path, rank):
+    """convert is one process: two ranks of a launcher would both write the destination."""
+    env = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    line = one_line_error(*run_subprocess("convert", "--family", "clip", "--src", torch_dist_checkpoint / "hf",
+                                          "--dst", tmp_path / "out", "--to", "mcore", env=env),
+                          "runs as one process", f"rank {rank} of WORLD_SIZE=2", "unset RANK and WORLD_SIZE")
     assert "Traceback" not in line and not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
 def test_check_tp2_when_the_other_rank_never_comes():
     # A launcher environment of world size 2 and --tp 2: this process is rank 0 of a torchrun-style
     # launch, so it waits for rank 1, then names it (the option's timeout, not the environment's).

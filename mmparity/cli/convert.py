@@ -115,6 +115,21 @@ class _NoProgress:
         pass
 
 
+def _refuse_a_launcher(dst: Path) -> None:
+    """convert is one process: started by torchrun (or with its variables left set) as one rank of
+    several, every rank would convert the same source to the same destination at once."""
+    from mmparity import runtime
+
+    try:
+        launch = runtime.launch_env()
+    except runtime.LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    if launch is not None and launch.world_size > 1:
+        raise UsageError(f"convert runs as one process, but this is rank {launch.rank} of WORLD_SIZE="
+                         f"{launch.world_size} (RANK/WORLD_SIZE are set, as a launcher sets them): every rank "
+                         f"would write {dst}; run it once without the launcher, or unset RANK and WORLD_SIZE")
+
+
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity.checkpoint import formats
@@ -145,6 +160,7 @@ def run(args) -> int:
         requantize=args.requantize, expert_layout=args.expert_layout,
         base=Path(base) if base is not None else None, hf_config=Path(hf_config) if hf_config is not None else None,
         iteration=iteration, release=args.release)
+    _refuse_a_launcher(options.dst)
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)
