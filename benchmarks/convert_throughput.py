@@ -123,11 +123,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         # Imports outside the timed region, as for the baselines: they are per process, not per byte.
         families.get("qwen3_5").hooks  # loads the reference and native modules with the family
         if options.get("format") == "torch_dist" and options["to"] == "mcore":
-            import mmparity.checkpoint.torch_dist  # noqa: F401
-            # mcore imports these inside its first TransformerLayer build (~0.05 s, most of it
-            # torch.compile setting up in megatron.core.activations): an import like the others.
-            import megatron.core.transformer.moe.experts  # noqa: F401
-            import megatron.core.transformer.moe.moe_layer  # noqa: F401
+            import mmparity.checkpoint.torch_dist_write  # noqa: F401  (megatron-free since session 13)
         ready = _rss_anon_kb()
         started = time.perf_counter()
         convert(ConvertOptions(src=Path(src), dst=Path(dst), **options))

@@ -1,0 +1,89 @@
+"""Benchmark: peak anonymous memory of a conversion against the checkpoint's size (not a test).
+
+For each ``--sizes`` a synthetic many-expert checkpoint (``synthetic_moe_checkpoint.py``: a scaled
+Kimi-K2.5 release, the same widths at every size, only the depth grows) is converted, each job in
+a fresh child process whose RssAnon the parent samples every few milliseconds
+(``convert_throughput._measure``): anonymous memory only, not the page cache that reading and
+writing a checkpoint goes through. Jobs: HF -> torch_dist, HF -> legacy at TP 2 x EP 2 (the
+experts split over EP ranks, every matrix over TP ranks), and both back to HF in the release
+layout, checked tensor for tensor against the source.
+
+A conversion's memory is bounded when the peak stays flat as the size grows: what a converter
+holds is a few tensors at a time, so the figure to compare it with is the largest tensor
+(printed), not the checkpoint.
+
+Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep]
+Numbers go to docs/convert.md; nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import convert_throughput as bench  # noqa: E402  (its child runner and RssAnon sampler)
+import synthetic_moe_checkpoint as synthetic  # noqa: E402
+
+JOBS = {
+    "hf -> torch_dist": ("hf", "td", {"to": "mcore", "format": "torch_dist"}),
+    "hf -> legacy tp2 ep2": ("hf", "legacy", {"to": "mcore", "format": "legacy", "tp": 2, "ep": 2}),
+    "torch_dist -> hf": ("td", "td_back", {"to": "hf", "hf_format": "release"}),
+    "legacy tp2 ep2 -> hf": ("legacy", "legacy_back", {"to": "hf", "hf_format": "release"}),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--sizes", nargs="+", default=["1GB", "4GB", "16GB"])
+    parser.add_argument("--scale", type=int, default=4)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    from mmparity.checkpoint.fsio.safetensors_format import parse_size
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="mmparity-memory-"))
+    rows = []
+    try:
+        for size in args.sizes:
+            root = work / size
+            info = synthetic.write(root / "hf", parse_size(size), args.scale, 0, "4GB", torch.bfloat16)
+            _, shapes = synthetic.release_shapes(args.scale, info["layers"], torch.bfloat16)
+            largest = max(math.prod(s) for s in shapes.values()) * 2
+            for job, (src, dst, options) in JOBS.items():
+                bench._settle(1)
+                bench._warm(root / src)
+                result = bench._measure("convert", root / src, root / dst, json.dumps(options))
+                row = {"size": size, "bytes": info["bytes"], "layers": info["layers"], "job": job,
+                       "seconds": round(result["seconds"], 2),
+                       "GB/s": round(info["bytes"] / result["seconds"] / 1e9, 3),
+                       "peak_anon_MB": round(result["peak_anon_kb"] / 1024, 1),
+                       "above_start_MB": round((result["peak_anon_kb"] - (result["ready_anon_kb"] or 0)) / 1024, 1),
+                       "largest_tensor_MB": round(largest / 2**20, 1)}
+                if dst.endswith("back"):
+                    row["same_as_source"] = bench._same_tensors(root / "hf", root / dst)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if not args.keep:
+                shutil.rmtree(root)
+    finally:
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print("| size | layers | job | s | GB/s | peak RssAnon MB | above start MB | largest tensor MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['layers']} | {r['job']} | {r['seconds']} | {r['GB/s']} | {r['peak_anon_MB']} | "
+              f"{r['above_start_MB']} | {r['largest_tensor_MB']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
