@@ -117,9 +117,14 @@ class _NoProgress:
 
 def _refuse_a_launcher(dst: Path) -> None:
     """convert is one process: started by torchrun (or with its variables left set) as one rank of
-    several, every rank would convert the same source to the same destination at once."""
+    several, every rank would convert the same source to the same destination at once. Code that
+    already runs in a process group (a rank of ``runtime.spawn``) calls it on the rank it chose."""
+    import torch.distributed as dist
+
     from mmparity import runtime
 
+    if dist.is_available() and dist.is_initialized():
+        return
     try:
         launch = runtime.launch_env()
     except runtime.LaunchError as exc:
