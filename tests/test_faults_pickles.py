@@ -177,6 +177,9 @@ def test_torch_dist_payload_never_runs(capsys, tmp_path, clean, plant, tp):
     codes = _run_everything(capsys, root, marker, tp, planted, tmp_path / "out")
     if plant in ("metadata", "extra_state-stale-checksum", "extra_state-rewritten-checksum"):
         _loads_refused(codes, planted)
+    if plant == "tensor_item":  # not a plain tensor blob: decoded under our allow-list, refused by name
+        code, out, err = codes["convert to hf"]
+        assert code == 2 and "refusing to unpickle posix.mkdir" in err and planted in err, (code, out, err)
     if plant == "metadata":  # nothing reads a torch_dist checkpoint without its metadata
         for name, (code, out, err) in codes.items():
             # verify lists the damage (exit 1); every other command refuses the file (exit 2)

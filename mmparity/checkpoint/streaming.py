@@ -48,7 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as safetensors_load, save as safetensors_save
 
 from mmparity import families
-from mmparity.checkpoint import extra_state, megatron_args
+from mmparity.checkpoint import extra_state, megatron_args, torch_dist_layout, torch_dist_write
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
 from mmparity.families import UnknownFamilyError
@@ -1263,8 +1263,6 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
     """The rule table's tensors placed as Megatron's classes shard them (``torch_dist_layout``)
     and written as megatron-core's ``dist_checkpointing`` writes them (``torch_dist_write``):
     no megatron and no model needed."""
-    from mmparity.checkpoint import torch_dist_layout, torch_dist_write
-
     order, kinds = _mcore_plan(source, options.grid)
     # torch_dist stores global tensors: the TP/PP/EP sizes only had to fit (checked above).
     pp_mod.pipeline_layout(order).layer_counts(options.grid.pp)

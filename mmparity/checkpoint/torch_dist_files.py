@@ -14,8 +14,8 @@ torch's `FileSystemReader` does): `load_metadata` reads the file once and decode
 `unpickle`'s allow-list of DCP's metadata and plan classes, `torch.Size` and dtypes, refusing
 anything else; `load_index` decodes the same bytes into `dcp_index`'s plain records, so that
 reading needs no import of torch.distributed.checkpoint (`load_metadata`'s DCP classes are for
-megatron-core's loader alone). The tensor items themselves are mapped in place, or read with
-`torch.load(weights_only=True)` when a blob is not a plain contiguous tensor. Byte items (`_extra_state`, `common_state`) are pickles too: `object_bytes`
+megatron-core's loader alone). The tensor items themselves are mapped in place, or decoded under
+`unpickle.OBJECT_NAMES` when a blob is not a plain contiguous tensor. Byte items (`_extra_state`, `common_state`) are pickles too: `object_bytes`
 reads an item's raw bytes (to checksum them), and `load_object` decodes them under
 `unpickle.OBJECT_NAMES`.
 """
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from mmparity import errors
-from mmparity.checkpoint import unpickle
+from mmparity.checkpoint import dcp_index, unpickle
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
+from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "tensor_metadata",
     "object_keys",
     "object_bytes",
-    "read_tensor",
     "iter_tensors",
     "global_state_dict",
 ]
@@ -70,8 +69,6 @@ def load_metadata(path: str | os.PathLike):
 def load_index(path: str | os.PathLike):
     """The same `.metadata` decoded into `dcp_index`'s plain records (same attributes), without
     importing torch.distributed.checkpoint."""
-    from mmparity.checkpoint import dcp_index
-
     return _decode_metadata(Path(path), dcp_index.SUBSTITUTES)
 
 
@@ -156,24 +153,20 @@ def decode_object(path: str | os.PathLike, key: str, data: bytes, metadata=None)
 
 def tensor_metadata(path: str | os.PathLike, metadata=None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Sharded key -> (dtype, global shape) for every tensor; byte objects (`_extra_state`) are skipped."""
-    from mmparity.checkpoint.dcp_index import is_tensor_entry
-
     metadata = load_index(path) if metadata is None else metadata
     return {
         key: (entry.properties.dtype, tuple(entry.size))
         for key, entry in sorted(metadata.state_dict_metadata.items())
-        if is_tensor_entry(entry)
+        if dcp_index.is_tensor_entry(entry)
     }
 
 
 def object_keys(path: str | os.PathLike, metadata=None) -> list[str]:
     """The DCP keys of the byte objects (mcore's ``ShardedObject`` unique keys,
     ``<key>/shard_<offset>_<shape>``), mcore's own ``common_state`` left out."""
-    from mmparity.checkpoint.dcp_index import is_tensor_entry
-
     metadata = load_index(path) if metadata is None else metadata
     return sorted(key for key, entry in metadata.state_dict_metadata.items()
-                  if not is_tensor_entry(entry) and key.split("/")[0] != _COMMON_STATE_KEY)
+                  if not dcp_index.is_tensor_entry(entry) and key.split("/")[0] != _COMMON_STATE_KEY)
 
 
 def object_bytes(path: str | os.PathLike, key: str, metadata=None) -> bytes:
@@ -191,11 +184,6 @@ def object_bytes(path: str | os.PathLike, key: str, metadata=None) -> bytes:
     if len(data) != info.length:
         raise CheckpointError(f"{path / info.relative_path}: short read of the object {key!r}")
     return data
-
-
-def read_tensor(path: str | os.PathLike, key: str, metadata=None) -> torch.Tensor:
-    """One global tensor, assembled from its saved chunks (only their bytes are read)."""
-    return TorchDistFiles(path).read(key)
 
 
 def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
@@ -309,9 +297,6 @@ class TorchDistFiles:
     """
 
     def __init__(self, path: str | os.PathLike):
-        from mmparity.checkpoint.dcp_index import is_tensor_entry
-        from mmparity.checkpoint.fsio.pieces import FileRanges
-
         self.path = Path(path)
         self.metadata = load_index(self.path)
         self._files: dict = {}  # relative path -> copy-on-write mmap, made on first use
@@ -319,7 +304,7 @@ class TorchDistFiles:
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             key: (entry.properties.dtype, tuple(entry.size))
             for key, entry in sorted(self.metadata.state_dict_metadata.items())
-            if is_tensor_entry(entry)
+            if dcp_index.is_tensor_entry(entry)
         }
         self._storage = {(index.fqn, tuple(index.offset)): info for index, info in self.metadata.storage_data.items()
                          if getattr(index, "offset", None) is not None}
@@ -375,8 +360,8 @@ class TorchDistFiles:
 
     def _chunk_tensor(self, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
         """One saved chunk: a view of the file when it is stored as a plain contiguous tensor (page
-        cache, copy-on-write, nothing read up front), else its blob loaded with
-        ``torch.load(weights_only=True)``."""
+        cache, copy-on-write, nothing read up front), else its blob decoded under
+        ``unpickle.OBJECT_NAMES``."""
         info = self._storage.get((key, offsets))
         where = f"{self.path}: {key!r} chunk at {list(offsets)}"
         if info is None:
@@ -389,11 +374,11 @@ class TorchDistFiles:
         mapped = self._mapped_chunk(mapping, region, info, sizes, dtype)
         if mapped is not None:
             return mapped
-        region.seek(0)
-        try:
-            tensor = torch.load(region, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"{where}: unreadable ({errors.one_line(exc, 300)})") from None
+        # Decoded under our own allow-list (torch's weights_only list is process-wide and grows
+        # with what else is imported); a refusal names the file, the chunk and the class.
+        tensor = unpickle.load_torch_archive(bytes(mapping[info.offset:info.offset + info.length]),
+                                             unpickle.OBJECT_NAMES, f"{self.path / info.relative_path}: "
+                                             f"{key!r} chunk at {list(offsets)}")
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != sizes:
             found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise CheckpointError(f"{where}: holds {found}, .metadata says {dtype} {list(sizes)}")
@@ -409,7 +394,7 @@ class TorchDistFiles:
             pickled = blob.get_record("data.pkl")
             start = info.offset + blob.get_record_offset("data/0")
         except Exception:
-            return None  # not the blob we know how to map: torch.load decides
+            return None  # not the blob we know how to map: the decoder decides
         _head, nbytes, _tail, expected = torch_save_frame(dtype, sizes)
         if pickled != expected or start % dtype.itemsize or start + nbytes > info.offset + info.length:
             return None
@@ -420,8 +405,6 @@ class TorchDistFiles:
         mapping = self._files.get(relative_path)
         if mapping is None:
             import mmap
-
-            from mmparity.checkpoint.fsio.pieces import mapping_address
 
             with open(self.path / relative_path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
