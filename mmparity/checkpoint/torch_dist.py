@@ -60,7 +60,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.pieces import joined, narrow_pieces
 from mmparity.checkpoint.fsio.publish import (discard_staging_directory, make_staging_directory,
                                               publish_staging_directory)
-from mmparity.checkpoint.fsio.slots import Slot, SlotWriter
+from mmparity.checkpoint.fsio.slots import SlotWriter
 from mmparity.checkpoint.fsio.syscalls import pwrite_all
 
 __all__ = [
@@ -174,7 +174,7 @@ def _writer_write_data(self, plan, planner):
     file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
     directory = Path(self.path)
     fd = os.open(directory / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    results, jobs, slots, frames = [], [], {}, {}
+    results, jobs, slots = [], [], {}
     offset = 0
     try:
         for item in plan.items:
@@ -187,18 +187,11 @@ def _writer_write_data(self, plan, planner):
                     self.checksums[item.index.fqn, None] = tensor_checksum(extra_state.bytes_tensor(data))
             else:
                 target = planner.resolve_data(item)  # this shard's tensor, meta or real, DCP's shape
-                shape, dtype = tuple(target.shape), target.dtype
-                if (dtype, shape) not in frames:
-                    frames[dtype, shape] = torch_dist_files.torch_save_frame(dtype, shape)
-                head, nbytes, tail = frames[dtype, shape][:3]
-                # Blobs are padded apart so each tensor's bytes start 64-byte aligned in the file,
-                # as torch.save aligns them inside its own: a reader can then map them in place.
-                offset += -(offset + len(head)) % 64
+                shape = tuple(target.shape)
                 index = (item.index.fqn, tuple(item.index.offset))
-                record_shape = self.record_shapes.get(index, shape)
-                slots[index] = Slot(0, offset + len(head), nbytes, dtype, record_shape, head, tail)
+                offset, slots[index], length = torch_dist_files.framed_slot(
+                    offset, target.dtype, shape, self.record_shapes.get(index, shape))
                 jobs.append((index, target))
-                length = len(head) + nbytes + len(tail)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(file_name, offset, length)))
             offset += length

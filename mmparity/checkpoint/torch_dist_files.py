@@ -35,6 +35,7 @@ from mmparity.checkpoint import dcp_index, unpickle
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
+from mmparity.checkpoint.fsio.slots import Slot, torch_save_without_crc32
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
@@ -230,8 +231,6 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, byte
         return cached
     import tempfile
 
-    from mmparity.checkpoint.fsio.slots import torch_save_without_crc32
-
     nbytes = _numel(key[1]) * dtype.itemsize
     # PyTorchFileWriter names the archive after the file: "archive", as torch.save into a stream
     # (what DCP does) names it, so the frames, and the checkpoints, are the same from run to run.
@@ -255,6 +254,20 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, byte
 
 
 _FRAMES: dict = {}
+
+# torch.save aligns a tensor's bytes to 64 inside its archive; blobs are padded apart so that they
+# stay so in the data file, and a reader can map them in place.
+_BLOB_ALIGN = 64
+
+
+def framed_slot(offset: int, dtype: torch.dtype, sizes: tuple, record_shape: tuple):
+    """Where the ``torch.save`` blob of a ``sizes`` tensor goes at or after ``offset`` in a DCP
+    data file (file 0 of a ``SlotWriter``): (blob start, the ``Slot`` its tensor bytes fill,
+    framed by the blob's head and tail, recorded with ``record_shape``, blob length)."""
+    head, nbytes, tail, _ = torch_save_frame(dtype, sizes)
+    start = offset + (-(offset + len(head)) % _BLOB_ALIGN)
+    slot = Slot(0, start + len(head), nbytes, dtype, tuple(record_shape), head, tail)
+    return start, slot, len(head) + nbytes + len(tail)
 
 
 class _FileRegion(io.RawIOBase):

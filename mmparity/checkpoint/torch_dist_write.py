@@ -33,7 +33,7 @@ from mmparity.checkpoint import dcp_metadata, extra_state, torch_dist_files
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.checkpoint.fsio.pieces import narrow_pieces
 from mmparity.checkpoint.fsio.publish import atomic_directory
-from mmparity.checkpoint.fsio.slots import Slot, SlotWriter
+from mmparity.checkpoint.fsio.slots import SlotWriter
 from mmparity.checkpoint.fsio.syscalls import pwrite_all
 from mmparity.checkpoint.layout import CHECKPOINT_VERSION, DIST_CONFIG_FILE, RELEASE, iteration_dirname
 from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, Provenance, TensorRecord, write_mcore_root
@@ -46,7 +46,6 @@ COMMON_FILE = "common.pt"
 # mcore's CheckpointingConfig for torch_dist, as `metadata.json` records it.
 DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                "common_backend": "torch", "common_backend_version": 1}
-_ALIGN = 64  # torch.save aligns tensor bytes to 64 inside its archive; we align the blobs so too
 
 
 def _empty_object_bytes() -> bytes:
@@ -80,18 +79,11 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
         slots, entries, objects, records = {}, [], {}, list(extra_records)
         offset = 0
         try:
-            frames = {}
             for tensor in layout.tensors:
                 chunks = []
                 for chunk in tensor.chunks:
-                    frame_key = (tensor.dtype, chunk.sizes)
-                    if frame_key not in frames:
-                        frames[frame_key] = torch_dist_files.torch_save_frame(tensor.dtype, chunk.sizes)
-                    head, nbytes, tail = frames[frame_key][:3]
-                    offset += -(offset + len(head)) % _ALIGN
-                    slots[tensor.key, chunk.offsets] = Slot(0, offset + len(head), nbytes, tensor.dtype,
-                                                            chunk.source_shape, head, tail)
-                    length = len(head) + nbytes + len(tail)
+                    offset, slots[tensor.key, chunk.offsets], length = torch_dist_files.framed_slot(
+                        offset, tensor.dtype, chunk.sizes, chunk.source_shape)
                     chunks.append((chunk.offsets, chunk.sizes, (DATA_FILE, offset, length)))
                     offset += length
                 entries.append(dcp_metadata.TensorEntry(tensor.key, tensor.shape, tensor.dtype, tuple(chunks)))
