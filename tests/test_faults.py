@@ -454,12 +454,13 @@ def _litter(parent: Path, name: str) -> list[str]:
 
 
 @pytest.mark.slow  # several seconds: the full suite runs it, the quick loops skip it
-def test_kill_at_every_point_of_a_forced_conversion(sources, tmp_path):
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_kill_at_every_point_of_a_forced_conversion(sources, tmp_path, fmt):
     """SIGKILL at step N (the writer's own fault hook) for N = 1, 2, ... until a run completes:
     after every kill the destination is the old complete checkpoint or the new complete one."""
     dst = tmp_path / "dst"
     argv = ["convert", "--family", FAMILY, "--src", sources["hf"], "--dst", dst, "--to", "mcore", "--format",
-            "legacy", "--force", "--quiet"]
+            fmt, "--force", "--quiet"]
     code, _, err = run_subprocess(*argv[:-2], "--dtype", "bfloat16", "--quiet")  # the old checkpoint
     assert code == 0, err
     old = snapshot(dst)
