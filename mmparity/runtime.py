@@ -212,6 +212,9 @@ _spawned_rank = False
 _rendezvous_round = 0
 # Variables a launcher sets that no process started by :func:`spawn` may inherit.
 _LAUNCHER_ONLY = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+# What a launcher (torchrun) sets for each rank: a command that starts its own ranks replaces all.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *_LAUNCHER_ONLY)
 
 
 class LaunchError(Exception):
@@ -370,6 +373,28 @@ def _wait_for_listener(env: LaunchEnv, deadline: float, timeout: float) -> None:
 def _rendezvous(env: LaunchEnv, timeout: float):
     """The ranks of ``env`` meet on a TCP store: each sets an arrival key and waits for all of
     them, so that a timeout can say which ranks never came. Returns a store for the process group."""
+    store, prefix = _meet(env, timeout)
+    return dist.PrefixStore(prefix + "pg/", store)
+
+
+def rendezvous_store(env: LaunchEnv, purpose: str) -> tuple:
+    """The ranks of ``env`` meet (as for a process group, with the same one-line failures) and
+    share a store, without a process group: for processes that only exchange a few small
+    messages. Returns (the store, a function opening another client of it, for a thread of its
+    own); the keys are private to ``purpose`` and to this meeting."""
+    timeout = timeout_s()
+    store, prefix = _meet(env, timeout)
+    prefix = f"{prefix}{purpose}/"
+
+    def another_client():
+        client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                               timeout=timedelta(seconds=timeout))
+        return dist.PrefixStore(prefix, client)
+
+    return dist.PrefixStore(prefix, store), another_client
+
+
+def _meet(env: LaunchEnv, timeout: float):
     global _rendezvous_round
     _rendezvous_round += 1
     deadline = time.monotonic() + timeout
@@ -403,7 +428,7 @@ def _rendezvous(env: LaunchEnv, timeout: float):
             time.sleep(0.05)
     except RuntimeError:  # the store went away under us: its host (rank 0 or the agent) died
         raise _rendezvous_failure(env, timeout, "the store's host went away before every rank joined") from None
-    return dist.PrefixStore(prefix + "pg/", store)
+    return store, prefix
 
 
 def _init_default_group(backend: str) -> None:

@@ -216,7 +216,8 @@ def test_tp_that_does_not_divide_the_heads(capsys, pixtral_hf, tmp_path):
     (["--to", "mcore", "--tp", "0"], "--tp must be a positive integer"),
     (["--to", "hf", "--tp", "2"], "HF output is never sharded"),
     (["--to", "hf", "--format", "legacy"], "does not apply to --to hf"),
-    (["--to", "mcore", "--max-shard-size", "1GB"], "does not apply to --to mcore"),
+    (["--to", "mcore", "--format", "legacy", "--max-shard-size", "1GB"], "a legacy checkpoint has one file per rank"),
+    (["--to", "mcore", "--workers", "0"], "--workers must be >= 1"),
     (["--to", "hf", "--max-shard-size", "lots"], "invalid size"),
     (["--to", "hf", "--hf-format", "mistral3"], "not a layout of family 'pixtral'"),
 ])

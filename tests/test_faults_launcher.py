@@ -153,14 +153,24 @@ def test_verify_load_without_master_addr(torch_dist_checkpoint):
     one_line_error(*run_subprocess("verify", "--load", torch_dist_checkpoint / "dist", env=env), "MASTER_ADDR")
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_convert_under_a_two_rank_launcher_refuses_to_race(torch_dist_checkpoint, tmp_path, rank):
-    """convert is one process: two ranks of a launcher would both write the destination."""
+@pytest.mark.parametrize("rank, missing", [("0", "rank 1 of 2 never joined"), ("1", "rank 0, which hosts the store")])
+def test_convert_as_one_rank_of_two_that_never_met(torch_dist_checkpoint, tmp_path, rank, missing):
+    """Stray launcher variables (or a rank that never starts): convert is one rank of two, waits
+    for the other, names it, and writes nothing."""
     env = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     line = one_line_error(*run_subprocess("convert", "--family", "clip", "--src", torch_dist_checkpoint / "hf",
                                           "--dst", tmp_path / "out", "--to", "mcore", env=env),
-                          "runs as one process", f"rank {rank} of WORLD_SIZE=2", "unset RANK and WORLD_SIZE")
+                          "timed out", missing, "unset them to run as one process")
     assert "Traceback" not in line and not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_convert_with_workers_under_a_launcher_is_refused(torch_dist_checkpoint, tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    one_line_error(*run_subprocess("convert", "--family", "clip", "--src", torch_dist_checkpoint / "hf",
+                                   "--dst", tmp_path / "out", "--to", "mcore", "--workers", "2", env=env),
+                   "--workers 2 starts its own ranks", "rank 0 of WORLD_SIZE=2")
+    assert not (tmp_path / "out").exists()
 
 
 def test_check_tp2_when_the_other_rank_never_comes():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -115,7 +116,11 @@ class LegacyWriter:
 
     def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, pp_size: int, layer_counts: Sequence[int],
                  layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int | str, locate=None,
-                 ep_size: int = 1, num_experts: int = 0, common: Mapping | None = None):
+                 ep_size: int = 1, num_experts: int = 0, common: Mapping | None = None,
+                 writes: Callable[[Sequence[int]], Sequence[bool]] | None = None):
+        """``writes(file byte sizes)`` says which rank files this process writes (default: all),
+        where several processes write one checkpoint; the others are laid out the same but not
+        created, and ``write`` skips them."""
         if not rank_entries:
             raise CheckpointError("no TP shards to write")
         reference_keys = set(rank_entries[0])
@@ -134,46 +139,60 @@ class LegacyWriter:
         self._slots_of: dict[tuple[int, str], list[str]] = {}  # (tp rank, global key) -> slot names
         self._local: dict[str, tuple[int, str]] = {}  # slot name -> (file number, local key)
         self._extra_states: list[tuple[int, str, object]] = []  # (file number, local key, value)
+        self._elsewhere: set[tuple[int, str]] = set()  # (tp rank, global key) in files others write
         slots: dict[str, Slot] = {}
         fds: list[int] = []
         iteration_dir = iteration_dirname(iteration)
+        planned = []  # (tp rank, pp rank, ep rank, {local key: global key}) of every rank file
+        for tp_rank, entries in enumerate(rank_entries):
+            # Splitting {key: key} tells where each global key lands, and under which local name.
+            try:
+                stages = pp.split_pipeline_stages({k: k for k in entries}, layer_counts, layer_prefix=layer_prefix,
+                                                  last_stage_prefixes=last_stage_prefixes)
+            except pp.PipelineError as exc:
+                raise CheckpointError(str(exc)) from None
+            # ... and splitting each stage's {local: global} over EP, in which EP rank's file.
+            planned += [(tp_rank, pp_rank, ep_rank, local_to_global) for pp_rank, stage in enumerate(stages)
+                        for ep_rank, local_to_global in enumerate(_expert_ranks(stage, grid, num_experts))]
+        sizes = [sum(math.prod(rank_entries[tp_rank][key][1]) * rank_entries[tp_rank][key][0].itemsize
+                     for key in local_to_global.values() if _is_tensor_entry(rank_entries[tp_rank][key]))
+                 for tp_rank, _, _, local_to_global in planned]
+        self.mine = list(writes(sizes)) if writes is not None else [True] * len(planned)
         try:
-            for tp_rank, entries in enumerate(rank_entries):
-                # Splitting {key: key} tells where each global key lands, and under which local name.
-                try:
-                    stages = pp.split_pipeline_stages({k: k for k in entries}, layer_counts, layer_prefix=layer_prefix,
-                                                      last_stage_prefixes=last_stage_prefixes)
-                except pp.PipelineError as exc:
-                    raise CheckpointError(str(exc)) from None
-                # ... and splitting each stage's {local: global} over EP, in which EP rank's file.
-                files = [(pp_rank, ep_rank, local_to_global) for pp_rank, stage in enumerate(stages)
-                         for ep_rank, local_to_global in enumerate(_expert_ranks(stage, grid, num_experts))]
-                for pp_rank, ep_rank, local_to_global in files:
-                    relative = Path(iteration_dir) / rank_dirname(grid, tp_rank, pp_rank, ep_rank) / LEGACY_FILE
-                    path = self.staging / relative
-                    path.parent.mkdir(parents=True)
-                    number = len(self.files)
-                    self.files.append(relative.as_posix())
-                    tensor_keys = [local for local, key in local_to_global.items() if _is_tensor_entry(entries[key])]
-                    offsets = _write_skeleton(path, {local: entries[key] for local, key in local_to_global.items()},
-                                              iteration, common)
-                    fds.append(os.open(path, os.O_WRONLY))
-                    for local, key in local_to_global.items():
-                        if extra_state.is_extra_state(key) and not _is_tensor_entry(entries[key]):
-                            if entries[key] is not None:
-                                raise CheckpointError(f"{key}: an extra state is written empty (None) or "
-                                                      f"as a tensor, not as a {type(entries[key]).__name__}")
-                            self._extra_states.append((number, local, entries[key]))
-                    for local, (offset, nbytes) in zip(tensor_keys, offsets):
-                        key = local_to_global[local]
-                        dtype, shape = entries[key]
-                        name = self.slot_name(tp_rank, key, ep_rank)
-                        self._slots_of.setdefault((tp_rank, key), []).append(name)
-                        slots[name] = Slot(number, offset, nbytes, dtype, tuple(shape))
-                        self._local[name] = (number, local)
+            for (tp_rank, pp_rank, ep_rank, local_to_global), mine in zip(planned, self.mine):
+                entries = rank_entries[tp_rank]
+                relative = Path(iteration_dir) / rank_dirname(grid, tp_rank, pp_rank, ep_rank) / LEGACY_FILE
+                number = len(self.files)
+                self.files.append(relative.as_posix())
+                if not mine:
+                    fds.append(None)
+                    self._elsewhere.update((tp_rank, key) for key in local_to_global.values())
+                    continue
+                path = self.staging / relative
+                # The iteration directory may be another process's (several writing one checkpoint).
+                path.parent.parent.mkdir(exist_ok=True)
+                path.parent.mkdir()
+                tensor_keys = [local for local, key in local_to_global.items() if _is_tensor_entry(entries[key])]
+                offsets = _write_skeleton(path, {local: entries[key] for local, key in local_to_global.items()},
+                                          iteration, common)
+                fds.append(os.open(path, os.O_WRONLY))
+                for local, key in local_to_global.items():
+                    if extra_state.is_extra_state(key) and not _is_tensor_entry(entries[key]):
+                        if entries[key] is not None:
+                            raise CheckpointError(f"{key}: an extra state is written empty (None) or "
+                                                  f"as a tensor, not as a {type(entries[key]).__name__}")
+                        self._extra_states.append((number, local, entries[key]))
+                for local, (offset, nbytes) in zip(tensor_keys, offsets):
+                    key = local_to_global[local]
+                    dtype, shape = entries[key]
+                    name = self.slot_name(tp_rank, key, ep_rank)
+                    self._slots_of.setdefault((tp_rank, key), []).append(name)
+                    slots[name] = Slot(number, offset, nbytes, dtype, tuple(shape))
+                    self._local[name] = (number, local)
         except BaseException:
             for fd in fds:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             raise
         self._writer = SlotWriter(self.staging, fds, slots, locate=locate)
 
@@ -181,11 +200,17 @@ class LegacyWriter:
     def slot_name(tp_rank: int, key: str, ep_rank: int = 0) -> str:
         return f"{tp_rank}:{ep_rank}:{key}"
 
+    def holds(self, tp_rank: int, key: str) -> bool:
+        """Whether a file this process writes holds TP rank ``tp_rank``'s tensor ``key``."""
+        return (tp_rank, key) in self._slots_of
+
     def write(self, tp_rank: int, key: str, pieces) -> None:
         """TP rank `tp_rank`'s tensor of global key `key`, whole or as consecutive dim-0 pieces,
         into every file that holds it (one per EP rank for a tensor replicated over EP)."""
         names = self._slots_of.get((tp_rank, key))
         if names is None:
+            if (tp_rank, key) in self._elsewhere:
+                return
             raise CheckpointError(f"{self.staging}: tensor {key!r} of TP rank {tp_rank} was not announced")
         for name in names:
             self._writer.write(name, pieces)

@@ -49,10 +49,11 @@ from safetensors.torch import load_file as safetensors_load, save as safetensors
 
 from mmparity import families
 from mmparity.checkpoint import extra_state, megatron_args, torch_dist_layout, torch_dist_write
+from mmparity.checkpoint import team as team_mod
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
 from mmparity.families import UnknownFamilyError
-from mmparity.checkpoint.layout import RELEASE, TRACKER_FILE, checkpoint_extent, resolve_iteration_dir
+from mmparity.checkpoint.layout import RELEASE, TRACKER_FILE, checkpoint_extent, iteration_dirname, resolve_iteration_dir
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, load_rank_payload, model_chunk_keys, open_legacy
 from mmparity.checkpoint.megatron_written import FROM_BASE, ModelConfig, args_parallelism, copy_base_files
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
@@ -64,7 +65,7 @@ from mmparity.converters.axes import Grid
 from mmparity.converters.pp import PipelineError
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
-from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.checksums import TensorChecksum, tensor_checksum
 from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.heap import heap_budget
@@ -153,7 +154,8 @@ class ConvertOptions:
     format: str = dataclasses.field(default_factory=lambda: ckpt_formats.writable()[0])
     dtype: str | None = None  # cast floating tensors; None keeps every tensor's own dtype
     hf_format: str | None = None  # HF-side layout (of the source, or of HF output)
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+    # The largest output file: an HF shard (default 5GB), a torch_dist data file (default 2GB).
+    max_shard_size: int | str | None = None
     check_finite: bool = False
     force: bool = False
     # Megatron-LM's --make-vocab-size-divisible-by: vocabularies (LLaVA's) are padded to a multiple
@@ -178,6 +180,9 @@ class ConvertOptions:
     # Write Megatron-LM's `release` iteration (tracker "release", directory release/): its loader
     # then starts at iteration 0 and looks for no RNG or optimizer state, so a plain --load works.
     release: bool = False
+    # This process's share where several write one checkpoint (torchrun, --workers): None is one
+    # process writing everything. The output is the same either way.
+    team: team_mod.Team | None = None
 
     @property
     def grid(self) -> Grid:
@@ -1065,9 +1070,15 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
     provenance = Provenance(family=source.family, source_layout=source.layout, source_format=fmt,
                             source_path=str(source.path), extra=source.provenance_extra() | {"hf_format": fmt, "hf_prefix": prefix})
     heap = heap_budget()
-    with atomic_directory(options.dst, force=options.force) as staging:
-        writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size,
-                                            locate=source.locate)
+    team = options.team or team_mod.solo()
+    with team.staging(options.dst, force=options.force) as staging:
+        writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                                            locate=source.locate, writes=team.mine, write_index=team.leader)
+
+        def wanted(key: str) -> bool:
+            if requant is not None and key in requant.scales:
+                return any(writer.writes(name) for name in requant.stored_names[key])
+            return writer.writes(key)
 
         def put(key: str, pieces: list) -> None:
             if requant is not None and key in requant.scales:
@@ -1081,10 +1092,18 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
         try:
             # An op that only moves row blocks (a rename, q/k/v regrouping, a gated split) takes
             # its rows straight from the source's pieces, TP parts included (route_pieces).
-            R.stream_to_hf(plan, source.mcore_pieces, put, route=route_pieces)
+            R.stream_to_hf(plan, source.mcore_pieces, put, route=route_pieces,
+                           wanted=None if team.solo else wanted)
             writer.close()
         finally:
             writer.abort()
+        records = team.gather("written", [[writer.weight_map[n], n, c.to_json()] for n, c in writer.checksums.items()])
+        if requant is not None:
+            errors_of = team.gather("requantized", requant.error.to_json())
+            if errors_of is not None:
+                requant.error = quant_mod.RequantError.merged(errors_of)
+        if not team.leader:
+            return len(entries), total, None
         if requant is not None:
             config = quant_io.config_with_quantization(source.config_bytes, requant.scheme)
             provenance = dataclasses.replace(provenance, extra={**provenance.extra,
@@ -1103,7 +1122,8 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
                 "base": str(model_config.base), "note": FROM_BASE, "tensors": list(source.from_base_hf)}})
         write_manifest(staging, Manifest(
             layout=LAYOUT_HF,
-            tensors=tuple(TensorRecord(writer.weight_map[n], n, c) for n, c in writer.checksums.items()),
+            tensors=tuple(TensorRecord(file, name, TensorChecksum.from_json(c))
+                          for rank_records in records for file, name, c in rank_records),
             provenance=provenance))
     return len(entries), total, (requant.error if requant is not None else None)
 
@@ -1115,9 +1135,12 @@ class _Requant:
     def __init__(self, scheme, scales: dict[str, torch.Tensor], entries: list):
         self.scheme, self.scales = scheme, scales
         self.entries = []
+        self.stored_names: dict[str, list[str]] = {}
         for key, dtype, shape in entries:
             if key in scales:
-                self.entries += scheme.stored_entries(key, shape, scales[key])
+                stored = scheme.stored_entries(key, shape, scales[key])
+                self.stored_names[key] = [name for name, _, _ in stored]
+                self.entries += stored
             else:
                 self.entries.append((key, dtype, shape))
         self.error = quant_mod.RequantError()
@@ -1128,11 +1151,13 @@ class _Requant:
         # With the source's scales kept and its values coming back exactly, the bytes are the
         # source's (quantize inverts dequantize, tests/test_quant.py); otherwise they changed.
         same = exact and torch.equal(scale, self.scales[key])
-        self.error = self.error.add(error, exact, same)
+        if writer.writes(self.stored_names[key][0]):  # where several processes write, counted by one
+            self.error = self.error.add(error, exact, same)
         if isinstance(self.scheme, quant_mod.PackedInt4Scheme):
             stored = self.scheme.stored_tensors(key, weight, scale, tuple(value.shape))
         else:
             stored = self.scheme.stored_tensors(key, weight, scale)
+        stored = {name: tensor for name, tensor in stored.items() if writer.writes(name)}
         for name, tensor in stored.items():
             writer.write(name, [tensor])
         return list(stored.values())
@@ -1228,15 +1253,18 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch",
                                          tp=options.tp, pp=options.pp, ep=options.ep,
                                          vocab_multiple=source.vocab_multiple)
+    team = options.team or team_mod.solo()
     try:
-        with atomic_directory(options.dst, force=options.force) as staging:
+        with team.staging(options.dst, force=options.force, inner=iteration_dirname(iteration)) as staging:
             writer = LegacyWriter(staging, entries, pp_size=options.pp, layer_counts=counts,
                                   layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
                                   iteration=iteration, locate=source.locate, ep_size=options.ep, num_experts=num_experts,
-                                  common={megatron_args.ARGS_KEY: args})
+                                  common={megatron_args.ARGS_KEY: args}, writes=team.mine)
             def put(key: str, kind: str, pieces: list, inputs: list) -> None:
                 shape = tuple(source.metas[key].shape)
                 for rank in range(tp):
+                    if not writer.holds(rank, spelled[key]):
+                        continue  # another process's rank file
                     # tp.shard_slices names the rows / columns each rank holds (two row ranges
                     # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
                     ranges = tp_mod.shard_slices(shape, kind, tp, rank) if tp > 1 else []
@@ -1245,11 +1273,16 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                 progress.advance(1, source.metas[key].nbytes)
                 heap.check(source.metas[key].nbytes)
 
+            mine = [k for k in order if any(writer.holds(rank, spelled[k]) for rank in range(tp))]
             try:
-                R.stream_to_mcore(order, kinds, source.produce, put)
-                records = [*writer.close(), *side_records]
+                R.stream_to_mcore(mine, kinds, source.produce, put)
+                written = writer.close()
             finally:
                 writer.abort()
+            gathered = team.gather("written", [r.to_json() for r in written])
+            if not team.leader:
+                return len(order), total
+            records = [*(TensorRecord.from_json(r) for part in gathered for r in part), *side_records]
             finish_legacy(staging, records, tp_size=options.tp, pp_size=options.pp, layer_counts=counts,
                           iteration=iteration, ep_size=options.ep, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
                           provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix,
@@ -1294,7 +1327,8 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             common={megatron_args.ARGS_KEY: args}, content_metadata=megatron_args.content_metadata(),
             provenance=_mcore_provenance(source, options, **side_extra), extra_records=side_records,
             extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files}, force=options.force,
-            locate=source.locate)
+            locate=source.locate, max_file_size=options.max_shard_size or torch_dist_write.DEFAULT_FILE_SIZE,
+            team=options.team)
     except CheckpointError as exc:
         raise ConvertError(str(exc)) from None
     return len(order), total
@@ -1318,7 +1352,8 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
     if options.to == "hf" and (options.tp != 1 or options.pp != 1 or options.ep != 1):
         raise ConvertError("--tp/--pp/--ep shard mcore output; HF output is never sharded by TP/PP/EP")
     try:
-        parse_size(options.max_shard_size)
+        if options.max_shard_size is not None:
+            parse_size(options.max_shard_size)
     except CheckpointError as exc:
         raise ConvertError(f"--max-shard-size: {exc}") from None
     if options.family is not None:

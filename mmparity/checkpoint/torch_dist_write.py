@@ -21,6 +21,7 @@ save of the family's Megatron model writes.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -30,18 +31,22 @@ from pathlib import Path
 import torch
 
 from mmparity.checkpoint import dcp_metadata, extra_state, torch_dist_files
-from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.checksums import TensorChecksum, tensor_checksum
 from mmparity.checkpoint.fsio.pieces import narrow_pieces
-from mmparity.checkpoint.fsio.publish import atomic_directory
+from mmparity.checkpoint.fsio.safetensors_format import parse_size
 from mmparity.checkpoint.fsio.slots import SlotWriter
 from mmparity.checkpoint.fsio.syscalls import pwrite_all
 from mmparity.checkpoint.layout import CHECKPOINT_VERSION, DIST_CONFIG_FILE, RELEASE, iteration_dirname
 from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, Provenance, TensorRecord, write_mcore_root
+from mmparity.checkpoint.team import Team, solo
 from mmparity.checkpoint.torch_dist_layout import Layout
 
-__all__ = ["write_torch_dist", "DATA_FILE", "COMMON_FILE", "DIST_CONFIG"]
+__all__ = ["write_torch_dist", "data_file", "DATA_FILE", "COMMON_FILE", "DIST_CONFIG", "DEFAULT_FILE_SIZE"]
 
-DATA_FILE = "__0_0.distcp"  # DCP's name for rank 0's single file
+DATA_FILE = "__0_0.distcp"  # DCP's name for rank 0's first file: the only one of a small checkpoint
+# Files of this size let several processes share the writing of a large checkpoint (one file is
+# one process's unit) while a small one stays one file.
+DEFAULT_FILE_SIZE = "2GB"
 COMMON_FILE = "common.pt"
 # mcore's CheckpointingConfig for torch_dist, as `metadata.json` records it.
 DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -54,53 +59,86 @@ def _empty_object_bytes() -> bytes:
     return buffer.getvalue()
 
 
+def data_file(number: int) -> str:
+    """DCP's name for a data file (``__<rank>_<thread>.distcp``); mmparity numbers its files so."""
+    return f"__{number}_0.distcp"
+
+
+def _file_plan(layout: Layout, limit: int, empty: bytes):
+    """Where every chunk's blob and every object's bytes go: (file lengths, slots {(key,
+    offsets): (file number, Slot)}, DCP entries, objects {unique key: (file, offset, length)}).
+    Blobs fill files in layout order, a new file when the next blob would pass ``limit`` (a blob
+    larger than it gets a file of its own); the objects go at the end of the last file."""
+    lengths = [0]
+    slots, entries, objects = {}, [], {}
+    for tensor in layout.tensors:
+        chunks = []
+        for chunk in tensor.chunks:
+            start, slot, length = torch_dist_files.framed_slot(lengths[-1], tensor.dtype, chunk.sizes,
+                                                               chunk.source_shape)
+            if lengths[-1] and start + length > limit:
+                lengths.append(0)
+                start, slot, length = torch_dist_files.framed_slot(0, tensor.dtype, chunk.sizes, chunk.source_shape)
+            number = len(lengths) - 1
+            slots[tensor.key, chunk.offsets] = dataclasses.replace(slot, file=number)
+            chunks.append((chunk.offsets, chunk.sizes, (data_file(number), start, length)))
+            lengths[-1] = start + length
+        entries.append(dcp_metadata.TensorEntry(tensor.key, tensor.shape, tensor.dtype, tuple(chunks)))
+    last = len(lengths) - 1
+    for stored in layout.objects:
+        objects[stored.unique_key] = (data_file(last), lengths[last], len(empty))
+        lengths[last] += len(empty)
+    return lengths, slots, entries, objects
+
+
 def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[[str], list], *,
                      iteration: int | str = 1, common: Mapping | None = None,
                      content_metadata: Mapping | None = None, provenance: Provenance | None = None,
                      extra_files: Mapping[str, str | bytes] | None = None,
                      extra_records: Sequence[TensorRecord] = (), force: bool = False, locate=None,
-                     written: Callable[[str], None] | None = None) -> Path:
+                     written: Callable[[str], None] | None = None,
+                     max_file_size: int | str = DEFAULT_FILE_SIZE, team: Team | None = None) -> Path:
     """Writes ``layout`` as a torch_dist checkpoint at ``root``, atomically.
 
     ``produce(key)`` gives the pieces (consecutive dim-0 blocks, views where the source allows) of
     converter tensor ``key``; each is asked for once, in layout order, and dropped once its chunks
     are queued. ``locate`` tells which pieces are views of source files (copied file to file).
-    ``written(key)`` is called after each tensor is handed to the writer."""
+    ``written(key)`` is called after each tensor is handed to the writer. Data files hold up to
+    ``max_file_size`` bytes each; with a ``team`` of several processes, each writes the files
+    :func:`team.assign_units` gives it and only reads what they hold (the bytes are the same)."""
     root = Path(root).absolute()
+    team = team or solo()
     iteration_name = iteration_dirname(iteration)
+    empty = _empty_object_bytes()
+    lengths, slots, entries, objects = _file_plan(layout, parse_size(max_file_size), empty)
+    mine = team.mine(lengths)
     by_source: dict[str, list] = {}
     for tensor in layout.tensors:
         for chunk in tensor.chunks:
-            by_source.setdefault(chunk.source, []).append((tensor, chunk))
-    with atomic_directory(root, force=force) as staging:
+            if mine[slots[tensor.key, chunk.offsets].file]:
+                by_source.setdefault(chunk.source, []).append((tensor, chunk))
+    with team.staging(root, force=force, inner=iteration_name) as staging:
         directory = staging / iteration_name
-        directory.mkdir()
-        fd = os.open(directory / DATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        slots, entries, objects, records = {}, [], {}, list(extra_records)
-        offset = 0
+        fds: list[int | None] = []
         try:
-            for tensor in layout.tensors:
-                chunks = []
-                for chunk in tensor.chunks:
-                    offset, slots[tensor.key, chunk.offsets], length = torch_dist_files.framed_slot(
-                        offset, tensor.dtype, chunk.sizes, chunk.source_shape)
-                    chunks.append((chunk.offsets, chunk.sizes, (DATA_FILE, offset, length)))
-                    offset += length
-                entries.append(dcp_metadata.TensorEntry(tensor.key, tensor.shape, tensor.dtype, tuple(chunks)))
-            empty = _empty_object_bytes()
-            checksum = tensor_checksum(extra_state.bytes_tensor(empty))
-            for stored in layout.objects:
-                pwrite_all(fd, empty, offset)
-                objects[stored.unique_key] = (DATA_FILE, offset, len(empty))
-                # Certified like a tensor: the checksum of the exact (pickled) bytes written.
-                records.append(TensorRecord(iteration_name, stored.unique_key, checksum, None))
-                offset += len(empty)
-            # Sized up front, so the writer threads fill a file of known length.
-            os.ftruncate(fd, offset)
+            for number, length in enumerate(lengths):
+                if not mine[number]:
+                    fds.append(None)
+                    continue
+                fd = os.open(directory / data_file(number), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                fds.append(fd)
+                # Sized up front, so the writer threads fill a file of known length.
+                os.ftruncate(fd, length)
+            if mine[-1]:
+                for file_name, offset, _ in objects.values():
+                    pwrite_all(fds[-1], empty, offset)
         except BaseException:
-            os.close(fd)
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
             raise
-        writer = SlotWriter(directory, [fd], slots, locate=locate)
+        writer = SlotWriter(directory, fds, {name: slot for name, slot in slots.items() if mine[slot.file]},
+                            locate=locate)
         try:
             for source, placed in by_source.items():
                 pieces = produce(source)
@@ -115,8 +153,16 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
             writer.close()
         finally:
             writer.abort()
-        records += [TensorRecord(iteration_name, key, checksum, offsets)
-                    for (key, offsets), checksum in writer.checksums.items()]
+        gathered = team.gather("written", [[key, list(offsets), checksum.to_json()]
+                                           for (key, offsets), checksum in writer.checksums.items()])
+        if not team.leader:
+            return root
+        records = list(extra_records)
+        # Certified like a tensor: the checksum of the exact (pickled) bytes written.
+        checksum = tensor_checksum(extra_state.bytes_tensor(empty))
+        records += [TensorRecord(iteration_name, stored.unique_key, checksum, None) for stored in layout.objects]
+        records += [TensorRecord(iteration_name, key, TensorChecksum.from_json(c), tuple(offsets))
+                    for part in gathered for key, offsets, c in part]
         (directory / ".metadata").write_bytes(dcp_metadata.encode_metadata(entries, objects))
         (directory / DIST_CONFIG_FILE).write_text(json.dumps(DIST_CONFIG))
         common_state = {**(common or {}), "checkpoint_version": CHECKPOINT_VERSION,
@@ -129,4 +175,3 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
             tensor_parallel_size=1, pipeline_parallel_size=1, expert_parallel_size=1, iteration=iteration,
         ), extra_files)
     return root
-

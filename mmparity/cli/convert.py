@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import dataclasses
+
 from mmparity import errors
 from mmparity.cli.common import (EXIT_OK, UsageError, config_facts, human_bytes, left_out_line,
                                  parse_iteration, quiet_third_party_warnings)
@@ -41,7 +43,8 @@ def add_arguments(parser) -> None:
                         help="HF-side layout: of the source when converting to mcore (default: detected), "
                              "of the output with --to hf (default: the source's)")
     parser.add_argument("--max-shard-size", metavar="S", default=None,
-                        help="largest HF output shard, e.g. 500MB, 5GB (default 5GB)")
+                        help="largest output file, e.g. 500MB: an HF shard (default 5GB) or a torch_dist data "
+                             "file (default 2GB); with several processes, each writes whole files")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                         help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
                              "(default 128, Megatron-LM's default; for an mcore source, the N it records)")
@@ -60,6 +63,10 @@ def add_arguments(parser) -> None:
                              "directory release/), which its loader takes with a plain --load: iteration 0, "
                              "no RNG or optimizer state looked for (default: iteration 1, see docs/megatron.md)")
     parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
+    parser.add_argument("--workers", type=int, default=1, metavar="P",
+                        help="convert with P processes on this machine, each writing its share of the output "
+                             "files (the same bytes as one process); across machines, start the ranks with "
+                             "torchrun instead (docs/convert.md)")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
 
@@ -115,40 +122,36 @@ class _NoProgress:
         pass
 
 
-def _refuse_a_launcher(dst: Path) -> None:
-    """convert is one process: started by torchrun (or with its variables left set) as one rank of
-    several, every rank would convert the same source to the same destination at once. Code that
-    already runs in a process group (a rank of ``runtime.spawn``) calls it on the rank it chose."""
-    import torch.distributed as dist
-
+def _join_team(workers: int):
+    """This process's share of the conversion: the solo team, or its rank among the ranks a
+    launcher started (torchrun's variables, or those ``--workers`` sets for its ranks)."""
     from mmparity import runtime
+    from mmparity.checkpoint import team
 
-    if dist.is_available() and dist.is_initialized():
-        return
     try:
-        launch = runtime.launch_env()
+        launched = runtime.launch_env()
     except runtime.LaunchError as exc:
         raise UsageError(str(exc)) from None
-    if launch is not None and launch.world_size > 1:
-        raise UsageError(f"convert runs as one process, but this is rank {launch.rank} of WORLD_SIZE="
-                         f"{launch.world_size} (RANK/WORLD_SIZE are set, as a launcher sets them): every rank "
-                         f"would write {dst}; run it once without the launcher, or unset RANK and WORLD_SIZE")
+    if launched is not None and launched.world_size > 1 and workers > 1:
+        raise UsageError(f"--workers {workers} starts its own ranks, but this is already rank {launched.rank} of "
+                         f"WORLD_SIZE={launched.world_size} (a launcher's RANK/WORLD_SIZE are set): pass one or "
+                         "the other")
+    try:
+        return team.join()
+    except runtime.LaunchError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity.checkpoint import formats
-    from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.fsio.paths import refuse_link_destination
-    from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE
-    from mmparity.checkpoint.fsio.sources import check_sources_unchanged, sources_unchanged
-    from mmparity.checkpoint.layout import checkpoint_extent
+    from mmparity.checkpoint.streaming import ConvertOptions
 
     if args.to == "hf" and args.format is not None:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
-    if args.to == "mcore" and args.max_shard_size is not None:
-        raise UsageError("--max-shard-size sizes HF output shards; it does not apply to --to mcore")
+    if args.to == "mcore" and args.max_shard_size is not None and args.format == "legacy":
+        raise UsageError("--max-shard-size sizes HF shards and torch_dist data files; a legacy checkpoint has "
+                         "one file per rank")
     if args.to == "hf" and args.release:
         raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:
@@ -160,12 +163,40 @@ def run(args) -> int:
     options = ConvertOptions(
         src=Path(args.src), dst=Path(args.dst), to=args.to, family=args.family, tp=args.tp, pp=args.pp, ep=args.ep,
         format=args.format or formats.writable()[0], dtype=args.dtype, hf_format=args.hf_format,
-        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, check_finite=args.check_finite,
+        max_shard_size=args.max_shard_size, check_finite=args.check_finite,
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         requantize=args.requantize, expert_layout=args.expert_layout,
         base=Path(base) if base is not None else None, hf_config=Path(hf_config) if hf_config is not None else None,
         iteration=iteration, release=args.release)
-    _refuse_a_launcher(options.dst)
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1 and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        from mmparity.cli import workers
+
+        return workers.run(workers.without_workers(args.argv), args.workers, options.dst)
+    team = _join_team(args.workers)
+    try:
+        return _run(args, dataclasses.replace(options, team=team if not team.solo else None), team)
+    except UsageError as exc:
+        team.fail(str(exc))
+        raise
+    except BaseException as exc:
+        team.fail(errors.one_line(exc, 400))
+        raise
+    finally:
+        team.close()
+
+
+def _run(args, options, team) -> int:
+    from mmparity.checkpoint import formats
+    from mmparity.checkpoint.streaming import ConvertError, convert
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.paths import refuse_link_destination
+    from mmparity.checkpoint.fsio.sources import check_sources_unchanged, sources_unchanged
+    from mmparity.checkpoint.layout import checkpoint_extent
+
+    if not team.leader:
+        args.quiet = True  # rank 0 speaks for the conversion
     if os.path.islink(options.dst):  # refused before anything is read (see fsio.refuse_link_destination)
         try:
             refuse_link_destination(options.dst)
@@ -202,7 +233,8 @@ def run(args) -> int:
                     if formats.by_layout(result.layout).stores_grid else f" ep={result.ep}" if result.ep > 1 else "")
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
-              f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)")
+              f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)"
+              + (f" by {team.size} processes" if team.size > 1 else ""))
         if result.requant is not None:
             r = result.requant
             print(f"{result.family}: re-quantized {r.tensors} tensors: max abs error {r.max_abs_error:g}, "

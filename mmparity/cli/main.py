@@ -106,6 +106,7 @@ def _main(argv) -> int:
         notes.addHandler(_StderrNotes())
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # convert --workers runs it again per rank
     if not args.command:
         # A usage error like any other: on stderr, so a script capturing stdout sees nothing.
         parser.print_usage(sys.stderr)

@@ -251,6 +251,13 @@ class RequantError:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def merged(cls, parts) -> "RequantError":
+        """The report of several processes' shares (their ``to_json``), each tensor counted by one."""
+        parts = [cls(**part) for part in parts]
+        return cls(sum(p.tensors for p in parts), max((p.max_abs_error for p in parts), default=0.0),
+                   sum(p.inexact for p in parts), sum(p.bytes_changed for p in parts))
+
 
 def requant_error(value: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                   scheme: QuantScheme) -> tuple[float, bool]:

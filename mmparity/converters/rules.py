@@ -550,15 +550,19 @@ def convert_hf_to_mcore(rule_set: RuleSet, hf_state: Mapping[str, torch.Tensor],
 
 
 def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[str, list], None], *,
-                 route: Callable | None = None) -> None:
+                 route: Callable | None = None, wanted: Callable[[str], bool] | None = None) -> None:
     """Every HF tensor of an mcore -> HF ``plan``, in table order: ``put(hf_key, pieces)``. The one
     loop that the in-memory API and the HF checkpoint writer run.
 
     ``pieces_of(mcore_key)`` gives a whole (TP = 1) mcore tensor as dim-0 pieces. ``route(op,
     pieces, shape, dtype)``, where given, may take a one-input op's outputs straight from those
     pieces (None when the op does more than select rows); otherwise they are joined first.
+    ``wanted(hf_key)``, where given, limits the output to those keys (a step none of whose outputs
+    is wanted reads nothing): one process's share of a checkpoint several write.
     """
     for index, step in enumerate(plan.steps):
+        if wanted is not None and not any(wanted(plan.prefix + key) for key in step.hf_keys):
+            continue
         keys = plan.sources[index]
         outputs = full = None
         if len(keys) == 1:
@@ -578,7 +582,8 @@ def stream_to_hf(plan: Plan, pieces_of: Callable[[str], list], put: Callable[[st
                 raise ConversionError("mcore -> HF conversion is not total", [f"{', '.join(keys)}: {exc}"]) from None
         del full
         for key, pieces in zip(step.hf_keys, outputs):
-            put(plan.prefix + key, pieces)
+            if wanted is None or wanted(plan.prefix + key):
+                put(plan.prefix + key, pieces)
         del outputs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -100,7 +100,12 @@ class StreamingSafetensorsWriter:
 
     def __init__(self, directory: str | os.PathLike, entries: Sequence[tuple[str, torch.dtype, tuple]], *,
                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, metadata: Mapping[str, str] | None = None,
-                 locate=None):
+                 locate=None, writes: Callable[[Sequence[int]], Sequence[bool]] | None = None,
+                 write_index: bool = True):
+        """``writes(shard byte sizes)`` says which shards this process writes (default: all), where
+        several processes write one checkpoint; ``write_index``: whether this one writes the index.
+        Every process lays out every shard the same way, so the files do not depend on who wrote
+        them."""
         self.directory = Path(directory)
         limit = parse_size(max_shard_size)
         if not entries:
@@ -122,6 +127,9 @@ class StreamingSafetensorsWriter:
         count = len(shards)
         self.files = ([SAFETENSORS_SINGLE_FILE] if count == 1 else
                       [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        self.mine = (list(writes([sum(e[3] for e in shard) for shard in shards])) if writes is not None
+                     else [True] * count)
+        self._write_index = write_index
         self.weight_map: dict[str, str] = {}
         self.total_bytes = sum(e[3] for s in shards for e in s)
         self.total_parameters = sum(e[3] // e[1].itemsize for s in shards for e in s)
@@ -140,35 +148,46 @@ class StreamingSafetensorsWriter:
                 blob = json.dumps(header, separators=(",", ":")).encode()
                 blob += b" " * (-len(blob) % 8)  # so the byte buffer starts 8-aligned
                 start = 8 + len(blob)
+                for name, *_ in ordered:
+                    self.weight_map[name] = self.files[number]
+                if not self.mine[number]:
+                    fds.append(None)
+                    continue
                 fd = os.open(self.directory / self.files[number], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 fds.append(fd)
                 pwrite_all(fd, len(blob).to_bytes(8, "little") + blob, 0)
                 os.ftruncate(fd, start + offset)
                 for name, dtype, shape, nbytes in ordered:
                     slots[name] = Slot(number, start + header[name]["data_offsets"][0], nbytes, dtype, shape)
-                    self.weight_map[name] = self.files[number]
         except BaseException:
             for fd in fds:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             raise
         self._slots = SlotWriter(self.directory, fds, slots, locate=locate)
         self.checksums = self._slots.checksums
+
+    def writes(self, name: str) -> bool:
+        """Whether tensor ``name`` goes to a shard this process writes."""
+        return name in self._slots.slots
 
     def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """`tensor` may also be consecutive pieces of the tensor's C-order bytes."""
         self._slots.write(name, tensor)
 
     def close(self) -> list[str]:
-        """Checks every announced tensor was written, writes the index if sharded; returns file names."""
+        """Checks every announced tensor of this process's shards was written, writes the index if
+        sharded (and ``write_index``); returns the names of the files this process wrote."""
         self._slots.close()
-        if len(self.files) == 1:
-            return list(self.files)
+        files = [name for name, mine in zip(self.files, self.mine) if mine]
+        if len(self.files) == 1 or not self._write_index:
+            return files
         index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
                  "weight_map": dict(sorted(self.weight_map.items()))}
         with open(self.directory / SAFETENSORS_INDEX_FILE, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2, sort_keys=True)
             f.write("\n")
-        return list(self.files) + [SAFETENSORS_INDEX_FILE]
+        return files + [SAFETENSORS_INDEX_FILE]
 
     def abort(self) -> None:
         self._slots.abort()

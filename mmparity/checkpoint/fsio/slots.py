@@ -69,7 +69,8 @@ class SlotWriter:
     holds a few tensors, never a file. A file is fsynced as soon as its last slot is written,
     while later files are still being produced.
 
-    `fds` are owned: closed when complete, on `close()` or on `abort()`.
+    `fds` are owned: closed when complete, on `close()` or on `abort()`. A None in `fds` is a file
+    of the layout that this writer does not write (another process does): no slot may lie in it.
     """
 
     WORKERS = 2
@@ -162,6 +163,8 @@ class SlotWriter:
             self._finish_file(slot.file)
 
     def _finish_file(self, number: int) -> None:
+        if self._fds[number] is None:  # a file another process writes (several writing one checkpoint)
+            return
         os.fsync(self._fds[number])
         os.close(self._fds[number])
         self._fds[number] = None
