@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mmparity import errors, runtime
+from mmparity.checkpoint.fsio import faults
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.publish import (atomic_directory, discard_staging_directory, make_staging_directory,
                                               publish_staging_directory)
@@ -192,6 +193,7 @@ class _StoreTeam(Team):
         self._call(f"sending its {phase} records", self._store.set, f"{phase}/{self.rank}",
                    json.dumps(payload, separators=(",", ":")))
         if not self.leader:
+            faults.fault_point("shared")
             return None
         got = self._wait(range(1, self.size), phase, f"collecting the ranks' {phase} records")
         return [payload] + [json.loads(got[rank]) for rank in range(1, self.size)]

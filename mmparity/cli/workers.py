@@ -92,7 +92,7 @@ def run(argv: list[str], workers: int, destination: Path) -> int:
             _stop(procs, running)
     except BaseException:  # interrupted: no rank outlives the command
         _stop(procs, range(len(procs)))
-        recover_destination(destination)
+        recover_destination(destination, quiet=True)
         raise
     if failure is None:
         errs[0].seek(0)
@@ -100,7 +100,7 @@ def run(argv: list[str], workers: int, destination: Path) -> int:
         return EXIT_OK
     # A rank killed before it could clean up (rank 0 holds the staging directory) leaves litter
     # that the next run would remove: remove it now.
-    recover_destination(destination)
+    recover_destination(destination, quiet=True)
     rank, code = failure
     if code < 0:
         raise UsageError(f"convert --workers {workers}: rank {rank} was killed by {signal.Signals(-code).name}; "

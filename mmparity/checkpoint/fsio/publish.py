@@ -103,7 +103,7 @@ def _current_umask() -> int:
     return mask
 
 
-def recover_destination(destination: str | os.PathLike) -> list[str]:
+def recover_destination(destination: str | os.PathLike, *, quiet: bool = False) -> list[str]:
     """Cleans up after writers to `destination` that died: puts back an old checkpoint a killed
     `--force` publish had moved aside (when nothing took its place), and removes their staging and
     displaced directories. Leaves alone everything a live writer holds. Returns what it did, one
@@ -138,8 +138,9 @@ def recover_destination(destination: str | os.PathLike) -> list[str]:
             notes.append(f"removed {parent / entry}, left by {owner}, which is no longer running")
         finally:
             os.close(fd)
-    for note in notes:
-        _log.warning(note)
+    if not quiet:  # quiet: the caller cleans up after processes it started and says so itself
+        for note in notes:
+            _log.warning(note)
     return notes
 
 

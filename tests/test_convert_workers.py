@@ -1,0 +1,176 @@
+"""``convert`` on several processes (``--workers P``, or torchrun-style ranks): the same bytes as one
+process, each rank writing whole output files, and a rank that dies at any point leaves the
+destination as it was, with the rank named (issue 24)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmparity.checkpoint.team import assign_units
+from mmparity.runtime import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # every conversion here starts 2-3 interpreters
+
+
+def mmparity(*argv, env=None, timeout=180):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    full_env.update({"PYTHONPATH": str(REPO), "MMPARITY_TIMEOUT": "20", **(env or {})})
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mmparity", *map(str, argv)], capture_output=True, text=True,
+                              timeout=timeout, env=full_env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mmparity {' '.join(map(str, argv))} hung for {timeout}s")
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_same_tree(a: Path, b: Path) -> None:
+    ta, tb = tree_bytes(a), tree_bytes(b)
+    assert sorted(ta) == sorted(tb)
+    assert [name for name in ta if ta[name] != tb[name]] == []
+
+
+def test_units_are_assigned_by_bytes_deterministically():
+    assert assign_units([5, 1, 1, 1, 1, 1], 2) == (0, 1, 1, 1, 1, 1)
+    assert assign_units([3, 3, 3], 2) == (0, 1, 0)
+    assert assign_units([1, 2], 3) == (1, 0)  # a rank may have nothing to write
+    sizes = [7, 3, 9, 1, 4, 4, 8]
+    owners = assign_units(sizes, 3)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes) and assign_units(sizes, 3) == owners
+
+
+@pytest.fixture(scope="module")
+def kimi_hf(tmp_path_factory):
+    """The tiny whole Kimi-K2.5 (MLA + MoE language model, MoonViT tower), seeded, in many shards."""
+    from mmparity import families
+    from mmparity.cases.inputs import random_like_state
+    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+
+    family = families.get("kimi_k25_vl")
+    cfg = family.tiny_config()
+    path = tmp_path_factory.mktemp("kimi") / "hf"
+    save_safetensors_checkpoint(path, random_like_state(family.build_reference(cfg).state_dict(), seed=5),
+                                max_shard_size="40KB", extra_files={"config.json": cfg.to_json_string()})
+    return path
+
+
+# (what, convert arguments); each also goes back to HF from what it wrote, on the same process counts.
+TARGETS = {
+    "torch_dist": ["--to", "mcore", "--max-shard-size", "60KB"],
+    "legacy tp2 ep2": ["--to", "mcore", "--format", "legacy", "--tp", "2", "--ep", "2"],
+    "legacy pp2 ep2 sequential": ["--to", "mcore", "--format", "legacy", "--pp", "2", "--ep", "2",
+                                  "--expert-layout", "sequential"],
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_several_processes_write_the_bytes_one_process_writes(kimi_hf, tmp_path, target):
+    written = {}
+    for workers in (1, 2, 3):
+        mcore, back = tmp_path / f"mcore{workers}", tmp_path / f"back{workers}"
+        code, out, err = mmparity("convert", "--src", kimi_hf, "--dst", mcore, *TARGETS[target],
+                                  "--workers", workers)
+        assert code == 0, err
+        if workers > 1:
+            assert f"by {workers} processes" in out
+        # From one source for all (the manifest records the source's path).
+        code, out, err = mmparity("convert", "--src", tmp_path / "mcore1", "--dst", back, "--to", "hf",
+                                  "--max-shard-size", "30KB", "--workers", workers)
+        assert code == 0, err
+        written[workers] = mcore, back
+    for workers in (2, 3):
+        assert_same_tree(written[1][0], written[workers][0])
+        assert_same_tree(written[1][1], written[workers][1])
+    files = [p for p in written[1][0].rglob("*") if p.name.endswith((".distcp", ".pt")) and p.name != "common.pt"]
+    assert len(files) >= 3, "too few units to share between the ranks"
+    assert len(list(written[1][1].glob("*.safetensors"))) >= 3
+    code, out, err = mmparity("verify", written[3][0])
+    assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def old_destination(kimi_hf, tmp_path_factory):
+    """A complete checkpoint at the destination that every killed run must leave as it was."""
+    path = tmp_path_factory.mktemp("old") / "dst"
+    code, _, err = mmparity("convert", "--src", kimi_hf, "--dst", path, "--to", "mcore", "--max-shard-size", "60KB")
+    assert code == 0, err
+    return path
+
+
+# (rank killed, fault point): the first tensor, a later one, rank 0 right after creating the
+# staging directory and right before publishing it, rank 1 after sending its records.
+KILLS = [("0", "staged"), ("0", "tensor"), ("1", "tensor"), ("1", "7"), ("0", "12"), ("0", "synced")]
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("rank, point", KILLS)
+def test_a_killed_rank_fails_the_conversion_and_leaves_the_destination(kimi_hf, old_destination, rank, point):
+    before = tree_bytes(old_destination)
+    parent = old_destination.parent
+    litter = sorted(os.listdir(parent))
+    code, out, err = mmparity("convert", "--src", kimi_hf, "--dst", old_destination, "--to", "mcore", "--force",
+                              "--max-shard-size", "60KB", "--dtype", "bfloat16", "--workers", "2",
+                              env={"MMPARITY_FAULT": f"kill@{point}", "MMPARITY_FAULT_RANK": rank})
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (out, err)
+    assert len(lines) == 1 and f"rank {rank} was killed by SIGKILL" in lines[0], err
+    assert "Traceback" not in err
+    assert tree_bytes(old_destination) == before
+    assert sorted(os.listdir(parent)) == litter  # no staging directory left behind
+
+
+def _start_rank(rank: int, world: int, port: int, argv, env=None):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    full_env.update({"PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MMPARITY_TIMEOUT": "4", **(env or {})})
+    return subprocess.Popen([sys.executable, "-m", "mmparity", *map(str, argv)], env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("killed, survivor_says", [
+    (1, "rank 1 of 2 stopped answering"),
+    (0, "rank 0 of 2, which hosts the ranks' store, went away"),
+])
+def test_launcher_ranks_name_the_rank_that_died(kimi_hf, tmp_path, killed, survivor_says):
+    """Ranks as torchrun starts them (no --workers parent watching): the survivor notices a rank
+    killed mid-write by itself, within the timeout, names it, and nothing is published."""
+    dst = tmp_path / "out"
+    argv = ["convert", "--src", kimi_hf, "--dst", dst, "--to", "mcore", "--max-shard-size", "60KB"]
+    port = free_port()
+    procs = [_start_rank(r, 2, port, argv, env={"MMPARITY_FAULT": "pause@tensor", "MMPARITY_FAULT_RANK": str(killed)})
+             for r in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        survivor = procs[1 - killed]
+        # The paused rank is mid-write once the other has got as far as waiting for it.
+        time.sleep(3)
+        procs[killed].send_signal(signal.SIGKILL)
+        out, err = survivor.communicate(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert survivor.returncode == 2, err
+    assert len(lines) == 1 and survivor_says in lines[0] and "Traceback" not in err, err
+    assert not dst.exists()
+    if killed == 1:  # rank 0 removed its staging directory; a killed rank 0 leaves it to the next run
+        assert sorted(os.listdir(tmp_path)) == []
+    code, _, err = mmparity("convert", "--src", kimi_hf, "--dst", dst, "--to", "mcore")
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["out"]
