@@ -275,6 +275,16 @@ def _load_buffers(model: nn.Module, source: Callable[[list], dict]) -> None:
             target.copy_(values[name].to(target.dtype))
 
 
+def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str) -> Streamed:
+    """``model`` (built by :func:`_parameters_on_meta`) with its buffers loaded and, like the
+    in-memory check's ``model.to(device, dtype)``, cast and moved, streaming its parameters."""
+    _load_buffers(model, source)
+    model.to(dtype=dtype)  # the parameters are still meta here: only the buffers are cast
+    streamed = Streamed(model, source, dtype, device, usage, side)
+    model.to(device=device)  # the placeholders are there already
+    return streamed
+
+
 def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
           image_sizes=None, components: bool = True, hf_format: Optional[str] = None,
           usage: Optional[Usage] = None) -> Report:
@@ -342,14 +352,12 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         torch.manual_seed(seed)
         with _parameters_on_meta():
             ref = fam.build_reference(cfg)
-        _load_buffers(ref, hf_tensors)
-        ref32 = Streamed(ref, hf_tensors, torch.float32, device, usage, "reference")
+        ref32 = _streamed(ref, hf_tensors, torch.float32, device, usage, "reference")
         ref_lp = None
         if torch_dtype != torch.float32:
             with _parameters_on_meta():
                 lp_model = fam.build_reference(cfg)
-            _load_buffers(lp_model, hf_tensors)
-            ref_lp = Streamed(lp_model, hf_tensors, torch_dtype, device, usage, "reference_lp")
+            ref_lp = _streamed(lp_model, hf_tensors, torch_dtype, device, usage, "reference_lp")
 
         raw_cases = hooks.cases(cfg, seed, image_sizes)
         cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
@@ -358,8 +366,7 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         runtime.init_parallel(1, 1, device=device, seed=seed)
         with _parameters_on_meta():
             native_model = fam.build_native(cfg, params_dtype=torch_dtype)
-        _load_buffers(native_model, mcore_tensors)
-        native = Streamed(native_model, mcore_tensors, torch_dtype, device, usage, "native")
+        native = _streamed(native_model, mcore_tensors, torch_dtype, device, usage, "native")
         try:
             report = _run(fam.name, cfg, seed, cases, component_names, hooks, ref32, ref_lp, native,
                           device, dtype, torch_dtype)
