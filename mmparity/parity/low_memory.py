@@ -232,7 +232,11 @@ class Streamed:
                 if tuple(value.shape) != tuple(p.shape):
                     raise LowMemoryError(f"{self.side}: {self.names[id(p)]} reads as {tuple(value.shape)}, "
                                          f"the model holds {tuple(p.shape)}")
-                p.data = value.to(device=self.device, dtype=self.dtype).contiguous()
+                value = value.to(device=self.device, dtype=self.dtype)
+                if not value.is_contiguous() or value.untyped_storage().nbytes() != value.numel() * value.element_size():
+                    # A view (one expert of a stacked tensor) would keep all of what it was cut from.
+                    value = value.clone(memory_format=torch.contiguous_format)
+                p.data = value
                 self.resident += p.numel() * p.element_size()
             self.usage.peak[self.side] = max(self.usage.peak[self.side], self.resident)
         for p in params:
@@ -287,10 +291,12 @@ def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str) 
 
 def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
           image_sizes=None, components: bool = True, hf_format: Optional[str] = None,
-          usage: Optional[Usage] = None) -> Report:
+          usage: Optional[Usage] = None, mutate_native: Optional[Callable[[dict], None]] = None) -> Report:
     """:func:`mmparity.parity.harness.check` of the HF weights ``reader`` holds (``infos()`` and
     ``read(name)``, full checkpoint keys), with one module's weights resident at a time (see the
-    module docstring). ``usage``, when given, receives what was resident. Raises
+    module docstring). ``usage``, when given, receives what was resident. ``mutate_native`` edits
+    the converted mcore tensors in place as they are read, one module's at a time (a negative
+    control: unlike the harness's, it sees only the keys of the module about to run). Raises
     :class:`LowMemoryError` for what this path cannot check, and the converter's
     ``ConversionError`` for weights that do not convert."""
     if family not in SUPPORTED:
@@ -315,12 +321,20 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         # float32 first, as the in-memory check loads the reference (fp32) and converts its state.
         return reader.read(prefix + key).to(torch.float32)
 
-    def mcore_tensors(names: list) -> dict:
+    def converted(names: list) -> dict:
         unknown = [n for n in names if n not in plan.outputs]
         if unknown:
             raise LowMemoryError(f"the conversion produces no tensor for native parameter(s) {', '.join(unknown[:5])}")
-        runner = StepRunner(plan, read)
+        # Each source once per module (a layer's experts all come from one stacked tensor).
+        cache: dict = {}
+        runner = StepRunner(plan, lambda key: cache[key] if key in cache else cache.setdefault(key, read(key)))
         return {n: join(runner.pieces(n)) for n in names}
+
+    def mcore_tensors(names: list) -> dict:
+        out = converted(names)
+        if mutate_native is not None:
+            mutate_native(out)
+        return out
 
     default_format = hooks.converter.formats[0]
     if rules.hf_format == default_format:
@@ -343,12 +357,12 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
             for name in names:
                 index = back.producer[name]
                 step = back.steps[index]
-                mcore = mcore_tensors(back.sources[index])
+                mcore = converted(back.sources[index])
                 values = step.rule.op.invert_pieces([mcore[k] for k in back.sources[index]])
                 out[name] = join(dict(zip(step.hf_keys, values))[name])
             return out
 
-    with exact(device, torch_dtype):
+    with harness.exact_float32(device, torch_dtype):
         torch.manual_seed(seed)
         with _parameters_on_meta():
             ref = fam.build_reference(cfg)
@@ -375,10 +389,6 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
                 if side is not None:
                     side.close()
     return report
-
-
-def exact(device, torch_dtype):
-    return harness.exact_float32(device, torch_dtype)
 
 
 @torch.no_grad()
