@@ -247,11 +247,11 @@ def test_low_memory_passes_under_an_address_space_limit_the_in_memory_check_cann
     """A Kimi-K2.5 with 15 decoder layers of 16 routed experts: its weights are about three times
     the address space the process may add after its imports; ``--low-memory`` passes within it
     with the report of an unlimited in-memory check, which fails under it."""
-    from mmparity import families
+    from mmparity.reference.kimi_k25_vl import tiny_config
 
     small = save_hf("kimi_k25_vl", tmp_path / "small", seed=2)
-    cfg = families.get("kimi_k25_vl").tiny_config(hidden_size=384, num_hidden_layers=15, n_routed_experts=16,
-                                                  moe_intermediate_size=512, n_group=4, topk_group=2)
+    cfg = tiny_config(hidden_size=384, num_hidden_layers=15, n_routed_experts=16, moe_intermediate_size=512,
+                      n_group=4, topk_group=2)
     big = save_hf("kimi_k25_vl", tmp_path / "big", seed=2, max_shard_size="200MB", cfg=cfg)
     weights = sum(f.stat().st_size for f in big.glob("*.safetensors"))
     assert 2.5 * HEADROOM < weights < 3.5 * HEADROOM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -158,6 +159,7 @@ def _open_low_memory(directory: str, family: str, hf_format):
     from mmparity import families
     from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
     from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.heap import map_large_blocks
     from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
     from mmparity.checkpoint.hf import bound_config, read_hf_config
     from mmparity.checkpoint.streaming import SourceUse
@@ -165,6 +167,8 @@ def _open_low_memory(directory: str, family: str, hf_format):
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
+    # Freed weights give their address space back at once (what an RLIMIT_AS run counts).
+    map_large_blocks()
     try:
         full_cfg, _ = read_hf_config(directory, for_models=True)
     except CheckpointError as exc:
@@ -176,8 +180,9 @@ def _open_low_memory(directory: str, family: str, hf_format):
         raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
     try:
         config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
-        bound_config(cfg, os.path.join(directory, config_name), directory)
         reader = RangeReader(directory)
+        capacity = (len(reader.infos()), sum(math.prod(i.shape) for i in reader.infos().values()))
+        bound_config(cfg, os.path.join(directory, config_name), directory, capacity)
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
     # Shapes and dtypes without the bytes: enough for selection, totality and the size checks.
