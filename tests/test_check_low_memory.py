@@ -273,3 +273,25 @@ def test_low_memory_passes_under_an_address_space_limit_the_in_memory_check_cann
           f"{low['limit'] / 2**20:.0f} MiB; low-memory VmPeak {low['vm_peak'] / 2**20:.0f} MiB, "
           f"peak RSS {low['rss_peak'] / 2**20:.0f} MiB; in-memory under the limit: {full}; unlimited "
           f"in-memory peak RSS {unlimited['rss_peak'] / 2**20:.0f} MiB")
+
+
+def test_experts_are_read_a_group_at_a_time_with_the_same_report(tmp_path):
+    """HF stacks a layer's experts in one tensor: with ``expert_group`` 2 of 16 experts the
+    reference holds far less at once, the native side (one mcore module per expert) too, and
+    every group size gives the in-memory report exactly (the experts run in the same order)."""
+    from mmparity.reference.kimi_k25_vl import tiny_config
+
+    cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2, moe_intermediate_size=96)
+    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=5, cfg=cfg)
+    cfg, state, _ = _load_hf(str(src), "kimi_k25_vl", None)
+    expected = _results(harness.check("kimi_k25_vl", cfg, state))
+    peaks = {}
+    for group in (2, 16):
+        usage = low_memory.Usage()
+        with RangeReader(src) as reader:
+            assert _results(low_memory.check("kimi_k25_vl", cfg, reader, usage=usage,
+                                             expert_group=group)) == expected
+        peaks[group] = usage.peak
+    stacked = 16 * 3 * 40 * 96 * 4  # one layer's routed experts, float32
+    assert peaks[16]["reference"] > stacked > 2 * peaks[2]["reference"]
+    assert peaks[2]["native"] == peaks[16]["native"] < stacked / 2

@@ -51,10 +51,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--low-memory", action="store_true",
                         help="with --hf: build both models without weights and read each module's weights "
                              "from the files just before it runs, dropping them after; resident at once: "
-                             "about one layer's weights on each side (a DeepSeek-V3 MoE layer with all its "
-                             "experts, which HF stores as one tensor) plus the weights outside the layer "
-                             "stacks while component checks run, plus activations; same report as without "
-                             "it (native model, one process, no --tp/--pp/--ep/--mcore)")
+                             "about one layer's weights on one side (an MoE layer's routed experts one "
+                             "--expert-group at a time on HF's side, one expert at a time on mcore's) plus "
+                             "the weights outside the layer stacks while component checks run, plus "
+                             "activations; same report as without it (native model, one process, no "
+                             "--tp/--pp/--ep/--mcore)")
+    parser.add_argument("--expert-group", type=int, default=8, metavar="N",
+                        help="with --low-memory: experts of a stacked HF experts tensor resident at once "
+                             "(default 8)")
     parser.add_argument("--no-components", action="store_true", help="skip component checks")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
@@ -244,7 +248,7 @@ def _check_low_memory(args, name: str, sizes, notes: list, detection):
         try:
             report = low_memory.check(name, cfg, reader, dtype=args.dtype, device=args.device, seed=args.seed,
                                       image_sizes=sizes, components=not args.no_components, hf_format=fmt,
-                                      usage=usage)
+                                      usage=usage, expert_group=args.expert_group)
         except low_memory.LowMemoryError as exc:
             raise UsageError(f"{name}: {exc}") from None
         except ConversionError as exc:
@@ -372,6 +376,8 @@ def run(args) -> int:
     if args.low_memory:
         given = [flag for flag, on in (("--mcore", args.mcore), ("--tp", args.tp != 1), ("--pp", pp != 1),
                                        ("--ep", args.ep != 1), ("--impl", args.impl != "native")) if on]
+        if args.expert_group < 1:
+            raise UsageError(f"--expert-group must be >= 1, got {args.expert_group}")
         if not args.hf or given:
             raise UsageError("--low-memory checks an HF directory (--hf DIR) against the native model in "
                              "one process" + (f"; drop {', '.join(given)}" if given else ""))

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from mmparity import families, runtime
+from mmparity.converters.ops import Unstack
 from mmparity.converters.rules import (VOCAB_MULTIPLE, StepRunner, detect_prefix, expected_keys, join,
                                        plan_hf_to_mcore, plan_mcore_to_hf)
 from mmparity.native.core import attention
@@ -152,16 +153,48 @@ def _placeholder(shape, dtype, device) -> torch.Tensor:
     return torch.full((), float("nan"), dtype=dtype, device=device).expand(tuple(shape))
 
 
+class _ExpertRows(nn.Parameter):
+    """A stacked experts parameter (``[experts, …]``) whose rows are read a group at a time as
+    the module's own forward indexes it by one expert (HF's per-expert loop); anything else done
+    with it sees the NaN placeholder."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], _ExpertRows):
+            return args[0]._owner.row(args[0], args[1])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _expert_stacks(model: nn.Module) -> dict:
+    """id -> (module, parameter) of every parameter stacking one slice per expert along dim 0:
+    three or more dims, under a module whose ``num_experts`` is that length (transformers'
+    expert collections)."""
+    out = {}
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        if isinstance(experts, int) and not isinstance(experts, bool):
+            for param in module._parameters.values():
+                if param is not None and param.dim() >= 3 and param.shape[0] == experts:
+                    out[id(param)] = module
+    return out
+
+
 class Streamed:
     """A model whose parameters are read when their module runs and dropped when it returns.
 
     ``source(names) -> {name: tensor}`` reads parameters by their state-dict names (float32
-    values, cast here to ``dtype``)."""
+    values, cast here to ``dtype``). With ``rows(name, start, stop)`` (rows of one, read alone),
+    stacked experts parameters are read ``expert_group`` experts at a time instead, as their
+    module's forward asks for each expert."""
 
     def __init__(self, model: nn.Module, source: Callable[[list], dict], dtype: torch.dtype, device,
-                 usage: Usage, side: str):
+                 usage: Usage, side: str, rows: Optional[Callable] = None, expert_group: int = 8):
         self.model, self.source, self.dtype, self.device = model, source, dtype, torch.device(device)
         self.usage, self.side = usage, side
+        self.rows, self.expert_group = rows, expert_group
+        stacks = _expert_stacks(model) if rows is not None else {}
+        self._groups: dict[int, tuple] = {}  # id -> (first expert, end, rows) of the group resident
         swapped: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for name, param in list(module._parameters.items()):
@@ -169,10 +202,13 @@ class Streamed:
                     continue
                 if id(param) not in swapped:
                     # As built: mcore runs a frozen weight through another matmul path.
-                    new = nn.Parameter(_placeholder(param.shape, dtype, device), requires_grad=param.requires_grad)
+                    kind = _ExpertRows if id(param) in stacks else nn.Parameter
+                    new = kind(_placeholder(param.shape, dtype, device), requires_grad=param.requires_grad)
                     new.__dict__.update(param.__dict__)
+                    new._owner = self
                     swapped[id(param)] = new
                 module._parameters[name] = swapped[id(param)]
+        stacked_modules = {id(m): m for m in stacks.values()}
         # By their state-dict names, which the converter writes (mcore's sequential experts are
         # saved under TEGroupedMLP's names by a state-dict hook).
         self.names = {id(v): k for k, v in model.state_dict(keep_vars=True).items()
@@ -185,15 +221,46 @@ class Streamed:
         self._calls: dict[int, list] = {}
         self._handles = []
         units = _units(model)
+        whole = lambda params: [p for p in params if not isinstance(p, _ExpertRows)]  # noqa: E731
         self._wrapped: list[tuple[nn.Module, str]] = []
         for module, held in units.on_call.items():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(held), with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(whole(held)), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post, always_call=True))
+        for module in stacked_modules.values():
+            self._handles.append(module.register_forward_hook(self._drop_groups, always_call=True))
         for module, unit in units.whole.items():
             for name in _own_methods(module):
-                setattr(module, name, self._holding(unit, getattr(module, name)))
+                setattr(module, name, self._holding(whole(unit), getattr(module, name)))
                 self._wrapped.append((module, name))
-        self.acquire(units.pinned)
+        self.acquire(whole(units.pinned))
+
+    def row(self, param: nn.Parameter, index) -> torch.Tensor:
+        """Expert ``index``'s slice of ``param``, from the group of experts holding it."""
+        if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+            index = int(index)
+        if not isinstance(index, int) or not 0 <= index < param.shape[0]:
+            raise LowMemoryError(f"{self.side}: {self.names[id(param)]} is read by expert groups; its module "
+                                 f"indexed it by {index!r}, not by one expert")
+        group = self._groups.get(id(param))
+        if group is None or not group[0] <= index < group[1]:
+            self._drop(param)
+            start = index // self.expert_group * self.expert_group
+            stop = min(start + self.expert_group, param.shape[0])
+            rows = self.rows(self.names[id(param)], start, stop).to(device=self.device, dtype=self.dtype)
+            group = self._groups[id(param)] = (start, stop, rows.contiguous())
+            self.resident += group[2].numel() * group[2].element_size()
+            self.usage.peak[self.side] = max(self.usage.peak[self.side], self.resident)
+        return group[2][index - group[0]]
+
+    def _drop(self, param) -> None:
+        group = self._groups.pop(id(param), None)
+        if group is not None:
+            self.resident -= group[2].numel() * group[2].element_size()
+
+    def _drop_groups(self, module, args, output):
+        for param in module._parameters.values():
+            if isinstance(param, _ExpertRows):
+                self._drop(param)
 
     def _holding(self, params: list, method: Callable) -> Callable:
         @functools.wraps(method)
@@ -279,29 +346,34 @@ def _load_buffers(model: nn.Module, source: Callable[[list], dict]) -> None:
             target.copy_(values[name].to(target.dtype))
 
 
-def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str) -> Streamed:
+def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str, rows=None,
+              expert_group: int = 8) -> Streamed:
     """``model`` (built by :func:`_parameters_on_meta`) with its buffers loaded and, like the
     in-memory check's ``model.to(device, dtype)``, cast and moved, streaming its parameters."""
     _load_buffers(model, source)
     model.to(dtype=dtype)  # the parameters are still meta here: only the buffers are cast
-    streamed = Streamed(model, source, dtype, device, usage, side)
+    streamed = Streamed(model, source, dtype, device, usage, side, rows, expert_group)
     model.to(device=device)  # the placeholders are there already
     return streamed
 
 
 def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
           image_sizes=None, components: bool = True, hf_format: Optional[str] = None,
-          usage: Optional[Usage] = None, mutate_native: Optional[Callable[[dict], None]] = None) -> Report:
+          usage: Optional[Usage] = None, mutate_native: Optional[Callable[[dict], None]] = None,
+          expert_group: int = 8) -> Report:
     """:func:`mmparity.parity.harness.check` of the HF weights ``reader`` holds (``infos()`` and
     ``read(name)``, full checkpoint keys), with one module's weights resident at a time (see the
     module docstring). ``usage``, when given, receives what was resident. ``mutate_native`` edits
     the converted mcore tensors in place as they are read, one module's at a time (a negative
-    control: unlike the harness's, it sees only the keys of the module about to run). Raises
+    control: unlike the harness's, it sees only the keys of the module about to run).
+    ``expert_group``: how many experts of a stacked experts tensor are resident at once. Raises
     :class:`LowMemoryError` for what this path cannot check, and the converter's
     ``ConversionError`` for weights that do not convert."""
     if family not in SUPPORTED:
         raise LowMemoryError(f"--low-memory does not support family {family!r} yet; it supports "
                              f"{', '.join(SUPPORTED)}")
+    if isinstance(expert_group, bool) or not isinstance(expert_group, int) or expert_group < 1:
+        raise LowMemoryError(f"--expert-group must be a positive integer, got {expert_group!r}")
     if dtype not in harness.DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(harness.DTYPES)}")
     torch_dtype = harness.DTYPES[dtype]
@@ -316,10 +388,10 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
     # Totality on the headers alone, before any weight is read: the in-memory check's refusal.
     plan = plan_hf_to_mcore(rules, source, 1, prefix="", vocab_multiple=VOCAB_MULTIPLE)
 
-    def read(key: str) -> torch.Tensor:
+    def read(key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
         usage.reads += 1
         # float32 first, as the in-memory check loads the reference (fp32) and converts its state.
-        return reader.read(prefix + key).to(torch.float32)
+        return reader.read(prefix + key, start, stop).to(torch.float32)
 
     def converted(names: list) -> dict:
         unknown = [n for n in names if n not in plan.outputs]
@@ -328,7 +400,17 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         # Each source once per module (a layer's experts all come from one stacked tensor).
         cache: dict = {}
         runner = StepRunner(plan, lambda key: cache[key] if key in cache else cache.setdefault(key, read(key)))
-        return {n: join(runner.pieces(n)) for n in names}
+        out = {}
+        for name in names:
+            index = plan.producer[name]
+            sources = plan.sources[index]
+            if isinstance(plan.op(index), Unstack) and len(sources) == 1:
+                # One expert of a stacked tensor: its rows alone, not every expert's.
+                j = plan.steps[index].mcore_keys.index(name)
+                out[name] = read(sources[0], j, j + 1)[0]
+            else:
+                out[name] = join(runner.pieces(name))
+        return out
 
     def mcore_tensors(names: list) -> dict:
         out = converted(names)
@@ -337,7 +419,9 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         return out
 
     default_format = hooks.converter.formats[0]
+    rows = None
     if rules.hf_format == default_format:
+        rows = read  # the reference's tensors are the files': stacked experts read by rows
         def hf_tensors(names: list) -> dict:
             unknown = [n for n in names if n not in source]
             if unknown:
@@ -366,12 +450,13 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         torch.manual_seed(seed)
         with _parameters_on_meta():
             ref = fam.build_reference(cfg)
-        ref32 = _streamed(ref, hf_tensors, torch.float32, device, usage, "reference")
+        ref32 = _streamed(ref, hf_tensors, torch.float32, device, usage, "reference", rows, expert_group)
         ref_lp = None
         if torch_dtype != torch.float32:
             with _parameters_on_meta():
                 lp_model = fam.build_reference(cfg)
-            ref_lp = _streamed(lp_model, hf_tensors, torch_dtype, device, usage, "reference_lp")
+            ref_lp = _streamed(lp_model, hf_tensors, torch_dtype, device, usage, "reference_lp", rows,
+                               expert_group)
 
         raw_cases = hooks.cases(cfg, seed, image_sizes)
         cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
