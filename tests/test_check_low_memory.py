@@ -127,10 +127,11 @@ def test_a_weight_read_outside_its_modules_call_poisons_the_output():
 
 # --- the same report as the in-memory check --------------------------------------------------
 
-@pytest.mark.parametrize("family", ["clip", "kimi_k25_vl", "llava"])
+@pytest.mark.parametrize("family", low_memory.SUPPORTED)
 def test_low_memory_report_is_the_in_memory_report(capsys, tmp_path, family):
-    """Verdicts, metrics, every paired module's row: equal. llava's files are transformers' own
-    layout, not the reference's module names (the path through mcore and back)."""
+    """Verdicts, metrics, every paired module's row: equal, for every family it supports. llava's
+    files are transformers' own layout, not the reference's module names (the path through mcore
+    and back)."""
     src = save_hf(family, tmp_path / "hf", seed=7)
     code, expected, _ = _run_json(capsys, tmp_path, "check", family, "--hf", src)
     low_code, got, printed = _run_json(capsys, tmp_path, "check", family, "--hf", src, "--low-memory")

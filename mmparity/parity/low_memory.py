@@ -2,13 +2,15 @@
 
 Both models are built without weights (parameters are placeholders of one element, NaN, expanded
 to their shape; buffers are real: they are small, and non-persistent ones such as RoPE's inverse
-frequencies are computed at build time and nowhere else). Every module gets a forward pre-hook
-that reads its own parameters just before it runs (the reference's from the HF files by key, the
-native's through the same conversion plan ``check`` uses) and a forward hook that drops them
-after, so while a layer runs only that layer's linears and norms are in memory, one module at a
-time, on both sides. Activations flow through each model's own forward unchanged, which is why
-the verdicts and the first divergence are the in-memory check's: the same code computes the same
-tensors from the same weights; only where the weights live differs.
+frequencies are computed at build time and nowhere else). Each unit (a module holding no layer
+stack under one that does: a transformer layer, the patch embedding, the merger, the head; see
+:func:`_units`) gets a forward pre-hook that reads its parameters just before it runs (the
+reference's from the HF files by key, the native's through the same conversion plan ``check``
+uses) and a forward hook that drops them after; the public methods of mmparity's own module
+classes (``lookup``, ``merge_packed``) are wrapped the same way. So while a layer runs only that
+layer is in memory, on one side at a time. Activations flow through each model's own forward
+unchanged, which is why the verdicts and the first divergence are the in-memory check's: the
+same code computes the same tensors from the same weights; only where the weights live differs.
 
 Deliberate differences from :func:`mmparity.parity.harness.check`:
 
@@ -22,10 +24,14 @@ Deliberate differences from :func:`mmparity.parity.harness.check`:
   reads NaN, so the check fails loudly, never passes silently.
 - Component checks call submodules' methods rather than their forwards, so while they run every
   parameter outside the models' layer stacks (module lists) is resident.
-- HF stores a layer's routed experts as one parameter (all experts stacked), so an MoE layer's
-  experts are resident together on each side: the bound is the largest module's parameters, for
-  a DeepSeek-V3 MoE layer its experts, not an expert group.
-- Native model only, TP = PP = EP = 1, one process; the HF files in the reference's own layout.
+- HF stores a layer's routed experts stacked in one parameter (``[experts, …]``); its own
+  forward indexes it one expert at a time, so such a parameter is read by rows, ``expert_group``
+  experts at a time, as that loop reaches them (and dropped when the experts module returns).
+  mcore's sequential experts are one module per expert, each converted from that expert's rows
+  alone. The experts run in the same order, so the sums are the in-memory check's bit for bit.
+- Stacked experts are read by rows only from files in the reference's own layout; from another
+  layout (one tensor per expert) the reference's stacked tensor is made whole, through mcore.
+- Native model only, TP = PP = EP = 1, one process.
 
 Never prints.
 """
@@ -50,9 +56,10 @@ from mmparity.native.core.layers import without_initialization
 from mmparity.parity import harness
 from mmparity.parity.report import Report, versions
 
-# Families whose whole check is run (and tested) this way; the others have module methods or
-# layouts this path has not been checked on.
-SUPPORTED = ("clip", "siglip", "pixtral", "kimi_k25", "kimi_k25_vl", "pixtral_large", "qwen3_5", "llava", "mistral3", "pixtral_12b")
+# Families whose report this path reproduces (tests/test_check_low_memory.py checks each on its
+# tiny checkpoint); a family added to the registry joins once its report does.
+SUPPORTED = ("clip", "siglip", "pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "kimi_k25_vl", "llava",
+             "mistral3", "pixtral_12b")
 
 
 class LowMemoryError(ValueError):
@@ -300,7 +307,8 @@ class Streamed:
                     raise LowMemoryError(f"{self.side}: {self.names[id(p)]} reads as {tuple(value.shape)}, "
                                          f"the model holds {tuple(p.shape)}")
                 value = value.to(device=self.device, dtype=self.dtype)
-                if not value.is_contiguous() or value.untyped_storage().nbytes() != value.numel() * value.element_size():
+                whole = value.numel() * value.element_size()
+                if not value.is_contiguous() or value.untyped_storage().nbytes() != whole:
                     # A view (one expert of a stacked tensor) would keep all of what it was cut from.
                     value = value.clone(memory_format=torch.contiguous_format)
                 p.data = value
@@ -425,7 +433,8 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
         def hf_tensors(names: list) -> dict:
             unknown = [n for n in names if n not in source]
             if unknown:
-                raise LowMemoryError(f"the checkpoint has no tensor for reference parameter(s) {', '.join(unknown[:5])}")
+                raise LowMemoryError(f"the checkpoint has no tensor for reference parameter(s) "
+                                     f"{', '.join(unknown[:5])}")
             return {n: read(n) for n in names}
     else:
         # The reference loads only its own layout: through mcore and back, as the in-memory check
