@@ -296,3 +296,23 @@ def test_experts_are_read_a_group_at_a_time_with_the_same_report(tmp_path):
     stacked = 16 * 3 * 40 * 96 * 4  # one layer's routed experts, float32
     assert peaks[16]["reference"] > stacked > 2 * peaks[2]["reference"]
     assert peaks[2]["native"] == peaks[16]["native"] < stacked / 2
+
+
+def test_release_layout_one_tensor_per_expert_gives_the_same_report(capsys, tmp_path):
+    """Kimi's release files hold one tensor per expert, not the reference's stacked ones: the
+    reference's tensors come through mcore and back, one conversion step at a time."""
+    from mmparity import families
+    from mmparity.cases.inputs import random_like_state
+    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.converters.rules import convert_mcore_to_hf
+
+    fam = families.get("kimi_k25_vl")
+    cfg = fam.tiny_config()
+    state = random_like_state(fam.build_reference(cfg).state_dict(), seed=6)
+    release = convert_mcore_to_hf(fam.rule_set(cfg, "release"), fam.hf_to_mcore(state, cfg, hf_format="hf"))
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in release)
+    src = tmp_path / "release"
+    save_safetensors_checkpoint(src, release, extra_files={"config.json": cfg.to_json_string()})
+    code, expected, _ = _run_json(capsys, tmp_path, "check", "kimi_k25_vl", "--hf", src)
+    low_code, got, _ = _run_json(capsys, tmp_path, "check", "kimi_k25_vl", "--hf", src, "--low-memory")
+    assert code == low_code == 0 and got == expected
