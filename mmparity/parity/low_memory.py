@@ -174,7 +174,7 @@ class _ExpertRows(nn.Parameter):
 
 
 def _expert_stacks(model: nn.Module) -> dict:
-    """id -> (module, parameter) of every parameter stacking one slice per expert along dim 0:
+    """id of every parameter stacking one slice per expert along dim 0 -> the module holding it:
     three or more dims, under a module whose ``num_experts`` is that length (transformers'
     expert collections)."""
     out = {}
