@@ -231,7 +231,7 @@ print("CHILD " + json.dumps({"base": base, "limit": limit, "code": code, "error"
                              "vm_peak": status("VmPeak"), "rss_peak": status("VmHWM")}))
 """
 
-HEADROOM = 192 * 2**20
+HEADROOM = 176 * 2**20
 
 
 def _child(small, big, out, mode) -> dict:
@@ -245,8 +245,8 @@ def _child(small, big, out, mode) -> dict:
 
 @pytest.mark.slow
 def test_low_memory_passes_under_an_address_space_limit_the_in_memory_check_cannot_fit(tmp_path):
-    """A Kimi-K2.5 with 15 decoder layers of 16 routed experts: its weights are about three times
-    the address space the process may add after its imports; ``--low-memory`` passes within it
+    """A Kimi-K2.5 with 15 decoder layers of 16 routed experts: its weights are three times the
+    address space the process may add after its imports; ``--low-memory`` passes within it
     with the report of an unlimited in-memory check, which fails under it."""
     from mmparity.reference.kimi_k25_vl import tiny_config
 
@@ -255,12 +255,12 @@ def test_low_memory_passes_under_an_address_space_limit_the_in_memory_check_cann
                       n_group=4, topk_group=2)
     big = save_hf("kimi_k25_vl", tmp_path / "big", seed=2, max_shard_size="200MB", cfg=cfg)
     weights = sum(f.stat().st_size for f in big.glob("*.safetensors"))
-    assert 2.5 * HEADROOM < weights < 3.5 * HEADROOM
+    assert 3 * HEADROOM < weights < 3.5 * HEADROOM
 
     low = _child(small, big, tmp_path / "low.json", "low")
     assert low["code"] == 0, low
-    # What the child could add after its imports is far less than the weights.
-    assert low["vm_peak"] <= low["limit"] and weights > 2.5 * (low["limit"] - low["base"])
+    # What the child could add after its imports is a third of the weights; it used less.
+    assert low["vm_peak"] <= low["limit"] and weights > 3 * (low["limit"] - low["base"])
 
     full = _child(small, big, tmp_path / "full.json", "full")
     assert full["code"] != 0, full  # MemoryError, or the refusal of a file it cannot map
