@@ -191,6 +191,9 @@ def test_low_memory_needs_an_hf_directory_and_one_native_process(capsys, tmp_pat
     _usage_error(capsys, "check", "clip", "--low-memory", match="--low-memory checks an HF directory")
     _usage_error(capsys, "check", "--hf", src, "--low-memory", "--tp", "2", match="drop --tp")
     _usage_error(capsys, "check", "--hf", src, "--low-memory", "--impl", "megatron", match="drop --impl")
+    _usage_error(capsys, "check", "--hf", src, "--expert-group", "2", match="--expert-group needs --low-memory")
+    _usage_error(capsys, "check", "--hf", src, "--low-memory", "--expert-group", "0",
+                 match="--expert-group must be >= 1, got 0")
 
 
 def test_a_family_it_does_not_support_is_named_in_one_line(capsys, tmp_path, monkeypatch):

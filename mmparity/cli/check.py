@@ -56,7 +56,7 @@ def add_arguments(parser) -> None:
                              "the weights outside the layer stacks while component checks run, plus "
                              "activations; same report as without it (native model, one process, no "
                              "--tp/--pp/--ep/--mcore)")
-    parser.add_argument("--expert-group", type=int, default=8, metavar="N",
+    parser.add_argument("--expert-group", type=int, default=None, metavar="N",
                         help="with --low-memory: experts of a stacked HF experts tensor resident at once "
                              "(default 8)")
     parser.add_argument("--no-components", action="store_true", help="skip component checks")
@@ -248,7 +248,8 @@ def _check_low_memory(args, name: str, sizes, notes: list, detection):
         try:
             report = low_memory.check(name, cfg, reader, dtype=args.dtype, device=args.device, seed=args.seed,
                                       image_sizes=sizes, components=not args.no_components, hf_format=fmt,
-                                      usage=usage, expert_group=args.expert_group)
+                                      usage=usage,
+                                      expert_group=args.expert_group or low_memory.DEFAULT_EXPERT_GROUP)
         except low_memory.LowMemoryError as exc:
             raise UsageError(f"{name}: {exc}") from None
         except ConversionError as exc:
@@ -373,10 +374,12 @@ def run(args) -> int:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
     if args.megatron_class is not None and args.impl == "native":
         raise UsageError("--megatron-class needs --impl megatron or --impl both")
+    if args.expert_group is not None and not args.low_memory:
+        raise UsageError("--expert-group needs --low-memory")
     if args.low_memory:
         given = [flag for flag, on in (("--mcore", args.mcore), ("--tp", args.tp != 1), ("--pp", pp != 1),
                                        ("--ep", args.ep != 1), ("--impl", args.impl != "native")) if on]
-        if args.expert_group < 1:
+        if args.expert_group is not None and args.expert_group < 1:
             raise UsageError(f"--expert-group must be >= 1, got {args.expert_group}")
         if not args.hf or given:
             raise UsageError("--low-memory checks an HF directory (--hf DIR) against the native model in "

@@ -62,6 +62,12 @@ SUPPORTED = ("clip", "siglip", "pixtral", "pixtral_large", "qwen3_5", "kimi_k25"
              "mistral3", "pixtral_12b")
 
 
+# Experts of a stacked HF experts tensor resident at once: a DeepSeek-V3 expert (three 7168 x 2048
+# matrices) is 0.18 GB in float32, so a group weighs about what a layer's attention and shared
+# expert do together.
+DEFAULT_EXPERT_GROUP = 8
+
+
 class LowMemoryError(ValueError):
     """A check ``--low-memory`` cannot run (family, layout, options); the CLI exits 2 on it."""
 
@@ -196,7 +202,8 @@ class Streamed:
     module's forward asks for each expert."""
 
     def __init__(self, model: nn.Module, source: Callable[[list], dict], dtype: torch.dtype, device,
-                 usage: Usage, side: str, rows: Optional[Callable] = None, expert_group: int = 8):
+                 usage: Usage, side: str, rows: Optional[Callable] = None,
+                 expert_group: int = DEFAULT_EXPERT_GROUP):
         self.model, self.source, self.dtype, self.device = model, source, dtype, torch.device(device)
         self.usage, self.side = usage, side
         self.rows, self.expert_group = rows, expert_group
@@ -355,7 +362,7 @@ def _load_buffers(model: nn.Module, source: Callable[[list], dict]) -> None:
 
 
 def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str, rows=None,
-              expert_group: int = 8) -> Streamed:
+              expert_group: int = DEFAULT_EXPERT_GROUP) -> Streamed:
     """``model`` (built by :func:`_parameters_on_meta`) with its buffers loaded and, like the
     in-memory check's ``model.to(device, dtype)``, cast and moved, streaming its parameters."""
     _load_buffers(model, source)
@@ -368,7 +375,7 @@ def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str, 
 def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
           image_sizes=None, components: bool = True, hf_format: Optional[str] = None,
           usage: Optional[Usage] = None, mutate_native: Optional[Callable[[dict], None]] = None,
-          expert_group: int = 8) -> Report:
+          expert_group: int = DEFAULT_EXPERT_GROUP) -> Report:
     """:func:`mmparity.parity.harness.check` of the HF weights ``reader`` holds (``infos()`` and
     ``read(name)``, full checkpoint keys), with one module's weights resident at a time (see the
     module docstring). ``usage``, when given, receives what was resident. ``mutate_native`` edits
