@@ -106,13 +106,15 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
     return tensors, elements
 
 
-def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
+def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.PathLike,
+                 capacity: tuple[int, int] | None = None) -> None:
     """Refuses a config whose sizes the weights in `checkpoint` cannot back, before anything is
     built from it: a layer count above the number of tensors present (every layer has at least
     one), a width above the number of elements present, or either above a ceiling no real model
     reaches. A `depth` of 1e9 would otherwise build a billion modules and rules (tens of GB) before
-    a shape was ever compared."""
-    tensors, elements = checkpoint_capacity(checkpoint)
+    a shape was ever compared. ``capacity``: `checkpoint_capacity` as already read (``check
+    --low-memory`` reads the headers without mapping the files)."""
+    tensors, elements = capacity if capacity is not None else checkpoint_capacity(checkpoint)
     problems = []
     for key, value in _int_fields(config.to_dict() if hasattr(config, "to_dict") else dict(config)):
         name = key.rsplit(".", 1)[-1]

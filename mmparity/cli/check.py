@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -47,6 +48,17 @@ def add_arguments(parser) -> None:
                              "classes: which (clip: CLIPViTModel (default) or ViTModel)")
     parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for several images per batch")
+    parser.add_argument("--low-memory", action="store_true",
+                        help="with --hf: build both models without weights and read each module's weights "
+                             "from the files just before it runs, dropping them after; resident at once: "
+                             "about one layer's weights on one side (an MoE layer's routed experts one "
+                             "--expert-group at a time on HF's side, one expert at a time on mcore's) plus "
+                             "the weights outside the layer stacks while component checks run, plus "
+                             "activations; same report as without it (native model, one process, no "
+                             "--tp/--pp/--ep/--mcore)")
+    parser.add_argument("--expert-group", type=int, default=None, metavar="N",
+                        help="with --low-memory: experts of a stacked HF experts tensor resident at once "
+                             "(default 8)")
     parser.add_argument("--no-components", action="store_true", help="skip component checks")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
@@ -141,6 +153,111 @@ def _load_hf(directory: str, family: str, hf_format):
                            "finds them all)")
     _refuse_unbacked_parameters(family, cfg, tensors, directory)
     return cfg, tensors, use
+
+
+def _open_low_memory(directory: str, family: str, hf_format):
+    """(family config, the checkpoint as a ``RangeReader``, its ``SourceUse``, the layout) for
+    ``--low-memory``: the in-memory load's checks, each on one tensor at a time or on the headers."""
+    import torch
+
+    from mmparity import families
+    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.heap import map_large_blocks
+    from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
+    from mmparity.checkpoint.hf import bound_config, read_hf_config
+    from mmparity.checkpoint.streaming import SourceUse
+    from mmparity.converters.rules import ConversionError
+
+    if not os.path.isdir(directory):
+        raise UsageError(f"--hf {directory}: no such directory")
+    # Freed weights give their address space back at once (what an RLIMIT_AS run counts).
+    map_large_blocks()
+    try:
+        full_cfg, _ = read_hf_config(directory, for_models=True)
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {exc}") from None
+    fam = families.get(family)
+    try:
+        cfg = fam.family_config(full_cfg)
+    except ValueError as exc:
+        raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
+    try:
+        config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
+        reader = RangeReader(directory)
+        capacity = (len(reader.infos()), sum(math.prod(i.shape) for i in reader.infos().values()))
+        bound_config(cfg, os.path.join(directory, config_name), directory, capacity)
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+    # Shapes and dtypes without the bytes: enough for selection, totality and the size checks.
+    metas = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in reader.infos().items()}
+    try:
+        tensors, prefix, fmt = fam.select_tensors(cfg, metas, hf_format)
+        selected = {prefix + k for k in tensors}
+        use = SourceUse.split(selected, [k for k in metas if k not in selected],
+                              {k: i.nbytes for k, i in reader.infos().items()})
+        check_source_dtypes(directory, {k: v.dtype for k, v in tensors.items()})
+        poisoned = {}
+        for key in sorted(tensors):  # one tensor resident at a time
+            value = reader.read(prefix + key)
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                poisoned[key] = int(value.numel() - torch.isfinite(value).sum())
+            del value
+    except ConversionError as exc:
+        raise UsageError(f"--hf {directory}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
+    except CheckpointError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+    if poisoned:
+        name = sorted(poisoned)[0]
+        raise UsageError(f"--hf {directory}: tensor {name} holds {poisoned[name]} NaN/Inf value(s)"
+                         + (f" ({len(poisoned) - 1} more tensor(s) too)" if len(poisoned) > 1 else "")
+                         + "; parity is undefined for non-finite weights (mmparity convert --check-finite "
+                           "finds them all)")
+    _refuse_unbacked_parameters(family, cfg, tensors, directory)
+    return cfg, reader, use, fmt
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _usage_line(usage) -> str:
+    sides = ", ".join(f"{side} {_mib(usage.peak[side])} of {_mib(usage.total[side])}" for side in usage.peak)
+    return f"low memory: parameters resident at most at once: {sides}; {usage.reads} tensor reads"
+
+
+def _check_low_memory(args, name: str, sizes, notes: list, detection):
+    """``check --hf DIR --low-memory`` of one family: its report (see ``parity.low_memory``)."""
+    from mmparity.converters.rules import ConversionError
+    from mmparity.parity import harness, low_memory
+
+    if name not in low_memory.SUPPORTED:
+        raise UsageError(f"--low-memory does not support family {name!r} yet; it supports "
+                         f"{', '.join(low_memory.SUPPORTED)}")
+    cfg, reader, use, fmt = _open_low_memory(args.hf, name, args.hf_format)
+    with reader:
+        if use.left_out:
+            facts = detection.facts if detection is not None else config_facts(args.hf)
+            notes.append(left_out_line(name, use, facts, "checks part of the checkpoint: "))
+        if sizes is not None:
+            try:
+                harness.validate_image_sizes(name, cfg, sizes)
+            except harness.InputError as exc:
+                raise UsageError(str(exc)) from None
+        usage = low_memory.Usage()
+        try:
+            report = low_memory.check(name, cfg, reader, dtype=args.dtype, device=args.device, seed=args.seed,
+                                      image_sizes=sizes, components=not args.no_components, hf_format=fmt,
+                                      usage=usage,
+                                      expert_group=args.expert_group or low_memory.DEFAULT_EXPERT_GROUP)
+        except low_memory.LowMemoryError as exc:
+            raise UsageError(f"{name}: {exc}") from None
+        except ConversionError as exc:
+            raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
+        except harness.InputError as exc:
+            raise UsageError(str(exc)) from None
+    notes.append(_usage_line(usage))
+    return report
 
 
 def _family_taking(full_cfg) -> str:
@@ -257,6 +374,16 @@ def run(args) -> int:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
     if args.megatron_class is not None and args.impl == "native":
         raise UsageError("--megatron-class needs --impl megatron or --impl both")
+    if args.expert_group is not None and not args.low_memory:
+        raise UsageError("--expert-group needs --low-memory")
+    if args.low_memory:
+        given = [flag for flag, on in (("--mcore", args.mcore), ("--tp", args.tp != 1), ("--pp", pp != 1),
+                                       ("--ep", args.ep != 1), ("--impl", args.impl != "native")) if on]
+        if args.expert_group is not None and args.expert_group < 1:
+            raise UsageError(f"--expert-group must be >= 1, got {args.expert_group}")
+        if not args.hf or given:
+            raise UsageError("--low-memory checks an HF directory (--hf DIR) against the native model in "
+                             "one process" + (f"; drop {', '.join(given)}" if given else ""))
     from mmparity.converters.rules import ConversionError
     from mmparity import runtime
     from mmparity.upstream.models import StrictLoadError, UpstreamUnavailable
@@ -276,6 +403,13 @@ def run(args) -> int:
     combined = None
     for name in names:
         cfg, hf_state = (None, None)
+        if args.low_memory:
+            report = _check_low_memory(args, name, sizes, notes, detection)
+            combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
+                              attention_backend=report.attention_backend, versions=report.versions,
+                              tp=report.tp, pp=report.pp, impl=report.impl, megatron=report.megatron)
+            combined.results.extend(report.results)
+            continue
         if args.hf:
             cfg, hf_state, use = _load_hf(args.hf, name, args.hf_format)
             if use.left_out:

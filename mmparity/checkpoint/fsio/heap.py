@@ -60,3 +60,22 @@ def heap_budget() -> HeapBudget:
     if _HEAP is None:
         _HEAP = HeapBudget()
     return _HEAP
+
+
+# glibc's mallopt parameter number (malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+def map_large_blocks(threshold: int = 1 << 20) -> bool:
+    """Serve every block of ``threshold`` bytes or more from its own mapping, unmapped when freed.
+
+    glibc's default raises its mmap threshold to the largest block freed so far, after which
+    tensor-sized blocks come from the heap, and a freed heap block keeps its address space (and,
+    fragmented, its pages) until the top of the heap is free. Under an address-space limit
+    (``check --low-memory`` with ``RLIMIT_AS``) the weights of the layers already run would pile
+    up there; with a fixed threshold the address space in use is what is held. Costs a page fault
+    per fresh page (see :class:`HeapBudget`). False without glibc."""
+    lib = libc()
+    if lib is None or not hasattr(lib, "mallopt"):
+        return False
+    return bool(lib.mallopt(_M_MMAP_THRESHOLD, int(threshold)))

@@ -9,6 +9,8 @@ norm lives inside the following column-parallel linear.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable
 
 import torch
@@ -30,6 +32,26 @@ except ImportError:  # pragma: no cover
 
 from mmparity.native.core.attention import BidirectionalCoreAttention
 from mmparity import runtime
+
+
+_SKIP_INITIALIZATION = contextvars.ContextVar("skip_initialization", default=False)
+
+
+@contextlib.contextmanager
+def without_initialization():
+    """Build without running mcore's init kernels: the weights are loaded over them anyway, and on
+    a model of hundreds of GB (``check --low-memory``) initialising it on the host would take
+    longer than the check, and need the memory the check avoids."""
+    token = _SKIP_INITIALIZATION.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_INITIALIZATION.reset(token)
+
+
+def performs_initialization() -> bool:
+    """``TransformerConfig.perform_initialization`` for a model built here and now."""
+    return torch.get_default_device().type != "meta" and not _SKIP_INITIALIZATION.get()
 
 
 def get_pg_size(group) -> int:
@@ -161,7 +183,7 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
         # A model built on the meta device only describes shapes and sharding (the converter's
         # torch_dist planning); running the init kernels on it was most of the build (Qwen3.5's
         # tower: 0.05 s with them, 0.014 s without).
-        perform_initialization=torch.get_default_device().type != "meta",
+        perform_initialization=performs_initialization(),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

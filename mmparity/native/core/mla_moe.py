@@ -15,7 +15,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from mmparity import runtime
 from mmparity.hfconfig import moe_layer_range, rope_parameters, routed_experts, shared_expert_size
-from mmparity.native.core.layers import activation_from_hf
+from mmparity.native.core.layers import activation_from_hf, performs_initialization
 
 
 def _without_transformer_engine() -> None:
@@ -114,7 +114,7 @@ def transformer_config(text, params_dtype: torch.dtype = torch.float32) -> MLATr
         apply_rope_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        perform_initialization=torch.get_default_device().type != "meta",
+        perform_initialization=performs_initialization(),
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
     )
