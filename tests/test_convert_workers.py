@@ -174,3 +174,29 @@ def test_launcher_ranks_name_the_rank_that_died(kimi_hf, tmp_path, killed, survi
     code, _, err = mmparity("convert", "--src", kimi_hf, "--dst", dst, "--to", "mcore")
     assert code == 0, err
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_two_torchrun_nodes_on_localhost_write_the_bytes_one_process_writes(kimi_hf, tmp_path):
+    """Two torchrun "nodes" (agents) of two ranks each, meeting on localhost, on one shared
+    filesystem: torchrun's agent hosts the store, the four ranks share the files out."""
+    single = tmp_path / "single"
+    code, _, err = mmparity("convert", "--src", kimi_hf, "--dst", single, "--to", "mcore", "--max-shard-size", "60KB")
+    assert code == 0, err
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), MMPARITY_TIMEOUT="30")
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "mmparity", "convert", "--src", str(kimi_hf), "--dst", str(tmp_path / "out"),
+                               "--to", "mcore", "--max-shard-size", "60KB"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in range(2)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "by 4 processes" in outputs[0][0]
+    assert_same_tree(single, tmp_path / "out")
