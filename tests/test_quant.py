@@ -246,6 +246,20 @@ def test_fp8_vlm_converts_as_its_dequantized_values_and_requantizes_exactly(fp8_
                 "--requantize", "--quiet") == 2
 
 
+@pytest.mark.slow  # starts three interpreters
+def test_requantized_export_by_two_processes_is_the_one_process_export(fp8_vlm, tmp_path):
+    """--requantize on several processes: a weight and its scale may land in shards of different
+    ranks; the files and the re-quantization report are the one-process ones."""
+    src, _, _ = fp8_vlm
+    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--quiet") == 0
+    for workers in ("1", "2"):
+        assert _run("convert", "--src", tmp_path / "m", "--dst", tmp_path / f"q{workers}", "--to", "hf",
+                    "--requantize", "--max-shard-size", "20KB", "--workers", workers, "--quiet") == 0
+    one, two = (sorted(p for p in (tmp_path / f"q{w}").iterdir()) for w in "12")
+    assert len(one) > 4 and [p.name for p in one] == [p.name for p in two]
+    assert [p.name for p, q in zip(one, two) if p.read_bytes() != q.read_bytes()] == []
+
+
 def test_broken_scales_and_unknown_methods_exit_2_in_one_line(fp8_vlm, tmp_path, capsys):
     src, _, stored = fp8_vlm
     config = json.loads((src / "config.json").read_text())
