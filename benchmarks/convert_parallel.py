@@ -102,9 +102,11 @@ def main() -> None:
             ("hf -> torch_dist, 1 process", src, dist, ["--to", "mcore"], 0),
             ("hf -> torch_dist, --workers 2", src, work / "dist_w2", ["--to", "mcore", "--workers", "2"], 0),
             ("hf -> torch_dist, 2 torchrun nodes x 1", src, work / "dist_n2", ["--to", "mcore"], 2),
-            ("torch_dist -> hf, 1 process", dist, work / "back", ["--to", "hf", "--hf-format", "release"], 0),
+            # 2GB shards (the HF default is 5GB) so that 8 GB has units to share.
+            ("torch_dist -> hf, 1 process", dist, work / "back", ["--to", "hf", "--hf-format", "release",
+                                                                  "--max-shard-size", "2GB"], 0),
             ("torch_dist -> hf, --workers 2", dist, work / "back_w2",
-             ["--to", "hf", "--hf-format", "release", "--workers", "2"], 0),
+             ["--to", "hf", "--hf-format", "release", "--max-shard-size", "2GB", "--workers", "2"], 0),
         ]
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
         for attempt in range(max(1, args.repeat)):

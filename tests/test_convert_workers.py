@@ -135,7 +135,7 @@ def test_a_killed_rank_fails_the_conversion_and_leaves_the_destination(kimi_hf, 
 def _start_rank(rank: int, world: int, port: int, argv, env=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     full_env.update({"PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MMPARITY_TIMEOUT": "4", **(env or {})})
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MMPARITY_TIMEOUT": "8", **(env or {})})
     return subprocess.Popen([sys.executable, "-m", "mmparity", *map(str, argv)], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -156,8 +156,12 @@ def test_launcher_ranks_name_the_rank_that_died(kimi_hf, tmp_path, killed, survi
     try:
         deadline = time.monotonic() + 60
         survivor = procs[1 - killed]
-        # The paused rank is mid-write once the other has got as far as waiting for it.
-        time.sleep(3)
+        # Both ranks met once rank 0's staging directory exists; the paused one stops at its first
+        # tensor, the other writes its share and waits for it.
+        while not any(name.startswith(".out.tmp-") for name in os.listdir(tmp_path)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the ranks never met"
+            time.sleep(0.05)
+        time.sleep(1)
         procs[killed].send_signal(signal.SIGKILL)
         out, err = survivor.communicate(timeout=max(1, deadline - time.monotonic()))
     finally:
