@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convert_throughput as bench  # noqa: E402  (its child runner and RssAnon sampler)
 import synthetic_moe_checkpoint as synthetic  # noqa: E402
 
-JOBS = {
+JOBS = {  # each mcore checkpoint converted back, then removed: three copies of a size on disk at most
     "hf -> torch_dist": ("hf", "td", {"to": "mcore", "format": "torch_dist"}),
-    "hf -> legacy tp2 ep2": ("hf", "legacy", {"to": "mcore", "format": "legacy", "tp": 2, "ep": 2}),
     "torch_dist -> hf": ("td", "td_back", {"to": "hf", "hf_format": "release"}),
+    "hf -> legacy tp2 ep2": ("hf", "legacy", {"to": "mcore", "format": "legacy", "tp": 2, "ep": 2}),
     "legacy tp2 ep2 -> hf": ("legacy", "legacy_back", {"to": "hf", "hf_format": "release"}),
 }
 
@@ -70,7 +70,8 @@ def main() -> int:
                        "largest_tensor_MB": round(largest / 2**20, 1)}
                 if dst.endswith("back"):
                     row["same_as_source"] = bench._same_tensors(root / "hf", root / dst)
-                    shutil.rmtree(root / dst)  # four copies of the largest size must fit on the disk
+                    shutil.rmtree(root / dst)
+                    shutil.rmtree(root / src)  # and its mcore source: no later job reads it
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if not args.keep:

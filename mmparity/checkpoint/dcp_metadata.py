@@ -54,6 +54,20 @@ class _Pairs(list):
     dict keys here before they exist."""
 
 
+class _LazyPairs:
+    """(key, value) pairs made one at a time as the encoder reaches them, encoded as a dict: the
+    index of a checkpoint of many thousand tensors is never a tree of objects in memory at once."""
+
+    def __init__(self, count: int, make):
+        self.count, self.make = count, make
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __iter__(self):
+        return iter(self.make())
+
+
 class _Encoder:
     def __init__(self):
         self.out = bytearray(b"\x80\x02")  # PROTO 2: no framing, every reader since Python 2.3
@@ -96,7 +110,7 @@ class _Encoder:
             for item in v:
                 self.value(item)
             out += b"t"
-        elif isinstance(v, (dict, _Pairs)):
+        elif isinstance(v, (dict, _Pairs, _LazyPairs)):
             out += b"}"
             if v:
                 out += b"("
@@ -159,35 +173,56 @@ def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[
     The same contents give the same bytes: DCP's writer records the directory it wrote to and a
     random save id, which no reader uses; here the path is left out and the id is a digest of the
     contents, so a checkpoint is reproducible wherever and however often it is written."""
-    state_dict_metadata: dict = {}
-    storage_data = _Pairs()
-    for entry in tensors:
-        properties = _Object(_Global(_DCP, "TensorProperties"), (
-            _dtype(entry.dtype),
-            _Call(_Global("torch.serialization", "_get_layout"), ("torch.strided",)),
-            False,
-            _Call(_Global(_DCP, "_MEM_FORMAT_ENCODING"), (_CONTIGUOUS,)),
-            False,
-        ))
-        chunks = [_Object(_Global(_DCP, "ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(sizes)})
-                  for offsets, sizes, _ in entry.chunks]
-        state_dict_metadata[entry.key] = _Object(_Global(_DCP, "TensorStorageMetadata"), {
-            "properties": properties, "size": _size(entry.shape), "chunks": chunks})
-        for index, (offsets, _, where) in enumerate(entry.chunks):
-            storage_data.append((_index(entry.key, _size(offsets), index), _storage(where)))
-    for key, where in objects.items():
-        state_dict_metadata[key] = _Object(_Global(_DCP, "BytesStorageMetadata"))
-        storage_data.append((_index(key, None, None), _storage(where)))
-    digest = hashlib.sha256(repr((list(tensors), dict(objects))).encode()).digest()
+    tensors, objects = list(tensors), dict(objects)
+
+    def tensor_metadata():
+        for entry in tensors:
+            yield entry.key, _tensor_metadata(entry)
+        for key in objects:
+            yield key, _Object(_Global(_DCP, "BytesStorageMetadata"))
+
+    def storage_data():
+        for entry in tensors:
+            for index, (offsets, _, where) in enumerate(entry.chunks):
+                yield _index(entry.key, _size(offsets), index), _storage(where)
+        for key, where in objects.items():
+            yield _index(key, None, None), _storage(where)
+
+    state_dict_metadata = _LazyPairs(len(tensors) + len(objects), tensor_metadata)
+    storage_pairs = _LazyPairs(sum(len(e.chunks) for e in tensors) + len(objects), storage_data)
+    # The digest of repr((list(tensors), dict(objects))), its text made one entry at a time.
+    hasher = hashlib.sha256()
+    hasher.update(b"([")
+    for number, entry in enumerate(tensors):
+        hasher.update(((", " if number else "") + repr(entry)).encode())
+    hasher.update(b"], {")
+    for number, (key, where) in enumerate(objects.items()):
+        hasher.update(((", " if number else "") + f"{key!r}: {where!r}").encode())
+    hasher.update(b"})")
+    digest = hasher.digest()
     storage_meta = _Object(_Global(_DCP, "StorageMeta"), {
         "checkpoint_id": None, "save_id": str(uuid.UUID(bytes=digest[:16])), "load_id": None, "modules": []})
     metadata = _Object(_Global(_DCP, "Metadata"), {
-        "state_dict_metadata": state_dict_metadata, "planner_data": None, "storage_data": storage_data,
+        "state_dict_metadata": state_dict_metadata, "planner_data": None, "storage_data": storage_pairs,
         "storage_meta": storage_meta, "version": DCP_VERSION})
     encoder = _Encoder()
     encoder.value(metadata)
     encoder.out += b"."
     return bytes(encoder.out)
+
+
+def _tensor_metadata(entry: TensorEntry) -> _Object:
+    properties = _Object(_Global(_DCP, "TensorProperties"), (
+        _dtype(entry.dtype),
+        _Call(_Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+        False,
+        _Call(_Global(_DCP, "_MEM_FORMAT_ENCODING"), (_CONTIGUOUS,)),
+        False,
+    ))
+    chunks = [_Object(_Global(_DCP, "ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(sizes)})
+              for offsets, sizes, _ in entry.chunks]
+    return _Object(_Global(_DCP, "TensorStorageMetadata"), {
+        "properties": properties, "size": _size(entry.shape), "chunks": chunks})
 
 
 def _index(fqn: str, offset, index) -> _Object:

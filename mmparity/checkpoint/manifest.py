@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -56,7 +57,7 @@ class Provenance:
     extra: Mapping | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor: no __dict__
 class TensorRecord:
     """One checksummed tensor: `file` is relative to the checkpoint root (for torch_dist the
     iteration directory), `offset` the shard's position in the global tensor (torch_dist only)."""
@@ -79,7 +80,7 @@ class TensorRecord:
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in offset)):
             raise ValueError(f"offset {offset!r} is not a list of positions")
         return cls(
-            _expect(record["file"], str, "file"),
+            sys.intern(_expect(record["file"], str, "file")),  # a few files, thousands of records
             _expect(record["key"], str, "key"),
             TensorChecksum.from_json(record),
             tuple(offset) if offset is not None else None,
@@ -105,7 +106,9 @@ class Manifest:
     # torch_dist's global tensors load at any, so it records what was asked.
     expert_parallel_size: int = 1
 
-    def to_json(self) -> dict:
+    def to_json(self, tensors: bool = True) -> dict:
+        """The manifest as JSON; ``tensors=False`` leaves the records out (``write_manifest``
+        writes them one at a time, never a list of thousands of dicts at once)."""
         p = self.provenance
         prefixes = p.key_prefixes if p.key_prefixes is not None else key_prefixes(r.key for r in self.tensors)
         return {
@@ -121,8 +124,11 @@ class Manifest:
             "expert_parallel_size": self.expert_parallel_size,
             "iteration": self.iteration,
             "extra": dict(p.extra or {}),
-            "tensors": [r.to_json() for r in sorted(self.tensors, key=lambda r: (r.file, r.key, r.offset or ()))],
+            "tensors": [r.to_json() for r in self.sorted_tensors()] if tensors else [],
         }
+
+    def sorted_tensors(self) -> list[TensorRecord]:
+        return sorted(self.tensors, key=lambda r: (r.file, r.key, r.offset or ()))
 
     @classmethod
     def from_json(cls, data: Mapping) -> Manifest:
@@ -184,8 +190,22 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
     if manifest.layout not in known:
         raise CheckpointError(f"unknown checkpoint layout {manifest.layout!r}; known: {', '.join(known)}")
     path = Path(directory) / MANIFEST_FILE
+    # The same text as ``json.dump(manifest.to_json(), f, indent=1)``, the records encoded one at a
+    # time: a checkpoint of many thousand tensors never holds all their JSON dicts at once.
+    head = json.dumps(manifest.to_json(tensors=False), indent=1)
+    marker = '\n "tensors": []'
+    if not head.endswith(marker + "\n}"):
+        raise AssertionError("the manifest's tensors are expected last")
+    records = manifest.sorted_tensors()
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(manifest.to_json(), f, indent=1)
+        if not records:
+            f.write(head)
+        else:
+            f.write(head[: -len("[]\n}")] + "[")
+            for number, record in enumerate(records):
+                text = json.dumps(record.to_json(), indent=1).replace("\n", "\n  ")
+                f.write(("," if number else "") + "\n  " + text)
+            f.write("\n ]\n}")
         f.write("\n")
     return path
 

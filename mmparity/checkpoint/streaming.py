@@ -270,7 +270,7 @@ class Progress:
         pass
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor of a plan
 class Meta:
     dtype: torch.dtype
     shape: tuple

@@ -383,6 +383,24 @@ class PadRows(Op):
                               f"got {tuple(t.shape)}")
         return [_own(t[: self.rows], mcore)]
 
+    def apply_pieces(self, hf):
+        # The table as it is, then the zero rows: the writer puts the table's rows in place
+        # without the padded copy (only the padding is new memory).
+        t = hf[0]
+        if t.shape[0] != self.rows:
+            raise LayoutError(f"{self!r}: expected {self.rows} rows, got {tuple(t.shape)}")
+        if self.padded == self.rows:
+            return [[t]]
+        return [[t, t.new_zeros((self.padded - self.rows, *t.shape[1:]))]]
+
+    def invert_pieces(self, mcore):
+        # The first ``rows`` rows, a view: a TP-merged table goes out from its parts, not joined.
+        t = mcore[0]
+        if t.shape[0] < self.rows:
+            raise LayoutError(f"{self!r}: a padded table needs at least {self.rows} rows, "
+                              f"got {tuple(t.shape)}")
+        return [[t[: self.rows]]]
+
     def at_tp(self, tp: int, vocab_multiple: int) -> "PadRows":
         step = vocab_multiple * tp
         return PadRows(self.rows, -(-self.rows // step) * step)

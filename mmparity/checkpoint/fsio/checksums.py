@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -31,7 +32,7 @@ CHECKSUM_ALGORITHM = "xxh3_128" if "xxh3_128" in _HASHERS else "sha256"
 CHECKSUM_ALGORITHMS = ("xxh3_128", "sha256")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor, held to the manifest: no __dict__
 class TensorChecksum:
     """What a tensor must be to count as unchanged: dtype, shape and a digest of its bytes."""
 
@@ -54,7 +55,7 @@ class TensorChecksum:
             raise ValueError(f"shape {shape!r} is not a list of sizes")
         if not isinstance(dtype, str) or not isinstance(digest, str):
             raise ValueError(f"dtype {dtype!r} and {algorithm} {digest!r} must be strings")
-        return cls(dtype, tuple(shape), digest, algorithm)
+        return cls(sys.intern(dtype), tuple(shape), digest, algorithm)
 
     def differences(self, other: TensorChecksum) -> list[str]:
         """Human-readable reasons why `other` (found) is not `self` (expected); empty if equal."""

@@ -11,9 +11,12 @@ import torch
 from mmparity.checkpoint.fsio.errors import CheckpointError
 
 
+_DTYPE_NAMES: dict = {}  # one string per dtype, however many tensors name it
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `"bfloat16"`: the spelling used in manifests and error messages."""
-    return str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype).removeprefix("torch."))
 
 
 def dtype_from_name(name: str) -> torch.dtype:

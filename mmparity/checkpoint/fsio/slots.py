@@ -23,7 +23,7 @@ from mmparity.checkpoint.fsio.syscalls import (copy_file_range_all, prefault, pw
 from mmparity.converters.tp import ColumnJoin
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor of a file being written
 class Slot:
     """Where one tensor's bytes go: file number, absolute offset, and what must arrive there."""
 

@@ -1,0 +1,61 @@
+"""Bounded memory of a conversion, checked where it is cheap: the largest tensors of a model are
+its vocabulary tables, and a TP-merged or re-padded table must reach the output from its parts,
+never as a joined (or padded) copy of the whole table made on the way.
+
+The spy records every tensor the conversion joins from pieces (``rules.join``, ``pieces.joined``,
+``ColumnJoin.tensor``) or pads whole (``PadRows.apply``); the memory figures themselves
+(peak RssAnon against checkpoint size) are ``benchmarks/convert_memory.py``'s, in docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmparity.checkpoint import streaming
+from mmparity.checkpoint.fsio import pieces as pieces_mod
+from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.converters import ops, rules, tp
+from tests.test_convert_roundtrips import assert_same_checkpoint, run, save_hf
+
+
+@pytest.fixture
+def materialised(monkeypatch):
+    """Shapes of the whole tensors the conversion makes by joining or padding."""
+    made: list[tuple] = []
+
+    def spy(fn, copies):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if copies(*args):
+                for t in (out if isinstance(out, list) else [out]):
+                    if isinstance(t, torch.Tensor) and not t.is_meta:  # planning runs ops on meta tensors
+                        made.append(tuple(t.shape))
+            return out
+        return wrapped
+
+    def several(pieces):  # a single plain piece is handed on as it is
+        return len(pieces) > 1 or isinstance(pieces[0], tp.ColumnJoin)
+
+    monkeypatch.setattr(rules, "join", spy(rules.join, several))
+    monkeypatch.setattr(pieces_mod, "joined", spy(pieces_mod.joined, several))
+    monkeypatch.setattr(streaming, "joined", spy(streaming.joined, several))
+    monkeypatch.setattr(tp.ColumnJoin, "tensor", spy(tp.ColumnJoin.tensor, lambda *_: True))
+    monkeypatch.setattr(ops.PadRows, "apply", spy(ops.PadRows.apply, lambda *_: True))
+    return made
+
+
+@pytest.mark.parametrize("family", ["llava", "mistral3"])
+def test_vocabulary_tables_are_never_materialised_whole_through_tp2(family, materialised, tmp_path):
+    src = save_hf(family, tmp_path / "hf", seed=3)
+    tables = [tuple(t.shape) for k, t in load_safetensors_state_dict(src).items()
+              if k.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    assert len(tables) == 2, tables
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    # 2 ranks: each holds half of each (re-padded) table; HF -> mcore pads, mcore -> HF merges.
+    assert run("convert", "--family", family, "--src", src, "--dst", mcore, "--to", "mcore",
+               "--format", "legacy", "--tp", 2, "--quiet") == 0
+    assert run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--quiet") == 0
+    assert_same_checkpoint(back, src)
+    whole = [s for s in materialised if len(s) == 2 and any(s[1] == cols and s[0] >= rows for rows, cols in tables)]
+    assert not whole, f"a vocabulary table joined or padded whole on the way: {whole}"
