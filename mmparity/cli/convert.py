@@ -125,9 +125,15 @@ class _NoProgress:
 def _join_team(workers: int):
     """This process's share of the conversion: the solo team, or its rank among the ranks a
     launcher started (torchrun's variables, or those ``--workers`` sets for its ranks)."""
+    import torch.distributed as dist
+
     from mmparity import runtime
     from mmparity.checkpoint import team
 
+    if dist.is_available() and dist.is_initialized():
+        # Code already in a process group (a rank of ``runtime.spawn``) calls convert on the rank
+        # it chose, as one process: its launcher variables are that group's, not a conversion's.
+        return team.solo()
     try:
         launched = runtime.launch_env()
     except runtime.LaunchError as exc:
