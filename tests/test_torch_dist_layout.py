@@ -18,7 +18,7 @@ from mmparity.checkpoint import dcp_metadata, streaming, torch_dist_files, unpic
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.manifest import read_manifest
 from mmparity.checkpoint.torch_dist_layout import plan
-from tests.test_convert_roundtrips import save_hf
+from tests.test_convert_roundtrips import assert_same_checkpoint, save_hf
 
 def _all_moe_kimi():
     cfg = families.get("kimi_k25_vl").tiny_config()
@@ -181,3 +181,27 @@ def test_regions_across_chunks_read_the_same_mapped_or_loaded(tmp_path, monkeypa
         assert torch.equal(files.read_region(key, *region), expected), region
     with pytest.raises(CheckpointError, match="outside"):
         files.read_region(key, (0, 0, 0), (layers, rows + 1, cols))
+
+
+def test_a_layer_of_gated_halves_is_read_as_two_views_of_the_file(tmp_path):
+    """One layer of a stacked gated FC1 spans its two chunks (gate, up): read as pieces, it is
+    those chunks' views of the file, in order, equal to the assembled region; a region cut along
+    another dimension, or inside one chunk, is not offered as pieces."""
+    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+
+    hf = save_hf("mistral3", tmp_path / "hf", seed=3)
+    options = streaming.ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
+    streaming.convert(options)
+    files = TorchDistFiles(options.dst / "iter_0000001")
+    key = "language_model.decoder.layers.mlp.linear_fc1.weight"
+    layers, rows, cols = files.tensors[key][1]
+    layer = layers - 1
+    pieces = files.region_pieces(key, (layer, 0, 0), (1, rows, cols))
+    assert [tuple(p.shape) for p in pieces] == [(rows // 2, cols)] * 2
+    assert all(not p.untyped_storage().resizable() for p in pieces)  # views of the mapping, no copy
+    assert torch.equal(torch.cat(pieces), files.read_region(key, (layer, 0, 0), (1, rows, cols))[0])
+    assert files.region_pieces(key, (layer, 0, 1), (1, rows, cols - 1)) is None
+    assert files.region_pieces(key, (layer, 0, 0), (1, rows // 2, cols)) is None
+    back = tmp_path / "back"
+    streaming.convert(streaming.ConvertOptions(src=options.dst, dst=back, to="hf"))
+    assert_same_checkpoint(back, hf)  # and the pieces go back to HF bit for bit

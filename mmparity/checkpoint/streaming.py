@@ -898,6 +898,18 @@ class _TorchDistSource(_McoreSource):
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order if key in self.index} | self._side_metas()
 
+    def _stored_pieces(self, key: str) -> list[torch.Tensor]:
+        if key not in self.side:
+            ckpt_key, position, meta = self.index[key]
+            lead = len(position) if position is not None else 0
+            region = (((position or ()) + (0,) * len(meta.shape)), (1,) * lead + tuple(meta.shape))
+            pieces = self.files.region_pieces(ckpt_key, *region)
+            if pieces is not None and all(tuple(p.shape[1:]) == tuple(meta.shape[1:]) for p in pieces):
+                # Chunks that tile the tensor along dim 0 (gate and up halves): their views as
+                # pieces, written from the file as they are, never joined.
+                return [self._filter(key, p, self.root) for p in pieces]
+        return [self._stored_tensor(key)]
+
     def _stored_tensor(self, key: str) -> torch.Tensor:
         if key in self.side:
             return self._side_tensor(key)

@@ -371,6 +371,38 @@ class TorchDistFiles:
             raise CheckpointError(f"{self.path}: the saved chunks of {key!r} do not cover region {list(offsets)}+{list(sizes)}")
         return target
 
+    def region_pieces(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor] | None:
+        """The region as the saved chunks it is made of, in C order, each a view where the file
+        allows (no copy): where the chunks tile it along its first dimension longer than one (a
+        gated FC1's gate and up halves, one expert of a stack). Each piece is shaped as a dim-0
+        block of the region with its leading ones dropped. None where the region is not so made."""
+        if key not in self.tensors:
+            return None
+        dtype, _ = self.tensors[key]
+        offsets, sizes = tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
+        split = next((d for d, n in enumerate(sizes) if n != 1), None)
+        if split is None:
+            return None
+        inside = []
+        for chunk_offsets, chunk_sizes in self._chunks(key):
+            overlaps = all(c < o + n and o < c + m for o, n, c, m in zip(offsets, sizes, chunk_offsets, chunk_sizes))
+            if not overlaps:
+                continue
+            if any((c, m) != (o, n) for d, (o, n, c, m) in enumerate(zip(offsets, sizes, chunk_offsets, chunk_sizes))
+                   if d != split):
+                return None  # cut along another dimension too: not consecutive bytes
+            inside.append((chunk_offsets[split], chunk_sizes[split], chunk_offsets, chunk_sizes))
+        inside.sort()
+        position = offsets[split]
+        for start, length, _, _ in inside:
+            if start != position:
+                return None
+            position += length
+        if position != offsets[split] + sizes[split] or len(inside) < 2:
+            return None  # not covered, or one chunk (read_region maps that one already)
+        rest = sizes[split + 1:]
+        return [self._chunk_tensor(key, o, n, dtype).reshape(length, *rest) for _, length, o, n in inside]
+
     def _chunk_tensor(self, key: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
         """One saved chunk: a view of the file when it is stored as a plain contiguous tensor (page
         cache, copy-on-write, nothing read up front), else its blob decoded under
