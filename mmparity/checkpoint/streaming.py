@@ -70,7 +70,7 @@ from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.heap import heap_budget
 from mmparity.checkpoint.fsio.pieces import FileRanges, joined, narrow_pieces, route_pieces
-from mmparity.checkpoint.fsio.publish import atomic_directory, recover_destination
+from mmparity.checkpoint.fsio.publish import recover_destination
 from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE, has_hf_weights, parse_size
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter

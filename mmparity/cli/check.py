@@ -91,15 +91,12 @@ def _detect(directory: str):
         raise UsageError(f"--hf {directory}: {exc}") from None
 
 
-def _load_hf(directory: str, family: str, hf_format):
-    """(family config, family tensors in the reference's own layout, what of the checkpoint they
-    are: a ``SourceUse``) from an HF directory."""
+def _family_config(directory: str, family: str):
+    """(the family's record, its config) from ``--hf DIR``'s config file; one line if it has none
+    or the family does not take it."""
     from mmparity import families
-    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
     from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.fsio.safetensors_read import open_safetensors_checkpoint
-    from mmparity.checkpoint.hf import bound_config, read_hf_config
-    from mmparity.converters.rules import ConversionError
+    from mmparity.checkpoint.hf import read_hf_config
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
@@ -109,9 +106,21 @@ def _load_hf(directory: str, family: str, hf_format):
         raise UsageError(f"--hf {exc}") from None
     fam = families.get(family)
     try:
-        cfg = fam.family_config(full_cfg)
+        return fam, fam.family_config(full_cfg)
     except ValueError as exc:
         raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
+
+
+def _load_hf(directory: str, family: str, hf_format):
+    """(family config, family tensors in the reference's own layout, what of the checkpoint they
+    are: a ``SourceUse``) from an HF directory."""
+    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
+    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.checkpoint.fsio.safetensors_read import open_safetensors_checkpoint
+    from mmparity.checkpoint.hf import bound_config
+    from mmparity.converters.rules import ConversionError
+
+    fam, cfg = _family_config(directory, family)
     try:
         config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
         bound_config(cfg, os.path.join(directory, config_name), directory)
@@ -160,12 +169,11 @@ def _open_low_memory(directory: str, family: str, hf_format):
     ``--low-memory``: the in-memory load's checks, each on one tensor at a time or on the headers."""
     import torch
 
-    from mmparity import families
     from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
     from mmparity.checkpoint.fsio.errors import CheckpointError
     from mmparity.checkpoint.fsio.heap import map_large_blocks
     from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
-    from mmparity.checkpoint.hf import bound_config, read_hf_config
+    from mmparity.checkpoint.hf import bound_config
     from mmparity.checkpoint.streaming import SourceUse
     from mmparity.converters.rules import ConversionError
 
@@ -173,15 +181,7 @@ def _open_low_memory(directory: str, family: str, hf_format):
         raise UsageError(f"--hf {directory}: no such directory")
     # Freed weights give their address space back at once (what an RLIMIT_AS run counts).
     map_large_blocks()
-    try:
-        full_cfg, _ = read_hf_config(directory, for_models=True)
-    except CheckpointError as exc:
-        raise UsageError(f"--hf {exc}") from None
-    fam = families.get(family)
-    try:
-        cfg = fam.family_config(full_cfg)
-    except ValueError as exc:
-        raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
+    fam, cfg = _family_config(directory, family)
     try:
         config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
         reader = RangeReader(directory)
