@@ -15,6 +15,7 @@ import pytest
 
 from mmparity.checkpoint.team import assign_units
 from mmparity.runtime import free_port
+from tests.test_faults_launcher import run_subprocess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,14 +23,8 @@ pytestmark = pytest.mark.slow  # every conversion here starts 2-3 interpreters
 
 
 def mmparity(*argv, env=None, timeout=180):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    full_env.update({"PYTHONPATH": str(REPO), "MMPARITY_TIMEOUT": "20", **(env or {})})
-    try:
-        proc = subprocess.run([sys.executable, "-m", "mmparity", *map(str, argv)], capture_output=True, text=True,
-                              timeout=timeout, env=full_env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"mmparity {' '.join(map(str, argv))} hung for {timeout}s")
-    return proc.returncode, proc.stdout, proc.stderr
+    # A longer timeout than the launcher tests': these ranks really convert, on a loaded machine.
+    return run_subprocess(*argv, env={"MMPARITY_TIMEOUT": "20", **(env or {})}, timeout=timeout)
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:

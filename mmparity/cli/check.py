@@ -91,6 +91,22 @@ def _detect(directory: str):
         raise UsageError(f"--hf {directory}: {exc}") from None
 
 
+def _note_left_out(name: str, use, detection, directory: str, notes: list) -> None:
+    if use.left_out:
+        facts = detection.facts if detection is not None else config_facts(directory)
+        notes.append(left_out_line(name, use, facts, "checks part of the checkpoint: "))
+
+
+def _check_image_sizes(name: str, cfg, sizes) -> None:
+    from mmparity.parity import harness
+
+    if sizes is not None:
+        try:
+            harness.validate_image_sizes(name, cfg, sizes)
+        except harness.InputError as exc:
+            raise UsageError(str(exc)) from None
+
+
 def _family_config(directory: str, family: str):
     """(the family's record, its config) from ``--hf DIR``'s config file; one line if it has none
     or the family does not take it."""
@@ -236,14 +252,8 @@ def _check_low_memory(args, name: str, sizes, notes: list, detection):
                          f"{', '.join(low_memory.SUPPORTED)}")
     cfg, reader, use, fmt = _open_low_memory(args.hf, name, args.hf_format)
     with reader:
-        if use.left_out:
-            facts = detection.facts if detection is not None else config_facts(args.hf)
-            notes.append(left_out_line(name, use, facts, "checks part of the checkpoint: "))
-        if sizes is not None:
-            try:
-                harness.validate_image_sizes(name, cfg, sizes)
-            except harness.InputError as exc:
-                raise UsageError(str(exc)) from None
+        _note_left_out(name, use, detection, args.hf, notes)
+        _check_image_sizes(name, cfg, sizes)
         usage = low_memory.Usage()
         try:
             report = low_memory.check(name, cfg, reader, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -412,14 +422,8 @@ def run(args) -> int:
             continue
         if args.hf:
             cfg, hf_state, use = _load_hf(args.hf, name, args.hf_format)
-            if use.left_out:
-                facts = detection.facts if detection is not None else config_facts(args.hf)
-                notes.append(left_out_line(name, use, facts, "checks part of the checkpoint: "))
-        if sizes is not None:
-            try:
-                harness.validate_image_sizes(name, cfg, sizes)
-            except harness.InputError as exc:
-                raise UsageError(str(exc)) from None
+            _note_left_out(name, use, detection, args.hf, notes)
+        _check_image_sizes(name, cfg, sizes)
         try:
             report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
                                    seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
