@@ -107,6 +107,16 @@ def _check_image_sizes(name: str, cfg, sizes) -> None:
             raise UsageError(str(exc)) from None
 
 
+def _refuse_poisoned(directory: str, poisoned: dict) -> None:
+    """``poisoned``: {tensor: count of NaN/Inf values}; any makes the check meaningless."""
+    if poisoned:
+        name = sorted(poisoned)[0]
+        raise UsageError(f"--hf {directory}: tensor {name} holds {poisoned[name]} NaN/Inf value(s)"
+                         + (f" ({len(poisoned) - 1} more tensor(s) too)" if len(poisoned) > 1 else "")
+                         + "; parity is undefined for non-finite weights (mmparity convert --check-finite "
+                           "finds them all)")
+
+
 def _family_config(directory: str, family: str):
     """(the family's record, its config) from ``--hf DIR``'s config file; one line if it has none
     or the family does not take it."""
@@ -170,12 +180,7 @@ def _load_hf(directory: str, family: str, hf_format):
     # NaN/Inf weights make every metric NaN (or every output equal): no parity verdict means anything.
     poisoned = {k: int(v.numel() - torch.isfinite(v).sum()) for k, v in tensors.items()
                 if v.is_floating_point() and not bool(torch.isfinite(v).all())}
-    if poisoned:
-        name = sorted(poisoned)[0]
-        raise UsageError(f"--hf {directory}: tensor {name} holds {poisoned[name]} NaN/Inf value(s)"
-                         + (f" ({len(poisoned) - 1} more tensor(s) too)" if len(poisoned) > 1 else "")
-                         + "; parity is undefined for non-finite weights (mmparity convert --check-finite "
-                           "finds them all)")
+    _refuse_poisoned(directory, poisoned)
     _refuse_unbacked_parameters(family, cfg, tensors, directory)
     return cfg, tensors, use
 
@@ -223,12 +228,7 @@ def _open_low_memory(directory: str, family: str, hf_format):
         raise UsageError(f"--hf {directory}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
-    if poisoned:
-        name = sorted(poisoned)[0]
-        raise UsageError(f"--hf {directory}: tensor {name} holds {poisoned[name]} NaN/Inf value(s)"
-                         + (f" ({len(poisoned) - 1} more tensor(s) too)" if len(poisoned) > 1 else "")
-                         + "; parity is undefined for non-finite weights (mmparity convert --check-finite "
-                           "finds them all)")
+    _refuse_poisoned(directory, poisoned)
     _refuse_unbacked_parameters(family, cfg, tensors, directory)
     return cfg, reader, use, fmt
 
