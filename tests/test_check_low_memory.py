@@ -54,6 +54,47 @@ def test_range_reader_reads_what_safetensors_holds_and_only_the_rows_asked(tmp_p
             reader.read(stacked, 0, expected[stacked].shape[0] + 1)
 
 
+def test_finiteness_scan_reads_a_stacked_experts_tensor_a_range_of_rows_at_a_time(capsys, tmp_path, monkeypatch):
+    """The scan before a low-memory check read each tensor whole: a stacked experts tensor is a
+    whole layer's experts (22 GB of bf16 ``gate_up_proj`` a layer at Kimi-K2.5's size), far above
+    the one unit the check keeps resident. It reads ``max_bytes`` of rows at a time, counts the
+    same, and the CLI still refuses a NaN in one expert, naming the tensor."""
+    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.reference.kimi_k25_vl import tiny_config
+
+    cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2)
+    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=3, cfg=cfg)
+    state = load_safetensors_state_dict(src)
+    stacked = "model.language_model.layers.2.mlp.experts.gate_up_proj"
+    bad = state[stacked].clone()
+    bad[5, 1, 2], bad[11, 0, 0] = float("nan"), float("inf")
+    state[stacked] = bad
+    poisoned = tmp_path / "poisoned"
+    save_safetensors_checkpoint(poisoned, state, extra_files={"config.json": cfg.to_json_string()})
+    row = bad[0].numel() * 4
+    reads = []
+    with RangeReader(poisoned) as reader:
+        original = reader.read
+
+        def read(name, start=None, stop=None):
+            reads.append((start, stop))
+            return original(name, start, stop)
+
+        reader.read = read
+        assert reader.nonfinite(stacked, max_bytes=3 * row) == 2
+        assert reads == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15), (15, 16)]
+        reads.clear()
+        assert reader.nonfinite(stacked, max_bytes=1) == 2 and len(reads) == 16  # at least a row
+        assert reader.nonfinite("model.language_model.norm.weight") == 0
+    seen = []
+    scan = RangeReader.nonfinite
+    monkeypatch.setattr(RangeReader, "nonfinite",
+                        lambda self, name, *a, **k: seen.append(name) or scan(self, name, *a, **k))
+    _usage_error(capsys, "check", "kimi_k25_vl", "--hf", poisoned, "--low-memory",
+                 match="layers.2.mlp.experts.gate_up_proj holds 2 NaN/Inf value(s)")
+    assert stacked in seen  # the CLI's scan is this one
+
+
 def test_range_reader_refuses_a_truncated_file(tmp_path):
     src = save_hf("clip", tmp_path / "hf", seed=1, max_shard_size="10GB")
     path = src / "model.safetensors"
