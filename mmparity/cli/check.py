@@ -219,11 +219,10 @@ def _open_low_memory(directory: str, family: str, hf_format):
                               {k: i.nbytes for k, i in reader.infos().items()})
         check_source_dtypes(directory, {k: v.dtype for k, v in tensors.items()})
         poisoned = {}
-        for key in sorted(tensors):  # one tensor resident at a time
-            value = reader.read(prefix + key)
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                poisoned[key] = int(value.numel() - torch.isfinite(value).sum())
-            del value
+        for key in sorted(tensors):  # a range of rows of one tensor resident at a time
+            count = reader.nonfinite(prefix + key)
+            if count:
+                poisoned[key] = count
     except ConversionError as exc:
         raise UsageError(f"--hf {directory}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
     except CheckpointError as exc:

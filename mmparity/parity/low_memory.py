@@ -257,6 +257,9 @@ class Streamed:
                                  f"indexed it by {index!r}, not by one expert")
         group = self._groups.get(id(param))
         if group is None or not group[0] <= index < group[1]:
+            # The group resident goes before the next is read (its rows were handed out as
+            # copies, so nothing else holds it): one group at a time, not two at each switch.
+            group = None
             self._drop(param)
             start = index // self.expert_group * self.expert_group
             stop = min(start + self.expert_group, param.shape[0])
@@ -264,7 +267,9 @@ class Streamed:
             group = self._groups[id(param)] = (start, stop, rows.contiguous())
             self.resident += group[2].numel() * group[2].element_size()
             self.usage.peak[self.side] = max(self.usage.peak[self.side], self.resident)
-        return group[2][index - group[0]]
+        # A copy of the one row: a view would keep the whole group alive in the caller's loop
+        # variable while the next group is read.
+        return group[2][index - group[0]].clone()
 
     def _drop(self, param) -> None:
         group = self._groups.pop(id(param), None)

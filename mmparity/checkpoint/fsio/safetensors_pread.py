@@ -136,6 +136,26 @@ class RangeReader:
                 done += got
         return out.view(info.dtype).view(shape)
 
+    def nonfinite(self, name: str, max_bytes: int = 64 * 2**20) -> int:
+        """How many NaN/Inf values tensor ``name`` holds (0 for integer tensors), read a range of
+        rows at a time so that at most about ``max_bytes`` of it (and at least one row) is
+        resident: a stacked experts tensor holds a whole layer's experts, far more than the one
+        unit ``check --low-memory`` keeps resident."""
+        info = self.info(name)
+        if not info.dtype.is_floating_point:
+            return 0
+        if len(info.shape) < 2:
+            value = self.read(name)
+            return int(value.numel() - torch.isfinite(value).sum())
+        rows = info.shape[0]
+        step = max(1, max_bytes // max(1, info.nbytes // max(1, rows)))
+        count = 0
+        for start in range(0, rows, step):
+            value = self.read(name, start, min(rows, start + step))
+            count += int(value.numel() - torch.isfinite(value).sum())
+            del value
+        return count
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
