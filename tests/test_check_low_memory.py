@@ -320,7 +320,7 @@ if mode != "unlimited":
 try:
     code, error = main(["check", "--hf", big, "--quiet", "--json", out] + low), None
 except BaseException as exc:  # the in-memory check may die of the limit anywhere
-    code, error = None, type(exc).__name__
+    code, error = None, f"{type(exc).__name__}: {str(exc)[:300]}"
 print("CHILD " + json.dumps({"base": base, "limit": limit, "code": code, "error": error,
                              "vm_peak": status("VmPeak"), "rss_peak": status("VmHWM")}))
 """
