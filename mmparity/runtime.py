@@ -239,6 +239,9 @@ class LaunchEnv:
     master_addr: str | None
     master_port: int | None
     agent_store: bool  # torchrun's agent hosts the store; every rank is a client
+    # Which machine this rank runs on, as the launcher numbers them (torchrun's GROUP_RANK, Slurm's
+    # SLURM_NODEID), else the host name: ranks with the same node see the same local disks.
+    node: str = ""
 
     @property
     def where(self) -> str:
@@ -338,7 +341,17 @@ def launch_env() -> LaunchEnv | None:
             raise LaunchError(f"MASTER_PORT={port_text!r} is not a port (1 to 65535): set a free port, "
                               f"or {_unset_hint()}")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return LaunchEnv(rank, world_size, local_rank, addr, port, agent_store)
+    return LaunchEnv(rank, world_size, local_rank, addr, port, agent_store, node_name())
+
+
+def node_name() -> str:
+    """This process's machine among a launch's: torchrun's node rank (two torchrun "nodes" on one
+    host are two nodes), Slurm's node number, else the host name."""
+    for variable in ("GROUP_RANK", "SLURM_NODEID"):
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return f"{variable}={value}"
+    return f"host {socket.gethostname()}"
 
 
 def _ranks_text(ranks: Sequence[int], world_size: int, verb: str) -> str:

@@ -127,11 +127,11 @@ def test_a_killed_rank_fails_the_conversion_and_leaves_the_destination(kimi_hf, 
     assert sorted(os.listdir(parent)) == litter  # no staging directory left behind
 
 
-def _start_rank(rank: int, world: int, port: int, argv, env=None):
+def _start_rank(rank: int, world: int, port: int, argv, env=None, cwd=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     full_env.update({"PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MMPARITY_TIMEOUT": "8", **(env or {})})
-    return subprocess.Popen([sys.executable, "-m", "mmparity", *map(str, argv)], env=full_env,
+    return subprocess.Popen([sys.executable, "-m", "mmparity", *map(str, argv)], env=full_env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -199,3 +199,110 @@ def test_two_torchrun_nodes_on_localhost_write_the_bytes_one_process_writes(kimi
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "by 4 processes" in outputs[0][0]
     assert_same_tree(single, tmp_path / "out")
+
+
+def _gathered(nodes: list[Path], into: Path) -> Path:
+    """The nodes' directories copied into one, as a user gathers a node-local checkpoint."""
+    for node in nodes:
+        for path in sorted(node.rglob("*")):
+            if path.is_file():
+                target = into / path.relative_to(node)
+                assert not target.exists(), f"{path}: written on two nodes"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(path.read_bytes())
+    return into
+
+
+def test_two_torchrun_nodes_with_node_local_destinations_write_one_process_bytes_between_them(kimi_hf, tmp_path):
+    """``--node-local``: two torchrun "nodes" whose ``--dst out`` is relative to different
+    directories, as on machines without a shared filesystem. Each node holds its ranks' data files;
+    rank 0's node also the metadata; the two gathered are the one-process checkpoint, byte for byte."""
+    single = tmp_path / "single"
+    code, _, err = mmparity("convert", "--src", kimi_hf, "--dst", single, "--to", "mcore", "--max-shard-size", "60KB")
+    assert code == 0, err
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), MMPARITY_TIMEOUT="30")
+    disks = [tmp_path / f"node{node}" for node in range(2)]
+    for disk in disks:
+        disk.mkdir()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "mmparity", "convert", "--src", str(kimi_hf), "--dst", "out", "--node-local",
+                               "--to", "mcore", "--max-shard-size", "60KB"],
+                              env=env, cwd=disks[node], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in range(2)]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    held = [sorted(tree_bytes(disk / "out")) for disk in disks]
+    assert held[1] and all(name.endswith(".distcp") for name in held[1]), held  # data files only
+    assert any(name.endswith(".metadata") for name in held[0])
+    assert sorted(held[0] + held[1]) == sorted(tree_bytes(single))
+    code, out, _ = mmparity("verify", disks[0] / "out")  # not gathered: says so, and how
+    assert code != 0 and "data file is missing (written on another node with convert --node-local?" in out
+    merged = _gathered([disk / "out" for disk in disks], tmp_path / "merged")
+    assert_same_tree(single, merged)
+    code, _, err = mmparity("verify", merged)
+    assert code == 0, err
+    assert sorted(os.listdir(disks[1])) == ["out"]  # no staging directory left on either node
+
+
+def _node_local_ranks(kimi_hf, tmp_path, dst_of_node, env=None):
+    """Four launcher-started ranks, two per "node" (GROUP_RANK, as torchrun sets it), each node in
+    its own working directory; returns (disks, [(returncode, stderr)])."""
+    disks = [tmp_path / f"node{node}" for node in range(2)]
+    for disk in disks:
+        disk.mkdir(exist_ok=True)
+    port = free_port()
+    procs = [_start_rank(r, 4, port, ["convert", "--src", kimi_hf, "--dst", dst_of_node(disks[r // 2]),
+                                      "--node-local", "--to", "mcore", "--max-shard-size", "60KB"],
+                         env={"GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2), **(env or {})}, cwd=disks[r // 2])
+             for r in range(4)]
+    try:
+        results = [(proc.wait(timeout=120), proc.stderr.read()) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+    return disks, results
+
+
+@pytest.mark.fault
+def test_node_local_ranks_killed_before_their_node_publishes_publish_nothing(kimi_hf, tmp_path):
+    """Node 1's first rank (rank 2) killed when told to publish: rank 0 has written the metadata but
+    waits for it, names it, and publishes nothing; no node's destination appears."""
+    disks, results = _node_local_ranks(kimi_hf, tmp_path, lambda disk: "out",
+                                       env={"MMPARITY_FAULT": "kill@node-publish", "MMPARITY_FAULT_RANK": "2"})
+    assert results[2][0] == -signal.SIGKILL
+    code, err = results[0]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "rank 2 of 4" in lines[0] and "Traceback" not in err, err
+    assert not (disks[0] / "out").exists() and not (disks[1] / "out").exists()
+    assert os.listdir(disks[0]) == []  # rank 0 removed its staging directory
+    # The killed rank's staging directory is removed by the next conversion on that node.
+    code, _, err = mmparity("convert", "--src", kimi_hf, "--dst", disks[1] / "out", "--to", "mcore")
+    assert code == 0, err
+    assert sorted(os.listdir(disks[1])) == ["out"]
+
+
+def test_node_local_refuses_a_destination_the_nodes_share(kimi_hf, tmp_path):
+    shared = tmp_path / "shared" / "out"
+    disks, results = _node_local_ranks(kimi_hf, tmp_path, lambda disk: shared)
+    assert all(code == 2 for code, _ in results), results
+    lines = [line for line in results[0][1].splitlines() if line.strip()]
+    assert len(lines) == 1 and "shared filesystem; drop --node-local" in lines[0], results[0][1]
+    assert not shared.exists() and (not shared.parent.exists() or os.listdir(shared.parent) == [])
+
+
+def test_node_local_is_refused_for_formats_read_from_one_directory(kimi_hf, tmp_path):
+    for extra in (["--to", "hf"], ["--to", "mcore", "--format", "legacy"]):
+        code, out, err = mmparity("convert", "--src", kimi_hf, "--dst", tmp_path / "x", "--node-local", *extra)
+        assert code == 2 and "--node-local applies to --to mcore --format torch_dist" in err and "Traceback" not in err

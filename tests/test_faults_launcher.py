@@ -97,9 +97,9 @@ def test_a_partial_or_inconsistent_launcher_environment_is_named(monkeypatch, ca
 
 def test_a_consistent_environment_is_read_as_torchrun_sets_it(monkeypatch):
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+                        "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_RANK": "3"}.items():
         monkeypatch.setenv(name, value)
-    assert runtime.launch_env() == runtime.LaunchEnv(1, 2, 1, "127.0.0.1", 29500, True)
+    assert runtime.launch_env() == runtime.LaunchEnv(1, 2, 1, "127.0.0.1", 29500, True, "GROUP_RANK=3")
     assert runtime.launched_world_size() == 2
 
 
@@ -242,3 +242,15 @@ def test_spawned_ranks_that_do_not_meet_time_out_naming_the_missing_rank():
     message = str(info.value)
     assert message.startswith("spawned rank 0: rendezvous at 127.0.0.1:"), message
     assert "rank 1 of 2 never joined" in message and "RANK/WORLD_SIZE" not in message
+
+
+def test_a_rank_s_node_is_the_launcher_s_node_number_else_the_host(monkeypatch):
+    import socket
+
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    assert runtime.node_name() == f"host {socket.gethostname()}"
+    monkeypatch.setenv("SLURM_NODEID", "5")
+    assert runtime.node_name() == "SLURM_NODEID=5"
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's, under Slurm too
+    assert runtime.node_name() == "GROUP_RANK=1"

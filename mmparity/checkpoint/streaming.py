@@ -183,6 +183,9 @@ class ConvertOptions:
     # This process's share where several write one checkpoint (torchrun, --workers): None is one
     # process writing everything. The output is the same either way.
     team: team_mod.Team | None = None
+    # torch_dist written by ranks on several machines, each node's data files to ``dst`` on its
+    # own disk (no shared filesystem); rank 0's node gets the metadata (see team.staging).
+    node_local: bool = False
 
     @property
     def grid(self) -> Grid:
@@ -1340,7 +1343,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
             provenance=_mcore_provenance(source, options, **side_extra), extra_records=side_records,
             extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files}, force=options.force,
             locate=source.locate, max_file_size=options.max_shard_size or torch_dist_write.DEFAULT_FILE_SIZE,
-            team=options.team)
+            team=options.team, node_local=options.node_local)
     except CheckpointError as exc:
         raise ConvertError(str(exc)) from None
     return len(order), total

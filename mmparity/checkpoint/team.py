@@ -80,10 +80,11 @@ class Team:
 
     @contextlib.contextmanager
     def staging(self, destination: str | os.PathLike, *, force: bool = False,
-                inner: str | None = None) -> Iterator[Path]:
+                inner: str | None = None, node_local: bool = False) -> Iterator[Path]:
         """The staging directory every rank writes into (``inner``: a subdirectory rank 0 creates
         before the others may write, e.g. the iteration directory); published by rank 0 once the
-        block succeeded on every rank."""
+        block succeeded on every rank. ``node_local``: ``destination`` names a directory on each
+        node's own disk, and each node stages and publishes the files its ranks write there."""
         with atomic_directory(destination, force=force) as staging:
             if inner is not None:
                 (staging / inner).mkdir()
@@ -200,7 +201,11 @@ class _StoreTeam(Team):
 
     @contextlib.contextmanager
     def staging(self, destination: str | os.PathLike, *, force: bool = False,
-                inner: str | None = None) -> Iterator[Path]:
+                inner: str | None = None, node_local: bool = False) -> Iterator[Path]:
+        if node_local:
+            with self._node_local_staging(destination, force=force, inner=inner) as staging:
+                yield staging
+            return
         created: list[Path] = []
         staging = None
         try:
@@ -213,7 +218,8 @@ class _StoreTeam(Team):
                 staging = Path(self._wait([0], "staging", "waiting for rank 0's staging directory")[0].decode())
                 if not staging.is_dir():
                     raise TeamError(f"{staging}: rank 0's staging directory is not visible from this rank; "
-                                    "every rank must see the destination's filesystem (a shared one across nodes)")
+                                    "every rank must see the destination's filesystem (a shared one across nodes), "
+                                    "or pass --node-local (torch_dist) to give each node its own")
             yield staging
             if self.leader:
                 publish_staging_directory(staging, destination, force=force)
@@ -228,6 +234,73 @@ class _StoreTeam(Team):
         except BaseException as exc:
             self._say_failed(exc)
             if self.leader and staging is not None:
+                discard_staging_directory(staging, created)
+            raise
+
+    @contextlib.contextmanager
+    def _node_local_staging(self, destination: str | os.PathLike, *, force: bool,
+                            inner: str | None) -> Iterator[Path]:
+        """Each node's first rank stages ``destination`` on that node's own disk for the node's
+        ranks; rank 0's also gets the small files. Publishing is two-step, rank 0 last: once rank 0
+        has written everything, the other nodes publish their data files, then rank 0 publishes
+        the directory with ``.metadata``, so a checkpoint whose metadata is out has all its data
+        files out on some node. (No rename spans machines: a node lost between the two steps
+        leaves the nodes that published holding data files without metadata.)"""
+        created: list[Path] = []
+        staging = None
+        owned = published = False
+        try:
+            self._call("announcing its node", self._store.set, f"node/{self.rank}", self._env.node)
+            others = [r for r in range(self.size) if r != self.rank]
+            nodes = {r: v.decode() for r, v in self._wait(others, "node", "learning which node each rank runs on").items()}
+            nodes[self.rank] = self._env.node
+            node_leaders = sorted({min(r for r in nodes if nodes[r] == node) for node in nodes.values()})
+            my_leader = min(r for r in nodes if nodes[r] == self._env.node)
+            if self.rank == my_leader:
+                staging, created = make_staging_directory(destination, force=force)
+                owned = True
+                if inner is not None:
+                    (staging / inner).mkdir()
+                self._store.set(f"staging/{self.rank}", str(staging))
+                theirs = self._wait([r for r in node_leaders if r != self.rank], "staging",
+                                    "waiting for the other nodes' staging directories")
+                for rank, path in theirs.items():
+                    other = Path(path.decode())
+                    with contextlib.suppress(OSError):  # not visible here: node-local indeed
+                        if os.path.samefile(other.parent, staging.parent):
+                            raise TeamError(
+                                f"{Path(destination).absolute()}: --node-local, but rank {rank} on another node "
+                                f"({nodes[rank]}) stages into the same directory ({other.parent}): the destination "
+                                "is on a shared filesystem; drop --node-local")
+            else:
+                staging = Path(self._wait([my_leader], "staging",
+                                          f"waiting for rank {my_leader}'s staging directory on this node"
+                                          )[my_leader].decode())
+                if not staging.is_dir():
+                    raise TeamError(f"{staging}: rank {my_leader}'s staging directory is not visible from rank "
+                                    f"{self.rank}, which the launcher puts on the same node ({self._env.node})")
+            yield staging
+            if self.leader:
+                self._store.set("commit/0", "1")
+                self._wait([r for r in node_leaders if r != 0], "published",
+                           "waiting for the other nodes to publish their data files")
+                publish_staging_directory(staging, destination, force=force)
+                published = True
+                self._store.set("published/0", "1")
+                with contextlib.suppress(TeamError):
+                    self._wait(range(1, self.size), "done", "waiting for the ranks to hear of the publish")
+            else:
+                if self.rank == my_leader:
+                    self._wait([0], "commit", "waiting for rank 0 to write the checkpoint's metadata")
+                    faults.fault_point("node-publish")
+                    publish_staging_directory(staging, destination, force=force)
+                    published = True
+                    self._store.set(f"published/{self.rank}", "1")
+                self._wait([0], "published", "waiting for rank 0 to publish")
+                self._store.set(f"done/{self.rank}", "1")
+        except BaseException as exc:
+            self._say_failed(exc)
+            if owned and not published:
                 discard_staging_directory(staging, created)
             raise
 

@@ -109,6 +109,10 @@ def _check_storage(path: Path, metadata) -> None:
             raise CheckpointError(f"{path / '.metadata'}: {fqn!r} is stored in {relative!r}, a path outside the "
                                   "checkpoint directory; refusing to read it")
         if relative not in sizes:
+            if not os.path.lexists(path / relative):
+                # The usual cause: a checkpoint written with --node-local, its nodes not gathered.
+                raise CheckpointError(f"{path / relative}: data file is missing (written on another node with "
+                                      "convert --node-local? copy every node's directory into this one)")
             sizes[relative] = require_regular_file(path / relative, "data file").st_size
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)):
             raise CheckpointError(f"{path / '.metadata'}: {fqn!r} has an invalid byte range {offset!r}+{length!r}")

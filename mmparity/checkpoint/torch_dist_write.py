@@ -97,7 +97,8 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
                      extra_files: Mapping[str, str | bytes] | None = None,
                      extra_records: Sequence[TensorRecord] = (), force: bool = False, locate=None,
                      written: Callable[[str], None] | None = None,
-                     max_file_size: int | str = DEFAULT_FILE_SIZE, team: Team | None = None) -> Path:
+                     max_file_size: int | str = DEFAULT_FILE_SIZE, team: Team | None = None,
+                     node_local: bool = False) -> Path:
     """Writes ``layout`` as a torch_dist checkpoint at ``root``, atomically.
 
     ``produce(key)`` gives the pieces (consecutive dim-0 blocks, views where the source allows) of
@@ -105,7 +106,8 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
     are queued. ``locate`` tells which pieces are views of source files (copied file to file).
     ``written(key)`` is called after each tensor is handed to the writer. Data files hold up to
     ``max_file_size`` bytes each; with a ``team`` of several processes, each writes the files
-    :func:`team.assign_units` gives it and only reads what they hold (the bytes are the same)."""
+    :func:`team.assign_units` gives it and only reads what they hold (the bytes are the same);
+    ``node_local``: each node writes its ranks' files to ``root`` on its own disk (team.staging)."""
     root = Path(root).absolute()
     team = team or solo()
     iteration_name = iteration_dirname(iteration)
@@ -117,7 +119,7 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
         for chunk in tensor.chunks:
             if mine[slots[tensor.key, chunk.offsets].file]:
                 by_source.setdefault(chunk.source, []).append((tensor, chunk))
-    with team.staging(root, force=force, inner=iteration_name) as staging:
+    with team.staging(root, force=force, inner=iteration_name, node_local=node_local) as staging:
         directory = staging / iteration_name
         fds: list[int | None] = []
         try:

@@ -67,6 +67,10 @@ def add_arguments(parser) -> None:
                         help="convert with P processes on this machine, each writing its share of the output "
                              "files (the same bytes as one process); across machines, start the ranks with "
                              "torchrun instead (docs/convert.md)")
+    parser.add_argument("--node-local", action="store_true",
+                        help="with torchrun across machines and --format torch_dist: --dst is on each node's own "
+                             "disk; each node writes its ranks' data files there, rank 0's node also the metadata "
+                             "(gather the directories into one to load it; docs/convert.md)")
     parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
 
@@ -162,6 +166,9 @@ def run(args) -> int:
         raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:
         raise UsageError(f"--ep must be >= 1, got {args.ep}")
+    if args.node_local and (args.to != "mcore" or (args.format or formats.writable()[0]) != "torch_dist"):
+        raise UsageError("--node-local applies to --to mcore --format torch_dist, whose data files are independent "
+                         "of each other; HF shards and legacy rank files go to one shared --dst")
     iteration = parse_iteration(args.iteration)
     base, hf_config = getattr(args, "base", None), getattr(args, "hf_config", None)
     if args.to != "hf" and (base is not None or hf_config is not None):
@@ -173,7 +180,7 @@ def run(args) -> int:
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         requantize=args.requantize, expert_layout=args.expert_layout,
         base=Path(base) if base is not None else None, hf_config=Path(hf_config) if hf_config is not None else None,
-        iteration=iteration, release=args.release)
+        iteration=iteration, release=args.release, node_local=args.node_local)
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.workers > 1 and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:

@@ -3,7 +3,8 @@
 `MMPARITY_FAULT` makes a writer die or stop at a chosen point, so tests can check the publishing
 invariant at every point of a real conversion: comma-separated `kill@N` (SIGKILL at the N-th point
 reached), `kill@NAME` (at the first point of that name: staged, tensor, shared (a rank of several
-sent its records), synced, aside, published, removed), `pause@N` / `pause@NAME` (sleep there until a signal arrives), `noexchange` (publish as
+sent its records), node-publish (another node's first rank, told to publish with --node-local),
+synced, aside, published, removed), `pause@N` / `pause@NAME` (sleep there until a signal arrives), `noexchange` (publish as
 on a filesystem without RENAME_EXCHANGE). `MMPARITY_FAULT_RANK=R` limits them to the process whose
 `RANK` is R (one rank of several writing one checkpoint). Unset, a point is one counter increment."""
 
