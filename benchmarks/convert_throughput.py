@@ -22,6 +22,7 @@ in rounds, `--repeat` times, and `--paired` times the plain copy right before ev
 each run is judged against the copy made in the same state (column `x the copy just before`).
 
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
+       [--workers P]
        [--log FILE]
 Numbers go to docs/convert.md; nothing here asserts.
 """
@@ -43,6 +44,21 @@ from pathlib import Path
 QWEN35_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
                      patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048,
                      num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, grandchildren, ... (a job's ranks), as the kernel lists them now."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        found += children
+        todo += children
+    return found
 
 
 def _rss_anon_kb(pid: int | str = "self") -> int | None:
@@ -113,23 +129,86 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         save_file(state, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
         _fsync_tree(Path(dst))
     elif job == "convert":
+        options = json.loads(extra[0])
+        workers = options.pop("workers", 1)
+        if workers > 1:  # this process only starts and times the ranks: it imports nothing
+            ready = _rss_anon_kb()
+            seconds, phases = _run_ranks(workers, src, dst, options)
+            return {"seconds": seconds, "ready_anon_kb": ready, "phases": phases}
         import torch  # noqa: F401  (import cost outside the timed region, as for the others)
 
         from mmparity.checkpoint.streaming import ConvertOptions, convert
 
-        from mmparity import families
-
-        options = json.loads(extra[0])
-        # Imports outside the timed region, as for the baselines: they are per process, not per byte.
-        families.get("qwen3_5").hooks  # loads the reference and native modules with the family
-        if options.get("format") == "torch_dist" and options["to"] == "mcore":
-            import mmparity.checkpoint.torch_dist_write  # noqa: F401  (megatron-free since session 13)
+        _import_for(options)
         ready = _rss_anon_kb()
         started = time.perf_counter()
         convert(ConvertOptions(src=Path(src), dst=Path(dst), **options))
     else:
         raise SystemExit(f"unknown job {job}")
     return {"seconds": time.perf_counter() - started, "ready_anon_kb": ready, "phases": phases}
+
+
+def _import_for(options: dict) -> None:
+    """Imports outside the timed region, as for the baselines: they are per process, not per byte."""
+    from mmparity import families
+
+    families.get("qwen3_5").hooks  # loads the reference and native modules with the family
+    if options.get("format") == "torch_dist" and options["to"] == "mcore":
+        import mmparity.checkpoint.torch_dist_write  # noqa: F401  (megatron-free since session 13)
+
+
+def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, dict]:  # (seconds, phases)
+    """One conversion by ``workers`` ranks as torchrun starts them (RANK, WORLD_SIZE, MASTER_*),
+    each a fresh interpreter. Timed as the one-process job is: from when every rank has its imports
+    done (interpreter start-up is per process, not per byte) until the last rank has finished, so the
+    ranks' meeting, their share of the work and rank 0's publish are all in it."""
+    from mmparity.runtime import LAUNCHER_VARIABLES, free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(WORLD_SIZE=str(workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", src, dst, json.dumps(options)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for r in range(workers)]
+    try:
+        for rank in ranks:
+            if rank.stdout.readline().strip() != "ready":
+                raise SystemExit("a rank failed before its conversion started")
+        started = time.perf_counter()
+        for rank in ranks:
+            rank.stdin.write("go\n")
+            rank.stdin.flush()
+        reports = [json.loads(rank.stdout.readline() or "null") for rank in ranks]
+        # Timed to the last rank's report, not its exit: a one-process job's interpreter tear-down
+        # is not timed either.
+        finished = time.perf_counter()
+        codes = [rank.wait() for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    if codes != [0] * workers or None in reports:
+        raise SystemExit(f"ranks exited {codes}")
+    return finished - started, {f"rank{r}_convert": report["seconds"] for r, report in enumerate(reports)}
+
+
+def _rank(src: str, dst: str, options: dict) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from mmparity.checkpoint import team as team_mod
+    from mmparity.checkpoint.streaming import ConvertOptions, convert
+
+    _import_for(options)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started = time.perf_counter()
+    team = team_mod.join()
+    try:
+        convert(ConvertOptions(src=Path(src), dst=Path(dst), team=team, **options))
+    finally:
+        team.close()
+    print(json.dumps({"seconds": time.perf_counter() - started}), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,8 +269,10 @@ def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = N
 
     def sample():
         while not stop.is_set():
-            value = _rss_anon_kb(proc.pid)
-            if value is not None:
+            # A job of several ranks holds the memory of all of them at once.
+            values = [_rss_anon_kb(p) for p in (proc.pid, *_descendants(proc.pid))]
+            value = sum(v for v in values if v is not None)
+            if values[0] is not None:
                 peak[0] = max(peak[0], value)
             sched[0] = _schedstat(proc.pid) or sched[0]
             time.sleep(0.003)
@@ -276,6 +357,9 @@ def main() -> None:
                              "script, its tree on PYTHONPATH) in the same rounds, each run paired with "
                              "its own copy, the two trees' order alternating round by round: a before/after "
                              "comparison in which a disk stall cannot fall on one tree only")
+    parser.add_argument("--workers", type=int, default=1, metavar="P",
+                        help="also run four conversions by P processes (ranks as torchrun starts them; each "
+                             "job's output has at least P files), paired with their own copy like the rest")
     parser.add_argument("--log", default=None,
                         help="append every run (and its paired copy) as a JSON line: wall, phases, the "
                              "child's CPU, faults and wait for a CPU, the system's CPU steal")
@@ -304,6 +388,19 @@ def main() -> None:
             ("legacy tp2 -> hf", "convert", work / "legacy2", work / "back_legacy", dict(to="hf", max_shard_size=args.max_shard_size)),
             ("torch_dist -> hf", "convert", work / "dist1", work / "back_dist", dict(to="hf", max_shard_size=args.max_shard_size)),
         ]
+        if args.workers > 1:
+            p = args.workers
+            # Output units are whole files: sizes that give every rank some.
+            jobs += [
+                (f"hf -> torch_dist tp1, {p} processes", "convert", src, work / "dist1_p",
+                 dict(to="mcore", family="qwen3_5", format="torch_dist", max_shard_size="256MB", workers=p)),
+                (f"hf -> legacy tp2, {p} processes", "convert", src, work / "legacy2_p",
+                 dict(to="mcore", family="qwen3_5", format="legacy", tp=2, workers=p)),
+                (f"legacy tp2 -> hf, {p} processes", "convert", work / "legacy2", work / "back_legacy_p",
+                 dict(to="hf", max_shard_size="256MB", workers=p)),
+                (f"torch_dist -> hf, {p} processes", "convert", work / "dist1", work / "back_dist_p",
+                 dict(to="hf", max_shard_size="256MB", workers=p)),
+            ]
         # Rounds: every job once per round, so a disk that slows down as the benchmark writes
         # (some do: on one, by the end of a depth-54 run the plain copy took 1.3x as long as at the
         # start) slows every job alike instead of whichever ran last.
@@ -353,7 +450,7 @@ def main() -> None:
                         against_runs[label].append(run_once(label, job, against_path(job_src), out, extra, tree))
                     # Outputs no later job reads go at once (the round trips' are compared at the
                     # end): it keeps the disk footprint, and what the page cache must hold, small.
-                    if job_dst.name in ("copy", "copy_wb", "tf", "legacy1", "dist2") or (
+                    if job_dst.name in ("copy", "copy_wb", "tf", "legacy1", "dist2", "dist1_p", "legacy2_p") or (
                             job_dst.name.startswith("back_") and not (last_round and tree is None)):
                         shutil.rmtree(out)
         rows = []
@@ -362,7 +459,8 @@ def main() -> None:
             result.update(label=label, all_seconds=[r["seconds"] for r in runs[label]],
                           peak_anon_kb=max(r["peak_anon_kb"] for r in runs[label]))
             rows.append(result)
-        exact = {name: _same_tensors(src, work / name) for name in ("back_legacy", "back_dist")}
+        exact = {name: _same_tensors(src, work / name) for name in ("back_legacy", "back_dist")
+                 + (("back_legacy_p", "back_dist_p") if args.workers > 1 else ())}
 
         copy_seconds, floor_seconds = rows[0]["seconds"], rows[1]["seconds"]
         print(f"\nQwen3.5 vision tower, depth {args.depth}: {source_bytes / 1e9:.3f} GB (bf16, {len(files) - 2} shards), "
@@ -415,5 +513,7 @@ def _print_against(runs: dict, against_runs: dict, other: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         print(json.dumps(_child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        _rank(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
     else:
         main()

@@ -438,7 +438,7 @@ def _meet(env: LaunchEnv, timeout: float):
                 break
             if time.monotonic() >= deadline:
                 raise _rendezvous_failure(env, timeout, _ranks_text(missing, env.world_size, "never joined"))
-            time.sleep(0.05)
+            time.sleep(0.01)
     except RuntimeError:  # the store went away under us: its host (rank 0 or the agent) died
         raise _rendezvous_failure(env, timeout, "the store's host went away before every rank joined") from None
     return store, prefix
