@@ -23,6 +23,7 @@ from mmparity.checkpoint.fsio.publish import atomic_directory, write_extra_files
 from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, has_hf_weights
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import write_safetensors_shards
+from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 
 __all__ = ["write_hf", "bound_config", "checkpoint_capacity", "read_config_facts", "detect_family"]
 
@@ -97,10 +98,10 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
         for rank_file in sorted(directory.glob(f"mp_rank_*/{LEGACY_FILE}")):
             require_regular_file(rank_file, "rank file")
             try:
-                reader = torch._C.PyTorchFileReader(str(rank_file))
-                records = [r for r in reader.get_all_records() if r.startswith("data/")]
+                reader = TorchArchive(rank_file)
+                records = [r for r in reader.records() if r.startswith("data/")]
                 tensors += len(records)
-                elements += sum(reader.get_record_size(r) for r in records)
+                elements += sum(reader.size(r) for r in records)
             except RuntimeError as exc:
                 raise CheckpointError(f"{rank_file}: not a torch.save file ({' '.join(str(exc).split())[:200]})") from None
     return tensors, elements

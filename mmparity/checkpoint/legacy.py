@@ -40,6 +40,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.fsio.publish import atomic_directory
 from mmparity.checkpoint.fsio.slots import Slot, SlotWriter, torch_save_without_crc32
+from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
@@ -271,17 +272,17 @@ def _write_skeleton(path: Path, model: Mapping, iteration: int | str,
             # A release checkpoint's iteration is 0, as Megatron-LM's loader reads it.
             torch.save({**(common or {}), "model": placeholders, "checkpoint_version": CHECKPOINT_VERSION,
                         "iteration": 0 if iteration == RELEASE else iteration}, path)
-    reader = torch._C.PyTorchFileReader(str(path))
-    records = set(reader.get_all_records())
+    reader = TorchArchive(path)
+    records = set(reader.records())
     result = []
     tensors = [t for t in placeholders.values() if isinstance(t, torch.Tensor)]
     for number, tensor in enumerate(tensors):
         record = f"data/{number}"
         nbytes = tensor.numel() * tensor.element_size()
-        if record not in records or reader.get_record_size(record) != nbytes:
+        if record not in records or reader.size(record) != nbytes:
             raise CheckpointError(f"{path}: torch.save laid out storage {number} unlike this writer expects "
                                   "(an unsupported torch version?)")
-        result.append((reader.get_record_offset(record), nbytes))
+        result.append((reader.offset(record), nbytes))
     return result
 
 
@@ -442,9 +443,8 @@ def _check_mapped_spans(path: Path, model: Mapping) -> int | None:
     address is recovered from those, and every storage must then start at a record and fit in it
     (torch itself checks that a tensor fits in its storage). Reads the zip directory, no data.
     """
-    reader = torch._C.PyTorchFileReader(str(path))
-    records = {reader.get_record_offset(r): (r, reader.get_record_size(r))
-               for r in reader.get_all_records() if r.startswith("data/")}
+    reader = TorchArchive(path)
+    records = {reader.offset(r): (r, reader.size(r)) for r in reader.records() if r.startswith("data/")}
     storages = {k: v.untyped_storage() for k, v in model.items()
                 if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
     if not storages:

@@ -36,6 +36,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
 from mmparity.checkpoint.fsio.slots import Slot, torch_save_without_crc32
+from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 from mmparity.checkpoint.layout import DIST_CONFIG_FILE
 
 __all__ = [
@@ -244,11 +245,11 @@ def torch_save_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int, byte
             warnings.simplefilter("ignore")  # skip_data is marked as a prototype
             with torch.serialization.skip_data():
                 torch.save(torch.empty(key[1], dtype=dtype), name)
-        reader = torch._C.PyTorchFileReader(name)
-        if reader.get_record_size("data/0") != nbytes:
+        reader = TorchArchive(name)
+        if reader.size("data/0") != nbytes:
             raise CheckpointError(f"torch.save laid out a {dtype} {list(shape)} tensor unlike mmparity expects")
-        start = reader.get_record_offset("data/0")
-        pickled = reader.get_record("data.pkl")
+        start = reader.offset("data/0")
+        pickled = reader.read("data.pkl")
         with open(name, "rb") as f:
             head = f.read(start)
             f.seek(start + nbytes)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 
 __all__ = [
     "RefusedPickle",
@@ -285,8 +286,8 @@ def load_torch_archive(data: bytes, allowed: Mapping[str, frozenset[str]] = OBJE
     if not data.startswith(_ZIP_MAGIC):
         raise CheckpointError(f"{where}: not a torch.save archive (no zip header)")
     try:
-        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
-        pickled = reader.get_record("data.pkl")
+        reader = TorchArchive(data)
+        pickled = reader.read("data.pkl")
     except Exception as exc:
         raise CheckpointError(f"{where}: unreadable torch.save archive ({' '.join(str(exc).split())[:200]})") from None
     made: dict[str, object] = {}
@@ -296,13 +297,13 @@ def load_torch_archive(data: bytes, allowed: Mapping[str, frozenset[str]] = OBJE
             return made[key]
         record = f"data/{key}"
         try:
-            size = reader.get_record_size(record)
+            size = reader.size(record)
         except Exception:
             raise CheckpointError(f"{where}: the pickle names storage {key!r}, which the archive lacks") from None
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if size != nbytes:
             raise CheckpointError(f"{where}: storage {key!r} holds {size} bytes, the pickle says {nbytes}")
-        raw = bytearray(reader.get_record(record)) if nbytes else bytearray()
+        raw = bytearray(reader.read(record)) if nbytes else bytearray()
         flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         made[key] = typed = torch.storage.TypedStorage(wrap_storage=flat.untyped_storage(), dtype=dtype, _internal=True)
         return typed
