@@ -165,7 +165,7 @@ class TensorEntry:
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[str, int, int]], ...]
 
 
-def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[str, int, int]]) -> bytes:
+def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[str, int, int]]) -> bytearray:
     """The ``.metadata`` bytes of a DCP checkpoint holding ``tensors`` and the byte ``objects``
     (item key -> (relative file, offset, length)), as DCP's ``FileSystemWriter`` under mcore's
     save planner would write them (no planner data).
@@ -208,7 +208,9 @@ def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[
     encoder = _Encoder()
     encoder.value(metadata)
     encoder.out += b"."
-    return bytes(encoder.out)
+    # The buffer itself, not a bytes copy of it: the index grows with the tensor count, and is
+    # made at the end of a conversion, when everything else that does is still held.
+    return encoder.out
 
 
 def _tensor_metadata(entry: TensorEntry) -> _Object:

@@ -36,6 +36,7 @@ from mmparity.converters.axes import AxisError, Grid
 from mmparity.converters.rules import ConversionError
 from mmparity.checkpoint import extra_state, unpickle
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.fsio.publish import atomic_directory
@@ -184,22 +185,19 @@ class LegacyWriter:
                                                   f"as a tensor, not as a {type(entries[key]).__name__}")
                         self._extra_states.append((number, local, entries[key]))
                 for local, (offset, nbytes) in zip(tensor_keys, offsets):
-                    key = local_to_global[local]
+                    key = shared.name(local_to_global[local])
                     dtype, shape = entries[key]
-                    name = self.slot_name(tp_rank, key, ep_rank)
+                    # A tuple, not a formatted string: one name per slot of thousands, all held to the end.
+                    name = (tp_rank, ep_rank, key)
                     self._slots_of.setdefault((tp_rank, key), []).append(name)
-                    slots[name] = Slot(number, offset, nbytes, dtype, tuple(shape))
-                    self._local[name] = (number, local)
+                    slots[name] = Slot(number, offset, nbytes, dtype, shared.shape(shape))
+                    self._local[name] = (number, shared.name(local))
         except BaseException:
             for fd in fds:
                 if fd is not None:
                     os.close(fd)
             raise
         self._writer = SlotWriter(self.staging, fds, slots, locate=locate)
-
-    @staticmethod
-    def slot_name(tp_rank: int, key: str, ep_rank: int = 0) -> str:
-        return f"{tp_rank}:{ep_rank}:{key}"
 
     def holds(self, tp_rank: int, key: str) -> bool:
         """Whether a file this process writes holds TP rank ``tp_rank``'s tensor ``key``."""

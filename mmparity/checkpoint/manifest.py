@@ -20,6 +20,7 @@ import mmparity
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.fsio.checksums import TensorChecksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.fsio.publish import write_extra_files
 
@@ -81,7 +82,7 @@ class TensorRecord:
             raise ValueError(f"offset {offset!r} is not a list of positions")
         return cls(
             sys.intern(_expect(record["file"], str, "file")),  # a few files, thousands of records
-            _expect(record["key"], str, "key"),
+            shared.name(_expect(record["key"], str, "key")),
             TensorChecksum.from_json(record),
             tuple(offset) if offset is not None else None,
         )

@@ -65,6 +65,7 @@ from mmparity.converters.axes import Grid
 from mmparity.converters.pp import PipelineError
 from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
+from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.checksums import TensorChecksum, tensor_checksum
 from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
 from mmparity.checkpoint.fsio.errors import CheckpointError
@@ -1076,7 +1077,7 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
         plan = R.plan_mcore_to_hf(rules, {k: meta.tensor() for k, meta in source.metas.items()}, prefix)
     except R.ConversionError as exc:
         raise ConvertError(_problems_line(f"cannot lay out {source.family!r} as HF {fmt!r}", exc.problems)) from None
-    entries = [(key, t.dtype, tuple(t.shape)) for key, t in plan.outputs.items()]
+    entries = [(key, t.dtype, shared.shape(t.shape)) for key, t in plan.outputs.items()]
     requant = _requant_plan(source, options, entries)
     if requant is not None:
         entries = requant.entries
@@ -1112,7 +1113,9 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
             writer.close()
         finally:
             writer.abort()
-        records = team.gather("written", [[writer.weight_map[n], n, c.to_json()] for n, c in writer.checksums.items()])
+        # One process keeps its checksums as they are (see _write_legacy).
+        gathered = [] if team.solo else team.gather("written", [[writer.weight_map[n], n, c.to_json()]
+                                                                for n, c in writer.checksums.items()])
         if requant is not None:
             errors_of = team.gather("requantized", requant.error.to_json())
             if errors_of is not None:
@@ -1137,8 +1140,9 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
                 "base": str(model_config.base), "note": FROM_BASE, "tensors": list(source.from_base_hf)}})
         write_manifest(staging, Manifest(
             layout=LAYOUT_HF,
-            tensors=tuple(TensorRecord(file, name, TensorChecksum.from_json(c))
-                          for rank_records in records for file, name, c in rank_records),
+            tensors=(*(TensorRecord(writer.weight_map[n], n, c) for n, c in writer.checksums.items()),
+                     *(TensorRecord(file, name, TensorChecksum.from_json(c))
+                       for rank_records in gathered[1:] for file, name, c in rank_records)),
             provenance=provenance))
     return len(entries), total, (requant.error if requant is not None else None)
 
@@ -1294,10 +1298,12 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                 written = writer.close()
             finally:
                 writer.abort()
-            gathered = team.gather("written", [r.to_json() for r in written])
+            # One process keeps its records as they are (their JSON form is only for the wire: a
+            # second copy of every record at the conversion's peak).
+            gathered = [] if team.solo else team.gather("written", [r.to_json() for r in written])
             if not team.leader:
                 return len(order), total
-            records = [*(TensorRecord.from_json(r) for part in gathered for r in part), *side_records]
+            records = [*written, *(TensorRecord.from_json(r) for part in gathered[1:] for r in part), *side_records]
             finish_legacy(staging, records, tp_size=options.tp, pp_size=options.pp, layer_counts=counts,
                           iteration=iteration, ep_size=options.ep, extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
                           provenance=_mcore_provenance(source, options, pipeline_layer_prefix=layout.layer_prefix,

@@ -28,6 +28,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.converters import ep, pp
 from mmparity.converters.tp import split_of
@@ -36,7 +37,7 @@ __all__ = ["Chunk", "StoredTensor", "StoredObject", "Layout", "per_layer_stacks"
            "object_placements", "object_key"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per stored chunk: thousands in a many-expert checkpoint
 class Chunk:
     """One saved chunk of a global tensor: where it sits, and which rows of which converter tensor
     it holds (``rows`` None: all of them)."""
@@ -53,7 +54,7 @@ class Chunk:
         return self.sizes[self.prepended:]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoredTensor:
     key: str  # mcore's sharded key, the DCP item name
     shape: tuple[int, ...]  # global, prepended axes included
@@ -61,7 +62,7 @@ class StoredTensor:
     chunks: tuple[Chunk, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoredObject:
     key: str  # the ShardedObject's key
     shape: tuple[int, ...]
@@ -80,7 +81,7 @@ class Layout:
 
 def object_key(key: str, offset: Sequence[int], shape: Sequence[int]) -> str:
     """mcore's ``ShardedObject.unique_key``: the DCP item a byte object is stored as."""
-    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+    return shared.name(f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
 
 
 def per_layer_stacks(keys: Sequence[str]) -> set[str]:
@@ -151,9 +152,10 @@ def plan(order: Sequence[str], kinds: Mapping[str, str], shapes: Mapping[str, Se
     building: dict[str, dict] = {}
     problems = []
     for key in order:
-        shape = tuple(int(n) for n in shapes[key])
+        shape = shared.shape(shapes[key])
         name, axes = _placement(key, layers, per_layer, experts)
-        entry = building.setdefault(name, {"shape": tuple(s for s, _ in axes) + shape, "dtype": dtypes[key],
+        name = shared.name(name)
+        entry = building.setdefault(name, {"shape": shared.shape(tuple(s for s, _ in axes) + shape), "dtype": dtypes[key],
                                            "chunks": [], "first": key})
         if entry["shape"] != tuple(s for s, _ in axes) + shape or entry["dtype"] != dtypes[key]:
             problems.append(f"{key} {list(shape)} {dtypes[key]} is stored in {name} with {entry['first']} "
@@ -167,9 +169,11 @@ def plan(order: Sequence[str], kinds: Mapping[str, str], shapes: Mapping[str, Se
             half = shape[0] // 2
             for start in (0, half):
                 entry["chunks"].append(Chunk(offsets + (start,) + (0,) * (len(shape) - 1),
-                                             ones + (half,) + shape[1:], key, (start, start + half), len(axes)))
+                                             shared.shape(ones + (half,) + shape[1:]), key, (start, start + half),
+                                             len(axes)))
         else:
-            entry["chunks"].append(Chunk(offsets + (0,) * len(shape), ones + shape, key, None, len(axes)))
+            entry["chunks"].append(Chunk(offsets + (0,) * len(shape), shared.shape(ones + shape), key, None,
+                                         len(axes)))
     tensors = []
     for name, entry in building.items():
         offsets = [c.offsets for c in entry["chunks"]]

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from mmparity.checkpoint import dcp_metadata, extra_state, torch_dist_files
+from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.checksums import TensorChecksum, tensor_checksum
 from mmparity.checkpoint.fsio.pieces import narrow_pieces
 from mmparity.checkpoint.fsio.safetensors_format import parse_size
@@ -61,7 +62,7 @@ def _empty_object_bytes() -> bytes:
 
 def data_file(number: int) -> str:
     """DCP's name for a data file (``__<rank>_<thread>.distcp``); mmparity numbers its files so."""
-    return f"__{number}_0.distcp"
+    return shared.name(f"__{number}_0.distcp")
 
 
 def _file_plan(layout: Layout, limit: int, empty: bytes):
@@ -80,7 +81,7 @@ def _file_plan(layout: Layout, limit: int, empty: bytes):
                 lengths.append(0)
                 start, slot, length = torch_dist_files.framed_slot(0, tensor.dtype, chunk.sizes, chunk.source_shape)
             number = len(lengths) - 1
-            slots[tensor.key, chunk.offsets] = dataclasses.replace(slot, file=number)
+            slots[tensor.key, chunk.offsets] = dataclasses.replace(slot, file=number, shape=shared.shape(slot.shape))
             chunks.append((chunk.offsets, chunk.sizes, (data_file(number), start, length)))
             lengths[-1] = start + length
         entries.append(dcp_metadata.TensorEntry(tensor.key, tensor.shape, tensor.dtype, tuple(chunks)))
@@ -155,16 +156,20 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
             writer.close()
         finally:
             writer.abort()
-        gathered = team.gather("written", [[key, list(offsets), checksum.to_json()]
-                                           for (key, offsets), checksum in writer.checksums.items()])
+        # One process keeps its checksums as they are: their JSON form, only for the wire, would be a
+        # second copy of every record at the conversion's peak.
+        gathered = [] if team.solo else team.gather("written", [[key, list(offsets), checksum.to_json()]
+                                                                for (key, offsets), checksum in writer.checksums.items()])
         if not team.leader:
             return root
         records = list(extra_records)
         # Certified like a tensor: the checksum of the exact (pickled) bytes written.
         checksum = tensor_checksum(extra_state.bytes_tensor(empty))
         records += [TensorRecord(iteration_name, stored.unique_key, checksum, None) for stored in layout.objects]
+        records += [TensorRecord(iteration_name, key, checksum, offsets)
+                    for (key, offsets), checksum in writer.checksums.items()]
         records += [TensorRecord(iteration_name, key, TensorChecksum.from_json(c), tuple(offsets))
-                    for part in gathered for key, offsets, c in part]
+                    for part in gathered[1:] for key, offsets, c in part]
         (directory / ".metadata").write_bytes(dcp_metadata.encode_metadata(entries, objects))
         (directory / DIST_CONFIG_FILE).write_text(json.dumps(DIST_CONFIG))
         common_state = {**(common or {}), "checkpoint_version": CHECKPOINT_VERSION,

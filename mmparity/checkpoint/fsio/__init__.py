@@ -7,6 +7,7 @@ shapes and bytes. Bottom to top:
 * `faults`: fault points a test can make a writer die or stop at (`MMPARITY_FAULT`);
 * `paths`: what a checkpoint may name (regular files, inside itself; no link as a destination);
 * `dtypes`: dtype names, and which dtypes a conversion accepts for what it reads;
+* `shared`: one object per distinct tensor name and shape across a conversion's records;
 * `checksums`: per-tensor digests, whole or piece by piece;
 * `syscalls`: the OS calls (page population, writeback, positioned writes, in-kernel copies,
   fsync), each with its fallback;

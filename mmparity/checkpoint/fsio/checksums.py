@@ -11,6 +11,7 @@ import torch
 
 from mmparity.checkpoint.fsio.dtypes import dtype_name
 from mmparity.checkpoint.fsio.errors import CheckpointError
+from mmparity.checkpoint.fsio import shared
 
 
 def _xxh3_128():
@@ -55,7 +56,7 @@ class TensorChecksum:
             raise ValueError(f"shape {shape!r} is not a list of sizes")
         if not isinstance(dtype, str) or not isinstance(digest, str):
             raise ValueError(f"dtype {dtype!r} and {algorithm} {digest!r} must be strings")
-        return cls(sys.intern(dtype), tuple(shape), digest, algorithm)
+        return cls(sys.intern(dtype), shared.shape(shape), digest, algorithm)
 
     def differences(self, other: TensorChecksum) -> list[str]:
         """Human-readable reasons why `other` (found) is not `self` (expected); empty if equal."""
@@ -80,7 +81,7 @@ class PieceHasher:
         if algorithm not in _HASHERS:
             raise CheckpointError(f"checksum algorithm {algorithm!r} is not available here "
                                   f"(have {', '.join(_HASHERS)}; xxh3_128 needs the xxhash package)")
-        self.dtype, self.shape, self.algorithm = dtype_name(dtype), tuple(int(n) for n in shape), algorithm
+        self.dtype, self.shape, self.algorithm = dtype_name(dtype), shared.shape(shape), algorithm
         self._hash = _HASHERS[algorithm]()
         self._hash.update(f"mmparity-tensor-v1|{self.dtype}|{self.shape}|".encode())
 

@@ -21,11 +21,12 @@ from safetensors import safe_open
 from mmparity.checkpoint.fsio.errors import MAX_NAMES_IN_MESSAGE, CheckpointError, name_list, one_line
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
+from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.safetensors_format import (MISTRAL_CONSOLIDATED_FILE, SAFETENSORS_DTYPES,
                                                          SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor of the source
 class TensorInfo:
     """A tensor as described by a safetensors header: nothing is loaded to produce this."""
 
@@ -54,7 +55,8 @@ def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
         dtype_code = view.get_dtype()
         if dtype_code not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_code}")
-        infos[name] = TensorInfo(name, SAFETENSORS_DTYPES[dtype_code], tuple(view.get_shape()), file_name)
+        name = shared.name(name)
+        infos[name] = TensorInfo(name, SAFETENSORS_DTYPES[dtype_code], shared.shape(view.get_shape()), file_name)
     return infos
 
 
@@ -236,7 +238,7 @@ class SafetensorsCheckpoint:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
-        offsets = {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+        offsets = {shared.name(k): tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
         self.file_ranges.add(mapping_address(mapping), len(mapping), path)
         self._mappings[file_name] = cached = (mapping, 8 + header_size, offsets)
         return cached

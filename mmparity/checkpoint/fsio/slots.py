@@ -38,6 +38,11 @@ class Slot:
     tail: bytes = b""
 
 
+def _label(name) -> str:
+    """A slot's name for a message (legacy and torch_dist slots are named by tuples: ranks and key, key and offsets)."""
+    return name if isinstance(name, str) else " ".join(map(str, name))
+
+
 _ROWS_PER_SYSCALL = 512  # well under IOV_MAX (1024 on Linux)
 
 
@@ -88,7 +93,6 @@ class SlotWriter:
         self._max_inflight = max_inflight
         self._locate = locate  # piece -> (fd, offset) of the file bytes it shows, or None
         self._lock = threading.Lock()
-        self._written: set[str] = set()
         self.checksums: dict[str, TensorChecksum] = {}
         for number, remaining in enumerate(self._remaining):
             if remaining == 0:
@@ -97,9 +101,8 @@ class SlotWriter:
     def write(self, name: str, pieces: torch.Tensor | Sequence[torch.Tensor]) -> None:
         slot = self.slots.get(name)
         if slot is None:
-            raise CheckpointError(f"{self.directory}: tensor {name!r} was not announced")
-        if name in self._written:
-            raise CheckpointError(f"{self.directory}: tensor {name!r} written twice")
+            raise CheckpointError(f"{self.directory}: tensor {_label(name)!r} "
+                                  + ("written twice" if name in self.slots else "was not announced"))
         pieces = [pieces] if isinstance(pieces, (torch.Tensor, ColumnJoin)) else list(pieces)
         pieces = [p if isinstance(p, ColumnJoin) else p.detach().cpu() for p in pieces]
         numel = sum(p.numel() for p in pieces)
@@ -107,9 +110,11 @@ class SlotWriter:
             len(pieces) > 1 and numel == math.prod(slot.shape))
         if any(p.dtype != slot.dtype for p in pieces) or not shapes_fit:
             got = [f"{dtype_name(p.dtype)} {list(p.shape)}" for p in pieces]
-            raise CheckpointError(f"{name}: announced as {dtype_name(slot.dtype)} {list(slot.shape)}, "
+            raise CheckpointError(f"{_label(name)}: announced as {dtype_name(slot.dtype)} {list(slot.shape)}, "
                                   f"got {', '.join(got)}")
-        self._written.add(name)
+        # A written slot is let go (its name stays, marking it written): its frame bytes and shape
+        # need not live until the checkpoint is finished.
+        self.slots[name] = None
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -177,11 +182,11 @@ class SlotWriter:
         except BaseException:
             self.abort()
             raise
-        missing = sorted(set(self.slots) - set(self.checksums))
+        missing = sorted(name for name, slot in self.slots.items() if slot is not None)
         self.abort()
         if missing:
             raise CheckpointError(f"{self.directory}: {len(missing)} announced tensor(s) never written, "
-                                  f"e.g. {', '.join(missing[:4])}")
+                                  f"e.g. {', '.join(map(_label, missing[:4]))}")
 
     def abort(self) -> None:
         for future in self._inflight:
