@@ -241,6 +241,21 @@ def _is_tensor_entry(value) -> bool:
     return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.dtype)
 
 
+def _untouched_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
+    """A CPU tensor whose bytes are never touched: under skip_data torch.save reads none of them.
+
+    Its own anonymous mapping, not ``torch.empty``: malloc serves sizes under its mmap threshold
+    (which rises to 32 MB as large blocks are freed) from the heap and writes a chunk header in
+    each, so a rank file's thousands of placeholders faulted in a page apiece, about 4 kB of
+    resident memory per tensor, only to be freed when the skeleton was written."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return torch.empty(tuple(shape), dtype=dtype)
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(tuple(shape))
+
+
 def _write_skeleton(path: Path, model: Mapping, iteration: int | str,
                     common: Mapping | None = None) -> list[tuple[int, int]]:
     """`torch.save` of `{"model": model, ...}` with every tensor's bytes reserved, not written.
@@ -253,10 +268,7 @@ def _write_skeleton(path: Path, model: Mapping, iteration: int | str,
     placeholders = {}
     for key, value in model.items():
         if _is_tensor_entry(value):
-            dtype, shape = value
-            # Allocated, never touched: under skip_data torch.save reads no byte of it, so these
-            # pages are never faulted in and cost no memory.
-            placeholders[key] = torch.empty(tuple(shape), dtype=dtype)
+            placeholders[key] = _untouched_tensor(*value)
         elif isinstance(value, _PLAIN_VALUES):
             placeholders[key] = value
         else:
