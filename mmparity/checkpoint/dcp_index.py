@@ -10,23 +10,71 @@ loader (``torch_dist.load_torch_dist``), which is DCP's reader, decodes into DCP
 
 from __future__ import annotations
 
-__all__ = ["SUBSTITUTES", "is_tensor_entry"]
+import operator
+
+__all__ = ["substitutes", "is_tensor_entry"]
 
 
 class _Record:
     """A dataclass instance as the pickle fills it (``BUILD`` sets the attributes)."""
 
+    __slots__ = ()  # subclasses that name no slots of their own keep an instance dict
+
     def __init__(self, *args, **kwargs):  # REDUCE of a record: nothing DCP pickles passes arguments
         if args or kwargs:
             raise TypeError(f"{type(self).__name__} takes no arguments here")
 
+    def _fields(self) -> dict:
+        return dict(vars(self))
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._fields().items())})"
 
     def __eq__(self, other):
-        return type(other) is type(self) and vars(other) == vars(self)
+        return type(other) is type(self) and other._fields() == self._fields()
 
     __hash__ = None
+
+
+class _Compact(_Record):
+    """A record the index holds one of per chunk or per item (tens of thousands in a many-expert
+    checkpoint): its fields in slots, not an instance dict each, which was most of what a
+    conversion from torch_dist held per tensor. A field another DCP version adds still lands in
+    the ``__dict__`` slot, made only when one does, so nothing the pickle says is dropped."""
+
+    __slots__ = ("__dict__",)
+    _defaults: dict = {}  # what DCP's dataclass defaults to when the pickle leaves a field out
+
+    def __getattr__(self, name):
+        try:
+            return type(self)._defaults[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+
+    def __setstate__(self, state):
+        # As pickle's own BUILD would fill an instance: its dict, or (dict, slot values).
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        for part in parts:
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise TypeError(f"{type(self).__name__}: state of type {type(part).__name__}")
+            for name, value in part.items():
+                if not isinstance(name, str) or name.startswith("__"):
+                    raise TypeError(f"{type(self).__name__}: a field named {name!r}")
+                setattr(self, name, value)
+
+    def _fields(self) -> dict:
+        found = {}
+        for cls in type(self).__mro__:
+            for name in cls.__dict__.get("__slots__", ()):
+                if name == "__dict__":
+                    continue
+                try:  # the slot itself: a field the pickle left out is not shown with its default
+                    found[name] = cls.__dict__[name].__get__(self, cls)
+                except AttributeError:
+                    pass
+        return {**found, **vars(self)}
 
 
 class Metadata(_Record):
@@ -38,29 +86,39 @@ class StorageMeta(_Record):
     pass
 
 
-class TensorStorageMetadata(_Record):
-    pass
+class TensorStorageMetadata(_Compact):
+    __slots__ = ("properties", "size", "chunks")
 
 
-class ChunkStorageMetadata(_Record):
-    pass
+class ChunkStorageMetadata(_Compact):
+    __slots__ = ("offsets", "sizes")
 
 
-class BytesStorageMetadata(_Record):
-    pass
+class BytesStorageMetadata(_Compact):
+    __slots__ = ()
 
 
-class TensorProperties(_Record):
+class TensorProperties(_Compact):
     """DCP pickles its properties as a tuple (its own ``__getstate__``)."""
+
+    __slots__ = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
 
     def __setstate__(self, state):
         self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
 
 
-class MetadataIndex(_Record):
+class MetadataIndex(_Compact):
     """A ``storage_data`` key: (tensor name, chunk offset), hashable as DCP's is."""
 
-    index = None
+    __slots__ = ("fqn", "offset", "index")
+    _defaults = {"index": None}
+
+    @classmethod
+    def of(cls, fqn: str, offset: tuple | None) -> MetadataIndex:
+        """The key of ``fqn``'s chunk at ``offset`` (None for a byte item), to look one up."""
+        key = cls()
+        key.fqn, key.offset = fqn, offset
+        return key
 
     def _identity(self):
         offset = getattr(self, "offset", None)
@@ -73,8 +131,9 @@ class MetadataIndex(_Record):
         return hash(self._identity())
 
 
-class _StorageInfo(_Record):
-    transform_descriptors = None
+class _StorageInfo(_Compact):
+    __slots__ = ("relative_path", "offset", "length", "transform_descriptors")
+    _defaults = {"transform_descriptors": None}
 
 
 class _StoragePrefix(_Record):
@@ -113,9 +172,22 @@ def _enum_value(value):
     return value
 
 
+def _shapes():
+    """``torch.Size`` for one decode: a plain tuple, the same object for every equal one (a stack
+    of layers repeats its chunk sizes and its low offsets in every chunk), and no torch.Size type
+    that anything here needs."""
+    made: dict[tuple, tuple] = {}
+
+    def size(values=()):
+        shape = tuple(int(operator.index(n)) for n in values)
+        return made.setdefault(shape, shape)
+
+    return size
+
+
 _METADATA = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
-SUBSTITUTES = {
+_RECORDS = {
     **{(_METADATA, c.__name__): c for c in (Metadata, StorageMeta, TensorStorageMetadata, ChunkStorageMetadata,
                                              BytesStorageMetadata, TensorProperties, MetadataIndex)},
     (_METADATA, "_MEM_FORMAT_ENCODING"): _enum_value,
@@ -126,6 +198,12 @@ SUBSTITUTES = {
     ("torch.distributed.checkpoint._extension", "ExtensionRegistry"): ExtensionRegistry,
     ("torch.distributed.checkpoint._extension", "StreamTransformExtension"): StreamTransformExtension,
 }
+
+
+def substitutes() -> dict:
+    """The (module, name) -> stand-in mapping for one decode of a ``.metadata`` (fresh each time:
+    its shapes are shared within that decode only, so nothing outlives the index)."""
+    return {**_RECORDS, ("torch", "Size"): _shapes()}
 
 
 def is_tensor_entry(entry) -> bool:

@@ -71,7 +71,7 @@ def load_metadata(path: str | os.PathLike):
 def load_index(path: str | os.PathLike):
     """The same `.metadata` decoded into `dcp_index`'s plain records (same attributes), without
     importing torch.distributed.checkpoint."""
-    return _decode_metadata(Path(path), dcp_index.SUBSTITUTES)
+    return _decode_metadata(Path(path), dcp_index.substitutes())
 
 
 def _decode_metadata(path: Path, substitutes):
