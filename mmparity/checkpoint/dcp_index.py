@@ -38,21 +38,31 @@ class _Record:
 
 class _Compact(_Record):
     """A record the index holds one of per chunk or per item (tens of thousands in a many-expert
-    checkpoint): its fields in slots, not an instance dict each, which was most of what a
-    conversion from torch_dist held per tensor. A field another DCP version adds still lands in
-    the ``__dict__`` slot, made only when one does, so nothing the pickle says is dropped."""
+    checkpoint): its fields in slots, since an instance dict each was most of what a conversion
+    from torch_dist held per tensor. A field that another DCP version adds, and the class does not
+    name, is kept in ``_extra``, a dict made only when a pickle has one, so nothing the pickle says
+    is dropped (a ``__dict__`` slot would do the same at 32 bytes a record, used or not)."""
 
-    __slots__ = ("__dict__",)
+    __slots__ = ("_extra",)
+    _names: tuple = ()  # the fields DCP's class has, in its order: each subclass's slots
     _defaults: dict = {}  # what DCP's dataclass defaults to when the pickle leaves a field out
 
-    def __getattr__(self, name):
-        try:
-            return type(self)._defaults[name]
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._names = cls._names + tuple(cls.__dict__.get("__slots__", ()))
+
+    def __getattr__(self, name):  # reached only for a name that no slot holds
+        if name != "_extra":
+            try:
+                return self._extra[name]
+            except (AttributeError, KeyError):
+                pass
+            if name in self._defaults:
+                return self._defaults[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setstate__(self, state):
-        # As pickle's own BUILD would fill an instance: its dict, or (dict, slot values).
+        # As pickle's own BUILD fills an instance: its dict, or (dict, slot values).
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
         for part in parts:
             if part is None:
@@ -62,19 +72,26 @@ class _Compact(_Record):
             for name, value in part.items():
                 if not isinstance(name, str) or name.startswith("__"):
                     raise TypeError(f"{type(self).__name__}: a field named {name!r}")
-                setattr(self, name, value)
+                if name in self._names:
+                    setattr(self, name, value)
+                else:
+                    try:
+                        extra = self._extra
+                    except AttributeError:
+                        extra = self._extra = {}
+                    extra[name] = value
+
+    def __getstate__(self):
+        return self._fields()
 
     def _fields(self) -> dict:
         found = {}
-        for cls in type(self).__mro__:
-            for name in cls.__dict__.get("__slots__", ()):
-                if name == "__dict__":
-                    continue
-                try:  # the slot itself: a field the pickle left out is not shown with its default
-                    found[name] = cls.__dict__[name].__get__(self, cls)
-                except AttributeError:
-                    pass
-        return {**found, **vars(self)}
+        for name in self._names:
+            try:  # the slot itself: a field the pickle left out is not shown with its default
+                found[name] = object.__getattribute__(self, name)
+            except AttributeError:
+                pass
+        return {**found, **getattr(self, "_extra", {})}
 
 
 class Metadata(_Record):
@@ -105,6 +122,9 @@ class TensorProperties(_Compact):
 
     def __setstate__(self, state):
         self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+    def __getstate__(self):
+        return self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory
 
 
 class MetadataIndex(_Compact):
