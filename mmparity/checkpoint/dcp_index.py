@@ -4,8 +4,10 @@ Reading a torch_dist checkpoint's tensors needs its index (which chunk of which 
 which byte range of which file), not DCP's classes: importing ``torch.distributed.checkpoint`` is
 DTensor and sympy, half a CPU-second before a small conversion has read a byte. So
 ``unpickle`` resolves DCP's metadata class names to these stand-ins (never to DCP's modules); they
-hold what the pickle gives them and have the attributes DCP's own classes have. Only megatron-core's
-loader (``torch_dist.load_torch_dist``), which is DCP's reader, decodes into DCP's real classes.
+hold what the pickle gives them (a ``torch.Size`` as a plain tuple) and have the attributes DCP's
+own classes have. A conversion keeps the index to its end, so the records made once per chunk or
+item are kept small (``_Compact``). Only megatron-core's loader (``torch_dist.load_torch_dist``),
+which is DCP's reader, decodes into DCP's real classes.
 """
 
 from __future__ import annotations
@@ -62,18 +64,20 @@ class _Compact(_Record):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setstate__(self, state):
-        # As pickle's own BUILD fills an instance: its dict, or (dict, slot values).
+        # As pickle's own BUILD fills an instance: its dict, or (dict, slot values). Run once per
+        # record of the index, so the fields DCP's class has take the shortest path.
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        names = self._names
         for part in parts:
             if part is None:
                 continue
             if not isinstance(part, dict):
                 raise TypeError(f"{type(self).__name__}: state of type {type(part).__name__}")
             for name, value in part.items():
-                if not isinstance(name, str) or name.startswith("__"):
-                    raise TypeError(f"{type(self).__name__}: a field named {name!r}")
-                if name in self._names:
+                if name in names:
                     setattr(self, name, value)
+                elif not isinstance(name, str) or name.startswith("__"):
+                    raise TypeError(f"{type(self).__name__}: a field named {name!r}")
                 else:
                     try:
                         extra = self._extra
@@ -193,13 +197,13 @@ def _enum_value(value):
 
 
 def _shapes():
-    """``torch.Size`` for one decode: a plain tuple, the same object for every equal one (a stack
-    of layers repeats its chunk sizes and its low offsets in every chunk), and no torch.Size type
-    that anything here needs."""
+    """``torch.Size`` as one decode makes it: a plain tuple (what every reader of the index turns
+    it into anyway), one object for all equal shapes (a stack of layers repeats its chunk sizes and
+    low offsets in every chunk)."""
     made: dict[tuple, tuple] = {}
 
     def size(values=()):
-        shape = tuple(int(operator.index(n)) for n in values)
+        shape = tuple(map(int, map(operator.index, values)))  # ints, as torch.Size would refuse others
         return made.setdefault(shape, shape)
 
     return size
