@@ -6,6 +6,7 @@ the metadata encoder's corners."""
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from mmparity import families
-from mmparity.checkpoint import dcp_metadata, streaming, torch_dist_files, unpickle
+from mmparity.checkpoint import dcp_index, dcp_metadata, streaming, torch_dist_files, unpickle
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.manifest import read_manifest
 from mmparity.checkpoint.torch_dist_layout import plan
@@ -124,6 +125,44 @@ def test_the_metadata_decodes_to_dcps_own_objects():
     assert decoded.storage_data[MetadataIndex("x._extra_state/shard_0_1")].offset == 2**40
     # Our own reader's allow-list takes it too.
     assert unpickle.loads(data, unpickle.DCP_METADATA_NAMES, "test").storage_data == decoded.storage_data
+
+
+def test_dcps_own_pickle_decodes_into_compact_stand_ins():
+    """DCP's own pickle of its index (protocol 4, torch.Size shapes) read into dcp_index's records:
+    the same fields, shapes as tuples shared within the decode, no instance dict per record
+    unless the pickle names a field DCP's classes here lack (kept, not dropped)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    key, item = "decoder.layers.mlp.linear_fc2.weight", "x._extra_state/shard_0_1"
+    chunks = [ChunkStorageMetadata(torch.Size((layer, 0)), torch.Size((1, 8))) for layer in range(3)]
+    storage = {MetadataIndex(key, c.offsets, n): _StorageInfo("__0_0.distcp", 64 * n, 40) for n, c in enumerate(chunks)}
+    storage[MetadataIndex(item)] = _StorageInfo("__1_0.distcp", 2**40, 9)
+    later = next(iter(storage.values()))
+    later.added_later = "kept"  # a field of a DCP version other than this one
+    data = pickle.dumps(Metadata({key: TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size((3, 8)), chunks),
+                                  item: BytesStorageMetadata()}, storage_data=storage))
+
+    decoded = unpickle.loads(data, unpickle.DCP_METADATA_NAMES, "test", substitutes=dcp_index.substitutes())
+    tensor = decoded.state_dict_metadata[key]
+    assert tensor.size == (3, 8) and type(tensor.size) is tuple and tensor.properties.dtype == torch.bfloat16
+    assert [(c.offsets, c.sizes) for c in tensor.chunks] == [((n, 0), (1, 8)) for n in range(3)]
+    assert all(c.sizes is tensor.chunks[0].sizes for c in tensor.chunks)  # one tuple for equal shapes
+    assert dcp_index.is_tensor_entry(tensor) and not dcp_index.is_tensor_entry(decoded.state_dict_metadata[item])
+    first = decoded.storage_data[dcp_index.MetadataIndex.of(key, (0, 0))]
+    assert (first.relative_path, first.offset, first.length, first.added_later) == ("__0_0.distcp", 0, 40, "kept")
+    second = decoded.storage_data[dcp_index.MetadataIndex.of(key, (1, 0))]
+    assert (second.offset, second.transform_descriptors) == (64, None) and not hasattr(second, "__dict__")
+    assert copy.deepcopy(first) == first and copy.deepcopy(tensor) == tensor
+    assert decoded.storage_data[dcp_index.MetadataIndex.of(item, None)].offset == 2**40
+    assert [index.index for index in decoded.storage_data] == [0, 1, 2, None]
+    assert "added_later='kept'" in repr(first) and repr(second) == (
+        "_StorageInfo(relative_path='__0_0.distcp', offset=64, length=40)")  # a default is not a field it was given
+    # A record's state is only ever its fields (BUILD with {"__class__": None}).
+    build = (b"\x80\x02ctorch.distributed.checkpoint.filesystem\n_StorageInfo\n)\x81}X\x09\x00\x00\x00__class__Nsb.")
+    with pytest.raises(CheckpointError, match="a field named '__class__'"):
+        unpickle.loads(build, unpickle.DCP_METADATA_NAMES, "test", substitutes=dcp_index.substitutes())
 
 
 def _shapes(keys, shape=(4, 2)):

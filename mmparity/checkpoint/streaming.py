@@ -869,15 +869,19 @@ def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, t
         experts = _STACKED_EXPERT_KEY.match(ckpt_key)
         stacked = _STACKED_KEY.match(ckpt_key)
         axes = 2 if experts and experts["layer"] is None else 1
+        # A stack's layers (experts) share one Meta and their position tuples: the index is kept
+        # for the whole conversion, one entry per tensor.
         if experts and len(shape) > axes:
+            meta = Meta(dtype, tuple(shape[axes:]))
             for position in sorted(files.covered(ckpt_key, axes)):
                 layer = experts["layer"] if axes == 1 else position[0]
                 local = ep_mod.ExpertKey(f"{experts['stack']}{layer}.{experts['module']}", position[-1],
                                          experts["rest"], expert_layout).spell()
-                raw[local] = (ckpt_key, position, Meta(dtype, tuple(shape[axes:])))
+                raw[local] = (ckpt_key, position, meta)
         elif stacked and shape:
-            for (layer,) in sorted(files.covered(ckpt_key, 1)):
-                raw[f"{stacked.group(1)}{layer}.{stacked.group(2)}"] = (ckpt_key, (layer,), Meta(dtype, tuple(shape[1:])))
+            meta = Meta(dtype, tuple(shape[1:]))
+            for position in sorted(files.covered(ckpt_key, 1)):
+                raw[f"{stacked.group(1)}{position[0]}.{stacked.group(2)}"] = (ckpt_key, position, meta)
         else:
             raw[ckpt_key] = (ckpt_key, None, Meta(dtype, tuple(shape)))
     return {key: raw[name] for key, name in R.to_te_spelling({name: name for name in raw}).items()}

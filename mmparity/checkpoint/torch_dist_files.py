@@ -71,7 +71,7 @@ def load_metadata(path: str | os.PathLike):
 def load_index(path: str | os.PathLike):
     """The same `.metadata` decoded into `dcp_index`'s plain records (same attributes), without
     importing torch.distributed.checkpoint."""
-    return _decode_metadata(Path(path), dcp_index.SUBSTITUTES)
+    return _decode_metadata(Path(path), dcp_index.substitutes())
 
 
 def _decode_metadata(path: Path, substitutes):
@@ -324,8 +324,6 @@ class TorchDistFiles:
             for key, entry in sorted(self.metadata.state_dict_metadata.items())
             if dcp_index.is_tensor_entry(entry)
         }
-        self._storage = {(index.fqn, tuple(index.offset)): info for index, info in self.metadata.storage_data.items()
-                         if getattr(index, "offset", None) is not None}
 
     def _chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [(tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes))
@@ -412,7 +410,8 @@ class TorchDistFiles:
         """One saved chunk: a view of the file when it is stored as a plain contiguous tensor (page
         cache, copy-on-write, nothing read up front), else its blob decoded under
         ``unpickle.OBJECT_NAMES``."""
-        info = self._storage.get((key, offsets))
+        # Looked up in the index itself: a second map of every chunk would hold as much again.
+        info = self.metadata.storage_data.get(dcp_index.MetadataIndex.of(key, offsets))
         where = f"{self.path}: {key!r} chunk at {list(offsets)}"
         if info is None:
             raise CheckpointError(f"{where} has no stored bytes in .metadata")
