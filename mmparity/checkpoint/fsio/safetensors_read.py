@@ -12,6 +12,7 @@ import json
 import math
 import mmap
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from mmparity.checkpoint.fsio.safetensors_format import (MISTRAL_CONSOLIDATED_FI
                                                          SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per source tensor, held for the whole conversion
 class TensorInfo:
     """A tensor as described by a safetensors header: nothing is loaded to produce this."""
 
@@ -50,6 +51,8 @@ def _open_safetensors_file(path: Path):
 def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
     infos = {}
     for name in handle.keys():
+        # Interned, as the rule engine's keys are: the plan names each source tensor by this object.
+        name = sys.intern(name)
         view = handle.get_slice(name)
         dtype_code = view.get_dtype()
         if dtype_code not in SAFETENSORS_DTYPES:
@@ -236,7 +239,7 @@ class SafetensorsCheckpoint:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
-        offsets = {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+        offsets = {sys.intern(k): tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
         self.file_ranges.add(mapping_address(mapping), len(mapping), path)
         self._mappings[file_name] = cached = (mapping, 8 + header_size, offsets)
         return cached
