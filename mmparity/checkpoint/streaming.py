@@ -985,13 +985,15 @@ def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = 
     convert (then the op checks are all there is).
     """
     try:
-        state = {key: torch.empty(shape, device="meta")
-                 for key, shape in families.get(family).state_shapes(cfg).items()}
+        # Shape records, not meta tensors: a whole model's worth made while the source's plan is
+        # held, at the conversion's planning peak.
+        dtype = torch.get_default_dtype()
+        state = {key: R.shared_meta(dtype, shape) for key, shape in families.get(family).state_shapes(cfg).items()}
         rules = families.get(family).rule_set(cfg, None)
         outputs = R.plan_hf_to_mcore(rules, state, tp, prefix="", vocab_multiple=vocab_multiple).outputs
     except Exception:
         return None
-    return {key: tuple(t.shape) for key, t in outputs.items()}
+    return {key: t.shape for key, t in outputs.items()}
 
 
 def _check_recorded_divisor(source: _Source) -> None:

@@ -8,6 +8,7 @@ slice of one) are read one at a time."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import mmap
@@ -48,6 +49,11 @@ def _open_safetensors_file(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
 
 
+@functools.lru_cache(maxsize=4096)  # a checkpoint has few distinct shapes
+def _shared_shape(shape: tuple) -> tuple:
+    return shape
+
+
 def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
     infos = {}
     for name in handle.keys():
@@ -57,7 +63,7 @@ def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
         dtype_code = view.get_dtype()
         if dtype_code not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_code}")
-        infos[name] = TensorInfo(name, SAFETENSORS_DTYPES[dtype_code], tuple(view.get_shape()), file_name)
+        infos[name] = TensorInfo(name, SAFETENSORS_DTYPES[dtype_code], _shared_shape(tuple(view.get_shape())), file_name)
     return infos
 
 
