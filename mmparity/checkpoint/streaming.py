@@ -35,7 +35,6 @@ copy. Only ops that really permute elements (RoPE interleaving, a non-row-block 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import time
@@ -274,21 +273,10 @@ class Progress:
         pass
 
 
-@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor of a plan
-class Meta:
-    dtype: torch.dtype
-    shape: tuple
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def tensor(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device="meta")
-
-
-def _meta_of(t: torch.Tensor) -> Meta:
-    return Meta(t.dtype, tuple(t.shape))
+# The engine's record of a tensor's dtype and shape; ``Meta(...)`` makes one of its own,
+# ``R.shared_meta`` the one object every tensor alike shares (what a per-tensor table should hold).
+Meta = R.Meta
+_meta_of = R.meta_of
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,7 +297,7 @@ class _TensorFilter:
 
     def meta(self, meta: Meta) -> Meta:
         if self.dtype is not None and meta.dtype.is_floating_point:
-            return Meta(self.dtype, meta.shape)
+            return R.shared_meta(self.dtype, meta.shape)
         return meta
 
     def __call__(self, name: str, t: torch.Tensor, where: str) -> torch.Tensor:
@@ -349,19 +337,19 @@ def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
 
 
 def _kinds(rule_set: R.RuleSet) -> dict[str, str]:
-    return {key: kind for step in R.plan_steps(rule_set) for key, kind in zip(step.mcore_keys, step.rule.tp)}
+    return {key: kind for step in R.iter_steps(rule_set) for key, kind in zip(step.mcore_keys, step.rule.tp)}
 
 
 def _padded_tables(rule_set: R.RuleSet) -> dict[str, PadRows]:
     """The mcore keys of vocabulary tables padded past the HF vocabulary, with their padding."""
-    return {key: step.rule.op for step in R.plan_steps(rule_set) if isinstance(step.rule.op, PadRows)
+    return {key: step.rule.op for step in R.iter_steps(rule_set) if isinstance(step.rule.op, PadRows)
             for key in step.mcore_keys}
 
 
 def _mcore_order(rule_set: R.RuleSet) -> list[str]:
     """The keys of the mcore state dict proper (what Megatron's class holds), in table order."""
     aside = set(R.side_keys(rule_set))
-    return [key for step in R.plan_steps(rule_set) for key in step.mcore_keys if key not in aside]
+    return [key for step in R.iter_steps(rule_set) for key in step.mcore_keys if key not in aside]
 
 
 def _side_tensors(source: "_Source", rule_set: R.RuleSet) -> tuple[dict[str, bytes], tuple, dict]:
@@ -505,7 +493,7 @@ class _HFSource(_Source):
         except R.ConversionError as exc:
             raise _from_conversion_error(exc, f"{path}: family {family!r}: ") from None
         # The engine's plan, made from the file headers alone: the one totality check.
-        metas = {name: filt.meta(Meta(info.dtype, info.shape)).tensor() for name, info in infos.items()}
+        metas = infos if filt.dtype is None else {name: filt.meta(_meta_of(info)) for name, info in infos.items()}
         try:
             # Planned for the target TP where it fits (vocabulary padding); a TP that does not fit
             # is reported, with every reason, by the writer's own check.
@@ -514,10 +502,10 @@ class _HFSource(_Source):
         except R.ConversionError as exc:
             raise ConvertError(_problems_line(f"{path}: not a complete {family!r} checkpoint "
                                               f"({self.hf_format!r} layout)", exc.problems)) from None
-        self.metas = {key: _meta_of(t) for key, t in self.plan.outputs.items()}
-        self.hf_sources = {key: self.plan.source_keys(key) for key in self.plan.outputs}
-        consumed = {name for names in self.hf_sources.values() for name in names}
-        check_source_dtypes(path, {name: infos[name].dtype for name in consumed})
+        # The plan's own tables, not copies: nothing changes an HF source's shapes after planning.
+        self.metas = self.plan.outputs
+        self.hf_sources = _PlanSources(self.plan)
+        check_source_dtypes(path, {name: infos[name].dtype for name in self.plan.inputs})
         self.use = SourceUse.of(self.plan, {name: info.nbytes for name, info in infos.items()})
         if self.use.left_out:
             self.left_out_record = self.use.to_json()
@@ -543,6 +531,22 @@ class _HFSource(_Source):
 
     def mcore_pieces(self, key: str) -> list[torch.Tensor]:
         return self.produce(key)[0]
+
+
+class _PlanSources(Mapping):
+    """mcore key -> the HF keys it is made from, read off a plan (no table of its own)."""
+
+    def __init__(self, plan: R.Plan):
+        self._plan = plan
+
+    def __getitem__(self, key: str) -> tuple:
+        return self._plan.source_keys(key)
+
+    def __iter__(self):
+        return iter(self._plan.outputs)
+
+    def __len__(self) -> int:
+        return len(self._plan.outputs)
 
 
 def _manifest_family(manifest: Manifest | None, family: str | None, where: Path) -> str:
@@ -668,7 +672,7 @@ class _McoreSource(_Source):
             target, meta = padding.at_tp(tp, multiple), self.metas.get(key)
             if meta is not None and meta.shape[0] != target.padded:
                 self._repad[key] = target
-                self.metas[key] = Meta(meta.dtype, (target.padded, *meta.shape[1:]))
+                self.metas[key] = R.shared_meta(meta.dtype, (target.padded, *meta.shape[1:]))
 
     def mcore_pieces(self, key: str) -> list[torch.Tensor]:
         pieces = self._stored_pieces(key)
@@ -822,7 +826,7 @@ class _LegacySource(_McoreSource):
             if len(set(shapes)) != 1:
                 problems.append(f"{key}: TP ranks hold different shapes {shapes}")
                 continue
-            self.metas[key] = filt.meta(Meta(self.ranks[0][key].dtype, tp_mod.split_of(self.kinds[key]).merged_shape(shapes[0], self.tp)))
+            self.metas[key] = filt.meta(R.shared_meta(self.ranks[0][key].dtype, tp_mod.split_of(self.kinds[key]).merged_shape(shapes[0], self.tp)))
         if problems:
             raise ConvertError(_problems_line(f"{self.root}: cannot merge the TP={self.tp} legacy checkpoint", problems))
         self.metas.update(self._side_metas())
@@ -872,18 +876,17 @@ def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, t
         # A stack's layers (experts) share one Meta and their position tuples: the index is kept
         # for the whole conversion, one entry per tensor.
         if experts and len(shape) > axes:
-            meta = Meta(dtype, tuple(shape[axes:]))
             for position in sorted(files.covered(ckpt_key, axes)):
                 layer = experts["layer"] if axes == 1 else position[0]
                 local = ep_mod.ExpertKey(f"{experts['stack']}{layer}.{experts['module']}", position[-1],
                                          experts["rest"], expert_layout).spell()
-                raw[local] = (ckpt_key, position, meta)
+                raw[local] = (ckpt_key, position, R.shared_meta(dtype, shape[axes:]))
         elif stacked and shape:
-            meta = Meta(dtype, tuple(shape[1:]))
             for position in sorted(files.covered(ckpt_key, 1)):
-                raw[f"{stacked.group(1)}{position[0]}.{stacked.group(2)}"] = (ckpt_key, position, meta)
+                raw[f"{stacked.group(1)}{position[0]}.{stacked.group(2)}"] = (ckpt_key, position,
+                                                                             R.shared_meta(dtype, shape[1:]))
         else:
-            raw[ckpt_key] = (ckpt_key, None, Meta(dtype, tuple(shape)))
+            raw[ckpt_key] = (ckpt_key, None, R.shared_meta(dtype, shape))
     return {key: raw[name] for key, name in R.to_te_spelling({name: name for name in raw}).items()}
 
 
@@ -986,13 +989,15 @@ def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = 
     convert (then the op checks are all there is).
     """
     try:
-        state = {key: torch.empty(shape, device="meta")
-                 for key, shape in families.get(family).state_shapes(cfg).items()}
+        # Shape records, not meta tensors: a whole model's worth made while the source's plan is
+        # held, at the conversion's planning peak.
+        dtype = torch.get_default_dtype()
+        state = {key: R.shared_meta(dtype, shape) for key, shape in families.get(family).state_shapes(cfg).items()}
         rules = families.get(family).rule_set(cfg, None)
         outputs = R.plan_hf_to_mcore(rules, state, tp, prefix="", vocab_multiple=vocab_multiple).outputs
     except Exception:
         return None
-    return {key: tuple(t.shape) for key, t in outputs.items()}
+    return {key: t.shape for key, t in outputs.items()}
 
 
 def _check_recorded_divisor(source: _Source) -> None:
@@ -1078,10 +1083,10 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
     rules = _rule_set(source.family, source.cfg, fmt)
     prefix = source.prefix if source.prefix in rules.hf_prefixes else ""
     try:
-        plan = R.plan_mcore_to_hf(rules, {k: meta.tensor() for k, meta in source.metas.items()}, prefix)
+        plan = R.plan_mcore_to_hf(rules, source.metas, prefix)
     except R.ConversionError as exc:
         raise ConvertError(_problems_line(f"cannot lay out {source.family!r} as HF {fmt!r}", exc.problems)) from None
-    entries = [(key, t.dtype, shared.shape(t.shape)) for key, t in plan.outputs.items()]
+    entries = [(key, t.dtype, t.shape) for key, t in plan.outputs.items()]
     requant = _requant_plan(source, options, entries)
     if requant is not None:
         entries = requant.entries
@@ -1254,6 +1259,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
                else {k: (p.spell(options.expert_layout) if (p := ep_mod.parse_expert_key(k)) else k) for k in order})
     total = sum(source.metas[k].nbytes for k in order)
     entries = [{} for _ in range(tp)]
+    alike: dict[tuple, tuple] = {}  # one (dtype, shape) entry for every rank's tensor alike
     for key in order:
         meta = source.metas[key]
         for rank in range(tp):
@@ -1261,7 +1267,8 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
             shape = list(meta.shape)
             if ranges:  # every range of one rank lies along the same dim (gated has two on dim 0)
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
-            entries[rank][spelled[key]] = (meta.dtype, tuple(shape))
+            entry = (meta.dtype, tuple(shape))
+            entries[rank][spelled[key]] = alike.setdefault(entry, entry)
     # Megatron's own legacy save writes the TE modules' (empty) extra states; its class demands
     # them back under strict=True.
     for key in extra_state.extra_state_keys({spelled[k]: kinds[k] for k in order}):

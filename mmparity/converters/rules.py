@@ -14,8 +14,11 @@ The reverse direction is not a second table: it runs the same rules through ``Op
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -216,38 +219,47 @@ class ConverterSpec:
 
 
 def _fill(pattern: str, binding: Mapping[str, int]) -> str:
-    return _VAR.sub(lambda m: str(binding[m.group(1)]), pattern)
+    # Interned: a conversion keeps each name in several tables (the plan, the source's index, the
+    # writer's records) and re-derives the table's keys more than once; one object serves them all.
+    return sys.intern(_VAR.sub(lambda m: str(binding[m.group(1)]), pattern))
 
 
-@dataclass
+@dataclass(slots=True)  # one per tensor of a plan
 class Step:
     """One rule under one binding: which keys it reads and writes."""
 
     rule: Rule
-    hf_keys: list
-    mcore_keys: list
+    hf_keys: tuple
+    mcore_keys: tuple
+
+
+def iter_steps(rule_set: RuleSet) -> Iterable[Step]:
+    """:func:`plan_steps` one at a time, for a caller that keeps none of them."""
+    for rule in rule_set.rules:
+        for binding in rule_set.bindings(rule.hf + rule.mcore):
+            yield Step(rule, tuple(_fill(p, binding) for p in rule.hf),
+                       tuple(_fill(p, binding) for p in rule.mcore))
 
 
 def plan_steps(rule_set: RuleSet) -> list[Step]:
-    steps = []
-    for rule in rule_set.rules:
-        for binding in rule_set.bindings(rule.hf + rule.mcore):
-            steps.append(Step(rule, [_fill(p, binding) for p in rule.hf],
-                              [_fill(p, binding) for p in rule.mcore]))
-    return steps
+    return list(iter_steps(rule_set))
 
 
 def expected_keys(rule_set: RuleSet) -> tuple[list[str], list[str]]:
     """(HF keys without prefix, mcore keys) that a complete checkpoint of this config has; the
     mcore keys include the side keys (:func:`side_keys`)."""
-    steps = plan_steps(rule_set)
-    return ([k for s in steps for k in s.hf_keys], [k for s in steps for k in s.mcore_keys])
+    hf: list[str] = []
+    mcore: list[str] = []
+    for step in iter_steps(rule_set):
+        hf += step.hf_keys
+        mcore += step.mcore_keys
+    return hf, mcore
 
 
 def side_keys(rule_set: RuleSet, kind: str | None = None) -> list[str]:
     """The mcore-side names of the tensors kept aside (of one side ``kind`` if given), in table
     order."""
-    return [k for s in plan_steps(rule_set) if s.rule.side and kind in (None, s.rule.side)
+    return [k for s in iter_steps(rule_set) if s.rule.side and kind in (None, s.rule.side)
             for k in s.mcore_keys]
 
 
@@ -328,6 +340,40 @@ def _meta(t) -> torch.Tensor:
     return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
 
 
+@dataclass(frozen=True, slots=True)  # shared by every tensor of one dtype and shape (shared_meta)
+class Meta:
+    """A tensor's dtype and shape: what a plan keeps of every tensor once its dry run is done (a
+    meta tensor costs a C++ tensor besides; layout ops only run on those while planning)."""
+
+    dtype: torch.dtype
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def tensor(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+@functools.lru_cache(maxsize=4096)  # a model has few distinct (dtype, shape) pairs
+def _shared_meta(dtype: torch.dtype, shape: tuple) -> Meta:
+    return Meta(dtype, shape)
+
+
+def shared_meta(dtype: torch.dtype, shape) -> Meta:
+    """The :class:`Meta` of ``dtype`` and ``shape``, one object for every tensor alike."""
+    return _shared_meta(dtype, tuple(shape))
+
+
+def meta_of(t) -> Meta:
+    """The shared :class:`Meta` of anything with ``.dtype`` and ``.shape``."""
+    return shared_meta(t.dtype, t.shape)
+
+
 def _tp_problems(rule_set: RuleSet, tp_size: int) -> list[str]:
     problems = list(rule_set.validate_tp(tp_size)) if rule_set.validate_tp else []
     if tp_size < 1:
@@ -337,22 +383,25 @@ def _tp_problems(rule_set: RuleSet, tp_size: int) -> list[str]:
 
 @dataclass
 class Plan:
-    """A checked conversion: every output tensor (its shape and dtype at TP = 1, as a meta tensor)
-    and, for each, the step of the table that produces it and the source keys that step reads.
+    """A checked conversion: every output tensor (its shape and dtype at TP = 1, as a
+    :class:`Meta`) and, for each, the step of the table that produces it and the source keys that
+    step reads.
 
     Made before any byte is read, from the sources' shapes alone; whoever executes it (the
     in-memory API, the streaming checkpoint writers) only reads, applies and writes.
     """
 
     steps: list  # [Step] whose sources are all present, in table order
-    sources: dict  # step index -> source keys, with the source prefix
-    inputs: dict  # source key -> meta tensor
-    outputs: dict  # output key -> meta tensor, in table order
+    sources: list  # per step (by index): its source keys, with the source prefix, as a tuple
+    inputs: dict  # source key -> Meta
+    outputs: dict  # output key -> Meta, in table order
     producer: dict  # output key -> step index
     kinds: dict  # mcore key -> TP kind
     prefix: str = ""
-    ops: dict = field(default_factory=dict)  # step index -> its op for this plan's TP size
-    # Source key -> meta tensor of what the table's ``drop_hf`` leaves out: with ``inputs``, every
+    # Step index -> its op for this plan's TP size, where that is not the rule's own op (vocabulary
+    # padding): most steps need no entry.
+    ops: dict = field(default_factory=dict)
+    # Source key -> Meta of what the table's ``drop_hf`` leaves out: with ``inputs``, every
     # source tensor, each once (what a partial conversion reports it did not convert).
     dropped: dict = field(default_factory=dict)
 
@@ -377,10 +426,10 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         raise ConversionError("tensor-parallel size does not fit this model", problems)
     if prefix is None:
         prefix = detect_prefix(rule_set, source.keys())
-    plan = Plan([], {}, {}, {}, {}, {}, prefix)
+    plan = Plan([], [], {}, {}, {}, {}, prefix)
     consumed: set[str] = set()
-    for step in plan_steps(rule_set):
-        keys = [prefix + k for k in step.hf_keys]
+    for step in iter_steps(rule_set):
+        keys = step.hf_keys if not prefix else tuple(sys.intern(prefix + k) for k in step.hf_keys)
         missing = [k for k in keys if k not in source]
         if missing:
             problems += [f"missing source tensor {k}" for k in missing]
@@ -389,8 +438,7 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
         inputs = [source[k] for k in keys]
         op = step.rule.op.at_tp(tp_size, vocab_multiple)
         try:
-            metas = [_meta(t) for t in inputs]
-            outputs = op.apply(metas)
+            outputs = op.apply([_meta(t) for t in inputs])
             for kind, t in zip(step.rule.tp, outputs):
                 if tp_size > 1:
                     tp_mod.shard(t, kind, tp_size)
@@ -399,17 +447,18 @@ def plan_hf_to_mcore(rule_set: RuleSet, source: Mapping, tp_size: int = 1,
             continue
         index = len(plan.steps)
         plan.steps.append(step)
-        plan.sources[index] = keys
-        plan.ops[index] = op
-        plan.inputs.update(zip(keys, metas))
+        plan.sources.append(keys)
+        if op is not step.rule.op:
+            plan.ops[index] = op
+        plan.inputs.update(zip(keys, map(meta_of, inputs)))
         for key, kind, t in zip(step.mcore_keys, step.rule.tp, outputs):
-            plan.outputs[key], plan.producer[key], plan.kinds[key] = t, index, kind
+            plan.outputs[key], plan.producer[key], plan.kinds[key] = meta_of(t), index, kind
     drops = [re.compile(p) for p in rule_set.drop_hf]
     for key, value in source.items():
         if key in consumed:
             continue
         if any(d.match(key) for d in drops):
-            plan.dropped[key] = _meta(value)
+            plan.dropped[key] = meta_of(value)
         else:
             problems.append(f"unconsumed source tensor {key} {_shape(value)}")
     if problems:
@@ -431,9 +480,9 @@ def plan_mcore_to_hf(rule_set: RuleSet, source: Mapping, prefix: str = "") -> Pl
     """The conversion of whole (TP = 1) mcore tensors ``source`` to HF keys under ``prefix``,
     checked as :func:`plan_hf_to_mcore`: every mcore tensor has its place, every op fits."""
     problems: list[str] = []
-    plan = Plan([], {}, {}, {}, {}, {}, prefix)
+    plan = Plan([], [], {}, {}, {}, {}, prefix)
     consumed: set[str] = set()
-    for step in plan_steps(rule_set):
+    for step in iter_steps(rule_set):
         missing = [k for k in step.mcore_keys if k not in source]
         if missing:
             problems += [f"missing mcore tensor {k}" for k in missing]
@@ -441,19 +490,19 @@ def plan_mcore_to_hf(rule_set: RuleSet, source: Mapping, prefix: str = "") -> Pl
         consumed.update(step.mcore_keys)
         inputs = [source[k] for k in step.mcore_keys]
         try:
-            metas = [_meta(t) for t in inputs]
-            outputs = step.rule.op.invert(metas)
+            outputs = step.rule.op.invert([_meta(t) for t in inputs])
         except _FIT_ERRORS as exc:
             problems.append(f"{', '.join(f'{k} {_shape(t)}' for k, t in zip(step.mcore_keys, inputs))}: {exc}")
             continue
         index = len(plan.steps)
         plan.steps.append(step)
-        plan.sources[index] = list(step.mcore_keys)
-        plan.inputs.update(zip(step.mcore_keys, metas))
+        plan.sources.append(step.mcore_keys)
+        plan.inputs.update(zip(step.mcore_keys, map(meta_of, inputs)))
         for key, kind in zip(step.mcore_keys, step.rule.tp):
             plan.kinds[key] = kind
         for key, t in zip(step.hf_keys, outputs):
-            plan.outputs[prefix + key], plan.producer[prefix + key] = t, index
+            key = key if not prefix else sys.intern(prefix + key)
+            plan.outputs[key], plan.producer[key] = meta_of(t), index
     problems += [f"unconsumed mcore tensor {k} {_shape(v)}" for k, v in source.items() if k not in consumed]
     if problems:
         raise ConversionError("mcore -> HF conversion is not total", problems)
@@ -608,7 +657,7 @@ def convert_mcore_to_hf(rule_set: RuleSet, shards: Sequence[Mapping[str, torch.T
                               [f"got {len(side)} side dict(s) for {len(shards)} rank(s)"])
     ranks = [to_te_spelling({**s, **extra}) for s, extra in zip(shards, side)]
     problems = list(rule_set.validate_tp(len(ranks))) if rule_set.validate_tp else []
-    kinds = {k: kind for step in plan_steps(rule_set) for k, kind in zip(step.mcore_keys, step.rule.tp)}
+    kinds = {k: kind for step in iter_steps(rule_set) for k, kind in zip(step.mcore_keys, step.rule.tp)}
     merged: dict = {}
     for key, value in ranks[0].items():
         absent = [r for r, s in enumerate(ranks) if key not in s]

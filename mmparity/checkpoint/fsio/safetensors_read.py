@@ -26,7 +26,7 @@ from mmparity.checkpoint.fsio.safetensors_format import (MISTRAL_CONSOLIDATED_FI
                                                          SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)  # one per tensor of the source
+@dataclasses.dataclass(frozen=True, slots=True)  # one per source tensor, held for the whole conversion
 class TensorInfo:
     """A tensor as described by a safetensors header: nothing is loaded to produce this."""
 
@@ -51,11 +51,12 @@ def _open_safetensors_file(path: Path):
 def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
     infos = {}
     for name in handle.keys():
+        # Interned, as the rule engine's keys are: the plan names each source tensor by this object.
+        name = shared.name(name)
         view = handle.get_slice(name)
         dtype_code = view.get_dtype()
         if dtype_code not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_code}")
-        name = shared.name(name)
         infos[name] = TensorInfo(name, SAFETENSORS_DTYPES[dtype_code], shared.shape(view.get_shape()), file_name)
     return infos
 
