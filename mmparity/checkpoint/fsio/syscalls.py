@@ -19,11 +19,18 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 
 @functools.cache
 def libc() -> ctypes.CDLL | None:
-    """The C library, errno kept for `ctypes.get_errno()`; None where there is none to load."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
+    """The C library, errno kept for `ctypes.get_errno()`; None where there is none to load.
+
+    glibc's soname first: `find_library` runs `ldconfig -p` in a child process, and this is first
+    called in the middle of a conversion, where forking a process holding gigabytes of mappings
+    costs time and, to anything summing the memory of a process tree, looks like a second copy of
+    the converter (the benchmarks' RssAnon peak doubled whenever a sample fell in that window)."""
+    for name in ("libc.so.6", None):
+        try:
+            return ctypes.CDLL(name or ctypes.util.find_library("c"), use_errno=True)
+        except (OSError, TypeError):
+            continue
+    return None
 
 
 def libc_function(name: str, argtypes: list):
