@@ -22,8 +22,9 @@ dict per TP rank. Pipeline and expert splitting and merging happen here via `con
 from __future__ import annotations
 
 import dataclasses
-import os
 import math
+import mmap
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -251,8 +252,6 @@ def _untouched_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:
         return torch.empty(tuple(shape), dtype=dtype)
-    import mmap
-
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(tuple(shape))
 
 

@@ -17,15 +17,20 @@ import torch
 
 # False on torch < 2.12; a test turns it off to run the zip-directory path on a newer torch.
 READER_HAS_RECORD_SIZE = hasattr(torch._C.PyTorchFileReader, "get_record_size")
+_BUFFERS = (bytes, bytearray, memoryview)
+
+
+def _readable(source):
+    """A path as it is; an archive held in memory as a stream over it (each reader its own)."""
+    return io.BytesIO(source) if isinstance(source, _BUFFERS) else source
 
 
 class TorchArchive:
     """One torch.save archive (a path, or its bytes): record names, offsets, sizes and contents."""
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview):
-        self._source = source if isinstance(source, (bytes, bytearray, memoryview)) else os.fspath(source)
-        opened = io.BytesIO(self._source) if isinstance(self._source, (bytes, bytearray, memoryview)) else self._source
-        self._reader = torch._C.PyTorchFileReader(opened)
+        self._source = source if isinstance(source, _BUFFERS) else os.fspath(source)
+        self._reader = torch._C.PyTorchFileReader(_readable(self._source))
         self._sizes: dict[str, int] | None = None
 
     def records(self) -> list[str]:
@@ -53,9 +58,8 @@ class TorchArchive:
 def directory_sizes(source: str | bytes | bytearray | memoryview) -> dict[str, int]:
     """Record name -> size from the archive's zip directory, named as torch's reader names them:
     without the archive's top-level folder (`model_optim_rng/data/0` is `data/0`)."""
-    opened = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     try:
-        with zipfile.ZipFile(opened) as archive:
+        with zipfile.ZipFile(_readable(source)) as archive:
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError) as exc:
         raise RuntimeError(f"unreadable zip directory ({exc})") from None
