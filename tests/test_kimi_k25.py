@@ -390,6 +390,106 @@ def test_merger_layout_and_temporal_mean(native):
         merger(torch.zeros(1, 15, 3), 3, 5)
 
 
+def test_packed_parts_match_the_per_item_computation(native):
+    """The batched RoPE ids, bicubic taps, temporal rows and merger gather give what the per-item
+    computation gives: RoPE and merger bit for bit, positions within fp32 rounding (exact at the
+    table's own size)."""
+    vit = native.vision_model
+    pos, rope, merger = vit.pos_embed, vit.rotary_pos_emb, vit.merger
+    table = pos.weight.detach()
+    grids = [(6, 6), (4, 10), (12, 2), (2, 2), (8, 14), (6, 6)]
+
+    def resampled(h, w):
+        if (h, w) == (6, 6):
+            return table.flatten(0, 1)
+        grid = table.permute(2, 0, 1)[None]
+        return F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)[0].permute(1, 2, 0).flatten(0, 1)
+
+    with torch.no_grad():
+        for frames in ([1] * 6, [3, 1, 2, 1, 4, 1]):
+            expected = torch.cat([(resampled(h, w)[None] + (pos.temporal(t, "cpu")[:, None] if t > 1 else 0)
+                                   ).flatten(0, 1) for (h, w), t in zip(grids, frames)])
+            got = pos.packed(grids, frames)
+            assert got.shape == expected.shape and torch.allclose(got, expected, rtol=0, atol=1e-6)
+            assert torch.equal(got[:36], expected[:36])  # the table's own grid: no resampling
+            assert torch.equal(rope.packed(grids, frames, "cpu"),
+                               torch.cat([rope.for_grid(h, w, t, "cpu") for (h, w), t in zip(grids, frames)]))
+        x = torch.randn(1, sum(h * w for h, w in grids), 3)
+        per_item = [merger(p, h, w) for p, (h, w) in zip(torch.split(x, [h * w for h, w in grids], 1), grids)]
+        assert torch.equal(merger.merge_packed(x, grids, [1] * 6), torch.cat(per_item, 1))
+    with pytest.raises(ValueError, match="divisible by 2"):
+        merger.merge_packed(torch.zeros(1, 4 + 15, 3), [(2, 2), (3, 5)], [1, 1])
+
+
+# Ops that only make views or read a host scalar: no kernel on a GPU.
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice", "select",
+             "unsqueeze", "squeeze", "expand", "split", "split_with_sizes", "unbind", "alias",
+             "as_strided", "detach", "_local_scalar_dense"}
+
+
+def _count_ops(model, run):
+    """(ops outside the transformer block, ops inside it), as Counters of aten op names."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts, where = (Counter(), Counter()), [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[min(where[0], 1)][str(func.overloadpacket).removeprefix("aten.")] += 1
+            return func(*args, **(kwargs or {}))
+
+    decoder = model.vision_model.decoder
+    hooks = [decoder.register_forward_pre_hook(lambda *_: where.__setitem__(0, where[0] + 1)),
+             decoder.register_forward_hook(lambda *_: where.__setitem__(0, where[0] - 1))]
+    try:
+        with torch.no_grad(), Count():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def _kernels(ops) -> int:
+    return sum(n for op, n in ops.items() if op not in _VIEW_OPS)
+
+
+def test_packed_mixed_path_op_count_does_not_grow_with_images(native):
+    """The packed mixed-size path must not loop over images outside the transformer block: the
+    RoPE table, position resampling, temporal rows and merger run as a fixed number of ops for
+    any number of items, on a new layout as on a repeated one, and read no tensor on the host (on
+    a GPU each such read is a synchronisation). Inside the block the only per-image work that
+    launches anything is attention's one SDPA call per distinct length per layer (mcore's THD
+    RoPE slices per image, views only)."""
+    from mmparity.cases import inputs
+    from mmparity.native import kimi_k25 as nat
+
+    patch, layers = native.vision_model.patch_dim, native.vision_model.config.num_layers
+    # Distinct token counts (one SDPA call each), table-sized and resampled grids, both ways.
+    grids = [(6, 6), (2, 6), (6, 4), (2, 2), (8, 6), (4, 10), (10, 10), (2, 4)]
+    runs = {}
+    for n in (2, 8):
+        sizes = [(h * patch, w * patch) for h, w in grids[:n]]
+        rows = inputs.packed_rows(inputs.images(sizes, 3, n), patch)
+        runs[n] = lambda rows=rows, sizes=sizes: native(rows, imgs_sizes=sizes)
+    for fn in (nat._host_token_ids, nat.packed_patch_ids, nat.packed_bicubic_taps, nat.packed_merge_order):
+        fn.cache_clear()
+    cold = {n: _count_ops(native, run) for n, run in runs.items()}
+    warm = {n: _count_ops(native, run) for n, run in runs.items()}
+    for counts in (cold, warm):
+        outside = {n: c[0] for n, c in counts.items()}
+        assert sum(outside[2].values()) == sum(outside[8].values()), (outside[2], outside[8])
+        assert outside[8]["_local_scalar_dense"] == 0
+    for op in ("upsample_bicubic2d", "cat"):  # the old per-image resampling and concatenations
+        assert warm[8][0][op] == 0, op
+    inside_growth = (_kernels(warm[8][1]) - _kernels(warm[2][1])) / 6
+    assert inside_growth <= layers, (warm[2][1], warm[8][1])  # one SDPA call per image per layer
+    all_growth = (sum(warm[8][1].values()) - sum(warm[2][1].values())) / 6
+    assert all_growth <= 20 * layers, all_growth
+
+
 def test_static_and_packed_inputs_agree(native):
     from mmparity.cases.kimi_k25 import _rows
 

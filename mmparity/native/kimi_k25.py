@@ -36,6 +36,7 @@ Deliberate deviations from that module:
 
 from __future__ import annotations
 
+import functools
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -54,7 +55,7 @@ from mmparity.native.core.layers import (NormedColumnParallelLinear, activation_
                                          tolerate_missing_extra_state, vision_layer_spec,
                                          vision_transformer_config)
 from mmparity.native.core.vit import (ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm,
-                                      _cat_rope, _dynamic_patch_grid_lists, check_image_size)
+                                      _dynamic_patch_grid_lists, check_image_size)
 from mmparity.hfconfig import KIMI_VISION_NORM_EPS, head_dim, rope_theta
 from mmparity import runtime
 KIMI_NORM_EPS = KIMI_VISION_NORM_EPS
@@ -67,6 +68,124 @@ def _grid_ids(h_patches: int, w_patches: int, num_frames: int, device) -> tuple[
     rows = torch.arange(h_patches, device=device).repeat_interleave(w_patches).repeat(num_frames)
     cols = torch.arange(w_patches, device=device).repeat(h_patches * num_frames)
     return rows, cols
+
+
+# --- the packed layout: every per-token index of a batch, built once on the host -----------------
+#
+# A packed batch of items of different sizes needs, per token, its (row, col) for the RoPE angles,
+# its bicubic taps into the learned position table, its frame for the temporal rows, and where the
+# 2x2 merger takes it. Built per image that was a Python loop of small tensor ops (and a host-to-
+# device copy of the RoPE frequencies per image, which synchronises a CUDA device). Here they are
+# computed for all items at once, on the host, in a fixed number of vectorised ops, moved with one
+# asynchronous copy each, and cached per layout: the forward's op count does not depend on the
+# number of images, and a repeated layout costs no index work at all.
+
+# Keys' cubic convolution kernel with a = -0.75: the one ``F.interpolate(mode="bicubic")`` uses.
+_CUBIC_A = -0.75
+
+
+def _cubic_near(x: torch.Tensor) -> torch.Tensor:
+    """Kernel weight at distance |x| <= 1."""
+    a = _CUBIC_A
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+
+def _cubic_far(x: torch.Tensor) -> torch.Tensor:
+    """Kernel weight at distance 1 < |x| < 2."""
+    a = _CUBIC_A
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+
+def _bicubic_axis(dst: torch.Tensor, out_size: torch.Tensor, in_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output position ``dst`` of an axis resampled from ``in_size`` to ``out_size`` (both per
+    token): the 4 source taps (clamped to the border) and their fp32 weights, ``align_corners=False``.
+    """
+    scale = torch.full(dst.shape, float(in_size), dtype=torch.float32) / out_size.to(torch.float32)
+    src = scale * (dst.to(torch.float32) + 0.5) - 0.5
+    base = torch.floor(src)
+    t = src - base
+    taps = (base.to(torch.int64)[:, None] + torch.arange(-1, 3)).clamp_(0, in_size - 1)
+    weights = torch.stack([_cubic_far(t + 1), _cubic_near(t), _cubic_near(1 - t), _cubic_far(2 - t)], dim=1)
+    return taps, weights
+
+
+def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type == "cuda":
+        # From pinned memory the copy is asynchronous; from pageable memory CUDA copies synchronously.
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class _TokenIds(NamedTuple):
+    """Host int64 tensors, one entry per token of a packed batch (items frame-major, raster order)."""
+
+    item_h: torch.Tensor  # the item's grid height
+    item_w: torch.Tensor  # and width
+    item_t: torch.Tensor  # and frame count
+    start: torch.Tensor   # the item's first token
+    local: torch.Tensor   # index inside the item
+    frame: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+
+@functools.lru_cache(maxsize=16)
+def _host_token_ids(grids: Tuple[Grid, ...], frames: Tuple[int, ...]) -> _TokenIds:
+    sizes = [t * h * w for (h, w), t in zip(grids, frames)]
+    counts, total = torch.tensor(sizes, dtype=torch.int64), sum(sizes)
+
+    def per_token(values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int64).repeat_interleave(counts, output_size=total)
+
+    h, w, t = per_token([g[0] for g in grids]), per_token([g[1] for g in grids]), per_token(frames)
+    start = per_token(counts.cumsum(0) - counts)
+    local = torch.arange(total) - start
+    frame, in_frame = local // (h * w), local % (h * w)
+    return _TokenIds(h, w, t, start, local, frame, in_frame // w, in_frame % w)
+
+
+@functools.lru_cache(maxsize=16)
+def packed_patch_ids(grids: Tuple[Grid, ...], frames: Tuple[int, ...], device: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) int64 patch ids of every token of a packed batch, on ``device``."""
+    ids = _host_token_ids(grids, frames)
+    return _to_device(ids.rows, device), _to_device(ids.cols, device)
+
+
+@functools.lru_cache(maxsize=16)
+def packed_bicubic_taps(grids: Tuple[Grid, ...], frames: Tuple[int, ...], table: Grid, device: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's 16 bicubic taps into a flattened ``table`` (int32 ``(ΣN, 16)``) and their fp32
+    weights: the separable 4x4 kernel of ``F.interpolate(mode="bicubic", align_corners=False)``,
+    borders clamped, no antialias. At the table's own size the weights are exactly 1 and 0."""
+    ids = _host_token_ids(grids, frames)
+    ty, wy = _bicubic_axis(ids.rows, ids.item_h, table[0])
+    tx, wx = _bicubic_axis(ids.cols, ids.item_w, table[1])
+    taps = (ty[:, :, None] * table[1] + tx[:, None, :]).flatten(1).to(torch.int32)
+    weights = (wy[:, :, None] * wx[:, None, :]).flatten(1)
+    return _to_device(taps, device), _to_device(weights, device)
+
+
+@functools.lru_cache(maxsize=16)
+def packed_time_rows(grids: Tuple[Grid, ...], frames: Tuple[int, ...], device: str) -> torch.Tensor:
+    """Per token, its row in a temporal table whose row 0 is zero: 0 in a still image, 1 + frame in a clip."""
+    ids = _host_token_ids(grids, frames)
+    return _to_device(torch.where(ids.item_t > 1, ids.frame + 1, torch.zeros_like(ids.frame)), device)
+
+
+@functools.lru_cache(maxsize=16)
+def packed_merge_order(grids: Tuple[Grid, ...], merge: int, device: str) -> torch.Tensor:
+    """For still images: the token that fills each slot of the merged output, in order.
+
+    Slot s of an item lies in merged token s // m² (row-major over the (h/m, w/m) blocks), at
+    sub-position s % m² (row-major over the m x m block)."""
+    ids = _host_token_ids(grids, (1,) * len(grids))
+    block, sub = ids.local // (merge * merge), ids.local % (merge * merge)
+    blocks_w = ids.item_w // merge
+    rows = (block // blocks_w) * merge + sub // merge
+    cols = (block % blocks_w) * merge + sub % merge
+    return _to_device(ids.start + rows * ids.item_w + cols, device)
 
 
 class Kimi2DRotaryEmbedding(torch.nn.Module):
@@ -88,10 +207,18 @@ class Kimi2DRotaryEmbedding(torch.nn.Module):
         # Same fp32 arithmetic as HF's axial init, so the angles agree bit for bit.
         spatial = head_dim // 2
         self._inv_freq = 1.0 / (rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
+        self._inv_freq_on: dict = {}  # device -> copy: one host-to-device copy per device, not per call
+
+    def _inv(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        inv = self._inv_freq_on.get(key)
+        if inv is None:
+            inv = self._inv_freq_on[key] = _to_device(self._inv_freq, key)
+        return inv
 
     def angles(self, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
         """(N,) ids -> (N, head_dim/2) angles, column first in each pair, not yet repeated."""
-        inv = self._inv_freq.to(row_ids.device)
+        inv = self._inv(row_ids.device)
         cols = col_ids.to(torch.float32)[:, None] * inv
         rows = row_ids.to(torch.float32)[:, None] * inv
         return torch.stack([cols, rows], dim=-1).flatten(1)
@@ -106,6 +233,17 @@ class Kimi2DRotaryEmbedding(torch.nn.Module):
 
     def for_grid(self, h_patches: int, w_patches: int, num_frames: int = 1, device=None) -> torch.Tensor:
         return self(*_grid_ids(h_patches, w_patches, num_frames, device))
+
+    def packed(self, grids: Sequence[Grid], frames: Sequence[int], device) -> torch.Tensor:
+        """(ΣT·h·w, 1, 1, head_dim) angles of a packed batch, items frame-major, in one batched
+        computation (the same ids and arithmetic as :meth:`for_grid` per item, concatenated)."""
+        grids = tuple((int(h), int(w)) for h, w in grids)
+        side = max(max(g) for g in grids)
+        if self.max_patches_per_side is not None and side - 1 >= self.max_patches_per_side:
+            raise ValueError(f"patch ids reach {side - 1}, beyond "
+                             f"max_patches_per_side={self.max_patches_per_side}")
+        rows, cols = packed_patch_ids(grids, tuple(int(t) for t in frames), str(torch.device(device)))
+        return self.angles(rows, cols).repeat_interleave(2, dim=-1)[:, None, None, :]
 
 
 def temporal_sincos(num_frames: int, dim: int) -> torch.Tensor:
@@ -127,9 +265,15 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
     """Learned ``(height, width, H)`` position table, bicubically resampled to each grid.
 
     Identity when the grid equals the table; otherwise ``F.interpolate(mode='bicubic',
-    align_corners=False)`` without antialias (HF's 16-tap gather computes the same Keys a=-0.75
-    kernel with clamped borders; antialias would change values by O(1) when shrinking). A clip of
-    T > 1 frames also adds the temporal row of each frame's index; a still image adds none.
+    align_corners=False)`` without antialias (antialias would change values by O(1) when
+    shrinking), computed as that function's separable Keys a=-0.75 kernel with clamped borders
+    written out as 16 weighted taps per patch: one fp32 ``embedding_bag`` over every patch of a
+    packed batch, whatever its sizes. ``F.interpolate`` takes one output size per call, and its
+    CUDA kernel runs one thread per output pixel that loops over all channels (1152 here), so a
+    few thousand threads did the whole resampling, once per image size. The weights are exact at
+    the table's own size; elsewhere the sums round differently from ``F.interpolate`` (about 1e-7
+    relative in fp32). A clip of T > 1 frames also adds the temporal row of each
+    frame's index; a still image adds none.
 
     ``forward(h, w, device)`` is upstream's API (the ``(h·w, H)`` table); ``forward(tokens, grids,
     frames)`` adds the terms to patch tokens and is what the model calls, so that a forward hook
@@ -143,14 +287,32 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(height, width, hidden_size))
         torch.nn.init.trunc_normal_(self.weight, std=0.02)
         self._time = temporal_sincos(max_frames, hidden_size)
+        self._time_on: dict = {}  # device -> [zeros ‖ _time] rows, fp32
 
     def table(self, h_patches: int, w_patches: int) -> torch.Tensor:
-        if (h_patches, w_patches) == (self.height, self.width):
-            return self.weight.flatten(0, 1)
-        grid = self.weight.permute(2, 0, 1).unsqueeze(0).float()
-        resampled = F.interpolate(grid, size=(h_patches, w_patches), mode="bicubic",
-                                  align_corners=False, antialias=False)
-        return resampled[0].permute(1, 2, 0).flatten(0, 1).to(self.weight.dtype)
+        """(h·w, H) resampled table in the weight's dtype."""
+        return self.spatial([(h_patches, w_patches)], [1])
+
+    def spatial(self, grids: Sequence[Grid], frames: Sequence[int]) -> torch.Tensor:
+        """(ΣT·h·w, H) resampled rows of every patch of a packed batch (every frame of a clip
+        repeats its grid's rows), in the weight's dtype, on the weight's device."""
+        grids = tuple((int(h), int(w)) for h, w in grids)
+        frames = tuple(int(t) for t in frames)
+        flat = self.weight.flatten(0, 1)
+        if all(g == (self.height, self.width) for g in grids):
+            copies = sum(frames)
+            return flat if copies == 1 else flat.repeat(copies, 1)
+        taps, weights = packed_bicubic_taps(grids, frames, (self.height, self.width), str(flat.device))
+        rows = F.embedding_bag(taps, flat.float(), per_sample_weights=weights, mode="sum")
+        return rows.to(self.weight.dtype)
+
+    def _time_rows(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        rows = self._time_on.get(key)
+        if rows is None:
+            padded = torch.cat([self._time.new_zeros(1, self.hidden_size), self._time])
+            rows = self._time_on[key] = _to_device(padded, key)
+        return rows
 
     def temporal(self, num_frames: int, device) -> torch.Tensor:
         """(num_frames, H) fp32 rows for a clip; refuses clips longer than the table."""
@@ -169,10 +331,24 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
         if not isinstance(tokens_or_h, torch.Tensor):
             return self.table(int(tokens_or_h), int(grids_or_w)).to(frames_or_device)
         tokens, grids, frames = tokens_or_h, grids_or_w, frames_or_device
-        pos = torch.cat([self.positions(h, w, t, tokens.device) for (h, w), t in zip(grids, frames)])
-        if pos.shape[0] != tokens.shape[-2]:
-            raise ValueError(f"grids describe {pos.shape[0]} patches but the tokens hold {tokens.shape[-2]}")
-        return tokens + pos.to(tokens.dtype)
+        return tokens + self.packed(grids, frames, tokens.shape[-2]).to(tokens.device, tokens.dtype)
+
+    def packed(self, grids: Sequence[Grid], frames: Sequence[int], tokens: Optional[int] = None
+               ) -> torch.Tensor:
+        """(ΣT·h·w, H) additive term of a packed batch, items frame-major: :meth:`positions` of
+        each item, concatenated, computed for all items at once. Clips make it fp32 (their
+        temporal rows are); ``tokens`` is checked against the patch count."""
+        frames = [int(t) for t in frames]
+        for t in frames:
+            check_clip_length(t, self.max_frames)
+        total = sum(t * int(h) * int(w) for (h, w), t in zip(grids, frames))
+        if tokens is not None and total != tokens:
+            raise ValueError(f"grids describe {total} patches but the tokens hold {tokens}")
+        pos = self.spatial(grids, frames)
+        if all(t == 1 for t in frames):
+            return pos
+        rows = packed_time_rows(tuple((int(h), int(w)) for h, w in grids), tuple(frames), str(pos.device))
+        return pos + self._time_rows(pos.device)[rows]
 
 
 class KimiPatchMerger(torch.nn.Module):
@@ -208,12 +384,21 @@ class KimiPatchMerger(torch.nn.Module):
         return blocks.reshape(batch, (h_patches // m) * (w_patches // m), m * m * hidden)
 
     def merge_packed(self, x: torch.Tensor, grids: Sequence[Grid], frames: Sequence[int]) -> torch.Tensor:
-        """Packed ``(1, Σ T·h·w, H)`` -> ``(1, Σ h/2·w/2, 4H)``, items in order."""
+        """Packed ``(1, Σ T·h·w, H)`` -> ``(1, Σ h/2·w/2, 4H)``, items in order.
+
+        Still images only: one gather of every token into its merged slot (the same rows as
+        :meth:`forward` per item). With a clip among the items, item by item (frames averaged)."""
         sizes = [t * h * w for (h, w), t in zip(grids, frames)]
         if sum(sizes) != x.shape[1]:
             raise ValueError(f"grids describe {sum(sizes)} patches but the input holds {x.shape[1]}")
-        parts = torch.split(x, sizes, dim=1)
-        return torch.cat([self(p, h, w, t) for p, (h, w), t in zip(parts, grids, frames)], dim=1)
+        if any(t != 1 for t in frames):
+            parts = torch.split(x, sizes, dim=1)
+            return torch.cat([self(p, h, w, t) for p, (h, w), t in zip(parts, grids, frames)], dim=1)
+        for h, w in grids:
+            self._check(h, w)
+        m = self.merge_size
+        order = packed_merge_order(tuple((int(h), int(w)) for h, w in grids), m, str(x.device))
+        return x.index_select(1, order).view(x.shape[0], -1, m * m * x.shape[-1])
 
 
 class KimiVisionOutput(NamedTuple):
@@ -313,8 +498,7 @@ class KimiViTModel(VisionTower):
         device = pixel_values.device
         if tokens is not None:
             tokens = self.pos_embed(tokens, grids, frames)
-        rope = _cat_rope([self.rotary_pos_emb.for_grid(h, w, t, device)
-                          for (h, w), t in zip(grids, frames)])
+        rope = self.rotary_pos_emb.packed(grids, frames, device)
         if packed and packed_seq_params is None:
             packed_seq_params = make_packed_seq_params(
                 [t * h * w for (h, w), t in zip(grids, frames)], device)
