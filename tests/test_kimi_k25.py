@@ -402,8 +402,8 @@ def test_packed_parts_match_the_per_item_computation(native):
     def resampled(h, w):
         if (h, w) == (6, 6):
             return table.flatten(0, 1)
-        grid = table.permute(2, 0, 1)[None]
-        return F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)[0].permute(1, 2, 0).flatten(0, 1)
+        grid = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
+        return grid[0].permute(1, 2, 0).flatten(0, 1)
 
     with torch.no_grad():
         for frames in ([1] * 6, [3, 1, 2, 1, 4, 1]):
