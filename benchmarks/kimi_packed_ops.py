@@ -11,6 +11,10 @@ are the portable part of the evidence: a per-image loop shows as counts that gro
 of images. ``--sync-debug`` (CUDA) counts the synchronising calls of one warm forward
 (``torch.cuda.set_sync_debug_mode("warn")``).
 
+``--position-term`` times only the resampled position term of the published mixed set (64 x 64 x
+1152 table, 8 sizes): ``F.interpolate`` once per size, as the tower did, against the tower's one
+``embedding_bag``.
+
 Rows: ``uniform`` (the static batch of N images of the set's first size), ``mixed N`` (N images of
 distinct sizes, packed), each timed cold (first forward on a layout) and warm (same layout again).
 """
@@ -121,6 +125,34 @@ def timed(run, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def position_term(device: torch.device, repeats: int) -> None:
+    import torch.nn.functional as F
+
+    from mmparity.cases.kimi_k25 import PUBLISHED
+    from mmparity.native import kimi_k25 as nat
+
+    vc = PUBLISHED.vision
+    side, patch = vc["pos_emb_height"], vc["patch_size"]
+    pos = nat.KimiLearned2DPosEmbed(side, vc["pos_emb_width"], vc["hidden_size"]).to(device)
+    grids = [(h // patch, w // patch) for h, w in PUBLISHED.mixed]
+
+    def per_size():
+        table = pos.weight.permute(2, 0, 1)[None].float()
+        return torch.cat([pos.weight.flatten(0, 1) if g == (side, side) else
+                          F.interpolate(table, size=g, mode="bicubic", align_corners=False)[0]
+                          .permute(1, 2, 0).flatten(0, 1) for g in grids])
+
+    def packed():
+        return pos.packed(grids, [1] * len(grids))
+
+    with torch.no_grad():
+        a, b = per_size(), packed()
+        print(f"position term, {len(grids)} sizes, {a.shape[0]} tokens: rel_l2 "
+              f"{float((a - b).norm() / a.norm()):.2e}")
+        for name, fn in (("F.interpolate per size", per_size), ("embedding_bag, all sizes", packed)):
+            print(f"  {name:26s} {timed(fn, device, repeats):8.1f} ms")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny", choices=("tiny", "moderate", "published"))
@@ -129,12 +161,18 @@ def main(argv=None) -> int:
     parser.add_argument("--images", type=int, nargs="+", default=[2, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--position-term", action="store_true",
+                        help="time only the position term of the published mixed set")
     parser.add_argument("--sync-debug", action="store_true",
                         help="CUDA: count the synchronising calls of one warm forward")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.position_term:
+        warnings.filterwarnings("ignore")
+        position_term(device, args.repeats)
+        return 0
     cfg, model = build(args.size, dtype, device)
     from mmparity.native.kimi_k25 import tower
 
