@@ -238,6 +238,8 @@ class Kimi2DRotaryEmbedding(torch.nn.Module):
         """(ΣT·h·w, 1, 1, head_dim) angles of a packed batch, items frame-major, in one batched
         computation (the same ids and arithmetic as :meth:`for_grid` per item, concatenated)."""
         grids = tuple((int(h), int(w)) for h, w in grids)
+        if not grids:
+            raise ValueError("no items to build RoPE angles for")
         side = max(max(g) for g in grids)
         if self.max_patches_per_side is not None and side - 1 >= self.max_patches_per_side:
             raise ValueError(f"patch ids reach {side - 1}, beyond "
