@@ -150,3 +150,30 @@ def test_a_pipelined_tower_is_refused_by_name(tmp_path):
                  "--format", "legacy", "--pp", "2", "--quiet"]) == 0
     with pytest.raises(CheckpointError, match="PP 2: Megatron's CLIPViTModel is not built in pipeline stages"):
         load_job(dst)
+
+
+def test_llava_on_a_pixtral_tower_loads_part_by_part(tmp_path, capsys):
+    """LLaVAModel cannot be built on a vit_model tower (discrepancy 5): the family's default LLaVA,
+    whose tiny tower is Pixtral, loads into GPTModel and the tower part (Megatron-LM main's
+    ViTModel with the projector) or, where that cannot be imported, into GPTModel and
+    MultimodalProjector with the tower named as not loaded; asking for LLaVAModel is refused in
+    one line, before anything is spawned."""
+    assert families.get("llava").tiny_config().vision_config.model_type == "pixtral"
+    hf_dir = save_hf("llava", tmp_path / "hf", seed=5)
+    dst = tmp_path / "mcore"
+    assert main(["convert", "--src", str(hf_dir), "--dst", str(dst), "--to", "mcore", "--quiet"]) == 0
+    job, _, name, _ = load_job(dst)
+    assert "LLaVAModel" not in name and name.startswith("GPTModel + ")
+    assert any("discrepancy 5" in note for note in job.notes)
+    held = [prefix for part in job.parts for prefix in part.holds]
+    if models.available(models.build_pixtral):
+        assert name == "GPTModel + ViTModel+MultimodalProjector" and not job.not_loaded
+    else:
+        assert name == "GPTModel + MultimodalProjector" and "vision_model." not in held
+        assert [n.prefixes for n in job.not_loaded] == [("vision_model.",)]
+    capsys.readouterr()
+    assert main(["verify", "--load", str(dst)]) == 0
+    assert "rank 0: ok" in capsys.readouterr().out
+    assert main(["verify", "--load", str(dst), "--megatron-class", "LLaVAModel"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "discrepancy 5" in err[0] and "leave --megatron-class out" in err[0]

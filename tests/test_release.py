@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families, hfconfig
+from mmparity import families, hfconfig, runtime
 from mmparity.checkpoint import megatron_args, unpickle
 from mmparity.checkpoint.layout import TRACKER_FILE
 from mmparity.checkpoint.legacy import open_legacy
@@ -138,6 +138,10 @@ def test_megatron_lms_loader_sees_a_release_with_matching_args(capsys, releases,
     `check_checkpoint_args` accepts the args against a run's flags (and refuses another TP for
     legacy files), and the content metadata is ours."""
     ckpt = _megatron_lm_training()
+    # Megatron-LM's tracker read broadcasts on CUDA whenever a default group exists; a `check` run
+    # earlier in this pytest process keeps its (gloo) group for the next one. This is the
+    # single-process read a converted release gets before training starts: no group.
+    runtime.teardown_parallel()
     from megatron.core import dist_checkpointing
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args

@@ -189,7 +189,9 @@ class MegatronClass:
     here (shown wherever the part is checked or loaded); ``unwritten_extra_state``: modules (by the
     last parts of their names) of the class whose TE ``_extra_state`` slot mmparity's converter
     does not write yet: ``verify --load`` fills exactly those with the empty slot the writer writes
-    for every other TE module (``None``) and says how many it filled."""
+    for every other TE module (``None``) and says how many it filled; ``refuses(cfg)``: why the class
+    cannot be built for a model of that config (None: it can), where that depends on the model
+    (``LLaVAModel`` on a Pixtral tower): ``verify --load`` then loads the family's other classes."""
 
     build: Callable
     cases: Callable
@@ -208,6 +210,11 @@ class MegatronClass:
     reference_run: Optional[Callable] = None
     why_part: str = ""
     unwritten_extra_state: tuple = ()
+    refuses: Optional[Callable[[object], Optional[str]]] = None
+
+    def refusal(self, cfg) -> Optional[str]:
+        """Why this class cannot be built for a model of ``cfg`` (None: it can, or ``cfg`` is None)."""
+        return None if self.refuses is None or cfg is None else self.refuses(cfg)
 
     def holds_key(self, key: str) -> bool:
         return not self.holds or key.startswith(self.holds)

@@ -409,22 +409,32 @@ def _part(name: str, record: MegatronClass) -> LoadPart:
                     record.unwritten_extra_state)
 
 
-def plan_parts(family: str, megatron_class: Optional[str] = None) -> tuple[tuple, tuple, tuple]:
-    """``(parts, not loaded, notes)`` of a load of a ``family`` checkpoint.
+def plan_parts(family: str, megatron_class: Optional[str] = None, cfg=None) -> tuple[tuple, tuple, tuple]:
+    """``(parts, not loaded, notes)`` of a load of a ``family`` checkpoint (of model ``cfg``).
 
     The class asked for holds its keys, and nothing else is loaded (the rest: not asked for).
-    The family's default class (its first) is completed by the family's other classes, in their
-    order: each that holds none of the keys taken so far joins if it can be imported here; what
-    only classes that cannot be imported hold is not loaded, with their reason. Raises
-    :class:`~mmparity.upstream.models.UpstreamUnavailable` when the first class cannot be imported."""
+    The family's default class (its first that can be built for ``cfg``) is completed by the
+    family's other classes, in their order: each that holds none of the keys taken so far joins if
+    it can be built for ``cfg`` and imported here; what only classes that cannot be imported hold is
+    not loaded, with their reason. Raises :class:`~mmparity.upstream.models.UpstreamUnavailable`
+    when the first class cannot be imported, :class:`CheckpointError` when the class asked for
+    cannot be built for ``cfg``."""
+    classes = families.get(family).hooks.megatron
     name, record = megatron_class_for(family, megatron_class)
+    refusal = record.refusal(cfg)
+    if refusal is not None and megatron_class is not None:
+        raise CheckpointError(f"--megatron-class {name}: {refusal}; leave --megatron-class out to load the "
+                              "family's other classes")
+    if refusal is not None:
+        name, record = next(((n, r) for n, r in classes.items() if r.refusal(cfg) is None), (name, record))
     models.require(record.build)
     parts, taken, unavailable = [_part(name, record)], list(record.holds), []
-    notes = [record.why_part] if record.why_part else []
+    notes = list(dict.fromkeys(n for n in (refusal, record.why_part) if n))
     if megatron_class is not None and record.holds:
         return tuple(parts), (NotLoaded((), f"not asked for (--megatron-class {name})"),), tuple(notes)
-    for other_name, other in families.get(family).hooks.megatron.items():
-        if other_name == name or not record.holds or other.overlaps(tuple(taken)):
+    for other_name, other in classes.items():
+        if (other_name == name or not record.holds or other.overlaps(tuple(taken))
+                or other.refusal(cfg) is not None):
             continue
         try:
             models.require(other.build)
@@ -541,7 +551,7 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         _validate_tp(source.rules, tp)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
-    parts, not_loaded, notes = plan_parts(family, megatron_class)
+    parts, not_loaded, notes = plan_parts(family, megatron_class, source.cfg)
     if written is not None:
         notes = (written_note, *notes)
     if pp != 1:
