@@ -658,6 +658,12 @@ class _McoreSource(_Source):
         else:
             self.side = (_read_side_file(root, manifest, side_keys)
                          if complete or (root / SIDE_FILE).is_file() else {})
+        if manifest is not None:
+            # The weight files' records (one per stored tensor) are verify's to check, and nothing
+            # here reads them again: held, they would be most of what a source costs per tensor for
+            # the whole conversion. The side files' records stay (quant_scales reads them later).
+            self.manifest = dataclasses.replace(manifest, tensors=tuple(
+                r for r in manifest.tensors if r.file in (SIDE_FILE, quant_io.QUANT_SCALES_FILE)))
         self._repad: dict[str, PadRows] = {}  # mcore key -> the padding it is served with
 
     def repad_vocab(self, tp: int, multiple: int) -> None:
