@@ -63,6 +63,28 @@ def test_language_model_part_passes_in_stock_gpt_model(family):
     assert "discrepancy 5" in report.megatron["notes"][family]
 
 
+def test_a_pixtral_towered_llava_is_checked_in_gpt_model_and_a_perturbed_layer_is_located():
+    """LLaVAModel cannot be built on the llava family's own (Pixtral-towered) config (discrepancy
+    5): ``check --impl megatron`` on it runs the family's first class that can be, GPTModel, says
+    why, and still finds a flipped language layer by name; asking for LLaVAModel is a user error."""
+    cfg = families.get("llava").tiny_config()
+    assert cfg.vision_config.model_type == "pixtral"
+    report = harness.check("llava", cfg, impl="megatron")
+    results = megatron_results(report)
+    assert report.passed and set(results) == {"text:logits", "text:token_loss"}
+    assert report.megatron["classes"] == {"llava": "GPTModel"}
+    assert "discrepancy 5" in report.megatron["notes"]["llava"]
+
+    def perturb(shard):
+        key = f"{LAYER_1}.mlp.linear_fc2.weight"
+        shard[key] = shard[key].flip(0)
+
+    bad = megatron_results(harness.check("llava", cfg, impl="megatron", mutate_native=perturb))["text:logits"]
+    assert not bad.passed and bad.first_divergence.module == LAYER_1, bad.first_divergence
+    with pytest.raises(harness.InputError, match="--megatron-class LLaVAModel: .*discrepancy 5"):
+        harness.check("llava", cfg, impl="megatron", megatron_class="LLaVAModel")
+
+
 def test_cli_says_why_the_language_model_is_checked_alone(capsys, tmp_path):
     code, out, err = run_cli(capsys, "check", "mistral3", "--impl", "megatron", "--json", tmp_path / "r.json")
     assert code == 0, out + err
