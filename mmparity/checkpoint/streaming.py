@@ -35,6 +35,7 @@ copy. Only ops that really permute elements (RoPE interleaving, a non-row-block 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import time
@@ -1415,6 +1416,19 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
 
 def convert(options: ConvertOptions, progress: Progress | None = None) -> ConvertResult:
     """Converts `options.src` into `options.dst`; raises `ConvertError` (one line) on any problem."""
+    # What is alive when a conversion starts (the imports of torch, transformers and megatron: about
+    # a million objects) outlives it, yet a full collection mid-conversion walks all of it while the
+    # producer waits: 57-178 ms of a 1.2-1.5 s conversion of the 0.89 GB tower, one such
+    # collection per run. Frozen for the conversion (gen 0/1 still collect what it makes), and
+    # handed back to the collector after it, so that nothing a caller holds is kept from it.
+    gc.freeze()
+    try:
+        return _convert(options, progress)
+    finally:
+        gc.unfreeze()
+
+
+def _convert(options: ConvertOptions, progress: Progress | None) -> ConvertResult:
     progress = progress or Progress()
     started = time.perf_counter()
     try:
