@@ -218,13 +218,14 @@ class Family:
 
     # --- Megatron's own classes -----------------------------------------------------------------
 
-    def megatron_class(self, name: str | None = None):
+    def megatron_class(self, name: str | None = None, cfg=None):
         """``(class name, MegatronClass)``: the Megatron class ``name`` the family's hooks list (None:
-        the default, the first). Raises ``cases.core.NoMegatronClass`` with the family's reason
-        when it has none, or naming its classes when it has no ``name``."""
+        the default, the first that can be built for a model of ``cfg``). Raises
+        ``cases.core.NoMegatronClass`` with the family's reason when it has none, naming its
+        classes when it has no ``name``, or saying why ``name`` cannot be built for ``cfg``."""
         from mmparity.cases.core import megatron_class
 
-        return megatron_class(self.hooks, self.name, name)
+        return megatron_class(self.hooks, self.name, name, cfg)
 
     # --- conversion by name -------------------------------------------------------------------
 
@@ -518,9 +519,9 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def megatron_class(family: str, name: str | None = None):
+def megatron_class(family: str, name: str | None = None, cfg=None):
     """:meth:`Family.megatron_class` of the registered ``family``."""
-    return get(family).megatron_class(name)
+    return get(family).megatron_class(name, cfg)
 
 
 def get(name: str) -> Family:

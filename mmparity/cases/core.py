@@ -317,18 +317,35 @@ class FamilyHooks:
                 raise TypeError(f"family {family!r}: hook {f.name!r} is {value!r}, which does not fit")
 
 
-def megatron_class(hooks: FamilyHooks, family: str, name: Optional[str] = None) -> tuple[str, MegatronClass]:
+def megatron_class(hooks: FamilyHooks, family: str, name: Optional[str] = None,
+                   cfg=None) -> tuple[str, MegatronClass]:
     """``(class name, record)`` of ``family``'s Megatron class ``name`` (None: its default, the
-    first); :class:`NoMegatronClass` saying why when it has none or not that one."""
+    first that can be built for a model of ``cfg``, see :meth:`MegatronClass.refusal`);
+    :class:`NoMegatronClass` saying why when it has none, not that one, or ``name`` refuses ``cfg``."""
     options = hooks.megatron
     if isinstance(options, NoMegatron):
         raise NoMegatronClass(f"family {family!r} has no Megatron class: {options.because}")
-    if name is None:
-        name = next(iter(options))
-    if name not in options:
+    if name is not None and name not in options:
         raise NoMegatronClass(f"family {family!r}: no Megatron class {name!r}; choose one of "
                               f"{', '.join(options)}")
-    return name, options[name]
+    if name is not None:
+        refusal = options[name].refusal(cfg)
+        if refusal is not None:
+            raise NoMegatronClass(f"{family}: --megatron-class {name}: {refusal}; leave --megatron-class out "
+                                  "to use the family's other classes")
+        return name, options[name]
+    for candidate, record in options.items():
+        if record.refusal(cfg) is None:
+            return candidate, record
+    raise NoMegatronClass(f"family {family!r}: no Megatron class can be built for this model "
+                          f"({default_refusal(hooks, cfg)})")
+
+
+def default_refusal(hooks: FamilyHooks, cfg) -> Optional[str]:
+    """Why the family's default Megatron class cannot be built for a model of ``cfg`` (None: it can):
+    the note a check or load that falls back to another class gives."""
+    options = hooks.megatron
+    return None if isinstance(options, NoMegatron) else next(iter(options.values())).refusal(cfg)
 
 
 def module_hooks(reference_module, native_module, converter: ConverterSpec, /, **hooks) -> FamilyHooks:

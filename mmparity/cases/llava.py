@@ -767,19 +767,24 @@ def pixtral_vision_part(note: str = "") -> MegatronClass:
     return replace(VISION_PART, note="; ".join(n for n in (VISION_PART.note, note) if n))
 
 
-# Stock LLaVAModel holds the whole of a LLaVA on a CLIP-like tower; the parts beside it.
 def _vit_model_tower(cfg) -> bool:
     return upstream.LLAVA_VISION_MODEL_TYPES.get(cfg.vision_config.model_type) == "pixtral-vit"
 
 
+def _not_a_pixtral_tower(cfg) -> str | None:
+    return None if _vit_model_tower(cfg) else (
+        f"Megatron's ViTModel part holds a Pixtral tower, not {cfg.vision_config.model_type!r} "
+        "(LLaVAModel holds that one)")
+
+
+# Stock LLaVAModel holds the whole of a LLaVA on a CLIP-like tower; the parts beside it.
 LLAVA_MODEL = MegatronClass(upstream.build_llava, megatron_side.configured_size(lambda cfg: cfg.vision_config),
                             _run_llava, megatron_side.no_pairs, default_config=llava_clip_config,
                             reference_outputs=_loss_over_padded_vocabulary, note=PADDED_LOSS_NOTE, pipelined=True,
                             refuses=lambda cfg: WHY_PARTS if _vit_model_tower(cfg) else None)
 # A LLaVA on a Pixtral tower is a whole VLM LLaVAModel cannot hold: its tower and projector load
 # into Megatron-LM main's ViTModel and MultimodalProjector, beside GPTModel (as pixtral_12b's).
-LLAVA_VISION_PART = replace(pixtral_vision_part(), why_part=WHY_PARTS, refuses=lambda cfg: None if _vit_model_tower(cfg) else (
-    f"Megatron's ViTModel part holds a Pixtral tower, not {cfg.vision_config.model_type!r} (LLaVAModel holds that one)"))
+LLAVA_VISION_PART = replace(pixtral_vision_part(), why_part=WHY_PARTS, refuses=_not_a_pixtral_tower)
 MEGATRON = {"LLaVAModel": LLAVA_MODEL, "GPTModel": LANGUAGE_MODEL, "ViTModel+MultimodalProjector": LLAVA_VISION_PART,
             "MultimodalProjector": PROJECTION}
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from mmparity.cases.core import (Case, FamilyHooks, MegatronClass, NoMegatron, NoMegatronClass, Pair,
-                                 keep_reference_outputs, keep_reference_pairs, sbh_tokens_2d, tokens_2d)
+                                 default_refusal, keep_reference_outputs, keep_reference_pairs, sbh_tokens_2d, tokens_2d)
 from mmparity.upstream import models
 
 __all__ = ["MegatronClass", "NoMegatron", "NoMegatronClass", "UnsupportedInput", "class_notes", "configured_size",
+           "default_refusal",
            "keep_reference_outputs", "keep_reference_pairs", "layer_pairs", "no_pairs",
            "same_cases", "tower_and_projection", "vit_pairs", "whole_model"]
 

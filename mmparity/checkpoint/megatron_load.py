@@ -33,7 +33,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from mmparity import errors, families, runtime
 from mmparity.axes import Grid
-from mmparity.cases.megatron import MegatronClass
+from mmparity.cases.megatron import MegatronClass, default_refusal
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.families import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
@@ -417,22 +417,17 @@ def plan_parts(family: str, megatron_class: Optional[str] = None, cfg=None) -> t
     family's other classes, in their order: each that holds none of the keys taken so far joins if
     it can be built for ``cfg`` and imported here; what only classes that cannot be imported hold is
     not loaded, with their reason. Raises :class:`~mmparity.upstream.models.UpstreamUnavailable`
-    when the first class cannot be imported, :class:`CheckpointError` when the class asked for
-    cannot be built for ``cfg``."""
-    classes = families.get(family).hooks.megatron
-    name, record = megatron_class_for(family, megatron_class)
-    refusal = record.refusal(cfg)
-    if refusal is not None and megatron_class is not None:
-        raise CheckpointError(f"--megatron-class {name}: {refusal}; leave --megatron-class out to load the "
-                              "family's other classes")
-    if refusal is not None:
-        name, record = next(((n, r) for n, r in classes.items() if r.refusal(cfg) is None), (name, record))
+    when the first class cannot be imported, :class:`~mmparity.cases.core.NoMegatronClass` when the
+    class asked for cannot be built for ``cfg``."""
+    hooks = families.get(family).hooks
+    name, record = megatron_class_for(family, megatron_class, cfg)
     models.require(record.build)
     parts, taken, unavailable = [_part(name, record)], list(record.holds), []
-    notes = list(dict.fromkeys(n for n in (refusal, record.why_part) if n))
+    fallback = default_refusal(hooks, cfg) if megatron_class is None else None
+    notes = list(dict.fromkeys(n for n in (fallback, record.why_part) if n))
     if megatron_class is not None and record.holds:
         return tuple(parts), (NotLoaded((), f"not asked for (--megatron-class {name})"),), tuple(notes)
-    for other_name, other in classes.items():
+    for other_name, other in hooks.megatron.items():
         if (other_name == name or not record.holds or other.overlaps(tuple(taken))
                 or other.refusal(cfg) is not None):
             continue

@@ -117,6 +117,15 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device)
 
 
+def _cached_on(cache: dict, tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``, copied there once and kept in ``cache`` (device name -> copy)."""
+    key = str(device)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = _to_device(tensor, key)
+    return found
+
+
 class _TokenIds(NamedTuple):
     """Host int64 tensors, one entry per token of a packed batch (items frame-major, raster order)."""
 
@@ -209,16 +218,9 @@ class Kimi2DRotaryEmbedding(torch.nn.Module):
         self._inv_freq = 1.0 / (rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
         self._inv_freq_on: dict = {}  # device -> copy: one host-to-device copy per device, not per call
 
-    def _inv(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        inv = self._inv_freq_on.get(key)
-        if inv is None:
-            inv = self._inv_freq_on[key] = _to_device(self._inv_freq, key)
-        return inv
-
     def angles(self, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
         """(N,) ids -> (N, head_dim/2) angles, column first in each pair, not yet repeated."""
-        inv = self._inv(row_ids.device)
+        inv = _cached_on(self._inv_freq_on, self._inv_freq, row_ids.device)
         cols = col_ids.to(torch.float32)[:, None] * inv
         rows = row_ids.to(torch.float32)[:, None] * inv
         return torch.stack([cols, rows], dim=-1).flatten(1)
@@ -289,7 +291,8 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(height, width, hidden_size))
         torch.nn.init.trunc_normal_(self.weight, std=0.02)
         self._time = temporal_sincos(max_frames, hidden_size)
-        self._time_on: dict = {}  # device -> [zeros ‖ _time] rows, fp32
+        self._time_padded = torch.cat([self._time.new_zeros(1, hidden_size), self._time])  # row 0: still images
+        self._time_on: dict = {}  # device -> _time_padded there
 
     def table(self, h_patches: int, w_patches: int) -> torch.Tensor:
         """(h·w, H) resampled table in the weight's dtype."""
@@ -307,14 +310,6 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
         taps, weights = packed_bicubic_taps(grids, frames, (self.height, self.width), str(flat.device))
         rows = F.embedding_bag(taps, flat.float(), per_sample_weights=weights, mode="sum")
         return rows.to(self.weight.dtype)
-
-    def _time_rows(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        rows = self._time_on.get(key)
-        if rows is None:
-            padded = torch.cat([self._time.new_zeros(1, self.hidden_size), self._time])
-            rows = self._time_on[key] = _to_device(padded, key)
-        return rows
 
     def temporal(self, num_frames: int, device) -> torch.Tensor:
         """(num_frames, H) fp32 rows for a clip; refuses clips longer than the table."""
@@ -350,7 +345,7 @@ class KimiLearned2DPosEmbed(torch.nn.Module):
         if all(t == 1 for t in frames):
             return pos
         rows = packed_time_rows(tuple((int(h), int(w)) for h, w in grids), tuple(frames), str(pos.device))
-        return pos + self._time_rows(pos.device)[rows]
+        return pos + _cached_on(self._time_on, self._time_padded, pos.device)[rows]
 
 
 class KimiPatchMerger(torch.nn.Module):

@@ -156,19 +156,12 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     fam = families.get(family)
     hooks = fam.hooks
     runs_native, runs_megatron = impl in ("native", "both"), impl in ("megatron", "both")
-    mclass_name, mclass, refusal = None, None, None
+    mclass_name, mclass = None, None
     if runs_megatron:
         try:
-            mclass_name, mclass = families.megatron_class(family, megatron_class)
+            mclass_name, mclass = families.megatron_class(family, megatron_class, cfg)
         except megatron_cases.NoMegatronClass as exc:
             raise InputError(str(exc)) from None
-        refusal = mclass.refusal(cfg)
-        if refusal is not None and megatron_class is not None:
-            raise InputError(f"{family}: --megatron-class {mclass_name}: {refusal}; leave --megatron-class out "
-                             "to check the family's other classes")
-        if refusal is not None:  # e.g. LLaVAModel on a Pixtral tower: the family's first class that can
-            mclass_name, mclass = next(((n, r) for n, r in hooks.megatron.items() if r.refusal(cfg) is None),
-                                       (mclass_name, mclass))
         if pp != 1 and mclass.stage_module is None:
             raise InputError(f"{family}: --impl {impl} runs Megatron's {mclass_name} without pipeline "
                              f"stages; drop --pp {pp}")
@@ -233,8 +226,10 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if runs_megatron:
         report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
                            "classes": {fam.name: mclass_name}}
-        class_notes = megatron_cases.class_notes(hooks.megatron, mclass_name)
-        notes = "; ".join(n for n in (refusal, class_notes) if n and not (n is refusal and n in class_notes))
+        notes = megatron_cases.class_notes(hooks.megatron, mclass_name)
+        fallback = megatron_cases.default_refusal(hooks, cfg) if megatron_class is None else None
+        if fallback and fallback not in notes:  # why the family's default class is not the one run
+            notes = f"{fallback}; {notes}" if notes else fallback
         if notes:
             report.megatron["notes"] = {fam.name: notes}
     ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
