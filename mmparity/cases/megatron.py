@@ -77,16 +77,25 @@ def whole_model(model):
     return model
 
 
-def class_notes(classes: Mapping[str, MegatronClass], name: str) -> str:
+def class_notes(classes: Mapping[str, MegatronClass], name: str, cfg=None) -> str:
     """What a check with Megatron's ``name`` (one of a family's ``classes``) says beside its numbers:
-    the record's notes and, for a class holding a part, the family's other classes (and whether they
-    can be imported here)."""
+    the record's notes and, for a class holding a part, the family's other classes: whether they
+    can be imported here, and which refuse a model of ``cfg`` (offered as a choice, they would be
+    the one-line error of :func:`~mmparity.cases.core.megatron_class`)."""
     record = classes[name]
     notes = [record.notes] if record.notes else []
     if record.holds:
-        others = [f"--megatron-class {other}" + ("" if models.available(rec.build) else
-                                                 " (needs Megatron-LM main's vit_model, not importable here)")
-                  for other, rec in classes.items() if other != name]
+        others = []
+        for other, rec in classes.items():
+            if other == name:
+                continue
+            refusal = rec.refusal(cfg)
+            if refusal is not None:
+                others.append(f"{other} (cannot be built for this model)")
+            elif not models.available(rec.build):
+                others.append(f"--megatron-class {other} (needs Megatron-LM main's vit_model, not importable here)")
+            else:
+                others.append(f"--megatron-class {other}")
         notes.append(f"{name} holds {', '.join(p + '*' for p in record.holds)}; the family's other "
                      f"Megatron classes: {', '.join(others)}")
     return "; ".join(notes)

@@ -226,7 +226,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if runs_megatron:
         report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
                            "classes": {fam.name: mclass_name}}
-        notes = megatron_cases.class_notes(hooks.megatron, mclass_name)
+        notes = megatron_cases.class_notes(hooks.megatron, mclass_name, cfg)
         fallback = megatron_cases.default_refusal(hooks, cfg) if megatron_class is None else None
         if fallback and fallback not in notes:  # why the family's default class is not the one run
             notes = f"{fallback}; {notes}" if notes else fallback
