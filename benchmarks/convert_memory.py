@@ -12,7 +12,7 @@ A conversion's memory is bounded when the peak stays flat as the size grows: wha
 holds is a few tensors at a time, so the figure to compare it with is the largest tensor
 (printed), not the checkpoint.
 
-Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep]
+Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep] [--phases]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -45,6 +45,10 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=["1GB", "4GB", "16GB"])
     parser.add_argument("--scale", type=int, default=4)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--phases", action="store_true",
+                        help="also the peak above start per phase of each conversion (setup: source, plan "
+                             "and layout up to the first tensor; streaming; finish: manifest, .metadata, "
+                             "publish), sampled in the child itself")
     args = parser.parse_args()
     import torch
 
@@ -61,13 +65,17 @@ def main() -> int:
             for job, (src, dst, options) in JOBS.items():
                 bench._settle(1)
                 bench._warm(root / src)
-                result = bench._measure("convert", root / src, root / dst, json.dumps(options))
+                result = bench._measure("convert", root / src, root / dst,
+                                        json.dumps({**options, "memory_phases": True} if args.phases else options))
                 row = {"size": size, "bytes": info["bytes"], "layers": info["layers"], "job": job,
                        "seconds": round(result["seconds"], 2),
                        "GB/s": round(info["bytes"] / result["seconds"] / 1e9, 3),
                        "peak_anon_MB": round(result["peak_anon_kb"] / 1024, 1),
                        "above_start_MB": round((result["peak_anon_kb"] - (result["ready_anon_kb"] or 0)) / 1024, 1),
                        "largest_tensor_MB": round(largest / 2**20, 1)}
+                if args.phases:
+                    row["phases_MB"] = {name.rsplit("_", 1)[-1]: round(kb / 1024, 1)
+                                        for name, kb in result["phases"].items()}
                 if dst.endswith("back"):
                     row["same_as_source"] = bench._same_tensors(root / "hf", root / dst)
                     shutil.rmtree(root / dst)
@@ -84,6 +92,13 @@ def main() -> int:
     for r in rows:
         print(f"| {r['size']} | {r['layers']} | {r['job']} | {r['seconds']} | {r['GB/s']} | {r['peak_anon_MB']} | "
               f"{r['above_start_MB']} | {r['largest_tensor_MB']} |")
+    if args.phases:
+        print("\nPeak RssAnon above start by phase, MB (setup: up to the first tensor; finish: after the last):\n")
+        print("| size | job | setup | streaming | finish |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            ph = r["phases_MB"]
+            print(f"| {r['size']} | {r['job']} | {ph['setup']} | {ph['streaming']} | {ph['finish']} |")
     return 0
 
 

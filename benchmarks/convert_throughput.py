@@ -139,13 +139,62 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
 
         from mmparity.checkpoint.streaming import ConvertOptions, convert
 
+        by_phase = options.pop("memory_phases", False)
         _import_for(options)
         ready = _rss_anon_kb()
+        progress = _PhaseMemory(ready) if by_phase else None
         started = time.perf_counter()
-        convert(ConvertOptions(src=Path(src), dst=Path(dst), **options))
+        try:
+            convert(ConvertOptions(src=Path(src), dst=Path(dst), **options), progress)
+        finally:
+            if progress is not None:
+                phases = progress.stop()
     else:
         raise SystemExit(f"unknown job {job}")
     return {"seconds": time.perf_counter() - started, "ready_anon_kb": ready, "phases": phases}
+
+
+class _PhaseMemory:
+    """A `convert()` progress (the pipeline's public hook) that samples this process's RssAnon
+    every 2 ms and keeps its peak per phase, in kB above `ready` (the process before `convert`):
+
+    * ``setup``: up to the first tensor: opening the source, the plan, the writer's layout;
+    * ``streaming``: from the first tensor to the last the writer announced;
+    * ``finish``: after the last one: closing files, the manifest, `.metadata`, the publish.
+
+    Where a conversion's memory grows with the checkpoint, this says in which part. Only with
+    `--phases` (convert_memory.py): the sampling thread costs a little CPU.
+    """
+
+    def __init__(self, ready_kb: int | None):
+        self.ready = ready_kb or 0
+        self.phase_name, self.expected, self.done = "setup", None, 0
+        self.peaks = {"setup": 0, "streaming": 0, "finish": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            value = (_rss_anon_kb() or 0) - self.ready
+            self.peaks[self.phase_name] = max(self.peaks[self.phase_name], value)
+            time.sleep(0.002)
+
+    def phase(self, description: str, tensors: int | None = None, nbytes: int | None = None,
+              unit: str = "tensors") -> None:
+        self.expected = tensors
+
+    def advance(self, tensors: int = 0, nbytes: int = 0) -> None:
+        if self.phase_name == "setup" and tensors:
+            self.phase_name = "streaming"
+        self.done += tensors
+        if self.expected is not None and self.done >= self.expected:
+            self.phase_name = "finish"
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {f"peak_above_start_kb_{name}": kb for name, kb in self.peaks.items()}
 
 
 def _import_for(options: dict) -> None:
