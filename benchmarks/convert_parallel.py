@@ -84,12 +84,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--settle", type=float, default=3.0)
     parser.add_argument("--paired", action="store_true")
-    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep what the jobs wrote (the source in a --workdir is kept either way)")
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mmparity-parallel-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"hf-{args.size}"
+    outputs: list[Path] = []  # what the jobs write, removed at the end unless --keep
     try:
         if not src.exists():
             print(f"writing the synthetic {args.size} source ...", file=sys.stderr)
@@ -108,6 +110,7 @@ def main() -> None:
             ("torch_dist -> hf, --workers 2", dist, work / "back_w2",
              ["--to", "hf", "--hf-format", "release", "--max-shard-size", "2GB", "--workers", "2"], 0),
         ]
+        outputs = [job_dst for _, _, job_dst, _, _ in jobs] + [work / "copy_pair"]
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
         for attempt in range(max(1, args.repeat)):
             print(f"round {attempt + 1} of {max(1, args.repeat)} ...", file=sys.stderr)
@@ -156,8 +159,19 @@ def main() -> None:
             print(f"\nplain copy (fsynced): {min(copies):.2f} s best, {max(copies):.2f} s worst "
                   f"({source_bytes / min(copies) / 1e9:.2f} GB/s best)")
     finally:
-        if not args.keep and args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:
+            _clean(work, args.workdir is None, outputs)
+
+
+def _clean(work: Path, temporary: bool, outputs: list[Path]) -> None:
+    """A temporary work directory goes whole; in a ``--workdir`` the source stays for the next run
+    (it is made only when missing) and what the jobs wrote goes: three 8 GB trees per sitting
+    otherwise pile up there."""
+    if temporary:
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    for path in outputs:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def bench_same_tree(a: Path, b: Path) -> bool:

@@ -390,7 +390,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--max-shard-size", default="500MB",
                         help="source shard size; the tower is ~0.9 GB, so 500MB makes it a sharded checkpoint")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the checkpoints the jobs wrote (the source in a --workdir is kept either way)")
     parser.add_argument("--depth", type=int, default=QWEN35_VISION["depth"],
                         help="tower depth; the published 27, or more to see that memory does not grow")
     parser.add_argument("--settle", type=float, default=3.0,
@@ -418,6 +419,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"hf-depth{args.depth}"
     log = None
+    written: list[Path] = []
     try:
         if not src.exists():
             print("writing the synthetic source checkpoint ...", file=sys.stderr)
@@ -453,6 +455,9 @@ def main() -> None:
         # Rounds: every job once per round, so a disk that slows down as the benchmark writes
         # (some do: on one, by the end of a depth-54 run the plain copy took 1.3x as long as at the
         # start) slows every job alike instead of whichever ran last.
+        written = [job_dst for _, _, _, job_dst, _ in jobs] + [work / "copy_pair"]
+        if args.against:
+            written += [job_dst.with_name(job_dst.name + "_against") for _, job, _, job_dst, _ in jobs if job == "convert"]
         runs: dict[str, list[dict]] = {label: [] for label, *_ in jobs}
         against_runs: dict[str, list[dict]] = {label: [] for label, job, *_ in jobs if job == "convert"}
 
@@ -536,6 +541,9 @@ def main() -> None:
             log.close()
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+        elif not args.keep:  # the source stays for the next sitting (made only when missing)
+            for path in written:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _print_against(runs: dict, against_runs: dict, other: str) -> None:
