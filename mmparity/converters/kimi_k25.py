@@ -111,7 +111,9 @@ class TileBlocks(Op):
         t = hf[0]
         if t.dim() != 1:
             raise LayoutError(f"{self!r}: expected a vector, got {tuple(t.shape)}")
-        return [t.repeat(self.times)]
+        # Not t.repeat: on the meta device (every conversion's dry run) its shape check imports
+        # sympy, 1.6-2.5 s of a Kimi conversion's start; expand + reshape makes the same copy.
+        return [t.expand(self.times, -1).reshape(-1)]
 
     def invert(self, mcore):
         t = mcore[0]
