@@ -12,7 +12,13 @@ A conversion's memory is bounded when the peak stays flat as the size grows: wha
 holds is a few tensors at a time, so the figure to compare it with is the largest tensor
 (printed), not the checkpoint.
 
+``--layers N [N ...]`` instead of ``--sizes``: checkpoints of N decoder layers each, at the same
+width, so the tensor count is what grows; with ``--experts 384 --scale 64`` and 61 layers it is
+the release's (about 70,000 tensors in 0.5 GB). A conversion's bookkeeping grows with the tensor
+count, not the bytes, and its setup time is where anything worse than linear would show.
+
 Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep] [--phases]
+       [--layers N [N ...]] [--experts N]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -45,6 +51,9 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=["1GB", "4GB", "16GB"])
     parser.add_argument("--scale", type=int, default=4)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--layers", nargs="+", type=int, default=None,
+                        help="checkpoints of these decoder depths instead of --sizes (the tensor count grows)")
+    parser.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer")
     parser.add_argument("--phases", action="store_true",
                         help="also the peak above start per phase of each conversion (setup: source, plan "
                              "and layout up to the first tensor; streaming; finish: manifest, .metadata, "
@@ -57,17 +66,20 @@ def main() -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mmparity-memory-"))
     rows = []
     try:
-        for size in args.sizes:
-            root = work / size
-            info = synthetic.write(root / "hf", parse_size(size), args.scale, 0, "4GB", torch.bfloat16)
-            _, shapes = synthetic.release_shapes(args.scale, info["layers"], torch.bfloat16)
+        for size, layers in ([(f"{n} layers", n) for n in args.layers] if args.layers
+                             else [(size, None) for size in args.sizes]):
+            root = work / size.replace(" ", "_")
+            info = synthetic.write(root / "hf", parse_size(size) if layers is None else 0, args.scale, 0, "4GB",
+                                   torch.bfloat16, layers=layers, experts=args.experts)
+            _, shapes = synthetic.release_shapes(args.scale, info["layers"], torch.bfloat16, args.experts)
             largest = max(math.prod(s) for s in shapes.values()) * 2
             for job, (src, dst, options) in JOBS.items():
                 bench._settle(1)
                 bench._warm(root / src)
                 result = bench._measure("convert", root / src, root / dst,
                                         json.dumps({**options, "memory_phases": True} if args.phases else options))
-                row = {"size": size, "bytes": info["bytes"], "layers": info["layers"], "job": job,
+                row = {"size": size, "bytes": info["bytes"], "layers": info["layers"], "tensors": info["tensors"],
+                       "job": job,
                        "seconds": round(result["seconds"], 2),
                        "GB/s": round(info["bytes"] / result["seconds"] / 1e9, 3),
                        "peak_anon_MB": round(result["peak_anon_kb"] / 1024, 1),
@@ -87,11 +99,11 @@ def main() -> int:
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print("| size | layers | job | s | GB/s | peak RssAnon MB | above start MB | largest tensor MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| size | layers | tensors | job | s | GB/s | peak RssAnon MB | above start MB | largest tensor MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['size']} | {r['layers']} | {r['job']} | {r['seconds']} | {r['GB/s']} | {r['peak_anon_MB']} | "
-              f"{r['above_start_MB']} | {r['largest_tensor_MB']} |")
+        print(f"| {r['size']} | {r['layers']} | {r['tensors']} | {r['job']} | {r['seconds']} | {r['GB/s']} | "
+              f"{r['peak_anon_MB']} | {r['above_start_MB']} | {r['largest_tensor_MB']} |")
     if args.phases:
         print("\nPeak RssAnon above start by phase, MB (setup: up to the first tensor; finish: after the last):\n")
         print("| size | job | setup | streaming | finish |")

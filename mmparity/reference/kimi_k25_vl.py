@@ -87,9 +87,10 @@ PUBLISHED_VISION = dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_
                         hidden_act="gelu_pytorch_tanh", merge_kernel_size=(2, 2))
 
 
-def published_config(scale: int = 1, layers: int | None = None) -> Kimi_K25Config:
+def published_config(scale: int = 1, layers: int | None = None, experts: int | None = None) -> Kimi_K25Config:
     """The released Kimi-K2.5 config, or a proportionally scaled one: every width and the expert
-    count divided by ``scale`` (heads kept whole), ``layers`` decoder layers if given."""
+    count divided by ``scale`` (heads kept whole), ``layers`` decoder layers and ``experts`` routed
+    experts per MoE layer if given (the release's key count at a small width)."""
     from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
     def cut(n: int) -> int:
@@ -102,7 +103,10 @@ def published_config(scale: int = 1, layers: int | None = None) -> Kimi_K25Confi
     text["num_attention_heads"] = text["num_key_value_heads"] = max(1, 64 // scale)
     if layers is not None:
         text["num_hidden_layers"] = layers
-    vision = dict(PUBLISHED_VISION, hidden_size=cut(1152) // 16 * 16, intermediate_size=cut(4304))
+    if experts is not None:
+        text["n_routed_experts"] = experts
+    # 16 heads of at least 4 (the 2D RoPE's two axes, each a sin and a cos): the smallest tower
+    vision = dict(PUBLISHED_VISION, hidden_size=max(64, cut(1152) // 16 * 16), intermediate_size=cut(4304))
     return Kimi_K25Config(vision_config=Kimi_K25VisionConfig(**vision), text_config=tiny_text(**text),
                           projection_hidden_size=vision["hidden_size"], tie_word_embeddings=False,
                           image_token_id=text["vocab_size"] - 1)
