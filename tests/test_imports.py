@@ -82,9 +82,27 @@ def test_listing_and_help_import_no_framework(tmp_path, argv):
 
 # A tower, a LLaVA, and a whole VLM with the merger.
 FAMILIES = ("clip", "llava", "mistral3")
-# CPU seconds (user + system, interpreter start-up included) a convert of a tiny checkpoint
-# may take, between any two formats: torch's own import is most of it.
-CONVERT_CPU_S = 2.0
+# CPU seconds (user + system, interpreter start-up included) a convert of a tiny checkpoint may
+# take, between any two formats, as a multiple of what an interpreter that only imports torch
+# takes on the same machine (torch's own import is most of it). A fixed 2.0 s held on earlier
+# machines and failed on the one of 2026-12-05, where torch's import alone took 3.1-4.2 CPU-s and
+# the convert 4.2-4.5, with nothing in mmparity changed.
+CONVERT_OVER_TORCH = 1.5
+
+
+TORCH_ONLY = """
+import resource, sys, torch
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(usage.ru_utime + usage.ru_stime)
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_import_cpu() -> float:
+    """CPU seconds of an interpreter that imports torch and nothing else (the least of three)."""
+    runs = [float(subprocess.run([sys.executable, "-c", TORCH_ONLY], capture_output=True, text=True, check=True,
+                                 timeout=300).stdout) for _ in range(3)]
+    return min(runs)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +123,7 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("step", ["hf->legacy", "hf->torch_dist", "legacy->hf", "torch_dist->hf"])
-def test_convert_imports_no_model(tmp_path, converted, family, step):
+def test_convert_imports_no_model(tmp_path, converted, torch_import_cpu, family, step):
     source, target = step.split("->")
     argv = ["convert", "--src", converted[family, source], "--dst", tmp_path / "out", "--quiet"]
     if source == "hf":
@@ -124,11 +142,12 @@ def test_convert_imports_no_model(tmp_path, converted, family, step):
     # (whose import is DTensor and sympy, 0.6 CPU-s).
     assert not [m for m in modules if m.startswith("torch.distributed.checkpoint")], "DCP imported"
     # The least of up to three runs: a shared machine's noise only ever adds CPU time.
+    bound = CONVERT_OVER_TORCH * torch_import_cpu
     cpu = [result["cpu"]]
-    while min(cpu) >= CONVERT_CPU_S and len(cpu) < 3:
+    while min(cpu) >= bound and len(cpu) < 3:
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
         cpu.append(run_child(tmp_path, *argv)["cpu"])
-    assert min(cpu) < CONVERT_CPU_S, f"{step}: {cpu} CPU seconds"
+    assert min(cpu) < bound, f"{step}: {cpu} CPU seconds, {torch_import_cpu:.2f} for torch's import alone"
 
 
 def test_every_family_converts_without_its_models(tmp_path):
