@@ -13,8 +13,9 @@ holds is a few tensors at a time, so the figure to compare it with is the larges
 (printed), not the checkpoint.
 
 ``--layers N [N ...]`` instead of ``--sizes``: checkpoints of N decoder layers each, at the same
-width, so the tensor count is what grows; with ``--experts 384 --scale 64`` and 61 layers it is
-the release's (about 70,000 tensors in 0.5 GB). A conversion's bookkeeping grows with the tensor
+width, so the tensor count is what grows; with ``--experts 384 --scale 32`` and 61 layers it is
+the release's (70,310 tensors in 2 GB; at ``--scale 64`` the text model has one attention head,
+which TP 2 cannot split). A conversion's bookkeeping grows with the tensor
 count, not the bytes, and its setup time is where anything worse than linear would show.
 
 Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep] [--phases]

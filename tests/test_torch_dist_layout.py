@@ -7,14 +7,16 @@ the metadata encoder's corners."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from mmparity import families
 from mmparity.checkpoint import dcp_index, dcp_metadata, streaming, torch_dist_files, unpickle
@@ -263,11 +265,7 @@ class _CountedChunk:
 
 
 def _files_of(chunks_by_key: dict):
-    from types import SimpleNamespace
-
-    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
-
-    files = object.__new__(TorchDistFiles)
+    files = object.__new__(torch_dist_files.TorchDistFiles)
     files.metadata = SimpleNamespace(state_dict_metadata={
         key: SimpleNamespace(chunks=chunks) for key, chunks in chunks_by_key.items()})
     files._chunk_order = {}
@@ -276,8 +274,6 @@ def _files_of(chunks_by_key: dict):
 
 def _grid(draw_cuts, shape):
     """Chunks tiling ``shape`` on a grid whose cuts along each dim ``draw_cuts(dim, size)`` gives."""
-    import itertools
-
     bounds = [[0, *sorted(set(draw_cuts(dim, size))), size] for dim, size in enumerate(shape)]
     spans = [list(zip(b, b[1:])) for b in bounds]
     return [(tuple(lo for lo, _ in cell), tuple(hi - lo for lo, hi in cell)) for cell in itertools.product(*spans)]

@@ -337,8 +337,8 @@ class TorchDistFiles:
         found = self._chunk_order.get(key)
         if found is None:
             chunks = self.metadata.state_dict_metadata[key].chunks
-            ranks = len(chunks[0].offsets) if chunks else 0
-            extents = tuple(max(int(c.sizes[d]) for c in chunks) for d in range(ranks))
+            dims = len(chunks[0].offsets) if chunks else 0
+            extents = tuple(max(int(c.sizes[d]) for c in chunks) for d in range(dims))
             # The index's own list where its chunks come in offsets order (as every writer we
             # know puts them): nothing held per chunk; else a sorted list of references to them.
             if any(tuple(chunks[i].offsets) > tuple(chunks[i + 1].offsets) for i in range(len(chunks) - 1)):

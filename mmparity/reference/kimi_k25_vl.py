@@ -105,7 +105,8 @@ def published_config(scale: int = 1, layers: int | None = None, experts: int | N
         text["num_hidden_layers"] = layers
     if experts is not None:
         text["n_routed_experts"] = experts
-    # 16 heads of at least 4 (the 2D RoPE's two axes, each a sin and a cos): the smallest tower
+    # At --scale 64 the tower would be 16 wide, one column per head, which the 2D RoPE layout
+    # refuses: 64 (16 heads of 4) is the least it is built at.
     vision = dict(PUBLISHED_VISION, hidden_size=max(64, cut(1152) // 16 * 16), intermediate_size=cut(4304))
     return Kimi_K25Config(vision_config=Kimi_K25VisionConfig(**vision), text_config=tiny_text(**text),
                           projection_hidden_size=vision["hidden_size"], tie_word_embeddings=False,
