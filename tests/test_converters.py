@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from mmparity import families
 from mmparity.converters import ops, tp
-from mmparity.converters.rules import ConversionError, Rule, RuleSet, convert_hf_to_mcore, rename
+from mmparity.converters.rules import ConversionError, Rule, RuleSet, convert_hf_to_mcore, rename, to_te_spelling
+from mmparity.converters import rules as R
 from mmparity.cases.inputs import random_like_state
 from tests.strategies import config_and_tp
 
@@ -267,3 +268,45 @@ def test_a_range_from_k_splits_over_pipeline_stages():
     merged = pp.merge_pipeline_stages(stages)
     assert merged.keys() == shards[0].keys()
     assert all(merged[k] is shards[0][k] for k in merged)
+
+
+_SPELLING_SEGMENTS = ["decoder.", "layers.", "1.", "12.", "mtp.", "input_layernorm.", "pre_mlp_layernorm.",
+                      "self_attention.", "mlp.", "experts."]
+_SPELLING_TAILS = ["self_attention.linear_kv_down_proj.weight", "mlp.router.weight", "mlp.router.expert_bias",
+                   "input_layernorm.weight", "input_layernorm.bias", "pre_mlp_layernorm.weight",
+                   "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.weight",
+                   "self_attention.linear_qkv._extra_state"]
+
+
+def _te_spelling_by_scan(state):
+    """The first definition of ``to_te_spelling``: every key tested against every unfused prefix."""
+    unfused = {m.group(1) + ("input_layernorm." if "attention" in m.group(2) else "pre_mlp_layernorm.")
+               for key in state if (m := R._UNFUSED_NORM_LAYERS.match(key))}
+    return {key if any(key.startswith(p) for p in unfused) else R._respell(key, R._LOCAL_TO_TE): value
+            for key, value in state.items() if not key.endswith("_extra_state")}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from(_SPELLING_SEGMENTS), max_size=5),
+                          st.lists(st.sampled_from(_SPELLING_TAILS), min_size=1, max_size=4)), max_size=8))
+def test_te_spelling_keeps_unfused_norms_like_a_scan_of_every_prefix(layers):
+    # Layer prefixes made of norm segments too, so a norm marker can occur in a key before the one
+    # that ends an unfused prefix, and one layer's prefix can be the start of another's.
+    state = {"".join(prefix) + tail: i for i, (prefix, tails) in enumerate(layers) for tail in tails}
+    assert to_te_spelling(state) == _te_spelling_by_scan(state)
+
+
+def test_te_spelling_respells_fused_layers_and_keeps_mla_and_moe_norms():
+    state = {"decoder.layers.0.input_layernorm.weight": 0, "decoder.layers.0.pre_mlp_layernorm.weight": 1,
+             "decoder.layers.1.input_layernorm.weight": 2, "decoder.layers.1.pre_mlp_layernorm.weight": 3,
+             "decoder.layers.1.self_attention.linear_kv_down_proj.weight": 4,
+             "decoder.layers.1.mlp.router.weight": 5, "decoder.layers.10.input_layernorm.weight": 6,
+             "decoder.layers.0.self_attention.linear_qkv._extra_state": 7}
+    assert to_te_spelling(state) == {
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": 0,
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": 1,
+        "decoder.layers.1.input_layernorm.weight": 2, "decoder.layers.1.pre_mlp_layernorm.weight": 3,
+        "decoder.layers.1.self_attention.linear_kv_down_proj.weight": 4,
+        "decoder.layers.1.mlp.router.weight": 5,
+        # layer 10 shares layer 1's text but not its prefix: it is fused
+        "decoder.layers.10.self_attention.linear_qkv.layer_norm_weight": 6}
