@@ -628,6 +628,20 @@ def test_config_bomb(sources, tmp_path, field, value):
     one_line_error(code, out, err, field)
 
 
+@pytest.mark.slow
+def test_config_bomb_in_an_mcore_source(sources, tmp_path):
+    """An mcore source bounds its config by the `.metadata` it already decoded for the conversion:
+    a layer count under mmparity's ceiling, but above the tensors present."""
+    mcore = copy_tree(sources["torch_dist"], tmp_path / "mcore")
+    config = json.loads((mcore / "hf_config.json").read_text())
+    config["num_hidden_layers"] = 5000
+    (mcore / "hf_config.json").write_text(json.dumps(config))
+    code, out, err = run_subprocess("convert", "--src", mcore, "--dst", tmp_path / "out", "--to", "hf",
+                                    memory_limit=6 * 2**30)
+    one_line_error(code, out, err, "num_hidden_layers = 5000, but the checkpoint holds", "hf_config.json")
+    assert not (tmp_path / "out").exists()
+
+
 def _fifo(path: Path) -> None:
     path.unlink()
     os.mkfifo(path)

@@ -84,17 +84,13 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
     path = Path(path)
     if has_hf_weights(path):
         with SafetensorsCheckpoint(path) as checkpoint:
-            infos = checkpoint.infos().values()
-            return len(infos), sum(math.prod(info.shape) for info in infos)
+            return safetensors_capacity(checkpoint.infos())
     tensors = elements = 0
     candidates = [path] + sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
     for directory in candidates:
         if is_torch_dist_dir(directory):
-            for entry in load_index(directory).state_dict_metadata.values():
-                size = tuple(getattr(entry, "size", ()) or ())
-                if size:
-                    tensors += max(1, int(size[0]))
-                    elements += math.prod(int(n) for n in size)
+            more_tensors, more_elements = torch_dist_capacity(load_index(directory))
+            tensors, elements = tensors + more_tensors, elements + more_elements
         for rank_file in sorted(directory.glob(f"mp_rank_*/{LEGACY_FILE}")):
             require_regular_file(rank_file, "rank file")
             try:
@@ -104,6 +100,22 @@ def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
                 elements += sum(reader.size(r) for r in records)
             except RuntimeError as exc:
                 raise CheckpointError(f"{rank_file}: not a torch.save file ({' '.join(str(exc).split())[:200]})") from None
+    return tensors, elements
+
+
+def safetensors_capacity(infos: Mapping) -> tuple[int, int]:
+    """`checkpoint_capacity` from headers already read (a source that holds them reads them once)."""
+    return len(infos), sum(math.prod(info.shape) for info in infos.values())
+
+
+def torch_dist_capacity(metadata) -> tuple[int, int]:
+    """`checkpoint_capacity` of one decoded DCP `.metadata` (a stacked tensor counts once per layer)."""
+    tensors = elements = 0
+    for entry in metadata.state_dict_metadata.values():
+        size = tuple(getattr(entry, "size", ()) or ())
+        if size:
+            tensors += max(1, int(size[0]))
+            elements += math.prod(int(n) for n in size)
     return tensors, elements
 
 

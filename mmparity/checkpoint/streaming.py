@@ -51,7 +51,8 @@ from mmparity import families
 from mmparity.checkpoint import extra_state, megatron_args, torch_dist_layout, torch_dist_write
 from mmparity.checkpoint import team as team_mod
 from mmparity.checkpoint import formats as ckpt_formats
-from mmparity.checkpoint.hf import bound_config, detect_family, read_hf_config
+from mmparity.checkpoint.hf import (bound_config, detect_family, read_hf_config, safetensors_capacity,
+                                    torch_dist_capacity)
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import RELEASE, TRACKER_FILE, checkpoint_extent, iteration_dirname, resolve_iteration_dir
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, load_rank_payload, model_chunk_keys, open_legacy
@@ -312,9 +313,11 @@ class _TensorFilter:
         return t
 
 
-def load_family_config(config_path: Path, family: str, where: Path):
+def load_family_config(config_path: Path, family: str, where: Path, capacity: tuple[int, int] | None = None):
     """(family config, raw bytes of the HF config file). A source directory's config.json may be
-    Mistral's params.json instead (translated, its HF config.json bytes returned)."""
+    Mistral's params.json instead (translated, its HF config.json bytes returned). ``capacity``:
+    the source's (tensors, elements) from an index it already read (``hf.checkpoint_capacity``
+    otherwise reads the index again: seconds at a release's tensor count)."""
     if config_path.name == HF_CONFIG_FILE and not config_path.is_file():
         raise ConvertError(f"{where}: no {HF_CONFIG_FILE} (the HF config an mcore checkpoint needs "
                            "to be converted; mmparity convert keeps the source's config.json there)")
@@ -326,7 +329,7 @@ def load_family_config(config_path: Path, family: str, where: Path):
         cfg = families.get(family).family_config(full)
     except ValueError as exc:
         raise ConvertError(f"{where}: {exc} (family {family!r})") from None
-    bound_config(cfg, config_path if config_path.is_file() else where / "params.json", where)
+    bound_config(cfg, config_path if config_path.is_file() else where / "params.json", where, capacity)
     return cfg, raw
 
 
@@ -479,8 +482,9 @@ class _HFSource(_Source):
                  tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE):
         self.path, self.family, self._filter = path, family, filt
         self.vocab_tp, self.vocab_multiple = tp, vocab_multiple
-        self.cfg, self.config_bytes = load_family_config(path / CONFIG_FILE, family, path)
         self.ckpt = SafetensorsCheckpoint(path)
+        self.cfg, self.config_bytes = load_family_config(path / CONFIG_FILE, family, path,
+                                                         safetensors_capacity(self.ckpt.infos()))
         scheme = quant_io.read_scheme(self.config_bytes, path / CONFIG_FILE)
         if scheme is not None:
             # The logical tensors, dequantized on read; planned, like any source, from headers.
@@ -606,7 +610,8 @@ class _McoreSource(_Source):
     iteration: int | str | None = None
 
     def _init_common(self, root: Path, manifest: Manifest | None, family: str | None,
-                     filt: _TensorFilter, complete: bool = True, model_config: ModelConfig | None = None) -> None:
+                     filt: _TensorFilter, complete: bool = True, model_config: ModelConfig | None = None,
+                     capacity: tuple[int, int] | None = None) -> None:
         """``complete=False`` (``verify --load``): tensors missing or foreign to the family are left
         for the strict load to name, and the side file (which Megatron's class never reads) is
         checked only where present; the shapes of the tensors present, the records of the manifest
@@ -628,7 +633,7 @@ class _McoreSource(_Source):
                                    "config, tokenizer and the tensors Megatron keeps no place for) or "
                                    "--hf-config FILE (with --family)")
             self.family = _manifest_family(manifest, family, root)
-            self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root)
+            self.cfg, self.config_bytes = load_family_config(root / HF_CONFIG_FILE, self.family, root, capacity)
         extra = dict(manifest.provenance.extra or {}) if manifest is not None else {}
         if isinstance(extra.get("left_out"), dict):
             self.left_out_record = extra["left_out"]
@@ -908,9 +913,10 @@ class _TorchDistSource(_McoreSource):
         recorded = manifest
         manifest = _manifest_of_iteration(manifest, self.iteration)
         self.manifest_elsewhere = manifest is not recorded
-        self._init_common(root, manifest, family, filt, complete, model_config)
-        self._check_recorded_parallelism(None, None)
         self.files = TorchDistFiles(iteration_dir)
+        self._init_common(root, manifest, family, filt, complete, model_config,
+                          torch_dist_capacity(self.files.metadata))
+        self._check_recorded_parallelism(None, None)
         self.index = torch_dist_index(self.files, self.order)
         self._check_keys(self.index, "torch_dist")
         check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
