@@ -7,6 +7,7 @@ the metadata encoder's corners."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import json
 import pickle
@@ -129,6 +130,29 @@ def test_the_metadata_decodes_to_dcps_own_objects():
     assert decoded.storage_data[MetadataIndex("x._extra_state/shard_0_1")].offset == 2**40
     # Our own reader's allow-list takes it too.
     assert unpickle.loads(data, unpickle.DCP_METADATA_NAMES, "test").storage_data == decoded.storage_data
+
+
+def test_the_metadata_bytes_are_those_of_the_first_encoder():
+    """The encoder's bytes, pinned: the digest is what the first, walk-everything encoder (before
+    recurring shapes and properties were copied from their first encoding) wrote for the same
+    index. Over 256 memo entries (long memo ops), four dtypes, offsets past 2 and 4 GiB, two data
+    files and byte objects."""
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.int8]
+    entries = []
+    for layer in range(7):
+        for e in range(45):
+            chunk = ((e, 0, 0), (1, 3, 4), (f"__{e % 3}_0.distcp", 2**31 * (e % 5) + 64 * e, 100 + e))
+            entries.append(dcp_metadata.TensorEntry(
+                f"decoder.layers.{layer}.mlp.experts.experts.linear_fc{1 + e % 2}.weight{e}",
+                (45, 6 + layer % 3, 4), dtypes[(layer + e) % 4], (chunk,)))
+        entries.append(dcp_metadata.TensorEntry(
+            f"decoder.layers.{layer}.self_attention.linear_qkv.weight", (12, 8), torch.bfloat16,
+            (((0, 0), (6, 8), ("__0_0.distcp", 0, 10)), ((6, 0), (6, 8), ("__0_0.distcp", 2**40, 10)))))
+    objects = {f"x.{i}._extra_state/shard_0_{i}": ("__1_0.distcp", 2**33 + i, 9) for i in range(30)}
+    data = dcp_metadata.encode_metadata(entries, objects)
+    assert (len(data), hashlib.sha256(data).hexdigest()) == (
+        97215, "6243f990c431d5fd080b477dd636adf73f08b18add7ae6e4ef527b6b531a266f")
+    assert len(pickle.loads(data).storage_data) == len(entries) + 7 + len(objects)
 
 
 def test_dcps_own_pickle_decodes_into_compact_stand_ins():

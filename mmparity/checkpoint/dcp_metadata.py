@@ -13,11 +13,12 @@ loader) unpickles it into the same objects its writer would have made; the tests
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["TensorEntry", "encode_metadata"]
 
@@ -68,12 +69,32 @@ class _LazyPairs:
         return iter(self.make())
 
 
+@dataclass(frozen=True)
+class _Recurring:
+    """A value that recurs verbatim (a dtype's tensor properties, a shape every expert shares):
+    its bytes are kept once made and copied after, instead of being walked again. ``key`` names
+    it (equal keys, equal values), so a lookup hashes a short tuple, not the value's tree."""
+    key: tuple
+    value: object = field(compare=False)
+
+
 class _Encoder:
     def __init__(self):
         self.out = bytearray(b"\x80\x02")  # PROTO 2: no framing, every reader since Python 2.3
         # Class names and keys recur for every chunk: written once, then fetched from the memo
         # (as pickle itself does), which keeps a many-expert model's index a third the size.
         self.memo: dict = {}
+        # The bytes of each _Recurring value whose encoding added nothing to the memo: every name
+        # it holds was memoized before, and memo entries never change, so it encodes the same
+        # every time. Only recurring values, so the table grows with the distinct shapes, not
+        # with the chunks.
+        self.recurring: dict = {}
+        self._by_type = {type(None): self._none, bool: self._bool, int: self._int, str: self._str,
+                         tuple: self._tuple, dict: self._pairs, _Pairs: self._pairs, _LazyPairs: self._pairs,
+                         list: self._list, _Global: self._global, _Call: self._call, _Recurring: self._recurring,
+                         _Object: self._object}
+        # Subclasses of the plain types (an IntEnum, a str subclass) by the first base they have.
+        self._by_base = (bool, int, str, tuple, dict, list)
 
     def _memoized(self, v) -> bool:
         index = self.memo.get((type(v), v))
@@ -87,64 +108,88 @@ class _Encoder:
         self.out += b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index)
 
     def value(self, v) -> None:
-        out = self.out
-        if v is None:
-            out += b"N"
-        elif v is True:
-            out += b"\x88"
-        elif v is False:
-            out += b"\x89"
-        elif isinstance(v, int):
-            if -(1 << 31) <= v < (1 << 31):
-                out += b"J" + struct.pack("<i", v)
-            else:  # file offsets of a large checkpoint
-                raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
-                out += b"\x8a" + bytes([len(raw)]) + raw
-        elif isinstance(v, str):
-            if not self._memoized(v):
-                raw = v.encode("utf-8")
-                out += b"X" + struct.pack("<I", len(raw)) + raw
-                self._memoize(v)
-        elif isinstance(v, tuple):
-            out += b"("
+        encode = self._by_type.get(type(v))
+        if encode is None:
+            base = next((base for base in self._by_base if isinstance(v, base)), None)
+            if base is None:
+                raise TypeError(f"cannot encode a {type(v).__name__} in DCP metadata")
+            encode = self._by_type[base]
+        encode(v)
+
+    def _none(self, v) -> None:
+        self.out += b"N"
+
+    def _bool(self, v) -> None:
+        self.out += b"\x88" if v else b"\x89"
+
+    def _int(self, v) -> None:
+        if -(1 << 31) <= v < (1 << 31):
+            self.out += b"J" + struct.pack("<i", v)
+        else:  # file offsets of a large checkpoint
+            raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+            self.out += b"\x8a" + bytes([len(raw)]) + raw
+
+    def _str(self, v) -> None:
+        if not self._memoized(v):
+            raw = v.encode("utf-8")
+            self.out += b"X" + struct.pack("<I", len(raw)) + raw
+            self._memoize(v)
+
+    def _tuple(self, v) -> None:
+        self.out += b"("
+        for item in v:
+            self.value(item)
+        self.out += b"t"
+
+    def _pairs(self, v) -> None:
+        self.out += b"}"
+        if v:
+            self.out += b"("
+            for key, item in (v.items() if isinstance(v, dict) else v):
+                self.value(key)
+                self.value(item)
+            self.out += b"u"
+
+    def _list(self, v) -> None:
+        self.out += b"]"
+        if v:
+            self.out += b"("
             for item in v:
                 self.value(item)
-            out += b"t"
-        elif isinstance(v, (dict, _Pairs, _LazyPairs)):
-            out += b"}"
-            if v:
-                out += b"("
-                for key, item in (v.items() if isinstance(v, dict) else v):
-                    self.value(key)
-                    self.value(item)
-                out += b"u"
-        elif isinstance(v, list):
-            out += b"]"
-            if v:
-                out += b"("
-                for item in v:
-                    self.value(item)
-                out += b"e"
-        elif isinstance(v, _Global):
-            if not self._memoized(v):
-                out += b"c" + v.module.encode() + b"\n" + v.name.encode() + b"\n"
-                self._memoize(v)
-        elif isinstance(v, _Call):
-            self.value(v.func)
-            self.value(tuple(v.args))
-            out += b"R"
-        elif isinstance(v, _Object):
-            self.value(v.cls)
-            out += b")\x81"  # EMPTY_TUPLE, NEWOBJ
-            if v.state is not None:
-                self.value(v.state)
-                out += b"b"
-        else:
-            raise TypeError(f"cannot encode a {type(v).__name__} in DCP metadata")
+            self.out += b"e"
+
+    def _global(self, v) -> None:
+        if not self._memoized(v):
+            self.out += b"c" + v.module.encode() + b"\n" + v.name.encode() + b"\n"
+            self._memoize(v)
+
+    def _call(self, v) -> None:
+        self.value(v.func)
+        self.value(tuple(v.args))
+        self.out += b"R"
+
+    def _recurring(self, v) -> None:
+        made = self.recurring.get(v.key)
+        if made is not None:
+            self.out += made
+            return
+        start, memo_size = len(self.out), len(self.memo)
+        self.value(v.value)
+        if len(self.memo) == memo_size:
+            self.recurring[v.key] = bytes(self.out[start:])
+
+    def _object(self, v) -> None:
+        self.value(v.cls)
+        self.out += b")\x81"  # EMPTY_TUPLE, NEWOBJ
+        if v.state is not None:
+            self.value(v.state)
+            self.out += b"b"
 
 
-def _size(values: Sequence[int]) -> _Call:
-    return _Call(_Global("torch", "Size"), (tuple(int(n) for n in values),))
+def _size(values: Sequence[int], recurring: bool = False) -> _Call:
+    values = tuple(int(n) for n in values)
+    call = _Call(_Global("torch", "Size"), (values,))
+    return _Recurring(("torch.Size", values), call) if recurring else call
 
 
 def _dtype(dtype) -> _Global:
@@ -213,18 +258,24 @@ def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[
     return encoder.out
 
 
-def _tensor_metadata(entry: TensorEntry) -> _Object:
-    properties = _Object(_Global(_DCP, "TensorProperties"), (
-        _dtype(entry.dtype),
+@functools.lru_cache(maxsize=None)
+def _properties(dtype) -> _Recurring:
+    return _Recurring(("TensorProperties", str(dtype)), _Object(_Global(_DCP, "TensorProperties"), (
+        _dtype(dtype),
         _Call(_Global("torch.serialization", "_get_layout"), ("torch.strided",)),
         False,
         _Call(_Global(_DCP, "_MEM_FORMAT_ENCODING"), (_CONTIGUOUS,)),
         False,
-    ))
-    chunks = [_Object(_Global(_DCP, "ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(sizes)})
+    )))
+
+
+def _tensor_metadata(entry: TensorEntry) -> _Object:
+    # Offsets are nearly all distinct (not worth keeping); shapes and properties recur.
+    chunks = [_Object(_Global(_DCP, "ChunkStorageMetadata"),
+                      {"offsets": _size(offsets), "sizes": _size(sizes, recurring=True)})
               for offsets, sizes, _ in entry.chunks]
     return _Object(_Global(_DCP, "TensorStorageMetadata"), {
-        "properties": properties, "size": _size(entry.shape), "chunks": chunks})
+        "properties": _properties(entry.dtype), "size": _size(entry.shape, recurring=True), "chunks": chunks})
 
 
 def _index(fqn: str, offset, index) -> _Object:
