@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from mmparity.checkpoint import manifest as manifest_module
 from mmparity.checkpoint.fsio.checksums import PieceHasher, TensorChecksum, tensor_checksum
+from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, TensorRecord
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.publish import atomic_directory
 from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE,
@@ -475,3 +479,26 @@ def test_start_writeback_is_harmless_where_it_cannot_apply(tmp_path):
     assert path.read_bytes() == b"x" * 10000
     if sys.platform == "linux":
         assert io._sync_file_range, "one fd's refusal must not switch writeback off for every file"
+
+
+_JSON_TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12)
+_RECORD_VALUES = st.one_of(_JSON_TEXT, st.lists(st.integers(-2**70, 2**70), max_size=5),
+                           st.lists(st.one_of(st.booleans(), st.none(), st.floats(allow_nan=False), _JSON_TEXT), max_size=3),
+                           st.dictionaries(_JSON_TEXT, st.integers(), max_size=2), st.integers(), st.booleans(), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_JSON_TEXT, _RECORD_VALUES, max_size=6))
+def test_a_manifest_record_is_written_as_json_indents_it(record):
+    """The record writer's text is json.dumps(indent=1), nested two deeper, for any record: strings
+    with escapes and non-ASCII, empty and long-int lists, and values it leaves to json."""
+    assert manifest_module._record_text(record) == json.dumps(record, indent=1).replace("\n", "\n  ")
+
+
+def test_a_whole_manifest_is_the_json_dump_of_its_records(tmp_path):
+    records = tuple(TensorRecord(f"__{n % 2}_0.distcp", f"decoder.layers.{n}.w\u00e9ight",
+                                 tensor_checksum(torch.arange(n + 1, dtype=torch.float32).reshape(1, -1)),
+                                 (n, 0) if n % 3 else None) for n in range(7))
+    manifest = Manifest(layout=LAYOUT_TORCH_DIST, tensors=records)
+    path = manifest_module.write_manifest(tmp_path, manifest)
+    assert path.read_text() == json.dumps(manifest.to_json(), indent=1) + "\n"

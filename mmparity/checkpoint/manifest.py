@@ -186,6 +186,25 @@ def _positive(value, what: str) -> int:
     return value
 
 
+def _record_text(record: Mapping) -> str:
+    """``json.dumps(record, indent=1)`` as nested two deeper in the manifest, for a record of strings
+    and lists of ints (any other value goes through ``json.dumps``). json's indented encoder is its
+    pure-Python one: at a release's tens of thousands of records, most of writing the manifest."""
+    lines = []
+    for key, value in record.items():
+        if type(value) is str:
+            text = _json_string(value)
+        elif type(value) is list and all(type(n) is int for n in value):
+            text = "[\n    " + ",\n    ".join(map(repr, value)) + "\n   ]" if value else "[]"
+        else:
+            text = json.dumps(value, indent=1).replace("\n", "\n   ")
+        lines.append("   " + _json_string(key) + ": " + text)
+    return "{\n" + ",\n".join(lines) + "\n  }" if lines else "{}"
+
+
+_json_string = json.encoder.encode_basestring_ascii
+
+
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
     known = [f.layout for f in ckpt_formats.formats()]  # every registered format's
     if manifest.layout not in known:
@@ -204,8 +223,7 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
         else:
             f.write(head[: -len("[]\n}")] + "[")
             for number, record in enumerate(records):
-                text = json.dumps(record.to_json(), indent=1).replace("\n", "\n  ")
-                f.write(("," if number else "") + "\n  " + text)
+                f.write(("," if number else "") + "\n  " + _record_text(record.to_json()))
             f.write("\n ]\n}")
         f.write("\n")
     return path
