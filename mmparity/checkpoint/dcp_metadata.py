@@ -18,7 +18,7 @@ import hashlib
 import struct
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["TensorEntry", "encode_metadata"]
 
@@ -73,9 +73,9 @@ class _LazyPairs:
 class _Recurring:
     """A value that recurs verbatim (a dtype's tensor properties, a shape every expert shares):
     its bytes are kept once made and copied after, instead of being walked again. ``key`` names
-    it (equal keys, equal values), so a lookup hashes a short tuple, not the value's tree."""
+    it (equal keys, equal values): the encoder's table is keyed by it, not by the value's tree."""
     key: tuple
-    value: object = field(compare=False)
+    value: object
 
 
 class _Encoder:

@@ -186,6 +186,10 @@ def _positive(value, what: str) -> int:
     return value
 
 
+# json.dumps's own string encoder (ensure_ascii), in C where the interpreter has it.
+_json_string = json.encoder.encode_basestring_ascii
+
+
 def _record_text(record: Mapping) -> str:
     """``json.dumps(record, indent=1)`` as nested two deeper in the manifest, for a record of strings
     and lists of ints (any other value goes through ``json.dumps``). json's indented encoder is its
@@ -200,9 +204,6 @@ def _record_text(record: Mapping) -> str:
             text = json.dumps(value, indent=1).replace("\n", "\n   ")
         lines.append("   " + _json_string(key) + ": " + text)
     return "{\n" + ",\n".join(lines) + "\n  }" if lines else "{}"
-
-
-_json_string = json.encoder.encode_basestring_ascii
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
