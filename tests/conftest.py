@@ -33,6 +33,12 @@ def pytest_configure(config):
         return spawn(fn, world_size, *args)
 
     runtime.spawn = spawn_in_a_slow_test
+    # The suite launches ranks a few hundred times; each spawned rank would import megatron-core
+    # and transformers afresh. The CLI's own rank launches (tests that run `mmparity` as a child
+    # process) still spawn, as a user's do.
+    runtime.share_rank_imports(["torch.multiprocessing", "torch.distributed", "megatron.core", "transformers",
+                                "mmparity.runtime", "mmparity.families", "mmparity.cases.core", "mmparity.parity.harness",
+                                "mmparity.checkpoint.streaming"])
 
 
 @pytest.hookimpl(hookwrapper=True)
