@@ -70,6 +70,29 @@ def test_spawned_ranks_hand_back_tensors_that_live_in_their_memory():
         assert [t[0].item() for t in tensors] == [float(rank * count + i) for i in range(count)]
 
 
+def _environment_and_directory(rank: int, world_size: int) -> tuple:
+    import os
+
+    return os.environ.get("MMPARITY_TEST_MARK"), os.getcwd(), rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["spawned", "forked from the shared server"])
+def test_ranks_see_the_environment_and_directory_of_the_call(start, monkeypatch, tmp_path):
+    # A forked rank's server started earlier, in whatever environment and directory the process
+    # had then: what the ranks see must be the caller's at this call, as a spawned rank's is.
+    if start == "spawned":
+        monkeypatch.setattr(runtime, "_shared_imports", None)
+    else:
+        monkeypatch.setattr(runtime, "_shared_imports", runtime._shared_imports or ("torch",))
+    monkeypatch.delenv("MMPARITY_TEST_MARK", raising=False)
+    assert runtime.spawn(_environment_and_directory, 2)[0][0] is None  # the server, if any, is up now
+    monkeypatch.setenv("MMPARITY_TEST_MARK", "at the call")
+    monkeypatch.chdir(tmp_path)
+    assert runtime.spawn(_environment_and_directory, 2) == [("at the call", str(tmp_path), 0),
+                                                            ("at the call", str(tmp_path), 1)]
+
+
 @pytest.mark.slow
 def test_torchrun_ranks_meet_on_the_agents_store():
     # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank is a client
