@@ -35,10 +35,12 @@ def pytest_configure(config):
     runtime.spawn = spawn_in_a_slow_test
     # The suite launches ranks a few hundred times; each spawned rank would import megatron-core
     # and transformers afresh. The CLI's own rank launches (tests that run `mmparity` as a child
-    # process) still spawn, as a user's do.
-    runtime.share_rank_imports(["torch.multiprocessing", "torch.distributed", "megatron.core", "transformers",
-                                "mmparity.runtime", "mmparity.families", "mmparity.cases.core", "mmparity.parity.harness",
-                                "mmparity.checkpoint.streaming"])
+    # process) still spawn, as a user's do. Where CUDA is present the ranks keep spawning: forking
+    # has not been tried on a GPU runner.
+    if not torch.cuda.is_available():
+        runtime.share_rank_imports(["torch.multiprocessing", "torch.distributed", "megatron.core", "transformers",
+                                    "mmparity.runtime", "mmparity.families", "mmparity.cases.core",
+                                    "mmparity.parity.harness", "mmparity.checkpoint.streaming"])
 
 
 @pytest.hookimpl(hookwrapper=True)
