@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,8 +75,6 @@ def test_spawned_ranks_hand_back_tensors_that_live_in_their_memory():
 
 
 def _environment_and_directory(rank: int, world_size: int) -> tuple:
-    import os
-
     return os.environ.get("MMPARITY_TEST_MARK"), os.getcwd(), rank
 
 
@@ -97,11 +99,6 @@ def test_ranks_see_the_environment_and_directory_of_the_call(start, monkeypatch,
 def test_torchrun_ranks_meet_on_the_agents_store():
     # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank is a client
     # of it, and the check runs in-process on each of its two ranks.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(repo), MMPARITY_TIMEOUT="60")
