@@ -18,8 +18,13 @@ the release's (70,310 tensors in 2 GB; at ``--scale 64`` the text model has one 
 which TP 2 cannot split). A conversion's bookkeeping grows with the tensor
 count, not the bytes, and its setup time is where anything worse than linear would show.
 
+``--by-width`` with ``--sizes``: the other way round, the release's key set at every size (61
+layers and 384 experts unless ``--layers N`` / ``--experts N`` say otherwise, 4 attention heads)
+and the width scale chosen to make each size, so only the bytes grow: what a conversion holds
+per byte, with its bookkeeping the same at every size.
+
 Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep] [--phases]
-       [--layers N [N ...]] [--experts N]
+       [--layers N [N ...]] [--experts N] [--by-width]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -55,6 +60,9 @@ def main() -> int:
     parser.add_argument("--layers", nargs="+", type=int, default=None,
                         help="checkpoints of these decoder depths instead of --sizes (the tensor count grows)")
     parser.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer")
+    parser.add_argument("--by-width", action="store_true",
+                        help="make each of --sizes by the width scale, at one depth (--layers N, else 61) and "
+                             "expert count (--experts, else 384): the same key set at every size")
     parser.add_argument("--phases", action="store_true",
                         help="also the peak above start per phase of each conversion (setup: source, plan "
                              "and layout up to the first tensor; streaming; finish: manifest, .metadata, "
@@ -64,22 +72,32 @@ def main() -> int:
 
     from mmparity.checkpoint.fsio.safetensors_format import parse_size
 
+    if args.by_width and args.layers and len(args.layers) > 1:
+        parser.error("--by-width takes one depth: --layers N")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mmparity-memory-"))
     rows = []
+    if args.by_width:
+        runs = [(size, args.layers[0] if args.layers else None) for size in args.sizes]
+    elif args.layers:
+        runs = [(f"{n} layers", n) for n in args.layers]
+    else:
+        runs = [(size, None) for size in args.sizes]
     try:
-        for size, layers in ([(f"{n} layers", n) for n in args.layers] if args.layers
-                             else [(size, None) for size in args.sizes]):
+        for size, layers in runs:
             root = work / size.replace(" ", "_")
-            info = synthetic.write(root / "hf", parse_size(size) if layers is None else 0, args.scale, 0, "4GB",
-                                   torch.bfloat16, layers=layers, experts=args.experts)
-            _, shapes = synthetic.release_shapes(args.scale, info["layers"], torch.bfloat16, args.experts)
+            by_size = args.by_width or layers is None
+            info = synthetic.write(root / "hf", parse_size(size) if by_size else 0, args.scale, 0, "4GB",
+                                   torch.bfloat16, layers=layers, experts=args.experts, by_width=args.by_width)
+            _, shapes = synthetic.release_shapes(info["scale"], info["layers"], torch.bfloat16, info["experts"],
+                                                 info["heads"])
             largest = max(math.prod(s) for s in shapes.values()) * 2
             for job, (src, dst, options) in JOBS.items():
                 bench._settle(1)
                 bench._warm(root / src)
                 result = bench._measure("convert", root / src, root / dst,
                                         json.dumps({**options, "memory_phases": True} if args.phases else options))
-                row = {"size": size, "bytes": info["bytes"], "layers": info["layers"], "tensors": info["tensors"],
+                row = {"size": size, "bytes": info["bytes"], "scale": info["scale"], "layers": info["layers"],
+                       "tensors": info["tensors"],
                        "job": job,
                        "seconds": round(result["seconds"], 2),
                        "GB/s": round(info["bytes"] / result["seconds"] / 1e9, 3),
@@ -100,10 +118,10 @@ def main() -> int:
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print("| size | layers | tensors | job | s | GB/s | peak RssAnon MB | above start MB | largest tensor MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| size | scale | layers | tensors | job | s | GB/s | peak RssAnon MB | above start MB | largest tensor MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['size']} | {r['layers']} | {r['tensors']} | {r['job']} | {r['seconds']} | {r['GB/s']} | "
+        print(f"| {r['size']} | {r['scale']} | {r['layers']} | {r['tensors']} | {r['job']} | {r['seconds']} | {r['GB/s']} | "
               f"{r['peak_anon_MB']} | {r['above_start_MB']} | {r['largest_tensor_MB']} |")
     if args.phases:
         print("\nPeak RssAnon above start by phase, MB (setup: up to the first tensor; finish: after the last):\n")

@@ -87,10 +87,13 @@ PUBLISHED_VISION = dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_
                         hidden_act="gelu_pytorch_tanh", merge_kernel_size=(2, 2))
 
 
-def published_config(scale: int = 1, layers: int | None = None, experts: int | None = None) -> Kimi_K25Config:
+def published_config(scale: int = 1, layers: int | None = None, experts: int | None = None,
+                     heads: int | None = None) -> Kimi_K25Config:
     """The released Kimi-K2.5 config, or a proportionally scaled one: every width and the expert
     count divided by ``scale`` (heads kept whole), ``layers`` decoder layers and ``experts`` routed
-    experts per MoE layer if given (the release's key count at a small width)."""
+    experts per MoE layer if given (the release's key count at a small width), and ``heads``
+    attention heads if given (a scale that does not divide 64 would leave an odd count, which TP 2
+    cannot split)."""
     from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
     def cut(n: int) -> int:
@@ -105,9 +108,11 @@ def published_config(scale: int = 1, layers: int | None = None, experts: int | N
         text["num_hidden_layers"] = layers
     if experts is not None:
         text["n_routed_experts"] = experts
-    # At --scale 64 the tower would be 16 wide, one column per head, which the 2D RoPE layout
-    # refuses: 64 (16 heads of 4) is the least it is built at.
-    vision = dict(PUBLISHED_VISION, hidden_size=max(64, cut(1152) // 16 * 16), intermediate_size=cut(4304))
+    if heads is not None:
+        text["num_attention_heads"] = text["num_key_value_heads"] = heads
+    # The 2D RoPE layout needs an even head width over the tower's 16 heads: a multiple of 32 (an
+    # odd scale such as 8 would leave 144, 9 per head), and 64 (16 heads of 4) at the least.
+    vision = dict(PUBLISHED_VISION, hidden_size=max(64, cut(1152) // 32 * 32), intermediate_size=cut(4304))
     return Kimi_K25Config(vision_config=Kimi_K25VisionConfig(**vision), text_config=tiny_text(**text),
                           projection_hidden_size=vision["hidden_size"], tie_word_embeddings=False,
                           image_token_id=text["vocab_size"] - 1)
