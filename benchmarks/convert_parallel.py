@@ -50,7 +50,9 @@ def _env() -> dict:
 def _convert(argv: list[str], nodes: int = 0) -> dict:
     """One run of the command: `nodes` > 0 starts that many torchrun agents of one rank each."""
     if nodes:
-        port = bench_free_port()
+        from mmparity.runtime import free_port
+
+        port = free_port()
         commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
                      "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(port),
                      "-m", "mmparity", *argv] for n in range(nodes)]
@@ -66,14 +68,6 @@ def _convert(argv: list[str], nodes: int = 0) -> dict:
             raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{err[-3000:]}")
     reported = [float(m.group(1)) for out, _ in outputs for m in [_REPORTED.search(out)] if m]
     return {"seconds": seconds, "reported": reported[0] if reported else None}
-
-
-def bench_free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

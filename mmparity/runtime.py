@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue as queue_module
+import random
 import socket
 import threading
 import time
@@ -550,9 +551,51 @@ def tp_rank() -> int:
     return parallel_state.get_tensor_model_parallel_rank()
 
 
-def free_port() -> int:
+# A port the kernel picks for bind(0) comes from its ephemeral range, which is also where every
+# outgoing connection's local port comes from: on a machine whose other processes open many (a
+# gloo mesh opens one per rank pair), one of them can take the port between the choice and the
+# store's bind. Below that range only an explicit bind takes a port.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_PORT_WINDOW = 16384  # how far below the ephemeral range to choose, at most
+_LOWEST_PORT = 1025  # never a privileged port
+_PORT_TRIES = 64
+
+
+def _ephemeral_ports() -> tuple[int, int] | None:
+    """The kernel's (first, last) ephemeral port, or None where it cannot be read (not Linux)."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            first, last = (int(field) for field in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return first, last
+
+
+def _bindable(host: str, port: int) -> bool:
+    # Without SO_REUSEADDR, so a port that still has connections in TIME_WAIT is passed over too.
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing is bound to on ``host``, for a rendezvous store to bind shortly after:
+    chosen at random below the kernel's ephemeral range where there is room, so that no outgoing
+    connection can take it meanwhile, else the kernel's pick. The choice is random from the OS's
+    entropy, not ``random``'s state, which forked processes share."""
+    span = _ephemeral_ports()
+    if span is not None and span[0] - _LOWEST_PORT >= 2:
+        low = max(_LOWEST_PORT, span[0] - _PORT_WINDOW)
+        draw = random.SystemRandom()
+        for _ in range(_PORT_TRIES):
+            port = draw.randrange(low, span[0])
+            if _bindable(host, port):
+                return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -6,7 +6,6 @@ never a hang (every rendezvous and collective waits MMPARITY_TIMEOUT seconds, sh
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mmparity import runtime
+from mmparity.runtime import free_port
 from tests.test_faults import one_line_error
 
 pytestmark = pytest.mark.fault
@@ -36,12 +36,6 @@ def run_subprocess(*argv, env=None, timeout=180):
     except subprocess.TimeoutExpired:
         pytest.fail(f"mmparity {' '.join(map(str, argv))} hung for {timeout}s")
     return proc.returncode, proc.stdout, proc.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

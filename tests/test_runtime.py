@@ -108,3 +108,43 @@ def test_torchrun_ranks_meet_on_the_agents_store():
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_free_port_is_chosen_below_the_ephemeral_range_and_never_a_bound_one(monkeypatch):
+    import socket
+
+    first = 40000
+    monkeypatch.setattr(runtime, "_ephemeral_ports", lambda: (first, 60999))
+    for _ in range(20):
+        assert first - runtime._PORT_WINDOW <= runtime.free_port() < first
+    # A window of two ports, one of them held by a listener: the other every time.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        window = (taken, taken + 1) if taken % 2 else (taken - 1, taken)
+        other = window[0] if window[1] == taken else window[1]
+        if not runtime._bindable("127.0.0.1", other):
+            pytest.skip(f"port {other} beside the held one is in use on this machine")
+        monkeypatch.setattr(runtime, "_PORT_WINDOW", 2)
+        monkeypatch.setattr(runtime, "_ephemeral_ports", lambda: (window[1] + 1, 60999))
+        assert {runtime.free_port() for _ in range(20)} == {other}
+
+
+def test_a_free_port_is_the_kernels_pick_where_no_range_or_no_room_below_it(monkeypatch):
+    for span in (None, (1024, 65535)):
+        monkeypatch.setattr(runtime, "_ephemeral_ports", lambda: span)
+        port = runtime.free_port()
+        assert runtime._bindable("127.0.0.1", port)
+    # Every port of the window taken: the kernel's pick, not a hang or an error.
+    monkeypatch.setattr(runtime, "_ephemeral_ports", lambda: (40000, 60999))
+    monkeypatch.setattr(runtime, "_bindable", lambda host, port: False)
+    assert runtime.free_port() > 0
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel_where_it_is_there():
+    span = runtime._ephemeral_ports()
+    if not os.path.exists(runtime.EPHEMERAL_RANGE_FILE):
+        assert span is None
+    else:
+        assert span is not None and 0 < span[0] <= span[1] <= 65535
