@@ -97,7 +97,9 @@ def published_config(scale: int = 1, layers: int | None = None, experts: int | N
     from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
     def cut(n: int) -> int:
-        return max(1, n // scale)
+        # Even, so that TP 2 and EP 2 split every scaled width and the expert count (the powers
+        # of two the benchmarks mostly use give even widths anyway; 45 would give 95 and 409).
+        return n if scale == 1 else max(2, n // scale // 2 * 2)
 
     text = dict(PUBLISHED_TEXT)
     for name in ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
