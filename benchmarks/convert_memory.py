@@ -6,7 +6,9 @@ a fresh child process whose RssAnon the parent samples every few milliseconds
 (``convert_throughput._measure``): anonymous memory only, not the page cache that reading and
 writing a checkpoint goes through. Jobs: HF -> torch_dist, HF -> legacy at TP 2 x EP 2 (the
 experts split over EP ranks, every matrix over TP ranks), and both back to HF in the release
-layout, checked tensor for tensor against the source.
+layout, checked tensor for tensor against the source; ``--jobs`` adds the re-layouts between
+Megatron's formats (torch_dist -> legacy at TP 2 x PP 2 x EP 2, legacy -> torch_dist), each
+also taken back to HF and checked.
 
 A conversion's memory is bounded when the peak stays flat as the size grows: what a converter
 holds is a few tensors at a time, so the figure to compare it with is the largest tensor
@@ -24,7 +26,7 @@ and the width scale chosen to make each size, so only the bytes grow: what a con
 per byte, with its bookkeeping the same at every size.
 
 Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep] [--phases]
-       [--layers N [N ...]] [--experts N] [--by-width]
+       [--layers N [N ...]] [--experts N] [--by-width] [--jobs JOB [JOB ...]]
 Numbers go to docs/convert.md; nothing here asserts.
 """
 
@@ -43,12 +45,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import convert_throughput as bench  # noqa: E402  (its child runner and RssAnon sampler)
 import synthetic_moe_checkpoint as synthetic  # noqa: E402
 
-JOBS = {  # each mcore checkpoint converted back, then removed: three copies of a size on disk at most
+# Run in this order; an mcore checkpoint is removed once no later chosen job reads it, and every
+# HF one made ("*back") is compared with the source and removed: three copies of a size on disk
+# at most.
+JOBS = {
     "hf -> torch_dist": ("hf", "td", {"to": "mcore", "format": "torch_dist"}),
+    # A re-layout between Megatron's two formats, every parallel axis split on the way.
+    "torch_dist -> legacy tp2 pp2 ep2": ("td", "legacy_pp", {"to": "mcore", "format": "legacy", "tp": 2, "pp": 2,
+                                                             "ep": 2}),
+    "legacy tp2 pp2 ep2 -> hf": ("legacy_pp", "legacy_pp_back", {"to": "hf", "hf_format": "release"}),
     "torch_dist -> hf": ("td", "td_back", {"to": "hf", "hf_format": "release"}),
     "hf -> legacy tp2 ep2": ("hf", "legacy", {"to": "mcore", "format": "legacy", "tp": 2, "ep": 2}),
+    "legacy tp2 ep2 -> torch_dist": ("legacy", "td_again", {"to": "mcore", "format": "torch_dist"}),
+    "torch_dist (from legacy) -> hf": ("td_again", "td_again_back", {"to": "hf", "hf_format": "release"}),
     "legacy tp2 ep2 -> hf": ("legacy", "legacy_back", {"to": "hf", "hf_format": "release"}),
 }
+DEFAULT_JOBS = ("hf -> torch_dist", "torch_dist -> hf", "hf -> legacy tp2 ep2", "legacy tp2 ep2 -> hf")
 
 
 def main() -> int:
@@ -63,6 +75,10 @@ def main() -> int:
     parser.add_argument("--by-width", action="store_true",
                         help="make each of --sizes by the width scale, at one depth (--layers N, else 61) and "
                              "expert count (--experts, else 384): the same key set at every size")
+    parser.add_argument("--jobs", nargs="+", default=list(DEFAULT_JOBS), choices=list(JOBS), metavar="JOB",
+                        help="which conversions, run in the order of JOBS (a job's mcore source must be made by "
+                             f"an earlier chosen one); default: {', '.join(repr(j) for j in DEFAULT_JOBS)}; "
+                             f"all: {', '.join(repr(j) for j in JOBS)}")
     parser.add_argument("--phases", action="store_true",
                         help="also the peak above start per phase of each conversion (setup: source, plan "
                              "and layout up to the first tensor; streaming; finish: manifest, .metadata, "
@@ -91,7 +107,9 @@ def main() -> int:
             _, shapes = synthetic.release_shapes(info["scale"], info["layers"], torch.bfloat16, info["experts"],
                                                  info["heads"])
             largest = max(math.prod(s) for s in shapes.values()) * 2
-            for job, (src, dst, options) in JOBS.items():
+            chosen = [job for job in JOBS if job in args.jobs]
+            for at, job in enumerate(chosen):
+                src, dst, options = JOBS[job]
                 bench._settle(1)
                 bench._warm(root / src)
                 result = bench._measure("convert", root / src, root / dst,
@@ -110,7 +128,8 @@ def main() -> int:
                 if dst.endswith("back"):
                     row["same_as_source"] = bench._same_tensors(root / "hf", root / dst)
                     shutil.rmtree(root / dst)
-                    shutil.rmtree(root / src)  # and its mcore source: no later job reads it
+                if src != "hf" and all(JOBS[later][0] != src for later in chosen[at + 1:]):
+                    shutil.rmtree(root / src)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if not args.keep:
