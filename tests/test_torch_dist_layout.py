@@ -153,6 +153,14 @@ def test_the_metadata_bytes_are_those_of_the_first_encoder():
     assert (len(data), hashlib.sha256(data).hexdigest()) == (
         97215, "6243f990c431d5fd080b477dd636adf73f08b18add7ae6e4ef527b6b531a266f")
     assert len(pickle.loads(data).storage_data) == len(entries) + 7 + len(objects)
+    # Handed out in runs as it is made (how a conversion writes it): the same bytes, in several
+    # runs, whatever the run length (1 byte: handed out after every entry of the index).
+    for flush_bytes in (1, 977, 2**16):
+        runs = []
+        assert dcp_metadata.encode_metadata(entries, objects, write=lambda b: runs.append(bytes(b)),
+                                            flush_bytes=flush_bytes) is None
+        assert b"".join(runs) == bytes(data), flush_bytes
+        assert len(runs) > 1 and all(runs), flush_bytes
 
 
 def test_dcps_own_pickle_decodes_into_compact_stand_ins():

@@ -17,7 +17,7 @@ import functools
 import hashlib
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["TensorEntry", "encode_metadata"]
@@ -79,8 +79,12 @@ class _Recurring:
 
 
 class _Encoder:
-    def __init__(self):
+    def __init__(self, write=None, flush_bytes: int = 1 << 20):
         self.out = bytearray(b"\x80\x02")  # PROTO 2: no framing, every reader since Python 2.3
+        # With ``write``, the bytes made so far go out whenever more than ``flush_bytes`` are
+        # buffered at a point where nothing still refers back into the buffer (see _pairs).
+        self.write, self.flush_bytes = write, flush_bytes
+        self._recurring_open = 0
         # Class names and keys recur for every chunk: written once, then fetched from the memo
         # (as pickle itself does), which keeps a many-expert model's index a third the size.
         self.memo: dict = {}
@@ -145,9 +149,15 @@ class _Encoder:
         self.out += b"}"
         if v:
             self.out += b"("
+            lazy = isinstance(v, _LazyPairs)
             for key, item in (v.items() if isinstance(v, dict) else v):
                 self.value(key)
                 self.value(item)
+                # Between two entries of the index: a _Recurring being encoded slices the
+                # buffer from where it began, so the buffer is handed out only outside one.
+                if lazy and self.write is not None and not self._recurring_open \
+                        and len(self.out) >= self.flush_bytes:
+                    self.flush()
             self.out += b"u"
 
     def _list(self, v) -> None:
@@ -174,9 +184,17 @@ class _Encoder:
             self.out += made
             return
         start, memo_size = len(self.out), len(self.memo)
-        self.value(v.value)
+        self._recurring_open += 1
+        try:
+            self.value(v.value)
+        finally:
+            self._recurring_open -= 1
         if len(self.memo) == memo_size:
             self.recurring[v.key] = bytes(self.out[start:])
+
+    def flush(self) -> None:
+        self.write(self.out)
+        self.out = bytearray()
 
     def _object(self, v) -> None:
         self.value(v.cls)
@@ -210,10 +228,17 @@ class TensorEntry:
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[str, int, int]], ...]
 
 
-def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[str, int, int]]) -> bytearray:
+def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[str, int, int]],
+                    write: Callable[[bytearray], object] | None = None, flush_bytes: int = 1 << 20) -> bytearray | None:
     """The ``.metadata`` bytes of a DCP checkpoint holding ``tensors`` and the byte ``objects``
     (item key -> (relative file, offset, length)), as DCP's ``FileSystemWriter`` under mcore's
     save planner would write them (no planner data).
+
+    With ``write``, the bytes are handed to it in consecutive runs of about ``flush_bytes`` as
+    they are made, and nothing is returned: the index is made at the end of a conversion, when
+    everything else that grows with the tensor count is still held, and it is about 280 bytes a
+    tensor (19 MB at a Kimi-K2.5 release's 70,310 tensors), so it should not be whole in memory
+    as well. The bytes are the same either way.
 
     The same contents give the same bytes: DCP's writer records the directory it wrote to and a
     random save id, which no reader uses; here the path is left out and the id is a digest of the
@@ -250,12 +275,14 @@ def encode_metadata(tensors: Sequence[TensorEntry], objects: Mapping[str, tuple[
     metadata = _Object(_Global(_DCP, "Metadata"), {
         "state_dict_metadata": state_dict_metadata, "planner_data": None, "storage_data": storage_pairs,
         "storage_meta": storage_meta, "version": DCP_VERSION})
-    encoder = _Encoder()
+    encoder = _Encoder(write, flush_bytes)
     encoder.value(metadata)
     encoder.out += b"."
-    # The buffer itself, not a bytes copy of it: the index grows with the tensor count, and is
-    # made at the end of a conversion, when everything else that does is still held.
-    return encoder.out
+    if write is None:
+        # The buffer itself, not a bytes copy of it (see ``write``).
+        return encoder.out
+    encoder.flush()
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -170,7 +170,8 @@ def write_torch_dist(root: str | os.PathLike, layout: Layout, produce: Callable[
                     for (key, offsets), checksum in writer.checksums.items()]
         records += [TensorRecord(iteration_name, key, TensorChecksum.from_json(c), tuple(offsets))
                     for part in gathered[1:] for key, offsets, c in part]
-        (directory / ".metadata").write_bytes(dcp_metadata.encode_metadata(entries, objects))
+        with open(directory / ".metadata", "wb") as index_file:
+            dcp_metadata.encode_metadata(entries, objects, write=index_file.write)
         (directory / DIST_CONFIG_FILE).write_text(json.dumps(DIST_CONFIG))
         common_state = {**(common or {}), "checkpoint_version": CHECKPOINT_VERSION,
                         "iteration": 0 if iteration == RELEASE else iteration}
