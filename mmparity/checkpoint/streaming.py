@@ -1108,6 +1108,7 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
     provenance = Provenance(family=source.family, source_layout=source.layout, source_format=fmt,
                             source_path=str(source.path), extra=source.provenance_extra() | {"hf_format": fmt, "hf_prefix": prefix})
     heap = heap_budget()
+    heap.begin_stream()
     team = options.team or team_mod.solo()
     with team.staging(options.dst, force=options.force) as staging:
         writer = StreamingSafetensorsWriter(staging, entries, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
@@ -1292,6 +1293,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
     side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
                                                                             source.hf_format))
     heap = heap_budget()
+    heap.begin_stream()
     iteration = RELEASE if options.release else 1
     args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch",
                                          tp=options.tp, pp=options.pp, ep=options.ep,
@@ -1355,6 +1357,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
         raise ConvertError(f"{source.family!r}: {exc}") from None
     progress.phase(f"{source.family} -> torch_dist", len(order), total)
     heap = heap_budget()
+    heap.begin_stream()
 
     def produce(key: str) -> list:
         pieces = source.mcore_pieces(key)

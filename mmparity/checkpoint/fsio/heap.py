@@ -21,6 +21,7 @@ class HeapBudget:
     def __init__(self, budget: int = 128 * 2**20):
         self.budget = budget
         self._since_check = 0
+        self._release_next = False
         self._libc = None
         lib = libc()
         if lib is None:
@@ -44,12 +45,25 @@ class HeapBudget:
         through, so it is read once per ``budget / 8`` bytes."""
         if self._libc is None:
             return
+        if self._release_next:
+            self._release_next = False
+            self._since_check = 0
+            self._libc.malloc_trim(0)
+            return
         self._since_check += nbytes
         if self._since_check < self.budget // 8:
             return
         self._since_check = 0
         if self._libc.mallinfo2().fordblks > self.budget:
             self._libc.malloc_trim(0)
+
+    def begin_stream(self) -> None:
+        """The setup is done (source opened, plan made): the next :meth:`check`, after the first
+        tensor, hands every free heap page back, whatever the budget. The setup's transients (a
+        source's headers, the plan, a writer's layout) leave free heap below the budget, how much
+        depending on how they fragmented it (8 to 23 MB between runs of one conversion of 70,310
+        tensors), and it would stay resident through the streaming."""
+        self._release_next = True
 
 
 _HEAP = None
