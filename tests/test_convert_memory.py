@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mmparity.checkpoint import streaming
+from mmparity.checkpoint.fsio import heap as heap_mod
 from mmparity.checkpoint.fsio import pieces as pieces_mod
 from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.converters import ops, rules, tp
@@ -59,3 +60,61 @@ def test_vocabulary_tables_are_never_materialised_whole_through_tp2(family, mate
     assert_same_checkpoint(back, src)
     whole = [s for s in materialised if len(s) == 2 and any(s[1] == cols and s[0] >= rows for rows, cols in tables)]
     assert not whole, f"a vocabulary table joined or padded whole on the way: {whole}"
+
+
+class _RecordingLibc:
+    """glibc's two heap calls, recorded: a free heap of ``free`` bytes."""
+
+    def __init__(self, free: int):
+        self.free, self.trims = free, 0
+
+    def mallinfo2(self):
+        return type("MallInfo2", (), {"fordblks": self.free})()
+
+    def malloc_trim(self, pad: int) -> int:
+        self.trims += 1
+        return 1
+
+
+def test_the_heap_is_handed_back_at_the_first_tensor_then_only_over_budget():
+    budget = heap_mod.HeapBudget(budget=64 * 2**20)
+    budget._libc = fake = _RecordingLibc(free=2**20)  # far below the budget
+    budget.check(2**30)
+    assert fake.trims == 0
+    budget.begin_stream()
+    budget.check(1)  # the first tensor: trimmed whatever the budget
+    assert fake.trims == 1
+    for _ in range(64):
+        budget.check(2**20)
+    assert fake.trims == 1  # below budget again: left alone
+    fake.free = 65 * 2**20
+    budget.check(8 * 2**20)
+    assert fake.trims == 2
+
+
+@pytest.mark.parametrize("target", [["--format", "torch_dist"], ["--format", "legacy", "--tp", "2"], None])
+def test_every_writer_hands_the_heap_back_once_before_its_tensors(target, monkeypatch, tmp_path):
+    """hf -> torch_dist, hf -> legacy and mcore -> hf: begin_stream once, after the setup (before
+    any tensor passed through the heap budget), not again."""
+    events: list[str] = []
+
+    class Recording(heap_mod.HeapBudget):
+        def begin_stream(self):
+            events.append("begin_stream")
+            super().begin_stream()
+
+        def check(self, nbytes):
+            events.append("check")
+            super().check(nbytes)
+
+    recording = Recording()
+    monkeypatch.setattr(streaming, "heap_budget", lambda: recording)
+    src = save_hf("llava", tmp_path / "hf", seed=5)
+    mcore = tmp_path / "mcore"
+    assert run("convert", "--family", "llava", "--src", src, "--dst", mcore, "--to", "mcore",
+               *(target or ["--format", "torch_dist"]), "--quiet") == 0
+    if target is None:  # the mcore -> hf writer
+        events.clear()
+        assert run("convert", "--src", mcore, "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 0
+    assert events[0] == "begin_stream" and events.count("begin_stream") == 1, events[:3]
+    assert events.count("check") > 10
