@@ -261,6 +261,43 @@ def test_corrupt_or_hostile_index(tmp_path):
     assert "not a plain file name" in one_line_error(directory)
 
 
+def test_mapped_offsets_are_the_headers(tmp_path):
+    from mmparity.checkpoint.fsio.safetensors_read import _data_offsets
+
+    state = sample_state()
+    save_safetensors_checkpoint(tmp_path / "ckpt", state, max_shard_size=300)
+    with SafetensorsCheckpoint(tmp_path / "ckpt") as checkpoint:
+        for file_name in checkpoint.files:
+            data = (tmp_path / "ckpt" / file_name).read_bytes()
+            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+            names, spans = _data_offsets(json.dumps(header, indent=1))  # whitespace JSON allows anywhere
+            assert names == sorted(k for k in header if k != "__metadata__")
+            assert [tuple(spans[i:i + 2]) for i in range(0, len(spans), 2)] == [
+                tuple(header[k]["data_offsets"]) for k in names]
+        for name, tensor in state.items():
+            assert torch.equal(checkpoint.map(name), tensor), name
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ((b'"t1"', b'"t0"'), "'t0' appears twice"),
+    ((b'"data_offsets"', b'"data_offsetz"'), "has no data_offsets pair"),
+    ((b'{"', b'["'), "expected '{'"),
+    ((b'"t1"', b'"u1"'), "no 't1' in its header"),
+])
+def test_header_changed_after_open_is_refused_when_mapped(tmp_path, edit, needle):
+    """Opening validated the headers; the first read of a file parses its header again, and a
+    header rewritten in between is refused in one line, never read as some other layout."""
+    save_safetensors_checkpoint(tmp_path / "ckpt", {"t0": seeded((4,), 0), "t1": seeded((4,), 1)})
+    path = tmp_path / "ckpt" / SAFETENSORS_SINGLE_FILE
+    with SafetensorsCheckpoint(tmp_path / "ckpt") as checkpoint:
+        data = path.read_bytes()
+        with open(path, "r+b") as f:  # in place, same length: only the header's text differs
+            f.write(data.replace(*edit, 1))
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.map("t1")
+    assert needle in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
+
+
 def test_reader_never_writes_to_the_source(tmp_path):
     """Files are mapped privately (copy-on-write) and never held open for writing; bytes unchanged."""
     if not Path("/proc/self/maps").exists():
