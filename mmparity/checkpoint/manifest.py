@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import mmparity
@@ -21,6 +21,7 @@ from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.fsio.checksums import TensorChecksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio import shared
+from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.fsio.publish import write_extra_files
 
@@ -131,14 +132,10 @@ class Manifest:
     def sorted_tensors(self) -> list[TensorRecord]:
         return sorted(self.tensors, key=lambda r: (r.file, r.key, r.offset or ()))
 
-    @classmethod
-    def from_json(cls, data: Mapping) -> Manifest:
-        """Parses a manifest, checking every field's type: a manifest is input like any other, and
-        a wrong one must be one clear error, never an exception from deep inside a reader."""
-        data = _expect(data, dict, "the manifest")
-        source = _expect(data.get("source") or {}, dict, "source")
-        counts = data.get("pipeline_layer_counts")
-        tensors = _expect(data.get("tensors"), list, "tensors")
+    @staticmethod
+    def records_from_json(tensors: Iterable) -> list[TensorRecord]:
+        """The ``tensors`` list's records, each checked; ``tensors`` may be an iterator that
+        decodes them one at a time (``read_manifest``)."""
         records = []
         for number, record in enumerate(tensors):
             record = _expect(record, dict, f"tensors[{number}]")
@@ -146,6 +143,18 @@ class Manifest:
                 raise ValueError(f"tensors[{number}] names file {record.get('file')!r}, which is not a path inside "
                                  "the checkpoint directory")
             records.append(TensorRecord.from_json(record))
+        return records
+
+    @classmethod
+    def from_json(cls, data: Mapping, records: list[TensorRecord] | None = None) -> Manifest:
+        """Parses a manifest, checking every field's type: a manifest is input like any other, and
+        a wrong one must be one clear error, never an exception from deep inside a reader.
+        ``records``: ``data``'s tensors, already read by :meth:`records_from_json`."""
+        data = _expect(data, dict, "the manifest")
+        source = _expect(data.get("source") or {}, dict, "source")
+        counts = data.get("pipeline_layer_counts")
+        if records is None:
+            records = cls.records_from_json(_expect(data.get("tensors"), list, "tensors"))
         optional_str = {name: _expect(value, (str, type(None)), name) for name, value in (
             ("family", data.get("family")), ("source.layout", source.get("layout")),
             ("source.format", source.get("format")), ("source.path", source.get("path")))}
@@ -248,12 +257,22 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     require_regular_file(path, "manifest")
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if not isinstance(data, dict):
+            text = f.read()
+        if not text.lstrip(" \t\n\r").startswith("{"):
+            data = json.loads(text)  # not an object: small, or the decoder's own error
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        # A release's manifest is 30 MB of text for 70k records: decoded record by record, never
+        # as one tree (see json_members).
+        data, records = {}, None
+        for key, value in object_members(text, streamed=("tensors",)):
+            if key == "tensors" and isinstance(value, Iterator):
+                records = Manifest.records_from_json(value)
+            else:
+                data[key] = value
+        del text
         if data.get("schema") != MANIFEST_SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {MANIFEST_SCHEMA}")
-        manifest = Manifest.from_json(data)
+        manifest = Manifest.from_json(data, records)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable manifest ({' '.join(str(exc).split())})") from exc
     if not manifest.tensors:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import json
 import math
 import mmap
 import os
-import re
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from mmparity.checkpoint.fsio.errors import MAX_NAMES_IN_MESSAGE, CheckpointError, name_list, one_line
+from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
 from mmparity.checkpoint.fsio import shared
@@ -65,47 +64,12 @@ def _header_infos(handle, path: Path, file_name: str) -> dict[str, TensorInfo]:
     return infos
 
 
-# What JSON allows between tokens; a safetensors header is also padded with it to 8 bytes.
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _header_members(text: str) -> Iterator[tuple[str, object]]:
-    """(key, value) of the JSON object ``text``, decoded one member at a time. ``json.loads`` builds
-    every tensor's entry (a dict with two lists) before the first can be dropped, and keeps each
-    key it saw until the end: the first read of a one-file checkpoint of 70k tensors took 64 MB of
-    anonymous memory that way (46 MB of it still resident for the rest of the conversion), where
-    the records kept are 2 MB; member by member, with the text, 11 MB."""
-    value_at = json.JSONDecoder().raw_decode
-    at = _JSON_SPACE.match(text).end()
-    if not text.startswith("{", at):
-        raise ValueError(f"expected '{{' at character {at}")
-    at = _JSON_SPACE.match(text, at + 1).end()
-    closed = text.startswith("}", at)
-    while not closed:
-        if not text.startswith('"', at):
-            raise ValueError(f"expected a tensor name at character {at}")
-        key, at = json.decoder.scanstring(text, at + 1)
-        at = _JSON_SPACE.match(text, at).end()
-        if not text.startswith(":", at):
-            raise ValueError(f"expected ':' at character {at}")
-        value, at = value_at(text, _JSON_SPACE.match(text, at + 1).end())
-        yield key, value
-        at = _JSON_SPACE.match(text, at).end()
-        closed = text.startswith("}", at)
-        if not closed:
-            if not text.startswith(",", at):
-                raise ValueError(f"expected ',' or '}}' at character {at}")
-            at = _JSON_SPACE.match(text, at + 1).end()
-    if _JSON_SPACE.match(text, at + 1).end() != len(text):
-        raise ValueError(f"extra data at character {at + 1}")
-
-
 def _data_offsets(text: str) -> tuple[list[str], array]:
     """The tensor names of safetensors header ``text``, sorted, and their ``(begin, end)`` in its
     data section as ``spans[2 * i]``, ``spans[2 * i + 1]`` for ``names[i]``. Kept per file while the
     checkpoint is open: a dict of tuples of ints cost about 140 bytes a tensor, this 24."""
     names, spans = [], array("q")
-    for key, entry in _header_members(text):
+    for key, entry in object_members(text):
         if key == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
@@ -115,11 +79,6 @@ def _data_offsets(text: str) -> tuple[list[str], array]:
         spans.extend(offsets)
     order = sorted(range(len(names)), key=names.__getitem__)
     names = [names[i] for i in order]
-    # A name twice is not the header safe_open validated at open (the file changed since);
-    # json.loads used to keep the last entry silently.
-    for first, second in itertools.pairwise(names):
-        if first == second:
-            raise ValueError(f"{first!r} appears twice")
     return names, array("q", (spans[j] for i in order for j in (2 * i, 2 * i + 1)))
 
 
