@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import sys
@@ -539,3 +540,31 @@ def test_a_whole_manifest_is_the_json_dump_of_its_records(tmp_path):
     manifest = Manifest(layout=LAYOUT_TORCH_DIST, tensors=records)
     path = manifest_module.write_manifest(tmp_path, manifest)
     assert path.read_text() == json.dumps(manifest.to_json(), indent=1) + "\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(entries=st.lists(st.tuples(st.text(min_size=1, max_size=12),
+                                  st.sampled_from([torch.bfloat16, torch.float32, torch.int8]),
+                                  st.lists(st.integers(0, 9), max_size=3)), max_size=40, unique_by=lambda e: e[0]),
+       metadata=st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), run=st.integers(1, 300))
+def test_a_shard_header_written_in_runs_is_json_dumps_of_the_header_dict(entries, metadata, run, tmp_path_factory):
+    """The header, made entry by entry and written in runs of any length, has the bytes of the
+    dict-of-dicts ``json.dumps`` (names that need escaping included), padded to 8 behind its length."""
+    from mmparity.checkpoint.fsio import safetensors_write as writer_module
+    from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_CODES
+
+    ordered = [(name, dtype, tuple(shape), math.prod(shape) * dtype.itemsize) for name, dtype, shape in entries]
+    header, offset = {"__metadata__": metadata}, 0
+    for name, dtype, shape, nbytes in ordered:
+        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    expected = json.dumps(header, separators=(",", ":")).encode()
+    expected += b" " * (-len(expected) % 8)
+    path = tmp_path_factory.mktemp("header") / "shard"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        start, offsets = writer_module._write_header(fd, metadata, ordered, run)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == len(expected).to_bytes(8, "little") + expected
+    assert start == 8 + len(expected) and offsets == [0, *(h["data_offsets"][1] for h in list(header.values())[1:])]

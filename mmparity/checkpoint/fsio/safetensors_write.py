@@ -4,6 +4,7 @@ tensors in memory through the same writer."""
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii as _json_string
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -86,6 +87,46 @@ def save_safetensors_checkpoint(
     return writer.checksums
 
 
+# Header text is handed to the file in runs of about this many characters.
+_HEADER_RUN = 1 << 20
+
+
+def _write_header(fd: int, metadata: Mapping[str, str], ordered: Sequence[tuple],
+                  run_length: int = _HEADER_RUN) -> tuple[int, list[int]]:
+    """Writes a shard's header (``json.dumps`` of ``{"__metadata__": metadata, name: {"dtype",
+    "shape", "data_offsets"}, ...}`` with ``(",", ":")`` separators, in ``ordered``'s order, padded
+    with spaces to a multiple of 8 bytes) behind its 8-byte length. Returns where the data section
+    starts and each tensor's offset in it, the section's length last.
+
+    Made entry by entry and written in runs: as a dict of dicts put through ``json.dumps``, the
+    header of a shard of 70k tensors (a one-file checkpoint of a release's key set) was a 38 MB
+    transient at the top of the conversion's setup. The text is ASCII (names escaped as json does),
+    so its length in characters is its length in bytes."""
+    offsets = [0]
+    run: list[str] = ["{" + _json_string("__metadata__") + ":" + json.dumps(dict(metadata), separators=(",", ":"))]
+    buffered, written = len(run[0]), 0
+    for name, dtype, shape, nbytes in ordered:
+        begin = offsets[-1]
+        offsets.append(begin + nbytes)
+        text = (f',{_json_string(name)}:{{"dtype":"{SAFETENSORS_CODES[dtype]}","shape":['
+                f'{",".join(map(str, shape))}],"data_offsets":[{begin},{begin + nbytes}]}}')
+        run.append(text)
+        buffered += len(text)
+        if buffered >= run_length:
+            pwrite_all(fd, "".join(run).encode("ascii"), 8 + written)
+            written += buffered
+            run, buffered = [], 0
+    run.append("}")
+    buffered += 1
+    # So the byte buffer starts 8-aligned.
+    run.append(" " * (-(written + buffered) % 8))
+    tail = "".join(run).encode("ascii")
+    pwrite_all(fd, tail, 8 + written)
+    length = written + len(tail)
+    pwrite_all(fd, length.to_bytes(8, "little"), 0)
+    return 8 + length, offsets
+
+
 class StreamingSafetensorsWriter:
     """HF safetensors shards written tensor by tensor, in any order, without buffering.
 
@@ -139,15 +180,6 @@ class StreamingSafetensorsWriter:
         try:
             for number, shard in enumerate(shards):
                 ordered = sorted(shard, key=lambda e: (-e[1].itemsize, e[0]))
-                header: dict = {"__metadata__": header_metadata}
-                offset = 0
-                for name, dtype, shape, nbytes in ordered:
-                    header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
-                                    "data_offsets": [offset, offset + nbytes]}
-                    offset += nbytes
-                blob = json.dumps(header, separators=(",", ":")).encode()
-                blob += b" " * (-len(blob) % 8)  # so the byte buffer starts 8-aligned
-                start = 8 + len(blob)
                 for name, *_ in ordered:
                     self.weight_map[name] = self.files[number]
                 if not self.mine[number]:
@@ -155,10 +187,10 @@ class StreamingSafetensorsWriter:
                     continue
                 fd = os.open(self.directory / self.files[number], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 fds.append(fd)
-                pwrite_all(fd, len(blob).to_bytes(8, "little") + blob, 0)
-                os.ftruncate(fd, start + offset)
-                for name, dtype, shape, nbytes in ordered:
-                    slots[name] = Slot(number, start + header[name]["data_offsets"][0], nbytes, dtype, shape)
+                start, offsets = _write_header(fd, header_metadata, ordered)
+                os.ftruncate(fd, start + offsets[-1])
+                for (name, dtype, shape, nbytes), offset in zip(ordered, offsets):
+                    slots[name] = Slot(number, start + offset, nbytes, dtype, shape)
         except BaseException:
             for fd in fds:
                 if fd is not None:
