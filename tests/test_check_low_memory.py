@@ -103,6 +103,46 @@ def test_range_reader_refuses_a_truncated_file(tmp_path):
         RangeReader(src)
 
 
+def _with_header(path: Path, header: dict) -> None:
+    """``path``'s safetensors file with its header replaced, the data section kept."""
+    raw = path.read_bytes()
+    data = raw[8 + int.from_bytes(raw[:8], "little"):]
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize("lie, message", [
+    (lambda h, k: h[k].update(data_offsets=[-4, h[k]["data_offsets"][1] - h[k]["data_offsets"][0] - 4]),
+     "lies at bytes -4"),
+    (lambda h, k: h.__setitem__(k, [1, 2]), "unsupported dtype"),
+    (lambda h, k: h[k].pop("data_offsets"), "no valid shape and data_offsets"),
+    (lambda h, k: h[k].update(shape=[True, 2]), "no valid shape and data_offsets"),
+])
+def test_range_reader_refuses_a_lying_header_in_one_line(lie, message, tmp_path):
+    src = save_hf("clip", tmp_path / "hf", seed=1, max_shard_size="10GB")
+    path = src / "model.safetensors"
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    lie(header, sorted(k for k in header if k != "__metadata__")[0])
+    _with_header(path, header)
+    with pytest.raises(CheckpointError, match=message) as caught:
+        RangeReader(src)
+    assert "\n" not in str(caught.value) and str(caught.value).count(str(path)) == 1
+
+
+def test_range_reader_refuses_a_name_twice(tmp_path):
+    src = save_hf("clip", tmp_path / "hf", seed=1, max_shard_size="10GB")
+    path = src / "model.safetensors"
+    raw = path.read_bytes()
+    text = raw[8:8 + int.from_bytes(raw[:8], "little")].decode()
+    name = sorted(k for k in json.loads(text) if k != "__metadata__")[0]
+    entry = json.dumps(json.loads(text)[name])
+    doubled = text.rstrip()[:-1] + f", {json.dumps(name)}: {entry}}}"
+    path.write_bytes(len(doubled).to_bytes(8, "little") + doubled.encode() + raw[8 + int.from_bytes(raw[:8], "little"):])
+    with pytest.raises(CheckpointError, match="appears twice"):
+        RangeReader(src)
+
+
 # --- the mechanism on a toy model ----------------------------------------------------------------
 
 class _Stack(nn.Module):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mmparity.checkpoint.fsio.errors import CheckpointError, name_list, one_line
+from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_DTYPES, SAFETENSORS_INDEX_FILE,
                                                          SAFETENSORS_SINGLE_FILE)
@@ -79,26 +80,40 @@ class RangeReader:
             length = int.from_bytes(os.pread(fd, 8, 0), "little")
             if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError(f"header length {length} does not fit a file of {size} bytes")
-            header = json.loads(os.pread(fd, length, 8))
+            text = os.pread(fd, length, 8).decode("utf-8")
+            start = 8 + length
+            names = set()
+            # Member by member (json_members): a one-file checkpoint of a release's key set has a
+            # header of 70k entries, which json.loads would make whole beside what is kept.
+            for name, entry in object_members(text):
+                if name == "__metadata__":
+                    continue
+                names.add(name)
+                self._add(path, file_name, size, start, name, entry)
+            del text
+        except CheckpointError:
+            raise
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
-        start = 8 + length
-        names = {k for k in header if k != "__metadata__"}
         if expected is not None and names != expected:
             raise CheckpointError(f"{path}: index/shard key mismatch "
                                   f"({name_list(sorted(names ^ expected))} in one but not the other)")
-        for name in names:
-            entry = header[name]
-            code = entry.get("dtype")
-            if code not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {code}")
-            info = TensorInfo(name, SAFETENSORS_DTYPES[code], tuple(entry["shape"]), file_name)
-            begin, end = entry["data_offsets"]
-            if end - begin != info.nbytes or start + end > size:
-                raise CheckpointError(f"{path}: {name!r} lies at bytes {begin}..{end} of a data section of "
-                                      f"{size - start}, its header says {info.nbytes} bytes (a truncated file?)")
-            self._infos[name] = info
-            self._where[name] = (start + begin, start + end)
+
+    def _add(self, path: Path, file_name: str, size: int, start: int, name: str, entry) -> None:
+        code = entry.get("dtype") if isinstance(entry, dict) else None
+        if code not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {code}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+            raise CheckpointError(f"{path}: tensor {name!r} has no valid shape and data_offsets")
+        info = TensorInfo(name, SAFETENSORS_DTYPES[code], tuple(shape), file_name)
+        begin, end = offsets
+        if begin < 0 or end - begin != info.nbytes or start + end > size:
+            raise CheckpointError(f"{path}: {name!r} lies at bytes {begin}..{end} of a data section of "
+                                  f"{size - start}, its header says {info.nbytes} bytes (a truncated file?)")
+        self._infos[name] = info
+        self._where[name] = (start + begin, start + end)
 
     def infos(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
