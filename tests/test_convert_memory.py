@@ -118,3 +118,21 @@ def test_every_writer_hands_the_heap_back_once_before_its_tensors(target, monkey
         assert run("convert", "--src", mcore, "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 0
     assert events[0] == "begin_stream" and events.count("begin_stream") == 1, events[:3]
     assert events.count("check") > 10
+
+
+@pytest.mark.parametrize("target", [["--format", "torch_dist"], ["--format", "legacy", "--tp", "1"]])
+def test_a_vocabulary_re_padded_for_another_tp_is_never_materialised_whole(target, materialised, tmp_path):
+    """LLaVA's 101-row tables, padded to 256 rows for TP 2 and re-padded to 128 for TP 1 on a
+    re-layout: the real rows go out as views of the TP parts and the zero rows as their own piece."""
+    src = save_hf("llava", tmp_path / "hf", seed=4)
+    tables = [tuple(t.shape) for k, t in load_safetensors_state_dict(src).items()
+              if k.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    tp2, relaid, back = tmp_path / "tp2", tmp_path / "relaid", tmp_path / "back"
+    assert run("convert", "--family", "llava", "--src", src, "--dst", tp2, "--to", "mcore",
+               "--format", "legacy", "--tp", 2, "--quiet") == 0
+    materialised.clear()
+    assert run("convert", "--src", tp2, "--dst", relaid, "--to", "mcore", *target, "--quiet") == 0
+    whole = [s for s in materialised if len(s) == 2 and any(s[1] == cols and s[0] >= rows for rows, cols in tables)]
+    assert not whole, f"a vocabulary table joined or padded whole on the re-layout: {whole}"
+    assert run("convert", "--src", relaid, "--dst", back, "--to", "hf", "--quiet") == 0
+    assert_same_checkpoint(back, src)

@@ -691,10 +691,22 @@ class _McoreSource(_Source):
         padding = self._repad.get(key)
         if padding is None:
             return pieces
-        try:
-            return padding.apply(padding.invert([joined(pieces)]))
-        except LayoutError as exc:
-            raise ConvertError(f"{self.root}: {key}: {exc}") from None
+        if not all(type(p) is torch.Tensor for p in pieces):
+            try:
+                return padding.apply(padding.invert([joined(pieces)]))
+            except LayoutError as exc:
+                raise ConvertError(f"{self.root}: {key}: {exc}") from None
+        # The real rows as views of the stored pieces (TP parts included), the new zero rows a
+        # piece of their own: joined and padded, a vocabulary table was two whole copies at once
+        # (39 MB for a Kimi table scaled to 1/11, the peak of a legacy -> torch_dist re-layout).
+        stored = sum(p.shape[0] for p in pieces)
+        if stored < padding.rows:
+            raise ConvertError(f"{self.root}: {key}: {padding!r}: a padded table needs at least {padding.rows} "
+                               f"rows, got {stored}")
+        kept = narrow_pieces(pieces, 0, 0, padding.rows)
+        if padding.padded > padding.rows:
+            kept.append(kept[-1].new_zeros((padding.padded - padding.rows, *kept[-1].shape[1:])))
+        return kept
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         return joined(self.mcore_pieces(key))
