@@ -20,9 +20,10 @@ from mmparity.checkpoint.fsio.checksums import PieceHasher, TensorChecksum, tens
 from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, TensorRecord
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.publish import atomic_directory
-from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE,
-                                                         parse_size)
+from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_CODES, SAFETENSORS_INDEX_FILE,
+                                                         SAFETENSORS_SINGLE_FILE, parse_size)
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint, load_safetensors_state_dict
+from mmparity.checkpoint.fsio import safetensors_write as writer_module
 from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint, write_safetensors_shards
 
 
@@ -550,9 +551,6 @@ def test_a_whole_manifest_is_the_json_dump_of_its_records(tmp_path):
 def test_a_shard_header_written_in_runs_is_json_dumps_of_the_header_dict(entries, metadata, run, tmp_path_factory):
     """The header, made entry by entry and written in runs of any length, has the bytes of the
     dict-of-dicts ``json.dumps`` (names that need escaping included), padded to 8 behind its length."""
-    from mmparity.checkpoint.fsio import safetensors_write as writer_module
-    from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_CODES
-
     ordered = [(name, dtype, tuple(shape), math.prod(shape) * dtype.itemsize) for name, dtype, shape in entries]
     header, offset = {"__metadata__": metadata}, 0
     for name, dtype, shape, nbytes in ordered:

@@ -692,10 +692,7 @@ class _McoreSource(_Source):
         if padding is None:
             return pieces
         if not all(type(p) is torch.Tensor for p in pieces):
-            try:
-                return padding.apply(padding.invert([joined(pieces)]))
-            except LayoutError as exc:
-                raise ConvertError(f"{self.root}: {key}: {exc}") from None
+            pieces = [joined(pieces)]  # a column join: a table is split by rows, so never seen
         # The real rows as views of the stored pieces (TP parts included), the new zero rows a
         # piece of their own: joined and padded, a vocabulary table was two whole copies at once
         # (39 MB for a Kimi table scaled to 1/11, the peak of a legacy -> torch_dist re-layout).

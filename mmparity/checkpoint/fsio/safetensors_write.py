@@ -4,10 +4,10 @@ tensors in memory through the same writer."""
 from __future__ import annotations
 
 import json
-from json.encoder import encode_basestring_ascii as _json_string
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from json.encoder import encode_basestring_ascii as _json_string
 from pathlib import Path
 
 import torch
