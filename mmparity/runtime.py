@@ -367,9 +367,29 @@ def _rendezvous_failure(env: LaunchEnv, timeout: float, what: str) -> LaunchErro
     return LaunchError(f"rendezvous at {env.where} timed out after {timeout:g} s: {what}{tail}")
 
 
+class PollPace:
+    """Pauses between polls of something another process will do: short while the wait is young,
+    a tenth of the time waited so far after that, never more than ``longest``. A fixed pause puts
+    its whole length on every hand-off (a rank waiting 20 ms to see a key set 1 ms after it
+    looked), which a conversion of a few hundred milliseconds pays several times over; a long
+    wait still polls rarely, so many ranks do not flood the store."""
+
+    def __init__(self, longest: float, shortest: float = 0.0005):
+        self.longest, self.shortest = longest, shortest
+        self.started = time.monotonic()
+
+    def pause(self, deadline: float | None = None) -> None:
+        now = time.monotonic()
+        seconds = min(self.longest, max(self.shortest, (now - self.started) / 10))
+        if deadline is not None:
+            seconds = min(seconds, max(0.0, deadline - now))
+        time.sleep(seconds)
+
+
 def _wait_for_listener(env: LaunchEnv, deadline: float, timeout: float) -> None:
     """Until the store's port accepts a connection (torch's own client would log each retry)."""
     last = ""
+    pace = PollPace(0.1)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -381,7 +401,7 @@ def _wait_for_listener(env: LaunchEnv, deadline: float, timeout: float) -> None:
                 return
         except OSError as exc:
             last = exc.strerror or type(exc).__name__
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            pace.pause(deadline)
 
 
 def _rendezvous(env: LaunchEnv, timeout: float):
@@ -433,13 +453,14 @@ def _meet(env: LaunchEnv, timeout: float):
     try:
         store.set(f"{prefix}arrived/{env.rank}", "1")
         missing = [r for r in range(env.world_size) if r != env.rank]
+        pace = PollPace(0.01)
         while missing:
             missing = [r for r in missing if not store.check([f"{prefix}arrived/{r}"])]
             if not missing:
                 break
             if time.monotonic() >= deadline:
                 raise _rendezvous_failure(env, timeout, _ranks_text(missing, env.world_size, "never joined"))
-            time.sleep(0.01)
+            pace.pause()
     except RuntimeError:  # the store went away under us: its host (rank 0 or the agent) died
         raise _rendezvous_failure(env, timeout, "the store's host went away before every rank joined") from None
     return store, prefix

@@ -148,3 +148,97 @@ def test_the_ephemeral_range_is_read_from_the_kernel_where_it_is_there():
         assert span is None
     else:
         assert span is not None and 0 < span[0] <= span[1] <= 65535
+
+
+class _Clock:
+    """time.monotonic and time.sleep of runtime, moved by hand: pauses are asserted, not timed."""
+
+    def __init__(self):
+        self.now, self.slept = 100.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_poll_pace_starts_short_grows_with_the_wait_and_stops_at_its_longest(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(runtime.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(runtime.time, "sleep", clock.sleep)
+    pace = runtime.PollPace(0.02)
+    for _ in range(400):
+        pace.pause()
+    first, longest = clock.slept[0], max(clock.slept)
+    assert first == pytest.approx(0.0005)  # a key set just after the first look is seen at once
+    assert longest == pytest.approx(0.02)
+    assert clock.slept == sorted(clock.slept)
+    for done, pause in zip(_running_sums(clock.slept), clock.slept[1:]):
+        # Never more than a tenth of the wait so far (past the shortest pause).
+        assert pause <= max(0.0005, done / 10) + 1e-12
+
+
+def test_poll_pace_never_sleeps_past_a_deadline(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(runtime.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(runtime.time, "sleep", clock.sleep)
+    pace = runtime.PollPace(1.0)
+    clock.now += 50.0  # a wait grown long: its pause would be the longest
+    pace.pause(deadline=clock.now + 0.003)
+    pace.pause(deadline=clock.now - 1.0)
+    assert clock.slept == [pytest.approx(0.003), 0.0]
+
+
+def _running_sums(values):
+    total = 0.0
+    for value in values:
+        total += value
+        yield total
+
+
+class _LateKeyStore:
+    """A store in which ``done/1`` appears at a set time of the fake clock; counts its calls."""
+
+    def __init__(self, clock, key_at):
+        self.clock, self.key_at, self.calls = clock, key_at, []
+
+    def check(self, keys):
+        self.calls.append(keys[0])
+        return keys[0] == "done/1" and self.clock.now >= self.key_at
+
+    def get(self, key):
+        self.calls.append(key)
+        return b"1"
+
+
+def _team_on(store):
+    from mmparity.checkpoint.team import _StoreTeam
+
+    team = object.__new__(_StoreTeam)
+    team.rank, team.size, team._timeout = 0, 2, 60.0
+    team._store, team._seen, team._heard_failure = store, {}, False
+    return team
+
+
+def test_a_rank_sees_a_key_within_a_millisecond_of_its_setting_early_in_a_wait(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(runtime.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(runtime.time, "sleep", clock.sleep)
+    store = _LateKeyStore(clock, key_at=clock.now + 0.0012)
+    assert _team_on(store)._wait([1], "done", "testing") == {1: b"1"}
+    # A fixed 20 ms pause would have put the whole pause on this hand-off.
+    assert clock.now - store.key_at < 0.001
+
+
+def test_a_long_wait_looks_at_the_others_liveness_no_oftener_than_before(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(runtime.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(runtime.time, "sleep", clock.sleep)
+    store = _LateKeyStore(clock, key_at=clock.now + 2.0)
+    _team_on(store)._wait([1], "done", "testing")
+    liveness_looks = store.calls.count("failed/1")
+    # At most once per 20 ms, as before; and still often enough to notice a dead rank.
+    assert 2.0 / 0.05 <= liveness_looks <= 2.0 / 0.02 + 1
+    assert store.calls.count("done/1") < 2.0 / 0.02 + 60  # the fast start adds a few dozen looks, not thousands
