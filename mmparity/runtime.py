@@ -455,11 +455,14 @@ def _meet(env: LaunchEnv, timeout: float):
         missing = [r for r in range(env.world_size) if r != env.rank]
         pace = PollPace(0.01)
         while missing:
-            missing = [r for r in missing if not store.check([f"{prefix}arrived/{r}"])]
-            if not missing:
+            # One call for every arrival (true when all are there); which ranks are missing is
+            # asked rank by rank only for the message that names them.
+            if store.check([f"{prefix}arrived/{r}" for r in missing]):
                 break
             if time.monotonic() >= deadline:
-                raise _rendezvous_failure(env, timeout, _ranks_text(missing, env.world_size, "never joined"))
+                missing = [r for r in missing if not store.check([f"{prefix}arrived/{r}"])]
+                if missing:
+                    raise _rendezvous_failure(env, timeout, _ranks_text(missing, env.world_size, "never joined"))
             pace.pause()
     except RuntimeError:  # the store went away under us: its host (rank 0 or the agent) died
         raise _rendezvous_failure(env, timeout, "the store's host went away before every rank joined") from None

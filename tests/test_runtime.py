@@ -205,8 +205,8 @@ class _LateKeyStore:
         self.clock, self.key_at, self.calls = clock, key_at, []
 
     def check(self, keys):
-        self.calls.append(keys[0])
-        return keys[0] == "done/1" and self.clock.now >= self.key_at
+        self.calls.append(keys[0] if len(keys) == 1 else tuple(keys))
+        return all(k.startswith("done/") for k in keys) and self.clock.now >= self.key_at
 
     def get(self, key):
         self.calls.append(key)
@@ -242,3 +242,19 @@ def test_a_long_wait_looks_at_the_others_liveness_no_oftener_than_before(monkeyp
     # At most once per 20 ms, as before; and still often enough to notice a dead rank.
     assert 2.0 / 0.05 <= liveness_looks <= 2.0 / 0.02 + 1
     assert store.calls.count("done/1") < 2.0 / 0.02 + 60  # the fast start adds a few dozen looks, not thousands
+
+
+def test_a_wait_for_many_ranks_asks_the_store_once_per_look_not_once_per_rank(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(runtime.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(runtime.time, "sleep", clock.sleep)
+    store = _LateKeyStore(clock, key_at=clock.now + 0.5)
+    team = _team_on(store)
+    team.size = 64
+    got = team._wait(range(1, 64), "done", "testing")
+    assert sorted(got) == list(range(1, 64))
+    looks = [c for c in store.calls if isinstance(c, tuple)]
+    one_by_one = [c for c in store.calls if isinstance(c, str) and c.startswith("done/")]
+    # The pace's looks are one call each; rank-by-rank calls come on the liveness period only.
+    assert len(looks) >= 30 and all(len(c) == 63 for c in looks)
+    assert len(one_by_one) <= 63 * (0.5 / 0.02 + 2) + 63

@@ -152,17 +152,28 @@ class _StoreTeam(Team):
         started = time.monotonic()
         pace = runtime.PollPace(_POLL_S)
         checked_others = None
-        while pending:
+
+        def take_arrived() -> None:
             for rank in list(pending):
                 if self._call(doing, self._store.check, [f"{key}/{rank}"]):
                     got[rank] = self._call(doing, self._store.get, f"{key}/{rank}")
                     pending.remove(rank)
-            if not pending:
+
+        while pending:
+            # One store call asks for every awaited key at once (true when all are there): with
+            # many ranks a poll is not a call per rank.
+            if self._call(doing, self._store.check, [f"{key}/{rank}" for rank in pending]):
+                take_arrived()
                 break
-            # The others' failure and heartbeat keys are several store calls per rank: looked at
-            # on the old fixed period, while the awaited key is looked at as the pace allows.
+            # Which ranks are still to come, and whether they are alive (the others' failure and
+            # heartbeat keys, several calls per rank): on the old fixed period, while the awaited
+            # keys are looked at as the pace allows.
             now = time.monotonic()
             if checked_others is None or now - checked_others >= _POLL_S:
+                if len(pending) > 1:  # (for one, the look just made says it is still to come)
+                    take_arrived()
+                if not pending:
+                    break
                 self._check_others(pending, doing, started)
                 checked_others = now
             pace.pause()
