@@ -7,8 +7,9 @@ a fresh child process whose RssAnon the parent samples every few milliseconds
 writing a checkpoint goes through. Jobs: HF -> torch_dist, HF -> legacy at TP 2 x EP 2 (the
 experts split over EP ranks, every matrix over TP ranks), and both back to HF in the release
 layout, checked tensor for tensor against the source; ``--jobs`` adds the re-layouts between
-Megatron's formats (torch_dist -> legacy at TP 2 x PP 2 x EP 2, legacy -> torch_dist), each
-also taken back to HF and checked.
+Megatron's formats (torch_dist -> legacy at TP 2 x PP 2 x EP 2, legacy -> torch_dist), a legacy
+-> legacy re-layout (TP 2 x EP 2 -> PP 2 x EP 4) and HF -> legacy with pipeline stages, each also
+taken back to HF and checked.
 
 A conversion's memory is bounded when the peak stays flat as the size grows: what a converter
 holds is a few tensors at a time, so the figure to compare it with is the largest tensor
@@ -58,7 +59,13 @@ JOBS = {
     "hf -> legacy tp2 ep2": ("hf", "legacy", {"to": "mcore", "format": "legacy", "tp": 2, "ep": 2}),
     "legacy tp2 ep2 -> torch_dist": ("legacy", "td_again", {"to": "mcore", "format": "torch_dist"}),
     "torch_dist (from legacy) -> hf": ("td_again", "td_again_back", {"to": "hf", "hf_format": "release"}),
+    # Legacy to legacy on another grid: TP parts joined, the stages and expert ranks cut anew.
+    "legacy tp2 ep2 -> legacy tp1 pp2 ep4": ("legacy", "legacy_re", {"to": "mcore", "format": "legacy", "tp": 1,
+                                                                     "pp": 2, "ep": 4}),
+    "legacy tp1 pp2 ep4 -> hf": ("legacy_re", "legacy_re_back", {"to": "hf", "hf_format": "release"}),
     "legacy tp2 ep2 -> hf": ("legacy", "legacy_back", {"to": "hf", "hf_format": "release"}),
+    "hf -> legacy tp2 pp2": ("hf", "legacy_hpp", {"to": "mcore", "format": "legacy", "tp": 2, "pp": 2}),
+    "legacy tp2 pp2 -> hf": ("legacy_hpp", "legacy_hpp_back", {"to": "hf", "hf_format": "release"}),
 }
 DEFAULT_JOBS = ("hf -> torch_dist", "torch_dist -> hf", "hf -> legacy tp2 ep2", "legacy tp2 ep2 -> hf")
 
