@@ -700,10 +700,7 @@ class _McoreSource(_Source):
         if stored < padding.rows:
             raise ConvertError(f"{self.root}: {key}: {padding!r}: a padded table needs at least {padding.rows} "
                                f"rows, got {stored}")
-        kept = narrow_pieces(pieces, 0, 0, padding.rows)
-        if padding.padded > padding.rows:
-            kept.append(kept[-1].new_zeros((padding.padded - padding.rows, *kept[-1].shape[1:])))
-        return kept
+        return padding.pad_pieces(narrow_pieces(pieces, 0, 0, padding.rows))
 
     def mcore_tensor(self, key: str) -> torch.Tensor:
         return joined(self.mcore_pieces(key))

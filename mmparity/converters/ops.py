@@ -389,9 +389,15 @@ class PadRows(Op):
         t = hf[0]
         if t.shape[0] != self.rows:
             raise LayoutError(f"{self!r}: expected {self.rows} rows, got {tuple(t.shape)}")
+        return [self.pad_pieces([t])]
+
+    def pad_pieces(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The table's ``rows`` rows given as consecutive dim-0 pieces (TP parts, say), followed
+        by the zero rows as a piece of their own: nothing of the table is copied."""
         if self.padded == self.rows:
-            return [[t]]
-        return [[t, t.new_zeros((self.padded - self.rows, *t.shape[1:]))]]
+            return list(pieces)
+        last = pieces[-1]
+        return [*pieces, last.new_zeros((self.padded - self.rows, *last.shape[1:]))]
 
     def invert_pieces(self, mcore):
         # The first ``rows`` rows, a view: a TP-merged table goes out from its parts, not joined.

@@ -59,6 +59,15 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
+def entry_data_offsets(entry) -> tuple[int, int] | None:
+    """A header entry's ``data_offsets`` as (begin, end), or None where the entry has no pair of
+    integers there (the readers each say so in their own words)."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets):
+        return offsets[0], offsets[1]
+    return None
+
+
 _SIZE_UNITS = {
     "": 1,
     "B": 1,

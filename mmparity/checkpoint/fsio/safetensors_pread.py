@@ -21,7 +21,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError, name_list, one_line
 from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_DTYPES, SAFETENSORS_INDEX_FILE,
-                                                         SAFETENSORS_SINGLE_FILE)
+                                                         SAFETENSORS_SINGLE_FILE, entry_data_offsets)
 from mmparity.checkpoint.fsio.safetensors_read import TensorInfo
 
 # A header larger than this is not one save_pretrained writes; refusing it keeps a corrupt length
@@ -103,9 +103,8 @@ class RangeReader:
         code = entry.get("dtype") if isinstance(entry, dict) else None
         if code not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {code}")
-        shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-                and isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+        shape, offsets = entry.get("shape"), entry_data_offsets(entry)
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) and offsets is not None):
             raise CheckpointError(f"{path}: tensor {name!r} has no valid shape and data_offsets")
         info = TensorInfo(name, SAFETENSORS_DTYPES[code], tuple(shape), file_name)
         begin, end = offsets

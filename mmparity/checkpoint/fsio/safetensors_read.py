@@ -26,7 +26,8 @@ from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular
 from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
 from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.safetensors_format import (MISTRAL_CONSOLIDATED_FILE, SAFETENSORS_DTYPES,
-                                                         SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE)
+                                                         SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE,
+                                                         entry_data_offsets)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)  # one per source tensor, held for the whole conversion
@@ -72,8 +73,8 @@ def _data_offsets(text: str) -> tuple[list[str], array]:
     for key, entry in object_members(text):
         if key == "__metadata__":
             continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+        offsets = entry_data_offsets(entry)
+        if offsets is None:
             raise ValueError(f"{key!r} has no data_offsets pair")
         names.append(shared.name(key))
         spans.extend(offsets)
