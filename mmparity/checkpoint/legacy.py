@@ -46,6 +46,7 @@ from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
+    check_checkpoint_version,
     RELEASE,
     iteration_dirname,
     parse_rank_dirname,
@@ -422,11 +423,7 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
             raise CheckpointError(f"{path}: virtual-pipeline chunks ({', '.join(chunks)}) where a 'model' entry "
                                   "was expected")
         raise CheckpointError(f"{path}: no {chunk!r} entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
-    version = payload.get("checkpoint_version", 0)
-    if not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION:
-        # Before 3.0 the fused QKV rows were ordered differently; converting them as 3.0 would be
-        # silently wrong.
-        raise CheckpointError(f"{path}: checkpoint_version {version!r} is older than {CHECKPOINT_VERSION}; not supported")
+    check_checkpoint_version(payload.get("checkpoint_version", 0), path)
     model = payload[chunk]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: {chunk!r} is a {type(model).__name__}, not a state dict")
