@@ -66,3 +66,115 @@ def test_checkpoint_version_of_the_current_layout_converts(capsys, sources, tmp_
     _resave_rank_file(src / RANK_FILE, lambda p: p.__setitem__("checkpoint_version", version))
     code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "hf", "--to", "hf", "--quiet")
     assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Mistral's params.json: NaN and absurd numbers, and a config.json beside it that disagrees
+
+
+@pytest.fixture(scope="module")
+def mistral_release(tmp_path_factory):
+    """A tiny Mistral3 as Mistral ships it (consolidated.safetensors + params.json), its params and
+    the HF config they translate to."""
+    from safetensors.torch import save_file
+
+    from mmparity.reference.mistral_params import params_from_config
+    from tests.test_whole_vlm import _mistral_native_state
+
+    _, native, cfg = _mistral_native_state("mistral3", seed=23)
+    path = tmp_path_factory.mktemp("mistral") / "release"
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in native.items()}, str(path / "consolidated.safetensors"))
+    params = params_from_config(cfg)
+    (path / "params.json").write_text(json.dumps(params))
+    return path, params, cfg
+
+
+def _release_with(release: Path, tmp_path: Path, params: dict | None = None, config: str | None = None) -> Path:
+    src = tmp_path / "release"
+    shutil.copytree(release, src)
+    if params is not None:
+        (src / "params.json").write_text(json.dumps(params, allow_nan=True))
+    if config is not None:
+        (src / "config.json").write_text(config)
+    return src
+
+
+def _edited(params: dict, key: str, value) -> dict:
+    out = json.loads(json.dumps(params))
+    section, _, name = key.rpartition(".")
+    (out[section] if section else out)[name] = value
+    return out
+
+
+ABSURD_PARAMS = [("norm_eps", math.nan), ("norm_eps", 0.0), ("norm_eps", -1e-5), ("norm_eps", "1e-5"),
+                 ("rope_theta", math.inf), ("rope_theta", 0.5), ("rope_theta", -10000.0),
+                 ("vision_encoder.rope_theta", math.nan), ("dim", -40), ("dim", 0), ("dim", 40.0),
+                 ("n_layers", True), ("n_layers", 10**9), ("hidden_dim", 2**40), ("n_heads", False),
+                 ("n_kv_heads", 3), ("head_dim", -12), ("vocab_size", 10**12), ("vocab_size", 0),
+                 ("max_position_embeddings", -1), ("tied_embeddings", "false"), ("tied_embeddings", 0),
+                 ("vision_encoder.patch_size", -8), ("vision_encoder.patch_size", 1000),
+                 ("vision_encoder.image_size", 10**9), ("vision_encoder.num_channels", 0),
+                 ("vision_encoder.num_attention_heads", 0), ("vision_encoder.spatial_merge_size", 0),
+                 ("vision_encoder.image_token_id", 10**6), ("vision_encoder.image_token_id", -1),
+                 ("vision_encoder.adapter_bias", "yes"), ("vision_encoder.hidden_size", True)]
+
+
+@pytest.mark.parametrize("key,value", ABSURD_PARAMS, ids=[f"{k}={v!r}" for k, v in ABSURD_PARAMS])
+def test_absurd_number_in_params_json_is_refused_by_file_and_key(capsys, mistral_release, tmp_path, key, value):
+    release, params, _ = mistral_release
+    src = _release_with(release, tmp_path, _edited(params, key, value))
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "mcore", "--to", "mcore")
+    line = one_line_error(code, out, err, "params.json", key.rpartition(".")[2])
+    assert str(tmp_path) in line
+    assert not (tmp_path / "mcore").exists()
+
+
+@pytest.mark.parametrize("key,value", [("norm_eps", math.nan), ("vocab_size", 10**12)])
+def test_check_refuses_an_absurd_params_json_by_file_and_key(capsys, mistral_release, tmp_path, key, value):
+    release, params, _ = mistral_release
+    src = _release_with(release, tmp_path, _edited(params, key, value))
+    code, out, err = run_cli(capsys, "check", "--hf", src, "--no-components")
+    one_line_error(code, out, err, "params.json", key)
+
+
+def test_nan_in_a_config_json_is_refused_by_file_and_key(capsys, sources, tmp_path):
+    src = copy_tree(sources["hf"], tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "rope_theta": math.nan}
+    (src / "config.json").write_text(json.dumps(config, allow_nan=True))
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "mcore", "--to", "mcore")
+    one_line_error(code, out, err, "config.json", "rope_parameters.rope_theta")
+
+
+DISAGREEMENTS = [("dim", 48), ("n_layers", 3), ("norm_eps", 1e-6), ("rope_theta", 1e6), ("vocab_size", 98),
+                 ("n_kv_heads", 8), ("tied_embeddings", True), ("vision_encoder.patch_size", 12),
+                 ("vision_encoder.rope_theta", 20000.0), ("vision_encoder.spatial_merge_size", 1),
+                 ("vision_encoder.image_token_id", 11)]
+
+
+@pytest.mark.parametrize("key,value", DISAGREEMENTS, ids=[f"{k}={v!r}" for k, v in DISAGREEMENTS])
+def test_config_json_beside_a_params_json_that_disagrees_is_refused(capsys, mistral_release, tmp_path, key, value):
+    """config.json is read (as transformers reads it); a params.json beside it that states one of
+    the same fields otherwise is refused, naming both files and the field, not silently outvoted."""
+    release, params, cfg = mistral_release
+    src = _release_with(release, tmp_path, _edited(params, key, value), cfg.to_json_string())
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "mcore", "--to", "mcore")
+    one_line_error(code, out, err, "config.json", "params.json", key, "disagree")
+    assert not (tmp_path / "mcore").exists()
+
+
+def test_config_json_beside_a_params_json_that_agrees_converts(capsys, mistral_release, tmp_path):
+    """Both files describing the same model: config.json is read, the result is the params.json
+    release's, bit for bit."""
+    from mmparity.checkpoint.streaming import read_mcore_shards
+
+    release, params, cfg = mistral_release
+    for name, config in (("both", cfg.to_json_string()), ("params_only", None)):
+        src = _release_with(release, tmp_path / name, config=config)
+        code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / name / "mcore", "--to",
+                                 "mcore", "--format", "legacy", "--quiet")
+        assert code == 0, err
+    (_, _, both), (_, _, alone) = (read_mcore_shards(tmp_path / n / "mcore") for n in ("both", "params_only"))
+    assert sorted(both[0]) == sorted(alone[0])
+    assert all(torch.equal(both[0][k], alone[0][k]) for k in alone[0])

@@ -160,6 +160,22 @@ MISTRAL_PARAMS = "params.json"
 MAX_CONFIG_BYTES = 2**24
 
 
+def _non_finite(data) -> str | None:
+    """The first place in parsed JSON ``data`` that holds NaN or an infinity (``a.b[2]``), if any.
+    Python's json reads NaN, Infinity and -Infinity, which JSON has not; no size, epsilon or RoPE
+    base of a model is one, and a config holding one would be published as it is."""
+    stack = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "the top level"
+        if isinstance(value, dict):
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return None
+
+
 def _read_json_object(path: Path) -> dict:
     size = require_regular_file(path, "config").st_size
     if size > MAX_CONFIG_BYTES:
@@ -169,6 +185,10 @@ def _read_json_object(path: Path) -> dict:
             data = json.loads(f.read(MAX_CONFIG_BYTES + 1))
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: unreadable config ({' '.join(str(exc).split())[:200]})") from None
+    bad = _non_finite(data)
+    if bad is not None:
+        raise CheckpointError(f"{path}: {bad} is not a finite number (NaN and infinities are no JSON, and no "
+                              "size, epsilon or RoPE base of a model); correct the config")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object")
     return data
@@ -190,22 +210,24 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
                                                 if os.path.lexists(directory / n)])
     if os.path.lexists(config_path):
         require_regular_file(config_path, "config")
-        if not for_models:
-            data = _read_json_object(config_path)
-            if data.get("model_type") in known_model_types():
-                try:
-                    return config_view(data), config_path.read_bytes()
-                except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                    raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
-        from transformers import AutoConfig
+        data = _read_json_object(config_path)  # what transformers would read, NaN refused
+        if not for_models and data.get("model_type") in known_model_types():
+            try:
+                config = config_view(data)
+            except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        else:
+            from transformers import AutoConfig
 
-        try:
-            full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
-        except Exception as exc:  # transformers raises several types for a bad config
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
-        return full, config_path.read_bytes()
+            try:
+                config = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+            except Exception as exc:  # transformers raises several types for a bad config
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        if config_name == HF_CONFIG and os.path.lexists(params_path):
+            _check_params_beside(config, config_path, params_path)
+        return config, config_path.read_bytes()
     if config_name == HF_CONFIG and os.path.lexists(params_path):
         from mmparity.reference.mistral_params import ParamsError, config_from_params
 
@@ -217,6 +239,20 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
         return (full if for_models else config_view(full.to_dict())), raw
     raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
                           f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
+
+
+def _check_params_beside(config, config_path: Path, params_path: Path) -> None:
+    """A release with both files (Mistral's own beside transformers'): config.json is the one
+    read, as transformers reads it, and params.json must describe the same model wherever both
+    state a field; otherwise which one the weights follow is anyone's guess."""
+    from mmparity.reference.mistral_params import params_disagreements
+
+    problems = params_disagreements(_read_json_object(params_path), config)
+    if problems:
+        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        raise CheckpointError(f"{config_path} and {params_path} disagree: {shown}; {HF_CONFIG} is the one "
+                              f"read: correct the file that does not describe these weights, or remove "
+                              f"{MISTRAL_PARAMS}")
 
 
 def _name(data: dict, key: str, path: Path, where: str = "") -> str | None:
