@@ -178,3 +178,48 @@ def test_config_json_beside_a_params_json_that_agrees_converts(capsys, mistral_r
     (_, _, both), (_, _, alone) = (read_mcore_shards(tmp_path / n / "mcore") for n in ("both", "params_only"))
     assert sorted(both[0]) == sorted(alone[0])
     assert all(torch.equal(both[0][k], alone[0][k]) for k in alone[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. the live export's target dtype: floating weight dtypes only
+
+
+@pytest.fixture(scope="module")
+def live_pixtral():
+    """mmparity's native pixtral (Megatron's names) with seeded weights, in a one-rank group."""
+    from mmparity import families, runtime
+    from mmparity.cases.inputs import random_like_state
+
+    fam = families.get("pixtral")
+    cfg = fam.tiny_config()
+    if runtime.current_layout() is None:
+        runtime.init_parallel(1, 1)
+    reference = random_like_state(fam.build_reference(cfg).state_dict(), seed=31)
+    model = fam.build_native(cfg)
+    result = model.load_state_dict(fam.hf_to_mcore(reference, cfg)[0], strict=False)
+    assert not result.unexpected_keys and all(k.endswith("_extra_state") for k in result.missing_keys), result
+    return model, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+                                   torch.float8_e4m3fn, torch.complex64, "float16", 16],
+                         ids=str)
+def test_live_export_refuses_a_dtype_that_is_no_weight_dtype(live_pixtral, dtype):
+    from mmparity.checkpoint import live
+
+    model, cfg = live_pixtral
+    with pytest.raises(ValueError, match=r"export_hf: dtype=.* is not a weight dtype") as info:
+        live.export_hf(model, "pixtral", cfg, dtype=dtype)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_live_export_casts_to_a_floating_dtype(live_pixtral, dtype):
+    from mmparity.checkpoint import live
+
+    model, cfg = live_pixtral
+    own = dict(live.export_hf(model, "pixtral", cfg))
+    cast = dict(live.export_hf(model, "pixtral", cfg, dtype=dtype))
+    assert cast.keys() == own.keys()
+    for key, value in own.items():
+        assert cast[key].dtype == dtype and torch.equal(cast[key], value.to(dtype)), key
