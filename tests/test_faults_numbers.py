@@ -223,3 +223,69 @@ def test_live_export_casts_to_a_floating_dtype(live_pixtral, dtype):
     assert cast.keys() == own.keys()
     for key, value in own.items():
         assert cast[key].dtype == dtype and torch.equal(cast[key], value.to(dtype)), key
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. a --base tensor of the wrong shape is the base's fault
+
+
+@pytest.fixture(scope="module")
+def clip_sources(tmp_path_factory):
+    """A tiny CLIP (whose ln_post Megatron's class has no place for: it comes from --base) as an HF
+    release and as Megatron-LM would have saved it (no mmparity files)."""
+    from mmparity import families
+    from mmparity.cases.inputs import random_like_state
+
+    root = tmp_path_factory.mktemp("clip")
+    fam = families.get("clip")
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=29))
+    model.save_pretrained(root / "hf")
+    assert main(["convert", "--family", "clip", "--src", str(root / "hf"), "--dst", str(root / "legacy"),
+                 "--to", "mcore", "--format", "legacy", "--quiet"]) == 0
+    megatron = copy_tree(root / "legacy", root / "megatron")
+    for name in ("mmparity.json", "hf_config.json", "mcore_side.safetensors"):
+        (megatron / name).unlink()
+    return {"hf": root / "hf", "legacy": root / "legacy", "megatron": megatron}
+
+
+def _base_with(hf: Path, dst: Path, key: str, reshape) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    base = copy_tree(hf, dst)
+    state = load_file(str(base / "model.safetensors"))
+    state[key] = reshape(state[key])
+    save_file(state, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
+
+
+BAD_BASE = {
+    "side tensor, extra rows": ("post_layernorm.weight", lambda t: torch.cat([t, t[:3]])),
+    "side tensor, extra dim": ("post_layernorm.bias", lambda t: t[None]),
+    "side tensor, empty": ("post_layernorm.weight", lambda t: t[:0]),
+    "trained tensor, extra rows": ("encoder.layers.0.mlp.fc1.weight", lambda t: torch.cat([t, t[:3]])),
+    "trained tensor, transposed": ("encoder.layers.1.self_attn.out_proj.weight", lambda t: t[:, :-2].T.contiguous()),
+    "a tensor an op reshapes": ("embeddings.class_embedding", lambda t: torch.cat([t, t[:3]])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BASE))
+def test_base_tensor_of_a_bad_shape_is_blamed_on_the_base(capsys, clip_sources, tmp_path, case):
+    key, reshape = BAD_BASE[case]
+    base = _base_with(clip_sources["hf"], tmp_path / "base", key, reshape)
+    src = clip_sources["megatron"]
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "out", "--to", "hf",
+                             "--base", base, "--quiet")
+    line = one_line_error(code, out, err, f"--base {base}", key)
+    assert f"{src}:" not in line, line  # the checkpoint is not what is wrong
+    assert not (tmp_path / "out").exists()
+
+
+def test_base_of_the_right_shapes_exports_bit_exact(capsys, clip_sources, tmp_path):
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+
+    code, out, err = run_cli(capsys, "convert", "--src", clip_sources["megatron"], "--dst", tmp_path / "out",
+                             "--to", "hf", "--base", clip_sources["hf"], "--quiet")
+    assert code == 0, err
+    got, want = load_safetensors_state_dict(tmp_path / "out"), load_safetensors_state_dict(clip_sources["hf"])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

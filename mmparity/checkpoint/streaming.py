@@ -1047,11 +1047,12 @@ def _check_recorded_divisor(source: _Source) -> None:
                                "with (re-create it with mmparity convert)")
 
 
-def _check_shapes(source: _Source) -> None:
+def _check_shapes(source: _Source, label: str | None = None) -> None:
     """Every tensor of ``source`` against the shapes its HF config implies (and an mcore source's
     recorded vocabulary divisor against its tables), before any tensor is read or anything is
     built from the config: ``convert``, ``check --mcore`` and ``verify --load`` all call this, on
-    the source as stored (an mcore source before ``repad_vocab``)."""
+    the source as stored (an mcore source before ``repad_vocab``). ``label`` names the source in
+    the message (``--base DIR``); an HF source's tensors are named with their files."""
     _check_recorded_divisor(source)
     expected = _expected_mcore_shapes(source.family, source.cfg, source.vocab_tp, source.vocab_multiple)
     if expected is None:
@@ -1067,9 +1068,12 @@ def _check_shapes(source: _Source) -> None:
         if want is not None and tuple(meta.shape) != want:
             origin = source.hf_sources.get(key)
             named = f"{', '.join(origin)} -> {key}" if origin else key
-            problems.append(f"{named} is {list(meta.shape)}, the config implies {list(want)}")
+            problems.append((origin, f"{named} is {list(meta.shape)}, the config implies {list(want)}"))
     if problems:
-        raise ConvertError(_problems_line(f"{source.path}: shape mismatch with its HF config", problems))
+        infos = source.ckpt.infos() if isinstance(source, _HFSource) else {}
+        lines = [f"{', '.join(sorted({infos[k].file for k in origin if k in infos}))}: {line}"
+                 if origin and any(k in infos for k in origin) else line for origin, line in problems]
+        raise ConvertError(_problems_line(f"{label or source.path}: shape mismatch with its HF config", lines))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1509,7 +1513,13 @@ def model_config_for(src: Path, family: str | None, base: Path | None, hf_config
             except families.DetectError as exc:
                 raise ConvertError(f"--base {base}: {exc}") from None
         families.get(family)
-        hf = _HFSource(base, family, None, _TensorFilter(None, False))
+        try:
+            hf = _HFSource(base, family, None, _TensorFilter(None, False))
+        except ConvertError as exc:
+            raise ConvertError(f"--base {exc}") from None
+        # The base's own tensors against its config before any is taken: a mis-shaped one is the
+        # base's fault, not the checkpoint's it would be copied beside.
+        _check_shapes(hf, f"--base {base}")
 
         def side(keys: Sequence[str]) -> dict[str, torch.Tensor]:
             return {key: joined(hf.mcore_pieces(key)).contiguous() for key in keys}
