@@ -14,6 +14,7 @@ traceback, never numeric nonsense published.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -36,8 +37,9 @@ RANK_FILE = "iter_0000001/mp_rank_00/model_optim_rng.pt"
 
 
 def _resave_rank_file(path: Path, edit) -> None:
-    """A rank file of mmparity's own (plain tensors), loaded, edited and saved again."""
-    payload = torch.load(path, weights_only=True)
+    """A rank file of mmparity's own (tensors and Megatron-LM's args), loaded, edited and saved again."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        payload = torch.load(path, weights_only=True)
     edit(payload)
     torch.save(payload, path)
 
@@ -289,3 +291,88 @@ def test_base_of_the_right_shapes_exports_bit_exact(capsys, clip_sources, tmp_pa
     assert code == 0, err
     got, want = load_safetensors_state_dict(tmp_path / "out"), load_safetensors_state_dict(clip_sources["hf"])
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. expert problems: one line, however many
+
+
+@pytest.fixture(scope="module")
+def kimi_ep2(tmp_path_factory):
+    """A tiny whole Kimi-K2.5 (routed experts) as a legacy checkpoint at EP 2."""
+    from tests.test_convert_roundtrips import save_hf
+
+    root = tmp_path_factory.mktemp("kimi")
+    save_hf("kimi_k25_vl", root / "hf", seed=5)
+    assert main(["convert", "--src", str(root / "hf"), "--dst", str(root / "ep2"), "--to", "mcore", "--format",
+                 "legacy", "--ep", "2", "--quiet"]) == 0
+    return root / "ep2"
+
+
+EXPERT_KEY = "language_model.decoder.layers.1.mlp.experts.linear_fc{}.weight{}"
+FINAL_NORM = "language_model.decoder.final_layernorm.weight"
+
+
+def _drop(*keys):
+    def edit(model):
+        for key in keys:
+            del model[key]
+    return edit
+
+
+def _renumber(old: int, new: int):
+    def edit(model):
+        for fc in (1, 2):
+            model[EXPERT_KEY.format(fc, new)] = model.pop(EXPERT_KEY.format(fc, old))
+    return edit
+
+
+def _perturb(key: str):
+    def edit(model):
+        model[key] = model[key] + 1
+    return edit
+
+
+EXPERT_FAULTS = {
+    "an expert missing": (_drop(EXPERT_KEY.format(1, 1), EXPERT_KEY.format(2, 1)), "expert"),
+    "an expert lacking a linear": (_drop(EXPERT_KEY.format(2, 1)), "expert"),
+    "an expert beyond the rank's share": (_renumber(2, 3), "expert"),
+    "a replicated tensor absent on one rank": (_drop(FINAL_NORM), FINAL_NORM),
+    "a replicated tensor that differs on one rank": (_perturb(FINAL_NORM), FINAL_NORM),
+    "every replicated tensor differs": (None, "replicated over EP"),
+}
+
+
+@pytest.mark.parametrize("command", ["convert --to hf", "convert --to mcore --ep 1", "check --mcore"])
+@pytest.mark.parametrize("case", sorted(EXPERT_FAULTS))
+def test_expert_problems_are_one_line(capsys, kimi_ep2, tmp_path, case, command):
+    edit, needle = EXPERT_FAULTS[case]
+    src = copy_tree(kimi_ep2, tmp_path / "src")
+    rank1 = src / "iter_0000001/mp_rank_00_001/model_optim_rng.pt"
+    if edit is None:  # every replicated tensor of EP rank 1 from another model
+        def edit(model):
+            for key, value in list(model.items()):
+                if torch.is_tensor(value) and ".experts." not in key:
+                    model[key] = value.flip(0) if value.dim() else value + 1
+    _resave_rank_file(rank1, lambda payload: edit(payload["model"]))
+    if command == "check --mcore":
+        argv = ["check", "--mcore", src, "--no-components"]
+    else:
+        argv = ["convert", "--src", src, "--dst", tmp_path / "out", *command.split()[1:], "--quiet"]
+    code, out, err = run_cli(capsys, *argv)
+    one_line_error(code, out, err, "EP", needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_user_error_that_spans_lines_is_printed_as_one(capsys, monkeypatch):
+    """The last guard: whatever text a refusal carries (a tool's multi-line message passed
+    through), stderr gets one line."""
+    from mmparity.cli import list_cmd
+    from mmparity.cli.common import UsageError
+
+    def refuse(args):
+        raise UsageError("first reason:\n  - one\n\n  - two\n")
+
+    monkeypatch.setattr(list_cmd, "run", refuse)
+    code, out, err = run_cli(capsys, "list")
+    assert one_line_error(code, out, err, "first reason:", "- one", "- two")

@@ -235,7 +235,9 @@ def _expert_ranks(stage: Mapping[str, str], grid: Grid, num_experts: int) -> lis
         return [stage]
     try:
         return ep_mod.split_expert_ranks(stage, grid.ep, num_experts)
-    except (ConversionError, AxisError) as exc:
+    except ConversionError as exc:
+        raise CheckpointError(exc.line()) from None
+    except AxisError as exc:
         raise CheckpointError(str(exc)) from None
 
 
@@ -334,7 +336,7 @@ def write_legacy(
         try:
             num_experts = ep_mod.expert_count(tp_shards[0])
         except ConversionError as exc:
-            raise CheckpointError(str(exc)) from None
+            raise CheckpointError(exc.line()) from None
     entries = [{k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
                for shard in tp_shards]
     with atomic_directory(root, force=force) as staging:
@@ -504,7 +506,8 @@ class LegacyCheckpoint:
             return ep_mod.merge_expert_ranks(states, num_experts)
         except (ConversionError, AxisError) as exc:
             where = rank_dirname(Grid.of(self.tp_size, self.pp_size, self.ep_size), tp_rank, pp_rank, 0)
-            raise CheckpointError(f"{self.iteration_dir}: {where} and its EP ranks: {exc}") from None
+            cause = exc.line() if isinstance(exc, ConversionError) else exc
+            raise CheckpointError(f"{self.iteration_dir}: {where} and its EP ranks: {cause}") from None
 
     def tp_shards(
         self,
