@@ -30,6 +30,9 @@ try:  # the first fault suite's helpers and its `sources` fixture (pixtral in ev
     from tests.test_faults import copy_tree, one_line_error, run_cli, run_subprocess, sources  # noqa: F401
 except ImportError:  # pragma: no cover - rootdir-less import mode
     from test_faults import copy_tree, one_line_error, run_cli, run_subprocess, sources  # noqa: F401
+# The FP8 (Mistral3) and INT4 (Kimi-K2.5 experts) sources of the quantization tests.
+from tests.test_quant import fp8_vlm  # noqa: E402,F401
+from tests.test_quant_int4 import int4_kimi  # noqa: E402,F401
 
 pytestmark = pytest.mark.fault
 
@@ -376,3 +379,70 @@ def test_a_user_error_that_spans_lines_is_printed_as_one(capsys, monkeypatch):
     monkeypatch.setattr(list_cmd, "run", refuse)
     code, out, err = run_cli(capsys, "list")
     assert one_line_error(code, out, err, "first reason:", "- one", "- two")
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. --requantize of weights that hold ±Inf or NaN
+
+
+def _quantized_checkpoint(src: Path, dst: Path) -> Path:
+    assert main(["convert", "--src", str(src), "--dst", str(dst), "--to", "mcore", "--format", "legacy",
+                 "--quiet"]) == 0
+    return dst
+
+
+NON_FINITE = {"+Inf": [math.inf], "-Inf": [-math.inf], "NaN": [math.nan], "+Inf and NaN": [math.inf, math.nan]}
+
+
+def _poison(key: str, values: list):
+    def edit(payload):
+        tensor = payload["model"][key].clone()
+        for i, value in enumerate(values):
+            tensor[i, (3 * i + 1) % tensor.shape[1]] = value
+        payload["model"][key] = tensor
+    return edit
+
+
+@pytest.mark.parametrize("values", sorted(NON_FINITE))
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_requantize_refuses_weights_it_cannot_hold(capsys, request, tmp_path, scheme, values):
+    """±Inf has no encoding in float8_e4m3fn or INT4, and one such value made its whole block NaN
+    (the scale of Inf is NaN) while the summary said "max abs error 0": refused by tensor."""
+    fixture, key, hf_key = {
+        "fp8": ("fp8_vlm", "language_model.decoder.layers.0.self_attention.linear_proj.weight", "o_proj.weight"),
+        "int4": ("int4_kimi", "language_model.decoder.layers.1.mlp.experts.linear_fc2.weight0",
+                 "experts.0.down_proj.weight"),
+    }[scheme]
+    src = request.getfixturevalue(fixture)[0]
+    mcore = _quantized_checkpoint(src, tmp_path / "m")
+    _resave_rank_file(mcore / RANK_FILE, _poison(key, NON_FINITE[values]))
+    code, out, err = run_cli(capsys, "convert", "--src", mcore, "--dst", tmp_path / "hf-q", "--to", "hf",
+                             "--requantize")
+    one_line_error(code, out, err, "--requantize", hf_key, values.split()[0], "without --requantize")
+    assert not (tmp_path / "hf-q").exists()
+    # Exported as they are, the values are kept, ±Inf and NaN included.
+    code, out, err = run_cli(capsys, "convert", "--src", mcore, "--dst", tmp_path / "hf", "--to", "hf", "--quiet")
+    assert code == 0, err
+
+
+def test_requant_error_counts_non_finite_changes():
+    from mmparity.converters import quant as Q
+
+    scheme = Q.QuantScheme("fp8", (2, 2))
+    raw = torch.tensor([[1.0, -2.5], [3.0, 4.25]], dtype=torch.bfloat16)
+    value = Q.dequantize(*Q.quantize(raw, scheme), scheme, torch.bfloat16)  # values the scheme holds
+    weight, scale = Q.quantize(value, scheme)
+    assert Q.requant_error(value, weight, scale, scheme) == (0.0, True)
+    for bad in (math.inf, -math.inf, math.nan):
+        changed = value.clone()
+        changed[0, 0] = bad  # what comes back is finite: an infinite change, whatever its sign
+        error, exact = Q.requant_error(changed, weight, scale, scheme)
+        assert error == math.inf and not exact, (bad, error)
+    # NaN where a finite value was exported: not exact, and not a NaN that a maximum drops.
+    nan_weight = weight.clone()
+    nan_weight[0, 0] = torch.tensor(math.nan).to(Q.FP8_DTYPE)
+    error, exact = Q.requant_error(value, nan_weight, scale, scheme)
+    assert error == math.inf and not exact
+    assert Q.RequantError().add(error, exact, False).max_abs_error == math.inf
+    with pytest.raises(Q.QuantError, match="1 value.*NaN"):
+        Q.quantize(torch.where(value > 4, math.nan, value), scheme)

@@ -1198,7 +1198,11 @@ class _Requant:
         self.error = quant_mod.RequantError()
 
     def write(self, key: str, value: torch.Tensor, writer) -> list:
-        weight, scale = quant_mod.quantize(value, self.scheme, self.scales[key])
+        try:
+            weight, scale = quant_mod.quantize(value, self.scheme, self.scales[key])
+        except quant_mod.QuantError as exc:
+            raise ConvertError(f"--requantize: {key}: {exc}; export without --requantize (the weights as they "
+                               "are) or repair them") from None
         error, exact = quant_mod.requant_error(value, weight, scale, self.scheme)
         # With the source's scales kept and its values coming back exactly, the bytes are the
         # source's (quantize inverts dequantize, tests/test_quant.py); otherwise they changed.
