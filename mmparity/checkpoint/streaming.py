@@ -303,14 +303,21 @@ class _TensorFilter:
         return meta
 
     def __call__(self, name: str, t: torch.Tensor, where: str) -> torch.Tensor:
-        if self.check_finite and t.is_floating_point() and t.numel():
-            finite = torch.isfinite(t)
+        # Cast first, then check: what is written is what is certified finite (1e6 is finite in
+        # float32 and Inf in float16).
+        out = t.to(self.dtype) if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype else t
+        if self.check_finite and out.is_floating_point() and out.numel():
+            finite = torch.isfinite(out)
             if not bool(finite.all()):
-                bad = int(t.numel() - finite.sum())
-                raise ConvertError(f"{where}: tensor {name} holds {bad} NaN/Inf value(s) (--check-finite)")
-        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        return t
+                bad = int(out.numel() - finite.sum())
+                stored = bad if out is t else int(t.numel() - torch.isfinite(t).sum())
+                if stored == bad:
+                    raise ConvertError(f"{where}: tensor {name} holds {bad} NaN/Inf value(s) (--check-finite)")
+                largest = float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+                raise ConvertError(f"{where}: tensor {name}: {bad - stored} value(s) overflow to Inf in the cast to "
+                                   f"{str(self.dtype).removeprefix('torch.')} (largest magnitude {largest:g}, beyond "
+                                   f"its {torch.finfo(self.dtype).max:g}) (--check-finite); choose a wider --dtype")
+        return out
 
 
 def load_family_config(config_path: Path, family: str, where: Path, capacity: tuple[int, int] | None = None):
