@@ -493,3 +493,107 @@ def test_check_finite_looks_at_the_values_after_the_cast(capsys, overflowing, tm
     code, out, err = run_cli(capsys, "convert", *argv, "--dst", tmp_path / "f32", "--dtype", "float32",
                              "--check-finite", "--quiet")
     assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. a side file whose header declares what no config implies (a sparse 12 GiB tensor)
+
+# Under this address-space limit an allocation of what a bad header declares fails at once instead
+# of taking the shared machine's memory (and a mapping of the whole sparse file fails too).
+MEMORY_LIMIT = 8 * 2**30
+HUGE = 3 * 2**30  # float32 elements: 12 GiB
+
+
+def _write_side_file(path: Path, entries: dict) -> None:
+    """A safetensors file of ``entries`` (name -> (dtype code, shape, bytes or None)), the bytes
+    of a None entry left as a hole: the file is as long as its header says, and sparse."""
+    header, offset, data = {}, 0, []
+    sizes = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2}
+    for name, (code, shape, raw) in entries.items():
+        nbytes = math.prod(shape) * sizes[code]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        data.append((offset, raw))
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for at, raw in data:
+            if raw is not None:
+                f.seek(8 + len(text) + at)
+                f.write(raw)
+        f.truncate(8 + len(text) + offset)
+
+
+def _side_entries(clip_legacy: Path) -> dict:
+    from safetensors.torch import load_file
+
+    side = load_file(str(clip_legacy / "mcore_side.safetensors"))
+    assert sorted(side) == ["ln_post.bias", "ln_post.weight"]
+    return {k: ("F32", tuple(v.shape), v.numpy().tobytes()) for k, v in side.items()}
+
+
+HUGE_SIDE_FILES = {
+    "a sparse 12 GiB tensor in its place": lambda e: {**e, "ln_post.weight": ("F32", (HUGE,), None)},
+    "a sparse 12 GiB tensor beside it": lambda e: {**e, "ln_post.extra": ("F32", (HUGE,), None)},
+}
+SIDE_FILES = {
+    "a longer tensor": lambda e: {**e, "ln_post.weight": ("F32", (50,), None)},
+    "a 2-d tensor of the right count": lambda e: {**e, "ln_post.weight": ("F32", (8, 6), e["ln_post.weight"][2])},
+    "another dtype": lambda e: {**e, "ln_post.bias": ("F16", (96,), None)},
+    "a tensor missing": lambda e: {k: v for k, v in e.items() if k != "ln_post.bias"},
+}
+
+
+@pytest.mark.slow  # child processes under an address-space limit
+@pytest.mark.parametrize("case", sorted(HUGE_SIDE_FILES))
+def test_side_file_declaring_12_gib_is_refused_from_its_header(clip_sources, tmp_path, case):
+    src = copy_tree(clip_sources["legacy"], tmp_path / "src")
+    _write_side_file(src / "mcore_side.safetensors", HUGE_SIDE_FILES[case](_side_entries(clip_sources["legacy"])))
+    for argv in (["check", "--mcore", src, "--hf", clip_sources["hf"], "--no-components"],
+                 ["convert", "--src", src, "--dst", tmp_path / "out", "--to", "hf"]):
+        code, out, err = run_subprocess(*argv, memory_limit=MEMORY_LIMIT)
+        one_line_error(code, out, err, "mcore_side.safetensors", "ln_post.", str(HUGE))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", sorted(SIDE_FILES))
+def test_side_file_of_other_shapes_or_dtypes_is_refused_by_tensor(capsys, clip_sources, tmp_path, case):
+    src = copy_tree(clip_sources["legacy"], tmp_path / "src")
+    _write_side_file(src / "mcore_side.safetensors", SIDE_FILES[case](_side_entries(clip_sources["legacy"])))
+    for argv in (["check", "--mcore", src, "--hf", clip_sources["hf"], "--no-components"],
+                 ["convert", "--src", src, "--dst", tmp_path / "out", "--to", "hf"]):
+        code, out, err = run_cli(capsys, *argv)
+        one_line_error(code, out, err, "mcore_side.safetensors", "ln_post.")
+    assert not (tmp_path / "out").exists()
+    code, out, err = run_cli(capsys, "verify", src)
+    assert code == 1 and "mcore_side.safetensors" in out and "Traceback" not in out + err, (code, out, err)
+
+
+def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_path, monkeypatch):
+    """verify maps the file (no address-space limit on a big machine): the declared 12 GiB are
+    refused from the header; the tensor is never read."""
+    import importlib
+
+    verify_mod = importlib.import_module("mmparity.checkpoint.verify")  # the package exports a function of that name
+    src = copy_tree(clip_sources["legacy"], tmp_path / "src")
+    entries = HUGE_SIDE_FILES["a sparse 12 GiB tensor in its place"](_side_entries(clip_sources["legacy"]))
+    _write_side_file(src / "mcore_side.safetensors", entries)
+    opened = verify_mod.safe_open
+
+    class Guarded:
+        def __init__(self, *args, **kwargs):
+            self._handle = opened(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
+        def get_tensor(self, key):
+            if list(self._handle.get_slice(key).get_shape()) == [HUGE]:
+                raise AssertionError(f"verify read the {HUGE}-element tensor {key} its header declares")
+            return self._handle.get_tensor(key)
+
+    monkeypatch.setattr(verify_mod, "safe_open", Guarded)
+    report = verify_mod.verify(src)
+    assert not report.ok and any("ln_post.weight" in str(p) and "its header declares shape" in str(p)
+                                 for p in report.problems), str(report)

@@ -44,8 +44,7 @@ from types import MappingProxyType
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file as safetensors_load, save as safetensors_save
+from safetensors.torch import save as safetensors_save
 
 from mmparity import families
 from mmparity.checkpoint import extra_state, megatron_args, torch_dist_layout, torch_dist_write
@@ -74,6 +73,7 @@ from mmparity.checkpoint.fsio.heap import heap_budget
 from mmparity.checkpoint.fsio.pieces import FileRanges, joined, narrow_pieces, route_pieces
 from mmparity.checkpoint.fsio.publish import recover_destination
 from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE, has_hf_weights, parse_size
+from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 from mmparity.checkpoint import quantized as quant_io
@@ -387,9 +387,11 @@ def _quant_scales(source: "_Source") -> tuple[dict[str, bytes], tuple, dict]:
 
 
 def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str],
-                    name: str = SIDE_FILE) -> dict[str, torch.Tensor]:
+                    name: str = SIDE_FILE, expected: Mapping[str, tuple] | None = None) -> dict[str, torch.Tensor]:
     """The side tensors of an mcore checkpoint (or the tensors of another file beside it, ``name``),
-    checked against the manifest's checksums."""
+    checked against the manifest's checksums. What the file's header declares is held to the
+    manifest's records and to the shapes the config implies (``expected``) before a byte is read:
+    a header may declare a tensor of any size (over a sparse file, say)."""
     if not keys:
         return {}
     records = {r.key: r for r in (manifest.tensors if manifest is not None else ()) if r.file == name}
@@ -402,11 +404,33 @@ def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str],
                            f"the tensors Megatron's class has no place for: {', '.join(keys[:4])}"
                            f"{' ...' if len(keys) > 4 else ''})")
     try:
-        tensors = safetensors_load(str(path))
-    except (SafetensorError, OSError) as exc:
+        reader = RangeReader.of_file(path)
+    except CheckpointError as exc:
         raise ConvertError(f"{path}: cannot read the side file: {exc}") from None
-    problems = [f"missing side tensor {k}" for k in keys if k not in tensors]
-    problems += [f"unexpected side tensor {k}" for k in tensors if k not in keys]
+    with reader:
+        return _checked_side_tensors(path, reader, records, keys, expected)
+
+
+def _checked_side_tensors(path: Path, reader: RangeReader, records: Mapping, keys: Sequence[str],
+                          expected: Mapping[str, tuple] | None) -> dict[str, torch.Tensor]:
+    infos = reader.infos()
+    problems = [f"missing side tensor {k}" for k in keys if k not in infos]
+    problems += [f"unexpected side tensor {k} {list(infos[k].shape)}" for k in infos if k not in keys]
+    for key, info in infos.items():
+        want = (expected or {}).get(key)
+        if want is not None and tuple(info.shape) != tuple(want):
+            problems.append(f"{key}: its header declares {list(info.shape)}, the config implies {list(want)}")
+        elif key in records:
+            declared = TensorChecksum(str(info.dtype).removeprefix("torch."), tuple(info.shape), "")
+            problems += [f"{key}: its header declares {d.replace('expected', 'the manifest records')}"
+                         for d in records[key].checksum.differences(declared) if not d.endswith("differs")]
+    if problems:  # nothing read yet
+        raise ConvertError(_problems_line(f"{path}: side file declares other tensors than its manifest and config "
+                                          "describe (re-convert the checkpoint, or restore the file)", problems))
+    try:
+        tensors = {key: reader.read(key) for key in infos}
+    except CheckpointError as exc:  # a short read
+        raise ConvertError(f"{path}: cannot read the side file: {exc}") from None
     for key, t in tensors.items():
         if key not in records:
             problems.append(f"side tensor {key} is not in the manifest")
@@ -669,7 +693,8 @@ class _McoreSource(_Source):
                                f"pass --base HF_DIR (the release it was converted from) instead of "
                                f"{model_config.origin}")
         else:
-            self.side = (_read_side_file(root, manifest, side_keys)
+            self.side = (_read_side_file(root, manifest, side_keys,
+                                         expected=_expected_mcore_shapes(self.family, self.cfg))
                          if complete or (root / SIDE_FILE).is_file() else {})
         if manifest is not None:
             # The weight files' records (one per stored tensor) are verify's to check, and nothing
