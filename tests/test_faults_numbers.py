@@ -597,3 +597,87 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
     report = verify_mod.verify(src)
     assert not report.ok and any("ln_post.weight" in str(p) and "its header declares shape" in str(p)
                                  for p in report.problems), str(report)
+
+
+# --------------------------------------------------------------------------------------------------
+# 9. the vocabulary divisor: bounded where typed, and the recorded one is what Megatron's class is
+#    built with
+
+from tests.test_faults_recorded import VOCAB, converted, hf  # noqa: E402,F401  (LLaVA on CLIP, fixtures)
+
+
+@pytest.mark.parametrize("divisor", [10**6, 2**17, 131_000])
+@pytest.mark.parametrize("target", ["torch_dist", "legacy --tp 2", "re-pad an mcore source"])
+def test_a_divisor_that_pads_past_any_megatron_run_is_refused_by_flag(capsys, hf, converted, tmp_path, target,
+                                                                        divisor):
+    src = converted("legacy") if target == "re-pad an mcore source" else hf
+    extra = ["--format", "legacy", "--tp", "2"] if target == "legacy --tp 2" else []
+    code, out, err = run_cli(capsys, "convert", "--family", "llava", "--src", src, "--dst", tmp_path / "out",
+                             "--to", "mcore", *extra, "--make-vocab-size-divisible-by", divisor)
+    one_line_error(code, out, err, f"--make-vocab-size-divisible-by {divisor}", f"from {VOCAB} to")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a child process under an address-space limit
+def test_a_typed_divisor_of_a_billion_is_refused_before_allocating(hf, tmp_path):
+    code, out, err = run_subprocess("convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
+                                    "--to", "mcore", "--make-vocab-size-divisible-by", 10**9,
+                                    memory_limit=MEMORY_LIMIT)
+    one_line_error(code, out, err, "--make-vocab-size-divisible-by 1000000000")
+
+
+@pytest.mark.parametrize("divisor", [1, 7, 256, 2**16])
+def test_a_divisor_within_the_bound_converts(capsys, hf, tmp_path, divisor):
+    from mmparity.checkpoint.streaming import read_mcore_shards
+
+    code, out, err = run_cli(capsys, "convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
+                             "--to", "mcore", "--format", "legacy", "--make-vocab-size-divisible-by", divisor,
+                             "--quiet")
+    assert code == 0, err
+    table = read_mcore_shards(tmp_path / "out")[2][0]["language_model.embedding.word_embeddings.weight"]
+    assert table.shape[0] == -(-VOCAB // divisor) * divisor
+
+
+def _megatron_written(converted_dir: Path, dst: Path, args_divisor: int | None = None) -> Path:
+    """convert's legacy output as Megatron-LM leaves it (no mmparity files), its args' divisor
+    replaced when given."""
+    src = copy_tree(converted_dir, dst)
+    for name in ("mmparity.json", "hf_config.json", "mcore_side.safetensors"):
+        (src / name).unlink(missing_ok=True)
+    if args_divisor is not None:
+        _resave_rank_file(src / RANK_FILE, lambda p: setattr(p["args"], "make_vocab_size_divisible_by", args_divisor))
+    return src
+
+
+def test_megatron_written_with_a_small_divisor_exports_and_loads(capsys, hf, converted, tmp_path):
+    """Megatron-LM run with --make-vocab-size-divisible-by 7 pads 101 rows to 105, fewer than the
+    default 128 would: its checkpoint exports with --base and loads, the args' divisor taken."""
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+
+    src = _megatron_written(converted("legacy", divisor=7), tmp_path / "megatron")
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "out", "--to", "hf",
+                             "--base", hf, "--quiet")
+    assert code == 0, err
+    got, want = load_safetensors_state_dict(tmp_path / "out"), load_safetensors_state_dict(hf)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    code, out, err = run_cli(capsys, "verify", "--load", src, "--base", hf)
+    assert code == 0 and "rank 0: ok" in out, out + err
+
+
+@pytest.mark.parametrize("args_divisor", [10**9, 64, 2**20])
+def test_megatron_args_with_another_divisor_are_refused_before_building(capsys, hf, converted, tmp_path,
+                                                                        args_divisor):
+    src = _megatron_written(converted("legacy", divisor=7), tmp_path / "megatron", args_divisor)
+    code, out, err = run_cli(capsys, "verify", "--load", src, "--base", hf)
+    one_line_error(code, out, err, str(src), f"make_vocab_size_divisible_by {args_divisor}", "holds 105")
+
+
+@pytest.mark.parametrize("impl", ["megatron", "both"])
+@pytest.mark.parametrize("divisor", [7, 256])
+def test_check_mcore_impl_megatron_builds_with_the_recorded_divisor(capsys, converted, impl, divisor):
+    """The divisor convert recorded (101 rows padded to 105, or to 256) is the one Megatron's
+    LLaVAModel is built with, and the reference's loss is taken over the same padded rows."""
+    code, out, err = run_cli(capsys, "check", "--mcore", converted("legacy", divisor=divisor), "--impl", impl,
+                             "--no-components", "--quiet")
+    assert code == 0, out + err
+    assert "Traceback" not in out + err

@@ -155,7 +155,7 @@ def keep_reference_pairs(pairs: list, cfg) -> list:
     return pairs
 
 
-def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int) -> dict:
+def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int, *, divisible_by: int = 128) -> dict:
     return outputs
 
 
@@ -170,8 +170,9 @@ class MegatronClass:
     ``run(model, case, cfg)``: its outputs under the HF output names (an HF output it has no
     counterpart for is absent); ``pairs(model, cfg)``: its submodules named as the reference's pairs;
     ``reference_pairs(pairs, cfg)``: the reference's pairs as set against this class;
-    ``reference_outputs(outputs, case, cfg, tp)``: the reference's outputs as this class computes
-    them by design (``note`` says how, in each result's description);
+    ``reference_outputs(outputs, case, cfg, tp, divisible_by=N)``: the reference's outputs as this
+    class computes them by design, for a class built with vocabulary divisor ``N`` (``note`` says
+    how, in each result's description);
     ``module_cases``: the cases whose per-module outputs are compared (Megatron's packed paths call
     some modules once per image, where HF calls them once);
     ``default_config``: the config ``check`` uses (and the recorded layout is measured on) when none

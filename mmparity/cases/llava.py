@@ -27,8 +27,8 @@ from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, MegatronClass, MegatronClasses, Pair, Published, Side, TowerLookup,
                                  first_tensor, tokens_2d)
 from mmparity.converters import llava as converter
-from mmparity.hfconfig import (feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size,
-                               select_strategy, tied_embeddings, vision_layers_run)
+from mmparity.hfconfig import (VOCAB_PAD_MULTIPLE, feature_layer_indices, first_int, has_patch_merger, image_hw,
+                               padded_vocab_size, select_strategy, tied_embeddings, vision_layers_run)
 from mmparity.native import llava as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.native.llava_preprocess import (DEFAULT_IMAGE_TOKEN_INDEX, _precalculate_loss_weights,
@@ -679,15 +679,17 @@ def _vision_part_pairs(model, cfg) -> list[Pair]:
     return out + [Pair(PROJECTOR, model.vision_projection, tokens_2d)]
 
 
-def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int) -> dict:
-    """HF's per-token loss recomputed over the vocabulary padded as Megatron-LM pads it at ``tp``:
+def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int, *,
+                                 divisible_by: int = VOCAB_PAD_MULTIPLE) -> dict:
+    """HF's per-token loss recomputed over the vocabulary padded as Megatron-LM pads it at ``tp``
+    with ``--make-vocab-size-divisible-by divisible_by``:
     Megatron's cross entropy spans the pad rows, whose converted output weights are zero, so each
     adds a logit of 0 to the softmax. That is what Megatron computes for any padded checkpoint;
     HF's unpadded loss is not its function (docs/megatron.md, llava)."""
     labels = case.data["hf_labels"]
     batch, vocab = labels.shape[0], cfg.text_config.vocab_size
     logits = outputs["logits"].view(batch, -1, vocab)
-    rows = padded_vocab_size(vocab, tp=tp)
+    rows = padded_vocab_size(vocab, divisible_by, tp)
     padded = F.pad(logits, (0, rows - vocab))
     shifted = F.cross_entropy(padded[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1).to(padded.device),
                               ignore_index=IGNORE_INDEX, reduction="none").view(batch, -1)

@@ -78,7 +78,7 @@ from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 from mmparity.checkpoint import quantized as quant_io
 from mmparity.converters import quant as quant_mod
-from mmparity.converters.ops import LayoutError, PadRows
+from mmparity.converters.ops import MAX_EXTRA_PAD_ROWS, LayoutError, PadRows
 from mmparity.converters.tp import ShardError
 
 __all__ = [
@@ -1090,13 +1090,16 @@ def _check_shapes(source: _Source, label: str | None = None) -> None:
     if expected is None:
         return
     kinds = _kinds(_rule_set(source.family, source.cfg, source.hf_format))
+    real_rows = {key: padding.rows for key, padding in _padded_tables(source.rules).items()}
     problems = []
     for key, meta in source.metas.items():
         want = expected.get(key)
         if (want is not None and ckpt_formats.by_layout(source.layout).kind == ckpt_formats.MCORE
                 and kinds.get(key) == "vocab"
-                and tuple(meta.shape[1:]) == want[1:] and meta.shape[0] >= want[0]):
-            continue  # padded for another TP size or multiple: export trims it all the same
+                and tuple(meta.shape[1:]) == want[1:] and meta.shape[0] >= real_rows.get(key, want[0])):
+            # Padded for another TP size or divisor (a smaller one than assumed too: Megatron-LM's
+            # --make-vocab-size-divisible-by 64): export trims it all the same.
+            continue
         if want is not None and tuple(meta.shape) != want:
             origin = source.hf_sources.get(key)
             named = f"{', '.join(origin)} -> {key}" if origin else key
@@ -1459,6 +1462,20 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
     return DTYPES[options.dtype]
 
 
+def _check_vocab_divisor(source: _Source, tp: int, multiple: int | None) -> None:
+    """``--make-vocab-size-divisible-by``, before a padded table is made: the padding it implies
+    for each of the source's vocabularies stays within what Megatron-LM could ask for."""
+    if multiple is None:
+        return
+    for key, padding in _padded_tables(source.rules).items():
+        target = padding.at_tp(tp, multiple)
+        if target.excessive:
+            raise ConvertError(f"--make-vocab-size-divisible-by {multiple}: pads {key} from {target.rows} to "
+                               f"{target.padded} rows at TP {tp}, past twice its rows plus {MAX_EXTRA_PAD_ROWS}; "
+                               "Megatron-LM pads to a multiple of its divisor (default 128) x TP: give the one "
+                               "the model is trained with")
+
+
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
     a, b = checkpoint_extent(src), dst.resolve()
     if a == b or a in b.parents or b in a.parents:
@@ -1503,6 +1520,7 @@ def _convert(options: ConvertOptions, progress: Progress | None) -> ConvertResul
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
                              tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE,
                              model_config=model_config, iteration=options.iteration)
+        _check_vocab_divisor(source, vocab_tp, options.make_vocab_size_divisible_by)
         _check_shapes(source)  # as stored, before the tables are re-padded from what it records
         if isinstance(source, _McoreSource) and options.to == "mcore":
             # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
