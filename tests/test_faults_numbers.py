@@ -681,3 +681,69 @@ def test_check_mcore_impl_megatron_builds_with_the_recorded_divisor(capsys, conv
                              "--no-components", "--quiet")
     assert code == 0, out + err
     assert "Traceback" not in out + err
+
+
+# --------------------------------------------------------------------------------------------------
+# 10. --json: strict JSON, a non-finite metric as null and named
+
+
+def _strict_loads(text: str):
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _nan_report():
+    from mmparity.parity.report import Divergence, Report, Result
+
+    bad = {"max_abs": math.nan, "mean_abs": math.inf, "rel_l2": math.nan, "cosine": -math.inf}
+    result = Result("pixtral", "static:output", False, dict(bad), {"rel_l2": 1e-5},
+                    Divergence("layer.0", {"rel_l2": math.nan, "max_abs": 0.5}, {"rel_l2": 1e-5}),
+                    modules=[{"module": "layer.0", "metrics": {"rel_l2": math.inf, "cosine": 1.0}, "passed": False}])
+    good = Result("pixtral", "component:rope", True, {"max_abs": 0.0, "mean_abs": 0.0, "rel_l2": 0.0,
+                                                      "cosine": 1.0}, {"rel_l2": 1e-5})
+    return Report(device="cpu", dtype="float32", seed=0, attention_backend="sdpa", results=[result, good])
+
+
+def test_check_json_report_with_a_nan_metric_is_strict_json(capsys, tmp_path, monkeypatch):
+    from mmparity.parity import harness
+
+    monkeypatch.setattr(harness, "check", lambda *args, **kwargs: _nan_report())
+    path = tmp_path / "report.json"
+    code, out, err = run_cli(capsys, "check", "pixtral", "--json", path, "--no-components")
+    assert code == 1, out + err  # a failed check, reported
+    data = _strict_loads(path.read_text())
+    bad, good = data["results"]
+    assert bad["metrics"] == {"max_abs": None, "mean_abs": None, "rel_l2": None, "cosine": None,
+                              "non_finite": {"max_abs": "NaN", "mean_abs": "Infinity", "rel_l2": "NaN",
+                                             "cosine": "-Infinity"}}
+    assert bad["first_divergence"]["metrics"] == {"rel_l2": None, "max_abs": 0.5, "non_finite": {"rel_l2": "NaN"}}
+    assert bad["modules"][0]["metrics"] == {"rel_l2": None, "cosine": 1.0, "non_finite": {"rel_l2": "Infinity"}}
+    assert "non_finite" not in good["metrics"] and good["metrics"]["cosine"] == 1.0
+
+
+def test_strict_json_names_list_elements_and_leaves_finite_values():
+    from mmparity.parity.report import strict_json
+
+    data = {"times_ms": [1.0, math.nan, 3.0], "ratio": math.inf, "n": 3, "ok": True, "name": "NaN",
+            "nested": [{"x": -math.inf}]}
+    assert _strict_loads(strict_json(data)) == {
+        "times_ms": [1.0, None, 3.0], "ratio": None, "n": 3, "ok": True, "name": "NaN",
+        "nested": [{"x": None, "non_finite": {"x": "-Infinity"}}],
+        "non_finite": {"times_ms[1]": "NaN", "ratio": "Infinity"}}
+
+
+def test_bench_json_report_is_strict_json():
+    from mmparity.parity.bench import BenchReport, BenchResult, SideTiming
+
+    result = BenchResult("pixtral", "tiny", "cfg", "uniform", 2, [[32, 32]], 32, {"native": 1.0},
+                         native=SideTiming(0.0, [0.0, math.nan], math.inf, None),
+                         hf=SideTiming(1.0, [1.0], 2.0, None), rel_l2=math.nan)
+    report = BenchReport(device="cpu", device_name="cpu", dtype="float32", size="tiny", attention_backend="sdpa",
+                         timer="wall", warmup=0, repeats=1, results=[result])
+    data = _strict_loads(report.to_json())
+    got = data["results"][0]
+    assert got["rel_l2"] is None and got["non_finite"]["rel_l2"] == "NaN"
+    assert got["native"]["images_per_s"] is None and got["native"]["non_finite"] == {
+        "images_per_s": "Infinity", "times_ms[1]": "NaN"}
