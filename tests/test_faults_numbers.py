@@ -33,6 +33,8 @@ except ImportError:  # pragma: no cover - rootdir-less import mode
 # The FP8 (Mistral3) and INT4 (Kimi-K2.5 experts) sources of the quantization tests.
 from tests.test_quant import fp8_vlm  # noqa: E402,F401
 from tests.test_quant_int4 import int4_kimi  # noqa: E402,F401
+# LLaVA on the CLIP tiny tower (which stock megatron-core builds), converted once per divisor.
+from tests.test_faults_recorded import VOCAB, converted, hf  # noqa: E402,F401
 
 pytestmark = pytest.mark.fault
 
@@ -150,6 +152,25 @@ def test_nan_in_a_config_json_is_refused_by_file_and_key(capsys, sources, tmp_pa
     (src / "config.json").write_text(json.dumps(config, allow_nan=True))
     code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "mcore", "--to", "mcore")
     one_line_error(code, out, err, "config.json", "rope_parameters.rope_theta")
+
+
+ABSURD_CONFIG = [("text_config.num_hidden_layers", -2), ("text_config.hidden_size", 0),
+                 ("text_config.hidden_size", 40.5), ("text_config.num_attention_heads", True),
+                 ("text_config.rms_norm_eps", -1.0), ("text_config.rms_norm_eps", 0.0), ("text_config.rms_norm_eps", 2.0),
+                 ("vision_config.patch_size", 0), ("vision_config.image_size", -32), ("vision_config.num_channels", "3"),
+                 ("text_config.vocab_size", 10**12), ("text_config.num_key_value_heads", -4)]
+
+
+@pytest.mark.parametrize("key,value", ABSURD_CONFIG, ids=[f"{k}={v!r}" for k, v in ABSURD_CONFIG])
+def test_absurd_number_in_a_config_json_is_refused_by_file_and_key(capsys, hf, tmp_path, key, value):
+    src = copy_tree(hf, tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    section, name = key.split(".")
+    config[section][name] = value
+    (src / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "mcore", "--to", "mcore")
+    one_line_error(code, out, err, "config.json", key)
+    assert not (tmp_path / "mcore").exists()
 
 
 DISAGREEMENTS = [("dim", 48), ("n_layers", 3), ("norm_eps", 1e-6), ("rope_theta", 1e6), ("vocab_size", 98),
@@ -603,7 +624,6 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
 # 9. the vocabulary divisor: bounded where typed, and the recorded one is what Megatron's class is
 #    built with
 
-from tests.test_faults_recorded import VOCAB, converted, hf  # noqa: E402,F401  (LLaVA on CLIP, fixtures)
 
 
 @pytest.mark.parametrize("divisor", [10**6, 2**17, 131_000])

@@ -71,6 +71,15 @@ _WIDTH = re.compile(r"^(.*_)?(hidden_size|intermediate_size|embed_dim|hidden_dim
 # Ceilings beyond any model these encoders describe, whatever the checkpoint holds.
 MAX_LAYERS = 10_000
 MAX_WIDTH = 2**20
+MAX_VOCAB = 2**24  # sixty times the largest vocabulary released (262k)
+# Sizes that are counts of one or more in every model (a layer count, or a secondary width such as
+# a shared expert's, may be 0; other configs use some of these names for flags or lists, so only
+# these are held to being counts); and the norms' epsilons, small positive numbers.
+_COUNTS = re.compile(r"^(hidden_size|num_attention_heads|num_key_value_heads|num_heads|patch_size|image_size|"
+                     r"vocab_size|num_channels|embed_dim|intermediate_size|num_hidden_layers)$")
+_NONZERO = re.compile(r"^(hidden_size|num_attention_heads|num_heads|patch_size|image_size|vocab_size|num_channels|"
+                      r"embed_dim)$")
+_EPSILON = re.compile(r"^(.*_)?(rms_norm|layer_norm|norm|ln)_eps(ilon)?$")
 
 
 def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
@@ -127,9 +136,12 @@ def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.Pa
     reaches. A `depth` of 1e9 would otherwise build a billion modules and rules (tens of GB) before
     a shape was ever compared. ``capacity``: `checkpoint_capacity` as already read (``check
     --low-memory`` reads the headers without mapping the files)."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    problems = _kind_problems(data)
+    if problems:
+        raise CheckpointError(f"{config_path}: {'; '.join(problems[:4])} (correct the config)")
     tensors, elements = capacity if capacity is not None else checkpoint_capacity(checkpoint)
-    problems = []
-    for key, value in _int_fields(config.to_dict() if hasattr(config, "to_dict") else dict(config)):
+    for key, value in _int_fields(data):
         name = key.rsplit(".", 1)[-1]
         if _LAYER_COUNT.match(name) and (value > tensors or value > MAX_LAYERS):
             problems.append(f"{key} = {value}, but the checkpoint holds {tensors} tensors" if value > tensors
@@ -137,9 +149,40 @@ def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.Pa
         elif _WIDTH.match(name) and (value > elements or value > MAX_WIDTH):
             problems.append(f"{key} = {value}, but the checkpoint holds {elements} weights in all" if value > elements
                             else f"{key} = {value} is beyond the width {MAX_WIDTH} mmparity accepts")
+        elif name == "vocab_size" and (value > elements or value > MAX_VOCAB):
+            problems.append(f"{key} = {value}, but the checkpoint holds {elements} weights in all" if value > elements
+                            else f"{key} = {value} is beyond the vocabulary of {MAX_VOCAB} mmparity accepts")
     if problems:
         raise CheckpointError(f"{config_path}: sizes the weights cannot back: {'; '.join(problems[:4])} "
                               "(a config from another model?)")
+
+
+def _kind_problems(data: dict, prefix: str = "") -> list[str]:
+    """Sizes that are not counts (a boolean, a fraction, a negative number; zero where no model has
+    none) and epsilons that are not small positive numbers, by key path: each would build a model
+    of no meaning, or be published as it is."""
+    problems = []
+    for key, value in data.items():
+        path, name = f"{prefix}{key}", str(key)
+        if isinstance(value, dict):
+            problems += _kind_problems(value, f"{path}.")
+        elif value is None:
+            continue
+        elif _COUNTS.match(name):
+            # A count, or one per axis ("image_size": [h, w]).
+            for item in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(item, bool) or not isinstance(item, int):
+                    problems.append(f"{path} is {json.dumps(value)[:40]}, not a count")
+                    break
+                if item < 0 or (item == 0 and _NONZERO.match(name)):
+                    problems.append(f"{path} is {json.dumps(value)[:40]}, not a size a model has")
+                    break
+        elif (_LAYER_COUNT.match(name) or _WIDTH.match(name)) and isinstance(value, int) and value < 0:
+            problems.append(f"{path} is {value}, not a size a model has")
+        elif _EPSILON.match(name):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                problems.append(f"{path} is {json.dumps(value)[:40]}, not an epsilon (a small positive number)")
+    return problems
 
 
 def _int_fields(data: dict, prefix: str = ""):
