@@ -46,8 +46,8 @@ from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
-    check_checkpoint_version,
     RELEASE,
+    check_checkpoint_version,
     iteration_dirname,
     parse_rank_dirname,
     rank_dirname,

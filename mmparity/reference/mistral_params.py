@@ -191,7 +191,6 @@ def config_from_params(params: dict):
 _COMPARED_TEXT = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "head_dim": "head_dim",
                   "hidden_dim": "intermediate_size", "n_heads": "num_attention_heads",
                   "n_kv_heads": "num_key_value_heads", "norm_eps": "rms_norm_eps", "vocab_size": "vocab_size"}
-_COMPARED_VISION = {k: v for k, v in VISION_FIELDS.items()}
 _MISSING = object()
 
 
@@ -219,7 +218,7 @@ def params_disagreements(params: dict, cfg) -> list[str]:
     encoder = params.get("vision_encoder")
     if isinstance(encoder, dict) and vision is not None:
         pairs += [(f"vision_encoder.{k}", encoder.get(k), getattr(vision, attr, _MISSING))
-                  for k, attr in _COMPARED_VISION.items()]
+                  for k, attr in VISION_FIELDS.items()]
         pairs.append(("vision_encoder.rope_theta", encoder.get("rope_theta"), rope_theta(vision)))
         pairs.append(("vision_encoder.spatial_merge_size", encoder.get("spatial_merge_size"),
                       getattr(cfg, "spatial_merge_size", _MISSING)))
