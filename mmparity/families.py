@@ -276,7 +276,10 @@ class Family:
             if exc.taken > len(names) - len(unknown):
                 raise
             saved = None
-        if saved is not None and len(_not_taken(saved, names)) < len(unknown):
+        # Taken when it reads what the family's tables do not: every key, where a table refused
+        # these files outright (its reason, an ambiguity say, is the better one otherwise).
+        left = _not_taken(saved, names) if saved is not None else names
+        if not left or (refusal is None and len(left) < len(unknown)):
             return saved
         if refusal is not None:
             raise refusal
@@ -352,16 +355,18 @@ def _shapes_of(keys):
 
 
 def _not_taken(table, names: list) -> list:
-    """The names ``table`` neither converts (under the one prefix it finds) nor drops."""
+    """The names ``table`` neither converts (under the one prefix it finds, as ``detect_prefix``
+    finds it) nor drops: none, when the table is the checkpoint's layout."""
     import re
 
-    from mmparity.converters.rules import ConversionError, detect_prefix, expected_keys
+    from mmparity.converters.rules import expected_keys
 
-    try:
-        prefix = detect_prefix(table, names)
-    except ConversionError:
+    expected = set(expected_keys(table)[0])  # expanded once: a release has tens of thousands
+    hits = {p: sum(1 for k in names if k.startswith(p) and k[len(p):] in expected) for p in table.hf_prefixes}
+    found = [p for p, n in hits.items() if n]
+    if len(found) != 1:
         return names
-    expected = set(expected_keys(table)[0])
+    prefix = found[0]
     left = [k for k in names if not (k.startswith(prefix) and k[len(prefix):] in expected)]
     drops = [re.compile(p) for p in table.drop_hf]
     return [k for k in left if not any(d.match(k) for d in drops)]

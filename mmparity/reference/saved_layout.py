@@ -38,7 +38,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from mmparity.converters import rules as R
-from mmparity.converters.ops import Concat, Identity, LayoutError, Op, Unstack, _own
+from mmparity.converters.ops import Concat, Identity, LayoutError, Op, Unstack
 
 FORMAT = "transformers"
 
@@ -210,6 +210,19 @@ def _natural(keys: Iterable[str]) -> list[str]:
     from transformers.core_model_loading import dot_natural_key
 
     return sorted(keys, key=dot_natural_key)
+
+
+def _unshared(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``t`` owning exactly its bytes and none of ``inputs``': a converter may hand a tensor
+    through, or views of one tensor as several outputs, and checkpoint writers refuse tensors that
+    share memory (what every layout op promises, ``converters.ops``)."""
+    if not t.numel():
+        return t.clone()
+    storage = t.untyped_storage()
+    if (storage.nbytes() != t.numel() * t.element_size() or not t.is_contiguous()
+            or any(x.numel() and x.untyped_storage().data_ptr() == storage.data_ptr() for x in inputs)):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _meta(t) -> torch.Tensor:
@@ -389,7 +402,7 @@ class Through(Op):
         out = []
         for step in self.steps:
             out += step.op.apply([module[k] for k in step.module])
-        return [_own(t, hf) for t in out]
+        return [_unshared(t, hf) for t in out]
 
     def invert(self, mcore):
         module: dict = {}
@@ -409,7 +422,7 @@ class Through(Op):
             except KeyError as exc:
                 raise LayoutError(f"transformers' {_ops(run.template)} writes {', '.join(sorted(back)[:3])}, "
                                   f"not {exc.args[0]}") from None
-        return [_own(t, mcore) for t in out]
+        return [_unshared(t, mcore) for t in out]
 
     def at_tp(self, tp: int, vocab_multiple: int) -> Op:
         steps = tuple(_Step(s.op.at_tp(tp, vocab_multiple), s.module, s.n_mcore) for s in self.steps)
