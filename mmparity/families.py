@@ -186,9 +186,11 @@ class Family:
                 raise FamilyError(f"family {self.name!r}: mmparity.converters.{self.name}.SPEC is "
                                   f"{type(spec).__name__}, not ConverterSpec")
         tables = spec.rule_set
-        return dataclasses.replace(spec, formats=spec.formats + (TRANSFORMERS_LAYOUT,),
-                                   rule_set=lambda cfg, fmt: (self._transformers_rules(cfg) if fmt == TRANSFORMERS_LAYOUT
-                                                              else tables(cfg, fmt)))
+
+        def rule_set(cfg, fmt):
+            return self._transformers_rules(cfg) if fmt == TRANSFORMERS_LAYOUT else tables(cfg, fmt)
+
+        return dataclasses.replace(spec, formats=spec.formats + (TRANSFORMERS_LAYOUT,), rule_set=rule_set)
 
     def tiny_config(self):
         """The family's built-in HF config: tiny, with deliberately awkward sizes."""
@@ -268,13 +270,13 @@ class Family:
 
         try:
             saved = self._transformers_rules(cfg, stored if stored is not None else names, identity=False)
-        except NoMapping:
-            saved = None
         except Unreadable as exc:
             # transformers' mapping places more of these files than the family's tables take,
             # and its own reading of them fails: that is the reason to give.
             if exc.taken > len(names) - len(unknown):
                 raise
+            saved = None
+        except (NoMapping, ConversionError):  # its mapping does not apply to this model here
             saved = None
         # Taken when it reads what the family's tables do not: every key, where a table refused
         # these files outright (its reason, an ambiguity say, is the better one otherwise).
@@ -462,7 +464,8 @@ _REGISTRY: dict[str, Family] = {
                         "(vision_model, vision_projection, language_model with MoE layers); module "
                         "names, the release layout (language_model.model.layers.N, one tensor per "
                         "expert) or what transformers' save_pretrained writes (blocks.N, read through "
-                        "its conversion mapping); experts as TEGroupedMLP names them; MTP layers dropped and reported",
+                        "its conversion mapping); experts as TEGroupedMLP names them; MTP layers "
+                        "dropped and reported",
         takes_whole=(Takes(architecture="Kimi_K25ForConditionalGeneration", text_model_type="deepseek_v3"),
                      Takes(model_type="kimi_k25", text_model_type="deepseek_v3")),
         with_language=True,

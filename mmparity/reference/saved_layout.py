@@ -55,6 +55,11 @@ class Unreadable(R.ConversionError):
         self.taken = taken
 
 
+class MappingFailed(R.ConversionError):
+    """Running transformers' conversion machinery itself failed (an API this reads changed, say):
+    not a statement about the files."""
+
+
 class NoMapping(Exception):
     """transformers has nothing to say about how this model is saved: no model class for the
     config, or no conversion mapping that renames anything (the stored names are the module names)."""
@@ -245,9 +250,11 @@ class _Decoded:
         return [f"transformers' {ops} on {_few(keys)}: {reason}" for (ops, reason), keys in alike.items()]
 
 
-def decode(holder: _Model, stored: Mapping[str, object]) -> _Decoded:
+def decode(holder: _Model, stored: Mapping[str, object], left_out=lambda name: False) -> _Decoded:
     """``from_pretrained``'s reading of stored keys (key -> anything with ``shape`` and ``dtype``):
-    which module tensors each gives, through which converter, checked on meta tensors."""
+    which module tensors each gives, through which converter, checked on meta tensors. A
+    converter whose first target is ``left_out`` (a part the table does not convert) is not run:
+    its keys come back in ``unmatched`` under that name."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     transforms = holder.forward_transforms()
@@ -281,6 +288,9 @@ def decode(holder: _Model, stored: Mapping[str, object]) -> _Decoded:
                             f"{tuple(state[name].shape)} in {model}")
         groups.append(_Group((key,), (name,)))
     for first, inputs in collected.items():
+        if left_out(first):
+            unmatched.update((key, first) for key, _ in inputs)
+            continue
         template = copy.deepcopy(by_pattern[inputs[0][1]])
         run = _Run(template, first, tuple(inputs), {}, holder)
         keys = [k for k, _ in inputs]
@@ -448,7 +458,7 @@ def _per_pattern(group: _Group) -> list[list[str]] | None:
         if pattern not in per:
             return None
         per[pattern].append(key)
-    return [_natural(keys) for keys in per.values()]
+    return list(per.values())  # collected in natural order already
 
 
 def _stacked_experts(group: _Group):
@@ -502,6 +512,16 @@ def rule_set(table: R.RuleSet, cfg, stored: Mapping | Iterable[str] | None = Non
     Raises :class:`NoMapping` when transformers has nothing that renames this model's tensors, and
     a ``ConversionError`` naming what transformers' own mapping did when it cannot read the
     stored tensors (or, without ``stored``, read back what it would write)."""
+    try:
+        return _rule_set(table, cfg, stored)
+    except (NoMapping, R.ConversionError):
+        raise
+    except Exception as exc:  # transformers' machinery, not the files: say so in one line
+        raise MappingFailed("transformers' conversion mapping could not be run here",
+                            [f"{type(exc).__name__}: {_first_line(exc)}"]) from None
+
+
+def _rule_set(table: R.RuleSet, cfg, stored) -> R.RuleSet:
     holder = _model(cfg)
     if not holder.reverse_transforms():
         raise NoMapping(f"transformers saves {_class_name(holder)} under its module names")
@@ -536,13 +556,13 @@ def _reading(holder: _Model, table: R.RuleSet, written: list, written_shapes: di
         if unknown:
             raise R.ConversionError("reading stored names through transformers' mapping needs their shapes",
                                     [f"no shape for {k}" for k in unknown[:_SHOWN]])
-    read = decode(holder, shapes)
+    dropped = [re.compile(p) for p in table.drop_hf]
+    read = decode(holder, shapes, left_out=lambda name: any(d.match(name) for d in dropped))
     # What to do instead: the module names are a layout every family's own table reads.
     title = (f"transformers' from_pretrained would not read back what its save_pretrained writes for this "
              f"{_class_name(holder)} (export its module names instead: --hf-format hf)" if read_back else
              f"transformers' own from_pretrained of {_class_name(holder)} fails on these tensors (save the "
              "model with save_pretrained(save_original_format=False), its module names, to convert it)")
-    dropped = [re.compile(p) for p in table.drop_hf]
     # A converter that fails on a tensor the table leaves out anyway (the rest of a whole model)
     # costs nothing: those stored keys are dropped with the rest.
     failed_out = [f for f in read.failed if any(d.match(f[0]) for d in dropped)]
