@@ -224,3 +224,39 @@ def test_a_save_transformers_cannot_read_back_is_refused_with_what_its_mapping_d
                "--hf-format", "transformers", "--quiet") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--hf-format hf" in err and "self_wqkv" in err
+
+
+def _missing_expert(state):
+    del state["language_model.model.blocks.1.mlp.experts.3.gate_proj.weight"]
+    return "no language_model.model.blocks.1.mlp.experts.3.gate_proj.weight"
+
+
+def _short_wqkv(state):
+    state["vision_tower.encoder.blocks.0.wqkv.weight"] = state["vision_tower.encoder.blocks.0.wqkv.weight"][:-4].clone()
+    return "vision_tower.encoder.blocks.0.wqkv.weight is (140, 48), save_pretrained writes (144, 48)"
+
+
+def _wide_norm(state):
+    state["language_model.model.blocks.0.input_layernorm.weight"] = torch.ones(41)
+    return "language_model.model.blocks.0.input_layernorm.weight is (41,)"
+
+
+def _stray(state):
+    state["language_model.model.blocks.0.self_attn.extra.weight"] = torch.ones(3)
+    return "unconsumed source tensor language_model.model.blocks.0.self_attn.extra.weight"
+
+
+@pytest.mark.parametrize("damage", [_missing_expert, _short_wqkv, _wide_norm, _stray],
+                         ids=["missing_expert", "short_wqkv", "wide_norm", "stray"])
+def test_a_damaged_save_is_one_line_naming_the_directory_and_what_differs(damage, saved, tmp_path, capsys):
+    _, cfg, _, src = saved["kimi_k25_vl"]
+    state = load_safetensors_state_dict(src)
+    expected = damage(state)
+    bad = tmp_path / "bad"
+    save_safetensors_checkpoint(bad, state, extra_files={"config.json": cfg.to_json_string()})
+    capsys.readouterr()
+    assert run("convert", "--src", bad, "--dst", tmp_path / "out", "--to", "mcore", "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert str(bad) in err and expected in err, err
+    assert not (tmp_path / "out").exists()

@@ -559,10 +559,17 @@ def _reading(holder: _Model, table: R.RuleSet, written: list, written_shapes: di
     dropped = [re.compile(p) for p in table.drop_hf]
     read = decode(holder, shapes, left_out=lambda name: any(d.match(name) for d in dropped))
     # What to do instead: the module names are a layout every family's own table reads.
-    title = (f"transformers' from_pretrained would not read back what its save_pretrained writes for this "
-             f"{_class_name(holder)} (export its module names instead: --hf-format hf)" if read_back else
-             f"transformers' own from_pretrained of {_class_name(holder)} fails on these tensors (save the "
-             "model with save_pretrained(save_original_format=False), its module names, to convert it)")
+    if read_back:
+        title = (f"transformers' from_pretrained would not read back what its save_pretrained writes for "
+                 f"this {_class_name(holder)} (export its module names instead: --hf-format hf)")
+    else:
+        differs = _differences(shapes, written_shapes)
+        title = (f"transformers' own from_pretrained of {_class_name(holder)} fails on these tensors, which "
+                 f"are not what its save_pretrained writes for this config ({'; '.join(differs[:2])})"
+                 if differs else
+                 f"transformers' own from_pretrained of {_class_name(holder)} fails on what its save_pretrained "
+                 "writes for this config (save the model with save_pretrained(save_original_format=False), "
+                 "its module names, to convert it)")
     # A converter that fails on a tensor the table leaves out anyway (the rest of a whole model)
     # costs nothing: those stored keys are dropped with the rest.
     failed_out = [f for f in read.failed if any(d.match(f[0]) for d in dropped)]
@@ -624,6 +631,15 @@ def _reading(holder: _Model, table: R.RuleSet, written: list, written_shapes: di
         note = (f"read through transformers' conversion mapping; {len(differs)} stored name(s) differ from what "
                 f"its save_pretrained writes (e.g. {src} -> {dst}), which an export to HF writes")
     return groups, tuple(drops), note
+
+
+def _differences(stored: Mapping, written: Mapping) -> list[str]:
+    """How stored tensors differ from what save_pretrained writes: the tensors it writes that are
+    missing, and those of another shape (tensors it does not write are the table's business)."""
+    out = [f"no {k}" for k in written if k not in stored]
+    out += [f"{k} is {tuple(stored[k].shape)}, save_pretrained writes {tuple(written[k].shape)}"
+            for k in written if k in stored and tuple(stored[k].shape) != tuple(written[k].shape)]
+    return out
 
 
 def _components(steps: list, of_step) -> list[list[int]]:
