@@ -136,18 +136,38 @@ def test_module_names_layout_converts_and_comes_back(case, saved, tmp_path):
 
 @pytest.mark.parametrize("case", sorted(RELEASES))
 def test_release_layout_converts_and_comes_back(case, saved, tmp_path):
-    family, cfg, model, _ = saved[case]
-    fam = families.get(family)
-    state = {k: v for k, v in model.state_dict().items()}
-    part, _, _ = fam.select_tensors(fam.family_config(cfg), state)
-    release = fam.mcore_to_hf(fam.hf_to_mcore(part, fam.family_config(cfg), hf_format="hf"), fam.family_config(cfg),
-                              hf_format=RELEASES[case])
+    family, cfg, _, _ = saved[case]
+    _, _, release = release_state(case, saved)
     src = tmp_path / "release"
     save_safetensors_checkpoint(src, release, max_shard_size="30KB", extra_files={"config.json": cfg.to_json_string()})
     # A Mistral-native release goes out as transformers saves it unless asked (docs/convert.md).
     export = ("--hf-format", "mistral") if RELEASES[case] == "mistral" else ()
     assert_round_trip(family, src, tmp_path, "legacy", *export)
     assert read_manifest(tmp_path / "mcore_legacy").provenance.extra["hf_format"] == RELEASES[case]
+
+
+def release_state(case: str, saved) -> tuple:
+    """(family, family config, the case's model in its release spelling)."""
+    family, cfg, model, _ = saved[case]
+    fam = families.get(family)
+    fcfg = fam.family_config(cfg)
+    part, _, _ = fam.select_tensors(fcfg, dict(model.state_dict()))
+    return family, fcfg, fam.mcore_to_hf(fam.hf_to_mcore(part, fcfg, hf_format="hf"), fcfg, hf_format=RELEASES[case])
+
+
+@pytest.mark.parametrize("case", ["kimi_k25", "kimi_k25_vl", "llava_clip"])
+def test_transformers_mapping_reads_the_releases_it_was_written_for(case, saved):
+    """Kimi-K2.5's release (``wqkv``, ``norm0``, ``mm_projector.proj.N``) and a transformers 4 LLaVA
+    are what transformers' mapping loads: read through it, they give the table's very mcore
+    tensors. The table stays first because export writes the release's spelling back, where
+    transformers' reverse mapping writes its own save's (the table's note says how many differ)."""
+    family, fcfg, release = release_state(case, saved)
+    fam = families.get(family)
+    by_table = fam.hf_to_mcore(release, fcfg, tp_size=2)
+    through = fam.hf_to_mcore(release, fcfg, tp_size=2, hf_format="transformers")
+    for a, b in zip(list(through) + through.side, list(by_table) + by_table.side, strict=True):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert "differ from what its save_pretrained writes" in fam.rule_set(fcfg, "transformers", keys=release).mcore_note
 
 
 @pytest.mark.slow
@@ -162,10 +182,7 @@ def test_every_layout_checks(case, layout, saved, tmp_path):
     elif layout == "release":
         if case not in RELEASES:
             pytest.skip(f"{case}: the release spelling is what transformers saves")
-        fam = families.get(family)
-        fcfg = fam.family_config(cfg)
-        part, _, _ = fam.select_tensors(fcfg, dict(model.state_dict()))
-        release = fam.mcore_to_hf(fam.hf_to_mcore(part, fcfg, hf_format="hf"), fcfg, hf_format=RELEASES[case])
+        _, _, release = release_state(case, saved)
         src = tmp_path / "release"
         save_safetensors_checkpoint(src, release, extra_files={"config.json": cfg.to_json_string()})
     assert run("check", family, "--hf", src, "--quiet") == 0
