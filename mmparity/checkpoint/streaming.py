@@ -347,11 +347,11 @@ def load_family_config(config_path: Path, family: str, where: Path, capacity: tu
     return cfg, raw
 
 
-def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
+def _rule_set(family: str, cfg, hf_format: str | None, keys=None, where: str = "") -> R.RuleSet:
     try:
         return families.get(family).rule_set(cfg, hf_format, keys=keys)
     except R.ConversionError as exc:
-        raise _from_conversion_error(exc) from None
+        raise _from_conversion_error(exc, where) from None
 
 
 def _part_root(rules: R.RuleSet, family: str, part: str) -> str:
@@ -577,7 +577,7 @@ class _HFSource(_Source):
             self.ckpt = quant_io.DequantizingCheckpoint(self.ckpt, scheme, filt.dtype)
             self.quant_record = self.ckpt.record().to_json()
         infos = self.ckpt.infos()
-        self.rules = _rule_set(family, self.cfg, hf_format, keys=list(infos))
+        self.rules = _rule_set(family, self.cfg, hf_format, keys=infos, where=f"{path}: ")
         self.hf_format = self.rules.hf_format
         if part is not None:
             self.part = _part_root(self.rules, family, part)

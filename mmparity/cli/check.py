@@ -104,7 +104,7 @@ def _check_image_sizes(name: str, cfg, sizes) -> None:
         try:
             harness.validate_image_sizes(name, cfg, sizes)
         except harness.InputError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"--image-size: {exc}") from None
 
 
 def _refuse_poisoned(directory: str, poisoned: dict) -> None:
@@ -132,9 +132,16 @@ def _family_config(directory: str, family: str):
         raise UsageError(f"--hf {exc}") from None
     fam = families.get(family)
     try:
-        return fam, fam.family_config(full_cfg)
+        cfg = fam.family_config(full_cfg)
     except ValueError as exc:
         raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
+    from mmparity.parity import harness
+
+    try:
+        harness.refuse_config(family, cfg)
+    except harness.InputError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+    return fam, cfg
 
 
 def _load_hf(directory: str, family: str, hf_format):

@@ -177,6 +177,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         if cfg is None and mclass.default_config is not None:
             cfg = mclass.default_config()
     cfg = cfg if cfg is not None else fam.tiny_config()
+    refuse_config(family, cfg)  # before any model is built or rank started
     torch.manual_seed(seed)
 
     ref = fam.build_reference(cfg)
@@ -198,6 +199,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                      else hooks.cases(cfg, seed, image_sizes))
     except megatron_cases.UnsupportedInput as exc:
         raise InputError(f"{family}: {exc}") from None
+    refuse_case_sizes(family, cfg, raw_cases)
     cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
     component_names = hooks.components if components and runs_native else ()
     if ep != 1:
@@ -609,6 +611,24 @@ def validate_image_sizes(family: str, cfg, sizes) -> None:
     problems = families.get(family).hooks.image_size_problems(cfg, sizes)
     if problems:
         raise InputError(f"family {family!r}: {'; '.join(problems)}")
+
+
+def refuse_config(family: str, cfg) -> None:
+    """:class:`InputError` for what of ``cfg`` the native model cannot reproduce (the family's
+    ``config_problems``): said before anything is built, not by a rank that fails building it."""
+    problems = families.get(family).hooks.config_problems(cfg)
+    if problems:
+        raise InputError(f"{family}: the native model cannot reproduce this config: {'; '.join(problems)}")
+
+
+def refuse_case_sizes(family: str, cfg, cases) -> None:
+    """:class:`InputError` when a case's images are beyond what ``cfg`` allows (the family's
+    ``image_size_problems``): the family's own inputs, where a config takes none of them."""
+    problems = families.get(family).hooks.image_size_problems
+    outside = [p for case in cases if "sizes" in case.data for p in problems(cfg, case.data["sizes"])]
+    if outside:
+        raise InputError(f"{family}: the config takes none of the images this check runs: {outside[0]}"
+                         + (f" (+{len(outside) - 1} more)" if len(outside) > 1 else ""))
 
 
 def _patch(cfg) -> int:
