@@ -17,6 +17,7 @@ from mmparity.families import MISTRAL_NATIVE, ConfigFacts, Detection, detect
 from mmparity.hfconfig import ConfigViewError, config_view, known_model_types
 from mmparity.checkpoint.layout import LEGACY_FILE
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
+from mmparity.checkpoint.fsio.bounded import read_json_file
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.publish import atomic_directory, write_extra_files
@@ -161,14 +162,7 @@ MAX_CONFIG_BYTES = 2**24
 
 
 def _read_json_object(path: Path) -> dict:
-    size = require_regular_file(path, "config").st_size
-    if size > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} a config may hold")
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(MAX_CONFIG_BYTES + 1))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: unreadable config ({' '.join(str(exc).split())[:200]})") from None
+    data = read_json_file(path, "config", MAX_CONFIG_BYTES)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object")
     return data

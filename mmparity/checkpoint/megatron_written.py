@@ -104,6 +104,11 @@ def iterations(root: Path) -> list[int | str]:
     return sorted(found, key=lambda i: (isinstance(i, str), i if isinstance(i, int) else 0))
 
 
+# Far above any common state (Megatron-LM's args and its small records); past it the file is not
+# one, and is not read into memory.
+MAX_COMMON_BYTES = 2**30
+
+
 def read_common(iteration_dir: Path) -> dict | None:
     """A torch_dist iteration's ``common.pt`` or ``common_state`` item (megatron-core's non-sharded state: Megatron-LM's
     ``args``, ``iteration``, the optimizer's param groups ...), decoded under the legacy allow-list
@@ -111,8 +116,13 @@ def read_common(iteration_dir: Path) -> dict | None:
 
     path = Path(iteration_dir) / COMMON_FILE
     if os.path.lexists(path):
-        require_regular_file(path, "torch_dist common state")
-        data, where = path.read_bytes(), str(path)
+        size = require_regular_file(path, "torch_dist common state").st_size
+        if size > MAX_COMMON_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_COMMON_BYTES} a common state may hold "
+                                  "(Megatron-LM's args and small records: kilobytes); replace it with the file the "
+                                  "checkpoint was saved with")
+        with open(path, "rb") as f:
+            data, where = f.read(MAX_COMMON_BYTES + 1), str(path)
     else:
         # Newer savers keep it inside the DCP files, as the byte item `common_state/shard_0_1`.
         metadata = torch_dist_files.load_index(iteration_dir)

@@ -4,6 +4,7 @@ Pure torch + safetensors (no megatron, no transformers): everything here works o
 shapes and bytes. Bottom to top:
 
 * `errors`: `CheckpointError`, and how its one-line messages list names;
+* `bounded`: what a decode of checkpoint bytes may hand on (paths and depth a walk of it meets);
 * `faults`: fault points a test can make a writer die or stop at (`MMPARITY_FAULT`);
 * `paths`: what a checkpoint may name (regular files, inside itself; no link as a destination);
 * `dtypes`: dtype names, and which dtypes a conversion accepts for what it reads;
