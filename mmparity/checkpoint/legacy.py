@@ -403,7 +403,8 @@ def model_chunk_keys(payload: Mapping) -> list[str]:
     """`["model"]`, or Megatron-LM's virtual-pipeline chunks `["model0", "model1", ...]` in order."""
     if "model" in payload:
         return ["model"]
-    chunks = sorted((int(k[5:]), k) for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isdigit())
+    chunks = sorted((int(k[5:]), k) for k in payload
+                    if isinstance(k, str) and k.startswith("model") and k[5:].isascii() and k[5:].isdigit())
     return [k for _, k in chunks]
 
 

@@ -31,7 +31,7 @@ from mmparity.checkpoint.legacy import load_rank_payload, open_legacy
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.layout import (LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname,
-                                        read_tracker, resolve_iteration_dir)
+                                        parse_iteration_number, read_tracker, resolve_iteration_dir)
 
 __all__ = ["ModelConfig", "FROM_BASE", "MegatronCheckpoint", "describe", "iterations", "base_files",
            "copy_base_files", "args_parallelism", "read_common"]
@@ -99,7 +99,8 @@ def iterations(root: Path) -> list[int | str]:
     for entry in Path(root).iterdir():
         if entry.name == RELEASE and entry.is_dir():
             found.append(RELEASE)
-        elif entry.name.startswith("iter_") and entry.name[5:].isdigit() and entry.is_dir():
+        elif entry.name.startswith("iter_") and parse_iteration_number(entry.name[5:]) is not None \
+                and entry.is_dir():
             found.append(int(entry.name[5:]))
     return sorted(found, key=lambda i: (isinstance(i, str), i if isinstance(i, int) else 0))
 
@@ -218,7 +219,8 @@ def describe(path: str | os.PathLike, iteration: int | str | None = None) -> Meg
         recorded = args_parallelism(args)
         has_args = args is not None
         sizes = {"tp": ckpt.tp_size, "pp": ckpt.pp_size, "ep": ckpt.ep_size}
-        vpp = len([k for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isdigit()]) or None
+        vpp = len([k for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isascii()
+                   and k[5:].isdigit()]) or None
         for axis in ("tp", "pp", "ep"):
             if axis in recorded and recorded[axis] != sizes[axis]:
                 raise CheckpointError(f"{first}: its args record {axis.upper()} {recorded[axis]}, but the "

@@ -113,7 +113,7 @@ def read_json_file(path, what: str, max_bytes: int):
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
-        return json_value(data, str(path))
+        return json_value(data, f"{path}: unreadable {what}")
     except CheckpointError:
         raise
     except (OSError, ValueError) as exc:
