@@ -230,3 +230,61 @@ def test_zero_patch_size_is_refused_wherever_a_config_is_read(capsys, sources, t
     data["patch_size"] = 0
     config.write_text(json.dumps(data))
     one_line_error(*run_cli(capsys, *argv), config.name, "patch_size")
+
+
+# --------------------------------------------------------------------------------------------------
+# what reached a generic catch-all ("conversion failed: TypeError ...") or escaped as a traceback
+
+
+def _rewrite_rank_file(root: Path, edit) -> None:
+    import io
+
+    import torch
+
+    from mmparity.checkpoint.legacy import load_rank_payload
+
+    path = next(root.glob("iter_*/mp_rank_00*/model_optim_rng.pt"))
+    payload = load_rank_payload(path)
+    edit(payload)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    path.write_bytes(buffer.getvalue())
+
+
+RANK_FILE_EDITS = {
+    "a model key that is no name": lambda p: p["model"].__setitem__(5, p["model"][sorted(p["model"])[1]]),
+    "checkpoint_version NaN": lambda p: p.__setitem__("checkpoint_version", float("nan")),
+    "checkpoint_version as text": lambda p: p.__setitem__("checkpoint_version", "3.0"),
+    "checkpoint_version True": lambda p: p.__setitem__("checkpoint_version", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RANK_FILE_EDITS))
+def test_rank_file_entries_of_the_wrong_kind(capsys, sources, tmp_path, case):
+    root = copy_tree(sources["legacy"], tmp_path / "ckpt")
+    _rewrite_rank_file(root, RANK_FILE_EDITS[case])
+    code, out, err = run_cli(capsys, "convert", "--src", root, "--dst", tmp_path / "out", "--to", "hf")
+    line = one_line_error(code, out, err, "model_optim_rng.pt")
+    assert "conversion failed" not in line, line
+
+
+def test_a_manifest_naming_an_unknown_family(capsys, sources, tmp_path):
+    root = copy_tree(sources["legacy"], tmp_path / "ckpt")
+    manifest = json.loads((root / "mmparity.json").read_text())
+    manifest["family"] = "no_such_family"
+    (root / "mmparity.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli(capsys, "convert", "--src", root, "--dst", tmp_path / "out", "--to", "hf")
+    one_line_error(code, out, err, "mmparity.json", "no_such_family", "--family")
+
+
+def test_check_hf_with_a_weight_of_another_shape(capsys, sources, tmp_path):
+    """Same element count, another shape: was a traceback from load_state_dict."""
+    from safetensors.torch import load_file, save_file
+
+    src = copy_tree(sources["hf"], tmp_path / "hf")
+    state = load_file(src / "model.safetensors")
+    key = next(k for k, v in sorted(state.items()) if v.dim() == 1)
+    state[key] = state[key].unsqueeze(0)
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_cli(capsys, "check", "pixtral", "--hf", src, "--no-components", "--quiet")
+    one_line_error(code, out, err, str(src), key, "shape")

@@ -424,13 +424,18 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
                                   "was expected")
         raise CheckpointError(f"{path}: no {chunk!r} entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
     version = payload.get("checkpoint_version", 0)
-    if not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, (int, float)) or not version >= CHECKPOINT_VERSION:
         # Before 3.0 the fused QKV rows were ordered differently; converting them as 3.0 would be
-        # silently wrong.
-        raise CheckpointError(f"{path}: checkpoint_version {version!r} is older than {CHECKPOINT_VERSION}; not supported")
+        # silently wrong. NaN compares false both ways: it is no version either.
+        raise CheckpointError(f"{path}: checkpoint_version {version!r} is not a version from {CHECKPOINT_VERSION} "
+                              "on (older ones order the fused QKV rows differently); not supported")
     model = payload[chunk]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: {chunk!r} is a {type(model).__name__}, not a state dict")
+    odd = [key for key in model if not isinstance(key, str)]
+    if odd:
+        raise CheckpointError(f"{path}: {chunk!r} has keys that are no tensor names ({', '.join(map(repr, odd[:4]))}); "
+                              "not a model state dict")
     inert = unpickle.inert_values(model)
     if inert:
         raise CheckpointError(f"{path}: {chunk!r} holds objects of Megatron's classes where weights belong "

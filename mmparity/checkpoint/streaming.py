@@ -561,7 +561,10 @@ def _manifest_family(manifest: Manifest | None, family: str | None, where: Path)
     if family is not None and recorded is not None and family != recorded:
         raise ConvertError(f"{where}: holds a {recorded!r} checkpoint, not {family!r} (from its {MANIFEST_FILE})")
     name = family or recorded
-    families.get(name)  # unknown names raise, listing the valid ones
+    try:
+        families.get(name)  # unknown names raise, listing the valid ones
+    except families.UnknownFamilyError as exc:
+        raise ConvertError(f"{where / MANIFEST_FILE}: records {exc}; pass --family" if family is None else str(exc)) from None
     return name
 
 
