@@ -113,8 +113,11 @@ def run(argv: list[str], workers: int, destination: Path) -> int:
                 time.sleep(0.02)
             _stop(procs, running)
     except BaseException:  # interrupted: no rank outlives the command
-        _stop(procs, range(len(procs)))
-        recover_destination(destination, quiet=True)
+        from mmparity.checkpoint.fsio import interrupts
+
+        with interrupts.deferred():  # a second Ctrl-C waits for the ranks to stop and their litter to go
+            _stop(procs, range(len(procs)))
+            recover_destination(destination, quiet=True)
         raise
     if failure is None:
         errs[0].seek(0)

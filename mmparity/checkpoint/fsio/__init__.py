@@ -16,6 +16,7 @@ shapes and bytes. Bottom to top:
 * `pieces`: tensors as views of file mappings, cut and routed without copies;
 * `slots`: writing into files laid out in advance, hashed as it goes;
 * `sources`: sources watched while a conversion reads them;
+* `interrupts`: steps a Ctrl-C must not split (a staging directory made and recorded, removed);
 * `publish`: staging directories and the crash-safe publish;
 * `safetensors_format`, `safetensors_read`, `safetensors_write`: HF's safetensors directories.
 
