@@ -288,3 +288,10 @@ def test_check_hf_with_a_weight_of_another_shape(capsys, sources, tmp_path):
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     code, out, err = run_cli(capsys, "check", "pixtral", "--hf", src, "--no-components", "--quiet")
     one_line_error(code, out, err, str(src), key, "shape")
+
+
+@pytest.mark.parametrize("argv", [["--images", "100000000"], ["--images", "4096", "--image-size", "16384x4096"]])
+def test_bench_images_beyond_any_batch_are_refused_before_allocating(argv):
+    # In a child with bounded memory: without the bound the batch is allocated, and fails to be.
+    code, out, err = run_subprocess("bench", "pixtral", *argv, "--no-parity", memory_limit=8 * 2**30)
+    one_line_error(code, out, err, "--images")
