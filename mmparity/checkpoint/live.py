@@ -275,7 +275,6 @@ def export_hf(model, family: str, cfg, *, base: str | os.PathLike | None = None,
 
     _coords()
     aside_source, rules = _agreed(prepare, "reading the base" if base is not None else "planning")
-    hf_format = aside_source.hf_format if aside_source is not None and hf_format is None else hf_format
     live = LiveLayout(model, rules)
     source: dict[str, torch.Tensor] = dict(live.metas)
     missing_aside = [k for k in R.side_keys(rules) if k not in source]
