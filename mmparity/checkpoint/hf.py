@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from mmparity.families import MISTRAL_NATIVE, ConfigFacts, Detection, detect
-from mmparity.hfconfig import ConfigViewError, config_view, known_model_types
+from mmparity.hfconfig import ConfigViewError, config_view, feature_layer_indices, known_model_types
 from mmparity.checkpoint.layout import LEGACY_FILE
 from mmparity.checkpoint.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
+from mmparity.checkpoint.fsio.bounded import read_json_file
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.publish import atomic_directory, write_extra_files
@@ -185,12 +186,52 @@ def _kind_problems(data: dict, prefix: str = "") -> list[str]:
     return problems
 
 
-def _int_fields(data: dict, prefix: str = ""):
+# Config fields that size or divide something (a width, a head count, a patch, a merge, an expert
+# count, a table): zero or less is no model, and would reach a division or an empty shape deep in a
+# reader or a model build instead of a message naming the field.
+_POSITIVE = re.compile(r"^(.*_)?(hidden_size|intermediate_size|embed_dim|hidden_dim|head_dim|projection_dim|"
+                       r"num_attention_heads|num_key_value_heads|num_heads|num_key_heads|num_value_heads|width|"
+                       r"patch_size|image_size|merge_size|merge_kernel_size|num_channels|in_channels|vocab_size|"
+                       r"max_position_embeddings|num_position_embeddings|pos_emb_height|pos_emb_width|"
+                       r"pos_emb_time|lora_rank|conv_kernel_dim|n_group|topk_group|n_routed_experts|"
+                       r"num_experts|num_local_experts|num_experts_per_tok|image_seq_length)$")
+# Counts that may be zero (no dense leading layers, no shared expert) but never less: a negative one
+# names layer -1 or a negative width.
+_COUNT = re.compile(r"^(first_k_dense_replace|n_shared_experts|num_shared_experts)$")
+
+
+def refuse_unusable_sizes(data, config_path: str | os.PathLike) -> None:
+    """Refuses a config (a config.json mapping, or a config object with ``to_dict``) holding a size
+    of zero or less (:data:`_POSITIVE`), a negative layer count, or a ``vision_feature_layer`` that
+    selects no hidden state of its tower, naming the file and the field."""
+    values = data.to_dict() if hasattr(data, "to_dict") else data
+    for key, value in _int_fields(values, lists=True):
+        name = key.rsplit(".", 1)[-1].split("[", 1)[0]
+        positive = _POSITIVE.match(name) is not None
+        if (positive and value < 1) or ((_LAYER_COUNT.match(name) or _COUNT.match(name)) and value < 0):
+            need = "a positive size" if positive else "a count of at least 0"
+            raise CheckpointError(f"{config_path}: {key} = {value}, but it must be {need} (a damaged or "
+                                  "hand-edited config?); set it to the model's value")
+    if getattr(data, "vision_feature_layer", None) is not None and getattr(data, "vision_config", None) is not None:
+        try:
+            feature_layer_indices(data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{config_path}: {exc}; set vision_feature_layer to a hidden state of the "
+                                  "tower (0 .. its layer count, or negative from the last)") from None
+
+
+def _int_fields(data: dict, prefix: str = "", lists: bool = False):
+    """(dotted key, value) of every int in ``data`` and its sub-mappings (with ``lists``, also
+    each int of a list, as ``key[i]``)."""
     for key, value in data.items():
         if isinstance(value, dict):
-            yield from _int_fields(value, f"{prefix}{key}.")
+            yield from _int_fields(value, f"{prefix}{key}.", lists)
         elif isinstance(value, int) and not isinstance(value, bool):
             yield f"{prefix}{key}", value
+        elif lists and isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, int) and not isinstance(item, bool):
+                    yield f"{prefix}{key}[{index}]", item
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,14 +261,7 @@ def _non_finite(data) -> str | None:
 
 
 def _read_json_object(path: Path) -> dict:
-    size = require_regular_file(path, "config").st_size
-    if size > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} a config may hold")
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(MAX_CONFIG_BYTES + 1))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: unreadable config ({' '.join(str(exc).split())[:200]})") from None
+    data = read_json_file(path, "config", MAX_CONFIG_BYTES)
     bad = _non_finite(data)
     if bad is not None:
         raise CheckpointError(f"{path}: {bad} is not a finite number (NaN and infinities are no JSON, and no "
@@ -254,6 +288,7 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
     if os.path.lexists(config_path):
         require_regular_file(config_path, "config")
         data = _read_json_object(config_path)  # what transformers would read, NaN refused
+        refuse_unusable_sizes(data, config_path)  # before any reader divides by them
         if not for_models and data.get("model_type") in known_model_types():
             try:
                 config = config_view(data)
@@ -268,6 +303,7 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
             except Exception as exc:  # transformers raises several types for a bad config
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        refuse_unusable_sizes(config, config_path)  # the derived fields too (head_dim, ...)
         if config_name == HF_CONFIG and os.path.lexists(params_path):
             _check_params_beside(config, config_path, params_path)
         return config, config_path.read_bytes()
@@ -278,6 +314,7 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
             full = config_from_params(_read_json_object(params_path))
         except (ParamsError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{params_path}: {exc}") from None
+        refuse_unusable_sizes(full, params_path)
         raw = full.to_json_string().encode()
         return (full if for_models else config_view(full.to_dict())), raw
     raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "

@@ -36,6 +36,7 @@ __all__ = [
     "parse_rank_dirname",
     "write_tracker",
     "read_tracker",
+    "parse_iteration_number",
     "resolve_iteration_dir",
     "checkpoint_extent",
 ]
@@ -51,8 +52,22 @@ CHECKPOINT_VERSION = 3.0
 # from the next major one on would be a layout this reader does not know.
 _NEXT_CHECKPOINT_VERSION = 4.0
 
-_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
-_LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
+# ASCII digits only: `\d` alone takes any script's digits, which name some other directory than
+# the one the number they parse to is written as.
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,18})$", re.ASCII)
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$", re.ASCII)
+# What the tracker may hold: an iteration number (Megatron-LM's counter is a 64-bit int) or
+# "release", and a newline; read no further than this.
+MAX_TRACKER_BYTES = 64
+_MAX_ITERATION_DIGITS = 18
+
+
+def parse_iteration_number(text: str) -> int | None:
+    """``text`` as an iteration number: ASCII digits only (``str.isdigit`` also takes '²' and
+    '①', which ``int`` refuses), few enough for Megatron's 64-bit counter; None if it is none."""
+    if not (text.isascii() and text.isdigit() and len(text) <= _MAX_ITERATION_DIGITS):
+        return None
+    return int(text)
 
 
 def check_checkpoint_version(version, where) -> None:
@@ -142,14 +157,17 @@ def read_tracker(root: Path) -> int | str:
     path = Path(root) / TRACKER_FILE
     require_regular_file(path, "tracker file")
     try:
-        text = path.read_text(encoding="utf-8").strip()
+        with open(path, "rb") as f:  # a prefix: a tracker is a few bytes, whatever the file claims
+            data = f.read(MAX_TRACKER_BYTES + 1)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read tracker file ({exc.strerror})") from exc
-    if text == RELEASE:
-        return RELEASE
-    if not text.isdigit():
-        raise CheckpointError(f"{path}: expected an iteration number or {RELEASE!r}, found {text[:40]!r}")
-    return int(text)
+    text = data.decode("utf-8", errors="replace").strip()
+    number = parse_iteration_number(text)
+    if len(data) > MAX_TRACKER_BYTES or (number is None and text != RELEASE):
+        shown = text[:40] + ("..." if len(data) > 40 else "")
+        raise CheckpointError(f"{path}: expected an iteration number or {RELEASE!r}, found {shown!r}; write the "
+                              f"iteration to load into it, or pass --iteration N|{RELEASE}")
+    return RELEASE if number is None else number
 
 
 def resolve_iteration_dir(path: str | os.PathLike, iteration: int | str | None = None) -> tuple[Path, Path, int | str]:

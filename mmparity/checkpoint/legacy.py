@@ -406,7 +406,8 @@ def model_chunk_keys(payload: Mapping) -> list[str]:
     """`["model"]`, or Megatron-LM's virtual-pipeline chunks `["model0", "model1", ...]` in order."""
     if "model" in payload:
         return ["model"]
-    chunks = sorted((int(k[5:]), k) for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isdigit())
+    chunks = sorted((int(k[5:]), k) for k in payload
+                    if isinstance(k, str) and k.startswith("model") and k[5:].isascii() and k[5:].isdigit())
     return [k for _, k in chunks]
 
 
@@ -429,6 +430,10 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     model = payload[chunk]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: {chunk!r} is a {type(model).__name__}, not a state dict")
+    odd = [key for key in model if not isinstance(key, str)]
+    if odd:
+        raise CheckpointError(f"{path}: {chunk!r} has keys that are no tensor names ({', '.join(map(repr, odd[:4]))}); "
+                              "not a model state dict")
     inert = unpickle.inert_values(model)
     if inert:
         raise CheckpointError(f"{path}: {chunk!r} holds objects of Megatron's classes where weights belong "

@@ -15,6 +15,12 @@ table, every HF tensor is produced (or loaded) exactly once; otherwise one
 :class:`~mmparity.converters.rules.ConversionError` lists every offender, raised on every rank
 alike (each rank plans from the same gathered names, so none is left waiting in a collective).
 
+Every collective is preceded by an agreement on problems: what a rank does alone before it (read a
+config, a base, its headers, its own module) is caught, and the ranks exchange an ok flag or the
+failure in the same ``all_gather_object`` that carries their data (or one of its own, before data
+moves), so a rank that fails alone (its own unreadable path, say) makes every rank raise the same
+error at once, never leaves the others waiting in a collective until the process group's timeout.
+
 How ranks are told apart: megatron-core's ``parallel_state`` (TP, PP and EP ranks and sizes). The
 layers each pipeline stage holds and the experts each EP rank holds are read off the model's own
 state-dict keys, gathered once from every rank, so uneven pipelines need no hint.
@@ -38,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmparity import families
+from mmparity import errors, families
 from mmparity.checkpoint.fsio.pieces import narrow_pieces
 from mmparity.checkpoint.streaming import load_family_config, open_source
 from mmparity.converters import ep as ep_mod
@@ -73,6 +79,43 @@ def _coords() -> _Coords:
     return _Coords(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                    ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
                    ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+
+
+def _failure(exc: Exception) -> tuple[str, list[str]]:
+    """What a rank tells the others of its failure: a title and one-line problems."""
+    if isinstance(exc, ConversionError):
+        return exc.title, list(exc.problems)
+    return errors.one_line(exc), []
+
+
+def _raise_agreed(failures: Sequence, what: str, own: Exception | None) -> None:
+    """Raises, on every rank alike, the failure any rank reported (``failures``: per rank, None or
+    what :func:`_failure` made; ``own``: this rank's exception). A failure every rank shares (the
+    same bad directory everywhere) is raised as it is."""
+    failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
+    if not failed:
+        return
+    first = failed[0][1]
+    if len(failed) == len(failures) and all((f[0], tuple(f[1])) == (first[0], tuple(first[1])) for _, f in failed):
+        raise own
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    raise ConversionError(f"{what} failed on rank {ranks} of {len(failures)}",
+                          [f"rank {rank}: {title}" + (f": {p}" if p else "")
+                           for rank, (title, problems) in failed for p in (problems or [""])])
+
+
+def _agreed(step, what: str):
+    """``step()`` on every rank, then agreed (collective): every rank learns whether any failed,
+    and raises the same error if one did; else ``step()``'s value."""
+    value, own = None, None
+    try:
+        value = step()
+    except Exception as exc:
+        own = exc
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, _failure(own) if own is not None else None)
+    _raise_agreed(gathered, what, own)
+    return value
 
 
 def _module(model) -> torch.nn.Module:
@@ -110,15 +153,21 @@ class LiveLayout:
 
     def __init__(self, model, rule_set: R.RuleSet):
         self.coords = c = _coords()
-        module = _module(model)
-        order = [k for step in R.plan_steps(rule_set) for k in step.mcore_keys]
-        self.kinds = {k: kind for step in R.plan_steps(rule_set) for k, kind in zip(step.mcore_keys, step.rule.tp)}
-        self.expert_layout = ep_mod.expert_key_layout(order)
-        self.layout = pp_mod.pipeline_layout([k for k in order if k not in set(R.side_keys(rule_set))])
-        tensors = _local_tensors(module, self.expert_layout)
-        entries = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
+        tensors, entries, own = {}, {}, None
+        try:  # this rank's own part, agreed in the gather below: a rank failing alone stalls none
+            module = _module(model)
+            order = [k for step in R.plan_steps(rule_set) for k in step.mcore_keys]
+            self.kinds = {k: kind for step in R.plan_steps(rule_set) for k, kind in zip(step.mcore_keys, step.rule.tp)}
+            self.expert_layout = ep_mod.expert_key_layout(order)
+            self.layout = pp_mod.pipeline_layout([k for k in order if k not in set(R.side_keys(rule_set))])
+            tensors = _local_tensors(module, self.expert_layout)
+            entries = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
+        except Exception as exc:
+            own = exc
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dataclasses.astuple(c), entries))
+        dist.all_gather_object(gathered, (dataclasses.astuple(c), entries, _failure(own) if own is not None else None))
+        _raise_agreed([failure for _, _, failure in gathered], "reading the live model", own)
+        gathered = [(coords, rank_entries) for coords, rank_entries, _ in gathered]
         self.num_experts = ep_mod.expert_count(order)
         problems: list[str] = []
         # One holder per (TP, PP, EP) coordinate: data-parallel replicas hold the same tensors.
@@ -227,13 +276,15 @@ def export_hf(model, family: str, cfg, *, base: str | os.PathLike | None = None,
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export_hf: dtype={dtype!r} is not a weight dtype; pass one of "
                          f"{', '.join(map(str, EXPORT_DTYPES))}, or None for the model's own")
-    aside_source = None
-    if base is not None:
 
+    def prepare():
         # The base's own layout and prefix, unless asked otherwise: its tensors and ours agree.
-        aside_source = open_source(Path(base), family, hf_format)
-        hf_format = aside_source.hf_format if hf_format is None else hf_format
-    rules = _rule_set(family, cfg, hf_format)
+        aside = open_source(Path(base), family, hf_format) if base is not None else None
+        return aside, _rule_set(family, cfg, aside.hf_format if aside is not None and hf_format is None
+                                else hf_format)
+
+    _coords()
+    aside_source, rules = _agreed(prepare, "reading the base" if base is not None else "planning")
     live = LiveLayout(model, rules)
     source: dict[str, torch.Tensor] = dict(live.metas)
     missing_aside = [k for k in R.side_keys(rules) if k not in source]
@@ -263,8 +314,8 @@ def _stream(plan: R.Plan, live: LiveLayout, aside_source, dtype, device) -> Iter
     own = R.storages(live.local.values())
 
     def whole(key: str) -> torch.Tensor:
-        if key not in live.metas:  # kept aside: read from the base on every rank
-            return aside_source.mcore_tensor(key)
+        if key not in live.metas:  # kept aside: read from the base on every rank, agreed
+            return _agreed(lambda: aside_source.mcore_tensor(key), f"reading {key} from the base")
         meta, kind = live.metas[key], live.kinds.get(key, "replicated")
         owners = live.owners[key]
         cut = tp_mod.split_of(kind).cut_dim(meta.dim()) is not None
@@ -325,11 +376,14 @@ def import_hf(model, hf_dir: str | os.PathLike, family: str | None = None, *, hf
     (collective). The checkpoint is planned from its headers as ``mmparity convert`` plans it (the
     family told from its config unless given), every shape is checked on every rank and the
     problems agreed before any parameter is written: either every tensor of the model is
-    replaced, or none is and one :class:`ConversionError` lists why. Each rank reads the bytes
-    of its shard through the file mapping, not the whole file."""
+    replaced, or none is and one :class:`ConversionError` lists why (the same on every rank,
+    also when one rank alone cannot read the checkpoint). Each rank reads the bytes of its shard
+    through the file mapping, not the whole file; a read failing then (a file cut short since it
+    was planned) is raised on every rank alike, with the model partly loaded."""
 
     c = _coords()
-    source = open_source(Path(hf_dir), family, hf_format, tp=c.tp, vocab_multiple=make_vocab_size_divisible_by)
+    source = _agreed(lambda: open_source(Path(hf_dir), family, hf_format, tp=c.tp,
+                                         vocab_multiple=make_vocab_size_divisible_by), "reading the HF checkpoint")
     live = LiveLayout(model, source.rules)
     problems: list[str] = []
     todo: list[tuple[str, torch.Tensor, list]] = []
@@ -339,7 +393,11 @@ def import_hf(model, hf_dir: str | os.PathLike, family: str | None = None, *, hf
             continue
         shape = tuple(source.metas[key].shape)
         kind = live.kinds.get(key, "replicated")
-        ranges = tp_mod.shard_slices(shape, kind, c.tp, c.tp_rank) if c.tp > 1 else []
+        try:
+            ranges = tp_mod.shard_slices(shape, kind, c.tp, c.tp_rank) if c.tp > 1 else []
+        except (tp_mod.ShardError, ValueError) as exc:
+            problems.append(f"{key} {list(shape)}: {errors.one_line(exc)}")
+            continue
         want = list(shape)
         if ranges:
             want[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
@@ -358,12 +416,16 @@ def import_hf(model, hf_dir: str | os.PathLike, family: str | None = None, *, hf
     if all_problems:
         raise ConversionError(f"{hf_dir} does not fit the live {source.family!r} model",
                               sorted(set(all_problems)))
-    with torch.no_grad():
-        for key, tensor, ranges in todo:
-            pieces = source.mcore_pieces(key)
-            views = [v for dim, start, stop in ranges for v in narrow_pieces(pieces, dim, start, stop)] or pieces
-            tensor.copy_(R.join(views))
-            del pieces, views
+    def copy():
+        with torch.no_grad():
+            for key, tensor, ranges in todo:
+                pieces = source.mcore_pieces(key)
+                views = [v for dim, start, stop in ranges for v in narrow_pieces(pieces, dim, start, stop)] or pieces
+                tensor.copy_(R.join(views))
+                del pieces, views
+
+    # A read failing here (a file cut short since it was planned) is raised on every rank.
+    _agreed(copy, "loading the HF checkpoint")
     return ImportReport(source.family, len(todo), sum(len(keys) for _, keys in gathered),
                         tuple(sorted(k for k in source.metas if k not in held)))
 

@@ -21,6 +21,7 @@ from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.checkpoint.fsio.checksums import TensorChecksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio import shared
+from mmparity.checkpoint.fsio.bounded import check_bounded, json_value
 from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.checkpoint.fsio.publish import write_extra_files
@@ -40,6 +41,9 @@ __all__ = [
 
 MANIFEST_FILE = "mmparity.json"
 MANIFEST_SCHEMA = 1
+# Far above any manifest (about 430 bytes a tensor: 30 MB for a release of 70k tensors); past it the
+# file is no manifest of ours, and is not read into memory.
+MAX_MANIFEST_BYTES = 2**30
 
 LAYOUT_HF = "hf_safetensors"
 LAYOUT_LEGACY = "mcore_legacy"
@@ -254,12 +258,16 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     path = Path(directory) / MANIFEST_FILE
     if not os.path.lexists(path):
         raise CheckpointError(f"{path}: no {MANIFEST_FILE}; this checkpoint was not written by mmparity")
-    require_regular_file(path, "manifest")
+    size = require_regular_file(path, "manifest").st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may hold "
+                              "(about 430 a tensor); not an mmparity manifest: re-create the checkpoint with "
+                              "mmparity convert")
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_MANIFEST_BYTES + 1)
         if not text.lstrip(" \t\n\r").startswith("{"):
-            data = json.loads(text)  # not an object: small, or the decoder's own error
+            data = json_value(text, str(path))  # not an object: small, or the decoder's own error
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
         # A release's manifest is 30 MB of text for 70k records: decoded record by record, never
         # as one tree (see json_members).
@@ -268,11 +276,14 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             if key == "tensors" and isinstance(value, Iterator):
                 records = Manifest.records_from_json(value)
             else:
+                check_bounded(value, f"{path}: {key!r}", len(text))  # kept whole, and walked later
                 data[key] = value
         del text
         if data.get("schema") != MANIFEST_SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {MANIFEST_SCHEMA}")
         manifest = Manifest.from_json(data, records)
+    except CheckpointError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable manifest ({' '.join(str(exc).split())})") from exc
     if not manifest.tensors:

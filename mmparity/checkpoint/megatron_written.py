@@ -31,7 +31,7 @@ from mmparity.checkpoint.legacy import load_rank_payload, open_legacy
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.layout import (LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname,
-                                        read_tracker, resolve_iteration_dir)
+                                        parse_iteration_number, read_tracker, resolve_iteration_dir)
 
 __all__ = ["ModelConfig", "FROM_BASE", "MegatronCheckpoint", "describe", "iterations", "base_files",
            "copy_base_files", "args_parallelism", "read_common"]
@@ -102,9 +102,15 @@ def iterations(root: Path) -> list[int | str]:
     for entry in Path(root).iterdir():
         if entry.name == RELEASE and entry.is_dir():
             found.append(RELEASE)
-        elif entry.name.startswith("iter_") and entry.name[5:].isdigit() and entry.is_dir():
+        elif entry.name.startswith("iter_") and parse_iteration_number(entry.name[5:]) is not None \
+                and entry.is_dir():
             found.append(int(entry.name[5:]))
     return sorted(found, key=lambda i: (isinstance(i, str), i if isinstance(i, int) else 0))
+
+
+# Far above any common state (Megatron-LM's args and its small records); past it the file is not
+# one, and is not read into memory.
+MAX_COMMON_BYTES = 2**30
 
 
 def read_common(iteration_dir: Path) -> dict | None:
@@ -114,8 +120,13 @@ def read_common(iteration_dir: Path) -> dict | None:
 
     path = Path(iteration_dir) / COMMON_FILE
     if os.path.lexists(path):
-        require_regular_file(path, "torch_dist common state")
-        data, where = path.read_bytes(), str(path)
+        size = require_regular_file(path, "torch_dist common state").st_size
+        if size > MAX_COMMON_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_COMMON_BYTES} a common state may hold "
+                                  "(Megatron-LM's args and small records: kilobytes); replace it with the file the "
+                                  "checkpoint was saved with")
+        with open(path, "rb") as f:
+            data, where = f.read(MAX_COMMON_BYTES + 1), str(path)
     else:
         # Newer savers keep it inside the DCP files, as the byte item `common_state/shard_0_1`.
         metadata = torch_dist_files.load_index(iteration_dir)
@@ -211,7 +222,8 @@ def describe(path: str | os.PathLike, iteration: int | str | None = None) -> Meg
         recorded = args_parallelism(args)
         has_args = args is not None
         sizes = {"tp": ckpt.tp_size, "pp": ckpt.pp_size, "ep": ckpt.ep_size}
-        vpp = len([k for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isdigit()]) or None
+        vpp = len([k for k in payload if isinstance(k, str) and k.startswith("model") and k[5:].isascii()
+                   and k[5:].isdigit()]) or None
         for axis in ("tp", "pp", "ep"):
             if axis in recorded and recorded[axis] != sizes[axis]:
                 raise CheckpointError(f"{first}: its args record {axis.upper()} {recorded[axis]}, but the "

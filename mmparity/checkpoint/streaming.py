@@ -650,7 +650,10 @@ def _manifest_family(manifest: Manifest | None, family: str | None, where: Path)
     if family is not None and recorded is not None and family != recorded:
         raise ConvertError(f"{where}: holds a {recorded!r} checkpoint, not {family!r} (from its {MANIFEST_FILE})")
     name = family or recorded
-    families.get(name)  # unknown names raise, listing the valid ones
+    try:
+        families.get(name)  # unknown names raise, listing the valid ones
+    except families.UnknownFamilyError as exc:
+        raise ConvertError(f"{where / MANIFEST_FILE}: records {exc}; pass --family" if family is None else str(exc)) from None
     return name
 
 
@@ -1643,11 +1646,22 @@ def _check_vocab_divisor(source: _Source, tp: int, multiple: int | None) -> None
                                "the model is trained with")
 
 
-def _check_paths(src: Path, dst: Path, force: bool) -> None:
-    a, b = checkpoint_extent(src), dst.resolve()
+def _check_paths(src: Path, dst: Path, force: bool,
+                 inputs: Mapping[str, Path | None] = MappingProxyType({})) -> None:
+    """Refuses a destination that overlaps anything the conversion reads: the source, and the other
+    ``inputs`` (flag -> path: ``--base``'s directory, ``--hf-config``'s file), symlinks resolved.
+    Publishing replaces the destination whole, so a destination inside an input, or holding one,
+    would destroy what the user converts from."""
+    b = dst.resolve()
+    a = checkpoint_extent(src)
     if a == b or a in b.parents or b in a.parents:
         raise ConvertError(f"destination {dst} overlaps the source {src} (which is read from {a}); "
                            "choose a separate directory")
+    for flag, path in inputs.items():
+        a = Path(path).resolve() if path is not None else None
+        if a is not None and (a == b or b in a.parents or (a.is_dir() and a in b.parents)):
+            raise ConvertError(f"--dst {dst} overlaps {flag} {path} (read from {a}), which a conversion never "
+                               "replaces; choose a --dst outside it")
     recover_destination(dst)  # a killed earlier run may have left the old destination aside
     if os.path.lexists(dst) and not force:
         raise ConvertError(f"{dst}: already exists; pass --force to replace it")
@@ -1675,7 +1689,7 @@ def _convert(options: ConvertOptions, progress: Progress | None) -> ConvertResul
         src, dst = Path(options.src), Path(options.dst)
         if not src.exists():
             raise ConvertError(f"{src}: no such file or directory")
-        _check_paths(src, dst, options.force)
+        _check_paths(src, dst, options.force, {"--base": options.base, "--hf-config": options.hf_config})
         target = ckpt_formats.target(options.to, options.format)
         # --hf-format names the HF side: the source's layout when converting from HF to mcore, the
         # output's when writing HF (the source's is then detected, or recorded in its manifest).

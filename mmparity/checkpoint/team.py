@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mmparity import errors, runtime
-from mmparity.checkpoint.fsio import faults
+from mmparity.checkpoint.fsio import faults, interrupts
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.publish import (atomic_directory, discard_staging_directory, make_staging_directory,
                                               publish_staging_directory)
@@ -228,7 +228,9 @@ class _StoreTeam(Team):
         staging = None
         try:
             if self.leader:
-                staging, created = make_staging_directory(destination, force=force)
+                with interrupts.deferred():  # made and recorded as one step (see make_staging_directory)
+                    staging, created = make_staging_directory(destination, force=force)
+                faults.fault_point("staged")
                 if inner is not None:
                     (staging / inner).mkdir()
                 self._store.set("staging/0", str(staging))
@@ -250,9 +252,11 @@ class _StoreTeam(Team):
                 self._wait([0], "published", "waiting for rank 0 to publish")
                 self._store.set(f"done/{self.rank}", "1")
         except BaseException as exc:
-            self._say_failed(exc)
-            if self.leader and staging is not None:
-                discard_staging_directory(staging, created)
+            try:
+                self._say_failed(exc)
+            finally:  # also when a second Ctrl-C cuts the message short
+                if self.leader and staging is not None:
+                    discard_staging_directory(staging, created)
             raise
 
     @contextlib.contextmanager
@@ -275,8 +279,10 @@ class _StoreTeam(Team):
             node_leaders = sorted({min(r for r in nodes if nodes[r] == node) for node in nodes.values()})
             my_leader = min(r for r in nodes if nodes[r] == self._env.node)
             if self.rank == my_leader:
-                staging, created = make_staging_directory(destination, force=force)
-                owned = True
+                with interrupts.deferred():  # made and recorded as one step (see make_staging_directory)
+                    staging, created = make_staging_directory(destination, force=force)
+                    owned = True
+                faults.fault_point("staged")
                 if inner is not None:
                     (staging / inner).mkdir()
                 self._store.set(f"staging/{self.rank}", str(staging))
@@ -317,9 +323,11 @@ class _StoreTeam(Team):
                 self._wait([0], "published", "waiting for rank 0 to publish")
                 self._store.set(f"done/{self.rank}", "1")
         except BaseException as exc:
-            self._say_failed(exc)
-            if owned and not published:
-                discard_staging_directory(staging, created)
+            try:
+                self._say_failed(exc)
+            finally:  # also when a second Ctrl-C cuts the message short
+                if owned and not published:
+                    discard_staging_directory(staging, created)
             raise
 
     def close(self) -> None:

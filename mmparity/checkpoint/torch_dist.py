@@ -55,6 +55,7 @@ from mmparity.checkpoint.manifest import (
     TensorRecord,
     write_mcore_root,
 )
+from mmparity.checkpoint.fsio import faults, interrupts
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.pieces import joined, narrow_pieces
@@ -369,20 +370,22 @@ def save_torch_dist(
 
     announcement: list = [None]
     staging, created = None, []
-    if rank == 0:
-        try:
-            staging, created = make_staging_directory(root, force=force)
-            (staging / iteration_name).mkdir()
-            announcement = [("ok", str(staging))]
-        except Exception as exc:
-            announcement = [("error", str(exc) if isinstance(exc, CheckpointError) else _one_line(exc))]
-    dist.broadcast_object_list(announcement, src=0)
-    status, detail = announcement[0]
-    if status == "error":
-        raise CheckpointError(detail)
-    shared_staging = Path(detail)
-
     try:
+        if rank == 0:
+            try:
+                with interrupts.deferred():  # made and recorded as one step (see make_staging_directory)
+                    staging, created = make_staging_directory(root, force=force)
+                faults.fault_point("staged")
+                (staging / iteration_name).mkdir()
+                announcement = [("ok", str(staging))]
+            except Exception as exc:
+                announcement = [("error", str(exc) if isinstance(exc, CheckpointError) else _one_line(exc))]
+        dist.broadcast_object_list(announcement, src=0)
+        status, detail = announcement[0]
+        if status == "error":
+            raise CheckpointError(detail)
+        shared_staging = Path(detail)
+
         produced, error = None, None
         try:
             produced = sharded_state_dict() if callable(sharded_state_dict) else sharded_state_dict
@@ -438,7 +441,7 @@ def save_torch_dist(
                 error = _one_line(exc)
         _agree(error, "publish")
     except BaseException:
-        if rank == 0:
+        if rank == 0 and staging is not None:
             discard_staging_directory(staging, created)
         raise
     return root

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from mmparity.checkpoint.fsio.bounded import check_bounded
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.torch_archive import TorchArchive
 
@@ -46,7 +47,8 @@ __all__ = [
 
 
 class RefusedPickle(CheckpointError):
-    """A pickle names something outside the allow-list; nothing it names was imported or run."""
+    """A pickle names something outside the allow-list, or decodes to a value no walk of it would
+    finish (``fsio.bounded``); nothing it names was imported or run."""
 
 
 # DCP's `.metadata`: its own dataclasses, torch.Size, dtypes, the memory-format enum and layout
@@ -186,6 +188,20 @@ class RestrictedUnpickler(pickle.Unpickler):
         # Assigned, not defined on the class: the C unpickler reads the hook through its own
         # descriptor, and torch.load installs its storage hook the same way.
         self.persistent_load = self._storage_reference
+        try:  # the pickle's size, which bounds how much walking what it decodes to may cost
+            at = file.tell()
+            self.nbytes = file.seek(0, io.SEEK_END) - at
+            file.seek(at)
+        except (AttributeError, OSError, ValueError):
+            self.nbytes = None
+
+    def load(self):
+        value = super().load()
+        try:
+            check_bounded(value, self.where, self.nbytes)
+        except CheckpointError as exc:
+            raise RefusedPickle(str(exc)) from None
+        return value
 
     def find_class(self, module, name):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -267,7 +283,7 @@ def loads(data: bytes, allowed: Mapping[str, frozenset[str]], where: str, inert:
     """A plain pickle (no tensor storages), decoded under ``allowed`` (and ``inert``, ``substitutes``)."""
     try:
         return RestrictedUnpickler(io.BytesIO(data), allowed, where, inert=inert, substitutes=substitutes).load()
-    except RefusedPickle:
+    except CheckpointError:  # a refused name, or a value no walk could finish
         raise
     except Exception as exc:  # a truncated or malformed pickle raises many types
         raise CheckpointError(f"{where}: not a readable pickle ({type(exc).__name__}: "

@@ -44,6 +44,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="only the summary line")
 
 
+# A benchmarked batch: far above any published batch (tens of images), far below what fails to
+# allocate on a large host.
+MAX_IMAGES = 4096
+MAX_BATCH_PIXELS = 2**32
+
+
 def run(args) -> int:
     quiet_third_party_warnings()
     from mmparity.parity import bench
@@ -51,6 +57,12 @@ def run(args) -> int:
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     if args.images is not None and args.images < 1:
         raise UsageError(f"--images must be >= 1, got {args.images}")
+    if args.images is not None and args.images > MAX_IMAGES:
+        # The batch is made before anything runs: a count like this is an allocation that fails.
+        raise UsageError(f"--images {args.images}: at most {MAX_IMAGES} images a forward; pass fewer")
+    if args.images is not None and sizes and args.images * max(h * w for h, w in sizes) > MAX_BATCH_PIXELS:
+        raise UsageError(f"--images {args.images} of up to {max(h * w for h, w in sizes)} pixels: more than the "
+                         f"{MAX_BATCH_PIXELS} pixels a benchmarked batch may hold; pass fewer or smaller images")
     if args.repeats is not None and args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup is not None and args.warmup < 0:

@@ -296,7 +296,8 @@ def _family_taking(full_cfg) -> str:
 
 def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> None:
     """The check builds real models from `cfg`: refuse, before allocating them, a config that implies
-    more parameters than the checkpoint holds (counted on the meta device, where building is free)."""
+    more parameters than the checkpoint holds, or other shapes than it holds (the reference built on
+    the meta device, where building is free), rather than meet them in ``load_state_dict``."""
     import torch
 
     from mmparity import families
@@ -304,13 +305,21 @@ def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> No
     present = sum(t.numel() for t in tensors.values())
     try:
         with torch.device("meta"):
-            implied = sum(p.numel() for p in families.get(family).build_reference(cfg).parameters())
+            reference = families.get(family).build_reference(cfg)
+            implied = sum(p.numel() for p in reference.parameters())
+            expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     except (RuntimeError, ValueError) as exc:
         raise UsageError(f"--hf {directory}: config.json describes no buildable {family!r} model "
                          f"({' '.join(str(exc).split())[:200]})") from None
     if implied > present:
         raise UsageError(f"--hf {directory}: config.json implies {implied} parameters, the checkpoint holds "
                          f"{present}; config and weights do not belong together")
+    wrong = [f"{k} is {list(t.shape)}, the config implies {list(expected[k])}" for k, t in sorted(tensors.items())
+             if k in expected and tuple(t.shape) != expected[k]]
+    if wrong:
+        raise UsageError(f"--hf {directory}: shape mismatch with its config.json: {'; '.join(wrong[:4])}"
+                         + (f" (+{len(wrong) - 4} more)" if len(wrong) > 4 else "")
+                         + "; config and weights do not belong together")
 
 
 def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:

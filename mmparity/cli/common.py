@@ -80,9 +80,13 @@ def parse_iteration(text: str | None) -> int | str | None:
     """``--iteration``: an iteration number, ``release``, or None (the tracker's)."""
     if text is None or text == "release":
         return text
-    if not text.isdigit():
-        raise UsageError(f"--iteration takes an iteration number or 'release', got {text!r}")
-    return int(text)
+    from mmparity.checkpoint.layout import parse_iteration_number
+
+    number = parse_iteration_number(text)
+    if number is None:
+        raise UsageError(f"--iteration takes an iteration number (ASCII digits, at most 18) or 'release', "
+                         f"got {text[:40]!r}")
+    return number
 
 
 def parse_image_size(text: str) -> tuple[int, int]:

@@ -194,6 +194,10 @@ def run(args) -> int:
     if args.workers > 1 and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         from mmparity.cli import workers
 
+        if args.workers > workers.max_workers():
+            raise UsageError(f"--workers {args.workers}: at most {workers.max_workers()} here (2 per CPU this "
+                             "process may use, at least 8: each worker is a process of its own, and more only "
+                             "queue); pass a smaller --workers")
         return workers.run(workers.without_workers(args.argv), args.workers, options.dst)
     team = _join_team(args.workers)
     try:

@@ -88,14 +88,22 @@ def _terminating_signals_interrupt():
         yield
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # the program, interrupted: see main
+                signal.signal(signum, handler)
 
 
 def main(argv=None) -> int:
+    """The CLI. Called without ``argv`` it is the program itself (``python -m mmparity``, the
+    ``mmparity`` script): once an interrupt has been handled (everything cleaned up on its way
+    here), the process only exits, and further interrupts are ignored rather than cut that short
+    with a traceback. Called with ``argv`` (embedded, tests) the handlers stay as they were."""
     with _terminating_signals_interrupt():
         try:
             return _main(argv)
         except KeyboardInterrupt as exc:  # also while parsing and importing
+            if argv is None:
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(signum, signal.SIG_IGN)
             return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
 
 

@@ -19,6 +19,28 @@ _GRACE_S = 10.0  # how long a stopped rank gets to clean up before SIGKILL
 _SAME_FAILURE_S = 1.0
 
 
+def max_workers() -> int:
+    """The most ``--workers`` this machine takes: each is an interpreter with torch imported
+    (hundreds of MB) and its own buffers, and past the CPUs this process may use they only queue.
+    Two per CPU leaves room for ranks waiting on the disk; never fewer than 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(8, 2 * cpus)
+
+
+def signal_name(number: int) -> str:
+    """``SIGTERM``, ``SIGRTMIN+3`` (real-time signals have no name of their own), or ``signal 99``."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        low, high = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
+        if low is not None and high is not None and low <= number <= high:
+            return f"SIGRTMIN+{number - low}"
+        return f"signal {number}"
+
+
 def without_workers(argv: list[str]) -> list[str]:
     """``argv`` with its ``--workers N`` (or ``--workers=N``) removed: each rank's own command."""
     out, skip = [], False
@@ -91,8 +113,11 @@ def run(argv: list[str], workers: int, destination: Path) -> int:
                 time.sleep(0.02)
             _stop(procs, running)
     except BaseException:  # interrupted: no rank outlives the command
-        _stop(procs, range(len(procs)))
-        recover_destination(destination, quiet=True)
+        from mmparity.checkpoint.fsio import interrupts
+
+        with interrupts.deferred():  # a second Ctrl-C waits for the ranks to stop and their litter to go
+            _stop(procs, range(len(procs)))
+            recover_destination(destination, quiet=True)
         raise
     if failure is None:
         errs[0].seek(0)
@@ -103,7 +128,7 @@ def run(argv: list[str], workers: int, destination: Path) -> int:
     recover_destination(destination, quiet=True)
     rank, code = failure
     if code < 0:
-        raise UsageError(f"convert --workers {workers}: rank {rank} was killed by {signal.Signals(-code).name}; "
+        raise UsageError(f"convert --workers {workers}: rank {rank} was killed by {signal_name(-code)}; "
                          f"nothing was published ({destination} is as it was)")
     said = [_last_error(stream) for stream in errs]
     if len(set(said)) == 1 and said[0]:  # every rank refused the same thing: it is not about ranks

@@ -626,7 +626,7 @@ def compact_keys(keys: Sequence[str], limit: int = 8) -> str:
     folded: dict = {}
     for key in keys:
         parts = key.split(".")
-        index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        index = next((i for i, p in enumerate(parts) if p.isascii() and p.isdigit()), None)
         if index is None:
             folded.setdefault(key, [])
             continue

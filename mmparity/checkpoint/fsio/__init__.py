@@ -4,6 +4,7 @@ Pure torch + safetensors (no megatron, no transformers): everything here works o
 shapes and bytes. Bottom to top:
 
 * `errors`: `CheckpointError`, and how its one-line messages list names;
+* `bounded`: what a decode of checkpoint bytes may hand on (paths and depth a walk of it meets);
 * `faults`: fault points a test can make a writer die or stop at (`MMPARITY_FAULT`);
 * `paths`: what a checkpoint may name (regular files, inside itself; no link as a destination);
 * `dtypes`: dtype names, and which dtypes a conversion accepts for what it reads;
@@ -15,6 +16,7 @@ shapes and bytes. Bottom to top:
 * `pieces`: tensors as views of file mappings, cut and routed without copies;
 * `slots`: writing into files laid out in advance, hashed as it goes;
 * `sources`: sources watched while a conversion reads them;
+* `interrupts`: steps a Ctrl-C must not split (a staging directory made and recorded, removed);
 * `publish`: staging directories and the crash-safe publish;
 * `safetensors_format`, `safetensors_read`, `safetensors_write`: HF's safetensors directories.
 

@@ -10,7 +10,9 @@ by member, each node is dropped before the next is made.
 
 The grammar is JSON's; values are decoded by the standard decoder (``raw_decode``), so what one
 accepts (numbers, escapes, NaN) the other does too. A key given twice is refused: ``json.loads``
-keeps the last one silently.
+keeps the last one silently. A value nested past the decoder's limit is a ``ValueError`` like any
+other malformed JSON; one nested less deep is decoded, and a caller that keeps it (rather than
+taking typed fields out of it) bounds it with ``bounded.check_bounded``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ __all__ = ["object_members"]
 
 # What JSON allows between tokens (a safetensors header is also padded with it to 8 bytes).
 _SPACE = re.compile(r"[ \t\n\r]*")
-_value_at = json.JSONDecoder().raw_decode
+_raw_decode = json.JSONDecoder().raw_decode
+
+
+def _value_at(text: str, at: int) -> tuple[object, int]:
+    try:
+        return _raw_decode(text, at)
+    except RecursionError:  # the decoder's own limit on nesting, far past any writer's
+        raise ValueError(f"a value nested too deep at character {at}") from None
 
 
 def _skip(text: str, at: int) -> int:

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from mmparity.checkpoint.fsio import faults
+from mmparity.checkpoint.fsio import faults, interrupts
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import refuse_link_destination
 from mmparity.checkpoint.fsio.sources import check_sources_unchanged
@@ -154,7 +154,10 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
 
     Returns the staging path and the parent directories created on the way (so a failed write can
     remove them again). Split out of `atomic_directory` so multi-process writers can create the
-    staging directory on one rank and share its name.
+    staging directory on one rank and share its name. A caller makes the call, and records what it
+    returns where its cleanup finds it, inside ``interrupts.deferred()`` (see `atomic_directory`):
+    an interrupt between the two would leave the directory behind. Nothing here can be
+    interrupted halfway either, and it fails leaving nothing.
     """
     destination = Path(destination).absolute()
     refuse_link_destination(destination)
@@ -174,20 +177,25 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
             remove_created_directories(created)
             raise _unwritable(directory.parent, destination, exc) from None
         created.append(directory)
+    staging = None
     try:
-        try:
-            staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{_owner()}-", dir=destination.parent))
-        except OSError as exc:
-            raise _unwritable(destination.parent, destination, exc) from None
-        fd = _lock(staging)
-        if fd is not None:
-            _STAGING_LOCKS[str(staging)] = fd
-        # mkdtemp creates 0700; a published checkpoint should get the usual permissions.
-        os.chmod(staging, 0o777 & ~_current_umask())
+        with interrupts.deferred():
+            try:
+                staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{_owner()}-",
+                                                dir=destination.parent))
+            except OSError as exc:
+                raise _unwritable(destination.parent, destination, exc) from None
+            fd = _lock(staging)
+            if fd is not None:
+                _STAGING_LOCKS[str(staging)] = fd
+            # mkdtemp creates 0700; a published checkpoint should get the usual permissions.
+            os.chmod(staging, 0o777 & ~_current_umask())
     except BaseException:
-        remove_created_directories(created)
+        if staging is not None:
+            discard_staging_directory(staging, created)
+        else:
+            remove_created_directories(created)
         raise
-    faults.fault_point("staged")
     return staging, created
 
 
@@ -198,10 +206,11 @@ def remove_created_directories(created: list[Path]) -> None:
 
 
 def discard_staging_directory(staging: Path, created: list[Path]) -> None:
-    """Undoes `make_staging_directory` after a failure."""
-    shutil.rmtree(staging, ignore_errors=True)
-    _unlock(staging)
-    remove_created_directories(created)
+    """Undoes `make_staging_directory` after a failure (whole: a second Ctrl-C waits for it)."""
+    with interrupts.deferred():
+        shutil.rmtree(staging, ignore_errors=True)
+        _unlock(staging)
+        remove_created_directories(created)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -277,12 +286,16 @@ def atomic_directory(destination: str | os.PathLike, *, force: bool = False) -> 
     (KeyboardInterrupt included) the staging directory and any parent directories created for it
     are removed, leaving the filesystem as it was.
     """
-    staging, created = make_staging_directory(destination, force=force)
+    staging, created = None, []
     try:
+        with interrupts.deferred():  # made and recorded as one step: an interrupt is raised after both
+            staging, created = make_staging_directory(destination, force=force)
+        faults.fault_point("staged")
         yield staging
         publish_staging_directory(staging, destination, force=force)
     except BaseException:
-        discard_staging_directory(staging, created)
+        if staging is not None:
+            discard_staging_directory(staging, created)
         raise
 
 

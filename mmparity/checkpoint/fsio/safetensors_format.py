@@ -14,6 +14,9 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 SAFETENSORS_SINGLE_FILE = "model.safetensors"
 MISTRAL_CONSOLIDATED_FILE = "consolidated.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+# Far above any index (about 80 bytes a tensor: 6 MB for a release of 70k tensors); past it the
+# file is no index, and is not read into memory.
+MAX_INDEX_BYTES = 2**28
 
 # HF's own default for save_pretrained.
 DEFAULT_MAX_SHARD_SIZE = "5GB"

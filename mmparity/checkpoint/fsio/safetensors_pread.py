@@ -10,17 +10,17 @@ dim-0 range of it) asked for, so what is resident is what the caller holds.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 import torch
 
+from mmparity.checkpoint.fsio.bounded import read_json_file
 from mmparity.checkpoint.fsio.errors import CheckpointError, name_list, one_line
 from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
-from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_DTYPES, SAFETENSORS_INDEX_FILE,
+from mmparity.checkpoint.fsio.safetensors_format import (MAX_INDEX_BYTES, SAFETENSORS_DTYPES, SAFETENSORS_INDEX_FILE,
                                                          SAFETENSORS_SINGLE_FILE, entry_data_offsets)
 from mmparity.checkpoint.fsio.safetensors_read import TensorInfo
 
@@ -72,11 +72,12 @@ class RangeReader:
         return reader
 
     def _open_index(self, index_path: Path) -> None:
+        index = read_json_file(index_path, "index", MAX_INDEX_BYTES)
         try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_path}: unreadable index ({one_line(exc)})") from exc
         by_file: dict[str, set] = {}
         for name, file_name in weight_map.items():

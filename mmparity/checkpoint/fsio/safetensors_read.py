@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import math
 import mmap
 import os
@@ -20,12 +19,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mmparity.checkpoint.fsio.bounded import read_json_file
 from mmparity.checkpoint.fsio.errors import MAX_NAMES_IN_MESSAGE, CheckpointError, name_list, one_line
 from mmparity.checkpoint.fsio.json_members import object_members
 from mmparity.checkpoint.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.checkpoint.fsio.pieces import FileRanges, mapping_address
 from mmparity.checkpoint.fsio import shared
-from mmparity.checkpoint.fsio.safetensors_format import (MISTRAL_CONSOLIDATED_FILE, SAFETENSORS_DTYPES,
+from mmparity.checkpoint.fsio.safetensors_format import (MAX_INDEX_BYTES, MISTRAL_CONSOLIDATED_FILE, SAFETENSORS_DTYPES,
                                                          SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE,
                                                          entry_data_offsets)
 
@@ -136,14 +136,12 @@ class SafetensorsCheckpoint:
         self._infos = _header_infos(handle, path, path.name)
 
     def _open_sharded(self, index_path: Path) -> None:
-        require_regular_file(index_path, "index")
+        index = read_json_file(index_path, "index", MAX_INDEX_BYTES)
         try:
-            with open(index_path, encoding="utf-8") as f:
-                index = json.load(f)
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_path}: unreadable index ({one_line(exc)})") from exc
         self.index_metadata = dict(index.get("metadata") or {})
 
