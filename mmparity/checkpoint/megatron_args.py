@@ -38,7 +38,7 @@ from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.converters import ep as ep_mod
 from mmparity.converters import pp as pp_mod
 
-__all__ = ["ARGS_KEY", "checkpoint_args", "content_metadata", "read_legacy_args"]
+__all__ = ["ARGS_KEY", "args_parallelism", "checkpoint_args", "content_metadata", "read_legacy_args"]
 
 ARGS_KEY = "args"
 # The embedding table whose rows are Megatron's padded vocabulary (``padded_vocab_size``).
@@ -102,11 +102,12 @@ def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: st
 
 def read_legacy_args(path: str | os.PathLike) -> argparse.Namespace | None:
     """The ``args`` of one legacy rank file (None when it has none), decoded by the allow-list
-    unpickler; tensors are mapped, not read."""
+    unpickler, Megatron's own classes in it (its enums) as inert records; tensors are mapped, not
+    read."""
     import torch
 
     path = Path(path)
-    restricted = unpickle.torch_pickle_module(unpickle.LEGACY_NAMES, str(path))
+    restricted = unpickle.torch_pickle_module(unpickle.LEGACY_NAMES, str(path), unpickle.MEGATRON_INERT_MODULES)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=restricted)
     except CheckpointError:
@@ -117,3 +118,18 @@ def read_legacy_args(path: str | os.PathLike) -> argparse.Namespace | None:
     if args is not None and not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{path}: 'args' is a {type(args).__name__}, not an argparse.Namespace")
     return args
+
+
+def _int_arg(args, name: str) -> int | None:
+    value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def args_parallelism(args) -> dict[str, int]:
+    """The TP / PP / EP / virtual-PP sizes Megatron-LM's ``args`` records (those it records)."""
+    if args is None:
+        return {}
+    sizes = {"tp": _int_arg(args, "tensor_model_parallel_size"), "pp": _int_arg(args, "pipeline_model_parallel_size"),
+             "ep": _int_arg(args, "expert_model_parallel_size"),
+             "vpp": _int_arg(args, "virtual_pipeline_model_parallel_size")}
+    return {k: v for k, v in sizes.items() if v is not None}

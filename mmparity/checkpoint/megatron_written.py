@@ -28,6 +28,7 @@ import torch
 from mmparity.checkpoint import unpickle
 from mmparity.checkpoint import torch_dist_files
 from mmparity.checkpoint.legacy import load_rank_payload, open_legacy
+from mmparity.checkpoint.megatron_args import args_parallelism
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.layout import (LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname,
@@ -127,20 +128,6 @@ def read_common(iteration_dir: Path) -> dict | None:
     if not isinstance(common, dict):
         raise CheckpointError(f"{where}: expected a dict, found {type(common).__name__}")
     return common
-
-
-def _arg(args, name: str):
-    value = getattr(args, name, None) if args is not None and not isinstance(args, dict) else (
-        args.get(name) if isinstance(args, dict) else None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def args_parallelism(args) -> dict[str, int]:
-    """The TP / PP / EP / virtual-PP sizes Megatron-LM's ``args`` records (those it records)."""
-    sizes = {"tp": _arg(args, "tensor_model_parallel_size"), "pp": _arg(args, "pipeline_model_parallel_size"),
-             "ep": _arg(args, "expert_model_parallel_size"),
-             "vpp": _arg(args, "virtual_pipeline_model_parallel_size")}
-    return {k: v for k, v in sizes.items() if v is not None}
 
 
 @dataclasses.dataclass
