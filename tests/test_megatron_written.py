@@ -134,20 +134,6 @@ def cpu_stand_ins():
         torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
-def _tp_replicas(sharded: dict, tp_rank: int) -> None:
-    """Tensors whole on every TP rank must say which replica each rank holds. The CPU stand-ins
-    for TE's duplicated linears (MLA's q/kv down-projections) give replica 0 on every rank, which
-    DCP's save refuses as an invalid access pattern; with TE each rank names its own (harness
-    only)."""
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-
-    for value in sharded.values():
-        whole = (isinstance(value, ShardedTensor) and tuple(value.local_shape) == tuple(value.global_shape)) or (
-            isinstance(value, ShardedObject) and all(n == 1 for n in value.global_shape))
-        if whole and value.replica_id in (0, (0, 0, 0)):
-            value.replica_id = (0, tp_rank, 0)
-
-
 def _replicated(key: str, tensor: torch.Tensor, tp_rank: int):
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -189,8 +175,6 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
     else:
         trained_global = open_legacy(trained_tp1).load_rank(0)
         sharded = megatron_load.sharded_state_dict(model)
-        if tp_rank:
-            _tp_replicas(sharded, tp_rank)
         for key in beside:
             sharded[key] = _replicated(key, trained_global[key], tp_rank)
         optimizer = cpu_fp32_optimizer(model)

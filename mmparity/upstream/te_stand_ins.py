@@ -176,6 +176,12 @@ class TELinear(MegatronModule):
         _refuse_unmodelled(config)
         self.parallel_mode = None  # TE's wrapper records "duplicated" as no parallel mode
         self.skip_bias_add = skip_bias_add
+        # A duplicated weight is built without a TP group, but TE's wrapper still keeps the default
+        # one: each TP rank's copy is then a replica of its own (replica id (0, tp rank, dp rank)),
+        # which a sharded save or load needs to find exactly one main copy.
+        from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+        self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
         if config.perform_initialization:
             init_method(self.weight)
@@ -198,12 +204,13 @@ class TELinear(MegatronModule):
         return F.linear(x, self.weight, self.bias), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Replicated over TP and DP, as TE's wrapper gives it."""
+        """Replicated over TP and DP, as TE's wrapper gives it: one replica per TP and DP rank."""
         from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
                                                      make_sharded_tensors_for_checkpoint)
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
-                                                   sharded_offsets, dp_cp_group=metadata["dp_cp_group"])
+                                                   sharded_offsets, tp_group=self._tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 class _GroupedLinear(MegatronModule):
