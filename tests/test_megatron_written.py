@@ -192,13 +192,16 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
 
 
 def megatron_written(capsys, tmp: Path, family: str, tp: int, fmt: str, base: Path, trained: Path,
-                     iterations=(ITERATION,)) -> Path:
-    """A directory as Megatron's savers write it, ``iterations`` of it (each the trained weights)."""
+                     iterations=(ITERATION,), part: str | None = None) -> Path:
+    """A directory as Megatron's savers write it, ``iterations`` of it (each the trained weights);
+    ``part``: of that part of the model alone, trained in its own class (the language model in
+    ``GPTModel``, as Megatron-LM trains it where it cannot build the whole)."""
+    chosen = ("--part", part) if part else ()
     for name, src, at in (("base_mcore", base, tp), ("trained_mcore", trained, tp), ("trained_tp1", trained, 1)):
         if (tmp / name).exists() and name == "trained_tp1":
             continue
         code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp / name, "--to", "mcore",
-                                 "--format", "legacy", "--tp", at, "--force")
+                                 "--format", "legacy", "--tp", at, "--force", *chosen)
         assert code == 0, out + err
     out = tmp / f"megatron_{fmt}_tp{tp}"
     for iteration in iterations:
@@ -259,6 +262,39 @@ def test_megatron_written_whole_vlms_tp1(capsys, tmp_path, family):
 def test_megatron_written_tp2_exports_bit_exact(capsys, tmp_path, family, fmt):
     base, trained = make_pair(family, tmp_path)
     ckpt = megatron_written(capsys, tmp_path, family, 2, fmt, base, trained)
+    check_export(capsys, ckpt, tmp_path / "hf", base, trained)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("family", ["llava", *WHOLE])
+def test_language_model_trained_alone_exports_the_whole_release(capsys, tmp_path, family, fmt):
+    """Megatron-LM trains the language model alone as GPTModel (no tower, no projector, its keys
+    unprefixed); the export is the whole release: the trained language model, the rest the
+    base's, listed with counts and bytes."""
+    base, trained = make_pair(family, tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, family, 1, fmt, base, trained, part="language_model")
+    stored = (torch.load(ckpt / f"iter_{ITERATION:07d}" / "mp_rank_00" / "model_optim_rng.pt",
+                         weights_only=False)["model"] if fmt == "legacy" else {})
+    assert all(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in stored), sorted(stored)[:5]
+    result = check_export(capsys, ckpt, tmp_path / "hf", base, trained)
+    original = load_safetensors_state_dict(base)
+    tower = {k for k in original if "language_model" not in k and not k.startswith(("lm_head", "output."))}
+    assert tower and tower <= result["from_base"], sorted(tower - result["from_base"])[:5]
+    assert not any("language_model" in k for k in result["from_base"]), sorted(result["from_base"])[:5]
+    assert f"{len(result['from_base'])} tensors (" in result["out"]
+    # A config alone describes the model but holds no tower: one line asking for the base, nothing written.
+    code, out, err = run_cli(capsys, "convert", "--src", ckpt, "--dst", tmp_path / "nothing", "--to", "hf",
+                             "--hf-config", base / "config.json", "--family", family)
+    assert code == 2 and "language_model alone" in err and "--base" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "nothing").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("family", ["mistral3", "kimi_k25_vl"])
+def test_language_model_trained_alone_tp2(capsys, tmp_path, family, fmt):
+    base, trained = make_pair(family, tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, family, 2, fmt, base, trained, part="language_model")
     check_export(capsys, ckpt, tmp_path / "hf", base, trained)
 
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from mmparity import errors, families, runtime
 from mmparity.axes import Grid
-from mmparity.cases.megatron import MegatronClass, default_refusal
+from mmparity.cases.megatron import MegatronClass, NoMegatron, default_refusal
 from mmparity.checkpoint import formats as ckpt_formats
 from mmparity.families import megatron_class as megatron_class_for
 from mmparity.checkpoint import torch_dist, torch_dist_files
@@ -447,6 +447,26 @@ def plan_parts(family: str, megatron_class: Optional[str] = None, cfg=None) -> t
     return tuple(parts), tuple(not_loaded), tuple(notes)
 
 
+def plan_held_part(family: str, part: str, megatron_class: Optional[str], cfg, root) -> tuple[tuple, tuple, tuple]:
+    """``(parts, not loaded, notes)`` of a load of a checkpoint holding one part of a whole VLM alone
+    (its keys without the part's root ``part``): the family's class that holds exactly that part,
+    built alone, its keys at the root. Another class asked for is refused by name: such a
+    checkpoint must never be half loaded into a class laid out for the whole."""
+    hooks = families.get(family).hooks
+    options = {} if isinstance(hooks.megatron, NoMegatron) else dict(hooks.megatron)
+    holding = [(name, record) for name, record in options.items() if record.holds == (part,)]
+    what = f"the {part.rstrip('.')} alone"
+    if not holding:
+        raise CheckpointError(f"{root}: holds {what}, and family {family!r} has no Megatron class for it")
+    name, record = holding[0]
+    if megatron_class is not None and megatron_class != name:
+        raise CheckpointError(f"{root}: holds {what}, laid out for Megatron's {name}; it does not load into "
+                              f"{megatron_class} (pass --megatron-class {name} or leave it out)")
+    models.require(record.build)
+    part_load = LoadPart(name, record.build, (), "", record.pipelined, record.unwritten_extra_state)
+    return (part_load,), (), (f"holds {what} (as Megatron-LM trains it: {name})",)
+
+
 def _megatron_written(root: Path, family: Optional[str], base, hf_config, iteration) -> tuple:
     """A checkpoint Megatron's savers wrote (no manifest): ``(layout, family, model config, its
     description, a note saying where the model and sizes come from, TP, PP, EP, vocabulary divisor from its args or None, its training state
@@ -546,7 +566,10 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         _validate_tp(source.rules, tp)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
-    parts, not_loaded, notes = plan_parts(family, megatron_class, source.cfg)
+    if source.part:
+        parts, not_loaded, notes = plan_held_part(family, source.part, megatron_class, source.cfg, root)
+    else:
+        parts, not_loaded, notes = plan_parts(family, megatron_class, source.cfg)
     if written is not None:
         notes = (written_note, *notes)
     if pp != 1:

@@ -62,6 +62,9 @@ class ModelConfig:
     side_tensors: Callable[[Sequence[str]], dict] | None = None
     # mcore key -> the base's HF keys it is made from (for naming what came from the base)
     hf_sources: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
+    # The base as a whole mcore source (``streaming``'s HF source): the parts of a whole VLM a
+    # checkpoint of one part never held come from it, tensor by tensor (None: no base)
+    base_source: object = None
 
 
 def base_files(base: Path) -> list[str]:

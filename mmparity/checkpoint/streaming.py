@@ -188,6 +188,10 @@ class ConvertOptions:
     # torch_dist written by ranks on several machines, each node's data files to ``dst`` on its
     # own disk (no shared filesystem); rank 0's node gets the metadata (see team.staging).
     node_local: bool = False
+    # One part of a whole VLM, laid out for the Megatron class that trains it alone
+    # (``language_model``: ``GPTModel``'s own keys), the rest of the source left out and reported.
+    # None: the whole (``LLaVAModel``'s layout), or for an mcore source the part it holds.
+    part: str | None = None
 
     @property
     def grid(self) -> Grid:
@@ -262,6 +266,9 @@ class ConvertResult:
     from_base: tuple = ()  # HF keys written from --base, not from the checkpoint (not trained)
     copied: tuple = ()  # files copied from --base (tokenizer, processor, ...)
     iteration: int | str | None = None  # the mcore source's iteration
+    part: str = ""  # the part written, by name ("" the whole)
+    megatron_class: str = ""  # the Megatron class the mcore output is laid out for, where known
+    from_base_bytes: int = 0  # of ``from_base``, as written
 
 
 class Progress:
@@ -338,6 +345,50 @@ def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
         return families.get(family).rule_set(cfg, hf_format, keys=keys)
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
+
+
+def _part_root(rules: R.RuleSet, family: str, part: str) -> str:
+    """The mcore root of ``--part part`` in a ``family`` table (its whole model's)."""
+    roots = R.rule_roots(rules)
+    if not roots:
+        raise ConvertError(f"--part {part}: family {family!r} is one model, not a whole VLM of parts; "
+                           "leave --part out")
+    names = [R.part_name(r) for r in roots]
+    if part not in names:
+        raise ConvertError(f"--part {part}: family {family!r} has the parts {', '.join(names)}")
+    return roots[names.index(part)]
+
+
+def part_megatron_class(root: str, whole_roots: Sequence[str]) -> str:
+    """The Megatron class an mcore checkpoint of a whole VLM's part (``root``; "" the whole) is laid
+    out for, where one class is known to hold exactly that ("" otherwise: a tower's class is its
+    family's)."""
+    if not root:
+        return "LLaVAModel" if "language_model." in whole_roots else ""
+    return R.PART_CLASSES.get(root, "")
+
+
+def _held_part(rules: R.RuleSet, stored: Iterable[str], recorded: str | None, where: Path) -> str:
+    """Which part of a whole VLM an mcore checkpoint holds ("" the whole), from the first name
+    component of its stored keys: ``LLaVAModel``'s keys start with a part's root, those of a part
+    trained alone (``GPTModel``'s ``embedding.``, ``decoder.``, ``output_layer.``) with what
+    follows one root only. ``recorded``: the part its manifest names (checked against the keys)."""
+    roots = R.rule_roots(rules)
+    if not roots:
+        return ""
+    firsts = {key.split(".", 1)[0] for key in stored}
+    if not firsts or firsts & {r.rstrip(".") for r in roots}:
+        found = ""
+    else:
+        patterns = [k for rule in rules.rules for k in rule.mcore]
+        heads = {r: {k[len(r):].split(".", 1)[0] for k in patterns if k.startswith(r)} for r in roots}
+        fits = [r for r in roots if firsts <= heads[r]]
+        found = fits[0] if len(fits) == 1 else ""
+    if recorded is not None and recorded != R.part_name(found or "whole."):
+        named = f"the {R.part_name(found)} alone" if found else "the whole model"
+        raise ConvertError(f"{where / MANIFEST_FILE}: records part {recorded!r}, but the checkpoint's keys are "
+                           f"{named}'s; the manifest is not this checkpoint's")
+    return found
 
 
 def _kinds(rule_set: R.RuleSet) -> dict[str, str]:
@@ -441,6 +492,10 @@ class _Source:
     # A quantized source's record (``quantized.QuantRecord.to_json``), kept down the line like
     # ``left_out_record``: an mcore checkpoint of an FP8 release says it was dequantized.
     quant_record: dict | None = None
+    # The mcore root of the part of a whole VLM this source gives, its keys without it
+    # (``language_model.``); "" for the whole. ``rules`` is then that part's table.
+    part: str = ""
+    rules: R.RuleSet
 
     def quant_scales(self) -> dict[str, torch.Tensor]:
         """The source's quantization scales by HF key (empty: not a quantized source)."""
@@ -479,7 +534,7 @@ class _HFSource(_Source):
     layout = LAYOUT_HF
 
     def __init__(self, path: Path, family: str, hf_format: str | None, filt: _TensorFilter,
-                 tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE):
+                 tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE, part: str | None = None):
         self.path, self.family, self._filter = path, family, filt
         self.vocab_tp, self.vocab_multiple = tp, vocab_multiple
         self.ckpt = SafetensorsCheckpoint(path)
@@ -493,6 +548,9 @@ class _HFSource(_Source):
         infos = self.ckpt.infos()
         self.rules = _rule_set(family, self.cfg, hf_format, keys=list(infos))
         self.hf_format = self.rules.hf_format
+        if part is not None:
+            self.part = _part_root(self.rules, family, part)
+            self.rules = R.part_rules(self.rules, self.part)
         try:
             self.prefix = R.detect_prefix(self.rules, infos)
         except R.ConversionError as exc:
@@ -576,12 +634,13 @@ def _manifest_of_iteration(manifest: Manifest | None, iteration) -> Manifest | N
     return dataclasses.replace(manifest, tensors=beside, pipeline_layer_counts=None, iteration=None)
 
 
-def _check_megatron_args(ckpt) -> list[str]:
+def _check_megatron_args(ckpt, payload=None) -> list[str]:
     """The model entries of a legacy checkpoint's rank files (``model``, or the virtual-pipeline
     chunks ``model0`` ...), and the TP / PP / EP sizes its ``args`` record (a checkpoint Megatron-LM
-    wrote) against its rank directories: one rank file is read (mapped) for both."""
+    wrote) against its rank directories: one rank file is read (mapped) for both (``payload``, where
+    the caller has it already)."""
     first = ckpt.files[min(ckpt.files)]
-    payload = load_rank_payload(first, mmap=True)
+    payload = load_rank_payload(first, mmap=True) if payload is None else payload
     chunks = model_chunk_keys(payload)
     if not chunks:
         raise ConvertError(f"{first}: no 'model' entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
@@ -611,11 +670,12 @@ class _McoreSource(_Source):
 
     def _init_common(self, root: Path, manifest: Manifest | None, family: str | None,
                      filt: _TensorFilter, complete: bool = True, model_config: ModelConfig | None = None,
-                     capacity: tuple[int, int] | None = None) -> None:
+                     capacity: tuple[int, int] | None = None, stored: Iterable[str] = ()) -> None:
         """``complete=False`` (``verify --load``): tensors missing or foreign to the family are left
         for the strict load to name, and the side file (which Megatron's class never reads) is
         checked only where present; the shapes of the tensors present, the records of the manifest
-        and the TP size are checked all the same."""
+        and the TP size are checked all the same. ``stored``: the model keys the checkpoint holds
+        (a legacy checkpoint's first rank file's), which tell a part trained alone from the whole."""
         self.root, self.manifest, self._filter = root, manifest, filt
         self.complete = complete
         self.model_config = model_config
@@ -649,6 +709,10 @@ class _McoreSource(_Source):
         if isinstance(multiple, int) and not isinstance(multiple, bool) and multiple > 0:
             self.vocab_multiple = self.recorded_divisor = multiple
         self.rules = _rule_set(self.family, self.cfg, self.hf_format)
+        recorded_part = extra.get("part") if isinstance(extra.get("part"), str) else None
+        self.part = _held_part(self.rules, stored, recorded_part, root)
+        if self.part:
+            self.rules = R.part_rules(self.rules, self.part)
         self.kinds = _kinds(self.rules)
         self.order = _mcore_order(self.rules)
         side_keys = R.side_keys(self.rules)
@@ -797,9 +861,12 @@ class _LegacySource(_McoreSource):
         if manifest is not ckpt.manifest:
             ckpt = dataclasses.replace(ckpt, manifest=manifest)
             self.manifest_elsewhere = True
-        self._init_common(ckpt.root, manifest, family, filt, complete, model_config)
+        first = load_rank_payload(ckpt.files[min(ckpt.files)], mmap=True)
+        chunks = model_chunk_keys(first)
+        stored = [str(k) for chunk in chunks[:1] if isinstance(first[chunk], Mapping) for k in first[chunk]]
+        self._init_common(ckpt.root, manifest, family, filt, complete, model_config, stored=stored)
         self._check_recorded_parallelism(ckpt.tp_size, ckpt.pp_size, ckpt.ep_size)
-        chunks = _check_megatron_args(ckpt)
+        chunks = _check_megatron_args(ckpt, first)
         self.file_ranges = FileRanges()
         self.tp = ckpt.tp_size
         extra = dict(ckpt.manifest.provenance.extra or {}) if ckpt.manifest else {}
@@ -921,7 +988,8 @@ class _TorchDistSource(_McoreSource):
         self.manifest_elsewhere = manifest is not recorded
         self.files = TorchDistFiles(iteration_dir)
         self._init_common(root, manifest, family, filt, complete, model_config,
-                          torch_dist_capacity(self.files.metadata))
+                          torch_dist_capacity(self.files.metadata),
+                          stored=[k for k in self.files.tensors if not _NOT_MODEL_KEYS.match(k)])
         self._check_recorded_parallelism(None, None)
         self.index = torch_dist_index(self.files, self.order)
         self._check_keys(self.index, "torch_dist")
@@ -958,6 +1026,90 @@ class _TorchDistSource(_McoreSource):
         return self.files.file_ranges.locate(piece)
 
 
+class _PartView:
+    """A whole VLM's mcore source seen as one of its parts (``root``, e.g. ``language_model.``): its
+    keys under the root, without it, and that part's table; everything else is the source's."""
+
+    def __init__(self, inner: _Source, root: str):
+        self._inner, self.part = inner, root
+        self.rules = R.part_rules(inner.rules, root)
+        self.metas = {key[len(root):]: meta for key, meta in inner.metas.items() if key.startswith(root)}
+        self.kinds = _kinds(self.rules)
+        self.order = _mcore_order(self.rules)
+        # What it leaves of the whole, by part, as an HF source's plan says it.
+        self.use = SourceUse.split([k for k in inner.metas if k.startswith(root)],
+                                   [k for k in inner.metas if not k.startswith(root)],
+                                   {key: meta.nbytes for key, meta in inner.metas.items()})
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        return self._inner.mcore_pieces(self.part + key)
+
+    def produce(self, key: str) -> tuple[list, list]:
+        return self._inner.produce(self.part + key)
+
+    def provenance_extra(self) -> dict:
+        return {**self._inner.provenance_extra(), "left_out": self.use.to_json()}
+
+
+class _WithBase:
+    """An mcore checkpoint of one part of a whole VLM (a language model Megatron-LM trained as
+    ``GPTModel``) made whole again for HF output: its part under its root, every other tensor from
+    the base release (``--base``), which the trained model never held; ``from_base`` names those."""
+
+    def __init__(self, inner: _Source, base: _Source):
+        self._inner, self._base, root = inner, base, inner.part
+        self.part = ""
+        self.rules = _rule_set(inner.family, inner.cfg, inner.hf_format)
+        self.metas = {**{key: meta for key, meta in base.metas.items() if not key.startswith(root)},
+                      **{root + key: meta for key, meta in inner.metas.items()}}
+        self.from_base = tuple(key for key in self.metas if not key.startswith(root)) + tuple(
+            root + key for key in getattr(inner, "from_base", ()))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def mcore_pieces(self, key: str) -> list[torch.Tensor]:
+        root = self._inner.part
+        if key.startswith(root):
+            return self._inner.mcore_pieces(key[len(root):])
+        return self._base.mcore_pieces(key)
+
+    def produce(self, key: str) -> tuple[list, list]:
+        return self.mcore_pieces(key), []
+
+    def locate(self, piece) -> tuple[int, int] | None:
+        return self._inner.locate(piece) or self._base.locate(piece)
+
+
+def _held_alone(source: _Source) -> str:
+    """How a message names what an mcore checkpoint of one part holds."""
+    name = R.part_name(source.part)
+    megatron_class = R.PART_CLASSES.get(source.part)
+    return f"the {name} alone" + (f" (laid out for Megatron's {megatron_class})" if megatron_class else "")
+
+
+def _as_target_part(source: _Source, options: ConvertOptions):
+    """``source`` as the conversion in ``options`` writes it: a whole VLM's mcore checkpoint seen as
+    the part ``--part`` asks for; one part made whole again from ``--base`` for HF output."""
+    if not isinstance(source, _McoreSource):
+        return source
+    if options.to == "hf" and source.part:
+        base = source.model_config.base_source if source.model_config is not None else None
+        if base is None:
+            raise ConvertError(f"{source.root}: holds {_held_alone(source)}; an HF release is the whole model: pass "
+                               "--base HF_DIR (the release it was converted from) for the other parts, which it "
+                               "never held")
+        return _WithBase(source, base)
+    if options.to == "mcore" and options.part is not None and R.part_name(source.part or "whole.") != options.part:
+        if source.part:
+            raise ConvertError(f"{source.root}: holds {_held_alone(source)}, not --part {options.part}")
+        return _PartView(source, _part_root(source.rules, source.family, options.part))
+    return source
+
+
 def _source_kind(path: Path, iteration: int | str | None = None) -> ckpt_formats.Format:
     """The format of a source directory (see :mod:`mmparity.checkpoint.formats`)."""
     if not path.exists():
@@ -984,22 +1136,25 @@ def _source_kind(path: Path, iteration: int | str | None = None) -> ckpt_formats
 def open_source(path, family: str | None = None, hf_format: str | None = None, *,
                 dtype: torch.dtype | None = None, check_finite: bool = False, tp: int = 1,
                 vocab_multiple: int = R.VOCAB_MULTIPLE, complete: bool = True,
-                model_config: ModelConfig | None = None, iteration: int | str | None = None) -> _Source:
+                model_config: ModelConfig | None = None, iteration: int | str | None = None,
+                part: str | None = None) -> _Source:
     """Opens and fully validates a source checkpoint (HF, legacy or torch_dist); reads no weights.
-    An HF source is planned for ``tp`` ranks with vocabularies padded to ``vocab_multiple × tp``.
-    ``complete=False`` opens an mcore checkpoint that may lack tensors or hold foreign ones (see
-    ``_McoreSource._init_common``)."""
+    An HF source is planned for ``tp`` ranks with vocabularies padded to ``vocab_multiple × tp``,
+    and for one ``part`` of a whole VLM where asked (the rest left out). ``complete=False`` opens an
+    mcore checkpoint that may lack tensors or hold foreign ones (see
+    ``_McoreSource._init_common``); which part an mcore checkpoint holds is read off it."""
     path = Path(path)
     return _source_kind(path, iteration).open_source(path, family, hf_format, _TensorFilter(dtype, check_finite), tp,
                                                      vocab_multiple, complete, model_config=model_config,
-                                                     iteration=iteration)
+                                                     iteration=iteration, part=part)
 
 
 # --------------------------------------------------------------------------------------------------
 # shape check against the config
 
 
-def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE) -> dict | None:
+def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE,
+                           part: str = "") -> dict | None:
     """mcore shapes the HF config implies: the reference model's state-dict shapes (read off the
     config, so no model is imported) as meta tensors, converted.
 
@@ -1016,7 +1171,8 @@ def _expected_mcore_shapes(family: str, cfg, tp: int = 1, vocab_multiple: int = 
         outputs = R.plan_hf_to_mcore(rules, state, tp, prefix="", vocab_multiple=vocab_multiple).outputs
     except Exception:
         return None
-    return {key: t.shape for key, t in outputs.items()}
+    # A part's keys are the whole model's under its root, without it.
+    return {key[len(part):]: t.shape for key, t in outputs.items() if key.startswith(part)}
 
 
 def _check_recorded_divisor(source: _Source) -> None:
@@ -1053,10 +1209,11 @@ def _check_shapes(source: _Source) -> None:
     built from the config: ``convert``, ``check --mcore`` and ``verify --load`` all call this, on
     the source as stored (an mcore source before ``repad_vocab``)."""
     _check_recorded_divisor(source)
-    expected = _expected_mcore_shapes(source.family, source.cfg, source.vocab_tp, source.vocab_multiple)
+    expected = _expected_mcore_shapes(source.family, source.cfg, source.vocab_tp, source.vocab_multiple,
+                                      source.part)
     if expected is None:
         return
-    kinds = _kinds(_rule_set(source.family, source.cfg, source.hf_format))
+    kinds = _kinds(source.rules)
     problems = []
     for key, meta in source.metas.items():
         want = expected.get(key)
@@ -1165,6 +1322,7 @@ def _write_hf(source: _Source, options: ConvertOptions, progress: Progress) -> t
         if from_base:
             # The HF tensors made only of side tensors the base gave: Megatron never held them.
             source.from_base_hf = tuple(sorted(k for k in plan.outputs if set(plan.source_keys(k)) <= from_base))
+            source.from_base_bytes = sum(plan.outputs[k].nbytes for k in source.from_base_hf)
             provenance = dataclasses.replace(provenance, extra={**provenance.extra, "from_base": {
                 "base": str(model_config.base), "note": FROM_BASE, "tensors": list(source.from_base_hf)}})
         write_manifest(staging, Manifest(
@@ -1233,17 +1391,28 @@ def _requant_plan(source: _Source, options: ConvertOptions, entries: list) -> _R
 
 
 def _mcore_provenance(source: _Source, options: ConvertOptions, **extra) -> Provenance:
+    held = {"part": R.part_name(source.part)} if source.part else {}
+    megatron_class = _megatron_class_of(source)
+    if megatron_class:
+        held["megatron_class"] = megatron_class
     return Provenance(
         family=source.family, source_layout=source.layout, source_format=source.hf_format,
         source_path=str(Path(source.path).absolute()),
         extra={**source.provenance_extra(), "hf_config": HF_CONFIG_FILE,
-               "dtype": options.dtype, **extra})
+               "dtype": options.dtype, **held, **extra})
+
+
+def _megatron_class_of(source: _Source) -> str:
+    """The Megatron class the mcore output of ``source`` is laid out for ("" where no one class is
+    known to hold it: a tower's class is its family's)."""
+    whole = _rule_set(source.family, source.cfg, source.hf_format) if source.part else source.rules
+    return part_megatron_class(source.part, R.rule_roots(whole))
 
 
 def _mcore_plan(source: _Source, grid: Grid) -> tuple[list[str], dict[str, str]]:
     """(the mcore keys to write, in order, their TP kinds), checked for the ``grid`` (``--tp``,
     ``--pp``, ``--ep``); side keys are not among them (see :func:`_side_tensors`)."""
-    rules = _rule_set(source.family, source.cfg, source.hf_format)
+    rules = source.rules
     tp = grid.tp.size
     _validate_tp(rules, tp)
     order, kinds = _mcore_order(rules), _kinds(rules)
@@ -1296,8 +1465,7 @@ def _write_legacy(source: _Source, options: ConvertOptions, progress: Progress) 
             entries[rank][key] = None
     progress.phase(f"{source.family} -> legacy tp{tp} pp{grid.pp.size}"
                    + (f" ep{grid.ep.size}" if grid.ep.size > 1 else ""), len(order), total)
-    side_files, side_records, side_extra = _side_tensors(source, _rule_set(source.family, source.cfg,
-                                                                            source.hf_format))
+    side_files, side_records, side_extra = _side_tensors(source, source.rules)
     heap = heap_budget()
     heap.begin_stream()
     iteration = RELEASE if options.release else 1
@@ -1353,8 +1521,7 @@ def _write_torch_dist(source: _Source, options: ConvertOptions, progress: Progre
     # torch_dist stores global tensors: the TP/PP/EP sizes only had to fit (checked above).
     pp_mod.pipeline_layout(order).layer_counts(options.grid.pp)
     total = sum(source.metas[k].nbytes for k in order)
-    rules = _rule_set(source.family, source.cfg, source.hf_format)
-    side_files, side_records, side_extra = _side_tensors(source, rules)
+    side_files, side_records, side_extra = _side_tensors(source, source.rules)
     try:
         layout = torch_dist_layout.plan(
             order, kinds, {k: source.metas[k].shape for k in order}, {k: source.metas[k].dtype for k in order},
@@ -1462,24 +1629,27 @@ def _convert(options: ConvertOptions, progress: Progress | None) -> ConvertResul
         model_config = model_config_for(src, options.family, options.base, options.hf_config, options.iteration)
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
                              tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE,
-                             model_config=model_config, iteration=options.iteration)
+                             model_config=model_config, iteration=options.iteration, part=options.part)
         _check_shapes(source)  # as stored, before the tables are re-padded from what it records
         if isinstance(source, _McoreSource) and options.to == "mcore":
             # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
             source.repad_vocab(vocab_tp, options.make_vocab_size_divisible_by or source.vocab_multiple)
         if options.requantize and options.to != "hf":
             raise ConvertError("--requantize re-quantizes HF output; it does not apply to --to mcore")
+        source = _as_target_part(source, options)
         written = target.write(source, options, progress)
     except (CheckpointError, PipelineError, UnknownFamilyError) as exc:
         raise ConvertError(str(exc)) from None
     except R.ConversionError as exc:
         raise _from_conversion_error(exc) from None
     tp, pp, ep = written.grid.sizes
+    mcore = options.to == "mcore"
     return ConvertResult(dst, target.layout, source.family, written.tensors, written.nbytes,
                          time.perf_counter() - started, tp, pp,
-                         source.rules.mcore_note if options.to == "mcore" else "", source.use, source.detection,
+                         source.rules.mcore_note if mcore else "", source.use, source.detection,
                          written.requant, ep, getattr(source, "from_base_hf", ()), getattr(source, "copied", ()),
-                         getattr(source, "iteration", None))
+                         getattr(source, "iteration", None), R.part_name(source.part) if mcore and source.part else "",
+                         _megatron_class_of(source) if mcore else "", getattr(source, "from_base_bytes", 0))
 
 
 def model_config_for(src: Path, family: str | None, base: Path | None, hf_config: Path | None,
@@ -1515,7 +1685,7 @@ def model_config_for(src: Path, family: str | None, base: Path | None, hf_config
             return {key: joined(hf.mcore_pieces(key)).contiguous() for key in keys}
 
         return ModelConfig(family, hf.cfg, hf.config_bytes, hf.hf_format, hf.prefix, f"--base {base}", base, side,
-                           hf.hf_sources)
+                           hf.hf_sources, hf)
     path = Path(hf_config)
     if not path.is_file():
         raise ConvertError(f"--hf-config {path}: no such file (an HF config.json of the model)")
@@ -1559,6 +1729,10 @@ def read_mcore_shards(path, family: str | None = None, *, tp: int | None = None)
         if kind.kind != ckpt_formats.MCORE:
             raise ConvertError(f"{path}: an HF directory, not an mcore checkpoint")
         source = kind.open_source(path, family, None, _TensorFilter(None, False), 1, R.VOCAB_MULTIPLE, True)
+        if source.part:
+            raise ConvertError(f"{source.root}: holds {_held_alone(source)}; parity is checked on the whole model: "
+                               "`mmparity verify --load` loads it into its class, `mmparity convert --to hf --base "
+                               "HF_DIR` makes the whole release to check")
         _check_shapes(source)  # exactly as convert checks it, before any tensor is read
         aside = R.side_keys(source.rules)
         if kind.stores_grid and (tp is None or tp == source.tp):

@@ -52,6 +52,8 @@ class VerifyReport:
     partial: str = ""
     # An mcore checkpoint's parallel sizes as its manifest records them, e.g. "tp=2 pp=1 ep=2".
     parallel: str = ""
+    # The Megatron class it is laid out for and the part of a whole VLM it holds, as recorded.
+    held: str = ""
 
     @property
     def ok(self) -> bool:
@@ -59,12 +61,22 @@ class VerifyReport:
 
     def __str__(self) -> str:
         layout = f"{self.layout} {self.parallel}" if self.parallel else self.layout
+        layout = f"{layout}, {self.held}" if self.held else layout
         head = f"{self.directory} ({layout}): {self.checked} tensor records checked"
         if self.partial:
             head = f"{head} (made from part of its source: {self.partial})"
         if self.ok:
             return f"{head}, all match"
         return "\n".join([f"{head}, {len(self.problems)} problem(s)"] + [f"  {p}" for p in self.problems])
+
+
+def _held(extra) -> str:
+    """What the manifest says an mcore checkpoint is laid out for, in words (nothing unrecorded)."""
+    megatron_class, part = extra.get("megatron_class"), extra.get("part")
+    if not isinstance(megatron_class, str) or not megatron_class.isidentifier():
+        return ""
+    return f"for Megatron's {megatron_class}" + (f" (the {part} alone)" if isinstance(part, str) and part.isidentifier()
+                                                 else "")
 
 
 def _left_out(record) -> str:
@@ -237,8 +249,9 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
     parallel = ("" if fmt.kind == ckpt_formats.HF else
                 f"tp={manifest.tensor_parallel_size} pp={manifest.pipeline_parallel_size} "
                 f"ep={manifest.expert_parallel_size}")
-    report = VerifyReport(root, manifest.layout, partial=_left_out((manifest.provenance.extra or {}).get("left_out")),
-                          parallel=parallel)
+    extra = manifest.provenance.extra or {}
+    report = VerifyReport(root, manifest.layout, partial=_left_out(extra.get("left_out")), parallel=parallel,
+                          held=_held(extra))
     # A symbolic link leaving the directory is damage: what it points to is no part of what the
     # manifest certifies (fsio.refuse_links_outside has the policy). Listed, and not read.
     escaping = links_outside(root, [root], recursive=True, root_names=())

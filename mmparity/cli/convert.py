@@ -26,6 +26,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ep", type=int, default=1, metavar="N",
                         help="expert-parallel size of mcore output (Megatron's --expert-model-parallel-size; "
                              "a model with experts only, dividing their count)")
+    parser.add_argument("--part", metavar="PART", default=None,
+                        help="with --to mcore from a whole VLM: write only this part, laid out for the Megatron "
+                             "class that trains it alone (language_model: GPTModel, as pretrain_gpt.py builds it); "
+                             "the other parts are left out and listed. Export such a checkpoint with --to hf "
+                             "--base HF_DIR")
     parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
                         help="mcore output format (default torch_dist)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -162,6 +167,9 @@ def run(args) -> int:
     if args.to == "mcore" and args.max_shard_size is not None and args.format == "legacy":
         raise UsageError("--max-shard-size sizes HF shards and torch_dist data files; a legacy checkpoint has "
                          "one file per rank")
+    if args.to == "hf" and args.part is not None:
+        raise UsageError("--part chooses what --to mcore writes; an HF release is the whole model (an mcore checkpoint "
+                         "of one part exports with --base HF_DIR)")
     if args.to == "hf" and args.release:
         raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:
@@ -180,7 +188,7 @@ def run(args) -> int:
         force=args.force, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         requantize=args.requantize, expert_layout=args.expert_layout,
         base=Path(base) if base is not None else None, hf_config=Path(hf_config) if hf_config is not None else None,
-        iteration=iteration, release=args.release, node_local=args.node_local)
+        iteration=iteration, release=args.release, node_local=args.node_local, part=args.part)
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.workers > 1 and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
@@ -248,6 +256,9 @@ def _run(args, options, team) -> int:
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)"
               + (f" by {team.size} processes" if team.size > 1 else ""))
+        if result.megatron_class:
+            what = f"the {result.part} alone" if result.part else "the whole model"
+            print(f"{result.family}: laid out for Megatron's {result.megatron_class} ({what})")
         if result.requant is not None:
             r = result.requant
             print(f"{result.family}: re-quantized {r.tensors} tensors: max abs error {r.max_abs_error:g}, "
@@ -259,11 +270,13 @@ def _run(args, options, team) -> int:
         if result.from_base:
             from mmparity.checkpoint.megatron_written import FROM_BASE
             shown = ", ".join(result.from_base[:6]) + (" ..." if len(result.from_base) > 6 else "")
-            print(f"{result.family}: {len(result.from_base)} tensors {FROM_BASE} ({options.base}): {shown}")
+            print(f"{result.family}: {len(result.from_base)} tensors ({human_bytes(result.from_base_bytes)}) {FROM_BASE} "
+                  f"({options.base}): {shown}")
         if result.copied:
             print(f"{result.family}: copied from the base: {', '.join(result.copied)}")
         if result.source_use is not None and result.source_use.left_out:
             facts = result.detection.facts if result.detection is not None else config_facts(options.src)
-            print(left_out_line(result.family, result.source_use, facts))
+            print(left_out_line(result.family, result.source_use, facts,
+                                lead=f"--part {result.part}: " if result.part else ""))
     return EXIT_OK
 

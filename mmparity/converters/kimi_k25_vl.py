@@ -61,6 +61,8 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     drops = language.drops(text, lm_root) + ((f"^{re.escape(head_key)}$",) if tied else ())
     return RuleSet(rules=rules, variables={**language.variables(text), **vision_vars}, hf_prefixes=("",),
                    drop_hf=drops, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp),
+                   part_tp={"language_model.": lambda tp: language.tp_problems(text, tp) if tp >= 1 else [],
+                            "vision_model.": lambda tp: tower.tp_problems(cfg, tp) if tp >= 1 else []},
                    mcore_note=tower.PROJECTOR_NOTE.format(m2=tower._merge_tokens(cfg)))
 
 

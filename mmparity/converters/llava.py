@@ -102,12 +102,17 @@ def _vision_rule_set(cfg, tower: Tower, tower_format: str = "hf") -> RuleSet:
     return tower.converter.rule_set(cfg.vision_config, tower_format)
 
 
-def tp_problems(cfg, tp: int, tower: Tower, language: LanguageKeys) -> list[str]:
+def _vision_tp_problems(cfg, tp: int, tower: Tower) -> list[str]:
     if tp < 1:
         return []  # the engine reports a non-positive size itself
     validate_vision = _vision_rule_set(cfg, tower).validate_tp
-    problems = list(validate_vision(tp)) if validate_vision else []
-    return problems + language.tp_problems(cfg.text_config, tp)
+    return list(validate_vision(tp)) if validate_vision else []
+
+
+def tp_problems(cfg, tp: int, tower: Tower, language: LanguageKeys) -> list[str]:
+    if tp < 1:
+        return []
+    return _vision_tp_problems(cfg, tp, tower) + language.tp_problems(cfg.text_config, tp)
 
 
 def merger_rules(cfg, norm_key: str, merging_key: str) -> tuple:
@@ -168,7 +173,9 @@ def rule_set(cfg, hf_format: str, tower: Tower, language: LanguageKeys) -> RuleS
     return RuleSet(rules=rules,
                    variables={**language.variables_of(cfg.text_config), **vision_vars},
                    hf_prefixes=("",), drop_hf=drops, hf_format=hf_format,
-                   validate_tp=lambda tp: tp_problems(cfg, tp, tower, language))
+                   validate_tp=lambda tp: tp_problems(cfg, tp, tower, language),
+                   part_tp={"language_model.": lambda tp: language.tp_problems(cfg.text_config, tp) if tp >= 1 else [],
+                            "vision_model.": lambda tp: _vision_tp_problems(cfg, tp, tower)})
 
 
 def detect_format(keys) -> str:

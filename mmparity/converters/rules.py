@@ -138,6 +138,10 @@ class RuleSet:
     # Where Megatron's class computes something other than HF with the tensors this table writes
     # (no exact Megatron equivalent): one line that ``convert --to mcore`` prints.
     mcore_note: str = ""
+    # A whole VLM's TP checks per part (mcore root -> check): what a table of one part
+    # (:func:`part_rules`) validates, so that a language model written alone is not held to its
+    # tower's head count.
+    part_tp: Mapping[str, Callable[[int], list]] = field(default_factory=dict)
 
     def bindings(self, patterns: Iterable[str]) -> list[dict]:
         names = sorted({v for p in patterns for v in _VAR.findall(p)})
@@ -261,6 +265,67 @@ def side_keys(rule_set: RuleSet, kind: str | None = None) -> list[str]:
     order."""
     return [k for s in iter_steps(rule_set) if s.rule.side and kind in (None, s.rule.side)
             for k in s.mcore_keys]
+
+
+# --- parts of a whole VLM ---------------------------------------------------------------------
+
+# Megatron's ``LLaVAModel`` holds a whole VLM as three modules, each a Megatron class of its own:
+# the language model (``GPTModel``), the tower and the projector (``MultimodalProjector``). Where
+# Megatron-LM cannot build the whole, a user trains one part alone, and its checkpoint holds that
+# part's keys without the root.
+PART_ROOTS = ("language_model.", "vision_model.", "vision_projection.")
+PART_CLASSES = {"language_model.": "GPTModel", "vision_projection.": "MultimodalProjector"}
+
+
+def part_roots(mcore_keys: Iterable[str]) -> tuple:
+    """The :data:`PART_ROOTS` a table's mcore keys are laid out under, where they are all under
+    such roots and there are several (a whole VLM, or a tower with its projector); () otherwise."""
+    keys = list(mcore_keys)
+    roots = tuple(r for r in PART_ROOTS if any(k.startswith(r) for k in keys))
+    if len(roots) < 2 or not all(k.startswith(roots) for k in keys):
+        return ()
+    return roots
+
+
+def rule_roots(rule_set: RuleSet) -> tuple:
+    """:func:`part_roots` of a table, read off its patterns (no key is made)."""
+    return part_roots(k for rule in rule_set.rules for k in rule.mcore)
+
+
+def part_name(root: str) -> str:
+    return root.rstrip(".")
+
+
+def _hf_pattern(pattern: str, prefixes: Sequence[str]) -> str:
+    """A whole-key regex for an HF key pattern under any of ``prefixes``, each ``{var}`` any number."""
+    # re.split with a group alternates literal text (even places) and variable names (odd places).
+    body = "".join(r"\d+" if odd else re.escape(piece)
+                   for odd, piece in zip(itertools.cycle((False, True)), _VAR.split(pattern)))
+    return f"^(?:{'|'.join(re.escape(p) for p in prefixes)}){body}$"
+
+
+def part_rules(rule_set: RuleSet, root: str) -> RuleSet:
+    """``rule_set`` restricted to the mcore keys under ``root`` (one of :func:`part_roots`), laid
+    out without it: the table of a part trained alone (``language_model.`` -> ``GPTModel``'s own
+    keys). Every HF key of the other parts is left out explicitly, so a plan of it is still the
+    totality check and says, by module, what it did not convert."""
+    kept, left = [], []
+    for rule in rule_set.rules:
+        inside = [k.startswith(root) for k in rule.mcore]
+        if all(inside):
+            kept.append(Rule(tuple(k[len(root):] for k in rule.mcore), rule.hf, rule.op, rule.tp, rule.side))
+        elif any(inside):
+            raise ValueError(f"rule {rule.mcore} spans parts: {root} and others")
+        else:
+            left.append(rule)
+    if not kept:
+        raise ConversionError(f"no part {part_name(root)!r} in this table",
+                              [f"its parts: {', '.join(part_name(r) for r in rule_roots(rule_set))}"])
+    drops = tuple(dict.fromkeys(_hf_pattern(p, rule_set.hf_prefixes) for rule in left for p in rule.hf))
+    check = rule_set.part_tp.get(root)
+    return RuleSet(rules=tuple(kept), variables=rule_set.variables, hf_prefixes=rule_set.hf_prefixes,
+                   drop_hf=rule_set.drop_hf + drops, hf_format=rule_set.hf_format, validate_tp=check,
+                   mcore_note=rule_set.mcore_note if root != "language_model." else "")
 
 
 # --- mcore key spellings --------------------------------------------------------------------

@@ -13,7 +13,8 @@ from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_SINGLE_FILE,
 from mmparity.checkpoint.manifest import LAYOUT_HF
 
 
-def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None):
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None,
+          part=None):
     """An HF source, its family told from its config when not given."""
     detection = None
     if family is None:
@@ -23,7 +24,7 @@ def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_con
             raise streaming.ConvertError(f"{path}: {exc}") from None
         family = detection.family
     families.get(family)
-    source = streaming._HFSource(path, family, hf_format, filt, tp, vocab_multiple)
+    source = streaming._HFSource(path, family, hf_format, filt, tp, vocab_multiple, part=part)
     source.detection = detection
     return source
 

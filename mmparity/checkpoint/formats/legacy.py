@@ -17,8 +17,11 @@ def _detect(iteration_dir: Path) -> bool:
     return any(parse_rank_dirname(p.name) for p in iteration_dir.iterdir())
 
 
-def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None):
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None,
+          part=None):
     # model_config: --base / --hf-config describing a checkpoint Megatron-LM wrote (no manifest).
+    # part: what a writer asks for; which part (or the whole) an mcore checkpoint holds is read off
+    # the checkpoint itself.
     return streaming._LegacySource(path, family, filt, complete, model_config, iteration)
 
 

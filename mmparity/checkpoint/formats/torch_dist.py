@@ -12,8 +12,11 @@ from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST
 from mmparity.checkpoint.torch_dist_files import is_torch_dist_dir
 
 
-def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None):
+def _open(path, family, hf_format, filt, tp, vocab_multiple, complete, model_config=None, iteration=None,
+          part=None):
     # model_config: --base / --hf-config describing a checkpoint Megatron-LM wrote (no manifest).
+    # part: what a writer asks for; which part (or the whole) an mcore checkpoint holds is read off
+    # the checkpoint itself.
     return streaming._TorchDistSource(path, family, filt, complete, model_config, iteration)
 
 
