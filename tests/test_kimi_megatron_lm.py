@@ -227,3 +227,26 @@ def test_megatron_cores_own_torch_dist_load_of_mla_at_tp2(hf_dir, tmp_path):
     results = runtime.spawn(_megatron_core_load_rank, 2, str(src))
     assert [r["replica"] for r in results] == [(0, 0, 0), (0, 1, 0)], results
     assert all(r["tensors"] == r["asked"] > 0 and not r["unequal"] for r in results), results
+
+
+@pytest.mark.parametrize("ep, expert_groups", [(1, False), (2, True)])
+def test_grouped_linear_stand_ins_mark_expert_weights_as_te_does(ep, expert_groups):
+    """TE's grouped linear marks its weights for DDP and the optimizers: under expert parallelism
+    they belong to the expert groups (``allreduce=False``: gradients reduced and parameters
+    gathered over expert data parallelism only), and each is split along its TP axis. Unmarked,
+    a distributed optimizer gathered one EP rank's experts into the other's."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from mmparity.upstream import te_stand_ins
+
+    with runtime.parallel_context(1, 1):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
+                                   moe_ffn_hidden_size=12, expert_model_parallel_size=ep)
+        groups = ProcessGroupCollection(ep=_Group(0, ep), expt_tp=_Group(0, 1), expt_dp=_Group(0, 1))
+        for linear, axis in (("TEColumnParallelGroupedLinear", 0), ("TERowParallelGroupedLinear", 1)):
+            module = getattr(te_stand_ins, linear)(2, 8, 12, config=config, init_method=torch.nn.init.normal_,
+                                                   bias=False, skip_bias_add=False, is_expert=True,
+                                                   pg_collection=groups)
+            for weight in (module.weight0, module.weight1):
+                assert weight.allreduce is (not expert_groups)
+                assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (True, axis, 1)

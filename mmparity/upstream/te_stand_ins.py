@@ -246,10 +246,19 @@ class _GroupedLinear(MegatronModule):
             input_size //= tp
         self.num_gemms = num_gemms
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states, with_module=True)
+        # As TE's wrapper marks them: expert weights under expert parallelism (or an expert TP
+        # other than TP) belong to the expert groups (``allreduce=False``: DDP reduces and
+        # gathers them over expert data parallelism, not over the data-parallel ranks that hold
+        # other experts), and each is split over expert TP along this linear's axis.
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        expert_tp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
+        use_expert_groups = config.expert_model_parallel_size > 1 or expert_tp != config.tensor_model_parallel_size
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
             if config.perform_initialization:
                 init_method(weight)
+            weight.allreduce = not use_expert_groups
+            set_tensor_model_parallel_attributes(weight, True, 0 if self.parallel_mode == "column" else 1, 1)
             self.register_parameter(f"weight{i}", weight)
 
     def get_extra_state(self):
@@ -548,7 +557,15 @@ def gpt_decoder_block_spec(config: TransformerConfig):
     ``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm,
     qk_layernorm, multi_latent_attention)`` layers after (MLA with TE's "duplicated" ``TELinear``
     down projections and norm-fused up projections, ``MoELayer`` with ``TEGroupedMLP`` experts and a
-    ``SharedExpertMLP``), ``TENorm`` as the final norm.
+    ``SharedExpertMLP``), ``TENorm`` as the final norm (see :func:`megatron_te_spec`)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    return megatron_te_spec(gpt_layer_specs.get_gpt_decoder_block_spec, config, use_transformer_engine=True)
+
+
+def megatron_te_spec(spec_function, *args, **kwargs):
+    """``spec_function(*args, **kwargs)``, one of megatron-core's GPT spec functions asked for TE
+    (``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``,
+    ``get_gpt_layer_with_transformer_engine_spec``), with the stand-ins where TE is absent.
 
     With TE importable that is the spec itself. Without it megatron-core's spec module never
     defines ``TESpecProvider`` / ``TENorm`` and the provider falls back to the legacy
@@ -557,7 +574,7 @@ def gpt_decoder_block_spec(config: TransformerConfig):
     every module; then each placeholder is replaced by its stand-in."""
     from megatron.core.models.gpt import gpt_layer_specs
     if HAVE_TE:
-        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        return spec_function(*args, **kwargs)
     from megatron.core.extensions import transformer_engine_spec_provider as provider
     missing = object()
     saved = []
@@ -571,7 +588,7 @@ def gpt_decoder_block_spec(config: TransformerConfig):
         swap(gpt_layer_specs, "TESpecProvider", provider.TESpecProvider)
         swap(provider, "TEColumnParallelGroupedLinear", TEColumnParallelGroupedLinear)
         swap(provider, "TERowParallelGroupedLinear", TERowParallelGroupedLinear)
-        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        spec = spec_function(*args, **kwargs)
     finally:
         for module, name, value in reversed(saved):
             if value is missing:
