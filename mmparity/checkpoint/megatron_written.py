@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,9 @@ __all__ = ["ModelConfig", "FROM_BASE", "MegatronCheckpoint", "describe", "iterat
 # How the output and its manifest name tensors taken from the base instead of the checkpoint.
 FROM_BASE = "from the base, not trained"
 COMMON_FILE = "common.pt"
+# An optimizer's sharded state (a chained optimizer's under ``chained_N.``: dense and expert
+# parameters under expert parallelism).
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 # A base release's files that are weights (or mmparity's own records), never copied to the output.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -216,7 +220,7 @@ def describe(path: str | os.PathLike, iteration: int | str | None = None) -> Meg
     stored = list(metadata.state_dict_metadata)
     args = common.get("args")
     recorded = args_parallelism(args)
-    optimizer = common.get("optimizer") is not None or any(k.startswith("optimizer.") for k in stored)
+    optimizer = common.get("optimizer") is not None or any(_OPTIMIZER_KEY.match(k) for k in stored)
     rng = common.get("rng_state") is not None or any(k.startswith("rng_state") for k in stored)
     return MegatronCheckpoint(root, iteration_dir, found, "torch_dist", tracker, iterations(root),
                               recorded.get("tp"), recorded.get("pp"), recorded.get("ep"), recorded.get("vpp"),
