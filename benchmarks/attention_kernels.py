@@ -7,7 +7,7 @@ Scenarios: equal sizes (dense vs the rest), mixed sizes (per-size SDPA vs varlen
 SDPA), and a sweep over the number of distinct sizes in a batch of many small images: where
 ``grouped`` (one SDPA call per size) stops beating ``varlen`` (one launch) is where
 ``attention.VARLEN_MIN_LENGTHS`` belongs. Every kernel's output is compared with the per-size SDPA
-path in float32 (``rel_l2``); results go to docs/gpu.md, never into asserts.
+path in float32 (``rel_l2``); results go to benchmarks/RESULTS.md, never into asserts.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ cannot exceed the limit). The children run with ``OMP_NUM_THREADS=1`` and ``MALL
 
 Usage: python benchmarks/check_low_memory.py [--dir SCRATCH] [--size 5GB] [--ratio 3]
        [--headroom 224MiB] [--negative-control] [--no-components] [--keep]
-(the measured run: ``--negative-control``, about two minutes on 2 cores; docs/check_low_memory.md)
+(the measured run: ``--negative-control``, about two minutes on 2 cores; benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ per byte, with its bookkeeping the same at every size.
 
 Usage: python benchmarks/convert_memory.py [--workdir DIR] [--sizes 1GB 4GB 16GB] [--scale 4] [--keep] [--phases]
        [--layers N [N ...]] [--experts N] [--by-width] [--jobs JOB [JOB ...]]
-Numbers go to docs/convert.md; nothing here asserts.
+Numbers go to benchmarks/RESULTS.md; nothing here asserts.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the same state of the disk. Two times per run:
   includes waiting for the other ranks).
 
 Ratios are to the copy run just before (best of `--repeat`). Nothing here asserts; numbers go to
-docs/convert.md.
+benchmarks/RESULTS.md.
 
 Usage: python benchmarks/convert_parallel.py [--workdir DIR] [--size 8GB] [--scale 4] [--repeat 2]
        [--settle 3] [--paired] [--keep]

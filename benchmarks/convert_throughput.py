@@ -24,7 +24,7 @@ each run is judged against the copy made in the same state (column `x the copy j
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
        [--workers P]
        [--log FILE]
-Numbers go to docs/convert.md; nothing here asserts.
+Numbers go to benchmarks/RESULTS.md; nothing here asserts.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def _settle(seconds: float) -> None:
     """Lets the disk finish what earlier runs left it (writeback, and the discards a deleted output
     issues on a filesystem mounted with `discard`) so that no run pays for the one before it: on
     such a disk, at 1.7 GB, the same job otherwise swung between 1.2 s and 4.6 s, the plain copy
-    too (docs/convert.md)."""
+    too."""
     os.sync()
     time.sleep(seconds)
 

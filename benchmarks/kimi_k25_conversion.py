@@ -10,7 +10,7 @@ models and extrapolated to the released size (not a test).
    process: wall time, peak RSS of the child (``ru_maxrss``), bytes read and written.
 
 Usage: python benchmarks/kimi_k25_conversion.py [--workdir DIR] [--scale 32 16] [--layers 6] [--tp 1] [--ep 2] [--keep]
-Numbers go to docs/convert.md; nothing here asserts.
+Numbers go to benchmarks/RESULTS.md; nothing here asserts.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ fails naming the family).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,6 +37,13 @@ class FamilyError(TypeError):
 # A layout told by the files rather than by config.json: Mistral's own release, ``params.json``
 # beside ``consolidated.safetensors``.
 MISTRAL_NATIVE = "mistral_native"
+
+# The HF layout of every family that transformers' own conversion mapping gives: what its
+# ``save_pretrained`` writes and its ``from_pretrained`` reads, decoded at run time through the
+# installed transformers (``mmparity.reference.saved_layout``) over the family's module-name
+# table (``hf``). A checkpoint whose keys no table of the family takes is read this way.
+TRANSFORMERS_LAYOUT = "transformers"
+MODULE_NAMES = "hf"
 
 
 @dataclass(frozen=True)
@@ -171,12 +179,18 @@ class Family:
         if self.composed:
             from mmparity.converters import llava
 
-            return llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter)
-        spec = importlib.import_module(f"mmparity.converters.{self.name}").SPEC
-        if not isinstance(spec, ConverterSpec):
-            raise FamilyError(f"family {self.name!r}: mmparity.converters.{self.name}.SPEC is "
-                              f"{type(spec).__name__}, not ConverterSpec")
-        return spec
+            spec = llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter)
+        else:
+            spec = importlib.import_module(f"mmparity.converters.{self.name}").SPEC
+            if not isinstance(spec, ConverterSpec):
+                raise FamilyError(f"family {self.name!r}: mmparity.converters.{self.name}.SPEC is "
+                                  f"{type(spec).__name__}, not ConverterSpec")
+        tables = spec.rule_set
+
+        def rule_set(cfg, fmt):
+            return self._transformers_rules(cfg) if fmt == TRANSFORMERS_LAYOUT else tables(cfg, fmt)
+
+        return dataclasses.replace(spec, formats=spec.formats + (TRANSFORMERS_LAYOUT,), rule_set=rule_set)
 
     def tiny_config(self):
         """The family's built-in HF config: tiny, with deliberately awkward sizes."""
@@ -230,8 +244,63 @@ class Family:
     # --- conversion by name -------------------------------------------------------------------
 
     def rule_set(self, cfg, hf_format: str | None = None, keys=None) -> RuleSet:
-        """The family's table for ``cfg`` in ``hf_format`` (detected from ``keys`` when None)."""
-        return self.converter.rules(cfg, hf_format, keys, family=self.name)
+        """The family's table for ``cfg`` in ``hf_format`` (detected from ``keys`` when None).
+
+        ``keys``: the checkpoint's tensor names, or a mapping of them to anything with ``shape``
+        and ``dtype`` (what reading through transformers' mapping needs where its names are not
+        save_pretrained's own). Detection takes the family's own tables first; keys none of them
+        takes (renamed by a transformers release, say) are read as transformers' mapping reads
+        them (:data:`TRANSFORMERS_LAYOUT`), when it reads them all."""
+        from mmparity.converters.rules import ConversionError
+
+        stored = _shapes_of(keys)
+        if hf_format == TRANSFORMERS_LAYOUT:
+            return self._transformers_rules(cfg, stored if stored is not None else keys)
+        if hf_format is not None or keys is None:
+            return self.converter.rules(cfg, hf_format, keys, family=self.name)
+        names = list(keys)
+        try:
+            table, refusal = self.converter.rules(cfg, None, names, family=self.name), None
+        except ConversionError as exc:
+            table, refusal = None, exc
+        unknown = _not_taken(table, names) if table is not None else names
+        if not unknown:
+            return table
+        from mmparity.reference.saved_layout import NoMapping, Unreadable
+
+        try:
+            saved = self._transformers_rules(cfg, stored if stored is not None else names, identity=False)
+        except Unreadable as exc:
+            # transformers' mapping places more of these files than the family's tables take,
+            # and its own reading of them fails: that is the reason to give.
+            if exc.taken > len(names) - len(unknown):
+                raise
+            saved = None
+        except (NoMapping, ConversionError):  # its mapping does not apply to this model here
+            saved = None
+        # Taken when it reads what the family's tables do not: every key, where a table refused
+        # these files outright (its reason, an ambiguity say, is the better one otherwise).
+        left = _not_taken(saved, names) if saved is not None else names
+        if not left or (refusal is None and len(left) < len(unknown)):
+            return saved
+        if refusal is not None:
+            raise refusal
+        return table
+
+    def _transformers_rules(self, cfg, stored=None, identity: bool = True) -> RuleSet:
+        """The module-name table seen through transformers' conversion mapping (with ``stored``:
+        as its from_pretrained reads those keys; without: as its save_pretrained writes). Where
+        nothing of it renames this model's tensors, the module-name table itself (``identity``) or
+        ``NoMapping``."""
+        from mmparity.reference.saved_layout import NoMapping, rule_set
+
+        table = self.converter.rules(cfg, MODULE_NAMES, family=self.name)
+        try:
+            return rule_set(table, cfg, stored)
+        except NoMapping:
+            if not identity:
+                raise
+            return dataclasses.replace(table, hf_format=TRANSFORMERS_LAYOUT)
 
     def hf_to_mcore(self, hf_state_dict: Mapping[str, torch.Tensor], cfg, tp_size: int = 1,
                     hf_format: str | None = None, spelling: str = "te",
@@ -279,6 +348,30 @@ class Family:
         prefix = detect_prefix(rules, state.keys())
         hf_keys, _ = expected_keys(rules)
         return ({k: state[prefix + k] for k in hf_keys if prefix + k in state}, prefix, rules.hf_format)
+
+
+def _shapes_of(keys):
+    """``keys`` as a mapping name -> (something with ``shape``): a mapping, or the keys view of one."""
+    mapping = keys if isinstance(keys, Mapping) else getattr(keys, "mapping", None)
+    return mapping if isinstance(mapping, Mapping) else None
+
+
+def _not_taken(table, names: list) -> list:
+    """The names ``table`` neither converts (under the one prefix it finds, as ``detect_prefix``
+    finds it) nor drops: none, when the table is the checkpoint's layout."""
+    import re
+
+    from mmparity.converters.rules import expected_keys
+
+    expected = set(expected_keys(table)[0])  # expanded once: a release has tens of thousands
+    hits = {p: sum(1 for k in names if k.startswith(p) and k[len(p):] in expected) for p in table.hf_prefixes}
+    found = [p for p, n in hits.items() if n]
+    if len(found) != 1:
+        return names
+    prefix = found[0]
+    left = [k for k in names if not (k.startswith(prefix) and k[len(prefix):] in expected)]
+    drops = [re.compile(p) for p in table.drop_hf]
+    return [k for k in left if not any(d.match(k) for d in drops)]
 
 
 def _llava_tower(vision_model_type: str) -> tuple:
@@ -369,8 +462,10 @@ _REGISTRY: dict[str, Family] = {
                   "routed experts", "language layers", "final_norm"),
         checkpoint_note="whole Kimi_K25ForConditionalGeneration checkpoint as Megatron's LLaVAModel "
                         "(vision_model, vision_projection, language_model with MoE layers); module "
-                        "names or the release layout (language_model.model.layers.N, one tensor per "
-                        "expert); experts as TEGroupedMLP names them; MTP layers dropped and reported",
+                        "names, the release layout (language_model.model.layers.N, one tensor per "
+                        "expert) or what transformers' save_pretrained writes (blocks.N, read through "
+                        "its conversion mapping); experts as TEGroupedMLP names them; MTP layers "
+                        "dropped and reported",
         takes_whole=(Takes(architecture="Kimi_K25ForConditionalGeneration", text_model_type="deepseek_v3"),
                      Takes(model_type="kimi_k25", text_model_type="deepseek_v3")),
         with_language=True,

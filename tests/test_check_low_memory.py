@@ -39,7 +39,7 @@ def _run_json(capsys, tmp_path, *argv) -> tuple[int, list, str]:
 # --- the reader --------------------------------------------------------------------------------
 
 def test_range_reader_reads_what_safetensors_holds_and_only_the_rows_asked(tmp_path):
-    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=4, max_shard_size="30KB")
+    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=4, max_shard_size="30KB", module_names=True)
     assert (src / "model.safetensors.index.json").exists()  # several shards
     expected = load_safetensors_state_dict(src)
     with RangeReader(src) as reader:
@@ -63,7 +63,7 @@ def test_finiteness_scan_reads_a_stacked_experts_tensor_a_range_of_rows_at_a_tim
     from mmparity.reference.kimi_k25_vl import tiny_config
 
     cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2)
-    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=3, cfg=cfg)
+    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=3, cfg=cfg, module_names=True)
     state = load_safetensors_state_dict(src)
     stacked = "model.language_model.layers.2.mlp.experts.gate_up_proj"
     bad = state[stacked].clone()
@@ -388,10 +388,10 @@ def test_low_memory_passes_under_an_address_space_limit_the_in_memory_check_cann
     with the report of an unlimited in-memory check, which fails under it."""
     from mmparity.reference.kimi_k25_vl import tiny_config
 
-    small = save_hf("kimi_k25_vl", tmp_path / "small", seed=2)
+    small = save_hf("kimi_k25_vl", tmp_path / "small", seed=2, module_names=True)
     cfg = tiny_config(hidden_size=384, num_hidden_layers=27, n_routed_experts=16, moe_intermediate_size=512,
                       n_group=4, topk_group=2)
-    big = save_hf("kimi_k25_vl", tmp_path / "big", seed=2, max_shard_size="200MB", cfg=cfg)
+    big = save_hf("kimi_k25_vl", tmp_path / "big", seed=2, max_shard_size="200MB", cfg=cfg, module_names=True)
     weights = sum(f.stat().st_size for f in big.glob("*.safetensors"))
     assert 3 * HEADROOM < weights < 3.5 * HEADROOM
 
@@ -421,7 +421,7 @@ def test_experts_are_read_a_group_at_a_time_with_the_same_report(tmp_path):
     from mmparity.reference.kimi_k25_vl import tiny_config
 
     cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2, moe_intermediate_size=96)
-    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=5, cfg=cfg)
+    src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=5, cfg=cfg, module_names=True)
     cfg, state, _ = _load_hf(str(src), "kimi_k25_vl", None)
     expected = _results(harness.check("kimi_k25_vl", cfg, state))
     peaks = {}

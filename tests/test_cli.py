@@ -94,7 +94,7 @@ def test_corrupt_config(capsys, tmp_path, pixtral_dir):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
-    _assert_usage_error(capsys, "check", "pixtral", "--hf", str(bad), match="cannot read config.json")
+    _assert_usage_error(capsys, "check", "pixtral", "--hf", str(bad), match="config.json: unreadable config")
 
 
 def test_truncated_safetensors(capsys, tmp_path, pixtral_dir):

@@ -22,13 +22,15 @@ from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoi
 from mmparity.cases.inputs import random_like_state
 
 
-def save_hf(family: str, path: Path, seed: int = 0, max_shard_size="20KB", cfg=None) -> Path:
-    """The family's tiny reference model as an HF directory (sharded), whatever its class."""
+def save_hf(family: str, path: Path, seed: int = 0, max_shard_size="20KB", cfg=None,
+            module_names: bool = False) -> Path:
+    """The family's tiny reference model as an HF directory (sharded), whatever its class: as its
+    ``save_pretrained`` writes it, or (``module_names``) its ``state_dict()``."""
     fam = families.get(family)
     cfg = cfg if cfg is not None else fam.tiny_config()
     model = fam.build_reference(cfg)
     model.load_state_dict(random_like_state(model.state_dict(), seed=seed))
-    if hasattr(model, "save_pretrained"):
+    if hasattr(model, "save_pretrained") and not module_names:
         model.save_pretrained(path, max_shard_size=max_shard_size)
     else:  # a reference wrapper around HF modules (e.g. the Mistral3 vision path)
         save_safetensors_checkpoint(path, model.state_dict(), max_shard_size=max_shard_size,

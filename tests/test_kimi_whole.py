@@ -134,11 +134,18 @@ def test_release_layout_holds_each_expert_as_the_stacked_tensors_slice(fam):
     assert all(torch.equal(again[0][k], shards[0][k]) for k in shards[0])
 
 
-def test_transformers_original_format_save_is_refused_in_one_line(fam, tmp_path):
+def test_what_transformers_saves_is_read_through_its_own_mapping(fam, tmp_path):
+    """The decoder as ``language_model.model.blocks.N``: no table of the family takes these keys,
+    transformers' conversion mapping reads them all (tests/test_saved_layouts.py converts them)."""
     cfg = fam.tiny_config()
-    keys = {"language_model.model.blocks.0.self_wqkv.weight": torch.zeros(1)}
-    with pytest.raises(ConversionError, match="save_pretrained"):
-        fam.rule_set(cfg, keys=keys)
+    model = fam.build_reference(cfg)
+    model.save_pretrained(tmp_path)
+    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+
+    saved = load_safetensors_state_dict(tmp_path)
+    assert any(k.startswith("language_model.model.blocks.") for k in saved)
+    assert fam.rule_set(cfg, keys=saved).hf_format == "transformers"
+    assert fam.rule_set(cfg, keys=model.state_dict()).hf_format == "hf"
 
 
 def _mtp_release(fam, tmp_path):

@@ -182,7 +182,10 @@ def toy(monkeypatch):
 def test_the_registry_lists_and_validates_it(toy):
     assert "toy" in families.names()
     assert toy.hooks.converter.formats == ("hf",)
-    assert toy.converter is SPEC and toy.state_shapes(toy.tiny_config())["layers.1.down_proj.weight"] == (6, 4)
+    # The registry's converter is the module's SPEC plus the layout transformers' mapping gives.
+    assert toy.converter.formats == SPEC.formats + (families.TRANSFORMERS_LAYOUT,)
+    assert toy.converter.detect_format is SPEC.detect_format
+    assert toy.state_shapes(toy.tiny_config())["layers.1.down_proj.weight"] == (6, 4)
 
 
 def test_conversion_both_ways_is_exact(toy):

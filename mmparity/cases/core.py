@@ -142,20 +142,23 @@ class LlavaTower:
     ``model_type``: the ``vision_config.model_type`` that selects it; ``class_token_len``: tokens
     the tower prepends to the patches; ``variable_size``: HF's LLaVA forward takes images of
     several sizes at once (with ``image_sizes``), else only the configured size;
-    ``v4_checkpoint_root``: the extra root transformers 4 saved the tower under.
+    ``v4_checkpoint_root``: the extra root transformers 4 saved the tower under; ``max_patches``:
+    how many patches per image side the tower takes, for its vision config.
     """
 
     model_type: str
     class_token_len: int = 0
     variable_size: bool = False
     v4_checkpoint_root: str = ""
+    # Patches per image side the tower takes for its vision config (None: any number).
+    max_patches: Optional[Callable[[Any], int]] = None
 
 
 def keep_reference_pairs(pairs: list, cfg) -> list:
     return pairs
 
 
-def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int) -> dict:
+def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int, *, divisible_by: int = 128) -> dict:
     return outputs
 
 
@@ -170,8 +173,9 @@ class MegatronClass:
     ``run(model, case, cfg)``: its outputs under the HF output names (an HF output it has no
     counterpart for is absent); ``pairs(model, cfg)``: its submodules named as the reference's pairs;
     ``reference_pairs(pairs, cfg)``: the reference's pairs as set against this class;
-    ``reference_outputs(outputs, case, cfg, tp)``: the reference's outputs as this class computes
-    them by design (``note`` says how, in each result's description);
+    ``reference_outputs(outputs, case, cfg, tp, divisible_by=N)``: the reference's outputs as this
+    class computes them by design, for a class built with vocabulary divisor ``N`` (``note`` says
+    how, in each result's description);
     ``module_cases``: the cases whose per-module outputs are compared (Megatron's packed paths call
     some modules once per image, where HF calls them once);
     ``default_config``: the config ``check`` uses (and the recorded layout is measured on) when none
@@ -288,6 +292,9 @@ class FamilyHooks:
     image_size_multiple: Optional[Callable[[Any], int]] = None
     image_size_problems: Callable[[Any, Sequence], list] = no_problems
     pipeline_problems: Callable[[Any, int], list] = no_problems
+    # What of a config the native model cannot reproduce: refused before any model is built or
+    # any rank is started.
+    config_problems: Callable[[Any], list] = no_problems
     # The bench: a FLOP formula (``shape(cfg, base) -> TowerShape``) and a released size.
     flop_shape: Optional[Callable[[Any, TowerShape], TowerShape]] = None
     published: Optional[Published] = None

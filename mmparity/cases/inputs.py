@@ -83,6 +83,19 @@ def random_like_state(state: dict, seed: int) -> dict:
     return out
 
 
+def within(sizes: Sequence[ImageSize], side: int, step: int, least: int = 1) -> list[ImageSize]:
+    """Default inputs inside what a config allows: ``sizes`` (multiples of ``step``) as they are
+    when no side is over ``side`` pixels, else all scaled by one factor so that the longest fits,
+    each side a multiple of ``step`` and at least ``least`` of them, so the images keep their
+    distinct shapes."""
+    most = max(least, side // step)
+    longest = max(max(h, w) for h, w in sizes) // step
+    if longest <= most:
+        return list(sizes)
+    return [tuple(step * min(most, max(least, int(n // step * most / longest + 0.5))) for n in size)
+            for size in sizes]
+
+
 # Component checks use a grid that is neither square nor the config's default.
 COMPONENT_GRID = (5, 7)
 

@@ -255,6 +255,12 @@ def hooks(towers, languages) -> FamilyHooks:
     def build_native(cfg, params_dtype=torch.float32):
         return native.build_native(cfg, params_dtype, language=languages(cfg).native)
 
+    def config_problems(cfg):
+        # What Megatron's MLA + MoE layers cannot compute as HF does (its group-limited routing,
+        # say): the language model part's own list, on the text config.
+        problems = languages(cfg).native.config_problems(cfg.text_config)
+        return [f"text_config: {p}" for p in problems]
+
     return FamilyHooks(
         tiny_config=reference.tiny_config, family_config=reference.vision_config,
         build_reference=reference.build, build_native=build_native, converter=converter.SPEC,
@@ -262,5 +268,6 @@ def hooks(towers, languages) -> FamilyHooks:
         native=Side(native_run, native_pairs, no_component), random_config=random_config,
         megatron=llava.bind_language(MEGATRON, languages),
         prepare_case=tower_cases.prepare_case, image_size_multiple=tower_cases.image_size_multiple,
-        image_size_problems=image_size_problems, pipeline_problems=pipeline_problems)
+        image_size_problems=image_size_problems, pipeline_problems=pipeline_problems,
+        config_problems=config_problems)
 

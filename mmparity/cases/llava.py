@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlavaConfig
 
 from mmparity.cases import inputs, processor
+from mmparity.cases import pixtral as pixtral_cases
 from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, MegatronClass, MegatronClasses, Pair, Published, Side, TowerLookup,
                                  first_tensor, tokens_2d)
 from mmparity.converters import llava as converter
-from mmparity.hfconfig import (feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size,
-                               select_strategy, tied_embeddings, vision_layers_run)
+from mmparity.hfconfig import (VOCAB_PAD_MULTIPLE, feature_layer_indices, first_int, has_patch_merger, image_hw,
+                               padded_vocab_size, select_strategy, spatial_merge, tied_embeddings, vision_layers_run)
 from mmparity.native import llava as native
 from mmparity.native.core.layers import numbered_layers
 from mmparity.native.llava_preprocess import (DEFAULT_IMAGE_TOKEN_INDEX, _precalculate_loss_weights,
@@ -57,12 +58,24 @@ def vision_pair_names(cfg) -> set[str]:
 # --- the reference side (transformers) -----------------------------------------------------------
 
 
+def tower_side(cfg, towers: TowerLookup) -> Optional[int]:
+    """The most pixels per image side the tower takes for this config (None: any number)."""
+    most = towers(cfg).llava_tower.max_patches
+    return None if most is None else most(cfg.vision_config) * first_int(cfg.vision_config.patch_size)
+
+
+def within_tower(cfg, sizes, towers: TowerLookup, step: int) -> list[tuple[int, int]]:
+    """Default ``sizes`` cut to what the tower takes, sides kept multiples of ``step``."""
+    side = tower_side(cfg, towers)
+    return list(sizes) if side is None else inputs.within(sizes, side, step)
+
+
 def image_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
     """HF LLaVA runs fixed-size towers (CLIP, SigLIP) without position interpolation: only their
-    own size works."""
+    own size works; a tower that takes several sizes takes what its own family allows."""
     vision = cfg.vision_config
     if towers(cfg).llava_tower.variable_size:
-        return []
+        return towers(cfg).image_size_problems(vision, sizes)
     side = vision.image_size
     return [f"image size {h}x{w}: a LLaVA {vision.model_type} tower only takes {side}x{side} "
             f"(HF does not interpolate its position embeddings here)" for h, w in sizes
@@ -81,7 +94,7 @@ def default_image_sizes(cfg, towers: TowerLookup) -> list[tuple[int, int]]:
     """Three images: odd, non-square grids where the tower takes any size, else its own size."""
     if towers(cfg).llava_tower.variable_size:
         p = first_int(cfg.vision_config.patch_size)
-        return [(3 * p, 5 * p), (5 * p, 2 * p), (2 * p, 4 * p)]
+        return within_tower(cfg, [(3 * p, 5 * p), (5 * p, 2 * p), (2 * p, 4 * p)], towers, p)
     return [image_hw(cfg.vision_config)] * 3
 
 
@@ -91,7 +104,7 @@ def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup,
     tiles (with the default sizes) between text; rows are padded with text to equal length. With
     explicit sizes every image is its own placeholder, the first half (rounded up) in row 0."""
     if composition is not None and composition.image_layout == ROWS:
-        return row_layout_cases(cfg, seed, image_sizes)
+        return row_layout_cases(cfg, seed, image_sizes, towers=towers)
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg, towers))]
     side = image_hw(cfg.vision_config)
     if not towers(cfg).llava_tower.variable_size and any(s != side for s in sizes):
@@ -127,19 +140,19 @@ def _text_tokens(cfg, count: int, gen, avoid=None) -> list[int]:
 
 # --- the processor's layout: rows of [IMG], [IMG_BREAK] between rows, [IMG_END] last ------------
 
-def row_layout_image_sizes(cfg) -> list[tuple[int, int]]:
-    """Three images of odd, non-square token grids."""
+def row_layout_image_sizes(cfg, towers: TowerLookup) -> list[tuple[int, int]]:
+    """Three images of odd, non-square token grids (cut to what the tower takes)."""
     px = processor.token_pixels(cfg)
-    return [(3 * px, 5 * px), (5 * px, 2 * px), (2 * px, 4 * px)]
+    return within_tower(cfg, [(3 * px, 5 * px), (5 * px, 2 * px), (2 * px, 4 * px)], towers, px)
 
 
-def row_layout_cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+def row_layout_cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup) -> list[Case]:
     """Two rows of text with images where HF's Pixtral processor puts them: the first half of the
     images (rounded up) in row 0, the rest in row 1, text between; the processor resizes,
     normalises and expands each ``[IMG]``. The native side reads the same ids with every run of
     ``[IMG]`` (one image row) as one placeholder of that many slots; ``[IMG_BREAK]`` and
     ``[IMG_END]`` stay text, as in the ids HF reads."""
-    sizes = [tuple(s) for s in (image_sizes or row_layout_image_sizes(cfg))]
+    sizes = [tuple(s) for s in (image_sizes or row_layout_image_sizes(cfg, towers))]
     px = processor.token_pixels(cfg)
     specials = processor.special_ids(cfg)
     raw = [_as_uint8(img) for img in inputs.images(sizes, cfg.vision_config.num_channels, seed)]
@@ -630,7 +643,9 @@ def _vision_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]
         raise megatron_side.UnsupportedInput("Megatron's ViTModel gives one layer's features; the config "
                                f"concatenates several (vision_feature_layer {cfg.vision_feature_layer})")
     p = first_int(cfg.vision_config.patch_size)
-    sizes = [tuple(s) for s in image_sizes or [(4 * p, 6 * p), (6 * p, 2 * p)]]
+    step = p * spatial_merge(cfg)
+    side = pixtral_cases.max_patches_per_side(cfg.vision_config) * p
+    sizes = [tuple(s) for s in image_sizes or inputs.within([(4 * p, 6 * p), (6 * p, 2 * p)], side, step)]
     channels = cfg.vision_config.num_channels
     outputs = ("vision_model", "vision_projection")
     static = [sizes[0]] * 2
@@ -679,15 +694,17 @@ def _vision_part_pairs(model, cfg) -> list[Pair]:
     return out + [Pair(PROJECTOR, model.vision_projection, tokens_2d)]
 
 
-def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int) -> dict:
-    """HF's per-token loss recomputed over the vocabulary padded as Megatron-LM pads it at ``tp``:
+def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int, *,
+                                 divisible_by: int = VOCAB_PAD_MULTIPLE) -> dict:
+    """HF's per-token loss recomputed over the vocabulary padded as Megatron-LM pads it at ``tp``
+    with ``--make-vocab-size-divisible-by divisible_by``:
     Megatron's cross entropy spans the pad rows, whose converted output weights are zero, so each
     adds a logit of 0 to the softmax. That is what Megatron computes for any padded checkpoint;
     HF's unpadded loss is not its function (docs/megatron.md, llava)."""
     labels = case.data["hf_labels"]
     batch, vocab = labels.shape[0], cfg.text_config.vocab_size
     logits = outputs["logits"].view(batch, -1, vocab)
-    rows = padded_vocab_size(vocab, tp=tp)
+    rows = padded_vocab_size(vocab, divisible_by, tp)
     padded = F.pad(logits, (0, rows - vocab))
     shifted = F.cross_entropy(padded[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1).to(padded.device),
                               ignore_index=IGNORE_INDEX, reduction="none").view(batch, -1)
@@ -810,10 +827,11 @@ class Composition:
     megatron: Optional[MegatronClasses] = None
 
 
-def row_layout_size_problems(cfg, sizes) -> list[str]:
+def row_layout_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
     px = processor.token_pixels(cfg)
     return [f"image size {h}x{w}: the Pixtral processor's tokens are {px} pixels, so both sides "
-            f"must be multiples of {px}" for h, w in sizes if h % px or w % px]
+            f"must be multiples of {px}" for h, w in sizes if h % px or w % px] + \
+        towers(cfg).image_size_problems(cfg.vision_config, sizes)
 
 
 # LLaVA itself: the placeholder layout, the tower family's tower, stock LLaVAModel first.
@@ -852,6 +870,5 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
         components=COMPONENTS,
         prepare_case=partial(prepare_case, towers=towers),
         image_size_multiple=processor.token_pixels if rows else None,
-        image_size_problems=(row_layout_size_problems if rows
-                             else partial(image_size_problems, towers=towers)),
+        image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers),
         pipeline_problems=pipeline_problems, published=composition.published)

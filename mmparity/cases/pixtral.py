@@ -13,7 +13,7 @@ from mmparity.cases import inputs
 from mmparity.cases import megatron as megatron_side
 from mmparity.cases.core import (Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape,
                                  first_tensor, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
-from mmparity.hfconfig import head_dim
+from mmparity.hfconfig import head_dim, image_hw
 from mmparity.converters import pixtral as converter
 from mmparity.converters.ops import RopeInterleave
 from mmparity.native import pixtral as native
@@ -25,10 +25,32 @@ from mmparity.upstream import models as upstream
 COMPONENTS = ("rope2d", "patch_embed")
 
 
+def max_patches_per_side(cfg) -> int:
+    """Patches per image side a Pixtral tower takes: HF's ``PixtralRotaryEmbedding`` holds angles
+    for ``image_size // patch_size`` of them (a larger grid indexes past its table), and the native
+    model refuses more."""
+    return max(image_hw(cfg)) // patch_size(cfg)
+
+
+def size_limit_problems(cfg, sizes) -> list[str]:
+    """Images whose patch grid is beyond :func:`max_patches_per_side` of the vision config ``cfg``."""
+    p, most = patch_size(cfg), max_patches_per_side(cfg)
+    return [f"image size {h}x{w} is a {h // p}x{w // p} patch grid, beyond the {most} patches per side "
+            f"the vision config allows (image_size {cfg.image_size} // patch_size {p}): at most "
+            f"{most * p} pixels per side" for h, w in sizes if max(h // p, w // p) > most]
+
+
 def default_image_sizes(cfg) -> list[tuple[int, int]]:
-    """Three images, none square at the config size: odd patch grids, one portrait, one landscape."""
+    """Three images, none square at the config size: odd patch grids, one portrait, one landscape
+    (cut to what the config allows)."""
     p = patch_size(cfg)
-    return [(3 * p, 5 * p), (7 * p, 2 * p), (5 * p, 5 * p)]
+    return inputs.within([(3 * p, 5 * p), (7 * p, 2 * p), (5 * p, 5 * p)], max_patches_per_side(cfg) * p, p)
+
+
+def component_grid(cfg) -> tuple[int, int]:
+    """The component checks' grid, cut to what the config allows."""
+    most = max_patches_per_side(cfg)
+    return tuple(min(n, max(most, 1)) for n in inputs.COMPONENT_GRID)
 
 
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
@@ -91,7 +113,7 @@ def rope_reference(cfg, seed: int, grid: tuple[int, int], dtype=torch.float32) -
 
 def reference_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "rope2d":
-        return rope_reference(cfg, seed, inputs.COMPONENT_GRID, next(model.parameters()).dtype)
+        return rope_reference(cfg, seed, component_grid(cfg), next(model.parameters()).dtype)
     if name == "patch_embed":
         img = inputs.images([inputs.component_image_size(patch_size(cfg))], cfg.num_channels, seed)[0]
         conv = model.patch_conv(inputs.like_model(img.unsqueeze(0), model))
@@ -128,13 +150,14 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
     if name == "rope2d":
         heads = cfg.num_attention_heads
         hd = head_dim(cfg)
-        q = inputs.rope_probe(heads, hd, inputs.COMPONENT_GRID, seed)
+        grid = component_grid(cfg)
+        q = inputs.rope_probe(heads, hd, grid, seed)
         q = inputs.like_model(q, model)
         n = q.shape[0]
         # Same per-head row permutation the converter applies to q/k weights, here on activations.
         op = RopeInterleave(heads, hd)
         q_mcore = op.apply([q.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
-        freqs = model.rotary_pos_emb(*inputs.COMPONENT_GRID, q.device)
+        freqs = model.rotary_pos_emb(*grid, q.device)
         rotated = apply_mcore_rope(model, q_mcore.to(freqs.device), freqs)
         return op.invert([rotated.reshape(n, heads * hd).T])[0].T.reshape(n, heads, hd)
     if name == "patch_embed":
@@ -184,5 +207,6 @@ MEGATRON = {"ViTModel": megatron_side.MegatronClass(upstream.build_pixtral, mega
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
                         random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=prepare_case,
-                        flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True))
+                        flop_shape=flop_shape, published=PUBLISHED, image_size_problems=size_limit_problems,
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True,
+                                               max_patches=max_patches_per_side))

@@ -27,17 +27,20 @@ MERGER_GRIDS = (inputs.COMPONENT_GRID, (4, 6))
 
 
 def image_size_problems(cfg, sizes) -> list[str]:
-    """The merger needs at least one whole merge block per image (HF drops odd edge rows/cols)."""
+    """The merger needs at least one whole merge block per image (HF drops odd edge rows/cols);
+    the tower takes no more patches per side than its config allows."""
     p, m = patch_size(cfg), cfg.spatial_merge_size
     return [f"image size {h}x{w} gives a {h // p}x{w // p} patch grid, smaller than one "
             f"{m}x{m} merge block (need at least {m * p}x{m * p} pixels)"
-            for h, w in sizes if h // p < m or w // p < m]
+            for h, w in sizes if h // p < m or w // p < m] + pixtral.size_limit_problems(cfg.vision_config, sizes)
 
 
 def default_image_sizes(cfg) -> list[tuple[int, int]]:
-    """Odd grids (the merger drops their last row / column, as ``F.unfold`` does), non-square."""
+    """Odd grids (the merger drops their last row / column, as ``F.unfold`` does), non-square, cut
+    to what the config allows."""
     p = patch_size(cfg)
-    return [(5 * p, 7 * p), (4 * p, 6 * p), (7 * p, 2 * p)]
+    return inputs.within([(5 * p, 7 * p), (4 * p, 6 * p), (7 * p, 2 * p)],
+                         pixtral.max_patches_per_side(cfg.vision_config) * p, p, least=cfg.spatial_merge_size)
 
 
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:

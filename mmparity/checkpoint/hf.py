@@ -71,6 +71,15 @@ _WIDTH = re.compile(r"^(.*_)?(hidden_size|intermediate_size|embed_dim|hidden_dim
 # Ceilings beyond any model these encoders describe, whatever the checkpoint holds.
 MAX_LAYERS = 10_000
 MAX_WIDTH = 2**20
+MAX_VOCAB = 2**24  # sixty times the largest vocabulary released (262k)
+# Sizes that are counts of one or more in every model (a layer count, or a secondary width such as
+# a shared expert's, may be 0; other configs use some of these names for flags or lists, so only
+# these are held to being counts); and the norms' epsilons, small positive numbers.
+_COUNTS = re.compile(r"^(hidden_size|num_attention_heads|num_key_value_heads|num_heads|patch_size|image_size|"
+                     r"vocab_size|num_channels|embed_dim|intermediate_size|num_hidden_layers)$")
+_NONZERO = re.compile(r"^(hidden_size|num_attention_heads|num_heads|patch_size|image_size|vocab_size|num_channels|"
+                      r"embed_dim)$")
+_EPSILON = re.compile(r"^(.*_)?(rms_norm|layer_norm|norm|ln)_eps(ilon)?$")
 
 
 def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
@@ -127,9 +136,12 @@ def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.Pa
     reaches. A `depth` of 1e9 would otherwise build a billion modules and rules (tens of GB) before
     a shape was ever compared. ``capacity``: `checkpoint_capacity` as already read (``check
     --low-memory`` reads the headers without mapping the files)."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    problems = _kind_problems(data)
+    if problems:
+        raise CheckpointError(f"{config_path}: {'; '.join(problems[:4])} (correct the config)")
     tensors, elements = capacity if capacity is not None else checkpoint_capacity(checkpoint)
-    problems = []
-    for key, value in _int_fields(config.to_dict() if hasattr(config, "to_dict") else dict(config)):
+    for key, value in _int_fields(data):
         name = key.rsplit(".", 1)[-1]
         if _LAYER_COUNT.match(name) and (value > tensors or value > MAX_LAYERS):
             problems.append(f"{key} = {value}, but the checkpoint holds {tensors} tensors" if value > tensors
@@ -137,9 +149,40 @@ def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.Pa
         elif _WIDTH.match(name) and (value > elements or value > MAX_WIDTH):
             problems.append(f"{key} = {value}, but the checkpoint holds {elements} weights in all" if value > elements
                             else f"{key} = {value} is beyond the width {MAX_WIDTH} mmparity accepts")
+        elif name == "vocab_size" and (value > elements or value > MAX_VOCAB):
+            problems.append(f"{key} = {value}, but the checkpoint holds {elements} weights in all" if value > elements
+                            else f"{key} = {value} is beyond the vocabulary of {MAX_VOCAB} mmparity accepts")
     if problems:
         raise CheckpointError(f"{config_path}: sizes the weights cannot back: {'; '.join(problems[:4])} "
                               "(a config from another model?)")
+
+
+def _kind_problems(data: dict, prefix: str = "") -> list[str]:
+    """Sizes that are not counts (a boolean, a fraction, a negative number; zero where no model has
+    none) and epsilons that are not small positive numbers, by key path: each would build a model
+    of no meaning, or be published as it is."""
+    problems = []
+    for key, value in data.items():
+        path, name = f"{prefix}{key}", str(key)
+        if isinstance(value, dict):
+            problems += _kind_problems(value, f"{path}.")
+        elif value is None:
+            continue
+        elif _COUNTS.match(name):
+            # A count, or one per axis ("image_size": [h, w]).
+            for item in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(item, bool) or not isinstance(item, int):
+                    problems.append(f"{path} is {json.dumps(value)[:40]}, not a count")
+                    break
+                if item < 0 or (item == 0 and _NONZERO.match(name)):
+                    problems.append(f"{path} is {json.dumps(value)[:40]}, not a size a model has")
+                    break
+        elif (_LAYER_COUNT.match(name) or _WIDTH.match(name)) and isinstance(value, int) and value < 0:
+            problems.append(f"{path} is {value}, not a size a model has")
+        elif _EPSILON.match(name):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                problems.append(f"{path} is {json.dumps(value)[:40]}, not an epsilon (a small positive number)")
+    return problems
 
 
 def _int_fields(data: dict, prefix: str = ""):
@@ -160,6 +203,22 @@ MISTRAL_PARAMS = "params.json"
 MAX_CONFIG_BYTES = 2**24
 
 
+def _non_finite(data) -> str | None:
+    """The first place in parsed JSON ``data`` that holds NaN or an infinity (``a.b[2]``), if any.
+    Python's json reads NaN, Infinity and -Infinity, which JSON has not; no size, epsilon or RoPE
+    base of a model is one, and a config holding one would be published as it is."""
+    stack = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "the top level"
+        if isinstance(value, dict):
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return None
+
+
 def _read_json_object(path: Path) -> dict:
     size = require_regular_file(path, "config").st_size
     if size > MAX_CONFIG_BYTES:
@@ -169,6 +228,10 @@ def _read_json_object(path: Path) -> dict:
             data = json.loads(f.read(MAX_CONFIG_BYTES + 1))
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: unreadable config ({' '.join(str(exc).split())[:200]})") from None
+    bad = _non_finite(data)
+    if bad is not None:
+        raise CheckpointError(f"{path}: {bad} is not a finite number (NaN and infinities are no JSON, and no "
+                              "size, epsilon or RoPE base of a model); correct the config")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object")
     return data
@@ -190,22 +253,24 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
                                                 if os.path.lexists(directory / n)])
     if os.path.lexists(config_path):
         require_regular_file(config_path, "config")
-        if not for_models:
-            data = _read_json_object(config_path)
-            if data.get("model_type") in known_model_types():
-                try:
-                    return config_view(data), config_path.read_bytes()
-                except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                    raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
-        from transformers import AutoConfig
+        data = _read_json_object(config_path)  # what transformers would read, NaN refused
+        if not for_models and data.get("model_type") in known_model_types():
+            try:
+                config = config_view(data)
+            except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        else:
+            from transformers import AutoConfig
 
-        try:
-            full = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
-        except Exception as exc:  # transformers raises several types for a bad config
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
-        return full, config_path.read_bytes()
+            try:
+                config = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+            except Exception as exc:  # transformers raises several types for a bad config
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        if config_name == HF_CONFIG and os.path.lexists(params_path):
+            _check_params_beside(config, config_path, params_path)
+        return config, config_path.read_bytes()
     if config_name == HF_CONFIG and os.path.lexists(params_path):
         from mmparity.reference.mistral_params import ParamsError, config_from_params
 
@@ -217,6 +282,20 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
         return (full if for_models else config_view(full.to_dict())), raw
     raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
                           f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
+
+
+def _check_params_beside(config, config_path: Path, params_path: Path) -> None:
+    """A release with both files (Mistral's own beside transformers'): config.json is the one
+    read, as transformers reads it, and params.json must describe the same model wherever both
+    state a field; otherwise which one the weights follow is anyone's guess."""
+    from mmparity.reference.mistral_params import params_disagreements
+
+    problems = params_disagreements(_read_json_object(params_path), config)
+    if problems:
+        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        raise CheckpointError(f"{config_path} and {params_path} disagree: {shown}; {HF_CONFIG} is the one "
+                              f"read: correct the file that does not describe these weights, or remove "
+                              f"{MISTRAL_PARAMS}")
 
 
 def _name(data: dict, key: str, path: Path, where: str = "") -> str | None:

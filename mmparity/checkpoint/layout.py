@@ -13,6 +13,7 @@ Pure: no megatron import.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -27,6 +28,7 @@ __all__ = [
     "LEGACY_FILE",
     "DIST_CONFIG_FILE",
     "CHECKPOINT_VERSION",
+    "check_checkpoint_version",
     "iteration_dirname",
     "legacy_rank_dirname",
     "rank_dirname",
@@ -45,9 +47,29 @@ LEGACY_FILE = "model_optim_rng.pt"
 DIST_CONFIG_FILE = "metadata.json"
 # Megatron-LM's current state-dict version: 3.0 means fused QKV in per-query-group order.
 CHECKPOINT_VERSION = 3.0
+# Megatron-LM has written 0 (none recorded), 1.0, 2.0 and 3.0, each a change of layout; a version
+# from the next major one on would be a layout this reader does not know.
+_NEXT_CHECKPOINT_VERSION = 4.0
 
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 _LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
+
+
+def check_checkpoint_version(version, where) -> None:
+    """Refuses a ``checkpoint_version`` whose layout is not the one read here: anything but a
+    finite number from 3.0 up to the next major version. A NaN or an infinity compares false or
+    true against every bound, so it is refused as no number before any comparison."""
+    if isinstance(version, bool) or not isinstance(version, (int, float)) or not math.isfinite(version):
+        raise CheckpointError(f"{where}: checkpoint_version {version!r} is not a version number (Megatron-LM "
+                              f"writes {CHECKPOINT_VERSION}); the file is damaged or was not written by Megatron-LM")
+    if version < CHECKPOINT_VERSION:
+        # Before 3.0 the fused QKV rows were ordered differently; converting them as 3.0 would be
+        # silently wrong.
+        raise CheckpointError(f"{where}: checkpoint_version {version!r} is older than {CHECKPOINT_VERSION}; "
+                              "not supported")
+    if version >= _NEXT_CHECKPOINT_VERSION:
+        raise CheckpointError(f"{where}: checkpoint_version {version!r} is newer than any Megatron-LM has written "
+                              f"({CHECKPOINT_VERSION}); its layout is not known here")
 
 
 def iteration_dirname(iteration: int | str) -> str:

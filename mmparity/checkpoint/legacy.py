@@ -47,6 +47,7 @@ from mmparity.checkpoint.layout import (
     CHECKPOINT_VERSION,
     LEGACY_FILE,
     RELEASE,
+    check_checkpoint_version,
     iteration_dirname,
     parse_rank_dirname,
     rank_dirname,
@@ -234,7 +235,9 @@ def _expert_ranks(stage: Mapping[str, str], grid: Grid, num_experts: int) -> lis
         return [stage]
     try:
         return ep_mod.split_expert_ranks(stage, grid.ep, num_experts)
-    except (ConversionError, AxisError) as exc:
+    except ConversionError as exc:
+        raise CheckpointError(exc.line()) from None
+    except AxisError as exc:
         raise CheckpointError(str(exc)) from None
 
 
@@ -333,7 +336,7 @@ def write_legacy(
         try:
             num_experts = ep_mod.expert_count(tp_shards[0])
         except ConversionError as exc:
-            raise CheckpointError(str(exc)) from None
+            raise CheckpointError(exc.line()) from None
     entries = [{k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
                for shard in tp_shards]
     with atomic_directory(root, force=force) as staging:
@@ -422,11 +425,7 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
             raise CheckpointError(f"{path}: virtual-pipeline chunks ({', '.join(chunks)}) where a 'model' entry "
                                   "was expected")
         raise CheckpointError(f"{path}: no {chunk!r} entry (keys: {', '.join(sorted(map(str, payload))[:8])})")
-    version = payload.get("checkpoint_version", 0)
-    if not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION:
-        # Before 3.0 the fused QKV rows were ordered differently; converting them as 3.0 would be
-        # silently wrong.
-        raise CheckpointError(f"{path}: checkpoint_version {version!r} is older than {CHECKPOINT_VERSION}; not supported")
+    check_checkpoint_version(payload.get("checkpoint_version", 0), path)
     model = payload[chunk]
     if not isinstance(model, dict):
         raise CheckpointError(f"{path}: {chunk!r} is a {type(model).__name__}, not a state dict")
@@ -525,7 +524,8 @@ class LegacyCheckpoint:
             return ep_mod.merge_expert_ranks(states, num_experts)
         except (ConversionError, AxisError) as exc:
             where = rank_dirname(Grid.of(self.tp_size, self.pp_size, self.ep_size), tp_rank, pp_rank, 0)
-            raise CheckpointError(f"{self.iteration_dir}: {where} and its EP ranks: {exc}") from None
+            cause = exc.line() if isinstance(exc, ConversionError) else exc
+            raise CheckpointError(f"{self.iteration_dir}: {where} and its EP ranks: {cause}") from None
 
     def tp_shards(
         self,

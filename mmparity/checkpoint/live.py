@@ -47,7 +47,11 @@ from mmparity.converters import rules as R
 from mmparity.converters import tp as tp_mod
 from mmparity.converters.rules import ConversionError
 
-__all__ = ["LiveLayout", "export_hf", "import_hf", "ImportReport"]
+__all__ = ["LiveLayout", "export_hf", "import_hf", "ImportReport", "EXPORT_DTYPES"]
+
+# What ``export_hf(dtype=...)`` casts floating weights to: the dtypes HF checkpoints hold weights
+# in. Anything else (an integer dtype, float8 without its scales) is no value-preserving target.
+EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +221,12 @@ def export_hf(model, family: str, cfg, *, base: str | os.PathLike | None = None,
     for; ``omit_aside=True`` leaves them out instead. ``dtype`` casts floating tensors (default:
     the model's own). ``hf_format`` / ``prefix``: the HF layout and key prefix to write (default:
     the base's, else the family's first). Planned before this returns: a model that does
-    not fit the table raises here, on every rank, listing every problem."""
+    not fit the table raises here, on every rank, listing every problem. A ``dtype`` that is not
+    one of the floating dtypes a checkpoint holds is a ``ValueError`` (an integer cast would
+    truncate every weight, a float8 one without scales saturate them)."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export_hf: dtype={dtype!r} is not a weight dtype; pass one of "
+                         f"{', '.join(map(str, EXPORT_DTYPES))}, or None for the model's own")
     aside_source = None
     if base is not None:
 

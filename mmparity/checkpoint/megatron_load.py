@@ -43,7 +43,7 @@ from mmparity.checkpoint.legacy import load_rank_payload, model_chunk_keys, open
 from mmparity.checkpoint.megatron_written import describe, read_common
 from mmparity.checkpoint.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
 from mmparity.checkpoint.torch_dist import copy_containers
-from mmparity.checkpoint.streaming import (_NOT_MODEL_KEYS, ConvertError, _check_shapes, _validate_tp,
+from mmparity.checkpoint.streaming import (_NOT_MODEL_KEYS, ConvertError, _check_shapes, _padded_tables, _validate_tp,
                                            model_config_for, open_source)
 from mmparity.checkpoint.unpickle import RefusedPickle
 from mmparity.converters import pp as pp_mod
@@ -518,6 +518,23 @@ def _megatron_written(root: Path, family: Optional[str], base, hf_config, iterat
             info.ep or 1, divisor, tuple(left))
 
 
+def _check_args_divisor(source, divisor: int, tp: int, root: Path, stores_grid: bool) -> None:
+    """Megatron's class is built with the vocabulary divisor the checkpoint's ``args`` record,
+    checked before the class is built (a divisor of 1e9 would ask for the rows of a 160 GB
+    table): rank files hold their tables as padded for their own TP, exactly; global tensors may
+    be loaded at another TP, padded otherwise, but never past the bound ``--make-vocab-size-
+    divisible-by`` is held to."""
+    for key, padding in _padded_tables(source.rules).items():
+        meta = source.metas.get(key)
+        if meta is None or not meta.shape:
+            continue
+        target = padding.at_tp(tp, divisor)
+        if target.excessive or (stores_grid and target.padded != meta.shape[0]):
+            raise CheckpointError(f"{root}: its args record make_vocab_size_divisible_by {divisor}, which pads {key} "
+                                  f"from {padding.rows} to {target.padded} rows at TP {tp}, but the checkpoint "
+                                  f"holds {meta.shape[0]}: these args are not the ones it was saved with")
+
+
 def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
              tp: Optional[int] = None, pp: Optional[int] = None, *, base=None, hf_config=None,
              family: Optional[str] = None, iteration=None) -> tuple[LoadJob, str, str, int]:
@@ -563,6 +580,8 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         # foreign tensors are left to the strict load, which names them per rank.
         source = open_source(root, family, complete=False, model_config=model_config, iteration=iteration)
         _check_shapes(source)
+        if args_divisor is not None:
+            _check_args_divisor(source, args_divisor, tp, root, fmt.stores_grid)
         _validate_tp(source.rules, tp)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None

@@ -44,8 +44,7 @@ from types import MappingProxyType
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file as safetensors_load, save as safetensors_save
+from safetensors.torch import save as safetensors_save
 
 from mmparity import families
 from mmparity.checkpoint import extra_state, megatron_args, torch_dist_layout, torch_dist_write
@@ -74,11 +73,12 @@ from mmparity.checkpoint.fsio.heap import heap_budget
 from mmparity.checkpoint.fsio.pieces import FileRanges, joined, narrow_pieces, route_pieces
 from mmparity.checkpoint.fsio.publish import recover_destination
 from mmparity.checkpoint.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, MCORE_SIDE_FILE, has_hf_weights, parse_size
+from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
 from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
 from mmparity.checkpoint import quantized as quant_io
 from mmparity.converters import quant as quant_mod
-from mmparity.converters.ops import LayoutError, PadRows
+from mmparity.converters.ops import MAX_EXTRA_PAD_ROWS, LayoutError, PadRows
 from mmparity.converters.tp import ShardError
 
 __all__ = [
@@ -311,14 +311,21 @@ class _TensorFilter:
         return meta
 
     def __call__(self, name: str, t: torch.Tensor, where: str) -> torch.Tensor:
-        if self.check_finite and t.is_floating_point() and t.numel():
-            finite = torch.isfinite(t)
+        # Cast first, then check: what is written is what is certified finite (1e6 is finite in
+        # float32 and Inf in float16).
+        out = t.to(self.dtype) if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype else t
+        if self.check_finite and out.is_floating_point() and out.numel():
+            finite = torch.isfinite(out)
             if not bool(finite.all()):
-                bad = int(t.numel() - finite.sum())
-                raise ConvertError(f"{where}: tensor {name} holds {bad} NaN/Inf value(s) (--check-finite)")
-        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        return t
+                bad = int(out.numel() - finite.sum())
+                stored = bad if out is t else int(t.numel() - torch.isfinite(t).sum())
+                if stored == bad:
+                    raise ConvertError(f"{where}: tensor {name} holds {bad} NaN/Inf value(s) (--check-finite)")
+                largest = float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+                raise ConvertError(f"{where}: tensor {name}: {bad - stored} value(s) overflow to Inf in the cast to "
+                                   f"{str(self.dtype).removeprefix('torch.')} (largest magnitude {largest:g}, beyond "
+                                   f"its {torch.finfo(self.dtype).max:g}) (--check-finite); choose a wider --dtype")
+        return out
 
 
 def load_family_config(config_path: Path, family: str, where: Path, capacity: tuple[int, int] | None = None):
@@ -341,11 +348,11 @@ def load_family_config(config_path: Path, family: str, where: Path, capacity: tu
     return cfg, raw
 
 
-def _rule_set(family: str, cfg, hf_format: str | None, keys=None) -> R.RuleSet:
+def _rule_set(family: str, cfg, hf_format: str | None, keys=None, where: str = "") -> R.RuleSet:
     try:
         return families.get(family).rule_set(cfg, hf_format, keys=keys)
     except R.ConversionError as exc:
-        raise _from_conversion_error(exc) from None
+        raise _from_conversion_error(exc, where) from None
 
 
 def _part_root(rules: R.RuleSet, family: str, part: str) -> str:
@@ -432,9 +439,11 @@ def _quant_scales(source: "_Source") -> tuple[dict[str, bytes], tuple, dict]:
 
 
 def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str],
-                    name: str = SIDE_FILE) -> dict[str, torch.Tensor]:
+                    name: str = SIDE_FILE, expected: Mapping[str, tuple] | None = None) -> dict[str, torch.Tensor]:
     """The side tensors of an mcore checkpoint (or the tensors of another file beside it, ``name``),
-    checked against the manifest's checksums."""
+    checked against the manifest's checksums. What the file's header declares is held to the
+    manifest's records and to the shapes the config implies (``expected``) before a byte is read:
+    a header may declare a tensor of any size (over a sparse file, say)."""
     if not keys:
         return {}
     records = {r.key: r for r in (manifest.tensors if manifest is not None else ()) if r.file == name}
@@ -447,11 +456,33 @@ def _read_side_file(root: Path, manifest: Manifest | None, keys: Sequence[str],
                            f"the tensors Megatron's class has no place for: {', '.join(keys[:4])}"
                            f"{' ...' if len(keys) > 4 else ''})")
     try:
-        tensors = safetensors_load(str(path))
-    except (SafetensorError, OSError) as exc:
+        reader = RangeReader.of_file(path)
+    except CheckpointError as exc:
         raise ConvertError(f"{path}: cannot read the side file: {exc}") from None
-    problems = [f"missing side tensor {k}" for k in keys if k not in tensors]
-    problems += [f"unexpected side tensor {k}" for k in tensors if k not in keys]
+    with reader:
+        return _checked_side_tensors(path, reader, records, keys, expected)
+
+
+def _checked_side_tensors(path: Path, reader: RangeReader, records: Mapping, keys: Sequence[str],
+                          expected: Mapping[str, tuple] | None) -> dict[str, torch.Tensor]:
+    infos = reader.infos()
+    problems = [f"missing side tensor {k}" for k in keys if k not in infos]
+    problems += [f"unexpected side tensor {k} {list(infos[k].shape)}" for k in infos if k not in keys]
+    for key, info in infos.items():
+        want = (expected or {}).get(key)
+        if want is not None and tuple(info.shape) != tuple(want):
+            problems.append(f"{key}: its header declares {list(info.shape)}, the config implies {list(want)}")
+        elif key in records:
+            declared = TensorChecksum(str(info.dtype).removeprefix("torch."), tuple(info.shape), "")
+            problems += [f"{key}: its header declares {d.replace('expected', 'the manifest records')}"
+                         for d in records[key].checksum.differences(declared) if not d.endswith("differs")]
+    if problems:  # nothing read yet
+        raise ConvertError(_problems_line(f"{path}: side file declares other tensors than its manifest and config "
+                                          "describe (re-convert the checkpoint, or restore the file)", problems))
+    try:
+        tensors = {key: reader.read(key) for key in infos}
+    except CheckpointError as exc:  # a short read
+        raise ConvertError(f"{path}: cannot read the side file: {exc}") from None
     for key, t in tensors.items():
         if key not in records:
             problems.append(f"side tensor {key} is not in the manifest")
@@ -547,7 +578,7 @@ class _HFSource(_Source):
             self.ckpt = quant_io.DequantizingCheckpoint(self.ckpt, scheme, filt.dtype)
             self.quant_record = self.ckpt.record().to_json()
         infos = self.ckpt.infos()
-        self.rules = _rule_set(family, self.cfg, hf_format, keys=list(infos))
+        self.rules = _rule_set(family, self.cfg, hf_format, keys=infos, where=f"{path}: ")
         self.hf_format = self.rules.hf_format
         if part is not None:
             self.part = _part_root(self.rules, family, part)
@@ -727,7 +758,8 @@ class _McoreSource(_Source):
                                f"pass --base HF_DIR (the release it was converted from) instead of "
                                f"{model_config.origin}")
         else:
-            self.side = (_read_side_file(root, manifest, side_keys)
+            self.side = (_read_side_file(root, manifest, side_keys,
+                                         expected=_expected_mcore_shapes(self.family, self.cfg))
                          if complete or (root / SIDE_FILE).is_file() else {})
         if manifest is not None:
             # The weight files' records (one per stored tensor) are verify's to check, and nothing
@@ -1204,30 +1236,37 @@ def _check_recorded_divisor(source: _Source) -> None:
                                "with (re-create it with mmparity convert)")
 
 
-def _check_shapes(source: _Source) -> None:
+def _check_shapes(source: _Source, label: str | None = None) -> None:
     """Every tensor of ``source`` against the shapes its HF config implies (and an mcore source's
     recorded vocabulary divisor against its tables), before any tensor is read or anything is
     built from the config: ``convert``, ``check --mcore`` and ``verify --load`` all call this, on
-    the source as stored (an mcore source before ``repad_vocab``)."""
+    the source as stored (an mcore source before ``repad_vocab``). ``label`` names the source in
+    the message (``--base DIR``); an HF source's tensors are named with their files."""
     _check_recorded_divisor(source)
     expected = _expected_mcore_shapes(source.family, source.cfg, source.vocab_tp, source.vocab_multiple,
                                       source.part)
     if expected is None:
         return
     kinds = _kinds(source.rules)
+    real_rows = {key: padding.rows for key, padding in _padded_tables(source.rules).items()}
     problems = []
     for key, meta in source.metas.items():
         want = expected.get(key)
         if (want is not None and ckpt_formats.by_layout(source.layout).kind == ckpt_formats.MCORE
                 and kinds.get(key) == "vocab"
-                and tuple(meta.shape[1:]) == want[1:] and meta.shape[0] >= want[0]):
-            continue  # padded for another TP size or multiple: export trims it all the same
+                and tuple(meta.shape[1:]) == want[1:] and meta.shape[0] >= real_rows.get(key, want[0])):
+            # Padded for another TP size or divisor (a smaller one than assumed too: Megatron-LM's
+            # --make-vocab-size-divisible-by 64): export trims it all the same.
+            continue
         if want is not None and tuple(meta.shape) != want:
             origin = source.hf_sources.get(key)
             named = f"{', '.join(origin)} -> {key}" if origin else key
-            problems.append(f"{named} is {list(meta.shape)}, the config implies {list(want)}")
+            problems.append((origin, f"{named} is {list(meta.shape)}, the config implies {list(want)}"))
     if problems:
-        raise ConvertError(_problems_line(f"{source.path}: shape mismatch with its HF config", problems))
+        infos = source.ckpt.infos() if isinstance(source, _HFSource) else {}
+        lines = [f"{', '.join(sorted({infos[k].file for k in origin if k in infos}))}: {line}"
+                 if origin and any(k in infos for k in origin) else line for origin, line in problems]
+        raise ConvertError(_problems_line(f"{label or source.path}: shape mismatch with its HF config", lines))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1353,7 +1392,11 @@ class _Requant:
         self.error = quant_mod.RequantError()
 
     def write(self, key: str, value: torch.Tensor, writer) -> list:
-        weight, scale = quant_mod.quantize(value, self.scheme, self.scales[key])
+        try:
+            weight, scale = quant_mod.quantize(value, self.scheme, self.scales[key])
+        except quant_mod.QuantError as exc:
+            raise ConvertError(f"--requantize: {key}: {exc}; export without --requantize (the weights as they "
+                               "are) or repair them") from None
         error, exact = quant_mod.requant_error(value, weight, scale, self.scheme)
         # With the source's scales kept and its values coming back exactly, the bytes are the
         # source's (quantize inverts dequantize, tests/test_quant.py); otherwise they changed.
@@ -1587,6 +1630,20 @@ def _check_options(options: ConvertOptions) -> torch.dtype | None:
     return DTYPES[options.dtype]
 
 
+def _check_vocab_divisor(source: _Source, tp: int, multiple: int | None) -> None:
+    """``--make-vocab-size-divisible-by``, before a padded table is made: the padding it implies
+    for each of the source's vocabularies stays within what Megatron-LM could ask for."""
+    if multiple is None:
+        return
+    for key, padding in _padded_tables(source.rules).items():
+        target = padding.at_tp(tp, multiple)
+        if target.excessive:
+            raise ConvertError(f"--make-vocab-size-divisible-by {multiple}: pads {key} from {target.rows} to "
+                               f"{target.padded} rows at TP {tp}, past twice its rows plus {MAX_EXTRA_PAD_ROWS}; "
+                               "Megatron-LM pads to a multiple of its divisor (default 128) x TP: give the one "
+                               "the model is trained with")
+
+
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
     a, b = checkpoint_extent(src), dst.resolve()
     if a == b or a in b.parents or b in a.parents:
@@ -1631,6 +1688,7 @@ def _convert(options: ConvertOptions, progress: Progress | None) -> ConvertResul
         source = open_source(src, options.family, source_format, dtype=dtype, check_finite=options.check_finite,
                              tp=vocab_tp, vocab_multiple=options.make_vocab_size_divisible_by or R.VOCAB_MULTIPLE,
                              model_config=model_config, iteration=options.iteration, part=options.part)
+        _check_vocab_divisor(source, vocab_tp, options.make_vocab_size_divisible_by)
         _check_shapes(source)  # as stored, before the tables are re-padded from what it records
         if isinstance(source, _McoreSource) and options.to == "mcore":
             # Resharding: the tables are padded for the target, as Megatron-LM would pad them.
@@ -1680,7 +1738,13 @@ def model_config_for(src: Path, family: str | None, base: Path | None, hf_config
             except families.DetectError as exc:
                 raise ConvertError(f"--base {base}: {exc}") from None
         families.get(family)
-        hf = _HFSource(base, family, None, _TensorFilter(None, False))
+        try:
+            hf = _HFSource(base, family, None, _TensorFilter(None, False))
+        except ConvertError as exc:
+            raise ConvertError(f"--base {exc}") from None
+        # The base's own tensors against its config before any is taken: a mis-shaped one is the
+        # base's fault, not the checkpoint's it would be copied beside.
+        _check_shapes(hf, f"--base {base}")
 
         def side(keys: Sequence[str]) -> dict[str, torch.Tensor]:
             return {key: joined(hf.mcore_pieces(key)).contiguous() for key in keys}

@@ -19,7 +19,8 @@ from safetensors import safe_open
 
 from mmparity.checkpoint import extra_state, torch_dist_files
 from mmparity.checkpoint import formats as ckpt_formats
-from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.checkpoint.fsio.checksums import TensorChecksum, tensor_checksum
+from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_DTYPES
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import link_outside, links_outside, require_regular_file
 from mmparity.checkpoint.legacy import load_rank_file
@@ -117,6 +118,16 @@ def _verify_hf(root: Path, by_file: Mapping[str, list[TensorRecord]], report: Ve
                 report.problems.append(Problem(file_name, record.key, "missing from the file"))
                 continue
             try:
+                # What the header declares, before it is allocated: a header may declare a tensor of
+                # any size (over a sparse file), and the record says what it must be.
+                view = handle.get_slice(record.key)
+                dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
+                declared = TensorChecksum(str(dtype).removeprefix("torch."), tuple(view.get_shape()), "")
+                wrong = [d for d in record.checksum.differences(declared) if not d.endswith("differs")]
+                if wrong:
+                    report.checked += 1
+                    report.problems += [Problem(file_name, record.key, f"its header declares {d}") for d in wrong]
+                    continue
                 found = handle.get_tensor(record.key)
             except Exception as exc:
                 report.problems.append(Problem(file_name, record.key, f"unreadable ({' '.join(str(exc).split())})"))

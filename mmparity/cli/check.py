@@ -104,7 +104,7 @@ def _check_image_sizes(name: str, cfg, sizes) -> None:
         try:
             harness.validate_image_sizes(name, cfg, sizes)
         except harness.InputError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"--image-size: {exc}") from None
 
 
 def _refuse_poisoned(directory: str, poisoned: dict) -> None:
@@ -132,9 +132,16 @@ def _family_config(directory: str, family: str):
         raise UsageError(f"--hf {exc}") from None
     fam = families.get(family)
     try:
-        return fam, fam.family_config(full_cfg)
+        cfg = fam.family_config(full_cfg)
     except ValueError as exc:
         raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
+    from mmparity.parity import harness
+
+    try:
+        harness.refuse_config(family, cfg)
+    except harness.InputError as exc:
+        raise UsageError(f"--hf {directory}: {exc}") from None
+    return fam, cfg
 
 
 def _load_hf(directory: str, family: str, hf_format):
@@ -306,9 +313,9 @@ def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> No
                          f"{present}; config and weights do not belong together")
 
 
-def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
+def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:
     """(family, HF reference directory, native rank shards, pipeline size, its per-stage layer
-    counts or None) for ``--mcore DIR``.
+    counts or None, the vocabulary divisor its manifest records or None) for ``--mcore DIR``.
 
     A legacy checkpoint holds one file per (TP rank, stage): it runs at its own pipeline size
     (and layer split) unless ``--pp`` says otherwise. torch_dist holds global tensors; like its
@@ -352,7 +359,11 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None]:
         return {k: v.clone() for k, v in state.items()}
 
     copies = McoreShards([owned(s) for s in shards], [owned(s) for s in shards.side], shards.unused)
-    return family, hf_dir, copies, pp, counts
+    # The divisor the tables were padded with, as read_mcore_shards held it to them: Megatron's
+    # class is built with it (the native model takes the tables' size as they load).
+    divisor = (manifest.provenance.extra or {}).get("make_vocab_size_divisible_by") if manifest is not None else None
+    divisor = divisor if isinstance(divisor, int) and not isinstance(divisor, bool) and divisor > 0 else None
+    return family, hf_dir, copies, pp, counts, divisor
 
 
 def run(args) -> int:
@@ -364,9 +375,9 @@ def run(args) -> int:
         if path:
             check_output_path(option, path)
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
-    native_shards, layer_counts = None, None
+    native_shards, layer_counts, divisor = None, None, None
     if args.mcore:
-        family, args.hf, native_shards, args.pp, layer_counts = _load_mcore(args)
+        family, args.hf, native_shards, args.pp, layer_counts, divisor = _load_mcore(args)
         args.families = [family]
     pp = args.pp or 1
     notes, detection = [], None
@@ -427,7 +438,7 @@ def run(args) -> int:
             report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
                                    seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
                                    layer_counts=layer_counts, components=not args.no_components,
-                                   native_shards=native_shards, impl=args.impl,
+                                   native_shards=native_shards, impl=args.impl, vocab_divisor=divisor,
                                    megatron_class=args.megatron_class)
         except ConversionError as exc:  # e.g. a TP size that does not divide the heads
             raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None

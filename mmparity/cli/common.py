@@ -14,7 +14,10 @@ class UsageError(Exception):
 
 
 def fail_usage(message: str) -> int:
-    print(f"mmparity: error: {message}", file=sys.stderr)
+    # One line whatever the message is: an exception text that spans lines (a list of problems,
+    # a tool's own multi-line error) still reaches a user, and a script reading stderr, as one.
+    line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"mmparity: error: {line}", file=sys.stderr)
     return EXIT_USAGE
 
 

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "forward time of native encoders against the HF reference"),
     "convert": ("convert", "convert checkpoints between HF safetensors and mcore (legacy, torch_dist)"),
     "verify": ("verify", "re-check a checkpoint mmparity wrote against its mmparity.json checksums"),
+    "tiny": ("tiny", "write a family's tiny HF model with seeded random weights (for a first try, or a bug report)"),
 }
 
 

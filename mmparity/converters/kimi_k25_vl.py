@@ -16,10 +16,9 @@ HF-side layouts (``FORMATS``), the decoder's names in brackets:
   ``language_model.lm_head``;
 * ``kimi_vl``: the release with Kimi-VL's projector names (``multi_modal_projector.``).
 
-What transformers 5.24's ``save_pretrained`` writes for this class is refused: its reverse
-renaming turns the decoder's ``layers`` into ``blocks`` and ``self_attn.q_proj`` into the tower's
-fused ``wqkv`` spelling (``self_wqkv``, re-permuted for the tower's RoPE), and transformers cannot
-load those files back itself.
+What transformers' ``save_pretrained`` writes for this class (the decoder as
+``language_model.model.blocks.N``, the projector norm under ``model.``) is no table here: the family
+registry reads it through transformers' own conversion mapping (``families.TRANSFORMERS_LAYOUT``).
 """
 
 from __future__ import annotations
@@ -67,12 +66,6 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
 
 
 def detect_format(keys: Iterable[str]) -> str:
-    keys = list(keys)
-    if any(k.startswith("language_model.model.blocks.") or ".self_wqkv." in k for k in keys):
-        raise ConversionError("a whole Kimi-K2.5 checkpoint written by transformers' save_pretrained", [
-            "its decoder keys are renamed (language_model.model.blocks.N, self_wqkv) and the q "
-            "projections re-permuted for the tower's RoPE; transformers cannot load these files either",
-            "convert the released checkpoint, or save the model's state_dict() (module names) instead"])
     found = tower.detect_format(keys)
     if found == "hf_saved":
         found = "release"

@@ -351,6 +351,11 @@ def fuse_gate_up() -> Concat:
     return Concat(n_hf=2, dim=0)
 
 
+# Megatron-LM pads a vocabulary to a multiple of its divisor (128 by default) times TP: a few
+# thousand rows in any run, and never more than the vocabulary itself plus this many.
+MAX_EXTRA_PAD_ROWS = 2**16
+
+
 @dataclass(frozen=True, repr=False)
 class PadRows(Op):
     """A table of ``rows`` rows (an embedding or output vocabulary) -> ``padded`` rows, zeros appended.
@@ -410,6 +415,13 @@ class PadRows(Op):
     def at_tp(self, tp: int, vocab_multiple: int) -> "PadRows":
         step = vocab_multiple * tp
         return PadRows(self.rows, -(-self.rows // step) * step)
+
+    @property
+    def excessive(self) -> bool:
+        """Padded past any divisor Megatron-LM is run with: more than twice the table plus
+        ``MAX_EXTRA_PAD_ROWS``. What it asks for is zero rows by the hundred million (a divisor
+        typed with too many digits), not a layout."""
+        return self.padded > 2 * self.rows + MAX_EXTRA_PAD_ROWS
 
     def __repr__(self):
         return f"PadRows(rows={self.rows}, padded={self.padded})"

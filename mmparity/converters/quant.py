@@ -194,6 +194,20 @@ def _blocks_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return padded.reshape(*lead, grid[-2], block[0], grid[-1], block[1]).amax(dim=(-3, -1))
 
 
+def _refuse_non_finite(value: torch.Tensor, scheme) -> None:
+    if not value.is_floating_point() or not value.numel():
+        return
+    finite = torch.isfinite(value)
+    if not bool(finite.all()):
+        flat = value.reshape(-1)[~finite.reshape(-1)]
+        kinds = [name for name, count in (("+Inf", int((flat == math.inf).sum())),
+                                          ("-Inf", int((flat == -math.inf).sum())),
+                                          ("NaN", int(flat.isnan().sum()))) if count]
+        fmt = "INT4" if isinstance(scheme, PackedInt4Scheme) else "float8_e4m3fn"
+        raise QuantError(f"{int(flat.numel())} value(s) are {'/'.join(kinds)}, which {fmt} blocks cannot hold "
+                         "(a block's scale would be NaN)")
+
+
 def quantize(value: torch.Tensor, scheme: QuantScheme,
              scale_inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight, scale_inv)`` of ``value`` in the scheme's format; the inverse of ``dequantize``.
@@ -204,7 +218,11 @@ def quantize(value: torch.Tensor, scheme: QuantScheme,
     returns to the very bytes it came from. A block that no longer fits (a weight changed since),
     and every block when no scales are given, takes a fresh max-abs scale, computed in the op
     order of transformers' ``Fp8Quantize`` (forward scale ``448 / amax``, stored inverse
-    ``1 / scale``, zero blocks scale 1) so that whole-block shapes match its bytes too."""
+    ``1 / scale``, zero blocks scale 1) so that whole-block shapes match its bytes too.
+
+    A value holding ±Inf or NaN is a :class:`QuantError`: neither format holds an infinity (e4m3fn
+    has none, INT4 none), and one such value makes its whole block's scale NaN."""
+    _refuse_non_finite(value, scheme)
     if isinstance(scheme, PackedInt4Scheme):
         return quantize_int4(value, scheme, scale_inv)
     if value.ndim < 2:
@@ -261,11 +279,16 @@ class RequantError:
 
 def requant_error(value: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                   scheme: QuantScheme) -> tuple[float, bool]:
-    """(max |dequantize(weight, scale_inv) - value|, whether it is bit-exact) in ``value``'s dtype."""
+    """(max |dequantize(weight, scale_inv) - value|, whether it is bit-exact) in ``value``'s dtype.
+    Non-finite values count: an element that is NaN on one side only, or an infinity the other
+    side does not hold, is an error of ``inf`` (a NaN difference would vanish from a maximum);
+    NaN on both sides and equal infinities are no error."""
     back = dequantize(weight, scale_inv, scheme, value.dtype)
     exact = torch.equal(back.view(torch.uint8) if back.numel() else back,
                         value.contiguous().view(torch.uint8) if value.numel() else value)
-    diff = (back.to(torch.float64) - value.to(torch.float64)).abs()
+    b, v = back.to(torch.float64), value.to(torch.float64)
+    same = (b == v) | (b.isnan() & v.isnan())
+    diff = torch.where(same, torch.zeros_like(b), (b - v).abs().nan_to_num(nan=math.inf, posinf=math.inf))
     return (float(diff.max()) if diff.numel() else 0.0), bool(exact)
 
 

@@ -44,6 +44,13 @@ class ConversionError(ValueError):
         body = "\n".join(f"  - {p}" for p in shown) + (f"\n  … and {more} more" if more > 0 else "")
         super().__init__(f"{title} ({len(self.problems)} problem(s)):\n{body}")
 
+    def line(self, shown: int = 4) -> str:
+        """The same as one line, as a user error is printed: the title, the first ``shown``
+        problems, how many more (the multi-line ``str`` lists them all, for the Python API)."""
+        first = "; ".join(" ".join(p.split()) for p in self.problems[:shown])
+        more = len(self.problems) - shown
+        return f"{self.title}: {first}" + (f" (+{more} more)" if more > 0 else "")
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -40,7 +39,7 @@ from mmparity.native.core import attention
 from mmparity.parity import metrics
 from mmparity.parity.harness import (InputError, exact_float32, load_reference_weights, size_multiple,
                                      validate_image_sizes)
-from mmparity.parity.report import versions
+from mmparity.parity.report import strict_json, versions
 
 SIZES = ("tiny", "published")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -301,7 +300,7 @@ class BenchReport:
         return out
 
     def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.as_dict(), indent=indent, allow_nan=True)
+        return strict_json(self.as_dict(), indent)
 
 
 def _to_device(value, device: torch.device):

@@ -18,7 +18,7 @@ import torch
 from mmparity import families, runtime
 from mmparity.converters import pp as pp_mod
 from mmparity.converters.rules import with_side
-from mmparity.hfconfig import first_int, vision_sub_config
+from mmparity.hfconfig import VOCAB_PAD_MULTIPLE, first_int, vision_sub_config
 from mmparity.native.core import attention, pipeline
 from mmparity.parity import metrics as M
 from mmparity.parity import router
@@ -127,7 +127,8 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
           native_shards: Optional[list] = None, tp: int = 1, pp: int = 1,
           layer_counts: Optional[list] = None, impl: str = "native",
-          megatron_class: Optional[str] = None, ep: int = 1) -> Report:
+          megatron_class: Optional[str] = None, ep: int = 1,
+          vocab_divisor: Optional[int] = None) -> Report:
     """Parity of one family; returns a :class:`Report` (no printing, no exit codes).
 
     ``hf_state``: HF-layout weights of the reference model (keys as the reference module expects);
@@ -145,6 +146,9 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     ``ep > 1`` spreads each MoE layer's experts over that many ranks as ``mmparity convert --ep``
     does (every rank runs the same batch: mcore's all-gather dispatcher sends each token to the
     rank holding its experts and back), so the outputs must be the EP 1 ones.
+    ``vocab_divisor``: the ``make_vocab_size_divisible_by`` the ``native_shards`` were padded with
+    (a checkpoint's record; None: Megatron-LM's default): Megatron's class is built with it, as
+    Megatron-LM builds it for that checkpoint, and the reference's loss is padded alike.
     Raises :class:`InputError` for a pipeline the model cannot take, and
     :class:`~mmparity.upstream.models.UpstreamUnavailable` when Megatron's class cannot be imported.
     """
@@ -173,6 +177,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         if cfg is None and mclass.default_config is not None:
             cfg = mclass.default_config()
     cfg = cfg if cfg is not None else fam.tiny_config()
+    refuse_config(family, cfg)  # before any model is built or rank started
     torch.manual_seed(seed)
 
     ref = fam.build_reference(cfg)
@@ -194,6 +199,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                      else hooks.cases(cfg, seed, image_sizes))
     except megatron_cases.UnsupportedInput as exc:
         raise InputError(f"{family}: {exc}") from None
+    refuse_case_sizes(family, cfg, raw_cases)
     cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
     component_names = hooks.components if components and runs_native else ()
     if ep != 1:
@@ -214,7 +220,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         megatron_shards = [{k: v for k, v in shard.items() if k not in extra}
                            for shard, extra in zip(native_shards, side)]
         megatron_stages, _ = split_stages(family, cfg, megatron_shards, pp, layer_counts)
-        mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device), counts)
+        mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device), counts, vocab_divisor)
         if world == 1 or runtime.launched_world_size() == world:
             megatron_cases_run = mjob.run(megatron_stages, layout=(tp, pp))
         else:
@@ -248,6 +254,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                                     mclass.reference_pairs(ref_lp_side.pairs, cfg))
                                if ref_lp_side else None)
 
+    divisor = vocab_divisor if vocab_divisor is not None else VOCAB_PAD_MULTIPLE
     for index, case in enumerate(cases):
         if runs_native:
             reference = ref32_side.run(case)
@@ -259,8 +266,9 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
             mreference, mlow = ref32_for_megatron.run(case), ({}, {})
             if ref_lp_for_megatron:
                 mlow = ref_lp_for_megatron.run(case)
-                mlow = (mclass.reference_outputs(mlow[0], case, cfg, tp), mlow[1])
-            mreference = (mclass.reference_outputs(mreference[0], case, cfg, tp), mreference[1])
+                mlow = (mclass.reference_outputs(mlow[0], case, cfg, tp, divisible_by=divisor), mlow[1])
+            mreference = (mclass.reference_outputs(mreference[0], case, cfg, tp, divisible_by=divisor),
+                          mreference[1])
             if mclass.notes:
                 case = dataclasses.replace(case, description="; ".join(
                     d for d in (case.description, mclass.notes) if d))
@@ -279,9 +287,10 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
 class MegatronJob:
     """Megatron's own class on the cases, picklable so that spawned ranks can run it too."""
 
-    def __init__(self, family, class_name, cfg, cases, dtype, device, layer_counts=None):
+    def __init__(self, family, class_name, cfg, cases, dtype, device, layer_counts=None, divisible_by=None):
         self.family, self.class_name, self.cfg, self.cases = family, class_name, cfg, cases
         self.dtype, self.device, self.layer_counts = dtype, device, layer_counts
+        self.divisible_by = divisible_by  # the checkpoint's vocabulary divisor (None: Megatron-LM's default)
 
     @torch.no_grad()
     def run(self, stage_shards: list, layout=None) -> list:
@@ -292,7 +301,7 @@ class MegatronJob:
                 runtime.init_parallel(*layout, device=self.device, layer_counts=self.layer_counts)
             _name, mclass = families.megatron_class(self.family, self.class_name)
             torch_dtype = DTYPES[self.dtype]
-            model = models.build(mclass.build, self.cfg, torch_dtype)
+            model = models.build(mclass.build, self.cfg, torch_dtype, divisible_by=self.divisible_by)
             shards = stage_shards[runtime.pipeline_rank()]
             state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
             models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v
@@ -602,6 +611,24 @@ def validate_image_sizes(family: str, cfg, sizes) -> None:
     problems = families.get(family).hooks.image_size_problems(cfg, sizes)
     if problems:
         raise InputError(f"family {family!r}: {'; '.join(problems)}")
+
+
+def refuse_config(family: str, cfg) -> None:
+    """:class:`InputError` for what of ``cfg`` the native model cannot reproduce (the family's
+    ``config_problems``): said before anything is built, not by a rank that fails building it."""
+    problems = families.get(family).hooks.config_problems(cfg)
+    if problems:
+        raise InputError(f"{family}: the native model cannot reproduce this config: {'; '.join(problems)}")
+
+
+def refuse_case_sizes(family: str, cfg, cases) -> None:
+    """:class:`InputError` when a case's images are beyond what ``cfg`` allows (the family's
+    ``image_size_problems``): the family's own inputs, where a config takes none of them."""
+    problems = families.get(family).hooks.image_size_problems
+    outside = [p for case in cases if "sizes" in case.data for p in problems(cfg, case.data["sizes"])]
+    if outside:
+        raise InputError(f"{family}: the config takes none of the images this check runs: {outside[0]}"
+                         + (f" (+{len(outside) - 1} more)" if len(outside) > 1 else ""))
 
 
 def _patch(cfg) -> int:

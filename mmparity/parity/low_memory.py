@@ -400,6 +400,7 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
     usage = usage if usage is not None else Usage()
     fam = families.get(family)
     hooks = fam.hooks
+    harness.refuse_config(family, cfg)
     infos = reader.infos()
     rules = fam.rule_set(cfg, hf_format, keys=infos.keys())
     prefix = detect_prefix(rules, infos.keys())
@@ -480,6 +481,7 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
                                expert_group)
 
         raw_cases = hooks.cases(cfg, seed, image_sizes)
+        harness.refuse_case_sizes(family, cfg, raw_cases)
         cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
         component_names = hooks.components if components else ()
 

@@ -3,8 +3,49 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Optional
+
+# Where a report's object held a number that JSON cannot (NaN, ±Infinity): the member is null and
+# this member of the same object names it and what it was, e.g. {"rel_l2": null, "non_finite":
+# {"rel_l2": "NaN"}}. A list element is named "key[i]".
+NON_FINITE = "non_finite"
+
+
+def _spelled(value: float) -> str:
+    return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+
+
+def _non_finite(value) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _strict(value):
+    """``value`` with every NaN / infinite float made null and named in its object's
+    ``non_finite`` member (see :data:`NON_FINITE`)."""
+    if isinstance(value, dict):
+        out, named = {}, {}
+        for key, item in value.items():
+            if _non_finite(item):
+                out[key], named[str(key)] = None, _spelled(item)
+            elif isinstance(item, (list, tuple)):
+                out[key] = [None if _non_finite(x) else _strict(x) for x in item]
+                named.update({f"{key}[{i}]": _spelled(x) for i, x in enumerate(item) if _non_finite(x)})
+            else:
+                out[key] = _strict(item)
+        if named:
+            out[NON_FINITE] = named
+        return out
+    if isinstance(value, (list, tuple)):
+        return [None if _non_finite(x) else _strict(x) for x in value]
+    return value
+
+
+def strict_json(data, indent: int = 2) -> str:
+    """JSON text every parser reads (no bare NaN or Infinity): non-finite numbers as null, named
+    in their object's ``non_finite`` member with what they were."""
+    return json.dumps(_strict(data), indent=indent, allow_nan=False)
 
 
 @dataclass
@@ -80,7 +121,7 @@ class Report:
         }
 
     def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.as_dict(), indent=indent, allow_nan=True)
+        return strict_json(self.as_dict(), indent)
 
 
 def versions() -> dict:

@@ -4,7 +4,6 @@ state-dict shapes read off the config from its parts (the ``kimi_k25`` tower and
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,10 +54,6 @@ def build(cfg):
     # HF's own per-expert loop, the definition its kernels (grouped_mm, which on the CPU also
     # refuses bf16 strides that are not multiples of 16 bytes) must reproduce.
     model.set_experts_implementation("eager")
-    # transformers 5.24's default save ("original format") renames the decoder's layers to the
-    # tower's ``blocks`` and its q projection to ``self_wqkv``, files it cannot load back itself;
-    # this model saves its module names, which load back exactly.
-    model.save_pretrained = functools.partial(model.save_pretrained, save_original_format=False)
     return model
 
 

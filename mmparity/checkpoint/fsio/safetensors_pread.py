@@ -55,6 +55,22 @@ class RangeReader:
             self.close()
             raise
 
+    @classmethod
+    def of_file(cls, path: str | os.PathLike) -> "RangeReader":
+        """One safetensors file of any name (a side file beside a checkpoint), its header read and
+        checked against its size, nothing else: a caller holds the declared dtypes and shapes to
+        what it expects before a read allocates them (a header may declare a tensor of any size
+        over a sparse file, and a mapping of that file would not fail)."""
+        path = Path(path)
+        reader = cls.__new__(cls)
+        reader.directory, reader._infos, reader._where, reader._fds = path.parent, {}, {}, {}
+        try:
+            reader._read_header(path.name, None)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
     def _open_index(self, index_path: Path) -> None:
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]

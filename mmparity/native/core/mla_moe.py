@@ -81,7 +81,8 @@ def config_problems(text) -> list[str]:
         groups, group_k = int(text.n_group or 1), int(text.topk_group or 1)
         if groups > 1 and (k % group_k or k // group_k != 2):
             problems.append(f"num_experts_per_tok={k} over topk_group={group_k}: mcore ranks a group by "
-                            f"its top {k // max(group_k, 1)} scores, HF by its top 2")
+                            f"its top {k // max(group_k, 1)} scores, HF by its top 2 (they agree where "
+                            "num_experts_per_tok is twice topk_group)")
         if bool(text.norm_topk_prob) != (k > 1):
             problems.append(f"norm_topk_prob={text.norm_topk_prob} with num_experts_per_tok={k}: mcore "
                             "renormalises sigmoid scores exactly when top-k > 1")
