@@ -199,3 +199,4 @@ def test_the_names_are_megatron_lms_own(tp, pp, ep):
                 path = checkpointing.get_checkpoint_name("root", ITERATION, pipeline_parallel=pp > 1, tensor_rank=t,
                                                          pipeline_rank=p, expert_parallel=ep > 1, expert_rank=e)
                 assert Path(path).parent.name == megatron_rank_name(t, p, e, pp, ep)
+

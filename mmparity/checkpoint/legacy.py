@@ -436,7 +436,9 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
     if mmap:
         base = _check_mapped_spans(path, model, payload)
         if file_ranges is not None and base is not None:
-            file_ranges.add(base, path.stat().st_size, path)
+            # The file's tensors keep its mapping: those a merge drops (another EP rank's
+            # replicated copies) would otherwise free it while it is registered.
+            file_ranges.add(base, path.stat().st_size, path, keep=payload)
     return model
 
 
