@@ -718,3 +718,30 @@ def test_reading_torch_dist_needs_no_megatron(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
+
+def test_a_mapped_rank_file_stays_mapped_while_its_bytes_are_located(tmp_path):
+    """A legacy source maps each rank file and registers the mapping, so that its writers copy
+    bytes file to file. A rank file whose tensors a merge drops (another EP rank's replicated
+    copies) must stay mapped while registered: freed, its addresses are reused by the next file
+    mapped, and the copy reads the wrong file (an export of TP 2 x PP 4 x EP 2 gave other tensors'
+    bytes, differently on every run)."""
+    import gc
+    import os
+
+    from mmparity.checkpoint.fsio.pieces import FileRanges
+    from mmparity.checkpoint.legacy import load_rank_file
+
+    paths = []
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        state = {f"w{i}": torch.full((64, 64), value + i) for i in range(8)}
+        torch.save({"model": state, "checkpoint_version": 3.0}, tmp_path / f"{name}.pt")
+        paths.append(tmp_path / f"{name}.pt")
+    ranges = FileRanges()
+    first = load_rank_file(paths[0], mmap=True, file_ranges=ranges)
+    del first  # the tensors a merge would not keep
+    gc.collect()
+    second = load_rank_file(paths[1], mmap=True, file_ranges=ranges)
+    for key, tensor in second.items():
+        fd, offset = ranges.locate(tensor)
+        assert os.pread(fd, tensor.numel() * tensor.element_size(), offset) == tensor.numpy().tobytes(), key
+    ranges.close()

@@ -191,3 +191,62 @@ def test_grouped_linear_stand_ins_shard_as_te_groups_experts(linear, tp_axis):
         # a dist-checkpoint load hands back one extra state per expert; the module keeps one
         state = {**module.state_dict(), "_extra_state1": None}
         assert not module.load_state_dict(state, strict=True).unexpected_keys
+
+
+def _megatron_core_load_rank(rank: int, world: int, src: str) -> dict:
+    """megatron-core's own ``dist_checkpointing.load`` (what Megatron-LM's ``load_checkpoint``
+    calls, sharding validation included) of the converted checkpoint at this rank of TP 2, against
+    what mmparity's own strict loader gives."""
+    from megatron.core import dist_checkpointing
+
+    from mmparity.checkpoint import megatron_load
+    from tests.test_megatron_written import cpu_stand_ins
+
+    job = megatron_load.load_job(src, tp=world)[0]
+    job.init_parallel()
+    model = megatron_load._build(rank, job)[0]
+    sharded = megatron_load.sharded_state_dict(model)
+    down = sharded["language_model.decoder.layers.0.self_attention.linear_q_down_proj.weight"]
+    asked = sum(torch.is_tensor(getattr(v, "data", None)) for v in sharded.values())
+    with cpu_stand_ins():
+        loaded = dist_checkpointing.load(sharded, str(Path(src) / "iter_0000001"))
+    reference = megatron_load.build_and_load(rank, world, job).state_dict()
+    unequal = sorted(k for k, v in loaded.items() if torch.is_tensor(v) and not torch.equal(v, reference[k]))
+    return {"replica": down.replica_id, "asked": asked, "tensors": sum(torch.is_tensor(v) for v in loaded.values()),
+            "unequal": unequal[:8]}
+
+
+@pytest.mark.slow
+def test_megatron_cores_own_torch_dist_load_of_mla_at_tp2(hf_dir, tmp_path):
+    """MLA's duplicated down projections are one replica per TP rank (TE's wrapper keeps its TP
+    group), so megatron-core's sharding validation takes the TP 2 load; with every rank naming
+    itself replica 0 it refused it (``Invalid access pattern … linear_q_down_proj.weight``)."""
+    src = tmp_path / "torch_dist"
+    assert main(["convert", "--family", FAMILY, "--src", str(hf_dir), "--dst", str(src), "--to", "mcore",
+                 "--format", "torch_dist", "--quiet"]) == 0
+    results = runtime.spawn(_megatron_core_load_rank, 2, str(src))
+    assert [r["replica"] for r in results] == [(0, 0, 0), (0, 1, 0)], results
+    assert all(r["tensors"] == r["asked"] > 0 and not r["unequal"] for r in results), results
+
+
+@pytest.mark.parametrize("ep, expert_groups", [(1, False), (2, True)])
+def test_grouped_linear_stand_ins_mark_expert_weights_as_te_does(ep, expert_groups):
+    """TE's grouped linear marks its weights for DDP and the optimizers: under expert parallelism
+    they belong to the expert groups (``allreduce=False``: gradients reduced and parameters
+    gathered over expert data parallelism only), and each is split along its TP axis. Unmarked,
+    a distributed optimizer gathered one EP rank's experts into the other's."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from mmparity.upstream import te_stand_ins
+
+    with runtime.parallel_context(1, 1):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
+                                   moe_ffn_hidden_size=12, expert_model_parallel_size=ep)
+        groups = ProcessGroupCollection(ep=_Group(0, ep), expt_tp=_Group(0, 1), expt_dp=_Group(0, 1))
+        for linear, axis in (("TEColumnParallelGroupedLinear", 0), ("TERowParallelGroupedLinear", 1)):
+            module = getattr(te_stand_ins, linear)(2, 8, 12, config=config, init_method=torch.nn.init.normal_,
+                                                   bias=False, skip_bias_add=False, is_expert=True,
+                                                   pg_collection=groups)
+            for weight in (module.weight0, module.weight1):
+                assert weight.allreduce is (not expert_groups)
+                assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (True, axis, 1)

@@ -64,11 +64,13 @@ def save_hf_state(family: str, path: Path, state: dict, cfg) -> Path:
     return path
 
 
-def make_pair(family: str, tmp: Path) -> tuple[Path, Path]:
-    """(base, trained): the HF release, and a seeded perturbation of every one of its tensors."""
+def make_pair(family: str, tmp: Path, cfg=None) -> tuple[Path, Path]:
+    """(base, trained): the HF release (of ``cfg``, else the family's tiny config), and a seeded
+    perturbation of every one of its tensors."""
     fam = families.get(family)
     # LLaVA on the CLIP tower: stock megatron-core's LLaVAModel builds CLIP-like towers only.
-    cfg = llava_clip_config() if family == "llava" else fam.tiny_config()
+    if cfg is None:
+        cfg = llava_clip_config() if family == "llava" else fam.tiny_config()
     ref = fam.build_reference(cfg)
     base_state = random_like_state(ref.state_dict(), seed=3)
     generator = torch.Generator().manual_seed(11)
@@ -102,13 +104,14 @@ def rng_state() -> list:
              "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}]
 
 
-def cpu_fp32_optimizer(model: torch.nn.Module):
+def cpu_fp32_optimizer(model: torch.nn.Module, params=None):
     """megatron-core's FP32Optimizer over torch Adam after one step (``lr=0``: state, not new
-    weights). Its constructor makes a CUDA loss-scale tensor; the CPU stand-in sets it here."""
+    weights), over ``params`` (default: all the model's). Its constructor makes a CUDA loss-scale
+    tensor; the CPU stand-in sets it here."""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
     adam = torch.optim.Adam(params, lr=0.0)
     optimizer = FP32Optimizer.__new__(FP32Optimizer)
     MegatronOptimizer.__init__(optimizer, adam, OptimizerConfig(optimizer="adam", lr=0.0), lambda *a: None)
@@ -134,30 +137,30 @@ def cpu_stand_ins():
         torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
-def _tp_replicas(sharded: dict, tp_rank: int) -> None:
-    """Tensors whole on every TP rank must say which replica each rank holds. The CPU stand-ins
-    for TE's duplicated linears (MLA's q/kv down-projections) give replica 0 on every rank, which
-    DCP's save refuses as an invalid access pattern; with TE each rank names its own (harness
-    only)."""
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-
-    for value in sharded.values():
-        whole = (isinstance(value, ShardedTensor) and tuple(value.local_shape) == tuple(value.global_shape)) or (
-            isinstance(value, ShardedObject) and all(n == 1 for n in value.global_shape))
-        if whole and value.replica_id in (0, (0, 0, 0)):
-            value.replica_id = (0, tp_rank, 0)
-
-
 def _replicated(key: str, tensor: torch.Tensor, tp_rank: int):
     from megatron.core.dist_checkpointing import ShardedTensor
 
     return ShardedTensor.from_rank_offsets(key, tensor.contiguous(), replica_id=(0, tp_rank, 0))
 
 
+def chained_cpu_optimizer(model: torch.nn.Module):
+    """Megatron-LM's optimizer for a MoE model under expert parallelism: a ``ChainedOptimizer`` of
+    one for the dense parameters and one for the experts, whose torch_dist state it saves under
+    ``chained_0.`` / ``chained_1.``."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    named = list(model.named_parameters())
+    experts = [p for name, p in named if ".experts." in name]
+    assert experts, "a model with experts"
+    return ChainedOptimizer([cpu_fp32_optimizer(model, [p for name, p in named if ".experts." not in name]),
+                             cpu_fp32_optimizer(model, experts)])
+
+
 def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, trained_tp1: str, out: str, fmt: str,
-               iteration: int):
+               iteration: int, chained: bool = False):
     """One rank: Megatron's classes loaded with the base's conversion, changed to the trained
-    conversion (strictly), saved as Megatron-LM would save iteration ``iteration`` in ``fmt``."""
+    conversion (strictly), saved as Megatron-LM would save iteration ``iteration`` in ``fmt``
+    (``chained``: with a chained optimizer, dense and expert parameters apart)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject
 
@@ -189,11 +192,9 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
     else:
         trained_global = open_legacy(trained_tp1).load_rank(0)
         sharded = megatron_load.sharded_state_dict(model)
-        if tp_rank:
-            _tp_replicas(sharded, tp_rank)
         for key in beside:
             sharded[key] = _replicated(key, trained_global[key], tp_rank)
-        optimizer = cpu_fp32_optimizer(model)
+        optimizer = chained_cpu_optimizer(model) if chained else cpu_fp32_optimizer(model)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": sharded,
                  "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": iteration},
                  "rng_state": ShardedObject("rng_state", rng_state(), (1, job.tp), (0, tp_rank), replica_id=0),
@@ -208,7 +209,7 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
 
 
 def megatron_written(capsys, tmp: Path, family: str, tp: int, fmt: str, base: Path, trained: Path,
-                     iterations=(ITERATION,), part: str | None = None) -> Path:
+                     iterations=(ITERATION,), part: str | None = None, chained: bool = False) -> Path:
     """A directory as Megatron's savers write it, ``iterations`` of it (each the trained weights);
     ``part``: of that part of the model alone, trained in its own class (the language model in
     ``GPTModel``, as Megatron-LM trains it where it cannot build the whole)."""
@@ -223,10 +224,10 @@ def megatron_written(capsys, tmp: Path, family: str, tp: int, fmt: str, base: Pa
     for iteration in iterations:
         if tp == 1:
             _save_rank(0, 1, str(tmp / "base_mcore"), str(tmp / "trained_mcore"), str(tmp / "trained_tp1"),
-                       str(out), fmt, iteration)
+                       str(out), fmt, iteration, chained)
         else:
             runtime.spawn(_save_rank, tp, str(tmp / "base_mcore"), str(tmp / "trained_mcore"),
-                          str(tmp / "trained_tp1"), str(out), fmt, iteration)
+                          str(tmp / "trained_tp1"), str(out), fmt, iteration, chained)
     assert not (out / "mmparity.json").exists() and not (out / "hf_config.json").exists()
     return out
 
@@ -488,3 +489,19 @@ def test_verify_load_megatron_written_torch_dist_misfit_fails_naming_it(capsys, 
                 str(ckpt), "torch_dist", ITERATION)
     code, out, err = verify_load(capsys, ckpt, "--base", base)
     assert code == 1 and "rank 0: FAIL" in out and removed["key"] in out, out + err
+
+
+def test_a_chained_optimizers_state_is_not_taken_for_weights(capsys, tmp_path):
+    """A MoE model's optimizer under expert parallelism is a chain (dense, experts), whose
+    torch_dist state Megatron saves under ``chained_0.optimizer.…`` / ``chained_1.optimizer.…``:
+    training state, like ``optimizer.…``, not tensors of the model."""
+    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+
+    base, trained = make_pair("kimi_k25_vl", tmp_path)
+    ckpt = megatron_written(capsys, tmp_path, "kimi_k25_vl", 1, "torch_dist", base, trained,
+                            part="language_model", chained=True)
+    stored = TorchDistFiles(ckpt / f"iter_{ITERATION:07d}").tensors
+    assert any(k.startswith("chained_1.optimizer.") for k in stored)
+    code, out, err = run_cli(capsys, "verify", ckpt)
+    assert code == 0 and "optimizer" in out.split("holds:")[1].split(";")[0], out + err
+    check_export(capsys, ckpt, tmp_path / "hf", base, trained)

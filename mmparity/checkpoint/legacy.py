@@ -35,7 +35,7 @@ from mmparity.converters import ep as ep_mod
 from mmparity.converters import pp
 from mmparity.converters.axes import AxisError, Grid
 from mmparity.converters.rules import ConversionError
-from mmparity.checkpoint import extra_state, unpickle
+from mmparity.checkpoint import extra_state, megatron_args, unpickle
 from mmparity.checkpoint.fsio.checksums import tensor_checksum
 from mmparity.checkpoint.fsio import shared
 from mmparity.checkpoint.fsio.errors import CheckpointError
@@ -439,22 +439,26 @@ def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=N
         raise CheckpointError(f"{path}: {chunk!r} holds objects of Megatron's classes where weights belong "
                               f"({', '.join(inert[:4])}); not a model state dict")
     if mmap:
-        base = _check_mapped_spans(path, model)
+        base = _check_mapped_spans(path, model, payload)
         if file_ranges is not None and base is not None:
-            file_ranges.add(base, path.stat().st_size, path)
+            # The file's tensors keep its mapping: those a merge drops (another EP rank's
+            # replicated copies) would otherwise free it while it is registered.
+            file_ranges.add(base, path.stat().st_size, path, keep=payload)
     return model
 
 
-def _check_mapped_spans(path: Path, model: Mapping) -> int | None:
-    """Checks that every tensor torch.load(mmap=True) made lies inside its own storage record, and
-    returns the mapping's address (None when no tensor has bytes).
+def _check_mapped_spans(path: Path, model: Mapping, payload: Mapping) -> int | None:
+    """Checks that every tensor of ``model`` torch.load(mmap=True) made lies inside its own storage
+    record, and returns the mapping's address (None when no tensor has bytes).
 
     A plain load reads each record and refuses a storage larger than it; a mapped load takes the
     storage size from the pickle and maps that many bytes at the record's offset, so a record
     shorter than its tensor would be filled from whatever follows it in the file. torch maps the
     whole file from offset 0 and each storage is a view at its record's offset: the mapping's
-    address is recovered from those, and every storage must then start at a record and fit in it
-    (torch itself checks that a tensor fits in its storage). Reads the zip directory, no data.
+    address is recovered from the lowest storage of the whole file (``payload``: the first record
+    may well be another entry's, an earlier virtual-pipeline chunk's or the RNG state's), and
+    every storage of ``model`` must then start at a record and fit in it (torch itself checks that
+    a tensor fits in its storage). Reads the zip directory, no data.
     """
     reader = TorchArchive(path)
     records = {reader.offset(r): (r, reader.size(r)) for r in reader.records() if r.startswith("data/")}
@@ -462,9 +466,10 @@ def _check_mapped_spans(path: Path, model: Mapping) -> int | None:
                 if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
     if not storages:
         return None
-    if not records:
+    lowest = min((r for r, (_, size) in records.items() if size), default=None)
+    if lowest is None:
         raise CheckpointError(f"{path}: tensors with bytes but no storage records")
-    base = min(s.data_ptr() for s in storages.values()) - min(records)
+    base = min(s.data_ptr() for s in _storages_with_bytes(payload)) - lowest
     for key, storage in sorted(storages.items()):
         found = records.get(storage.data_ptr() - base)
         if found is None:
@@ -474,6 +479,21 @@ def _check_mapped_spans(path: Path, model: Mapping) -> int | None:
             raise CheckpointError(f"{path}: tensor {key!r} needs {storage.nbytes()} bytes but its storage record "
                                   f"{record} holds {size} (a truncated or altered file)")
     return base
+
+
+def _storages_with_bytes(payload) -> list:
+    """The storages (with bytes) of every tensor anywhere in a decoded rank file, each container
+    visited once (a container that holds itself is walked once, not forever)."""
+    found, seen, todo = [], set(), [payload]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().nbytes():
+                found.append(value.untyped_storage())
+        elif isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            todo.extend(value.values() if isinstance(value, dict) else value)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -539,18 +559,19 @@ class LegacyCheckpoint:
 def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) -> LegacyCheckpoint:
     """Finds and validates the rank files of a legacy checkpoint (a root or an iteration dir).
 
-    A rank directory with one suffix (`mp_rank_00_001`) is a pipeline stage unless the manifest
-    records expert parallelism without a pipeline: the name alone cannot tell (see
-    `layout.parse_rank_dirname`); two suffixes are always (stage, EP rank)."""
+    A rank directory with one suffix (`mp_rank_00_001`) is a pipeline stage at PP > 1 and an
+    expert rank at PP 1 x EP > 1: the name alone cannot tell (`layout.parse_rank_dirname`), so it
+    is read with the sizes the rank files' `args` record (what Megatron-LM named them by), else
+    those of a manifest that describes this iteration, else as a stage; two suffixes are always
+    (stage, EP rank)."""
     root, iteration_dir, found_iteration = resolve_iteration_dir(path, iteration)
     manifest = read_manifest(root) if os.path.lexists(root / MANIFEST_FILE) else None
-    recorded = (Grid.of(manifest.tensor_parallel_size, manifest.pipeline_parallel_size, manifest.expert_parallel_size)
-                if manifest is not None else None)
+    entries = [entry for entry in sorted(iteration_dir.iterdir())
+               if parse_rank_dirname(entry.name) is not None and entry.is_dir()]
+    recorded = _naming_grid(entries, manifest, found_iteration)
     ranks: dict[tuple[int, int | None, int | None], Path] = {}
-    for entry in sorted(iteration_dir.iterdir()):
-        parsed = parse_rank_dirname(entry.name, recorded)
-        if parsed is not None and entry.is_dir():
-            ranks[parsed] = entry / LEGACY_FILE
+    for entry in entries:
+        ranks[parse_rank_dirname(entry.name, recorded)] = entry / LEGACY_FILE
     if not ranks:
         raise CheckpointError(f"{iteration_dir}: no mp_rank_* directories; not a legacy checkpoint")
     slots = {(r[1] is not None, r[2] is not None) for r in ranks}
@@ -578,6 +599,27 @@ def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) 
         sizes = f"TP={tp_size} PP={pp_size}" + (f" EP={ep_size}" if ep_size > 1 else "")
         raise CheckpointError(f"{iteration_dir}: incomplete {sizes} grid, missing {', '.join(absent[:8])}")
     return LegacyCheckpoint(root, iteration_dir, found_iteration, tp_size, pp_size, files, manifest, ep_size)
+
+
+def _naming_grid(entries: Sequence[Path], manifest: Manifest | None, iteration: int | str) -> Grid | None:
+    """The grid whose sizes say which axis a lone suffix of a rank directory's name is, when some
+    name has one: the TP / PP / EP sizes the `args` of the first rank file record (one file is
+    read, its tensors mapped, not read), else the manifest's if it describes ``iteration``
+    (Megatron-LM may have saved another iteration into a directory mmparity wrote)."""
+    named = [parse_rank_dirname(e.name) for e in entries]
+    if not any(stage is not None and expert is None for _, stage, expert in named):
+        return None
+    first = next((e / LEGACY_FILE for e in entries if (e / LEGACY_FILE).is_file()), None)
+    sizes = megatron_args.args_parallelism(megatron_args.read_legacy_args(first)) if first is not None else {}
+    try:
+        if "pp" in sizes or "ep" in sizes:
+            return Grid.of(sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("ep", 1))
+        if manifest is not None and manifest.iteration in (None, iteration):
+            return Grid.of(manifest.tensor_parallel_size, manifest.pipeline_parallel_size,
+                           manifest.expert_parallel_size)
+    except ValueError:  # sizes below 1: the names are read as a stage, and the sizes refused later
+        pass
+    return None
 
 
 def read_legacy(path: str | os.PathLike, *, iteration: int | str | None = None, layer_counts: Sequence[int] | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from mmparity.checkpoint import unpickle
 from mmparity.checkpoint import torch_dist_files
 from mmparity.checkpoint.legacy import load_rank_payload, open_legacy
+from mmparity.checkpoint.megatron_args import args_parallelism
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import require_regular_file
 from mmparity.checkpoint.layout import (LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname,
@@ -39,6 +41,9 @@ __all__ = ["ModelConfig", "FROM_BASE", "MegatronCheckpoint", "describe", "iterat
 # How the output and its manifest name tensors taken from the base instead of the checkpoint.
 FROM_BASE = "from the base, not trained"
 COMMON_FILE = "common.pt"
+# An optimizer's sharded state (a chained optimizer's under ``chained_N.``: dense and expert
+# parameters under expert parallelism).
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 # A base release's files that are weights (or mmparity's own records), never copied to the output.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -143,20 +148,6 @@ def read_common(iteration_dir: Path) -> dict | None:
     return common
 
 
-def _arg(args, name: str):
-    value = getattr(args, name, None) if args is not None and not isinstance(args, dict) else (
-        args.get(name) if isinstance(args, dict) else None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def args_parallelism(args) -> dict[str, int]:
-    """The TP / PP / EP / virtual-PP sizes Megatron-LM's ``args`` records (those it records)."""
-    sizes = {"tp": _arg(args, "tensor_model_parallel_size"), "pp": _arg(args, "pipeline_model_parallel_size"),
-             "ep": _arg(args, "expert_model_parallel_size"),
-             "vpp": _arg(args, "virtual_pipeline_model_parallel_size")}
-    return {k: v for k, v in sizes.items() if v is not None}
-
-
 @dataclasses.dataclass
 class MegatronCheckpoint:
     """What one iteration of an mcore checkpoint directory is, as found on disk."""
@@ -241,7 +232,7 @@ def describe(path: str | os.PathLike, iteration: int | str | None = None) -> Meg
     stored = list(metadata.state_dict_metadata)
     args = common.get("args")
     recorded = args_parallelism(args)
-    optimizer = common.get("optimizer") is not None or any(k.startswith("optimizer.") for k in stored)
+    optimizer = common.get("optimizer") is not None or any(_OPTIMIZER_KEY.match(k) for k in stored)
     rng = common.get("rng_state") is not None or any(k.startswith("rng_state") for k in stored)
     return MegatronCheckpoint(root, iteration_dir, found, "torch_dist", tracker, iterations(root),
                               recorded.get("tp"), recorded.get("pp"), recorded.get("ep"), recorded.get("vpp"),

@@ -110,8 +110,9 @@ DTYPES = {
 }
 TARGETS = ("mcore", "hf")
 
-# Sharded keys of a Megatron-LM torch_dist checkpoint that are not model weights.
-_NOT_MODEL_KEYS = re.compile(r"^(optimizer\.|rng_state|rerun_state_machine_state|common_state)")
+# Sharded keys of a Megatron-LM torch_dist checkpoint that are not model weights (a chained
+# optimizer's, e.g. dense + expert parameters under EP, under ``chained_N.``).
+_NOT_MODEL_KEYS = re.compile(r"^((chained_\d+\.)?optimizer\.|rng_state|rerun_state_machine_state|common_state)")
 # mcore's stacked layer tensors: `<root>decoder.layers.<name>` without a layer number.
 _STACKED_KEY = re.compile(r"^((?:.*\.)?decoder\.layers\.)(?!\d+\.)(.+)$")
 # MoE expert tensors, stacked over the global experts by both of mcore's experts modules, and over

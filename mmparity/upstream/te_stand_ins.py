@@ -176,6 +176,12 @@ class TELinear(MegatronModule):
         _refuse_unmodelled(config)
         self.parallel_mode = None  # TE's wrapper records "duplicated" as no parallel mode
         self.skip_bias_add = skip_bias_add
+        # A duplicated weight is built without a TP group, but TE's wrapper still keeps the default
+        # one: each TP rank's copy is then a replica of its own (replica id (0, tp rank, dp rank)),
+        # which a sharded save or load needs to find exactly one main copy.
+        from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+        self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
         if config.perform_initialization:
             init_method(self.weight)
@@ -198,12 +204,13 @@ class TELinear(MegatronModule):
         return F.linear(x, self.weight, self.bias), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Replicated over TP and DP, as TE's wrapper gives it."""
+        """Replicated over TP and DP, as TE's wrapper gives it: one replica per TP and DP rank."""
         from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
                                                      make_sharded_tensors_for_checkpoint)
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
-                                                   sharded_offsets, dp_cp_group=metadata["dp_cp_group"])
+                                                   sharded_offsets, tp_group=self._tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 class _GroupedLinear(MegatronModule):
@@ -239,10 +246,19 @@ class _GroupedLinear(MegatronModule):
             input_size //= tp
         self.num_gemms = num_gemms
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states, with_module=True)
+        # As TE's wrapper marks them: expert weights under expert parallelism (or an expert TP
+        # other than TP) belong to the expert groups (``allreduce=False``: DDP reduces and
+        # gathers them over expert data parallelism, not over the data-parallel ranks that hold
+        # other experts), and each is split over expert TP along this linear's axis.
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        expert_tp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
+        use_expert_groups = config.expert_model_parallel_size > 1 or expert_tp != config.tensor_model_parallel_size
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
             if config.perform_initialization:
                 init_method(weight)
+            weight.allreduce = not use_expert_groups
+            set_tensor_model_parallel_attributes(weight, True, 0 if self.parallel_mode == "column" else 1, 1)
             self.register_parameter(f"weight{i}", weight)
 
     def get_extra_state(self):
@@ -541,7 +557,15 @@ def gpt_decoder_block_spec(config: TransformerConfig):
     ``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm,
     qk_layernorm, multi_latent_attention)`` layers after (MLA with TE's "duplicated" ``TELinear``
     down projections and norm-fused up projections, ``MoELayer`` with ``TEGroupedMLP`` experts and a
-    ``SharedExpertMLP``), ``TENorm`` as the final norm.
+    ``SharedExpertMLP``), ``TENorm`` as the final norm (see :func:`megatron_te_spec`)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    return megatron_te_spec(gpt_layer_specs.get_gpt_decoder_block_spec, config, use_transformer_engine=True)
+
+
+def megatron_te_spec(spec_function, *args, **kwargs):
+    """``spec_function(*args, **kwargs)``, one of megatron-core's GPT spec functions asked for TE
+    (``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``,
+    ``get_gpt_layer_with_transformer_engine_spec``), with the stand-ins where TE is absent.
 
     With TE importable that is the spec itself. Without it megatron-core's spec module never
     defines ``TESpecProvider`` / ``TENorm`` and the provider falls back to the legacy
@@ -550,7 +574,7 @@ def gpt_decoder_block_spec(config: TransformerConfig):
     every module; then each placeholder is replaced by its stand-in."""
     from megatron.core.models.gpt import gpt_layer_specs
     if HAVE_TE:
-        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        return spec_function(*args, **kwargs)
     from megatron.core.extensions import transformer_engine_spec_provider as provider
     missing = object()
     saved = []
@@ -564,7 +588,7 @@ def gpt_decoder_block_spec(config: TransformerConfig):
         swap(gpt_layer_specs, "TESpecProvider", provider.TESpecProvider)
         swap(provider, "TEColumnParallelGroupedLinear", TEColumnParallelGroupedLinear)
         swap(provider, "TERowParallelGroupedLinear", TERowParallelGroupedLinear)
-        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        spec = spec_function(*args, **kwargs)
     finally:
         for module, name, value in reversed(saved):
             if value is missing:

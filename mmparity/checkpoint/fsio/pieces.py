@@ -25,10 +25,16 @@ class FileRanges:
 
     def __init__(self):
         self._ranges: list[tuple[int, int, int]] = []  # (start address, end address, fd)
+        self._kept: list = []
 
-    def add(self, base_address: int, length: int, path: str | os.PathLike) -> None:
+    def add(self, base_address: int, length: int, path: str | os.PathLike, keep=None) -> None:
+        """``keep``: what holds the mapping (its tensors), held as long as the range is registered:
+        a mapping freed while registered could have its addresses reused by another file's, and
+        ``locate`` would then answer with the wrong file."""
         fd = os.open(path, os.O_RDONLY)
         self._ranges.append((base_address, base_address + length, fd))
+        if keep is not None:
+            self._kept.append(keep)
 
     def locate(self, piece) -> tuple[int, int] | None:
         """(fd, file offset) of a contiguous CPU tensor inside a registered mapping, else None."""
@@ -45,6 +51,7 @@ class FileRanges:
         for _start, _stop, fd in self._ranges:
             os.close(fd)
         self._ranges = []
+        self._kept = []
 
     def __del__(self):
         self.close()
