@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from mmparity.parity.bench import time_call
-from mmparity.native.core import attention
-from mmparity.native.core import attention_backends as kernels
+from mmparity.models.core import attention
+from mmparity.models.core import attention_backends as kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

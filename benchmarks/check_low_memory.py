@@ -63,13 +63,13 @@ BIG_TEXT = dict(hidden_size=1024, moe_intermediate_size=1024, intermediate_size=
 
 
 def big_config(layers: int):
-    from mmparity.reference.kimi_k25_vl import tiny_config
+    from mmparity.models.kimi_k25_vl.reference import tiny_config
 
     return tiny_config(num_hidden_layers=layers, **BIG_TEXT)
 
 
 def nbytes(cfg, dtype) -> int:
-    from mmparity.reference.kimi_k25_vl import state_shapes
+    from mmparity.models.kimi_k25_vl.reference import state_shapes
 
     return sum(math.prod(s) for s in state_shapes(cfg).values()) * dtype.itemsize
 
@@ -102,9 +102,9 @@ def _values(pool, name: str, shape):
 def write(out: Path, cfg, dtype, seed: int, max_shard_size: str) -> int:
     import torch
 
-    from mmparity.checkpoint.fsio.publish import atomic_directory
-    from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
-    from mmparity.reference.kimi_k25_vl import state_shapes
+    from mmparity.io.fsio.publish import atomic_directory
+    from mmparity.io.fsio.safetensors_write import StreamingSafetensorsWriter
+    from mmparity.models.kimi_k25_vl.reference import state_shapes
 
     shapes = state_shapes(cfg)
     names = list(shapes)
@@ -219,8 +219,8 @@ def main() -> int:
 
     import torch
 
-    from mmparity.checkpoint.fsio.safetensors_format import parse_size
-    from mmparity.reference.kimi_k25_vl import tiny_config
+    from mmparity.io.fsio.safetensors_format import parse_size
+    from mmparity.models.kimi_k25_vl.reference import tiny_config
 
     dtype = getattr(torch, args.dtype)
     scratch = args.dir or Path(tempfile.mkdtemp(prefix="check_low_memory."))

@@ -93,7 +93,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from mmparity.checkpoint.fsio.safetensors_format import parse_size
+    from mmparity.io.fsio.safetensors_format import parse_size
 
     if args.by_width and args.layers and len(args.layers) > 1:
         parser.error("--by-width takes one depth: --layers N")

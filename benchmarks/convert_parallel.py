@@ -50,7 +50,7 @@ def _env() -> dict:
 def _convert(argv: list[str], nodes: int = 0) -> dict:
     """One run of the command: `nodes` > 0 starts that many torchrun agents of one rank each."""
     if nodes:
-        from mmparity.runtime import free_port
+        from mmparity.parallel.runtime import free_port
 
         port = free_port()
         commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",

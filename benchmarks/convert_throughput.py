@@ -15,7 +15,7 @@ Jobs, all reading the same (warm) source bytes:
   the converters' own overhead shows (column `x floor`);
 * `transformers`: `from_pretrained` + `state_dict()` + `save_file`, fsynced (what people do today);
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
-  `torch_dist -> hf`, through `mmparity.checkpoint.streaming.convert` (atomic, fsynced, checksummed).
+  `torch_dist -> hf`, through `mmparity.convert.pipeline.convert` (atomic, fsynced, checksummed).
 
 On a machine whose disk or memory speed drifts (shared, virtual), single runs are noise: jobs run
 in rounds, `--repeat` times, and `--paired` times the plain copy right before every job run so that
@@ -99,7 +99,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         phases["into_page_cache"] = time.perf_counter() - started
         _fsync_tree(Path(dst))
     elif job == "copy_writeback":
-        from mmparity.checkpoint.fsio.syscalls import copy_file_range_all, start_writeback
+        from mmparity.io.fsio.syscalls import copy_file_range_all, start_writeback
 
         ready = _rss_anon_kb()
         started = time.perf_counter()
@@ -137,7 +137,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
             return {"seconds": seconds, "ready_anon_kb": ready, "phases": phases}
         import torch  # noqa: F401  (import cost outside the timed region, as for the others)
 
-        from mmparity.checkpoint.streaming import ConvertOptions, convert
+        from mmparity.convert.pipeline import ConvertOptions, convert
 
         by_phase = options.pop("memory_phases", False)
         _import_for(options)
@@ -199,11 +199,11 @@ class _PhaseMemory:
 
 def _import_for(options: dict) -> None:
     """Imports outside the timed region, as for the baselines: they are per process, not per byte."""
-    from mmparity import families
+    from mmparity.models import registry as families
 
     families.get("qwen3_5").hooks  # loads the reference and native modules with the family
     if options.get("format") == "torch_dist" and options["to"] == "mcore":
-        import mmparity.checkpoint.torch_dist_write  # noqa: F401  (megatron-free since session 13)
+        import mmparity.io.torch_dist_write  # noqa: F401  (megatron-free since session 13)
 
 
 def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, dict]:  # (seconds, phases)
@@ -211,7 +211,7 @@ def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, 
     each a fresh interpreter. Timed as the one-process job is: from when every rank has its imports
     done (interpreter start-up is per process, not per byte) until the last rank has finished, so the
     ranks' meeting, their share of the work and rank 0's publish are all in it."""
-    from mmparity.runtime import LAUNCHER_VARIABLES, free_port
+    from mmparity.parallel.runtime import LAUNCHER_VARIABLES, free_port
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(WORLD_SIZE=str(workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -245,8 +245,8 @@ def _rank(src: str, dst: str, options: dict) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from mmparity.checkpoint import team as team_mod
-    from mmparity.checkpoint.streaming import ConvertOptions, convert
+    from mmparity.io import team as team_mod
+    from mmparity.convert.pipeline import ConvertOptions, convert
 
     _import_for(options)
     print("ready", flush=True)
@@ -352,7 +352,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
     from transformers import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
+    from mmparity.io.fsio.safetensors_write import StreamingSafetensorsWriter
 
     cfg = Qwen3_5MoeVisionConfig(**{**QWEN35_VISION, "depth": depth})
     cfg.architectures = ["Qwen3_5MoeVisionModel"]
@@ -373,7 +373,7 @@ def _make_source(path: Path, max_shard_size: str, depth: int) -> int:
 def _same_tensors(a: Path, b: Path) -> bool:
     import torch
 
-    from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint
+    from mmparity.io.fsio.safetensors_read import SafetensorsCheckpoint
 
     with SafetensorsCheckpoint(a) as x, SafetensorsCheckpoint(b) as y:
         if x.keys() != y.keys():

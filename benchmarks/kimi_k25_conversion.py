@@ -39,7 +39,7 @@ def _size(path: Path) -> int:
 
 
 def released() -> dict:
-    from mmparity.reference import kimi_k25_vl as reference
+    from mmparity.models.kimi_k25_vl import reference
 
     cfg = reference.published_config()
     module_names = reference.state_shapes(cfg)
@@ -56,10 +56,10 @@ def released() -> dict:
 def write_synthetic(directory: Path, scale: int, layers: int) -> dict:
     import torch
 
-    from mmparity import families
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
-    from mmparity.converters.rules import convert_mcore_to_hf
-    from mmparity.reference import kimi_k25_vl as reference
+    from mmparity.models import registry as families
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.mapping.rules import convert_mcore_to_hf
+    from mmparity.models.kimi_k25_vl import reference
 
     cfg = reference.published_config(scale=scale, layers=layers)
     fam = families.get("kimi_k25_vl")

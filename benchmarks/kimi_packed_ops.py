@@ -53,7 +53,7 @@ class OpCount(TorchDispatchMode):
 
 def count_ops(model, run) -> OpCount:
     """Aten ops of ``run()``; the tower's ``decoder`` calls are counted apart."""
-    from mmparity.native.kimi_k25 import tower
+    from mmparity.models.kimi_k25.native import tower
 
     counter = OpCount()
     decoder = tower(model).decoder
@@ -75,7 +75,8 @@ def count_ops(model, run) -> OpCount:
 
 
 def build(size: str, dtype: torch.dtype, device: torch.device):
-    from mmparity import families, runtime
+    from mmparity.models import registry as families
+    from mmparity.parallel import runtime
     from mmparity.parity import bench
 
     warnings.filterwarnings("ignore")
@@ -95,13 +96,13 @@ def build(size: str, dtype: torch.dtype, device: torch.device):
 def unit(cfg, size: str) -> int:
     """Pixels per side unit: patch x merge (28 px at published widths); x4 at published size, so
     that the uniform image is the published 896 px."""
-    from mmparity.cases.kimi_k25 import image_size_multiple
+    from mmparity.models.kimi_k25.cases import image_size_multiple
 
     return image_size_multiple(cfg) * (4 if size == "published" else 1)
 
 
 def inputs_for(model, sizes, patch: int, dtype, device, static: bool):
-    from mmparity.cases import inputs
+    from mmparity.models.core import inputs
 
     images = [img.to(device) for img in inputs.images(sizes, 3, 0)]
     if static:
@@ -128,8 +129,8 @@ def timed(run, device: torch.device, repeats: int) -> float:
 def position_term(device: torch.device, repeats: int) -> None:
     import torch.nn.functional as F
 
-    from mmparity.cases.kimi_k25 import PUBLISHED
-    from mmparity.native import kimi_k25 as nat
+    from mmparity.models.kimi_k25.cases import PUBLISHED
+    from mmparity.models.kimi_k25 import native as nat
 
     vc = PUBLISHED.vision
     side, patch = vc["pos_emb_height"], vc["patch_size"]
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
         position_term(device, args.repeats)
         return 0
     cfg, model = build(args.size, dtype, device)
-    from mmparity.native.kimi_k25 import tower
+    from mmparity.models.kimi_k25.native import tower
 
     patch, u = tower(model).patch_dim, unit(cfg, args.size)
     print(f"kimi_k25 {args.size}: {cfg.vision_config.num_hidden_layers} layers x "

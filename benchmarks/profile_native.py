@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from mmparity import families
+    from mmparity.models import registry as families
     from mmparity.parity import bench
     from mmparity.parity.harness import DTYPES
 

@@ -45,9 +45,9 @@ def release_shapes(scale: int, layers: int, dtype, experts: int | None = None, h
     routed experts per MoE layer and ``heads`` attention heads, if given), from meta tensors."""
     import torch
 
-    from mmparity import families
-    from mmparity.converters.rules import convert_mcore_to_hf
-    from mmparity.reference import kimi_k25_vl as reference
+    from mmparity.models import registry as families
+    from mmparity.mapping.rules import convert_mcore_to_hf
+    from mmparity.models.kimi_k25_vl import reference
 
     cfg = reference.published_config(scale=scale, layers=layers, experts=experts, heads=heads)
     fam = families.get("kimi_k25_vl")
@@ -112,8 +112,8 @@ def write(out: Path, size: int, scale: int, seed: int, max_shard_size: str, dtyp
     and 384 experts when not given), not the depth at the given scale."""
     import torch
 
-    from mmparity.checkpoint.fsio.publish import atomic_directory
-    from mmparity.checkpoint.fsio.safetensors_write import StreamingSafetensorsWriter
+    from mmparity.io.fsio.publish import atomic_directory
+    from mmparity.io.fsio.safetensors_write import StreamingSafetensorsWriter
 
     started = time.perf_counter()
     if by_width:
@@ -164,7 +164,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from mmparity.checkpoint.fsio.safetensors_format import parse_size
+    from mmparity.io.fsio.safetensors_format import parse_size
 
     print(json.dumps(write(args.out, parse_size(args.size), args.scale, args.seed, args.max_shard_size,
                            getattr(torch, args.dtype), layers=args.layers, experts=args.experts,

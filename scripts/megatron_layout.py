@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 from megatron.core import package_info  # noqa: E402
 
-from mmparity import families  # noqa: E402
-from mmparity.upstream import layout, models  # noqa: E402
+from mmparity.models import registry as families  # noqa: E402
+from mmparity.models.core import megatron_layout as layout, megatron_classes as models  # noqa: E402
 from tests.megatron_interop import layout_config, whole_class_families  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "megatron_layout"

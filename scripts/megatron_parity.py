@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mmparity.upstream import models  # noqa: E402
+from mmparity.models.core import megatron_classes as models  # noqa: E402
 from tests import megatron_interop as mi  # noqa: E402
 
 RUNS = {

@@ -21,7 +21,7 @@ _running: list = []
 
 
 def pytest_configure(config):
-    from mmparity import runtime
+    from mmparity.parallel import runtime
 
     spawn = runtime.spawn
 
@@ -39,8 +39,8 @@ def pytest_configure(config):
     # has not been tried on a GPU runner.
     if not torch.cuda.is_available():
         runtime.share_rank_imports(["torch.multiprocessing", "torch.distributed", "megatron.core", "transformers",
-                                    "mmparity.runtime", "mmparity.families", "mmparity.cases.core",
-                                    "mmparity.parity.harness", "mmparity.checkpoint.streaming"])
+                                    "mmparity.parallel.runtime", "mmparity.models.registry", "mmparity.models.spec",
+                                    "mmparity.parity.harness", "mmparity.convert.pipeline"])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -56,7 +56,7 @@ def pytest_runtest_protocol(item, nextitem):
 def _single_process_parallel_state():
     """Every test starts from TP=1 mcore state so a test that changed it cannot leak."""
     yield
-    from mmparity import runtime
+    from mmparity.parallel import runtime
 
     layout = runtime.current_layout()
     if layout is not None and (layout.tp, layout.pp) != (1, 1):

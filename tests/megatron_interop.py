@@ -16,12 +16,13 @@ from typing import Optional
 
 import torch
 
-from mmparity import families, runtime
-from mmparity.cases import inputs
-from mmparity.cases.core import Case, MegatronClass, NoMegatron
-from mmparity.cases.llava import llava_clip_config
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.models.core import inputs
+from mmparity.models.spec import Case, MegatronClass, NoMegatron
+from mmparity.models.llava.cases import llava_clip_config
 from mmparity.parity.metrics import compare, fp32_tolerance
-from mmparity.upstream import models
+from mmparity.models.core import megatron_classes as models
 
 TOLERANCE = fp32_tolerance().rel_l2
 # Megatron's class name in the study -> (the mmparity family it is fed from, its Megatron class).

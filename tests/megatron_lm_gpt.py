@@ -259,7 +259,7 @@ def _cpu_float_parameters_pass_as_cuda():
 @contextlib.contextmanager
 def _te_specs(gpt_builders):
     """``gpt_builders``' TE spec functions through the stand-ins (Megatron's own spec)."""
-    from mmparity.upstream import te_stand_ins
+    from mmparity.models.core import te_stand_ins
 
     names = ("get_gpt_decoder_block_spec", "get_gpt_layer_with_transformer_engine_spec")
     saved = {name: getattr(gpt_builders, name) for name in names}
@@ -285,8 +285,8 @@ def build_gpt(args, ddp: bool) -> list:
     from megatron.core.transformer import multi_latent_attention
     from megatron.training.training import get_model
 
-    from mmparity.native.core.mla_moe import host_placement
-    from mmparity.upstream.te_stand_ins import buildable_without_te
+    from mmparity.models.core.mla_moe import host_placement
+    from mmparity.models.core.te_stand_ins import buildable_without_te
 
     gpt_builders = _root_module("gpt_builders")
     provider = _root_module("model_provider")
@@ -339,8 +339,8 @@ def _unwrap(chunk):
 def _logits(model, ids: torch.Tensor, vocab: int):
     """``GPTModel``'s logits over the real vocabulary on ``ids`` (the last stage's; None on
     others), its pipeline stages linked as mcore's forward schedule links them."""
-    from mmparity.native.core.pipeline import StageLink
-    from mmparity.upstream.te_stand_ins import cuda_calls_on_host
+    from mmparity.models.core.pipeline import StageLink
+    from mmparity.models.core.te_stand_ins import cuda_calls_on_host
 
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     training = model.training
@@ -361,8 +361,8 @@ def hf_logits(release: str, family: str, ids: torch.Tensor) -> torch.Tensor:
     """HF's own logits for ``ids``: the release read by transformers' ``from_pretrained`` into the
     family's reference class, its text model and head (``model.model.language_model``,
     ``lm_head``), the decoder a whole VLM runs on text."""
-    from mmparity import families
-    from mmparity.checkpoint.hf import read_hf_config
+    from mmparity.models import registry as families
+    from mmparity.io.hf import read_hf_config
 
     reference = type(families.get(family).build_reference(read_hf_config(release, for_models=True)[0]))
     model = reference.from_pretrained(release, dtype=torch.float32).eval()
@@ -377,7 +377,7 @@ def _trained_rank_state(trained: str, model) -> dict:
     """This rank's file of the changed weights' conversion (what training made of them)."""
     from megatron.core import parallel_state as ps
 
-    from mmparity.checkpoint.legacy import open_legacy
+    from mmparity.io.legacy import open_legacy
 
     ep = ps.get_expert_model_parallel_rank() if ps.get_expert_model_parallel_world_size() > 1 else 0
     state = open_legacy(trained).load_rank(ps.get_tensor_model_parallel_rank(),
@@ -394,9 +394,9 @@ def gpt_rank(rank: int, world: int, params: dict) -> dict:
     from megatron.training import checkpointing
     from megatron.training.utils.common_utils import update_use_dist_ckpt
 
-    from mmparity import runtime
-    from mmparity.axes import Grid
-    from mmparity.checkpoint import megatron_load
+    from mmparity.parallel import runtime
+    from mmparity.parallel.axes import Grid
+    from mmparity.megatron import load as megatron_load
     from tests.test_megatron_lm_loop import _cpu_stand_ins
 
     _cpu_stand_ins()

@@ -12,10 +12,10 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], RANK="0", WO
 import torch
 from megatron.training import checkpointing as ckpt, global_vars
 from megatron.training.arguments import parse_args
-from mmparity import runtime
-from mmparity.checkpoint import live
-from mmparity import families
-from mmparity.upstream import models
+from mmparity.parallel import runtime
+from mmparity.megatron import live
+from mmparity.models import registry as families
+from mmparity.models.core import megatron_classes as models
 
 dst, fmt, hf = sys.argv[1], sys.argv[2], sys.argv[3]
 cfg = live.family_config(hf, "llava")

@@ -31,9 +31,9 @@ def run(fmt: str, tmp: Path) -> None:
         sys.exit(77)
     import torch
 
-    from mmparity.checkpoint import megatron_load
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-    from mmparity.checkpoint.legacy import open_legacy
+    from mmparity.megatron import load as megatron_load
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.legacy import open_legacy
     from mmparity.cli.main import main
     from tests.test_megatron_written import cpu_fp32_optimizer, cpu_stand_ins, make_pair
 

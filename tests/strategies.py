@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from mmparity import families
+from mmparity.models import registry as families
 
 
 def family_configs(name: str):

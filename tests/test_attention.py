@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from mmparity.native.core import attention
-from mmparity.native.core import attention_backends as kernels
+from mmparity.models.core import attention
+from mmparity.models.core import attention_backends as kernels
 
 # Mixed sizes with groups that are back to back, interleaved and singletons; GQA 6 heads / 2 groups.
 SEQLENS = [[7], [4, 4, 4], [5, 9, 5, 1, 9, 9], [3, 3, 8, 3], [2, 11]]
@@ -370,9 +370,9 @@ def test_transformer_engine_adapter(monkeypatch):
 # --- end to end ------------------------------------------------------------------------------------------
 
 def test_native_pixtral_agrees_across_cpu_backends():
-    from mmparity import families
-    from mmparity.cases import inputs
-    from mmparity.cases.inputs import random_like_state
+    from mmparity.models import registry as families
+    from mmparity.models.core import inputs
+    from mmparity.models.core.inputs import random_like_state
 
     fam = families.get("pixtral")
     cfg = fam.tiny_config()

@@ -2,12 +2,13 @@
 
 import pytest
 
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.layout import legacy_rank_dirname, parse_legacy_rank_dirname, parse_rank_dirname, rank_dirname
-from mmparity.checkpoint.legacy import open_legacy
-from mmparity.converters import pp, tp
-from mmparity.converters.axes import (AxisError, Grid, PipelineError, expert_axis, no_experts, pipeline_axis, split_of,
-                                      tensor_axis)
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.layout import legacy_rank_dirname, parse_legacy_rank_dirname, parse_rank_dirname, rank_dirname
+from mmparity.io.legacy import open_legacy
+from mmparity.parallel import pp, tp
+from mmparity.parallel.tp import axis_split
+from mmparity.parallel.axes import (
+    AxisError, Grid, PipelineError, expert_axis, no_experts, pipeline_axis, tensor_axis)
 
 
 def test_pipeline_axis_splits_a_range_that_need_not_start_at_zero():
@@ -25,9 +26,9 @@ def test_expert_axis_splits_evenly_or_not_at_all():
 
 
 def test_tensor_axis_cuts_by_split_kind():
-    assert split_of(tensor_axis(2), "gated") is tp.KINDS["gated"]
+    assert axis_split(tensor_axis(2), "gated") is tp.KINDS["gated"]
     with pytest.raises(AxisError, match="splits layers, not tensors"):
-        split_of(pipeline_axis(2), "gated")
+        axis_split(pipeline_axis(2), "gated")
     with pytest.raises(AxisError):
         tensor_axis(2).ranges(4)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmparity import families
-from mmparity.hfconfig import vision_sub_config
+from mmparity.models import registry as families
+from mmparity.config import vision_sub_config
 from mmparity.parity import bench
-from mmparity.native.core import attention
+from mmparity.models.core import attention
 from mmparity.parity.harness import size_multiple
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mmparity import families
-from mmparity.cases.inputs import random_like_state
+from mmparity.models import registry as families
+from mmparity.models.core.inputs import random_like_state
 from mmparity.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_a_tower_family_refuses_an_image_beyond_its_table(capsys, family):
 def unrouted_kimi(tmp_path_factory):
     """A whole Kimi-K2.5 whose text config takes 3 experts over 1 of 3 groups: HF ranks a group by
     its top 2 scores, Megatron's router by its top 3."""
-    from mmparity.reference import kimi_k25_vl as reference
+    from mmparity.models.kimi_k25_vl import reference
 
     cfg = reference.tiny_config(num_experts_per_tok=3, topk_group=1)
     return save(families.get("kimi_k25_vl").build_reference(cfg), cfg, tmp_path_factory.mktemp("kimi") / "hf")

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.fsio.safetensors_pread import RangeReader
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.cli.check import _load_hf
 from mmparity.cli.main import main
 from mmparity.parity import harness, low_memory
@@ -59,8 +59,8 @@ def test_finiteness_scan_reads_a_stacked_experts_tensor_a_range_of_rows_at_a_tim
     whole layer's experts (22 GB of bf16 ``gate_up_proj`` a layer at Kimi-K2.5's size), far above
     the one unit the check keeps resident. It reads ``max_bytes`` of rows at a time, counts the
     same, and the CLI still refuses a NaN in one expert, naming the tensor."""
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
-    from mmparity.reference.kimi_k25_vl import tiny_config
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.models.kimi_k25_vl.reference import tiny_config
 
     cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2)
     src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=3, cfg=cfg, module_names=True)
@@ -386,7 +386,7 @@ def test_low_memory_passes_under_an_address_space_limit_the_in_memory_check_cann
     """A Kimi-K2.5 with 27 decoder layers of 16 routed experts: its weights are three times the
     address space the process may add after its imports; ``--low-memory`` passes within it
     with the report of an unlimited in-memory check, which fails under it."""
-    from mmparity.reference.kimi_k25_vl import tiny_config
+    from mmparity.models.kimi_k25_vl.reference import tiny_config
 
     small = save_hf("kimi_k25_vl", tmp_path / "small", seed=2, module_names=True)
     cfg = tiny_config(hidden_size=384, num_hidden_layers=27, n_routed_experts=16, moe_intermediate_size=512,
@@ -418,7 +418,7 @@ def test_experts_are_read_a_group_at_a_time_with_the_same_report(tmp_path):
     """HF stacks a layer's experts in one tensor: with ``expert_group`` 2 of 16 experts the
     reference holds far less at once, the native side (one mcore module per expert) too, and
     every group size gives the in-memory report exactly (the experts run in the same order)."""
-    from mmparity.reference.kimi_k25_vl import tiny_config
+    from mmparity.models.kimi_k25_vl.reference import tiny_config
 
     cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2, moe_intermediate_size=96)
     src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=5, cfg=cfg, module_names=True)
@@ -439,10 +439,10 @@ def test_experts_are_read_a_group_at_a_time_with_the_same_report(tmp_path):
 def test_release_layout_one_tensor_per_expert_gives_the_same_report(capsys, tmp_path):
     """Kimi's release files hold one tensor per expert, not the reference's stacked ones: the
     reference's tensors come through mcore and back, one conversion step at a time."""
-    from mmparity import families
-    from mmparity.cases.inputs import random_like_state
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
-    from mmparity.converters.rules import convert_mcore_to_hf
+    from mmparity.models import registry as families
+    from mmparity.models.core.inputs import random_like_state
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.mapping.rules import convert_mcore_to_hf
 
     fam = families.get("kimi_k25_vl")
     cfg = fam.tiny_config()

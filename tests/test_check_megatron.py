@@ -14,7 +14,7 @@ import pytest
 from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.upstream import models
+from mmparity.models.core import megatron_classes as models
 from tests import megatron_interop as mi
 
 HAVE_MAIN = models.available()

@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from mmparity import families
+from mmparity.models import registry as families
 from mmparity.cli.main import main
-from mmparity import runtime
-from mmparity.converters.pp import buildable_layer_counts
+from mmparity.parallel import runtime
+from mmparity.parallel.pp import buildable_layer_counts
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 
 STAGE_1_WEIGHT = "decoder.layers.1.mlp.linear_fc2.weight"  # layer 1 of 2: the second stage's
 

@@ -16,21 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity.checkpoint import (
-    CHECKPOINT_VERSION,
-    MANIFEST_FILE,
-    CheckpointError,
-    Provenance,
-    open_legacy,
-    read_legacy,
-    read_manifest,
-    verify,
-    write_hf,
-    write_legacy,
-)
-from mmparity.checkpoint.torch_dist_files import global_state_dict
-from mmparity.converters import pp
-from mmparity.checkpoint.fsio.checksums import CHECKSUM_ALGORITHM
+from mmparity.io.layout import CHECKPOINT_VERSION
+from mmparity.io.manifest import MANIFEST_FILE, Provenance, read_manifest
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.legacy import open_legacy, read_legacy, write_legacy
+from mmparity.io.verify import verify
+from mmparity.io.hf import write_hf
+from mmparity.io.torch_dist_files import global_state_dict
+from mmparity.parallel import pp
+from mmparity.io.fsio.checksums import CHECKSUM_ALGORITHM
 
 NUM_LAYERS = 3
 
@@ -469,7 +463,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 
 def _load_into(model, root):
-    from mmparity.checkpoint.torch_dist import load_torch_dist
+    from mmparity.io.torch_dist import load_torch_dist
 
     loaded = load_torch_dist(root, model.sharded_state_dict())
     model.load_state_dict(loaded)
@@ -484,7 +478,7 @@ def _two_rank_worker(rank: int, world_size: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mmparity.checkpoint.torch_dist import save_torch_dist
+    from mmparity.io.torch_dist import save_torch_dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -559,7 +553,7 @@ def _one_rank_worker(rank: int, world_size: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mmparity.checkpoint.torch_dist import save_torch_dist
+    from mmparity.io.torch_dist import save_torch_dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -641,7 +635,7 @@ def test_torch_dist_global_tensors_are_the_tp1_state_dict(torch_dist_checkpoints
 
 @pytest.mark.slow
 def test_torch_dist_regions_map_in_place_and_match_dcps_reader(torch_dist_checkpoints, monkeypatch):
-    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+    from mmparity.io.torch_dist_files import TorchDistFiles
 
     files = TorchDistFiles(torch_dist_checkpoints / "A" / "iter_0000007")
     mapped = {}
@@ -697,7 +691,7 @@ def test_torch_dist_needs_a_process_group(tmp_path):
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
 
-    from mmparity.checkpoint.torch_dist import load_torch_dist, save_torch_dist
+    from mmparity.io.torch_dist import load_torch_dist, save_torch_dist
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -713,7 +707,7 @@ def test_reading_torch_dist_needs_no_megatron(tmp_path):
     import sys
 
     code = (
-        "import sys, mmparity.checkpoint, mmparity.checkpoint.torch_dist_files, mmparity.checkpoint.legacy;"
+        "import sys, mmparity.io, mmparity.io.torch_dist_files, mmparity.io.legacy;"
         "assert 'megatron' not in sys.modules, 'megatron imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
@@ -728,8 +722,8 @@ def test_a_mapped_rank_file_stays_mapped_while_its_bytes_are_located(tmp_path):
     import gc
     import os
 
-    from mmparity.checkpoint.fsio.pieces import FileRanges
-    from mmparity.checkpoint.legacy import load_rank_file
+    from mmparity.io.fsio.pieces import FileRanges
+    from mmparity.io.legacy import load_rank_file
 
     paths = []
     for name, value in (("a", 1.0), ("b", 2.0)):

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from mmparity import families
+from mmparity.models import registry as families
 from mmparity.cli.main import main
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 
 
 def run_cli(capsys, *argv):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.cli.main import main
 
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
 
-from mmparity import families
-from mmparity.converters.rules import ConversionError
+from mmparity.models import registry as families
+from mmparity.mapping.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import config_and_tp
 
 
@@ -93,8 +93,8 @@ def test_cli_checks_a_saved_whole_clip_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("grid", [(3, 7), (8, 2), (1, 1), (5, 5), (6, 6)])
 def test_learned_positions_resample_exactly_like_hf(grid):
-    from mmparity.native.core.vit import LearnedPositionEmbedding
-    from mmparity.cases import clip as ref_clip
+    from mmparity.models.core.vit import LearnedPositionEmbedding
+    from mmparity.models.clip import cases as ref_clip
 
     fam = families.get("clip")
     cfg = fam.tiny_config()

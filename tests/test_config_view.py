@@ -21,8 +21,9 @@ import random
 import pytest
 from transformers import AutoConfig
 
-from mmparity import families, hfconfig
-from mmparity.hfconfig import ConfigView, config_view, known_model_types
+from mmparity.models import registry as families
+from mmparity import config as hfconfig
+from mmparity.config import ConfigView, config_view, known_model_types
 
 IGNORED = {"transformers_version", "_name_or_path"}
 MISSING = object()
@@ -31,7 +32,7 @@ MISSING = object()
 def _configs() -> dict[str, object]:
     """transformers config objects, by a readable id."""
     from mmparity.parity import bench
-    from mmparity.reference.mistral_params import config_from_params, params_from_config
+    from mmparity.models.parts.mistral_params import config_from_params, params_from_config
 
     found = {}
     for name in families.names():
@@ -122,7 +123,7 @@ def _same(a, b) -> bool:
 def _conversion_reads(view: ConfigView, family: str) -> list[tuple[ConfigView, str]]:
     """Every attribute the conversion path reads of ``view`` (family config, shapes, key tables,
     the config bound check), in order."""
-    from mmparity.converters.rules import expected_keys
+    from mmparity.mapping.rules import expected_keys
 
     read = []
     original = ConfigView.__getattr__

@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmparity.checkpoint import streaming
-from mmparity.checkpoint.fsio import heap as heap_mod
-from mmparity.checkpoint.fsio import pieces as pieces_mod
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.converters import ops, rules, tp
+from mmparity.convert import pipeline as streaming
+from mmparity.io.fsio import heap as heap_mod
+from mmparity.io.fsio import pieces as pieces_mod
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.mapping import ops, rules
+from mmparity.parallel import tp
 from tests.test_convert_roundtrips import assert_same_checkpoint, run, save_hf
 
 

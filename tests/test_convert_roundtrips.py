@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.checkpoint import read_manifest, verify
+from mmparity.models import registry as families
+from mmparity.io.manifest import read_manifest
+from mmparity.io.verify import verify
 from mmparity.cli.main import main
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
-from mmparity.cases.inputs import random_like_state
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
+from mmparity.models.core.inputs import random_like_state
 
 
 def save_hf(family: str, path: Path, seed: int = 0, max_shard_size="20KB", cfg=None,
@@ -81,7 +82,7 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(family, fmt, hf_dirs, tmp_pat
 @pytest.mark.parametrize("family", families.names())
 def test_streaming_convert_and_the_in_memory_api_give_the_same_shards(family, hf_dirs, tmp_path):
     """One engine: `convert` to legacy TP 2 writes exactly what `Family.hf_to_mcore` returns."""
-    from mmparity.checkpoint.streaming import read_mcore_shards
+    from mmparity.convert.pipeline import read_mcore_shards
     from transformers import AutoConfig
 
     src = hf_dirs[family]
@@ -160,7 +161,7 @@ def test_dtype_cast_is_recorded_and_applied(hf_dirs, tmp_path):
 def test_rank_views_written_in_order_equal_tp_shard(kind, shape):
     """The legacy writer writes a rank's tp.shard_slices views one after another (row runs for a
     column range) instead of tp.shard copies: the bytes it writes are those of tp.shard."""
-    from mmparity.converters import tp as tp_mod
+    from mmparity.parallel import tp as tp_mod
 
     full = torch.randn(shape, generator=torch.Generator().manual_seed(len(kind))).to(torch.bfloat16)
     for rank, expected in enumerate(tp_mod.shard(full, kind, 2)):
@@ -216,9 +217,9 @@ def test_whole_vlm_source_converts_only_the_family(family, make, prefixes, tmp_p
 
 def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
     """One spawned rank: for each (family, format, checkpoint), load it at TP 4 and at TP 1, run."""
-    from mmparity.checkpoint.torch_dist import load_torch_dist
-    from mmparity.checkpoint.streaming import read_mcore_shards
-    from mmparity import runtime
+    from mmparity.io.torch_dist import load_torch_dist
+    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.parallel import runtime
 
     results = []
     for family, fmt, path in jobs:
@@ -243,7 +244,7 @@ def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
 
 @pytest.mark.slow
 def test_tp2_checkpoint_loads_at_tp1_and_tp4_with_the_same_outputs(hf_dirs, tmp_path):
-    from mmparity import runtime
+    from mmparity.parallel import runtime
 
     jobs = []
     # Three towers with different parallel parts: plain ViT, Qwen's parallel merger MLP, Kimi's

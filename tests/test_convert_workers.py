@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mmparity.checkpoint.team import assign_units
-from mmparity.runtime import free_port
+from mmparity.io.team import assign_units
+from mmparity.parallel.runtime import free_port
 from tests.test_faults_launcher import run_subprocess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,9 +50,9 @@ def test_units_are_assigned_by_bytes_deterministically():
 @pytest.fixture(scope="module")
 def kimi_hf(tmp_path_factory):
     """The tiny whole Kimi-K2.5 (MLA + MoE language model, MoonViT tower), seeded, in many shards."""
-    from mmparity import families
-    from mmparity.cases.inputs import random_like_state
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.models import registry as families
+    from mmparity.models.core.inputs import random_like_state
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 
     family = families.get("kimi_k25_vl")
     cfg = family.tiny_config()

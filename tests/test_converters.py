@@ -9,11 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.converters import ops, tp
-from mmparity.converters.rules import ConversionError, Rule, RuleSet, convert_hf_to_mcore, rename, to_te_spelling
-from mmparity.converters import rules as R
-from mmparity.cases.inputs import random_like_state
+from mmparity.models import registry as families
+from mmparity.mapping import ops
+from mmparity.parallel import tp
+from mmparity.mapping.rules import ConversionError, Rule, RuleSet, convert_hf_to_mcore, rename, to_te_spelling
+from mmparity.mapping import rules as R
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import config_and_tp
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -171,7 +172,7 @@ def test_round_trip_bit_exact_for_random_configs_and_tp(family, data):
 def test_piece_forms_of_every_rule_join_to_the_op(family, data):
     """Writers put `apply_pieces` / `invert_pieces` output straight into files: joined along dim 0
     the pieces must be exactly what `apply` / `invert` give, for every rule of every family."""
-    from mmparity.converters import rules as R
+    from mmparity.mapping import rules as R
 
     cfg = data.draw(config_and_tp(family))[0]
     reference = families.get(family).build_reference(cfg)
@@ -206,7 +207,7 @@ def test_cat_on_meta_refuses_what_torch_cat_refuses():
 def _dense_then_moe() -> RuleSet:
     """Layers 0..1 dense, 2..4 "MoE" under another key: one variable per kind of layer, the second
     starting at 2."""
-    from mmparity.converters.rules import values
+    from mmparity.mapping.rules import values
 
     mc, hf = "decoder.layers.", "model.layers."
     rules = (
@@ -234,7 +235,7 @@ def _dense_then_moe_hf() -> dict:
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_a_range_from_k_round_trips_bit_exact(tp_size):
-    from mmparity.converters.rules import convert_mcore_to_hf, expected_keys
+    from mmparity.mapping.rules import convert_mcore_to_hf, expected_keys
 
     rule_set, hf_state = _dense_then_moe(), _dense_then_moe_hf()
     hf_keys, mcore_keys = expected_keys(rule_set)
@@ -250,7 +251,7 @@ def test_a_range_from_k_round_trips_bit_exact(tp_size):
 
 
 def test_a_range_from_k_splits_over_pipeline_stages():
-    from mmparity.converters import pp
+    from mmparity.parallel import pp
 
     shards = convert_hf_to_mcore(_dense_then_moe(), _dense_then_moe_hf(), 1)
     layout = pp.pipeline_layout(list(shards[0]))

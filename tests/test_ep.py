@@ -7,13 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.legacy import load_rank_file, open_legacy, read_legacy, write_legacy
-from mmparity.checkpoint.manifest import read_manifest
-from mmparity.checkpoint.verify import verify
-from mmparity.converters import ep, pp, tp
-from mmparity.converters.axes import AxisError, Grid, expert_axis
-from mmparity.converters.rules import ConversionError
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.legacy import load_rank_file, open_legacy, read_legacy, write_legacy
+from mmparity.io.manifest import read_manifest
+from mmparity.io.verify import verify
+from mmparity.parallel import ep, pp, tp
+from mmparity.parallel.axes import AxisError, Grid, expert_axis
+from mmparity.mapping.rules import ConversionError
 
 ROOT = "language_model."
 LAYERS = f"{ROOT}decoder.layers."
@@ -314,7 +314,7 @@ def _megatron_moe_block(rank: int, world_size: int, grouped: bool) -> dict:
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mmparity import runtime
+    from mmparity.parallel import runtime
 
     layout = runtime.init_parallel(1, 1, ep=world_size)
     config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
@@ -332,7 +332,7 @@ def _megatron_moe_block(rank: int, world_size: int, grouped: bool) -> dict:
 
 @pytest.mark.slow
 def test_megatron_moe_layers_built_at_ep_2_hold_what_split_expert_ranks_gives_them():
-    results = __import__("mmparity.runtime", fromlist=["spawn"]).spawn(_megatron_moe_block, 2, False)
+    results = __import__("mmparity.parallel.runtime", fromlist=["spawn"]).spawn(_megatron_moe_block, 2, False)
     # The whole model's keys, globally numbered, are rank 0's with its experts 0..1 as 0..3.
     whole = {}
     for key in results[0]["keys"]:
@@ -360,11 +360,11 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
     """Megatron's MoE block saved as torch_dist (its sharded state dict at EP 1: global experts on
     a stacked expert axis, and a stacked layer axis unless dense layers come first), read back one
     (layer, expert) at a time under the per-expert keys, bit-exact."""
-    from mmparity import runtime
-    from mmparity.checkpoint.streaming import torch_dist_index
-    from mmparity.checkpoint.torch_dist import save_torch_dist
-    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
-    from mmparity.converters.rules import to_te_spelling
+    from mmparity.parallel import runtime
+    from mmparity.convert.pipeline import torch_dist_index
+    from mmparity.io.torch_dist import save_torch_dist
+    from mmparity.io.torch_dist_files import TorchDistFiles
+    from mmparity.mapping.rules import to_te_spelling
 
     with runtime.parallel_context(1, 1):
         # Dense layer 0, MoE 1 and 2: mcore's per-layer specs, and per-layer sharded keys.
@@ -394,9 +394,9 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
 def kimi_hf(tmp_path_factory):
     """The tiny whole Kimi-K2.5 as an HF directory of its module names (transformers'
     save_pretrained renames them, see the family's refusal), seeded random weights, sharded."""
-    from mmparity import families
-    from mmparity.cases.inputs import random_like_state
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.models import registry as families
+    from mmparity.models.core.inputs import random_like_state
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 
     family = families.get("kimi_k25_vl")
     cfg = family.tiny_config()
@@ -459,11 +459,13 @@ def test_torch_dist_extra_states_of_the_moe_family_are_keyed_as_mcore_keys_them(
     projections and its TEDotProductAttention)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
-    from mmparity import families, runtime
-    from mmparity.checkpoint import _mcore_compat as mc
-    from mmparity.checkpoint import extra_state, streaming
-    from mmparity.checkpoint.torch_dist import extra_state_objects
-    from mmparity.converters import pp
+    from mmparity.models import registry as families
+    from mmparity.parallel import runtime
+    from mmparity.io import mcore_compat as mc
+    from mmparity.io import extra_state
+    from mmparity.convert import pipeline as streaming
+    from mmparity.io.torch_dist import extra_state_objects
+    from mmparity.parallel import pp
 
     family = families.get("kimi_k25_vl")
     cfg = family.tiny_config()
@@ -495,9 +497,9 @@ def test_torch_dist_expert_extra_states_match_mcores_in_stacked_and_per_layer_bl
     """mcore's SequentialMLP keys its experts' extra states on the global expert axis, behind the
     layer axis when the block is homogeneous: extra_state_objects places them the same way."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from mmparity import runtime
-    from mmparity.checkpoint.torch_dist import extra_state_objects
-    from mmparity.converters import pp
+    from mmparity.parallel import runtime
+    from mmparity.io.torch_dist import extra_state_objects
+    from mmparity.parallel import pp
 
     with runtime.parallel_context(1, 1):
         block = mcore_moe_block(moe_layer_freq)

@@ -9,13 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmparity import families, runtime
-from mmparity.checkpoint import read_manifest, torch_dist_files, verify
-from mmparity.checkpoint.extra_state import as_bytes, extra_state_keys, sharded_extra_state_keys
-from mmparity.checkpoint.legacy import load_rank_file
-from mmparity.checkpoint.megatron_load import sharded_state_dict
-from mmparity.converters import rules as R
-from mmparity.upstream import models
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.io.manifest import read_manifest
+from mmparity.io import torch_dist_files
+from mmparity.io.verify import verify
+from mmparity.io.extra_state import as_bytes, extra_state_keys, sharded_extra_state_keys
+from mmparity.io.legacy import load_rank_file
+from mmparity.megatron.load import sharded_state_dict
+from mmparity.mapping import rules as R
+from mmparity.models.core import megatron_classes as models
 from tests.test_convert_roundtrips import assert_same_checkpoint, run, save_hf
 from tests.test_megatron_load import config_for
 from tests.test_upstream import ALL_FAMILIES, recorded

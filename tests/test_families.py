@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from transformers import LlavaConfig
 
-from mmparity import families
-from mmparity.converters.rules import expected_keys, with_side
+from mmparity.models import registry as families
+from mmparity.mapping.rules import expected_keys, with_side
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import family_configs
 
 FAMILIES = families.names()

@@ -17,14 +17,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mmparity import families
-from mmparity.cases.inputs import random_like_state
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.hf import detect_family, read_config_facts
-from mmparity.checkpoint.streaming import ConvertOptions, convert
+from mmparity.models import registry as families
+from mmparity.models.core.inputs import random_like_state
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.hf import detect_family, read_config_facts
+from mmparity.convert.pipeline import ConvertOptions, convert
 from mmparity.cli.common import human_bytes
 from mmparity.cli.main import main
-from mmparity.families import ConfigFacts, Family, Takes
+from mmparity.models.registry import ConfigFacts, Family, Takes
 from tests.test_convert_roundtrips import save_hf
 
 
@@ -271,7 +271,7 @@ def test_convert_of_a_whole_checkpoint_by_its_own_family_reports_nothing_left_ou
 
 
 def test_module_names_of_left_out_tensors():
-    from mmparity.converters.rules import module_of
+    from mmparity.mapping.rules import module_of
 
     assert module_of("model.language_model.layers.0.mlp.up_proj.weight") == "model.language_model"
     assert module_of("language_model.model.layers.0.mlp.up_proj.weight") == "language_model"

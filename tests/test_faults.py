@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
+from mmparity.models import registry as families
 from mmparity.cli.main import main
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 
 pytestmark = pytest.mark.fault
 
@@ -147,7 +147,7 @@ def test_conversion_across_filesystems(capsys, sources, tmp_path, case, directio
 def test_copy_falls_back_only_on_the_errors_that_mean_unsupported(tmp_path, monkeypatch):
     import errno
 
-    from mmparity.checkpoint.fsio import syscalls
+    from mmparity.io.fsio import syscalls
 
     src, dst = tmp_path / "a", tmp_path / "b"
     src.write_bytes(bytes(range(256)) * 64)
@@ -245,7 +245,7 @@ def test_float_weight_relabelled_int32_in_safetensors(capsys, sources, tmp_path,
 
 
 def _edit_dcp_metadata(iteration_dir: Path, edit) -> None:
-    from mmparity.checkpoint.torch_dist_files import load_metadata
+    from mmparity.io.torch_dist_files import load_metadata
 
     metadata = load_metadata(iteration_dir)
     edit(metadata)

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-from mmparity.checkpoint import torch_dist_files, unpickle
-from mmparity.checkpoint.fsio.bounded import MAX_DEPTH, check_bounded, json_value
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.legacy import load_rank_payload
+from mmparity.io import torch_dist_files, unpickle
+from mmparity.io.fsio.bounded import MAX_DEPTH, check_bounded, json_value
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.legacy import load_rank_payload
 
 try:  # the first fault suite's helpers and its `sources` fixture (pixtral in every format)
     from tests.test_faults import copy_tree, one_line_error, run_cli, run_subprocess, sources  # noqa: F401
@@ -264,8 +264,8 @@ def test_common_state_that_stalls_in_what_megatron_wrote(sources, tmp_path):
 def test_extra_state_that_stalls_under_verify_load(tmp_path):
     """TE's `_extra_state` items are decoded when a checkpoint is loaded into Megatron's class
     (stock CLIPViTModel here)."""
-    from mmparity import families
-    from mmparity.cases.inputs import random_like_state
+    from mmparity.models import registry as families
+    from mmparity.models.core.inputs import random_like_state
     from mmparity.cli.main import main
 
     fam = families.get("clip")

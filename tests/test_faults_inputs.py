@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.cases.inputs import random_like_state
+from mmparity.models import registry as families
+from mmparity.models.core.inputs import random_like_state
 from mmparity.cli.main import main
 
 try:  # reuse the first fault suite's helpers and its `sources` fixture (pixtral in every format)
@@ -322,7 +322,7 @@ def _manifest_tensors(directory: Path) -> list:
 @pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
 @pytest.mark.parametrize("case", sorted(SOURCE_FILES))
 def test_source_rewritten_while_it_is_read(capsys, sources, tmp_path, monkeypatch, case, how):
-    from mmparity.checkpoint.fsio import faults
+    from mmparity.io.fsio import faults
 
     kind, relative, argv = SOURCE_FILES[case]
     source = copy_tree(sources[kind], tmp_path / "src")
@@ -356,7 +356,7 @@ def test_source_rewritten_while_it_is_read(capsys, sources, tmp_path, monkeypatc
 
 _TRUNCATING_RUNNER = """
 import os, sys
-from mmparity.checkpoint.fsio import faults
+from mmparity.io.fsio import faults
 from mmparity.cli.main import main
 victim, argv = sys.argv[1], sys.argv[2:]
 real = faults.fault_point
@@ -464,7 +464,7 @@ def special_hf(request, tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_nan_and_inf_round_trip_bit_exact(capsys, special_hf, tmp_path, fmt):
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     directory, state = special_hf
     mcore, back = tmp_path / "mcore", tmp_path / "back"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mmparity.checkpoint.fsio import interrupts, publish
+from mmparity.io.fsio import interrupts, publish
 
 try:  # the first fault suite's helpers and its `sources` fixture (pixtral in every format)
     from tests.test_faults import FAMILY, REPO, one_line_error, sources  # noqa: F401

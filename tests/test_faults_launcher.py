@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mmparity import runtime
-from mmparity.runtime import free_port
+from mmparity.parallel import runtime
+from mmparity.parallel.runtime import free_port
 from tests.test_faults import one_line_error
 
 pytestmark = pytest.mark.fault
@@ -40,8 +40,8 @@ def run_subprocess(*argv, env=None, timeout=180):
 
 @pytest.fixture(scope="module")
 def torch_dist_checkpoint(tmp_path_factory):
-    from mmparity import families
-    from mmparity.cases.inputs import random_like_state
+    from mmparity.models import registry as families
+    from mmparity.models.core.inputs import random_like_state
     from mmparity.cli.main import main
 
     fam = families.get("clip")

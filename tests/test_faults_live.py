@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from mmparity import families, runtime
-from mmparity.checkpoint import live
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.megatron import live
 
 try:
     from tests.test_convert_roundtrips import save_hf
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.slow]  # spawns gloo ranks
 
 
 def _rank(rank: int, world: int, hf_dir: str, bad: str, case: str):
-    from mmparity.upstream import models
+    from mmparity.models.core import megatron_classes as models
 
     runtime.init_parallel(world, 1, seed=5)
     cfg = live.family_config(hf_dir, "clip")

@@ -85,7 +85,7 @@ def mistral_release(tmp_path_factory):
     the HF config they translate to."""
     from safetensors.torch import save_file
 
-    from mmparity.reference.mistral_params import params_from_config
+    from mmparity.models.parts.mistral_params import params_from_config
     from tests.test_whole_vlm import _mistral_native_state
 
     _, native, cfg = _mistral_native_state("mistral3", seed=23)
@@ -193,7 +193,7 @@ def test_config_json_beside_a_params_json_that_disagrees_is_refused(capsys, mist
 def test_config_json_beside_a_params_json_that_agrees_converts(capsys, mistral_release, tmp_path):
     """Both files describing the same model: config.json is read, the result is the params.json
     release's, bit for bit."""
-    from mmparity.checkpoint.streaming import read_mcore_shards
+    from mmparity.convert.pipeline import read_mcore_shards
 
     release, params, cfg = mistral_release
     for name, config in (("both", cfg.to_json_string()), ("params_only", None)):
@@ -213,8 +213,9 @@ def test_config_json_beside_a_params_json_that_agrees_converts(capsys, mistral_r
 @pytest.fixture(scope="module")
 def live_pixtral():
     """mmparity's native pixtral (Megatron's names) with seeded weights, in a one-rank group."""
-    from mmparity import families, runtime
-    from mmparity.cases.inputs import random_like_state
+    from mmparity.models import registry as families
+    from mmparity.parallel import runtime
+    from mmparity.models.core.inputs import random_like_state
 
     fam = families.get("pixtral")
     cfg = fam.tiny_config()
@@ -231,7 +232,7 @@ def live_pixtral():
                                    torch.float8_e4m3fn, torch.complex64, "float16", 16],
                          ids=str)
 def test_live_export_refuses_a_dtype_that_is_no_weight_dtype(live_pixtral, dtype):
-    from mmparity.checkpoint import live
+    from mmparity.megatron import live
 
     model, cfg = live_pixtral
     with pytest.raises(ValueError, match=r"export_hf: dtype=.* is not a weight dtype") as info:
@@ -241,7 +242,7 @@ def test_live_export_refuses_a_dtype_that_is_no_weight_dtype(live_pixtral, dtype
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_live_export_casts_to_a_floating_dtype(live_pixtral, dtype):
-    from mmparity.checkpoint import live
+    from mmparity.megatron import live
 
     model, cfg = live_pixtral
     own = dict(live.export_hf(model, "pixtral", cfg))
@@ -259,8 +260,8 @@ def test_live_export_casts_to_a_floating_dtype(live_pixtral, dtype):
 def clip_sources(tmp_path_factory):
     """A tiny CLIP (whose ln_post Megatron's class has no place for: it comes from --base) as an HF
     release and as Megatron-LM would have saved it (no mmparity files)."""
-    from mmparity import families
-    from mmparity.cases.inputs import random_like_state
+    from mmparity.models import registry as families
+    from mmparity.models.core.inputs import random_like_state
 
     root = tmp_path_factory.mktemp("clip")
     fam = families.get("clip")
@@ -308,7 +309,7 @@ def test_base_tensor_of_a_bad_shape_is_blamed_on_the_base(capsys, clip_sources, 
 
 
 def test_base_of_the_right_shapes_exports_bit_exact(capsys, clip_sources, tmp_path):
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     code, out, err = run_cli(capsys, "convert", "--src", clip_sources["megatron"], "--dst", tmp_path / "out",
                              "--to", "hf", "--base", clip_sources["hf"], "--quiet")
@@ -447,7 +448,7 @@ def test_requantize_refuses_weights_it_cannot_hold(capsys, request, tmp_path, sc
 
 
 def test_requant_error_counts_non_finite_changes():
-    from mmparity.converters import quant as Q
+    from mmparity.mapping import quant as Q
 
     scheme = Q.QuantScheme("fp8", (2, 2))
     raw = torch.tensor([[1.0, -2.5], [3.0, 4.25]], dtype=torch.bfloat16)
@@ -596,7 +597,7 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
     refused from the header; the tensor is never read."""
     import importlib
 
-    verify_mod = importlib.import_module("mmparity.checkpoint.verify")  # the package exports a function of that name
+    verify_mod = importlib.import_module("mmparity.io.verify")  # the package exports a function of that name
     src = copy_tree(clip_sources["legacy"], tmp_path / "src")
     entries = HUGE_SIDE_FILES["a sparse 12 GiB tensor in its place"](_side_entries(clip_sources["legacy"]))
     _write_side_file(src / "mcore_side.safetensors", entries)
@@ -648,7 +649,7 @@ def test_a_typed_divisor_of_a_billion_is_refused_before_allocating(hf, tmp_path)
 
 @pytest.mark.parametrize("divisor", [1, 7, 256, 2**16])
 def test_a_divisor_within_the_bound_converts(capsys, hf, tmp_path, divisor):
-    from mmparity.checkpoint.streaming import read_mcore_shards
+    from mmparity.convert.pipeline import read_mcore_shards
 
     code, out, err = run_cli(capsys, "convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
                              "--to", "mcore", "--format", "legacy", "--make-vocab-size-divisible-by", divisor,
@@ -672,7 +673,7 @@ def _megatron_written(converted_dir: Path, dst: Path, args_divisor: int | None =
 def test_megatron_written_with_a_small_divisor_exports_and_loads(capsys, hf, converted, tmp_path):
     """Megatron-LM run with --make-vocab-size-divisible-by 7 pads 101 rows to 105, fewer than the
     default 128 would: its checkpoint exports with --base and loads, the args' divisor taken."""
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     src = _megatron_written(converted("legacy", divisor=7), tmp_path / "megatron")
     code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "out", "--to", "hf",

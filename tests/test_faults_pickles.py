@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.cases.inputs import random_like_state
-from mmparity.checkpoint import extra_state, torch_dist_files
-from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.models import registry as families
+from mmparity.models.core.inputs import random_like_state
+from mmparity.io import extra_state, torch_dist_files
+from mmparity.io.fsio.checksums import tensor_checksum
 from mmparity.cli.main import main
 from tests.test_faults import run_cli
 
@@ -260,7 +260,7 @@ def test_megatron_written_rank_file_naming_os_system_is_refused(capsys, tmp_path
             return (os.system, (f"touch {marker}",))
 
     # The file as Megatron-LM wrote it (its args, optimizer, RNG), with one hostile entry added.
-    from mmparity.checkpoint.legacy import load_rank_payload
+    from mmparity.io.legacy import load_rank_payload
 
     assert {"args", "optimizer", "rng_state", "opt_param_scheduler", "iteration"} <= set(load_rank_payload(path))
     payload = torch.load(path, weights_only=False)  # the harness's own file, to re-save with a payload
@@ -321,7 +321,7 @@ def test_megatron_written_common_state_naming_os_system_is_refused(capsys, tmp_p
 def test_megatron_core_plan_classes_are_allowed(megatron_written):
     """What megatron-core's saver put in `.metadata` names only allow-listed classes: every global
     of the pickle, read without decoding it, is on DCP_METADATA_NAMES."""
-    from mmparity.checkpoint import unpickle
+    from mmparity.io import unpickle
 
     data = (_iteration_dir(megatron_written["torch_dist"]) / ".metadata").read_bytes()
     named = set()
@@ -345,7 +345,7 @@ def test_megatron_classes_become_inert_records_never_imports():
     belong is refused by the rank-file reader."""
     import sys
 
-    from mmparity.checkpoint import unpickle
+    from mmparity.io import unpickle
 
     data = (b"\x80\x02cmegatron.core.not_a_module\nAttnBackend\nK\x05\x85R."
             b"")
@@ -368,8 +368,8 @@ def test_megatron_classes_become_inert_records_never_imports():
 
 
 def test_inert_record_in_model_entry_is_refused(tmp_path):
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.legacy import load_rank_file
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.legacy import load_rank_file
     from megatron.core.transformer.enums import AttnBackend
 
     path = tmp_path / "model_optim_rng.pt"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity.checkpoint.fsio.checksums import tensor_checksum
+from mmparity.io.fsio.checksums import tensor_checksum
 from tests.test_convert_roundtrips import save_hf
 from tests.test_faults import one_line_error, run_cli, run_subprocess
 from tests.test_megatron_load import llava_clip_config
@@ -112,7 +112,7 @@ def test_check_mcore_passes_on_converts_own_llava_with_a_clip_tower_at_tp2(capsy
 
 
 def test_load_job_builds_with_the_recorded_divisor(converted):
-    from mmparity.checkpoint.megatron_load import load_job
+    from mmparity.megatron.load import load_job
 
     job = load_job(converted("legacy", tp=2, divisor=7))[0]
     assert (job.tp, job.pp) == (2, 1)

@@ -241,7 +241,7 @@ def _rewrite_rank_file(root: Path, edit) -> None:
 
     import torch
 
-    from mmparity.checkpoint.legacy import load_rank_payload
+    from mmparity.io.legacy import load_rank_payload
 
     path = next(root.glob("iter_*/mp_rank_00*/model_optim_rng.pt"))
     payload = load_rank_payload(path)

@@ -1,6 +1,6 @@
-"""Checkpoint formats as records (``mmparity.checkpoint.formats``): the registry is the one list
+"""Checkpoint formats as records (``mmparity.io.formats``): the registry is the one list
 the pipeline, ``verify`` and ``check --mcore`` look a format up in, so a format added by one
-:func:`~mmparity.checkpoint.formats.register` call is detected, opened, written and verified with
+:func:`~mmparity.io.formats.register` call is detected, opened, written and verified with
 no other edit."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmparity.axes import Grid
-from mmparity.checkpoint import formats, streaming
-from mmparity.checkpoint.fsio.checksums import tensor_checksum
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, LAYOUTS, Manifest, TensorRecord,
-                                          write_manifest)
-from mmparity.checkpoint.streaming import ConvertError, ConvertOptions, convert, open_source
-from mmparity.checkpoint.verify import verify
+from mmparity.parallel.axes import Grid
+from mmparity.io import formats
+from mmparity.convert import pipeline as streaming
+from mmparity.io.fsio.checksums import tensor_checksum
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.manifest import (
+    LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, LAYOUTS, Manifest, TensorRecord, write_manifest)
+from mmparity.convert.pipeline import ConvertError, ConvertOptions, convert, open_source
+from mmparity.io.verify import verify
 
 
 def test_the_built_in_formats_are_the_registry_in_detection_order():

@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from mmparity import families
+from mmparity.models import registry as families
 from mmparity.parity import bench
-from mmparity.native.core import attention
-from mmparity.native.core import attention_backends as kernels
+from mmparity.models.core import attention
+from mmparity.models.core import attention_backends as kernels
 from mmparity.parity import harness
 
 pytestmark = pytest.mark.gpu

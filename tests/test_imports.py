@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mmparity import families
+from mmparity.models import registry as families
 from tests.test_convert_roundtrips import save_hf
 
 ROOT = Path(__file__).resolve().parent.parent

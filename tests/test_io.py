@@ -15,16 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mmparity.checkpoint import manifest as manifest_module
-from mmparity.checkpoint.fsio.checksums import PieceHasher, TensorChecksum, tensor_checksum
-from mmparity.checkpoint.manifest import LAYOUT_TORCH_DIST, Manifest, TensorRecord
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.fsio.publish import atomic_directory
-from mmparity.checkpoint.fsio.safetensors_format import (SAFETENSORS_CODES, SAFETENSORS_INDEX_FILE,
-                                                         SAFETENSORS_SINGLE_FILE, parse_size)
-from mmparity.checkpoint.fsio.safetensors_read import SafetensorsCheckpoint, load_safetensors_state_dict
-from mmparity.checkpoint.fsio import safetensors_write as writer_module
-from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint, write_safetensors_shards
+from mmparity.io import manifest as manifest_module
+from mmparity.io.fsio.checksums import PieceHasher, TensorChecksum, tensor_checksum
+from mmparity.io.manifest import LAYOUT_TORCH_DIST, Manifest, TensorRecord
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.fsio.publish import atomic_directory
+from mmparity.io.fsio.safetensors_format import (
+    SAFETENSORS_CODES, SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE, parse_size)
+from mmparity.io.fsio.safetensors_read import SafetensorsCheckpoint, load_safetensors_state_dict
+from mmparity.io.fsio import safetensors_write as writer_module
+from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint, write_safetensors_shards
 
 
 def seeded(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -264,7 +264,7 @@ def test_corrupt_or_hostile_index(tmp_path):
 
 
 def test_mapped_offsets_are_the_headers(tmp_path):
-    from mmparity.checkpoint.fsio.safetensors_read import _data_offsets
+    from mmparity.io.fsio.safetensors_read import _data_offsets
 
     state = sample_state()
     save_safetensors_checkpoint(tmp_path / "ckpt", state, max_shard_size=300)
@@ -423,8 +423,8 @@ def test_io_imports_neither_framework():
     import subprocess
 
     fsio = Path(__file__).parent.parent / "mmparity" / "checkpoint" / "fsio"
-    modules = ", ".join(sorted(f"mmparity.checkpoint.fsio.{p.stem}" for p in fsio.glob("*.py") if p.stem != "__init__"))
-    code = (f"import sys, {modules}, mmparity.converters.pp;"
+    modules = ", ".join(sorted(f"mmparity.io.fsio.{p.stem}" for p in fsio.glob("*.py") if p.stem != "__init__"))
+    code = (f"import sys, {modules}, mmparity.parallel.pp;"
             "bad = [m for m in ('megatron', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
@@ -442,10 +442,10 @@ def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
 
 
 def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
-    from mmparity.checkpoint.fsio.pieces import route_pieces
-    from mmparity.checkpoint.fsio.slots import Slot, SlotWriter
-    from mmparity.converters.ops import RegroupQKV
-    from mmparity.converters.tp import ColumnJoin, merge, shard
+    from mmparity.io.fsio.pieces import route_pieces
+    from mmparity.io.fsio.slots import Slot, SlotWriter
+    from mmparity.mapping.ops import RegroupQKV
+    from mmparity.parallel.tp import ColumnJoin, merge, shard
 
     whole = seeded((6, 10), 5, torch.bfloat16)
     parts = shard(whole, "row", 2)
@@ -499,7 +499,7 @@ def test_file_ranges_locate_only_views_of_registered_mappings(tmp_path):
 
 
 def test_start_writeback_is_harmless_where_it_cannot_apply(tmp_path):
-    from mmparity.checkpoint.fsio import syscalls as io
+    from mmparity.io.fsio import syscalls as io
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10000)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity.checkpoint.fsio.json_members import object_members
+from mmparity.io.fsio.json_members import object_members
 
 _scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=8)
 _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)

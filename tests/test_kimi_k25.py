@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.converters import kimi_k25 as conv
-from mmparity.converters.rules import ConversionError
+from mmparity.models import registry as families
+from mmparity.models.kimi_k25 import mapping as conv
+from mmparity.mapping.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import family_configs
 
 FAMILY = "kimi_k25"
@@ -463,8 +463,8 @@ def test_packed_mixed_path_op_count_does_not_grow_with_images(native):
     a GPU each such read is a synchronisation). Inside the block the only per-image work that
     launches anything is attention's one SDPA call per distinct length per layer (mcore's THD
     RoPE slices per image, views only)."""
-    from mmparity.cases import inputs
-    from mmparity.native import kimi_k25 as nat
+    from mmparity.models.core import inputs
+    from mmparity.models.kimi_k25 import native as nat
 
     patch, layers = native.vision_model.patch_dim, native.vision_model.config.num_layers
     # Distinct token counts (one SDPA call each), table-sized and resampled grids, both ways.
@@ -491,7 +491,7 @@ def test_packed_mixed_path_op_count_does_not_grow_with_images(native):
 
 
 def test_static_and_packed_inputs_agree(native):
-    from mmparity.cases.kimi_k25 import _rows
+    from mmparity.models.kimi_k25.cases import _rows
 
     gen = torch.Generator().manual_seed(3)
     images = torch.randn(2, 3, 20, 30, generator=gen)

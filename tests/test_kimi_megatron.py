@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families, runtime
-from mmparity.checkpoint.legacy import load_rank_file, write_legacy
-from mmparity.checkpoint.manifest import Provenance
-from mmparity.checkpoint.torch_dist import load_torch_dist
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.io.legacy import load_rank_file, write_legacy
+from mmparity.io.manifest import Provenance
+from mmparity.io.torch_dist import load_torch_dist
 from mmparity.cli.main import main
-from mmparity.converters.kimi_k25 import TileBlocks
-from mmparity.converters.ops import LayoutError
-from mmparity.converters.rules import ConversionError
-from mmparity.upstream import models
+from mmparity.models.kimi_k25.mapping import TileBlocks
+from mmparity.mapping.ops import LayoutError
+from mmparity.mapping.rules import ConversionError
+from mmparity.models.core import megatron_classes as models
 from tests.test_convert_roundtrips import save_hf
 
 FAMILY = "kimi_k25"
@@ -220,7 +221,7 @@ def _load_rank(rank: int, world: int, fmt: str, path: str, expected: list) -> di
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_convert_output_loads_strictly_into_kimi_vit_model(capsys, tmp_path, hf_dir, fmt, tp):
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     ckpt = _convert(capsys, hf_dir, tmp_path / "mcore", fmt, tp)
     expected = [dict(s) for s in _fam().hf_to_mcore(load_safetensors_state_dict(hf_dir), _whole(), tp_size=tp)]

@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families, runtime
-from mmparity.families import megatron_class
-from mmparity.checkpoint.legacy import open_legacy
-from mmparity.checkpoint.megatron_load import grid_ranks
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.models.registry import megatron_class
+from mmparity.io.legacy import open_legacy
+from mmparity.megatron.load import grid_ranks
 from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.upstream import models
+from mmparity.models.core import megatron_classes as models
 from tests.test_convert_roundtrips import save_hf
 
 FAMILY = "kimi_k25_vl"
@@ -162,7 +163,7 @@ def test_grouped_linear_stand_ins_shard_as_te_groups_experts(linear, tp_axis):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from mmparity.upstream import te_stand_ins
+    from mmparity.models.core import te_stand_ins
 
     with runtime.parallel_context(1, 1):
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
@@ -199,7 +200,7 @@ def _megatron_core_load_rank(rank: int, world: int, src: str) -> dict:
     what mmparity's own strict loader gives."""
     from megatron.core import dist_checkpointing
 
-    from mmparity.checkpoint import megatron_load
+    from mmparity.megatron import load as megatron_load
     from tests.test_megatron_written import cpu_stand_ins
 
     job = megatron_load.load_job(src, tp=world)[0]
@@ -237,7 +238,7 @@ def test_grouped_linear_stand_ins_mark_expert_weights_as_te_does(ep, expert_grou
     a distributed optimizer gathered one EP rank's experts into the other's."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from mmparity.upstream import te_stand_ins
+    from mmparity.models.core import te_stand_ins
 
     with runtime.parallel_context(1, 1):
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,

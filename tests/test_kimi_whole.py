@@ -12,14 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.cases.inputs import random_like_state
-from mmparity.converters import ep as ep_mod
-from mmparity.converters import pp as pp_mod
-from mmparity.converters.axes import AxisError, expert_axis
-from mmparity.converters.rules import ConversionError, convert_mcore_to_hf
+from mmparity.models import registry as families
+from mmparity.models.core.inputs import random_like_state
+from mmparity.parallel import ep as ep_mod
+from mmparity.parallel import pp as pp_mod
+from mmparity.parallel.axes import AxisError, expert_axis
+from mmparity.mapping.rules import ConversionError, convert_mcore_to_hf
 from mmparity.parity import harness, router
-from mmparity.reference import kimi_k25_vl as reference
+from mmparity.models.kimi_k25_vl import reference
 
 FAMILY = "kimi_k25_vl"
 LAYER = "language_model.decoder.layers.{}"
@@ -140,7 +140,7 @@ def test_what_transformers_saves_is_read_through_its_own_mapping(fam, tmp_path):
     cfg = fam.tiny_config()
     model = fam.build_reference(cfg)
     model.save_pretrained(tmp_path)
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     saved = load_safetensors_state_dict(tmp_path)
     assert any(k.startswith("language_model.model.blocks.") for k in saved)
@@ -150,7 +150,7 @@ def test_what_transformers_saves_is_read_through_its_own_mapping(fam, tmp_path):
 
 def _mtp_release(fam, tmp_path):
     """A release directory whose decoder stores one multi-token-prediction layer after its three."""
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 
     cfg = reference.tiny_config(num_nextn_predict_layers=1)
     model = fam.build_reference(cfg)
@@ -166,7 +166,7 @@ def _mtp_release(fam, tmp_path):
 
 def test_multi_token_prediction_layers_are_dropped_and_reported(fam, tmp_path, capsys):
     from mmparity.cli.main import main
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     src, release, mtp = _mtp_release(fam, tmp_path)
     assert main(["convert", "--src", str(src), "--dst", str(tmp_path / "mcore"), "--to", "mcore",
@@ -181,7 +181,7 @@ def test_multi_token_prediction_layers_are_dropped_and_reported(fam, tmp_path, c
 
 
 def test_whole_checkpoint_is_detected_as_the_whole_family(fam, tmp_path):
-    from mmparity.checkpoint.hf import detect_family
+    from mmparity.io.hf import detect_family
 
     (tmp_path / "config.json").write_text(json.dumps(fam.tiny_config().to_dict() | {
         "architectures": ["Kimi_K25ForConditionalGeneration"]}))
@@ -227,8 +227,8 @@ def test_round_trip_over_tensor_pipeline_and_expert_ranks_is_bit_exact(fam, data
 def test_sequential_expert_layout_writes_local_experts_and_reads_back_bit_exact(fam, tmp_path):
     """``--expert-layout sequential``: SequentialMLP's names in every EP rank file, locally
     numbered; the checkpoint converts back to the same HF tensors."""
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-    from mmparity.checkpoint.legacy import load_rank_file, open_legacy
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.legacy import load_rank_file, open_legacy
     from mmparity.cli.main import main
     from tests.test_convert_roundtrips import save_hf
 

@@ -1,9 +1,11 @@
 """The layer rule, read off the source: every import of ``mmparity`` (function-level ones included)
 points down the stack, and the import graph has no cycle.
 
-Bottom to top: config facts and the parallel runtime; the converters; the native (mcore) and
-reference (HF) models side by side; the parity cases and hook records; the family registry; the
-checkpoint layer (disk and the convert pipeline); the parity harness and bench; the CLI.
+Bottom to top (docs/architecture.md draws it): HF config facts; the parallel axes and splits; the
+mapping engine (rules, ops with inverses); the disk layer (formats, manifest, fsio), which knows
+tensors and names and never a model; the models (shared blocks and records, reusable parts, one
+package per family, the registry); the conversion pipeline; Megatron's own classes under test
+(verify --load, the live API); the parity harness and bench; the CLI.
 """
 
 from __future__ import annotations
@@ -18,35 +20,38 @@ ROOT = Path(__file__).resolve().parent.parent / "mmparity"
 # Module-name prefix -> layer; the longest matching prefix wins.
 LAYERS = {
     "mmparity": 0,
-    "mmparity.hfconfig": 0,
-    "mmparity.runtime": 0,
-    "mmparity.axes": 0,
     "mmparity.errors": 0,
-    "mmparity.converters": 1,
-    # Megatron's own classes and the key map onto them: megatron and the converters' records below.
-    "mmparity.upstream": 2,
-    "mmparity.native.core": 2,
-    "mmparity.native": 3,
-    "mmparity.reference": 3,
-    "mmparity.cases": 4,
-    "mmparity.families": 5,
-    "mmparity.checkpoint": 6,
-    "mmparity.parity": 7,
-    "mmparity.cli": 8,
-    "mmparity.__main__": 9,
+    "mmparity.config": 0,
+    "mmparity.parallel": 1,
+    "mmparity.mapping": 2,
+    "mmparity.io": 3,
+    # Shared mcore blocks, the records a family fills, and Megatron's classes built from configs.
+    "mmparity.models.core": 4,
+    "mmparity.models.spec": 4,
+    # Parts several families are made of (decoders), then the families, then the one list.
+    "mmparity.models.parts": 5,
+    "mmparity.models": 6,
+    "mmparity.models.registry": 7,
+    "mmparity.convert": 8,
+    "mmparity.megatron": 9,
+    "mmparity.parity": 10,
+    "mmparity.cli": 11,
+    "mmparity.__main__": 12,
 }
-# Same layer, still never importing each other.
-APART = [("mmparity.native", "mmparity.reference")]
+# Same layer, still never importing each other: a family's (or part's) native model and its
+# transformers reference, by the last component of the module name.
+APART = [("native", "reference")]
 # Third-party packages a layer must not import.
 FORBIDDEN = {
-    "mmparity.converters": ("transformers", "megatron", "safetensors", "os", "pathlib", "mmap", "ctypes",
-                            "shutil", "tempfile", "io"),
-    "mmparity.hfconfig": ("transformers", "megatron", "torch"),
+    "mmparity.mapping": ("transformers", "megatron", "safetensors", "os", "pathlib", "mmap", "ctypes",
+                         "shutil", "tempfile", "io"),
+    "mmparity.config": ("transformers", "megatron", "torch"),
     "mmparity.errors": ("transformers", "megatron", "torch"),
-    "mmparity.axes": ("transformers", "megatron", "torch"),
-    "mmparity.native": ("transformers",),
-    "mmparity.reference": ("megatron",),
+    "mmparity.parallel.axes": ("transformers", "megatron", "torch"),
+    "mmparity.io": ("transformers", "megatron"),
 }
+# What each family package's native / reference modules must not import.
+FORBIDDEN_BY_NAME = {"native": ("transformers",), "reference": ("megatron",)}
 
 
 def module_name(path: Path) -> str:
@@ -115,8 +120,8 @@ def uphill(edges: dict[str, set[str]]) -> list[str]:
                 found.append(f"{module} (layer {rank}) imports {target} (layer {target_rank})")
             for a, b in APART:
                 for x, y in ((a, b), (b, a)):
-                    if (module == x or module.startswith(x + ".")) and (target == y or target.startswith(y + ".")):
-                        found.append(f"{module} imports its sibling layer {target}")
+                    if module.rpartition(".")[2] == x and target.rpartition(".")[2] == y:
+                        found.append(f"{module} imports its sibling {target}")
     return sorted(found)
 
 
@@ -149,12 +154,12 @@ def test_import_graph_has_no_cycle():
 
 def test_the_checks_can_fail():
     """An uphill edge, a sibling edge and a cycle inside one layer are each caught."""
-    assert uphill({"mmparity.converters.rules": {"mmparity.families"}})
-    assert uphill({"mmparity.native.pixtral": {"mmparity.reference.pixtral"}})
-    assert uphill({"mmparity.native.core.vit": {"mmparity.native.pixtral"}})
-    assert not uphill({"mmparity.native.pixtral": {"mmparity.native.core.vit", "mmparity.converters.ops"}})
-    assert cycles({"mmparity.checkpoint.a": {"mmparity.checkpoint.b"},
-                   "mmparity.checkpoint.b": {"mmparity.checkpoint.a"}})
+    assert uphill({"mmparity.mapping.rules": {"mmparity.models.registry"}})
+    assert uphill({"mmparity.models.pixtral.native": {"mmparity.models.pixtral.reference"}})
+    assert uphill({"mmparity.models.core.vit": {"mmparity.models.pixtral.native"}})
+    assert not uphill({"mmparity.models.pixtral.native": {"mmparity.models.core.vit", "mmparity.mapping.ops"}})
+    assert cycles({"mmparity.io.a": {"mmparity.io.b"},
+                   "mmparity.io.b": {"mmparity.io.a"}})
 
 
 def test_function_level_imports_are_read():
@@ -179,5 +184,16 @@ def test_layers_keep_out_of_frameworks_and_files(prefix):
         if module == prefix or module.startswith(prefix + "."):
             for name, line in imports(module):
                 if name.split(".")[0] in FORBIDDEN[prefix]:
+                    bad.append(f"{module}:{line} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("last", sorted(FORBIDDEN_BY_NAME))
+def test_native_and_reference_modules_keep_to_their_framework(last):
+    bad = []
+    for module in MODULES:
+        if module.startswith("mmparity.models.") and module.rpartition(".")[2] == last:
+            for name, line in imports(module):
+                if name.split(".")[0] in FORBIDDEN_BY_NAME[last]:
                     bad.append(f"{module}:{line} imports {name}")
     assert not bad, "\n".join(bad)

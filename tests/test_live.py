@@ -1,4 +1,4 @@
-"""Weights to and from a live Megatron model (``mmparity.checkpoint.live``), across spawned gloo
+"""Weights to and from a live Megatron model (``mmparity.megatron.live``), across spawned gloo
 ranks: Megatron's own classes (``upstream.models``) at TP 2 and PP 2, checked bit for bit against
 what ``mmparity convert`` writes for the same weights, both ways."""
 
@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families, runtime
-from mmparity.cases.llava import llava_clip_config
-from mmparity.checkpoint import live
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
-from mmparity.checkpoint.legacy import open_legacy
-from mmparity.converters import rules as R
-from mmparity.converters.rules import ConversionError
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.models.llava.cases import llava_clip_config
+from mmparity.megatron import live
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
+from mmparity.io.legacy import open_legacy
+from mmparity.mapping import rules as R
+from mmparity.mapping.rules import ConversionError
 from tests.test_convert_roundtrips import run, save_hf
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks
@@ -63,7 +64,7 @@ def _both_ways(rank: int, world: int, family: str, tp: int, pp: int, hf_dir: str
     of it. Returns this rank's differences."""
     from megatron.core import parallel_state as ps
 
-    from mmparity.upstream import models
+    from mmparity.models.core import megatron_classes as models
 
     runtime.init_parallel(tp, pp, seed=11)
     cfg = live.family_config(hf_dir, family)
@@ -114,7 +115,7 @@ def test_export_and_import_are_bit_exact_against_convert(releases, tmp_path, fam
 
 
 def _negative(rank: int, world: int, hf_dir: str, broken_dir: str) -> dict:
-    from mmparity.upstream import models
+    from mmparity.models.core import megatron_classes as models
 
     runtime.init_parallel(world, 1, seed=3)
     cfg = live.family_config(hf_dir, "clip")

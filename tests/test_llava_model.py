@@ -11,14 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.cases import llava as llava_cases
-from mmparity.hfconfig import padded_vocab_size, tied_embeddings
-from mmparity.native import llava_preprocess
-from mmparity.converters.rules import ConversionError
+from mmparity.models import registry as families
+from mmparity.models.llava import cases as llava_cases
+from mmparity.config import padded_vocab_size, tied_embeddings
+from mmparity.models.llava import preprocess as llava_preprocess
+from mmparity.mapping.rules import ConversionError
 from mmparity.parity import harness
 from mmparity.parity.harness import load_reference_weights
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import tp_sizes
 
 TOWERS = [name for name in ("pixtral", "clip", "siglip") if name in families.names()]
@@ -394,7 +394,7 @@ def test_causal_core_attention_against_explicit_softmax():
     """GQA grouping, the causal mask, and an extra mcore mask (True = masked) on top of it."""
     from types import SimpleNamespace
 
-    from mmparity.native.language import CausalCoreAttention
+    from mmparity.models.parts.dense_decoder.native import CausalCoreAttention
 
     gen = torch.Generator().manual_seed(0)
     s, b, heads, groups, d = 5, 2, 4, 2, 3

@@ -1,4 +1,4 @@
-"""LLaVA preprocessing (mmparity.native.llava_preprocess) against values worked out by hand, the installed
+"""LLaVA preprocessing (mmparity.models.llava.preprocess) against values worked out by hand, the installed
 megatron-core, transformers' InternVL / causal-LM loss, and an independent list-based reference.
 
 Hypothesis strategies live here rather than in tests/strategies.py because this file is the only
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmparity.native import llava_preprocess as llava
+from mmparity.models.llava import preprocess as llava
 
 IMG = llava.DEFAULT_IMAGE_TOKEN_INDEX
 IGNORE = llava.IGNORE_INDEX

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from mmparity import families
-from mmparity.families import megatron_class
+from mmparity.models import registry as families
+from mmparity.models.registry import megatron_class
 from mmparity.cli.main import main
-from mmparity.upstream import models
+from mmparity.models.core import megatron_classes as models
 from tests.test_convert_roundtrips import save_hf
 from tests.test_megatron_load import llava_clip_config
 

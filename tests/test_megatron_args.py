@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from mmparity import families
-from mmparity.checkpoint.legacy import open_legacy
-from mmparity.checkpoint.megatron_args import read_legacy_args
-from mmparity.checkpoint.megatron_written import read_common
+from mmparity.models import registry as families
+from mmparity.io.legacy import open_legacy
+from mmparity.io.megatron_args import read_legacy_args
+from mmparity.io.megatron_written import read_common
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
 
@@ -79,7 +79,7 @@ def test_dense_decoder_args_and_the_vocabulary_padded_for_the_recorded_tp(capsys
     assert args.padded_vocab_size == 256 and args.tensor_model_parallel_size == 2
     assert not hasattr(args, "num_experts") and not hasattr(args, "multi_latent_attention")
     if fmt == "torch_dist":
-        from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+        from mmparity.io.torch_dist_files import TorchDistFiles
 
         files = TorchDistFiles(tmp_path / "m" / "iter_0000001")
         assert files.tensors["embedding.word_embeddings.weight"][1][0] == rows

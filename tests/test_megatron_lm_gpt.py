@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from mmparity import families, runtime
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
 from tests import megatron_lm_gpt as lm
 from tests.test_convert_cli import run_cli
 from tests.test_megatron_written import check_export, make_pair
@@ -50,7 +51,7 @@ def family_config(family: str, **yarn):
     (or at ``yarn``)."""
     if family != "kimi_k25_vl":
         return families.get(family).tiny_config()
-    from mmparity.reference.kimi_k25_vl import tiny_config, tiny_text
+    from mmparity.models.kimi_k25_vl.reference import tiny_config, tiny_text
 
     rope = {**tiny_text()["rope_parameters"], "original_max_position_embeddings": 4096, "beta_fast": 32.0,
             "beta_slow": 1.0, **yarn}

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families, runtime
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
 from mmparity.cli.main import main
 from tests.test_convert_roundtrips import save_hf
 
@@ -115,7 +116,7 @@ def _cpu_stand_ins() -> None:
 def _loop_rank(rank: int, world: int, params: dict) -> dict:
     from megatron.training import checkpointing
 
-    from mmparity.checkpoint import megatron_load
+    from mmparity.megatron import load as megatron_load
 
     _cpu_stand_ins()
     job = megatron_load.load_job(params["src"], tp=params["tp"])[0]
@@ -152,7 +153,7 @@ def _loop_rank(rank: int, world: int, params: dict) -> dict:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     # A CLIP tower: Megatron-LM main's LLaVAModel builds no vit_model tower (docs/megatron.md).
-    from mmparity.cases.llava import llava_clip_config
+    from mmparity.models.llava.cases import llava_clip_config
 
     return save_hf("llava", tmp_path_factory.mktemp("mlm_loop") / "hf", seed=5, cfg=llava_clip_config())
 
@@ -183,7 +184,7 @@ def _assert_trained_weights_exported(hf_dir: Path, out: Path, trained: Path, tp:
     the tensors Megatron has no place for taken from the base: bit for bit."""
     from safetensors.torch import load_file
 
-    from mmparity.checkpoint.hf import read_hf_config
+    from mmparity.io.hf import read_hf_config
 
     family = families.get("llava")
     cfg = read_hf_config(hf_dir)[0]

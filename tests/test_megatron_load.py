@@ -19,16 +19,17 @@ import pytest
 import torch
 from transformers import LlavaConfig
 
-from mmparity import families, runtime
-from mmparity.checkpoint import read_manifest
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.checkpoint.megatron_load import build_and_load, load_job
-from mmparity.checkpoint.streaming import SIDE_FILE
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.io.manifest import read_manifest
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.megatron.load import build_and_load, load_job
+from mmparity.convert.pipeline import SIDE_FILE
 from mmparity.cli.main import main
-from mmparity.converters import pp as pp_mod
-from mmparity.converters.rules import side_keys
-from mmparity.upstream import models
+from mmparity.parallel import pp as pp_mod
+from mmparity.mapping.rules import side_keys
+from mmparity.models.core import megatron_classes as models
 from tests import megatron_interop as mi
 from tests.test_convert_roundtrips import save_hf
 

@@ -17,18 +17,20 @@ import json
 import pytest
 import torch
 
-from mmparity import families, runtime
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.checkpoint import megatron_load, torch_dist
-from mmparity.checkpoint.legacy import open_legacy, write_legacy
-from mmparity.checkpoint.manifest import Provenance
-from mmparity.checkpoint.megatron_load import build_and_load, load_job
-from mmparity.checkpoint.streaming import HF_CONFIG_FILE
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.megatron import load as megatron_load
+from mmparity.io import torch_dist
+from mmparity.io.legacy import open_legacy, write_legacy
+from mmparity.io.manifest import Provenance
+from mmparity.megatron.load import build_and_load, load_job
+from mmparity.convert.pipeline import HF_CONFIG_FILE
 from mmparity.cli.main import main
-from mmparity.converters import pp as pp_mod
+from mmparity.parallel import pp as pp_mod
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.upstream import models
+from mmparity.models.core import megatron_classes as models
 from tests import megatron_interop as mi
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf

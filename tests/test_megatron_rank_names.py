@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.checkpoint.legacy import open_legacy
-from mmparity.checkpoint.megatron_args import read_legacy_args
-from mmparity.checkpoint.megatron_written import describe
+from mmparity.models import registry as families
+from mmparity.io.legacy import open_legacy
+from mmparity.io.megatron_args import read_legacy_args
+from mmparity.io.megatron_written import describe
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import assert_same_checkpoint, save_hf
 from tests.test_megatron_written import megatron_args, rng_state

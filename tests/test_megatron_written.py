@@ -39,9 +39,10 @@ import numpy as np
 import pytest
 import torch
 
-from mmparity import families, runtime
-from mmparity.cases.inputs import random_like_state
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.models.core.inputs import random_like_state
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from tests.test_convert_cli import run_cli
 from tests.test_megatron_load import llava_clip_config
 
@@ -52,7 +53,7 @@ ITERATION = 7
 
 def save_hf_state(family: str, path: Path, state: dict, cfg) -> Path:
     """An HF directory of the family's reference class holding ``state``."""
-    from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+    from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 
     fam = families.get(family)
     model = fam.build_reference(cfg)
@@ -164,8 +165,8 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject
 
-    from mmparity.checkpoint import megatron_load
-    from mmparity.checkpoint.legacy import open_legacy
+    from mmparity.megatron import load as megatron_load
+    from mmparity.io.legacy import open_legacy
 
     job, _family, _name, _world = megatron_load.load_job(base_mcore)
     job.init_parallel()
@@ -495,7 +496,7 @@ def test_a_chained_optimizers_state_is_not_taken_for_weights(capsys, tmp_path):
     """A MoE model's optimizer under expert parallelism is a chain (dense, experts), whose
     torch_dist state Megatron saves under ``chained_0.optimizer.…`` / ``chained_1.optimizer.…``:
     training state, like ``optimizer.…``, not tensors of the model."""
-    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+    from mmparity.io.torch_dist_files import TorchDistFiles
 
     base, trained = make_pair("kimi_k25_vl", tmp_path)
     ckpt = megatron_written(capsys, tmp_path, "kimi_k25_vl", 1, "torch_dist", base, trained,

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from mmparity import families
-from mmparity.converters.rules import ConversionError
+from mmparity.models import registry as families
+from mmparity.mapping.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import family_configs, tp_sizes
 
 DTYPES = (torch.float32, torch.bfloat16)

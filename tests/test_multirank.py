@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmparity import families
-from mmparity.hfconfig import padded_vocab_size
+from mmparity.models import registry as families
+from mmparity.config import padded_vocab_size
 from mmparity.parity import harness
 
 pytestmark = pytest.mark.slow  # spawns TP/PP ranks
@@ -35,7 +35,7 @@ def _sharded_global_shapes(rank: int, world_size: int, names: list) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    from mmparity import runtime
+    from mmparity.parallel import runtime
 
     runtime.init_parallel(world_size, 1)
     out = {}
@@ -52,7 +52,7 @@ def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
     The one exception is Megatron-LM's own: a vocabulary padded to a multiple of 128 x TP, declared
     with ``allow_shape_mismatch`` so that mcore's loader re-pads it (the embedding and output layer
     of every whole VLM)."""
-    from mmparity import runtime
+    from mmparity.parallel import runtime
 
     names = families.names()
     at_tp2 = runtime.spawn(_sharded_global_shapes, 2, names)[0]

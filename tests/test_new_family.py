@@ -19,16 +19,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.cases import clip as clip_cases
-from mmparity.cases import megatron as megatron_side
-from mmparity.cases.core import Case, FamilyHooks, NoMegatron, NoMegatronClass, Pair, Side, tokens_2d
+from mmparity.models import registry as families
+from mmparity.models.clip import cases as clip_cases
+from mmparity.models.core import megatron_side
+from mmparity.models.spec import Case, FamilyHooks, NoMegatron, NoMegatronClass, Pair, Side, tokens_2d
 from mmparity.cli.main import main
-from mmparity.converters.ops import fuse_gate_up
-from mmparity.converters.rules import ConverterSpec, Rule, RuleSet, rename
+from mmparity.mapping.ops import fuse_gate_up
+from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, rename
 from mmparity.parity import bench, harness
 from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.upstream import models as upstream
+from mmparity.models.core import megatron_classes as upstream
 from tests.strategies import config_and_tp, family_configs
 
 
@@ -160,10 +160,10 @@ def family_config(cfg):
 # The toy's modules, as a real family has them: what conversion reads without the models
 # (config, shapes, key tables) and the hooks.
 MODULES = {
-    "mmparity.reference.toy": dict(tiny_config=ToyConfig, vision_config=family_config,
+    "mmparity.models.toy.reference": dict(tiny_config=ToyConfig, vision_config=family_config,
                                    state_shapes=state_shapes, build=build_reference),
-    "mmparity.converters.toy": dict(SPEC=SPEC),
-    "mmparity.cases.toy": dict(hooks=hooks),
+    "mmparity.models.toy.mapping": dict(SPEC=SPEC),
+    "mmparity.models.toy.cases": dict(hooks=hooks),
 }
 
 
@@ -245,9 +245,9 @@ def test_a_missing_required_hook_fails_naming_the_family(monkeypatch):
 
     for name, make in (("toy_bad", incomplete), ("toy_missing", missing), ("toy_silent", silent_on_megatron),
                        ("toy_empty", empty_megatron)):
-        module = types.ModuleType(f"mmparity.cases.{name}")
+        module = types.ModuleType(f"mmparity.models.{name}.cases")
         module.hooks = make
-        monkeypatch.setitem(sys.modules, f"mmparity.cases.{name}", module)
+        monkeypatch.setitem(sys.modules, f"mmparity.models.{name}.cases", module)
         monkeypatch.setitem(families._REGISTRY, name, families.Family(name=name, summary="", reference_classes=()))
         with pytest.raises(families.FamilyError, match=name):
             families.get(name).hooks
@@ -281,12 +281,12 @@ def clip_like_hooks(towers) -> FamilyHooks:
 
 @pytest.fixture
 def clip_like(monkeypatch):
-    from mmparity.converters import clip as clip_converter
-    from mmparity.reference import clip as clip_reference
+    from mmparity.models.clip import mapping as clip_converter
+    from mmparity.models.clip import reference as clip_reference
 
-    for layer, module in (("reference", clip_reference), ("converters", clip_converter)):
-        monkeypatch.setitem(sys.modules, f"mmparity.{layer}.toy_clip", module)
-    cases_module = types.ModuleType("mmparity.cases.toy_clip")
+    for layer, module in (("reference", clip_reference), ("mapping", clip_converter)):
+        monkeypatch.setitem(sys.modules, f"mmparity.models.toy_clip.{layer}", module)
+    cases_module = types.ModuleType("mmparity.models.toy_clip.cases")
     cases_module.hooks = clip_like_hooks
     monkeypatch.setitem(sys.modules, cases_module.__name__, cases_module)
     monkeypatch.setitem(families._REGISTRY, "toy_clip", families.Family(

@@ -20,20 +20,20 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel, LlavaConfig
 
-from mmparity import families
-from mmparity.cases import llava as llava_cases
-from mmparity.cases.inputs import random_like_state
-from mmparity.converters import language as dense_rules
-from mmparity.converters.rules import LanguageKeys, with_side
-from mmparity.native import language as dense_native
-from mmparity.native.core.layers import activation_from_hf, vision_transformer_config
+from mmparity.models import registry as families
+from mmparity.models.llava import cases as llava_cases
+from mmparity.models.core.inputs import random_like_state
+from mmparity.models.parts.dense_decoder import mapping as dense_rules
+from mmparity.mapping.rules import LanguageKeys, with_side
+from mmparity.models.parts.dense_decoder import native as dense_native
+from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.reference import clip as clip_reference
-from mmparity.reference import language as dense_reference
-from mmparity.reference import llava as llava_reference
-from mmparity.upstream import models as upstream
+from mmparity.models.clip import reference as clip_reference
+from mmparity.models.parts.dense_decoder import reference as dense_reference
+from mmparity.models.llava import reference as llava_reference
+from mmparity.models.core import megatron_classes as upstream
 
 
 # --- the language model: an HF text model transformers builds inside a VLM from its config -------
@@ -80,7 +80,7 @@ def toy_megatron_builder(cfg, params_dtype=torch.float32, divisible_by: int = 12
 
 LANGUAGE_MODULES = {
     # Its own table: only the HF layout, the dense rules under its names.
-    "converters": dict(SPEC=LanguageKeys(layouts=("hf",), rules=dense_rules.language_rules,
+    "mapping": dict(SPEC=LanguageKeys(layouts=("hf",), rules=dense_rules.language_rules,
                                          tp_problems=dense_rules.tp_problems)),
     "native": dict(transformer_config=toy_transformer_config, LanguageModelBuilder=toy_builder,
                    megatron_builder=toy_megatron_builder),
@@ -112,24 +112,24 @@ VLM_MEGATRON = {"LLaVAModel": dataclasses.replace(llava_cases.LLAVA_MODEL, defau
 
 def vlm_hooks(towers, languages):
     return llava_cases.hooks(towers, languages, llava_cases.Composition(megatron=VLM_MEGATRON),
-                             sys.modules["mmparity.reference.toy_vlm"])
+                             sys.modules["mmparity.models.toy_vlm.reference"])
 
 
 @pytest.fixture
 def parts(monkeypatch):
     _register_with_transformers()
     for layer, names in LANGUAGE_MODULES.items():
-        module = types.ModuleType(f"mmparity.{layer}.toy_decoder")
+        module = types.ModuleType(f"mmparity.models.parts.toy_decoder.{layer}")
         module.__dict__.update(names)
         monkeypatch.setitem(sys.modules, module.__name__, module)
     for layer, names in (("reference", VLM_REFERENCE), ("cases", {"hooks": vlm_hooks})):
-        module = types.ModuleType(f"mmparity.{layer}.toy_vlm")
+        module = types.ModuleType(f"mmparity.models.toy_vlm.{layer}")
         module.__dict__.update(names)
         monkeypatch.setitem(sys.modules, module.__name__, module)
     # One registry entry each.
     monkeypatch.setitem(families._LANGUAGE_MODELS, "toy_decoder", families.LanguageModel(
         name="toy_decoder", summary="a throwaway decoder", text_model_types=("toy_decoder",),
-        module="toy_decoder", megatron="mmparity.native.toy_decoder:megatron_builder"))
+        module="toy_decoder", megatron="mmparity.models.parts.toy_decoder.native:megatron_builder"))
     monkeypatch.setitem(families._REGISTRY, "toy_vlm", families.Family(
         name="toy_vlm", summary="a throwaway whole VLM", reference_classes=("LlavaForConditionalGeneration",),
         composed=True, takes_whole=(

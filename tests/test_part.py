@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.checkpoint.legacy import open_legacy
+from mmparity.models import registry as families
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.io.legacy import open_legacy
 from tests.test_convert_roundtrips import assert_same_checkpoint, save_hf
 from tests.test_faults import one_line_error, run_cli
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.native.core.vit import _cat_rope, _dynamic_patch_grid, _dynamic_patch_grid_lists
+from mmparity.models import registry as families
+from mmparity.models.core.vit import _cat_rope, _dynamic_patch_grid, _dynamic_patch_grid_lists
 from mmparity.parity import harness
-from mmparity.cases import inputs
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core import inputs
+from mmparity.models.core.inputs import random_like_state
 from mmparity.parity.metrics import compare
 
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from transformers import Mistral3ForConditionalGeneration
 from transformers.models.mistral3.modeling_mistral3 import Mistral3PatchMerger
 
-from mmparity import families
-from mmparity.native.core.mergers import fold_blocks
+from mmparity.models import registry as families
+from mmparity.models.core.mergers import fold_blocks
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import config_and_tp
 
 
@@ -84,7 +84,7 @@ def test_merger_norm_takes_the_text_config_epsilon():
 
 
 def test_the_wrong_epsilon_fails_parity(monkeypatch):
-    from mmparity.native import pixtral_large as native_module
+    from mmparity.models.pixtral_large import native as native_module
 
     build = native_module.ViTModel
 

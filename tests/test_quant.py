@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mmparity.converters import quant as Q
+from mmparity.mapping import quant as Q
 
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 from transformers.utils.quantization_config import FineGrainedFP8Config  # noqa: E402
@@ -144,12 +144,12 @@ def test_group_keys_names_every_offender():
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mmparity import families  # noqa: E402
-from mmparity.cases.inputs import random_like_state  # noqa: E402
-from mmparity.checkpoint import read_manifest  # noqa: E402
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
-from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint  # noqa: E402
-from mmparity.checkpoint.streaming import read_mcore_shards  # noqa: E402
+from mmparity.models import registry as families  # noqa: E402
+from mmparity.models.core.inputs import random_like_state  # noqa: E402
+from mmparity.io.manifest import read_manifest  # noqa: E402
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
+from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint  # noqa: E402
+from mmparity.convert.pipeline import read_mcore_shards  # noqa: E402
 from mmparity.cli.main import main  # noqa: E402
 
 # Blocks that cut the tiny model's rows and columns into partial edge blocks.

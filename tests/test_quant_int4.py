@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mmparity.converters import quant as Q
+from mmparity.mapping import quant as Q
 
 try:
     from compressed_tensors.compressors.pack_quantized import (
@@ -247,14 +247,14 @@ def test_group_keys_names_every_offender():
 # --------------------------------------------------------------------------------------------------
 # end to end: a whole Kimi-K2.5 checkpoint in the release layout, routed experts INT4
 
-from mmparity import families  # noqa: E402
-from mmparity.cases.inputs import random_like_state  # noqa: E402
-from mmparity.checkpoint import read_manifest  # noqa: E402
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
-from mmparity.checkpoint.streaming import read_mcore_shards  # noqa: E402
+from mmparity.models import registry as families  # noqa: E402
+from mmparity.models.core.inputs import random_like_state  # noqa: E402
+from mmparity.io.manifest import read_manifest  # noqa: E402
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
+from mmparity.convert.pipeline import read_mcore_shards  # noqa: E402
 from mmparity.cli.main import main  # noqa: E402
-from mmparity.converters.rules import convert_mcore_to_hf  # noqa: E402
-from mmparity.reference import kimi_k25_vl as reference  # noqa: E402
+from mmparity.mapping.rules import convert_mcore_to_hf  # noqa: E402
+from mmparity.models.kimi_k25_vl import reference  # noqa: E402
 from tests.test_quant import _save, assert_exports_round_trip, assert_imports_as_dequantized  # noqa: E402
 
 # The tiny decoder's expert widths (hidden 40, moe_intermediate 12) in groups of 4: 40 and 12 input

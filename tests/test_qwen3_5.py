@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.cases import qwen3_5 as qwen_cases
-from mmparity.native import qwen3_5 as native_qwen
-from mmparity.converters.ops import RegroupQKV
-from mmparity.converters.rules import ConversionError
+from mmparity.models import registry as families
+from mmparity.models.qwen3_5 import cases as qwen_cases
+from mmparity.models.qwen3_5 import native as native_qwen
+from mmparity.mapping.ops import RegroupQKV
+from mmparity.mapping.rules import ConversionError
 from mmparity.parity import harness
-from mmparity.cases import inputs
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core import inputs
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import family_configs, tp_sizes
 
 FAMILY = "qwen3_5"
@@ -190,7 +190,7 @@ def test_processor_rows_are_block_first_and_flattened_c_t_p_p():
                     expected.append(patch.permute(1, 0, 2, 3).flatten())
     assert torch.equal(rows, torch.stack(expected))
     # The native token permutation applied to raster patches gives the same order.
-    from mmparity.native.qwen3_5 import block_first
+    from mmparity.models.qwen3_5.native import block_first
 
     raster = inputs.patchify(frames[0], p).unsqueeze(0)
     assert torch.equal(block_first(raster, 4, 6, m)[0], inputs.block_first_patch_rows(frames[:1], p, m))

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families, hfconfig, runtime
-from mmparity.checkpoint import megatron_args, unpickle
-from mmparity.checkpoint.layout import TRACKER_FILE
-from mmparity.checkpoint.legacy import open_legacy
+from mmparity.models import registry as families
+from mmparity import config as hfconfig
+from mmparity.parallel import runtime
+from mmparity.io import megatron_args, unpickle
+from mmparity.io.layout import TRACKER_FILE
+from mmparity.io.legacy import open_legacy
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import assert_same_checkpoint, save_hf
 
@@ -184,8 +186,8 @@ def test_megatron_lms_load_checkpoint_takes_a_release_with_a_plain_load(capsys, 
     import subprocess
     import sys
 
-    from mmparity.cases.llava import llava_clip_config
-    from mmparity.runtime import free_port
+    from mmparity.models.llava.cases import llava_clip_config
+    from mmparity.parallel.runtime import free_port
 
     _megatron_lm_training()
     hf_dir = save_hf("llava", tmp_path / "hf", seed=5, cfg=llava_clip_config())

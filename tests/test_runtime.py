@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mmparity import runtime
+from mmparity.parallel import runtime
 
 
 def _leave_parallel_state():
@@ -48,7 +48,7 @@ def _return_tensors(rank: int, world_size: int, count: int) -> list[torch.Tensor
 
 
 def test_parallel_state_is_made_from_a_grid_and_describes_itself_as_one():
-    from mmparity.axes import Grid
+    from mmparity.parallel.axes import Grid
 
     _leave_parallel_state()
     with runtime.parallel_context(Grid.of()) as layout:
@@ -214,7 +214,7 @@ class _LateKeyStore:
 
 
 def _team_on(store):
-    from mmparity.checkpoint.team import _StoreTeam
+    from mmparity.io.team import _StoreTeam
 
     team = object.__new__(_StoreTeam)
     team.rank, team.size, team._timeout = 0, 2, 60.0

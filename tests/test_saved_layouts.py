@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.cases.inputs import random_like_state
-from mmparity.checkpoint import read_manifest
-from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
-from mmparity.checkpoint.fsio.safetensors_write import save_safetensors_checkpoint
+from mmparity.models import registry as families
+from mmparity.models.core.inputs import random_like_state
+from mmparity.io.manifest import read_manifest
+from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 from mmparity.cli.main import main
 
 def _llava_clip():
-    from mmparity.cases.llava import llava_clip_config
+    from mmparity.models.llava.cases import llava_clip_config
 
     return llava_clip_config()
 
@@ -46,7 +46,7 @@ def run(*argv) -> int:
 def hf_model(family: str, cfg, seed: int):
     """The transformers model whose checkpoints the family reads: the reference itself, or for a
     family that is part of a whole model, that whole model."""
-    from mmparity.reference.saved_layout import _model_class
+    from mmparity.models.core.saved_layout import _model_class
 
     fam = families.get(family)
     model = fam.build_reference(cfg)
@@ -85,7 +85,7 @@ def assert_round_trip(family: str, src: Path, tmp: Path, fmt: str, *export) -> P
 
 
 def mcore_tensors(mcore: Path) -> list:
-    from mmparity.checkpoint.streaming import read_mcore_shards
+    from mmparity.convert.pipeline import read_mcore_shards
 
     _, _, shards = read_mcore_shards(mcore)
     return list(shards) + list(shards.side)
@@ -220,7 +220,7 @@ def test_a_save_transformers_cannot_read_back_is_refused_with_what_its_mapping_d
     refusal here, one line naming the directory and the way out, which converts."""
     from transformers import Kimi_K25ForConditionalGeneration
 
-    from mmparity.reference import kimi_k25_vl as reference
+    from mmparity.models.kimi_k25_vl import reference
 
     cfg = reference.tiny_config(q_lora_rank=None)
     model = hf_model("kimi_k25_vl", cfg, seed=4)

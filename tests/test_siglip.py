@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import SiglipConfig, SiglipModel
 
-from mmparity import families
-from mmparity.converters.siglip import SplitInProj
+from mmparity.models import registry as families
+from mmparity.models.siglip.mapping import SplitInProj
 from mmparity.parity import harness
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core.inputs import random_like_state
 from tests.strategies import config_and_tp
 
 

@@ -9,8 +9,8 @@ import io
 import pytest
 import torch
 
-from mmparity.checkpoint.fsio import torch_archive
-from mmparity.checkpoint.fsio.torch_archive import TorchArchive, directory_sizes
+from mmparity.io.fsio import torch_archive
+from mmparity.io.fsio.torch_archive import TorchArchive, directory_sizes
 
 from test_convert_roundtrips import assert_same_checkpoint, run, save_hf
 

@@ -19,11 +19,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmparity import families
-from mmparity.checkpoint import dcp_index, dcp_metadata, streaming, torch_dist_files, unpickle
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.manifest import read_manifest
-from mmparity.checkpoint.torch_dist_layout import plan
+from mmparity.models import registry as families
+from mmparity.io import dcp_index, dcp_metadata, torch_dist_files, unpickle
+from mmparity.convert import pipeline as streaming
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.manifest import read_manifest
+from mmparity.io.torch_dist_layout import plan
 from tests.test_convert_roundtrips import assert_same_checkpoint, save_hf
 
 def _all_moe_kimi():
@@ -236,7 +237,7 @@ def test_regions_across_chunks_read_the_same_mapped_or_loaded(tmp_path, monkeypa
     """The reader without DCP: a region over several chunks (a gated FC1's halves, several
     layers) is assembled from each chunk's overlap, the same whether a chunk is mapped in place
     or its blob loaded with torch.load."""
-    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+    from mmparity.io.torch_dist_files import TorchDistFiles
 
     hf = save_hf("mistral3", tmp_path / "hf", seed=2)
     options = streaming.ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
@@ -262,7 +263,7 @@ def test_a_layer_of_gated_halves_is_read_as_two_views_of_the_file(tmp_path):
     """One layer of a stacked gated FC1 spans its two chunks (gate, up): read as pieces, it is
     those chunks' views of the file, in order, equal to the assembled region; a region cut along
     another dimension, or inside one chunk, is not offered as pieces."""
-    from mmparity.checkpoint.torch_dist_files import TorchDistFiles
+    from mmparity.io.torch_dist_files import TorchDistFiles
 
     hf = save_hf("mistral3", tmp_path / "hf", seed=3)
     options = streaming.ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")

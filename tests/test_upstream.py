@@ -29,11 +29,12 @@ from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
 from megatron.core.transformer.enums import AttnMaskType
 
-from mmparity import families, runtime
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
 from mmparity.parity.metrics import compare
-from mmparity.cases.llava import expected_loss_mask
-from mmparity.hfconfig import PIXTRAL_NORM_EPS, padded_vocab_size
-from mmparity.upstream import layout, models, te_stand_ins
+from mmparity.models.llava.cases import expected_loss_mask
+from mmparity.config import PIXTRAL_NORM_EPS, padded_vocab_size
+from mmparity.models.core import megatron_layout as layout, megatron_classes as models, te_stand_ins
 from tests import megatron_interop as mi
 
 LAYOUT_DIR = Path(__file__).parent / "data" / "megatron_layout"

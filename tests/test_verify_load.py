@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from mmparity import families, runtime
-from mmparity.cases.inputs import random_like_state
-from mmparity.checkpoint import torch_dist
-from mmparity.checkpoint.legacy import write_legacy
-from mmparity.checkpoint.manifest import Provenance
-from mmparity.checkpoint.streaming import HF_CONFIG_FILE
-from mmparity.upstream import models
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.models.core.inputs import random_like_state
+from mmparity.io import torch_dist
+from mmparity.io.legacy import write_legacy
+from mmparity.io.manifest import Provenance
+from mmparity.convert.pipeline import HF_CONFIG_FILE
+from mmparity.models.core import megatron_classes as models
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
 from tests.test_upstream import recorded

@@ -9,10 +9,11 @@ import types
 import pytest
 import torch
 
-from mmparity import families
-from mmparity.cases import inputs, llava, processor
-from mmparity.cases.inputs import random_like_state
-from mmparity.converters.rules import with_side
+from mmparity.models import registry as families
+from mmparity.models.core import inputs, processor
+from mmparity.models.llava import cases as llava
+from mmparity.models.core.inputs import random_like_state
+from mmparity.mapping.rules import with_side
 from mmparity.parity import harness
 from mmparity.parity.metrics import compare
 
@@ -143,7 +144,8 @@ def whole_hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (4, 1), (1, 2), (4, 2)])
 @pytest.mark.parametrize("family", WHOLE_ROWS)
 def test_whole_vlm_round_trip_grid_is_bit_exact(family, tp, pp, fmt, whole_hf_dirs, tmp_path):
-    from mmparity.checkpoint import read_manifest, verify
+    from mmparity.io.manifest import read_manifest
+    from mmparity.io.verify import verify
     from mmparity.cli.main import main
     from tests.test_convert_roundtrips import assert_same_checkpoint
 
@@ -251,7 +253,7 @@ def mistral_native_dirs(tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    from mmparity.reference.mistral_params import params_from_config
+    from mmparity.models.parts.mistral_params import params_from_config
 
     out = {}
     for family in WHOLE_ROWS:
@@ -266,7 +268,7 @@ def mistral_native_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("family", WHOLE_ROWS)
 def test_mistral_native_release_converts_without_config_json_or_family(family, mistral_native_dirs, tmp_path, capsys):
-    from mmparity.checkpoint.fsio.safetensors_read import load_safetensors_state_dict
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
     from mmparity.cli.main import main
 
     path, hf, cfg = mistral_native_dirs[family]
@@ -297,7 +299,7 @@ def test_check_reads_a_mistral_native_release(family, mistral_native_dirs, capsy
 
 @pytest.mark.parametrize("family", WHOLE_ROWS)
 def test_params_json_translates_to_the_same_hf_config(family):
-    from mmparity.reference.mistral_params import config_from_params, params_from_config
+    from mmparity.models.parts.mistral_params import config_from_params, params_from_config
 
     cfg = families.get(family).tiny_config()
     back = config_from_params(params_from_config(cfg))
@@ -314,7 +316,7 @@ def test_params_json_translates_to_the_same_hf_config(family):
     (lambda p: p.pop("dim"), "missing dim"),
 ])
 def test_params_json_that_cannot_be_translated_is_refused_by_name(change, message):
-    from mmparity.reference.mistral_params import ParamsError, config_from_params, params_from_config
+    from mmparity.models.parts.mistral_params import ParamsError, config_from_params, params_from_config
 
     params = params_from_config(families.get("mistral3").tiny_config())
     change(params)

@@ -13,15 +13,16 @@ import dataclasses
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
-from mmparity import families, runtime
-from mmparity.checkpoint import _mcore_compat as mc
-from mmparity.checkpoint import extra_state, megatron_args
-from mmparity.checkpoint import streaming as S
-from mmparity.checkpoint.fsio.errors import CheckpointError
-from mmparity.checkpoint.torch_dist import extra_state_objects, save_torch_dist
-from mmparity.converters import ep as ep_mod
-from mmparity.converters import pp as pp_mod
-from mmparity.converters import rules as R
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.io import mcore_compat as mc
+from mmparity.io import extra_state, megatron_args
+from mmparity.convert import pipeline as S
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.torch_dist import extra_state_objects, save_torch_dist
+from mmparity.parallel import ep as ep_mod
+from mmparity.parallel import pp as pp_mod
+from mmparity.mapping import rules as R
 
 
 def write_with_mcore(source, options: S.ConvertOptions, progress=None) -> tuple[int, int]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, parse_image_size,
-                                 quiet_third_party_warnings, select_device_and_backend,
-                                 write_text_atomic)
+from mmparity.cli.common import (
+    EXIT_FAIL, EXIT_OK, UsageError, parse_image_size, quiet_third_party_warnings, select_device_and_backend,
+    write_text_atomic)
 
 
 def add_arguments(parser) -> None:

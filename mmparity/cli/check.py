@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-from mmparity.cli.common import (EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed, config_facts,
-                                 left_out_line, parse_image_size, quiet_third_party_warnings,
-                                 select_device_and_backend, write_text_atomic)
+from mmparity.cli.common import (
+    EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed, config_facts, left_out_line, parse_image_size,
+    quiet_third_party_warnings, select_device_and_backend, write_text_atomic)
 
 
 def add_arguments(parser) -> None:
@@ -66,7 +66,7 @@ def add_arguments(parser) -> None:
 
 
 def _resolve_families(requested: list[str]) -> list[str]:
-    from mmparity import families
+    from mmparity.models import registry as families
 
     known = families.names()
     unknown = [n for n in requested if n not in known]
@@ -76,10 +76,10 @@ def _resolve_families(requested: list[str]) -> list[str]:
 
 
 def _detect(directory: str):
-    """The family of ``--hf DIR`` from its config (:func:`mmparity.families.detect`)."""
-    from mmparity import families
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.hf import detect_family
+    """The family of ``--hf DIR`` from its config (:func:`mmparity.models.registry.detect`)."""
+    from mmparity.models import registry as families
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.hf import detect_family
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
@@ -120,9 +120,9 @@ def _refuse_poisoned(directory: str, poisoned: dict) -> None:
 def _family_config(directory: str, family: str):
     """(the family's record, its config) from ``--hf DIR``'s config file; one line if it has none
     or the family does not take it."""
-    from mmparity import families
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.hf import read_hf_config
+    from mmparity.models import registry as families
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.hf import read_hf_config
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
@@ -147,11 +147,11 @@ def _family_config(directory: str, family: str):
 def _load_hf(directory: str, family: str, hf_format):
     """(family config, family tensors in the reference's own layout, what of the checkpoint they
     are: a ``SourceUse``) from an HF directory."""
-    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.fsio.safetensors_read import open_safetensors_checkpoint
-    from mmparity.checkpoint.hf import bound_config
-    from mmparity.converters.rules import ConversionError
+    from mmparity.io.fsio.dtypes import check_source_dtypes
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.fsio.safetensors_read import open_safetensors_checkpoint
+    from mmparity.io.hf import bound_config
+    from mmparity.mapping.rules import ConversionError
 
     fam, cfg = _family_config(directory, family)
     try:
@@ -161,7 +161,7 @@ def _load_hf(directory: str, family: str, hf_format):
             state = ckpt.state_dict()
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
-    from mmparity.checkpoint.streaming import SourceUse
+    from mmparity.convert.pipeline import SourceUse
 
     try:
         tensors, prefix, fmt = fam.select_tensors(cfg, state, hf_format)
@@ -197,13 +197,13 @@ def _open_low_memory(directory: str, family: str, hf_format):
     ``--low-memory``: the in-memory load's checks, each on one tensor at a time or on the headers."""
     import torch
 
-    from mmparity.checkpoint.fsio.dtypes import check_source_dtypes
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.fsio.heap import map_large_blocks
-    from mmparity.checkpoint.fsio.safetensors_pread import RangeReader
-    from mmparity.checkpoint.hf import bound_config
-    from mmparity.checkpoint.streaming import SourceUse
-    from mmparity.converters.rules import ConversionError
+    from mmparity.io.fsio.dtypes import check_source_dtypes
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.fsio.heap import map_large_blocks
+    from mmparity.io.fsio.safetensors_pread import RangeReader
+    from mmparity.io.hf import bound_config
+    from mmparity.convert.pipeline import SourceUse
+    from mmparity.mapping.rules import ConversionError
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
@@ -250,7 +250,7 @@ def _usage_line(usage) -> str:
 
 def _check_low_memory(args, name: str, sizes, notes: list, detection):
     """``check --hf DIR --low-memory`` of one family: its report (see ``parity.low_memory``)."""
-    from mmparity.converters.rules import ConversionError
+    from mmparity.mapping.rules import ConversionError
     from mmparity.parity import harness, low_memory
 
     if name not in low_memory.SUPPORTED:
@@ -278,7 +278,7 @@ def _check_low_memory(args, name: str, sizes, notes: list, detection):
 
 def _family_taking(full_cfg) -> str:
     """Which registered families take this config, for a message about one that does not."""
-    from mmparity import families
+    from mmparity.models import registry as families
 
     takers = []
     for name in families.names():
@@ -300,7 +300,7 @@ def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> No
     the meta device, where building is free), rather than meet them in ``load_state_dict``."""
     import torch
 
-    from mmparity import families
+    from mmparity.models import registry as families
 
     present = sum(t.numel() for t in tensors.values())
     try:
@@ -330,9 +330,12 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:
     (and layer split) unless ``--pp`` says otherwise. torch_dist holds global tensors; like its
     TP size, its pipeline size is only how it was saved, so it runs at ``--pp`` (default 1).
     """
-    from mmparity.checkpoint import (MANIFEST_FILE, CheckpointError, formats, open_legacy, read_manifest,
-                                     resolve_iteration_dir)
-    from mmparity.checkpoint.streaming import ConvertError, read_mcore_shards
+    from mmparity.io.manifest import MANIFEST_FILE, read_manifest
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io import formats
+    from mmparity.io.legacy import open_legacy
+    from mmparity.io.layout import resolve_iteration_dir
+    from mmparity.convert.pipeline import ConvertError, read_mcore_shards
 
     if len(args.families) > 1:
         raise UsageError("--mcore checks one checkpoint: give at most one FAMILY")
@@ -362,7 +365,7 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:
                          + (f" (its recorded source {hf_dir} is gone)" if hf_dir else ""))
     # Owned copies: rank shards may be memory-mapped files, and spawned ranks receive them pickled.
     # The side tensors the native model has modules for (CLIP's ln_post) come with them.
-    from mmparity.converters.rules import McoreShards
+    from mmparity.mapping.rules import McoreShards
 
     def owned(state: dict) -> dict:
         return {k: v.clone() for k, v in state.items()}
@@ -413,9 +416,9 @@ def run(args) -> int:
         if not args.hf or given:
             raise UsageError("--low-memory checks an HF directory (--hf DIR) against the native model in "
                              "one process" + (f"; drop {', '.join(given)}" if given else ""))
-    from mmparity.converters.rules import ConversionError
-    from mmparity import runtime
-    from mmparity.upstream.models import StrictLoadError, UpstreamUnavailable
+    from mmparity.mapping.rules import ConversionError
+    from mmparity.parallel import runtime
+    from mmparity.models.core.megatron_classes import StrictLoadError, UpstreamUnavailable
 
     if args.device == "cuda" and runtime.launched_world_size() == 1:
         import torch

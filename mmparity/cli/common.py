@@ -80,7 +80,7 @@ def parse_iteration(text: str | None) -> int | str | None:
     """``--iteration``: an iteration number, ``release``, or None (the tracker's)."""
     if text is None or text == "release":
         return text
-    from mmparity.checkpoint.layout import parse_iteration_number
+    from mmparity.io.layout import parse_iteration_number
 
     number = parse_iteration_number(text)
     if number is None:
@@ -110,7 +110,7 @@ def select_device_and_backend(device: str, dtype: str, backend: str | None) -> N
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: CUDA is not available on this machine")
     if backend is not None:
-        from mmparity.native.core import attention
+        from mmparity.models.core import attention
 
         try:
             attention.set_backend(backend, device=device, dtype=dtype)
@@ -129,8 +129,8 @@ def human_bytes(nbytes: int) -> str:
 def config_facts(directory):
     """A checkpoint's config facts, to name the family that takes it whole; None if unreadable
     (with its family given, nothing else needed them)."""
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.hf import read_config_facts
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.hf import read_config_facts
 
     try:
         return read_config_facts(directory)
@@ -141,7 +141,7 @@ def config_facts(directory):
 def left_out_line(family: str, use, facts, lead: str = "") -> str:
     """What a conversion did not take of its source (a ``SourceUse``), by part, and who would take
     the whole (from the config ``facts``, when known)."""
-    from mmparity import families
+    from mmparity.models import registry as families
 
     def count(n: int) -> str:
         return f"{n} tensor{'' if n == 1 else 's'}"

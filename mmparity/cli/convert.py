@@ -1,4 +1,4 @@
-"""``mmparity convert``: HF <-> mcore checkpoints on disk (see ``mmparity.checkpoint.streaming`` for how)."""
+"""``mmparity convert``: HF <-> mcore checkpoints on disk (see ``mmparity.convert.pipeline`` for how)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import dataclasses
 
 from mmparity import errors
-from mmparity.cli.common import (EXIT_OK, UsageError, config_facts, human_bytes, left_out_line,
-                                 parse_iteration, quiet_third_party_warnings)
+from mmparity.cli.common import (
+    EXIT_OK, UsageError, config_facts, human_bytes, left_out_line, parse_iteration, quiet_third_party_warnings)
 
 
 def add_arguments(parser) -> None:
@@ -136,8 +136,8 @@ def _join_team(workers: int):
     launcher started (torchrun's variables, or those ``--workers`` sets for its ranks)."""
     import torch.distributed as dist
 
-    from mmparity import runtime
-    from mmparity.checkpoint import team
+    from mmparity.parallel import runtime
+    from mmparity.io import team
 
     if dist.is_available() and dist.is_initialized():
         # Code already in a process group (a rank of ``runtime.spawn``) calls convert on the rank
@@ -159,8 +159,8 @@ def _join_team(workers: int):
 
 def run(args) -> int:
     quiet_third_party_warnings()
-    from mmparity.checkpoint import formats
-    from mmparity.checkpoint.streaming import ConvertOptions
+    from mmparity.io import formats
+    from mmparity.convert.pipeline import ConvertOptions
 
     if args.to == "hf" and args.format is not None:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
@@ -213,12 +213,12 @@ def run(args) -> int:
 
 
 def _run(args, options, team) -> int:
-    from mmparity.checkpoint import formats
-    from mmparity.checkpoint.streaming import ConvertError, convert
-    from mmparity.checkpoint.fsio.errors import CheckpointError
-    from mmparity.checkpoint.fsio.paths import refuse_link_destination
-    from mmparity.checkpoint.fsio.sources import check_sources_unchanged, sources_unchanged
-    from mmparity.checkpoint.layout import checkpoint_extent
+    from mmparity.io import formats
+    from mmparity.convert.pipeline import ConvertError, convert
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.fsio.paths import refuse_link_destination
+    from mmparity.io.fsio.sources import check_sources_unchanged, sources_unchanged
+    from mmparity.io.layout import checkpoint_extent
 
     if not team.leader:
         args.quiet = True  # rank 0 speaks for the conversion
@@ -248,7 +248,7 @@ def _run(args, options, team) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         raise UsageError(f"{where}{exc.strerror or exc}") from None
     except Exception as exc:  # anything else is still one line, and nothing was left behind
-        runtime = sys.modules.get("mmparity.runtime")  # ranks that did not meet say so themselves
+        runtime = sys.modules.get("mmparity.parallel.runtime")  # ranks that did not meet say so themselves
         launch = runtime.launch_failure(exc) if runtime is not None else None
         raise UsageError(launch or f"conversion failed: {errors.one_line(exc, 400)}") from None
     if not args.quiet:
@@ -272,7 +272,7 @@ def _run(args, options, team) -> int:
         if result.iteration is not None and result.layout == "hf_safetensors":
             print(f"{result.family}: read iteration {result.iteration} of {options.src}")
         if result.from_base:
-            from mmparity.checkpoint.megatron_written import FROM_BASE
+            from mmparity.io.megatron_written import FROM_BASE
             shown = ", ".join(result.from_base[:6]) + (" ..." if len(result.from_base) > 6 else "")
             print(f"{result.family}: {len(result.from_base)} tensors ({human_bytes(result.from_base_bytes)}) {FROM_BASE} "
                   f"({options.base}): {shown}")

@@ -10,7 +10,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from mmparity import families
+    from mmparity.models import registry as families
 
     rows = [families.get(n) for n in families.names()]
     if args.json:

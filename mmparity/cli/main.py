@@ -123,7 +123,7 @@ def _main(argv) -> int:
     module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command][0]}")
     runtime = None
     if args.timeout is not None:
-        from mmparity import runtime
+        from mmparity.parallel import runtime
 
         runtime.set_timeout(args.timeout)
     try:
@@ -141,10 +141,10 @@ def _main(argv) -> int:
 
 
 def _launch_failure(exc: Exception) -> str | None:
-    """The one line for ranks that did not meet or fell apart (:func:`mmparity.runtime.launch_failure`),
+    """The one line for ranks that did not meet or fell apart (:func:`mmparity.parallel.runtime.launch_failure`),
     None for anything else. Only a command that imported the runtime can meet such a failure, so it
     is not imported (nor torch with it) just to ask."""
-    runtime = sys.modules.get("mmparity.runtime")
+    runtime = sys.modules.get("mmparity.parallel.runtime")
     return runtime.launch_failure(exc) if runtime is not None else None
 
 

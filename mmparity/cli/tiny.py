@@ -31,7 +31,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from mmparity import families
+    from mmparity.models import registry as families
 
     names = families.names()
     if args.family not in names:
@@ -44,7 +44,7 @@ def run(args) -> int:
     if os.path.lexists(destination) and not destination.is_dir():
         raise UsageError(f"DIR {args.dir} is not a directory; --force replaces a directory only, so name another path")
 
-    from mmparity.checkpoint.fsio.errors import CheckpointError
+    from mmparity.io.fsio.errors import CheckpointError
 
     try:
         written = _write(families.get(args.family), destination, seed, force=args.force)
@@ -62,7 +62,7 @@ def run(args) -> int:
 
 def _told_family(directory: Path) -> str:
     """The family ``check --hf`` and ``convert`` tell from the written config when none is named."""
-    from mmparity import families
+    from mmparity.models import registry as families
     from mmparity.cli.common import config_facts
 
     facts = config_facts(directory)
@@ -79,9 +79,9 @@ def _write(fam, destination: Path, seed: int, *, force: bool) -> tuple[int, int]
     saved into a staging sibling that replaces ``destination`` only once complete."""
     import torch
 
-    from mmparity.cases.inputs import random_like_state
-    from mmparity.checkpoint.fsio.publish import atomic_directory, write_extra_files
-    from mmparity.checkpoint.fsio.safetensors_write import write_safetensors_shards
+    from mmparity.models.core.inputs import random_like_state
+    from mmparity.io.fsio.publish import atomic_directory, write_extra_files
+    from mmparity.io.fsio.safetensors_write import write_safetensors_shards
 
     cfg = fam.tiny_config()
     with torch.random.fork_rng(devices=[]):

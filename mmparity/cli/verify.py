@@ -41,8 +41,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from mmparity.checkpoint import CheckpointError, read_manifest, verify
-    from mmparity.checkpoint.verify import refuse_manifest_link
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.manifest import read_manifest
+    from mmparity.io.verify import verify
+    from mmparity.io.verify import refuse_manifest_link
 
     if args.megatron_class is not None and not args.load:
         raise UsageError("--megatron-class needs --load")
@@ -80,7 +82,7 @@ def run(args) -> int:
 
 
 def _is_mcore_dir(path: Path) -> bool:
-    from mmparity.checkpoint.layout import TRACKER_FILE
+    from mmparity.io.layout import TRACKER_FILE
 
     return (path / TRACKER_FILE).is_file() or path.name.startswith("iter_") or any(
         p.name.startswith("iter_") for p in path.iterdir() if p.is_dir())
@@ -89,9 +91,9 @@ def _is_mcore_dir(path: Path) -> bool:
 def _compare_base(args, directory) -> bool:
     if args.base is None:
         return True
-    from mmparity.checkpoint import CheckpointError
-    from mmparity.checkpoint.base_compare import compare_with_base
-    from mmparity.checkpoint.megatron_written import FROM_BASE
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.base_compare import compare_with_base
+    from mmparity.io.megatron_written import FROM_BASE
 
     try:
         count, problems = compare_with_base(directory, args.base)
@@ -111,8 +113,8 @@ def _run_megatron_written(args, directories) -> int:
     """Directories Megatron-LM wrote (no mmparity.json): what each is (with ``--load``: whether its
     model loads strictly, as ``--base`` / ``--hf-config`` describe it). Their weights carry no
     checksums to re-check; ``convert --to hf --base`` checks every shape against the config."""
-    from mmparity.checkpoint import CheckpointError
-    from mmparity.checkpoint.megatron_written import describe
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.megatron_written import describe
 
     iteration = parse_iteration(args.iteration)
     for directory in args.dirs:
@@ -132,10 +134,10 @@ def _run_megatron_written(args, directories) -> int:
 
 
 def _run_load(args, iteration=None, megatron_written: bool = False) -> int:
-    from mmparity.cases.megatron import NoMegatronClass
-    from mmparity.checkpoint import CheckpointError
-    from mmparity.checkpoint.megatron_load import load_into_megatron
-    from mmparity.upstream.models import UpstreamUnavailable
+    from mmparity.models.core.megatron_side import NoMegatronClass
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.megatron.load import load_into_megatron
+    from mmparity.models.core.megatron_classes import UpstreamUnavailable
 
     ok = True
     for directory in args.dirs:

@@ -78,8 +78,8 @@ def _stop(procs, survivors) -> None:
 
 def run(argv: list[str], workers: int, destination: Path) -> int:
     """Runs ``argv`` (a ``convert`` command line without ``--workers``) as ``workers`` ranks."""
-    from mmparity import runtime
-    from mmparity.checkpoint.fsio.publish import recover_destination
+    from mmparity.parallel import runtime
+    from mmparity.io.fsio.publish import recover_destination
 
     env = {k: v for k, v in os.environ.items() if k not in runtime.LAUNCHER_VARIABLES}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(runtime.free_port()), WORLD_SIZE=str(workers))
@@ -113,7 +113,7 @@ def run(argv: list[str], workers: int, destination: Path) -> int:
                 time.sleep(0.02)
             _stop(procs, running)
     except BaseException:  # interrupted: no rank outlives the command
-        from mmparity.checkpoint.fsio import interrupts
+        from mmparity.io.fsio import interrupts
 
         with interrupts.deferred():  # a second Ctrl-C waits for the ranks to stop and their litter to go
             _stop(procs, range(len(procs)))

@@ -30,15 +30,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from mmparity import families, runtime
-from mmparity.cases import inputs
-from mmparity.cases.core import TowerShape
-from mmparity.converters.rules import with_side
-from mmparity.hfconfig import first_int, head_dim, query_groups, vision_sub_config
-from mmparity.native.core import attention
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.models.core import inputs
+from mmparity.models.spec import TowerShape
+from mmparity.mapping.rules import with_side
+from mmparity.config import first_int, head_dim, query_groups, vision_sub_config
+from mmparity.models.core import attention
 from mmparity.parity import metrics
-from mmparity.parity.harness import (InputError, exact_float32, load_reference_weights, size_multiple,
-                                     validate_image_sizes)
+from mmparity.parity.harness import (
+    InputError, exact_float32, load_reference_weights, size_multiple, validate_image_sizes)
 from mmparity.parity.report import strict_json, versions
 
 SIZES = ("tiny", "published")

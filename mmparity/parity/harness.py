@@ -15,18 +15,19 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from mmparity import families, runtime
-from mmparity.converters import pp as pp_mod
-from mmparity.converters.rules import with_side
-from mmparity.hfconfig import VOCAB_PAD_MULTIPLE, first_int, vision_sub_config
-from mmparity.native.core import attention, pipeline
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.parallel import pp as pp_mod
+from mmparity.mapping.rules import with_side
+from mmparity.config import VOCAB_PAD_MULTIPLE, first_int, vision_sub_config
+from mmparity.models.core import attention, pipeline
 from mmparity.parity import metrics as M
 from mmparity.parity import router
-from mmparity.cases import megatron as megatron_cases
-from mmparity.cases.core import Case
-from mmparity.cases.inputs import random_like_state
+from mmparity.models.core import megatron_side as megatron_cases
+from mmparity.models.spec import Case
+from mmparity.models.core.inputs import random_like_state
 from mmparity.parity.report import Divergence, Report, Result, versions
-from mmparity.upstream import models
+from mmparity.models.core import megatron_classes as models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMPLS = ("native", "megatron", "both")
@@ -141,7 +142,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     ``mmparity convert --pp`` splits it (``layer_counts`` overrides the split, e.g. with the
     counts a checkpoint recorded) and the stages run one after another.
     ``impl``: ``native`` (mmparity's mcore model), ``megatron`` (Megatron's own class,
-    :mod:`mmparity.cases.megatron`; ``megatron_class`` picks one where a family has several) or
+    :mod:`mmparity.models.core.megatron_side`; ``megatron_class`` picks one where a family has several) or
     ``both`` side by side; every result names its ``impl``.
     ``ep > 1`` spreads each MoE layer's experts over that many ranks as ``mmparity convert --ep``
     does (every rank runs the same batch: mcore's all-gather dispatcher sends each token to the
@@ -150,7 +151,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     (a checkpoint's record; None: Megatron-LM's default): Megatron's class is built with it, as
     Megatron-LM builds it for that checkpoint, and the reference's loss is padded alike.
     Raises :class:`InputError` for a pipeline the model cannot take, and
-    :class:`~mmparity.upstream.models.UpstreamUnavailable` when Megatron's class cannot be imported.
+    :class:`~mmparity.models.core.megatron_classes.UpstreamUnavailable` when Megatron's class cannot be imported.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -377,9 +378,9 @@ def _compare_megatron_case(family, case, megatron_run, reference, low_precision,
 
 def _split_experts(family: str, stage_shards: list, ep: int, runs_megatron: bool) -> list:
     """``states[stage][tp_rank]`` -> ``states[stage][tp_rank][ep_rank]``, each rank's experts
-    under local numbers (:func:`mmparity.converters.ep.split_expert_ranks`)."""
-    from mmparity.converters import ep as ep_mod
-    from mmparity.converters.axes import AxisError, expert_axis
+    under local numbers (:func:`mmparity.parallel.ep.split_expert_ranks`)."""
+    from mmparity.parallel import ep as ep_mod
+    from mmparity.parallel.axes import AxisError, expert_axis
 
     if runs_megatron:
         raise InputError(f"{family}: --ep runs the native model only; drop --impl megatron")

@@ -47,12 +47,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from mmparity import families, runtime
-from mmparity.converters.ops import Unstack
-from mmparity.converters.rules import (VOCAB_MULTIPLE, StepRunner, detect_prefix, expected_keys, join,
-                                       plan_hf_to_mcore, plan_mcore_to_hf)
-from mmparity.native.core import attention
-from mmparity.native.core.layers import without_initialization
+from mmparity.models import registry as families
+from mmparity.parallel import runtime
+from mmparity.mapping.ops import Unstack
+from mmparity.mapping.rules import (
+    VOCAB_MULTIPLE, StepRunner, detect_prefix, expected_keys, join, plan_hf_to_mcore, plan_mcore_to_hf)
+from mmparity.models.core import attention
+from mmparity.models.core.layers import without_initialization
 from mmparity.parity import harness
 from mmparity.parity.report import Report, versions
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmparity.cases.core import routing_tensor  # noqa: F401  (what router pairs' extractors return)
+from mmparity.models.spec import routing_tensor  # noqa: F401  (what router pairs' extractors return)
 
 # Choice scores are sigmoid outputs plus a bias, of order one; a tie is a difference the model's
 # arithmetic could have made (a few units in the last place of its dtype).

@@ -1,0 +1,386 @@
+"""HF `save_pretrained`-style safetensors output with an `mmparity.json` manifest, in one atomic step;
+the bound every HF config is held to before anything is built from it; and the few config facts
+that tell which family a checkpoint is."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from mmparity.models.registry import MISTRAL_NATIVE, ConfigFacts, Detection, detect
+from mmparity.config import ConfigViewError, config_view, feature_layer_indices, known_model_types
+from mmparity.io.layout import LEGACY_FILE
+from mmparity.io.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
+from mmparity.io.fsio.bounded import read_json_file
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.fsio.paths import refuse_links_outside, require_regular_file
+from mmparity.io.fsio.publish import atomic_directory, write_extra_files
+from mmparity.io.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, has_hf_weights
+from mmparity.io.fsio.safetensors_read import SafetensorsCheckpoint
+from mmparity.io.fsio.safetensors_write import write_safetensors_shards
+from mmparity.io.fsio.torch_archive import TorchArchive
+
+__all__ = ["write_hf", "bound_config", "checkpoint_capacity", "read_config_facts", "detect_family"]
+
+
+def write_hf(
+    directory: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    provenance: Provenance | None = None,
+    extra_files: Mapping[str, str | bytes] | None = None,
+    force: bool = False,
+) -> Path:
+    """Writes tensors (a dict or a stream of pairs) as HF safetensors shards plus `mmparity.json`.
+
+    `extra_files` (e.g. `config.json`) land in the same atomic step, so a reader never finds
+    weights without their config.
+    """
+    with atomic_directory(directory, force=force) as staging:
+        writer = write_safetensors_shards(staging, tensors, max_shard_size=max_shard_size)
+        write_extra_files(staging, extra_files, [*writer.written, MANIFEST_FILE])
+        write_manifest(
+            staging,
+            Manifest(
+                layout=LAYOUT_HF,
+                tensors=tuple(
+                    TensorRecord(writer.weight_map[name], name, checksum) for name, checksum in writer.checksums.items()
+                ),
+                provenance=provenance or Provenance(),
+            ),
+        )
+    return Path(directory)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# bounding a config by the weights it describes
+
+# Config fields that count layers: a model is built with one module (and the converter one rule)
+# per layer, so these decide how much is allocated before any weight is read.
+_LAYER_COUNT = re.compile(r"^(num_hidden_layers|num_layers|n_layers|depth|.*_layers)$")
+# Config fields that size tensors.
+_WIDTH = re.compile(r"^(.*_)?(hidden_size|intermediate_size|embed_dim|hidden_dim|head_dim|projection_dim|"
+                    r"num_attention_heads|num_key_value_heads|num_heads|width)$")
+# Ceilings beyond any model these encoders describe, whatever the checkpoint holds.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**20
+MAX_VOCAB = 2**24  # sixty times the largest vocabulary released (262k)
+# Sizes that are counts of one or more in every model (a layer count, or a secondary width such as
+# a shared expert's, may be 0; other configs use some of these names for flags or lists, so only
+# these are held to being counts); and the norms' epsilons, small positive numbers.
+_COUNTS = re.compile(r"^(hidden_size|num_attention_heads|num_key_value_heads|num_heads|patch_size|image_size|"
+                     r"vocab_size|num_channels|embed_dim|intermediate_size|num_hidden_layers)$")
+_NONZERO = re.compile(r"^(hidden_size|num_attention_heads|num_heads|patch_size|image_size|vocab_size|num_channels|"
+                      r"embed_dim)$")
+_EPSILON = re.compile(r"^(.*_)?(rms_norm|layer_norm|norm|ln)_eps(ilon)?$")
+
+
+def checkpoint_capacity(path: str | os.PathLike) -> tuple[int, int]:
+    """(tensors, elements) at most in the checkpoint at `path`: an HF directory, an mcore root or
+    iteration directory. Read from safetensors headers, legacy zip directories and DCP metadata,
+    never from the data; an upper bound (a legacy storage may be shared, its bytes count as
+    elements), which is all a sanity bound needs. A torch_dist tensor of stacked layers counts once
+    per layer."""
+    from mmparity.io.torch_dist_files import is_torch_dist_dir, load_index
+
+    path = Path(path)
+    if has_hf_weights(path):
+        with SafetensorsCheckpoint(path) as checkpoint:
+            return safetensors_capacity(checkpoint.infos())
+    tensors = elements = 0
+    candidates = [path] + sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+    for directory in candidates:
+        if is_torch_dist_dir(directory):
+            more_tensors, more_elements = torch_dist_capacity(load_index(directory))
+            tensors, elements = tensors + more_tensors, elements + more_elements
+        for rank_file in sorted(directory.glob(f"mp_rank_*/{LEGACY_FILE}")):
+            require_regular_file(rank_file, "rank file")
+            try:
+                reader = TorchArchive(rank_file)
+                records = [r for r in reader.records() if r.startswith("data/")]
+                tensors += len(records)
+                elements += sum(reader.size(r) for r in records)
+            except RuntimeError as exc:
+                raise CheckpointError(f"{rank_file}: not a torch.save file ({' '.join(str(exc).split())[:200]})") from None
+    return tensors, elements
+
+
+def safetensors_capacity(infos: Mapping) -> tuple[int, int]:
+    """`checkpoint_capacity` from headers already read (a source that holds them reads them once)."""
+    return len(infos), sum(math.prod(info.shape) for info in infos.values())
+
+
+def torch_dist_capacity(metadata) -> tuple[int, int]:
+    """`checkpoint_capacity` of one decoded DCP `.metadata` (a stacked tensor counts once per layer)."""
+    tensors = elements = 0
+    for entry in metadata.state_dict_metadata.values():
+        size = tuple(getattr(entry, "size", ()) or ())
+        if size:
+            tensors += max(1, int(size[0]))
+            elements += math.prod(int(n) for n in size)
+    return tensors, elements
+
+
+def bound_config(config, config_path: str | os.PathLike, checkpoint: str | os.PathLike,
+                 capacity: tuple[int, int] | None = None) -> None:
+    """Refuses a config whose sizes the weights in `checkpoint` cannot back, before anything is
+    built from it: a layer count above the number of tensors present (every layer has at least
+    one), a width above the number of elements present, or either above a ceiling no real model
+    reaches. A `depth` of 1e9 would otherwise build a billion modules and rules (tens of GB) before
+    a shape was ever compared. ``capacity``: `checkpoint_capacity` as already read (``check
+    --low-memory`` reads the headers without mapping the files)."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    problems = _kind_problems(data)
+    if problems:
+        raise CheckpointError(f"{config_path}: {'; '.join(problems[:4])} (correct the config)")
+    tensors, elements = capacity if capacity is not None else checkpoint_capacity(checkpoint)
+    for key, value in _int_fields(data):
+        name = key.rsplit(".", 1)[-1]
+        if _LAYER_COUNT.match(name) and (value > tensors or value > MAX_LAYERS):
+            problems.append(f"{key} = {value}, but the checkpoint holds {tensors} tensors" if value > tensors
+                            else f"{key} = {value} is beyond the {MAX_LAYERS} layers mmparity accepts")
+        elif _WIDTH.match(name) and (value > elements or value > MAX_WIDTH):
+            problems.append(f"{key} = {value}, but the checkpoint holds {elements} weights in all" if value > elements
+                            else f"{key} = {value} is beyond the width {MAX_WIDTH} mmparity accepts")
+        elif name == "vocab_size" and (value > elements or value > MAX_VOCAB):
+            problems.append(f"{key} = {value}, but the checkpoint holds {elements} weights in all" if value > elements
+                            else f"{key} = {value} is beyond the vocabulary of {MAX_VOCAB} mmparity accepts")
+    if problems:
+        raise CheckpointError(f"{config_path}: sizes the weights cannot back: {'; '.join(problems[:4])} "
+                              "(a config from another model?)")
+
+
+def _kind_problems(data: dict, prefix: str = "") -> list[str]:
+    """Sizes that are not counts (a boolean, a fraction, a negative number; zero where no model has
+    none) and epsilons that are not small positive numbers, by key path: each would build a model
+    of no meaning, or be published as it is."""
+    problems = []
+    for key, value in data.items():
+        path, name = f"{prefix}{key}", str(key)
+        if isinstance(value, dict):
+            problems += _kind_problems(value, f"{path}.")
+        elif value is None:
+            continue
+        elif _COUNTS.match(name):
+            # A count, or one per axis ("image_size": [h, w]).
+            for item in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(item, bool) or not isinstance(item, int):
+                    problems.append(f"{path} is {json.dumps(value)[:40]}, not a count")
+                    break
+                if item < 0 or (item == 0 and _NONZERO.match(name)):
+                    problems.append(f"{path} is {json.dumps(value)[:40]}, not a size a model has")
+                    break
+        elif (_LAYER_COUNT.match(name) or _WIDTH.match(name)) and isinstance(value, int) and value < 0:
+            problems.append(f"{path} is {value}, not a size a model has")
+        elif _EPSILON.match(name):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                problems.append(f"{path} is {json.dumps(value)[:40]}, not an epsilon (a small positive number)")
+    return problems
+
+
+# Config fields that size or divide something (a width, a head count, a patch, a merge, an expert
+# count, a table): zero or less is no model, and would reach a division or an empty shape deep in a
+# reader or a model build instead of a message naming the field.
+_POSITIVE = re.compile(r"^(.*_)?(hidden_size|intermediate_size|embed_dim|hidden_dim|head_dim|projection_dim|"
+                       r"num_attention_heads|num_key_value_heads|num_heads|num_key_heads|num_value_heads|width|"
+                       r"patch_size|image_size|merge_size|merge_kernel_size|num_channels|in_channels|vocab_size|"
+                       r"max_position_embeddings|num_position_embeddings|pos_emb_height|pos_emb_width|"
+                       r"pos_emb_time|lora_rank|conv_kernel_dim|n_group|topk_group|n_routed_experts|"
+                       r"num_experts|num_local_experts|num_experts_per_tok|image_seq_length)$")
+# Counts that may be zero (no dense leading layers, no shared expert) but never less: a negative one
+# names layer -1 or a negative width.
+_COUNT = re.compile(r"^(first_k_dense_replace|n_shared_experts|num_shared_experts)$")
+
+
+def refuse_unusable_sizes(data, config_path: str | os.PathLike) -> None:
+    """Refuses a config (a config.json mapping, or a config object with ``to_dict``) holding a size
+    of zero or less (:data:`_POSITIVE`), a negative layer count, or a ``vision_feature_layer`` that
+    selects no hidden state of its tower, naming the file and the field."""
+    values = data.to_dict() if hasattr(data, "to_dict") else data
+    for key, value in _int_fields(values, lists=True):
+        name = key.rsplit(".", 1)[-1].split("[", 1)[0]
+        positive = _POSITIVE.match(name) is not None
+        if (positive and value < 1) or ((_LAYER_COUNT.match(name) or _COUNT.match(name)) and value < 0):
+            need = "a positive size" if positive else "a count of at least 0"
+            raise CheckpointError(f"{config_path}: {key} = {value}, but it must be {need} (a damaged or "
+                                  "hand-edited config?); set it to the model's value")
+    if getattr(data, "vision_feature_layer", None) is not None and getattr(data, "vision_config", None) is not None:
+        try:
+            feature_layer_indices(data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{config_path}: {exc}; set vision_feature_layer to a hidden state of the "
+                                  "tower (0 .. its layer count, or negative from the last)") from None
+
+
+def _int_fields(data: dict, prefix: str = "", lists: bool = False):
+    """(dotted key, value) of every int in ``data`` and its sub-mappings (with ``lists``, also
+    each int of a list, as ``key[i]``)."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _int_fields(value, f"{prefix}{key}.", lists)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+        elif lists and isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, int) and not isinstance(item, bool):
+                    yield f"{prefix}{key}[{index}]", item
+
+
+# --------------------------------------------------------------------------------------------------
+# which family: the facts detection needs, read without transformers
+
+HF_CONFIG = "config.json"
+MISTRAL_PARAMS = "params.json"
+# Far above any real config (a few kB; tens with label maps): past it the file is no config, and is
+# not read into memory.
+MAX_CONFIG_BYTES = 2**24
+
+
+def _non_finite(data) -> str | None:
+    """The first place in parsed JSON ``data`` that holds NaN or an infinity (``a.b[2]``), if any.
+    Python's json reads NaN, Infinity and -Infinity, which JSON has not; no size, epsilon or RoPE
+    base of a model is one, and a config holding one would be published as it is."""
+    stack = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "the top level"
+        if isinstance(value, dict):
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return None
+
+
+def _read_json_object(path: Path) -> dict:
+    data = read_json_file(path, "config", MAX_CONFIG_BYTES)
+    bad = _non_finite(data)
+    if bad is not None:
+        raise CheckpointError(f"{path}: {bad} is not a finite number (NaN and infinities are no JSON, and no "
+                              "size, epsilon or RoPE base of a model); correct the config")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *, for_models: bool = False):
+    """``(config, config file bytes)`` of a directory: its ``config_name`` (an HF directory's
+    config.json, or the copy an mcore checkpoint keeps), or, for a Mistral-native release with
+    only ``params.json``, that file translated (:mod:`mmparity.models.parts.mistral_params`) and the
+    HF config.json it amounts to, which is what a converted checkpoint then carries.
+
+    The config is a :class:`mmparity.config.ConfigView` (what transformers would hold, read
+    without importing it: conversion needs the facts, not the classes) unless ``for_models``, for
+    callers that build transformers' models from it, or its model type has no table there.
+    ``CheckpointError`` names the file and what is wrong."""
+    directory = Path(directory)
+    config_path, params_path = directory / config_name, directory / MISTRAL_PARAMS
+    refuse_links_outside(directory, root_names=[n for n in (config_name, MISTRAL_PARAMS)
+                                                if os.path.lexists(directory / n)])
+    if os.path.lexists(config_path):
+        require_regular_file(config_path, "config")
+        data = _read_json_object(config_path)  # what transformers would read, NaN refused
+        refuse_unusable_sizes(data, config_path)  # before any reader divides by them
+        if not for_models and data.get("model_type") in known_model_types():
+            try:
+                config = config_view(data)
+            except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        else:
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
+            except Exception as exc:  # transformers raises several types for a bad config
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
+        refuse_unusable_sizes(config, config_path)  # the derived fields too (head_dim, ...)
+        if config_name == HF_CONFIG and os.path.lexists(params_path):
+            _check_params_beside(config, config_path, params_path)
+        return config, config_path.read_bytes()
+    if config_name == HF_CONFIG and os.path.lexists(params_path):
+        from mmparity.models.parts.mistral_params import ParamsError, config_from_params
+
+        try:
+            full = config_from_params(_read_json_object(params_path))
+        except (ParamsError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{params_path}: {exc}") from None
+        refuse_unusable_sizes(full, params_path)
+        raw = full.to_json_string().encode()
+        return (full if for_models else config_view(full.to_dict())), raw
+    raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
+                          f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
+
+
+def _check_params_beside(config, config_path: Path, params_path: Path) -> None:
+    """A release with both files (Mistral's own beside transformers'): config.json is the one
+    read, as transformers reads it, and params.json must describe the same model wherever both
+    state a field; otherwise which one the weights follow is anyone's guess."""
+    from mmparity.models.parts.mistral_params import params_disagreements
+
+    problems = params_disagreements(_read_json_object(params_path), config)
+    if problems:
+        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        raise CheckpointError(f"{config_path} and {params_path} disagree: {shown}; {HF_CONFIG} is the one "
+                              f"read: correct the file that does not describe these weights, or remove "
+                              f"{MISTRAL_PARAMS}")
+
+
+def _name(data: dict, key: str, path: Path, where: str = "") -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(f"{path}: {where}{key} is {json.dumps(value)[:60]}, expected a string")
+    return value
+
+
+def read_config_facts(directory: str | os.PathLike) -> ConfigFacts:
+    """What family detection needs from a checkpoint directory: `architectures`, `model_type` and
+    `vision_config.model_type` of its config.json, or, for a Mistral-native release without one,
+    whether its params.json has a vision encoder. Refuses what any reader of the directory refuses
+    (links out of it, non-regular files) and fields of the wrong type; imports no framework."""
+    directory = Path(directory)
+    present = [n for n in (HF_CONFIG, MISTRAL_PARAMS) if os.path.lexists(directory / n)]
+    refuse_links_outside(directory, root_names=present)
+    layout = MISTRAL_NATIVE if MISTRAL_PARAMS in present else None
+    if HF_CONFIG in present:
+        path = directory / HF_CONFIG
+        data = _read_json_object(path)
+        architectures = data.get("architectures") or []
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise CheckpointError(f"{path}: architectures is {json.dumps(architectures)[:60]}, expected a "
+                                  "list of class names")
+        vision, text = data.get("vision_config"), data.get("text_config")
+        for name, sub in (("vision_config", vision), ("text_config", text)):
+            if sub is not None and not isinstance(sub, dict):
+                raise CheckpointError(f"{path}: {name} is {json.dumps(sub)[:60]}, expected an object")
+        return ConfigFacts(HF_CONFIG, tuple(architectures), _name(data, "model_type", path),
+                           _name(vision, "model_type", path, "vision_config.") if vision else None, layout,
+                           _name(text, "model_type", path, "text_config.") if text else None)
+    if layout is not None:
+        # Mistral's releases name the Pixtral tower `vision_encoder`; its patch merger makes the
+        # release a Mistral3 one (as transformers' conversion scripts decide), else a Pixtral-12B
+        # style LLaVA; the text model is Mistral's either way.
+        params = _read_json_object(directory / MISTRAL_PARAMS)
+        encoder = params.get("vision_encoder")
+        if not isinstance(encoder, dict):
+            return ConfigFacts(MISTRAL_PARAMS, layout=layout)
+        whole = "mistral3" if encoder.get("spatial_merge_size") is not None else "llava"
+        return ConfigFacts(MISTRAL_PARAMS, model_type=whole, vision_model_type="pixtral", layout=layout,
+                           text_model_type="mistral")
+    raise CheckpointError(f"{directory}: no {HF_CONFIG} (nor Mistral's {MISTRAL_PARAMS}) to tell the family from")
+
+
+def detect_family(directory: str | os.PathLike) -> Detection:
+    """The registered family of the checkpoint in `directory`, from its config
+    (:func:`mmparity.models.registry.detect`): `CheckpointError` for a config that cannot be read,
+    `mmparity.models.registry.DetectError` when no one family takes it."""
+    return detect(read_config_facts(directory))

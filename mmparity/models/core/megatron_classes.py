@@ -1,0 +1,669 @@
+"""Builders of Megatron's own classes from HF configs, and their forward.
+
+The HF config is the only source of shapes and hyper-parameters (read duck-typed through
+:mod:`mmparity.config`: this layer never imports transformers). Each builder makes the class a
+Megatron-LM user trains with. They are plain functions: which family loads into which is said by
+the family itself (its hooks' ``megatron`` record, in ``mmparity.cases.<name>``), not here.
+
+====================  =========================================================================
+builder               Megatron class (module tree)
+====================  =========================================================================
+build_clip            stock ``CLIPViTModel`` (``model_subtype='clip'``)
+build_siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
+build_llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
+                      ``MultimodalProjector``, ``language_model`` ``GPTModel``)
+build_language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
+build_moe_language_   a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock
+model                 ``GPTModel`` on mcore's TE block spec for MLA + MoE (grouped-GEMM experts)
+build_projector       a whole VLM's projector alone: stock ``MultimodalProjector``
+build_vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: Megatron-LM main's
+                      ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the
+                      projector (the parts of a VLM whose ``vit_model`` tower Megatron-LM's
+                      ``LLaVAModel`` cannot hold: docs/megatron.md, discrepancy 5)
+build_clip_as_vit     Megatron-LM main's ``ViTModel`` in its CLIP mode
+build_pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
+build_pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as
+                      ``vision_model``, ``MultimodalProjector`` as ``vision_projection``
+build_qwen3_5         Megatron-LM ``vit_model.QwenVLViTModel``
+build_kimi_k25        a tower alone: ``KimiViTModel``; a whole model: :class:`VisionWithProjection`,
+                      ``KimiViTModel`` as ``vision_model`` and the closest Megatron construction
+                      of the projector (:func:`kimi_projection`; Megatron has no exact place)
+====================  =========================================================================
+
+A builder that needs Megatron-LM main's ``vit_model.py`` is marked :func:`needs_vit_model`, so that
+:func:`require` / :func:`available` say so before anything is built.
+
+All builders use the parallel state already initialised (``mmparity.parallel.runtime``); TE modules are
+the real ones when Transformer Engine is importable, else the stand-ins of
+:mod:`mmparity.models.core.te_stand_ins`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core import activations as mcore_activations
+from megatron.core import package_info
+from megatron.core.models.gpt import gpt_model
+from megatron.core.models.multimodal import llava_model
+from megatron.core.models.vision import clip_vit_model
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mmparity.parallel import runtime
+from mmparity.config import (
+    KIMI_VISION_NORM_EPS, PIXTRAL_NORM_EPS, QWEN_VISION_NORM_EPS, decoder_biases, feature_layer_indices,
+    first_int, has_patch_merger, head_dim, image_hw, num_heads, padded_vocab_size, query_groups, rope_theta,
+    select_strategy, tied_embeddings, tower_depth, vision_of)
+from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
+from mmparity.models.core import te_stand_ins
+from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
+
+VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
+INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
+                "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
+                "`pip install triton` (it is only imported)")
+# Megatron-LM's LLaVAModel selects its tower by ``vision_model_type``: the HF tower model types
+# stock LLaVAModel (and Megatron-LM main's, for Pixtral) is built with here.
+LLAVA_VISION_MODEL_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
+                            "pixtral": "pixtral-vit"}
+# Upstream's default RoPE table sides (768/16 for Qwen, 896/14 for Kimi); HF has no cap.
+QWEN_MAX_PATCHES_PER_SIDE = 48
+KIMI_MAX_PATCHES_PER_SIDE = 64
+
+
+class UpstreamUnavailable(ImportError):
+    """Megatron's class for a family cannot be imported here; the message says what to install."""
+
+
+def vit_model_module():
+    """Megatron-LM main's ``vit_model`` module, or :class:`UpstreamUnavailable`."""
+    try:
+        return importlib.import_module(VIT_MODEL_MODULE)
+    except ImportError as exc:
+        raise UpstreamUnavailable(f"{INSTALL_HINT} (import failed: {exc})") from None
+
+
+def needs_vit_model(builder: Callable) -> Callable:
+    """Marks a builder whose class lives in Megatron-LM main's ``vit_model.py``."""
+    builder.needs_vit_model = True
+    return builder
+
+
+def require(builder: Optional[Callable] = None) -> None:
+    """Raise :class:`UpstreamUnavailable` (naming what to install) unless ``builder``'s class can be
+    imported here (None: unless Megatron-LM main's ``vit_model`` can)."""
+    if builder is None or getattr(builder, "needs_vit_model", False):
+        vit_model_module()
+
+
+def available(builder: Optional[Callable] = None) -> bool:
+    """Whether ``builder``'s class can be imported here (None: Megatron-LM main's ``vit_model``)."""
+    try:
+        require(builder)
+    except UpstreamUnavailable:
+        return False
+    return True
+
+
+# --- HF config reading, and the TransformerConfig recipe the native models use --------------------
+
+def activation(name: str) -> Callable:
+    """The HF activation as a Megatron-LM user configures it: mcore's own ``quick_gelu`` (CLIP),
+    otherwise the exact function the native models take."""
+    return mcore_activations.quick_gelu if name == "quick_gelu" else activation_from_hf(name)
+
+
+def transformer_config(*, pipelined: bool = False, **fields) -> TransformerConfig:
+    """``native.core.layers.vision_transformer_config``: inference at the current TP size, fusions
+    off (they need CUDA). Only a ``pipelined`` stack (LLaVA's language model) is split over the
+    pipeline stages; Megatron-LM builds towers and projectors whole, on the first stage."""
+    if not pipelined:
+        fields["pipeline_model_parallel_size"] = 1
+    return vision_transformer_config(pipelined_stack=pipelined, **fields)
+
+
+def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
+    """CLIP and SigLIP towers: LayerNorm with biases, plain MLP with the HF activation."""
+    return transformer_config(
+        num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads,
+        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size,
+        normalization="LayerNorm", norm_eps=vc.layer_norm_eps, activation=activation(vc.hidden_act),
+        gated=False, bias=True, params_dtype=params_dtype)
+
+
+def pixtral_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
+    """Pixtral towers: RMSNorm (HF's literal 1e-5), gated MLP, no biases, interleaved 2D RoPE."""
+    return transformer_config(
+        num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim(vc),
+        ffn_hidden_size=vc.intermediate_size, normalization="RMSNorm", norm_eps=PIXTRAL_NORM_EPS,
+        activation=activation(vc.hidden_act), gated=True, bias=False, rotary_interleaved=True,
+        params_dtype=params_dtype)
+
+
+def projection_config(hidden_size: int, ffn_hidden_size: int, act: Callable, bias: bool,
+                      params_dtype=torch.float32, normalization: str = "LayerNorm",
+                      eps: float = 1e-5) -> TransformerConfig:
+    """``MultimodalProjector``'s config: ``hidden_size`` is its output width, ``ffn_hidden_size``
+    its inner width; attention fields only have to be valid (one head per TP rank)."""
+    layout = runtime.current_layout()
+    heads = layout.tp if layout is not None else 1
+    return transformer_config(num_layers=1, hidden_size=hidden_size, num_attention_heads=heads,
+                              kv_channels=1, ffn_hidden_size=ffn_hidden_size, normalization=normalization,
+                              norm_eps=eps, activation=act, gated=False, bias=bias, params_dtype=params_dtype)
+
+
+# --- builders -------------------------------------------------------------------------------------
+
+class VisionWithProjection(torch.nn.Module):
+    """A tower and its projector under ``LLaVAModel``'s attribute names, without a language model,
+    so that keys read ``vision_model.*`` / ``vision_projection.*`` exactly as in ``LLaVAModel``."""
+
+    def __init__(self, vision_model: torch.nn.Module, vision_projection: Optional[torch.nn.Module]):
+        super().__init__()
+        self.vision_model = vision_model
+        self.vision_projection = vision_projection
+
+
+def build_clip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
+    """Stock ``CLIPViTModel`` in its CLIP configuration: class token, ``ln_pre``; no ``ln_post``."""
+    vc = vision_of(cfg, ("clip_vision_model",))
+    return _stock_clip(vc, "clip", clip_config(vc, params_dtype, num_layers))
+
+
+def build_siglip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
+    """Stock ``CLIPViTModel`` as SigLIP: conv bias, ``ln_post`` on every token, no class token;
+    no attention-pooling head."""
+    vc = vision_of(cfg, ("siglip_vision_model",))
+    return _stock_clip(vc, "siglip", clip_config(vc, params_dtype, num_layers))
+
+
+def _stock_clip(vc, subtype: str, config: TransformerConfig):
+    if vc.num_channels != 3:
+        raise ValueError(f"stock CLIPViTModel has 3 input channels, the config has {vc.num_channels}")
+    img_h, img_w = image_hw(vc)
+    with buildable_without_te(clip_vit_model):
+        model = clip_vit_model.CLIPViTModel(
+            config, te_stand_ins.vit_layer_spec(), ln_pre_impl=te_class("TENorm"),
+            ln_post_impl=te_class("TENorm"), add_class_token=subtype == "clip",
+            class_token_len=1 if subtype == "clip" else 0, patch_dim=first_int(vc.patch_size),
+            img_h=img_h, img_w=img_w, model_subtype=subtype)
+    return model.eval()
+
+
+@needs_vit_model
+def build_clip_as_vit(cfg, params_dtype=torch.float32):
+    """Megatron-LM main's ``ViTModel`` in its CLIP mode (class token, learned absolute positions,
+    ``ln_pre``), the alternative to the stock class its docstring offers. It applies ``ln_pre``
+    before the class token and positions are added; HF CLIP after."""
+    vc = vision_of(cfg, ("clip_vision_model",))
+    return _vit_model(vc, clip_config(vc, params_dtype), add_class_token=True, class_token_len=1,
+                      ln_pre=True, ln_pre_eps=vc.layer_norm_eps, pos_emb_type="learned_absolute").eval()
+
+
+def _vit_model(vc, config: TransformerConfig, **mode):
+    """Megatron-LM main's ``ViTModel`` on an HF tower config's geometry (no patch-embedding bias in
+    any of these towers); ``mode`` is the rest of the family's configuration."""
+    vit = vit_model_module()
+    img_h, img_w = image_hw(vc)
+    with buildable_without_te(vit):
+        return vit.ViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=first_int(vc.patch_size),
+                            img_h=img_h, img_w=img_w, in_channels=vc.num_channels, patch_embed_bias=False,
+                            **mode)
+
+
+def _pixtral_vit(vc, params_dtype, num_layers: Optional[int] = None, **mode):
+    return _vit_model(vc, pixtral_config(vc, params_dtype, num_layers), ln_pre=True,
+                      ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
+
+
+@needs_vit_model
+def build_pixtral(cfg, params_dtype=torch.float32):
+    return _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype).eval()
+
+
+@needs_vit_model
+def build_pixtral_large(cfg, params_dtype=torch.float32):
+    """``ViTModel(use_merger=True)`` + the Mistral3 projector's two linears as a
+    ``MultimodalProjector``. Megatron's merger norm takes the *vision* epsilon (HF: the text
+    config's ``rms_norm_eps``); that is Megatron's behaviour and is kept."""
+    if getattr(cfg, "model_type", None) != "mistral3":
+        raise ValueError(f"pixtral_large needs a Mistral3 config, got {getattr(cfg, 'model_type', None)!r}")
+    tower = _pixtral_vit(cfg.vision_config, params_dtype, use_merger=True,
+                         spatial_merge_size=cfg.spatial_merge_size)
+    return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
+
+
+def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
+    """A LLaVA / Mistral3 projector's config: two linears to the text width, the HF activation."""
+    text = cfg.text_config
+    return projection_config(text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
+                             bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm", text.rms_norm_eps)
+
+
+def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
+    """A whole VLM's projector alone, as ``LLaVAModel`` builds its ``vision_projection``: its input
+    is the tower's width times the feature layers HF concatenates (a merger keeps the width)."""
+    width = cfg.vision_config.hidden_size * len(feature_layer_indices(cfg))
+    return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
+                               "mlp", width).eval()
+
+
+@needs_vit_model
+def build_vlm_vision(cfg, params_dtype=torch.float32):
+    """A whole VLM's vision part under ``LLaVAModel``'s names, for the VLMs ``LLaVAModel`` cannot
+    hold: Megatron-LM main's Pixtral ``ViTModel`` built ``tower_depth`` layers deep as the
+    converter writes it (with ``PixtralLargePatchMerger`` where the VLM merges patches, Mistral3),
+    and the projector."""
+    merger = (dict(use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
+              if has_patch_merger(cfg) else {})
+    tower = _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype, tower_depth(cfg), **merger)
+    return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
+
+
+@needs_vit_model
+def build_qwen3_5(cfg, params_dtype=torch.float32,
+                  max_patches_per_side: int = QWEN_MAX_PATCHES_PER_SIDE):
+    vit = vit_model_module()
+    vc = vision_of(cfg, ("qwen3_5_moe_vision", "qwen3_5_vision"))
+    p = first_int(vc.patch_size)
+    g = int(round(vc.num_position_embeddings ** 0.5))
+    config = transformer_config(
+        num_layers=vc.depth, hidden_size=vc.hidden_size, num_attention_heads=num_heads(vc),
+        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm",
+        norm_eps=QWEN_VISION_NORM_EPS, activation=activation(vc.hidden_act), gated=False, bias=True,
+        params_dtype=params_dtype)
+    side = max_patches_per_side * p
+    with buildable_without_te(vit):
+        model = vit.QwenVLViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p,
+                                   temporal_patch_size=first_int(vc.temporal_patch_size), img_h=side,
+                                   img_w=side, in_channels=vc.in_channels,
+                                   spatial_merge_size=vc.spatial_merge_size,
+                                   out_hidden_size=vc.out_hidden_size, num_pos_per_side=g,
+                                   rope_theta=rope_theta(vc))
+    return model.eval()
+
+
+KIMI_PROJECTIONS = ("drop_pre_norm", "fused_norm_over_merged")
+
+
+def kimi_projection(cfg, variant: str, params_dtype=torch.float32) -> MultimodalProjector:
+    """The closest Megatron construction for Kimi's projector (none is exact).
+
+    Kimi normalises each of the m² sub-tokens of a merged vector with one LayerNorm over H, then
+    runs Linear(m²H, m²H), erf GELU, Linear(m²H, text H). ``MultimodalProjector('mlp')`` holds the
+    two linears exactly; for the per-sub-token norm:
+
+    * ``drop_pre_norm``: no norm (``linear_fc1`` a plain column-parallel linear);
+    * ``fused_norm_over_merged``: ``linear_fc1`` with TE's fused LayerNorm over the whole m²H vector
+      (its weight and bias are the H-sized ones tiled m² times), a different function.
+    """
+    if variant not in KIMI_PROJECTIONS:
+        raise ValueError(f"kimi projection variant must be one of {KIMI_PROJECTIONS}, got {variant!r}")
+    vc = cfg.vision_config
+    merged = vc.hidden_size * _kimi_merge(vc) ** 2
+    fc1 = (te_class("TELayerNormColumnParallelLinear") if variant == "fused_norm_over_merged"
+           else te_class("TEColumnParallelLinear"))
+    return MultimodalProjector(
+        projection_config(cfg.text_config.hidden_size, merged, F.gelu, True, params_dtype,
+                          "LayerNorm", cfg.projection_layer_norm_eps),
+        MLPSubmodules(linear_fc1=fc1, linear_fc2=te_class("TERowParallelLinear")), "mlp", merged)
+
+
+def _kimi_merge(vc) -> int:
+    kh, kw = tuple(vc.merge_kernel_size)
+    if (kh, kw) != (2, 2):
+        raise ValueError(f"KimiViTModel merges 2x2 blocks; the config asks {kh}x{kw}")
+    return kh
+
+
+@needs_vit_model
+def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = "fused_norm_over_merged",
+                   max_patches_per_side: int = KIMI_MAX_PATCHES_PER_SIDE):
+    vit = vit_model_module()
+    vc = cfg.vision_config if getattr(cfg, "model_type", None) == "kimi_k25" else cfg
+    _kimi_merge(vc)
+    p = first_int(vc.patch_size)
+    config = transformer_config(
+        num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
+        num_attention_heads=vc.num_attention_heads,
+        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size,
+        normalization="LayerNorm", norm_eps=KIMI_VISION_NORM_EPS, activation=activation(vc.hidden_act), gated=False,
+        bias=True, rotary_interleaved=True, params_dtype=params_dtype)
+    side = max_patches_per_side * p
+    with buildable_without_te(vit):
+        tower = vit.KimiViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p, img_h=side,
+                                 img_w=side, in_channels=3, pos_embed_height=vc.pos_emb_height,
+                                 pos_embed_width=vc.pos_emb_width, rope_theta=rope_theta(vc))
+    if vc is cfg:  # a tower alone: KimiViTModel's own keys, at the root
+        return tower.eval()
+    return VisionWithProjection(tower, kimi_projection(cfg, projection, params_dtype)
+                                if projection is not None else None).eval()
+
+
+def kimi_parts(model) -> tuple:
+    """(``KimiViTModel``, its projection or None) of what :func:`build_kimi_k25` built."""
+    if isinstance(model, VisionWithProjection):
+        return model.vision_model, model.vision_projection
+    return model, None
+
+
+def feature_layer_count(cfg) -> int:
+    """Megatron builds a LLaVA tower only up to HF's ``vision_feature_layer``: the number of
+    encoder layers HF's selected hidden state has gone through."""
+    layer = cfg.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer={layer!r}: Megatron's LLaVAModel takes one layer")
+    total = cfg.vision_config.num_hidden_layers
+    return layer + total + 1 if layer < 0 else layer
+
+
+@dataclass(frozen=True)
+class LanguageModelArgs:
+    """What Megatron-LM builds a dense decoder's ``GPTModel`` with, read off the HF config once:
+    ``LLaVAModel`` takes them as its ``language_*`` arguments, :func:`build_language_model` hands
+    them to ``GPTModel`` itself."""
+
+    config: TransformerConfig
+    vocab_size: int  # padded as Megatron-LM pads it at the current TP size
+    max_sequence_length: int
+    rotary_base: float
+    tied: bool  # share_embeddings_and_output_weights
+
+
+def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = 128) -> LanguageModelArgs:
+    """A whole VLM's dense decoder (Llama / Mistral / Qwen2 text config): RMSNorm, gated MLP, GQA,
+    an explicit head width, q/k/v and linear biases as the model type has them, RoPE with the
+    config's base; the layer stack split over the pipeline stages."""
+    text = cfg.text_config
+    layout = runtime.current_layout()
+    tp = layout.tp if layout is not None else 1
+    qkv_bias, linear_bias = decoder_biases(text)
+    config = transformer_config(
+        pipelined=True,
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, num_query_groups=query_groups(text),
+        kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
+        norm_eps=text.rms_norm_eps, activation=activation(text.hidden_act), gated=True,
+        bias=linear_bias, add_qkv_bias=qkv_bias, params_dtype=params_dtype)
+    return LanguageModelArgs(config, padded_vocab_size(text.vocab_size, divisible_by, tp),
+                             text.max_position_embeddings, rope_theta(text), tied_embeddings(cfg))
+
+
+def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                parallel_output: bool = True):
+    """Stock ``LLaVAModel``: the tower ``vision_model_type`` names (stock CLIP/SigLIP, or
+    Megatron-LM main's ``ViTModel`` for Pixtral), ``MultimodalProjector``, ``GPTModel`` with a
+    Llama decoder. The tower is built ``feature_layer_count`` layers deep; the vocabulary is padded
+    as Megatron-LM pads it."""
+    vc = cfg.vision_config
+    vision_model_type = LLAVA_VISION_MODEL_TYPES.get(vc.model_type)
+    if vision_model_type is None:
+        raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
+    if select_strategy(cfg) not in ("default", "full"):
+        raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
+    layers = feature_layer_count(cfg)
+    modules = [llava_model, clip_vit_model]
+    if vision_model_type == "pixtral-vit":
+        modules.append(vit_model_module())
+        vision_config = pixtral_config(vc, params_dtype, layers)
+    else:
+        vision_config = clip_config(vc, params_dtype, layers)
+    vision_config.vision_model_type = vision_model_type
+    language = language_model_args(cfg, params_dtype, divisible_by)
+    img_h, img_w = image_hw(vc)
+    with buildable_without_te(*modules):
+        model = llava_model.LLaVAModel(
+            language_transformer_config=language.config,
+            language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
+            language_vocab_size=language.vocab_size,
+            language_max_sequence_length=language.max_sequence_length,
+            vision_transformer_config=vision_config,
+            vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
+            drop_vision_class_token=select_strategy(cfg) == "default",
+            vision_projection_config=vlm_projection_config(cfg, params_dtype),
+            vision_projection_layer_spec=te_stand_ins.projector_spec(),
+            vision_projection_type="mlp",
+            share_embeddings_and_output_weights=language.tied,
+            language_position_embedding_type="rope", language_rotary_base=language.rotary_base,
+            img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
+            parallel_output=parallel_output,
+            # Megatron-LM's LLaVA under pipeline parallelism: the encoder and the embedding on the
+            # first stage, the output layer on the last, the language layers split between them.
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            add_encoder=runtime.is_first_stage())
+    return model.eval()
+
+
+def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                         parallel_output: bool = True):
+    """A whole VLM's language model alone: stock ``GPTModel`` exactly as ``LLaVAModel`` builds its
+    ``language_model`` (the same arguments, :func:`language_model_args`), this pipeline stage of it
+    (embedding on the first stage, final norm and output layer on the last)."""
+    language = language_model_args(cfg, params_dtype, divisible_by)
+    with buildable_without_te(gpt_model):
+        model = gpt_model.GPTModel(
+            config=language.config, transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
+            vocab_size=language.vocab_size, max_sequence_length=language.max_sequence_length,
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            parallel_output=parallel_output, share_embeddings_and_output_weights=language.tied,
+            position_embedding_type="rope", rotary_base=language.rotary_base,
+            scatter_embedding_sequence_parallel=False)
+    return model.eval()
+
+
+def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                             parallel_output: bool = True):
+    """A whole VLM's DeepSeek-V3 language model (Kimi-K2.5's) alone: stock ``GPTModel`` as
+    Megatron-LM's DeepSeek-V3 / Kimi-K2 recipes build it (``--multi-latent-attention
+    --qk-layernorm --num-experts --moe-layer-freq --moe-grouped-gemm``, TE): the block spec from
+    mcore's own ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
+    (:func:`te_stand_ins.gpt_decoder_block_spec`), the config mmparity's native DeepSeek-V3 build
+    reads off the HF text config (``native.core.mla_moe.transformer_config``: MLA, YaRN, the
+    sigmoid router with expert bias and group-limited top-k, ``moe_layer_freq``, at the current
+    TP / PP / EP) with the experts as grouped GEMMs; this pipeline stage of it."""
+    import dataclasses as _dataclasses
+
+    from megatron.core.transformer import multi_latent_attention
+
+    from mmparity.models.core import mla_moe as deepseek_v3  # its import also corrects mcore 0.16's TE guards
+
+    text = cfg.text_config
+    layout = runtime.current_layout()
+    tp = layout.tp if layout is not None else 1
+    config = _dataclasses.replace(deepseek_v3.transformer_config(text, params_dtype), moe_grouped_gemm=True)
+    from megatron.core.extensions import transformer_engine_spec_provider
+
+    with buildable_without_te(gpt_model, multi_latent_attention, transformer_engine_spec_provider), \
+            deepseek_v3.host_placement(torch.get_default_device()):
+        model = gpt_model.GPTModel(
+            config=config, transformer_layer_spec=te_stand_ins.gpt_decoder_block_spec(config),
+            vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
+            max_sequence_length=text.max_position_embeddings,
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            parallel_output=parallel_output, share_embeddings_and_output_weights=tied_embeddings(cfg),
+            position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
+    return model.eval()
+
+
+def build(builder: Callable, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None,
+          **options):
+    """``builder``'s Megatron class from the HF config, in eval mode, at the current TP size
+    (TP 1 is initialised when no parallel state exists). ``divisible_by``: Megatron-LM's
+    ``--make-vocab-size-divisible-by`` for a class with a vocabulary (LLaVA's), ignored by the
+    others (None: Megatron-LM's default)."""
+    if not callable(builder):
+        raise TypeError(f"models.build takes a builder function, not {builder!r}")
+    require(builder)
+    if runtime.current_layout() is None:
+        runtime.init_parallel(1, 1)
+    if divisible_by is not None and "divisible_by" in inspect.signature(builder).parameters:
+        options["divisible_by"] = divisible_by
+    return builder(cfg, params_dtype, **options)
+
+
+# --- forward on the native check's inputs ---------------------------------------------------------
+
+def packed_seq_params(seqlens: Sequence[int], device=None) -> PackedSeqParams:
+    """THD parameters for one padding-free sequence of independent images."""
+    cu = torch.tensor([0, *seqlens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    longest = max(seqlens)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def patch_rows(images: Sequence[torch.Tensor], patch: int) -> torch.Tensor:
+    """Images (C, H, W) -> (1, ΣN, C·P·P) raster patch rows, each flattened in (C, P, P) order."""
+    rows = []
+    for img in images:
+        c = img.shape[0]
+        grid = img.unfold(1, patch, patch).unfold(2, patch, patch)  # (C, h, w, P, P)
+        rows.append(grid.permute(1, 2, 0, 3, 4).reshape(-1, c * patch * patch))
+    return torch.cat(rows).unsqueeze(0)
+
+
+@dataclass
+class TowerRun:
+    """A tower forward: ``tokens`` (ΣN, width) image-major, plus per-image ``grids`` (patches)."""
+    tokens: torch.Tensor
+    grids: list
+
+
+def _as_param(model: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+    p = next(model.parameters())
+    return t.to(p.device, p.dtype)
+
+
+def run_vit(model, images: Sequence[torch.Tensor]) -> TowerRun:
+    """``vit_model.ViTModel`` (merger included when it has one) on images."""
+    out, grids = _static_or_packed(model, images)
+    return TowerRun(out.reshape(-1, out.shape[-1]), grids)
+
+
+def _static_or_packed(tower, images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """A ``vit_model`` tower's forward and the patch grids: one static batch when all sizes agree,
+    else the packed (dynamic-resolution) path with THD attention."""
+    p = tower.patch_dim
+    grids = [(img.shape[-2] // p, img.shape[-1] // p) for img in images]
+    if len(set(img.shape for img in images)) == 1:
+        return tower(_as_param(tower, torch.stack(list(images)))), grids
+    sizes = [tuple(img.shape[-2:]) for img in images]
+    return tower(_as_param(tower, patch_rows(images, p)), imgs_sizes=sizes,
+                 packed_seq_params=packed_seq_params([h * w for h, w in grids])), grids
+
+
+def run_clip(model, images: Sequence[torch.Tensor]) -> TowerRun:
+    """Stock ``CLIPViTModel``: fixed size only, so each image size is its own batch."""
+    p = model.patch_dim
+    out = model(_as_param(model, torch.stack(list(images))))
+    return TowerRun(out.reshape(-1, out.shape[-1]), [(img.shape[-2] // p, img.shape[-1] // p)
+                                                     for img in images])
+
+
+def run_qwen(model, grids: Sequence[tuple[int, int]], rows: Optional[torch.Tensor] = None,
+             pixels: Optional[torch.Tensor] = None):
+    """``QwenVLViTModel`` on HF-processor rows (ΣN, C·T·P·P) in block-first order with their
+    patch ``grids``, or on a static batch of ``pixels`` (B, C, H, W) (Megatron's static path).
+
+    Returns ``(encoder_tokens, merged)``: Megatron's forward output (merger norm + 2x2 grouping,
+    before the merger MLP), and ``QwenPatchMerger.forward`` on the same tower output (Megatron's
+    whole merger, HF's ``pooler_output``)."""
+    p = model.patch_dim
+    seen = {}
+    handle = model.decoder.register_forward_hook(lambda mod, args, out: seen.__setitem__("x", out))
+    counts = [h * w for h, w in grids]
+    try:
+        if pixels is not None:
+            tokens = model(_as_param(model, pixels))
+        else:
+            tokens = model(_as_param(model, rows).unsqueeze(0),
+                           imgs_sizes=[(h * p, w * p) for h, w in grids],
+                           packed_seq_params=packed_seq_params(counts))
+    finally:
+        handle.remove()
+    hidden = seen["x"].transpose(0, 1)
+    if pixels is not None:
+        merged = model.merger(hidden, *grids[0])
+    else:
+        merged = torch.cat([model.merger(chunk, h, w) for chunk, (h, w)
+                            in zip(hidden.split(counts, dim=1), grids)], dim=1)
+    return tokens.reshape(-1, tokens.shape[-1]), merged.reshape(-1, merged.shape[-1])
+
+
+def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
+    """``KimiViTModel`` (+ projection) on single-frame images: ``(merged tokens (ΣM, 4H),
+    projected (ΣM, text H) or None)``; packed with THD attention when sizes differ."""
+    tower, projection = kimi_parts(model)
+    out, _grids = _static_or_packed(tower, images)
+    merged = out.reshape(-1, out.shape[-1])
+    return merged, projection(merged) if projection is not None else None
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+class StrictLoadError(ValueError):
+    """A state dict does not fit Megatron's class; ``missing`` / ``unexpected`` / ``mismatched``
+    list the keys (the last as ``key: checkpoint shape vs class shape``)."""
+
+    def __init__(self, missing: list, unexpected: list, mismatched: list):
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+        parts = [f"{label} {len(keys)}: {compact_keys(keys)}" for label, keys in
+                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mismatched)) if keys]
+        super().__init__("; ".join(parts))
+
+
+def compact_keys(keys: Sequence[str], limit: int = 8) -> str:
+    """Keys with their layer index folded (``decoder.layers.{0..11}.x``), at most ``limit``."""
+    folded: dict = {}
+    for key in keys:
+        parts = key.split(".")
+        index = next((i for i, p in enumerate(parts) if p.isascii() and p.isdigit()), None)
+        if index is None:
+            folded.setdefault(key, [])
+            continue
+        pattern = ".".join(parts[:index] + ["{}"] + parts[index + 1:])
+        folded.setdefault(pattern, []).append(int(parts[index]))
+    shown = []
+    for pattern, numbers in folded.items():
+        if not numbers:
+            shown.append(pattern)
+        elif len(numbers) == 1:
+            shown.append(pattern.replace("{}", str(numbers[0])))
+        else:
+            shown.append(pattern.replace("{}", "{" + f"{min(numbers)}..{max(numbers)}" + "}"))
+    more = f" (+{len(shown) - limit} more)" if len(shown) > limit else ""
+    return ", ".join(shown[:limit]) + more
+
+
+def load_strict(model: torch.nn.Module, state: dict) -> list[str]:
+    """``load_state_dict(strict=True)`` except that missing ``_extra_state`` entries are allowed
+    (TE's FP8 metadata: a converted checkpoint has none, and Megatron's own ``LLaVAModel`` load hook
+    drops exactly those). Raises :class:`StrictLoadError` naming every other missing, unexpected or
+    mis-shaped key, before loading anything. Returns the tolerated keys."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith("._extra_state")]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in state
+                  if k in own and torch.is_tensor(own[k]) and torch.is_tensor(state[k])
+                  and own[k].shape != state[k].shape]
+    if missing or unexpected or mismatched:
+        raise StrictLoadError(missing, unexpected, mismatched)
+    model.load_state_dict(state, strict=False)
+    return [k for k in own if k not in state]
+
+
+def megatron_version() -> str:
+    return package_info.__version__
+
+
+def describe_te() -> str:
+    return "transformer engine" if te_stand_ins.HAVE_TE else "cpu stand-ins"
