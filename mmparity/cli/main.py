@@ -124,12 +124,24 @@ def main(argv=None) -> int:
     with a traceback. Called with ``argv`` (embedded, tests) the handlers stay as they were."""
     with _terminating_signals_interrupt():
         try:
-            return _main(argv)
-        except KeyboardInterrupt as exc:  # also while parsing and importing
+            try:
+                return _main(argv)
+            except KeyboardInterrupt as exc:  # also while parsing and importing
+                if argv is None:
+                    _only_exit()
+                return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+        finally:
             if argv is None:
-                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                    signal.signal(signum, signal.SIG_IGN)
-            return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+                # The command is done (or was stopped): what is left is the interpreter's shutdown
+                # (library finalizers), which an interrupt would cut short with a traceback.
+                _only_exit()
+
+
+def _only_exit() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _main(argv) -> int:
