@@ -5,9 +5,12 @@ the native check's cases, compared with HF (rel_l2, max_abs per output; first di
     PYTHONPATH=$PWD[:/path/to/Megatron-LM] python scripts/megatron_parity.py \
         [--tp 1 2] [--json F] [FAMILY ...]
 
-Families whose class is not importable are reported as skipped. ``clip_vit`` is Megatron-LM
-main's ViTModel in CLIP mode; ``llava`` is the stock LLaVAModel with the CLIP tiny tower;
-``kimi_k25`` runs both proposed projector constructions.
+The runs are read off the registry: every family whose default Megatron class holds its whole
+state dict (on the config that class is measured on: ``llava``'s is the stock LLaVAModel with the
+CLIP tiny tower), every other class the interop helpers study under a name of its own
+(``clip_vit``: Megatron-LM main's ViTModel in CLIP mode), and every projector construction proposed
+beside a family's default (``FAMILY/construction``). Families whose class is not importable are
+reported as skipped.
 """
 
 from __future__ import annotations
@@ -24,17 +27,20 @@ sys.path.insert(0, str(ROOT))
 from mmparity.models.core import megatron_classes as models  # noqa: E402
 from tests import megatron_interop as mi  # noqa: E402
 
-RUNS = {
-    "clip": {}, "siglip": {}, "llava": {}, "pixtral": {}, "clip_vit": {}, "pixtral_large": {},
-    "qwen3_5": {}, "kimi_k25": {"kimi_projection": "fused_norm_over_merged"},
-    "kimi_k25/drop_pre_norm": {"kimi_projection": "drop_pre_norm"},
-}
+
+def runs() -> dict[str, dict]:
+    """Each run's name and the options :func:`tests.megatron_interop.study` takes for it."""
+    out = {family: {} for family in mi.whole_class_families()}
+    out.update({name: {} for name in mi.CLASS_OF})
+    out.update(mi.PROJECTION_STUDIES)
+    return out
 
 
 def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser()
-    parser.add_argument("families", nargs="*", default=list(RUNS))
+    studies = runs()
+    parser.add_argument("families", nargs="*", default=list(studies))
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -44,9 +50,9 @@ def main(argv: list[str]) -> int:
         if not models.available(mi.megatron_class(family).build):
             print(f"{run}: skipped ({models.INSTALL_HINT})")
             continue
-        cfg = mi.llava_clip_config() if family == "llava" else None
+        cfg = mi.layout_config(family) if family in mi.whole_class_families() else None
         for tp in args.tp:
-            s = mi.study(family, cfg, tp=tp, **RUNS[run])
+            s = mi.study(family, cfg, tp=tp, **studies[run])
             first = mi.first_divergence(s.modules) if s.modules else None
             row = {"run": run, "tp": tp, "outputs": s.outputs, "errors": s.errors,
                    "side_keys": s.side_keys, "first_divergence": first, "modules": s.modules}

@@ -81,6 +81,9 @@ def hf_model(family: str, cfg, seed: int):
 KIMI_UNPLACED = {"fused_norm_over_merged": (),
                  "drop_pre_norm": ("vision_projection.encoder.linear_fc1.layer_norm_weight",
                                    "vision_projection.encoder.linear_fc1.layer_norm_bias")}
+# The studies of a projector construction other than the one the converter writes, by run name.
+PROJECTION_STUDIES = {f"kimi_k25/{name}": {"kimi_projection": name} for name in KIMI_UNPLACED
+                      if name != "fused_norm_over_merged"}
 
 
 def megatron_state(family: str, cfg, hf_state: dict, tp: int,

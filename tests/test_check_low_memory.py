@@ -258,7 +258,7 @@ def test_a_weight_read_outside_its_modules_call_poisons_the_output():
 
 # --- the same report as the in-memory check --------------------------------------------------
 
-@pytest.mark.parametrize("family", low_memory.SUPPORTED)
+@pytest.mark.parametrize("family", low_memory.supported())
 def test_low_memory_report_is_the_in_memory_report(capsys, tmp_path, family):
     """Verdicts, metrics, every paired module's row: equal, for every family it supports. llava's
     files are transformers' own layout, not the reference's module names (the path through mcore
@@ -329,7 +329,7 @@ def test_low_memory_needs_an_hf_directory_and_one_native_process(capsys, tmp_pat
 
 def test_a_family_it_does_not_support_is_named_in_one_line(capsys, tmp_path, monkeypatch):
     src = save_hf("clip", tmp_path / "hf", seed=1)
-    monkeypatch.setattr(low_memory, "SUPPORTED", ("kimi_k25_vl",))
+    monkeypatch.setattr(low_memory, "supported", lambda: ["kimi_k25_vl"])
     _usage_error(capsys, "check", "--hf", src, "--low-memory",
                  match="--low-memory does not support family 'clip' yet; it supports kimi_k25_vl")
 

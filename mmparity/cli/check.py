@@ -253,9 +253,9 @@ def _check_low_memory(args, name: str, sizes, notes: list, detection):
     from mmparity.mapping.rules import ConversionError
     from mmparity.parity import harness, low_memory
 
-    if name not in low_memory.SUPPORTED:
+    if name not in low_memory.supported():
         raise UsageError(f"--low-memory does not support family {name!r} yet; it supports "
-                         f"{', '.join(low_memory.SUPPORTED)}")
+                         f"{', '.join(low_memory.supported())}")
     cfg, reader, use, fmt = _open_low_memory(args.hf, name, args.hf_format)
     with reader:
         _note_left_out(name, use, detection, args.hf, notes)

@@ -132,6 +132,9 @@ class Family:
     # Built of registered parts with its own key table (not LLaVA's): its hooks are given the
     # tower and the language-model lookups, as a composed family's are.
     with_language: bool = False
+    # ``check --low-memory`` reproduces its in-memory report (one module's weights resident at a
+    # time); a family whose models that path cannot drive yet says False.
+    low_memory: bool = True
 
     def takes(self, facts: ConfigFacts) -> tuple[int, int]:
         """How well this family takes a checkpoint: (2 whole, 1 part, 0 not at all; how many facts

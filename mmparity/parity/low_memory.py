@@ -57,10 +57,11 @@ from mmparity.models.core.layers import without_initialization
 from mmparity.parity import harness
 from mmparity.parity.report import Report, versions
 
-# Families whose report this path reproduces (tests/test_check_low_memory.py checks each on its
-# tiny checkpoint); a family added to the registry joins once its report does.
-SUPPORTED = ("clip", "siglip", "pixtral", "pixtral_large", "qwen3_5", "kimi_k25", "kimi_k25_vl", "llava",
-             "mistral3", "pixtral_12b")
+
+def supported() -> list[str]:
+    """The families whose report this path reproduces, as their registry entries say
+    (tests/test_check_low_memory.py checks each on its tiny checkpoint)."""
+    return [name for name in families.names() if families.get(name).low_memory]
 
 
 # Experts of a stacked HF experts tensor resident at once: a DeepSeek-V3 expert (three 7168 x 2048
@@ -390,9 +391,9 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
     ``expert_group``: how many experts of a stacked experts tensor are resident at once. Raises
     :class:`LowMemoryError` for what this path cannot check, and the converter's
     ``ConversionError`` for weights that do not convert."""
-    if family not in SUPPORTED:
+    if family not in supported():
         raise LowMemoryError(f"--low-memory does not support family {family!r} yet; it supports "
-                             f"{', '.join(SUPPORTED)}")
+                             f"{', '.join(supported())}")
     if isinstance(expert_group, bool) or not isinstance(expert_group, int) or expert_group < 1:
         raise LowMemoryError(f"--expert-group must be a positive integer, got {expert_group!r}")
     if dtype not in harness.DTYPES:
