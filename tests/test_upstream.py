@@ -326,7 +326,7 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
     runtime.init_parallel(1, 1)
     ref = mi.hf_model("llava", cfg, 0)
     shards, _ = mi.megatron_state("llava", cfg, ref.state_dict(), 1)
-    model = models.build(models.build_llava, cfg, parallel_output=False)
+    model = models.build(mi.megatron_class("llava").build, cfg, parallel_output=False)
     mi.load_strict(model, shards[0])
     case = mi.family_cases("llava", cfg, 0)[0]
     mine = mi.megatron_outputs("llava", model, case, cfg)
@@ -440,4 +440,4 @@ def test_main_llava_cannot_build_a_vit_model_tower():
     pixtral-vit-large, qwen-vl and kimi-vit to vit_model, then asks clip_vit_model's
     get_num_image_embeddings for the tower's token count, which knows none of them."""
     with pytest.raises(NotImplementedError, match="unknown vision model type pixtral-vit"):
-        models.build(models.build_llava, families.get("llava").tiny_config())
+        models.build(models.build_llava, families.get("llava").tiny_config(), vision_model_type="pixtral-vit")

@@ -143,13 +143,18 @@ class LlavaTower:
     the tower prepends to the patches; ``variable_size``: HF's LLaVA forward takes images of
     several sizes at once (with ``image_sizes``), else only the configured size;
     ``v4_checkpoint_root``: the extra root transformers 4 saved the tower under; ``max_patches``:
-    how many patches per image side the tower takes, for its vision config.
+    how many patches per image side the tower takes, for its vision config; ``megatron_type``:
+    Megatron-LM's ``LLaVAModel`` ``vision_model_type`` for the tower (empty: it has none);
+    ``vit_model``: that tower is Megatron-LM main's ``vit_model.ViTModel``, which ``LLaVAModel``
+    cannot be built with (the whole VLM is then checked and loaded part by part).
     """
 
     model_type: str
     class_token_len: int = 0
     variable_size: bool = False
     v4_checkpoint_root: str = ""
+    megatron_type: str = ""
+    vit_model: bool = False
     # Patches per image side the tower takes for its vision config (None: any number).
     max_patches: Optional[Callable[[Any], int]] = None
 

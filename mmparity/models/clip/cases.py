@@ -259,6 +259,6 @@ def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
                         random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
                         prepare_case=prepare_case, flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type,
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type="clip",
                                                class_token_len=CLASS_TOKEN_LEN,
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))

@@ -70,10 +70,6 @@ VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
 INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
                 "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
                 "`pip install triton` (it is only imported)")
-# Megatron-LM's LLaVAModel selects its tower by ``vision_model_type``: the HF tower model types
-# stock LLaVAModel (and Megatron-LM main's, for Pixtral) is built with here.
-LLAVA_VISION_MODEL_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
-                            "pixtral": "pixtral-vit"}
 # Upstream's default RoPE table sides (768/16 for Qwen, 896/14 for Kimi); HF has no cap.
 QWEN_MAX_PATCHES_PER_SIDE = 48
 KIMI_MAX_PATCHES_PER_SIDE = 64
@@ -400,14 +396,13 @@ def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = 128
 
 
 def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
-                parallel_output: bool = True):
-    """Stock ``LLaVAModel``: the tower ``vision_model_type`` names (stock CLIP/SigLIP, or
-    Megatron-LM main's ``ViTModel`` for Pixtral), ``MultimodalProjector``, ``GPTModel`` with a
-    Llama decoder. The tower is built ``feature_layer_count`` layers deep; the vocabulary is padded
-    as Megatron-LM pads it."""
+                parallel_output: bool = True, *, vision_model_type: str = ""):
+    """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
+    family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` for Pixtral),
+    ``MultimodalProjector``, ``GPTModel`` with a Llama decoder. The tower is built
+    ``feature_layer_count`` layers deep; the vocabulary is padded as Megatron-LM pads it."""
     vc = cfg.vision_config
-    vision_model_type = LLAVA_VISION_MODEL_TYPES.get(vc.model_type)
-    if vision_model_type is None:
+    if not vision_model_type:
         raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
     if select_strategy(cfg) not in ("default", "full"):
         raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")

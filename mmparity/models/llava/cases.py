@@ -786,24 +786,53 @@ def pixtral_vision_part(note: str = "") -> MegatronClass:
     return replace(VISION_PART, note="; ".join(n for n in (VISION_PART.note, note) if n))
 
 
-def _vit_model_tower(cfg) -> bool:
-    return upstream.LLAVA_VISION_MODEL_TYPES.get(cfg.vision_config.model_type) == "pixtral-vit"
+def _vit_model_tower(towers: TowerLookup, cfg) -> bool:
+    return towers(cfg).llava_tower.vit_model
 
 
-def _not_a_pixtral_tower(cfg) -> str | None:
-    return None if _vit_model_tower(cfg) else (
+def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, divisible_by: int = 128,
+                        parallel_output: bool = True):
+    """Stock ``LLaVAModel`` on the tower ``towers(cfg)`` is, selected by the Megatron
+    ``vision_model_type`` its tower record names. A record's ``build`` is this function until
+    :func:`bind_towers` gives it the family's tower lookup."""
+    return upstream.build_llava(cfg, params_dtype, divisible_by=divisible_by, parallel_output=parallel_output,
+                                vision_model_type=towers(cfg).llava_tower.megatron_type)
+
+
+def _refuse_a_vit_model_tower(towers: TowerLookup, cfg) -> str | None:
+    return WHY_PARTS if _vit_model_tower(towers, cfg) else None
+
+
+def _refuse_another_tower(towers: TowerLookup, cfg) -> str | None:
+    return None if _vit_model_tower(towers, cfg) else (
         f"Megatron's ViTModel part holds a Pixtral tower, not {cfg.vision_config.model_type!r} "
         "(LLaVAModel holds that one)")
 
 
+# What of a record reads the tower the config names: bound by :func:`bind_towers`.
+_TOWER_READERS = (llava_model_builder, _refuse_a_vit_model_tower, _refuse_another_tower)
+
+
+def bind_towers(classes: MegatronClasses, towers: TowerLookup) -> MegatronClasses:
+    """``classes`` with each builder and refusal that reads the tower given the family's lookup."""
+    if not isinstance(classes, Mapping):
+        return classes
+    bound = {}
+    for name, record in classes.items():
+        changes = {field: partial(value, towers) for field in ("build", "refuses")
+                   if (value := getattr(record, field)) in _TOWER_READERS}
+        bound[name] = replace(record, **changes) if changes else record
+    return bound
+
+
 # Stock LLaVAModel holds the whole of a LLaVA on a CLIP-like tower; the parts beside it.
-LLAVA_MODEL = MegatronClass(upstream.build_llava, megatron_side.configured_size(lambda cfg: cfg.vision_config),
+LLAVA_MODEL = MegatronClass(llava_model_builder, megatron_side.configured_size(lambda cfg: cfg.vision_config),
                             _run_llava, megatron_side.no_pairs, default_config=llava_clip_config,
                             reference_outputs=_loss_over_padded_vocabulary, note=PADDED_LOSS_NOTE, pipelined=True,
-                            refuses=lambda cfg: WHY_PARTS if _vit_model_tower(cfg) else None)
+                            refuses=_refuse_a_vit_model_tower)
 # A LLaVA on a Pixtral tower is a whole VLM LLaVAModel cannot hold: its tower and projector load
 # into Megatron-LM main's ViTModel and MultimodalProjector, beside GPTModel (as pixtral_12b's).
-LLAVA_VISION_PART = replace(pixtral_vision_part(), why_part=WHY_PARTS, refuses=_not_a_pixtral_tower)
+LLAVA_VISION_PART = replace(pixtral_vision_part(), why_part=WHY_PARTS, refuses=_refuse_another_tower)
 MEGATRON = {"LLaVAModel": LLAVA_MODEL, "GPTModel": LANGUAGE_MODEL, "ViTModel+MultimodalProjector": LLAVA_VISION_PART,
             "MultimodalProjector": PROJECTION}
 
@@ -867,8 +896,8 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
                        reference_component),
         native=Side(native_run, partial(native_pairs, towers=towers), native_component),
         random_config=composition.random_config or random_config,
-        megatron=bind_language(composition.megatron if composition.megatron is not None
-                               else whole_vlm_parts(why=WHY_NO_WHOLE), languages),
+        megatron=bind_towers(bind_language(composition.megatron if composition.megatron is not None
+                                           else whole_vlm_parts(why=WHY_NO_WHOLE), languages), towers),
         components=COMPONENTS,
         prepare_case=partial(prepare_case, towers=towers),
         image_size_multiple=processor.token_pixels if rows else None,

@@ -210,4 +210,5 @@ def hooks(towers) -> FamilyHooks:
                         random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED, image_size_problems=size_limit_problems,
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True,
+                                               megatron_type="pixtral-vit", vit_model=True,
                                                max_patches=max_patches_per_side))

@@ -88,5 +88,5 @@ def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=clip.NATIVE, cases=cases,
                         random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=clip.prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type,
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type="siglip",
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))
