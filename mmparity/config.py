@@ -94,13 +94,10 @@ def tower_config_or_self(cfg, model_type: str):
 
 # --- LLaVA ----------------------------------------------------------------------------------------
 
-# Megatron-LM's default ``make_vocab_size_divisible_by``.
-VOCAB_PAD_MULTIPLE = 128
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_PAD_MULTIPLE, tp: int = 1) -> int:
-    """Megatron-LM's padded vocabulary: a multiple of ``multiple`` (``--make-vocab-size-divisible-by``)
-    times the TP size, so the padded size depends on TP as Megatron-LM's does."""
+def padded_vocab_size(vocab_size: int, multiple: int, tp: int = 1) -> int:
+    """Megatron-LM's padded vocabulary: a multiple of ``multiple`` (``--make-vocab-size-divisible-by``,
+    whose default is :data:`mmparity.mapping.rules.VOCAB_MULTIPLE`) times the TP size, so the padded
+    size depends on TP as Megatron-LM's does."""
     step = multiple * tp
     return -(-vocab_size // step) * step
 

@@ -15,7 +15,7 @@ from mmparity.models import registry as families
 from mmparity.models.llava import cases as llava_cases
 from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.models.llava import preprocess as llava_preprocess
-from mmparity.mapping.rules import ConversionError
+from mmparity.mapping.rules import VOCAB_MULTIPLE, ConversionError
 from mmparity.parity import harness
 from mmparity.parity.harness import load_reference_weights
 from mmparity.models.core.inputs import random_like_state
@@ -144,7 +144,7 @@ def test_round_trip_bit_exact_for_random_configs_and_tp(case, dtype, seed):
     first_vision = min(i for i, k in enumerate(keys) if k.startswith("vision_model."))
     assert all(k.startswith("language_model.") for k in keys[:first_vision])
     assert ("language_model.output_layer.weight" in keys) != tied_embeddings(cfg)
-    padded = padded_vocab_size(cfg.text_config.vocab_size, tp=tp_size)  # Megatron-LM's 128 x TP
+    padded = padded_vocab_size(cfg.text_config.vocab_size, VOCAB_MULTIPLE, tp=tp_size)  # Megatron-LM's 128 x TP
     table = torch.cat([s["language_model.embedding.word_embeddings.weight"] for s in shards])
     assert table.shape[0] == padded and not table[cfg.text_config.vocab_size:].any()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models import registry as families
 from mmparity.config import padded_vocab_size
 from mmparity.parity import harness
@@ -67,6 +68,6 @@ def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
         family = families.get(name)
         whole = family.composed or family.with_language
         words = family.tiny_config().text_config.vocab_size if whole else 0
-        repads = whole and padded_vocab_size(words, tp=1) != padded_vocab_size(words, tp=2)
+        repads = whole and padded_vocab_size(words, VOCAB_MULTIPLE, tp=1) != padded_vocab_size(words, VOCAB_MULTIPLE, tp=2)
         assert repadded == (vocab if repads else set()), (name, mismatched)
         assert set(mismatched) == repadded, (name, mismatched)

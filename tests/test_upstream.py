@@ -29,6 +29,7 @@ from megatron.core.extensions import transformer_engine as te_ext
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
 from megatron.core.transformer.enums import AttnMaskType
 
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.parity.metrics import compare
@@ -192,8 +193,8 @@ def test_compact_keys_fold_layer_numbers():
 
 
 def test_padded_vocab_follows_megatron_lm():
-    assert [padded_vocab_size(101, tp=tp) for tp in (1, 2, 4)] == [128, 256, 512]
-    assert padded_vocab_size(256, tp=2) == 256 and padded_vocab_size(257, tp=1) == 384
+    assert [padded_vocab_size(101, VOCAB_MULTIPLE, tp=tp) for tp in (1, 2, 4)] == [128, 256, 512]
+    assert padded_vocab_size(256, VOCAB_MULTIPLE, tp=2) == 256 and padded_vocab_size(257, VOCAB_MULTIPLE, tp=1) == 384
 
 
 # --- always: the stand-ins -----------------------------------------------------------------------
@@ -332,7 +333,7 @@ def test_stock_llava_loss_spans_the_padded_vocabulary():
     mine = mi.megatron_outputs("llava", model, case, cfg)
     with torch.no_grad():
         out = ref(input_ids=case.data["hf_input_ids"], pixel_values=torch.stack(case.data["images"]))
-    vocab, rows = cfg.text_config.vocab_size, padded_vocab_size(cfg.text_config.vocab_size, tp=1)
+    vocab, rows = cfg.text_config.vocab_size, padded_vocab_size(cfg.text_config.vocab_size, VOCAB_MULTIPLE, tp=1)
     logits = F.pad(out.logits.float(), (0, rows - vocab))
     labels = case.data["hf_labels"]
     shifted = F.cross_entropy(logits[:, :-1].reshape(-1, rows), labels[:, 1:].reshape(-1),

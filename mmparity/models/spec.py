@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from mmparity.mapping.rules import ConverterSpec
+from mmparity.mapping.rules import VOCAB_MULTIPLE, ConverterSpec
 
 
 @dataclass
@@ -163,7 +163,7 @@ def keep_reference_pairs(pairs: list, cfg) -> list:
     return pairs
 
 
-def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int, *, divisible_by: int = 128) -> dict:
+def keep_reference_outputs(outputs: dict, case: Case, cfg, tp: int, *, divisible_by: int = VOCAB_MULTIPLE) -> dict:
     return outputs
 
 

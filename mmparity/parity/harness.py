@@ -18,8 +18,8 @@ import torch
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.parallel import pp as pp_mod
-from mmparity.mapping.rules import with_side
-from mmparity.config import VOCAB_PAD_MULTIPLE, first_int, vision_sub_config
+from mmparity.mapping.rules import VOCAB_MULTIPLE, with_side
+from mmparity.config import first_int, vision_sub_config
 from mmparity.models.core import attention, pipeline
 from mmparity.parity import metrics as M
 from mmparity.parity import router
@@ -255,7 +255,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
                                     mclass.reference_pairs(ref_lp_side.pairs, cfg))
                                if ref_lp_side else None)
 
-    divisor = vocab_divisor if vocab_divisor is not None else VOCAB_PAD_MULTIPLE
+    divisor = vocab_divisor if vocab_divisor is not None else VOCAB_MULTIPLE
     for index, case in enumerate(cases):
         if runs_native:
             reference = ref32_side.run(case)

@@ -241,6 +241,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens:
     return kernels.PACKED_KERNELS[chosen.kernel](q, k, v, seqlens, scale)
 
 
+def head_width(config) -> int:
+    """The per-head width of a megatron-core ``TransformerConfig``: ``kv_channels``, or hidden /
+    heads where it is unset (mcore's own default, for a config that did not run its checks)."""
+    return config.kv_channels or config.hidden_size // config.num_attention_heads
+
+
 class BidirectionalCoreAttention(torch.nn.Module):
     """Drop-in ``core_attention`` for mcore ``SelfAttention`` / ``CrossAttention``, never causal."""
 
@@ -249,7 +255,7 @@ class BidirectionalCoreAttention(torch.nn.Module):
                  cp_comm_type: Optional[str] = None, pg_collection=None, **unused):
         super().__init__()
         self.config = config
-        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        head_dim = head_width(config)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,

@@ -57,6 +57,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
 from mmparity.config import (
     KIMI_VISION_NORM_EPS, PIXTRAL_NORM_EPS, QWEN_VISION_NORM_EPS, decoder_biases, feature_layer_indices,
@@ -376,7 +377,7 @@ class LanguageModelArgs:
     tied: bool  # share_embeddings_and_output_weights
 
 
-def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = 128) -> LanguageModelArgs:
+def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE) -> LanguageModelArgs:
     """A whole VLM's dense decoder (Llama / Mistral / Qwen2 text config): RMSNorm, gated MLP, GQA,
     an explicit head width, q/k/v and linear biases as the model type has them, RoPE with the
     config's base; the layer stack split over the pipeline stages."""
@@ -395,7 +396,7 @@ def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = 128
                              text.max_position_embeddings, rope_theta(text), tied_embeddings(cfg))
 
 
-def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                 parallel_output: bool = True, *, vision_model_type: str = ""):
     """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
     family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` for Pixtral),
@@ -439,7 +440,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = 128,
     return model.eval()
 
 
-def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                          parallel_output: bool = True):
     """A whole VLM's language model alone: stock ``GPTModel`` exactly as ``LLaVAModel`` builds its
     ``language_model`` (the same arguments, :func:`language_model_args`), this pipeline stage of it
@@ -456,7 +457,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 12
     return model.eval()
 
 
-def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = 128,
+def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                              parallel_output: bool = True):
     """A whole VLM's DeepSeek-V3 language model (Kimi-K2.5's) alone: stock ``GPTModel`` as
     Megatron-LM's DeepSeek-V3 / Kimi-K2 recipes build it (``--multi-latent-attention

@@ -19,7 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.models.core.attention import BidirectionalCoreAttention, make_packed_seq_params
+from mmparity.models.core.attention import BidirectionalCoreAttention, head_width, make_packed_seq_params
 from mmparity.models.core.layers import NormedColumnParallelLinear, layer_norm, tolerate_missing_extra_state
 from mmparity.models.core.mergers import fold_blocks
 from mmparity.models.core.rope import Pixtral2DRotaryEmbedding
@@ -408,7 +408,7 @@ class ViTModel(VisionTower):
                                   cfg.normalization, cfg.params_dtype) if ln_pre and pre else None)
         self.rotary_pos_emb = None
         if pos_emb_type == "rope2d":
-            head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+            head_dim = head_width(cfg)
             self.rotary_pos_emb = Pixtral2DRotaryEmbedding(
                 head_dim, max(img_h, img_w) // patch_dim, rope_theta)
         self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,

@@ -50,7 +50,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.config import has_vision_sub_config as has_projector
 from mmparity.config import vision_sub_config as vision_cfg
-from mmparity.models.core.attention import make_packed_seq_params
+from mmparity.models.core.attention import head_width, make_packed_seq_params
 from mmparity.models.core.layers import (
     NormedColumnParallelLinear, activation_from_hf, layer_norm, tolerate_missing_extra_state, vision_layer_spec,
     vision_transformer_config)
@@ -442,7 +442,7 @@ class KimiViTModel(VisionTower):
             self.patch_embed.proj = PatchEmbedding(in_channels, cfg.hidden_size, patch_dim, bias=True)
             self.pos_embed = KimiLearned2DPosEmbed(pos_embed_height, pos_embed_width,
                                                    cfg.hidden_size, max_frames=pos_embed_time)
-        head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_width(cfg)
         self.rotary_pos_emb = Kimi2DRotaryEmbedding(head_dim, max_patches_per_side, rope_theta)
         # The final norm sits outside the block, as in Megatron's KimiViTModel (``final_ln``).
         self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,

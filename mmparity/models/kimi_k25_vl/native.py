@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
 from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.models.kimi_k25 import native as tower
@@ -95,7 +96,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) ->
     if first:
         with runtime.single_stage():
             vision = tower.build_native(cfg, params_dtype)
-    vocab = padded_vocab_size(text.vocab_size, tp=runtime.current_layout().tp)
+    vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
     language_model = language.LanguageModelBuilder(text, params_dtype)(
         vocab, pre_process=first, post_process=last, parallel_output=True,
         share_embeddings_and_output_weights=tied_embeddings(cfg))

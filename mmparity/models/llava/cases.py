@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlavaConfig
 
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core import inputs, processor
 from mmparity.models.pixtral import cases as pixtral_cases
 from mmparity.models.core import megatron_side
@@ -30,7 +31,7 @@ from mmparity.models.spec import (
     tokens_2d)
 from mmparity.models.llava import mapping as converter
 from mmparity.config import (
-    VOCAB_PAD_MULTIPLE, feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size,
+    feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size,
     select_strategy, spatial_merge, tied_embeddings, vision_layers_run)
 from mmparity.models.llava import native
 from mmparity.models.core.layers import numbered_layers
@@ -697,7 +698,7 @@ def _vision_part_pairs(model, cfg) -> list[Pair]:
 
 
 def _loss_over_padded_vocabulary(outputs: dict, case: Case, cfg, tp: int, *,
-                                 divisible_by: int = VOCAB_PAD_MULTIPLE) -> dict:
+                                 divisible_by: int = VOCAB_MULTIPLE) -> dict:
     """HF's per-token loss recomputed over the vocabulary padded as Megatron-LM pads it at ``tp``
     with ``--make-vocab-size-divisible-by divisible_by``:
     Megatron's cross entropy spans the pad rows, whose converted output weights are zero, so each
@@ -728,7 +729,7 @@ def llava_clip_config() -> LlavaConfig:
                        vision_feature_layer=-2, vision_feature_select_strategy="default",
                        multimodal_projector_bias=True, tie_word_embeddings=False)
 
-def language_part_builder(languages: Callable, cfg, params_dtype=torch.float32, divisible_by: int = 128,
+def language_part_builder(languages: Callable, cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                           parallel_output: bool = True):
     """Megatron's class for the language-model part ``languages(cfg)`` is (the builder its registry
     entry names), this pipeline stage of it. A record's ``build`` is this function until
@@ -790,7 +791,7 @@ def _vit_model_tower(towers: TowerLookup, cfg) -> bool:
     return towers(cfg).llava_tower.vit_model
 
 
-def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, divisible_by: int = 128,
+def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                         parallel_output: bool = True):
     """Stock ``LLaVAModel`` on the tower ``towers(cfg)`` is, selected by the Megatron
     ``vision_model_type`` its tower record names. A record's ``build`` is this function until

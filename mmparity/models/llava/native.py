@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
 from mmparity.config import feature_layer_indices, padded_vocab_size, select_strategy, tower_depth, tied_embeddings
 from mmparity.models.llava.preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data
@@ -367,7 +368,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower:
         language_transformer_config=language.transformer_config(text, params_dtype),
         language_model_builder=language.LanguageModelBuilder(text, params_dtype),
         # Megatron-LM's padding at this TP size (what the converter writes by default).
-        language_vocab_size=padded_vocab_size(text.vocab_size, tp=runtime.current_layout().tp),
+        language_vocab_size=padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp),
         vision_model=vision_model,
         vision_projection_config=projection_transformer_config(cfg, params_dtype),
         vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear,

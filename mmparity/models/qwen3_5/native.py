@@ -38,6 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mmparity.models.core.attention import head_width
 from mmparity.models.core.layers import (
     activation_from_hf, tolerate_missing_extra_state, vision_layer_spec, vision_transformer_config)
 from mmparity.models.core.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
@@ -287,7 +288,7 @@ class QwenVLViTModel(VisionTower):
             self.patch_embed = QwenPatchEmbedding(in_channels, cfg.hidden_size, patch_dim,
                                                   temporal_patch_size, cfg.params_dtype)
             self.pos_embed = QwenLearnedPosEmbed(num_pos_per_side, cfg.hidden_size, cfg.params_dtype)
-        head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_width(cfg)
         self.rotary_pos_emb = QwenVL2DRotaryEmbedding(head_dim, rope_theta)
         self.decoder = TransformerBlock(config=cfg, spec=transformer_layer_spec,
                                         post_layer_norm=False, pre_process=self.pre_process,

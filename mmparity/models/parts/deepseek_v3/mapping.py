@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 
 from mmparity.mapping.ops import PadRows, Unstack, fuse_gate_up
-from mmparity.mapping.rules import LanguageKeys, Rule, rename
+from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, Rule, rename
 from mmparity.config import dense_layer_range, moe_layer_range, mtp_layers, padded_vocab_size, routed_experts
 
 MCORE_ROOT = "language_model."
@@ -91,7 +91,7 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
     in ``layout``'s names (:data:`LAYOUTS`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"DeepSeek-V3 decoder layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
+    vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
     every, dense, moe = (lm_root + "layers.{%s}." % v for v in "idm")
     mc_every, mc_dense, mc_moe = (_MC + "{%s}." % v for v in "idm")
     rules = (Rule(MCORE_ROOT + "embedding.word_embeddings.weight", lm_root + "embed_tokens.weight", vocab, "vocab"),)

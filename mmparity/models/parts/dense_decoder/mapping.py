@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmparity.mapping.ops import FuseQKV, PadRows, RopeHalve, fuse_gate_up
-from mmparity.mapping.rules import LanguageKeys, Rule, rename
+from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, Rule, rename
 from mmparity.config import decoder_biases, head_dim, padded_vocab_size
 
 MCORE_ROOT = "language_model."
@@ -57,7 +57,7 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
     names = NAMES[layout]
     heads, groups, d = text.num_attention_heads, text.num_key_value_heads, head_dim(text)
     qkv_bias, linear_bias = decoder_biases(text)
-    vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size))
+    vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
     hf = lm_root + "layers.{i}."
     mc = MCORE_ROOT + "decoder.layers.{i}."
     q, k, v, o = (hf + name for name in (names.q, names.k, names.v, names.o))

@@ -18,6 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mmparity.config import decoder_bias_problems, decoder_biases, head_dim, rope_theta
+from mmparity.models.core.attention import head_width
 from mmparity.models.core.layers import activation_from_hf, layer_spec, vision_transformer_config
 
 
@@ -39,7 +40,7 @@ class CausalCoreAttention(torch.nn.Module):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None, **unused):
         super().__init__()
-        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        head_dim = head_width(config)
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
