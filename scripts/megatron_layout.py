@@ -30,13 +30,12 @@ FAMILIES = tuple(whole_class_families())
 
 
 def config_for(family: str):
-    """The HF config the layout is measured on, and how it is described in the file."""
-    if family == "llava":
-        # Stock LLaVAModel builds CLIP-like towers only, and Megatron-LM main's LLaVAModel cannot
-        # be built with a pixtral-vit tower (see docs/megatron.md): the llava record is the
-        # llava tiny text model with the clip tiny tower (its Megatron record's default config).
-        return layout_config(family), ("llava tiny text model + clip tiny tower "
-                                       "(vision_feature_layer -2, default select)")
+    """The HF config the layout is measured on, and how it is described in the file: the family's
+    tiny config, or its Megatron record's default config where the class cannot be built on that
+    (stock LLaVAModel builds CLIP-like towers only, see docs/megatron.md)."""
+    default = families.megatron_class(family)[1].default_config
+    if default is not None:
+        return layout_config(family), f"{family} Megatron default config ({default.__name__})"
     return layout_config(family), f"{family} tiny config"
 
 

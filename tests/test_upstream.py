@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 from pathlib import Path
 
@@ -96,39 +97,14 @@ def test_recorded_layouts_cover_every_family():
                 assert shape == want, (family, key, entry)
 
 
-# What each family's Megatron class has no place for, kept beside its state dict (the side file).
-EXPECTED_SIDE = {
-    "clip": {"ln_post.weight", "ln_post.bias"},
-    "siglip": {"head.probe", "head.attention.linear_q.weight", "head.attention.linear_q.bias",
-               "head.attention.linear_kv.weight", "head.attention.linear_kv.bias",
-               "head.attention.linear_proj.weight", "head.attention.linear_proj.bias",
-               "head.mlp.linear_fc1.layer_norm_weight", "head.mlp.linear_fc1.layer_norm_bias",
-               "head.mlp.linear_fc1.weight", "head.mlp.linear_fc1.bias",
-               "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"},
-    "pixtral": set(),
-    "pixtral_large": set(),
-    "qwen3_5": set(),
-    # Kimi's projector norm is written in Megatron's fused-norm place, tiled (exactly invertible).
-    "kimi_k25": set(),
-    # The CLIP tower's layer past vision_feature_layer (Megatron builds the tower that deep) and
-    # ln_post; test_llava_keeps_aside_what_megatron_has_no_place_for says more.
-    "llava": {f"vision_model.decoder.layers.1.{k}" for k in (
-        "mlp.linear_fc1.bias", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.layer_norm_weight",
-        "mlp.linear_fc1.weight", "mlp.linear_fc2.bias", "mlp.linear_fc2.weight",
-        "self_attention.linear_proj.bias", "self_attention.linear_proj.weight",
-        "self_attention.linear_qkv.bias", "self_attention.linear_qkv.layer_norm_bias",
-        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight")}
-    | {"vision_model.ln_post.weight", "vision_model.ln_post.bias"},
-}
-
-
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_side_tensors_are_pinned(family, tp):
-    assert family in EXPECTED_SIDE, f"pin in EXPECTED_SIDE what {family}'s Megatron class has no place for"
+    cases = importlib.import_module(f"mmparity.models.{family}.cases")
+    assert hasattr(cases, "SIDE_TENSORS"), f"pin in SIDE_TENSORS what {family}'s Megatron class has no place for"
     _, shards = converted(family, tp)
-    assert all(set(side) == EXPECTED_SIDE[family] for side in shards.side)
-    assert all(not set(shard) & EXPECTED_SIDE[family] for shard in shards)
+    assert all(set(side) == cases.SIDE_TENSORS for side in shards.side)
+    assert all(not set(shard) & cases.SIDE_TENSORS for shard in shards)
 
 
 def test_llava_keeps_aside_what_megatron_has_no_place_for():

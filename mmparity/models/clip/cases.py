@@ -245,6 +245,9 @@ def patch_rows_of_reference_ln_pre(pairs: list, cfg) -> list:
     return [patch_rows_only(p) if p.name == "ln_pre" else p for p in pairs]
 
 
+# What Megatron's default class has no place for, kept beside its state dict (the side file), on
+# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+SIDE_TENSORS = frozenset({"ln_post.weight", "ln_post.bias"})
 MEGATRON = {
     "CLIPViTModel": megatron_side.MegatronClass(upstream.build_clip, megatron_side.configured_size(lambda cfg: cfg),
                                                 megatron_run, megatron_pairs),

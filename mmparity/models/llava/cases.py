@@ -834,6 +834,17 @@ LLAVA_MODEL = MegatronClass(llava_model_builder, megatron_side.configured_size(l
 # A LLaVA on a Pixtral tower is a whole VLM LLaVAModel cannot hold: its tower and projector load
 # into Megatron-LM main's ViTModel and MultimodalProjector, beside GPTModel (as pixtral_12b's).
 LLAVA_VISION_PART = replace(pixtral_vision_part(), why_part=WHY_PARTS, refuses=_refuse_another_tower)
+# What Megatron's default class has no place for, kept beside its state dict (the side file), on
+# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# The CLIP tower's layer past vision_feature_layer (Megatron builds the tower that deep) and
+# ln_post; tests/test_upstream.py's test_llava_keeps_aside_what_megatron_has_no_place_for says more.
+SIDE_TENSORS = frozenset({f"vision_model.decoder.layers.1.{k}" for k in (
+    "mlp.linear_fc1.bias", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.weight", "mlp.linear_fc2.bias", "mlp.linear_fc2.weight",
+    "self_attention.linear_proj.bias", "self_attention.linear_proj.weight",
+    "self_attention.linear_qkv.bias", "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight")}
+    | {"vision_model.ln_post.weight", "vision_model.ln_post.bias"})
 MEGATRON = {"LLaVAModel": LLAVA_MODEL, "GPTModel": LANGUAGE_MODEL, "ViTModel+MultimodalProjector": LLAVA_VISION_PART,
             "MultimodalProjector": PROJECTION}
 

@@ -310,6 +310,9 @@ def megatron_pairs(model, cfg) -> list[Pair]:
                                                Pair("merger.linear_fc2", model.merger.linear_fc2, tokens_2d)]
 
 
+# What Megatron's default class has no place for, kept beside its state dict (the side file), on
+# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+SIDE_TENSORS = frozenset()
 MEGATRON = {"QwenVLViTModel": megatron_side.MegatronClass(upstream.build_qwen3_5, megatron_side.same_cases,
                                                           megatron_run, megatron_pairs)}
 

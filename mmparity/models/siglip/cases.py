@@ -80,6 +80,15 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 # Stock CLIPViTModel as SigLIP (conv bias, ln_post on every token; the attention-pool head has no
 # place there and is kept aside by the converter).
+# What Megatron's default class has no place for, kept beside its state dict (the side file), on
+# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+SIDE_TENSORS = frozenset({
+    "head.probe", "head.attention.linear_q.weight", "head.attention.linear_q.bias",
+    "head.attention.linear_kv.weight", "head.attention.linear_kv.bias",
+    "head.attention.linear_proj.weight", "head.attention.linear_proj.bias",
+    "head.mlp.linear_fc1.layer_norm_weight", "head.mlp.linear_fc1.layer_norm_bias",
+    "head.mlp.linear_fc1.weight", "head.mlp.linear_fc1.bias",
+    "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"})
 MEGATRON = {"CLIPViTModel": megatron_side.MegatronClass(
     upstream.build_siglip, megatron_side.configured_size(lambda cfg: cfg), clip.megatron_run, clip.megatron_pairs)}
 
