@@ -18,6 +18,7 @@ from mmparity.io.extra_state import as_bytes, extra_state_keys, sharded_extra_st
 from mmparity.io.legacy import load_rank_file
 from mmparity.megatron.load import sharded_state_dict
 from mmparity.mapping import rules as R
+from mmparity.models.clip.megatron import build_clip
 from mmparity.models.core import megatron_classes as models
 from tests.test_convert_roundtrips import assert_same_checkpoint, run, save_hf
 from tests.test_megatron_load import config_for
@@ -81,7 +82,7 @@ def test_torch_dist_holds_megatrons_objects_certified(tmp_path, clip_hf):
     assert run("convert", "--family", "clip", "--src", clip_hf, "--dst", dst, "--to", "mcore",
                "--format", "torch_dist", "--quiet") == 0
     runtime.init_parallel(1, 1)
-    asked = {v.unique_key for v in sharded_state_dict(models.build(models.build_clip, config_for("clip"))).values()
+    asked = {v.unique_key for v in sharded_state_dict(models.build(build_clip, config_for("clip"))).values()
              if v.key.endswith("._extra_state")}
     stored = torch_dist_files.object_keys(dst / "iter_0000001")
     assert set(stored) == asked and len(asked) == 10

@@ -28,7 +28,7 @@ from mmparity.mapping.ops import fuse_gate_up
 from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, rename
 from mmparity.parity import bench, harness
 from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.models.core import megatron_classes as upstream
+from mmparity.models.clip.megatron import build_clip
 from tests.strategies import config_and_tp, family_configs
 
 
@@ -274,7 +274,7 @@ def test_no_megatron_class_is_reported_with_the_records_reason(toy, capsys):
 
 def clip_like_hooks(towers) -> FamilyHooks:
     megatron = {"CLIPViTModel": megatron_side.MegatronClass(
-        upstream.build_clip, megatron_side.configured_size(lambda cfg: cfg), clip_cases.megatron_run,
+        build_clip, megatron_side.configured_size(lambda cfg: cfg), clip_cases.megatron_run,
         clip_cases.megatron_pairs)}
     return FamilyHooks(**{**clip_cases.hooks(towers).__dict__, "megatron": megatron, "llava_tower": None})
 

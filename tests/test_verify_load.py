@@ -17,6 +17,7 @@ from mmparity.io import torch_dist
 from mmparity.io.legacy import write_legacy
 from mmparity.io.manifest import Provenance
 from mmparity.convert.pipeline import HF_CONFIG_FILE
+from mmparity.models.clip.megatron import build_clip
 from mmparity.models.core import megatron_classes as models
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf
@@ -42,7 +43,7 @@ def save_from_megatron_class(path, cfg, shards, drop=()):
     """A torch_dist checkpoint saved from Megatron's CLIP class holding ``shards[0]`` (its own
     ``sharded_state_dict()``, less the keys in ``drop``)."""
     runtime.init_parallel(1, 1)
-    model = models.build(models.build_clip, cfg)
+    model = models.build(build_clip, cfg)
     models.load_strict(model, shards[0])
     sharded = {k: v for k, v in model.sharded_state_dict().items() if k not in drop}
     torch_dist.save_torch_dist(path, sharded, provenance=Provenance(family="clip"), extra_files=extra(cfg))

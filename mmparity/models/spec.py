@@ -146,7 +146,9 @@ class LlavaTower:
     how many patches per image side the tower takes, for its vision config; ``megatron_type``:
     Megatron-LM's ``LLaVAModel`` ``vision_model_type`` for the tower (empty: it has none);
     ``vit_model``: that tower is Megatron-LM main's ``vit_model.ViTModel``, which ``LLaVAModel``
-    cannot be built with (the whole VLM is then checked and loaded part by part).
+    cannot be built with (the whole VLM is then checked and loaded part by part);
+    ``megatron_config(vc, params_dtype, num_layers)``: the tower family's recipe of the
+    ``TransformerConfig`` Megatron's classes build its tower with (None: Pixtral's).
     """
 
     model_type: str
@@ -155,6 +157,7 @@ class LlavaTower:
     v4_checkpoint_root: str = ""
     megatron_type: str = ""
     vit_model: bool = False
+    megatron_config: Optional[Callable] = None
     # Patches per image side the tower takes for its vision config (None: any number).
     max_patches: Optional[Callable[[Any], int]] = None
 

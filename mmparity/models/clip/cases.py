@@ -15,6 +15,7 @@ from mmparity.models.spec import (
     Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, first_tensor, module_hooks, recording_patch,
     sbh_tokens_2d, tokens_2d)
 from mmparity.models.clip import mapping as converter
+from mmparity.models.clip import megatron as clip_megatron
 from mmparity.models.clip import native
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.clip import reference
@@ -249,9 +250,9 @@ def patch_rows_of_reference_ln_pre(pairs: list, cfg) -> list:
 # the config its layout is measured on: tests/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset({"ln_post.weight", "ln_post.bias"})
 MEGATRON = {
-    "CLIPViTModel": megatron_side.MegatronClass(upstream.build_clip, megatron_side.configured_size(lambda cfg: cfg),
+    "CLIPViTModel": megatron_side.MegatronClass(clip_megatron.build_clip, megatron_side.configured_size(lambda cfg: cfg),
                                                 megatron_run, megatron_pairs),
-    "ViTModel": megatron_side.MegatronClass(upstream.build_clip_as_vit, megatron_side.configured_size(lambda cfg: cfg),
+    "ViTModel": megatron_side.MegatronClass(clip_megatron.build_clip_as_vit, megatron_side.configured_size(lambda cfg: cfg),
                                             megatron_run_as_vit, lambda model, cfg: megatron_side.vit_pairs(model),
                                             reference_pairs=patch_rows_of_reference_ln_pre,
                                             renamed=(("conv1.weight", "patch_embed.proj.weight"),)),
@@ -262,6 +263,7 @@ def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
                         random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
                         prepare_case=prepare_case, flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type="clip",
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type=clip_megatron.SUBTYPE,
+                                               megatron_config=clip_megatron.transformer_config,
                                                class_token_len=CLASS_TOKEN_LEN,
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from mmparity.config import first_int, head_dim, image_hw, vision_of
+from mmparity.config import first_int, image_hw, vision_of
+from mmparity.models.clip.config import transformer_fields
 from mmparity.models.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.models.core.vit import ViTModel
 
@@ -26,13 +27,11 @@ def vision_config(cfg, model_types=MODEL_TYPES):
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
-    return vision_transformer_config(
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        kv_channels=head_dim(cfg),
-        ffn_hidden_size=cfg.intermediate_size, normalization="LayerNorm",
-        norm_eps=cfg.layer_norm_eps, activation=activation_from_hf(cfg.hidden_act), gated=False,
-        bias=True, params_dtype=params_dtype)
+    """The family's recipe (:func:`~mmparity.models.clip.config.transformer_fields`) with HF's own
+    activation function."""
+    fields = transformer_fields(cfg)
+    fields["activation"] = activation_from_hf(fields["activation"])
+    return vision_transformer_config(params_dtype=params_dtype, **fields)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:

@@ -8,8 +8,9 @@ the family itself (its hooks' ``megatron`` record, in ``mmparity.cases.<name>``)
 ====================  =========================================================================
 builder               Megatron class (module tree)
 ====================  =========================================================================
-build_clip            stock ``CLIPViTModel`` (``model_subtype='clip'``)
-build_siglip          stock ``CLIPViTModel`` (``model_subtype='siglip'``)
+stock_clip_vit        stock ``CLIPViTModel`` (the CLIP and SigLIP families' ``megatron.py`` build
+                      theirs with it, and Megatron-LM main's ``ViTModel`` in CLIP mode with
+                      :func:`vit_model`)
 build_llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
                       ``MultimodalProjector``, ``language_model`` ``GPTModel``)
 build_language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
@@ -20,7 +21,6 @@ build_vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: 
                       ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the
                       projector (the parts of a VLM whose ``vit_model`` tower Megatron-LM's
                       ``LLaVAModel`` cannot hold: docs/megatron.md, discrepancy 5)
-build_clip_as_vit     Megatron-LM main's ``ViTModel`` in its CLIP mode
 build_pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
 build_pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as
                       ``vision_model``, ``MultimodalProjector`` as ``vision_projection``
@@ -127,16 +127,6 @@ def transformer_config(*, pipelined: bool = False, **fields) -> TransformerConfi
     return vision_transformer_config(pipelined_stack=pipelined, **fields)
 
 
-def clip_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
-    """CLIP and SigLIP towers: LayerNorm with biases, plain MLP with the HF activation."""
-    return transformer_config(
-        num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
-        num_attention_heads=vc.num_attention_heads,
-        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size,
-        normalization="LayerNorm", norm_eps=vc.layer_norm_eps, activation=activation(vc.hidden_act),
-        gated=False, bias=True, params_dtype=params_dtype)
-
-
 def pixtral_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
     """Pixtral towers: RMSNorm (HF's literal 1e-5), gated MLP, no biases, interleaved 2D RoPE."""
     return transformer_config(
@@ -171,43 +161,22 @@ class VisionWithProjection(torch.nn.Module):
         self.vision_projection = vision_projection
 
 
-def build_clip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
-    """Stock ``CLIPViTModel`` in its CLIP configuration: class token, ``ln_pre``; no ``ln_post``."""
-    vc = vision_of(cfg, ("clip_vision_model",))
-    return _stock_clip(vc, "clip", clip_config(vc, params_dtype, num_layers))
-
-
-def build_siglip(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
-    """Stock ``CLIPViTModel`` as SigLIP: conv bias, ``ln_post`` on every token, no class token;
-    no attention-pooling head."""
-    vc = vision_of(cfg, ("siglip_vision_model",))
-    return _stock_clip(vc, "siglip", clip_config(vc, params_dtype, num_layers))
-
-
-def _stock_clip(vc, subtype: str, config: TransformerConfig):
+def stock_clip_vit(vc, subtype: str, config: TransformerConfig, class_tokens: int):
+    """Stock ``CLIPViTModel`` of ``model_subtype`` ``subtype`` on an HF tower config's geometry,
+    with ``class_tokens`` class tokens (the CLIP and SigLIP families build theirs with it)."""
     if vc.num_channels != 3:
         raise ValueError(f"stock CLIPViTModel has 3 input channels, the config has {vc.num_channels}")
     img_h, img_w = image_hw(vc)
     with buildable_without_te(clip_vit_model):
         model = clip_vit_model.CLIPViTModel(
             config, te_stand_ins.vit_layer_spec(), ln_pre_impl=te_class("TENorm"),
-            ln_post_impl=te_class("TENorm"), add_class_token=subtype == "clip",
-            class_token_len=1 if subtype == "clip" else 0, patch_dim=first_int(vc.patch_size),
+            ln_post_impl=te_class("TENorm"), add_class_token=class_tokens > 0,
+            class_token_len=class_tokens, patch_dim=first_int(vc.patch_size),
             img_h=img_h, img_w=img_w, model_subtype=subtype)
     return model.eval()
 
 
-@needs_vit_model
-def build_clip_as_vit(cfg, params_dtype=torch.float32):
-    """Megatron-LM main's ``ViTModel`` in its CLIP mode (class token, learned absolute positions,
-    ``ln_pre``), the alternative to the stock class its docstring offers. It applies ``ln_pre``
-    before the class token and positions are added; HF CLIP after."""
-    vc = vision_of(cfg, ("clip_vision_model",))
-    return _vit_model(vc, clip_config(vc, params_dtype), add_class_token=True, class_token_len=1,
-                      ln_pre=True, ln_pre_eps=vc.layer_norm_eps, pos_emb_type="learned_absolute").eval()
-
-
-def _vit_model(vc, config: TransformerConfig, **mode):
+def vit_model(vc, config: TransformerConfig, **mode):
     """Megatron-LM main's ``ViTModel`` on an HF tower config's geometry (no patch-embedding bias in
     any of these towers); ``mode`` is the rest of the family's configuration."""
     vit = vit_model_module()
@@ -219,7 +188,7 @@ def _vit_model(vc, config: TransformerConfig, **mode):
 
 
 def _pixtral_vit(vc, params_dtype, num_layers: Optional[int] = None, **mode):
-    return _vit_model(vc, pixtral_config(vc, params_dtype, num_layers), ln_pre=True,
+    return vit_model(vc, pixtral_config(vc, params_dtype, num_layers), ln_pre=True,
                       ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
 
 
@@ -397,10 +366,12 @@ def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = VOC
 
 
 def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                parallel_output: bool = True, *, vision_model_type: str = ""):
+                parallel_output: bool = True, *, vision_model_type: str = "",
+                tower_config: Optional[Callable] = None):
     """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
     family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` for Pixtral),
-    ``MultimodalProjector``, ``GPTModel`` with a Llama decoder. The tower is built
+    ``MultimodalProjector``, ``GPTModel`` with a Llama decoder. ``tower_config(vc, params_dtype,
+    num_layers)``: the tower family's recipe (None: Pixtral's). The tower is built
     ``feature_layer_count`` layers deep; the vocabulary is padded as Megatron-LM pads it."""
     vc = cfg.vision_config
     if not vision_model_type:
@@ -411,9 +382,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTI
     modules = [llava_model, clip_vit_model]
     if vision_model_type == "pixtral-vit":
         modules.append(vit_model_module())
-        vision_config = pixtral_config(vc, params_dtype, layers)
-    else:
-        vision_config = clip_config(vc, params_dtype, layers)
+    vision_config = (tower_config or pixtral_config)(vc, params_dtype, layers)
     vision_config.vision_model_type = vision_model_type
     language = language_model_args(cfg, params_dtype, divisible_by)
     img_h, img_w = image_hw(vc)

@@ -796,8 +796,9 @@ def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, di
     """Stock ``LLaVAModel`` on the tower ``towers(cfg)`` is, selected by the Megatron
     ``vision_model_type`` its tower record names. A record's ``build`` is this function until
     :func:`bind_towers` gives it the family's tower lookup."""
+    tower = towers(cfg).llava_tower
     return upstream.build_llava(cfg, params_dtype, divisible_by=divisible_by, parallel_output=parallel_output,
-                                vision_model_type=towers(cfg).llava_tower.megatron_type)
+                                vision_model_type=tower.megatron_type, tower_config=tower.megatron_config)
 
 
 def _refuse_a_vit_model_tower(towers: TowerLookup, cfg) -> str | None:

@@ -9,16 +9,17 @@ import torch
 from transformers import SiglipVisionConfig
 
 from mmparity.models.clip import cases as clip
+from mmparity.models.clip import megatron as clip_megatron
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
     Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, module_hooks, tokens_2d)
+from mmparity.models.siglip import megatron as siglip_megatron
 from mmparity.models.siglip import mapping as converter
 from mmparity.config import vision_sub_config
 from mmparity.models.siglip import native
 from mmparity.models.siglip import reference
 from mmparity.models.siglip.reference import vision_config
-from mmparity.models.core import megatron_classes as upstream
 
 COMPONENTS = clip.COMPONENTS
 
@@ -78,8 +79,6 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
     return replace(base, head="attention_pool" if vision_sub_config(cfg).vision_use_head else None)
 
 
-# Stock CLIPViTModel as SigLIP (conv bias, ln_post on every token; the attention-pool head has no
-# place there and is kept aside by the converter).
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
 # the config its layout is measured on: tests/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset({
@@ -89,13 +88,16 @@ SIDE_TENSORS = frozenset({
     "head.mlp.linear_fc1.layer_norm_weight", "head.mlp.linear_fc1.layer_norm_bias",
     "head.mlp.linear_fc1.weight", "head.mlp.linear_fc1.bias",
     "head.mlp.linear_fc2.weight", "head.mlp.linear_fc2.bias"})
+# Stock CLIPViTModel as SigLIP (conv bias, ln_post on every token; the attention-pool head has no
+# place there and is kept aside by the converter).
 MEGATRON = {"CLIPViTModel": megatron_side.MegatronClass(
-    upstream.build_siglip, megatron_side.configured_size(lambda cfg: cfg), clip.megatron_run, clip.megatron_pairs)}
+    siglip_megatron.build_siglip, megatron_side.configured_size(lambda cfg: cfg), clip.megatron_run, clip.megatron_pairs)}
 
 
 def hooks(towers) -> FamilyHooks:
     return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=clip.NATIVE, cases=cases,
                         random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=clip.prepare_case,
                         flop_shape=flop_shape, published=PUBLISHED,
-                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type="siglip",
+                        llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type=siglip_megatron.SUBTYPE,
+                                               megatron_config=clip_megatron.transformer_config,
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))
