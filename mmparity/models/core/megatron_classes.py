@@ -24,7 +24,6 @@ build_vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: 
 build_pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
 build_pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as
                       ``vision_model``, ``MultimodalProjector`` as ``vision_projection``
-build_qwen3_5         Megatron-LM ``vit_model.QwenVLViTModel``
 build_kimi_k25        a tower alone: ``KimiViTModel``; a whole model: :class:`VisionWithProjection`,
                       ``KimiViTModel`` as ``vision_model`` and the closest Megatron construction
                       of the projector (:func:`kimi_projection`; Megatron has no exact place)
@@ -60,8 +59,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
 from mmparity.config import (
-    KIMI_VISION_NORM_EPS, PIXTRAL_NORM_EPS, QWEN_VISION_NORM_EPS, decoder_biases, feature_layer_indices,
-    first_int, has_patch_merger, head_dim, image_hw, num_heads, padded_vocab_size, query_groups, rope_theta,
+    KIMI_VISION_NORM_EPS, PIXTRAL_NORM_EPS, decoder_biases, feature_layer_indices,
+    first_int, has_patch_merger, head_dim, image_hw, padded_vocab_size, query_groups, rope_theta,
     select_strategy, tied_embeddings, tower_depth, vision_of)
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.models.core import te_stand_ins
@@ -71,8 +70,7 @@ VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
 INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
                 "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
                 "`pip install triton` (it is only imported)")
-# Upstream's default RoPE table sides (768/16 for Qwen, 896/14 for Kimi); HF has no cap.
-QWEN_MAX_PATCHES_PER_SIDE = 48
+# Upstream's default RoPE table side (896/14 for Kimi); HF has no cap.
 KIMI_MAX_PATCHES_PER_SIDE = 64
 
 
@@ -234,29 +232,6 @@ def build_vlm_vision(cfg, params_dtype=torch.float32):
               if has_patch_merger(cfg) else {})
     tower = _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype, tower_depth(cfg), **merger)
     return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
-
-
-@needs_vit_model
-def build_qwen3_5(cfg, params_dtype=torch.float32,
-                  max_patches_per_side: int = QWEN_MAX_PATCHES_PER_SIDE):
-    vit = vit_model_module()
-    vc = vision_of(cfg, ("qwen3_5_moe_vision", "qwen3_5_vision"))
-    p = first_int(vc.patch_size)
-    g = int(round(vc.num_position_embeddings ** 0.5))
-    config = transformer_config(
-        num_layers=vc.depth, hidden_size=vc.hidden_size, num_attention_heads=num_heads(vc),
-        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm",
-        norm_eps=QWEN_VISION_NORM_EPS, activation=activation(vc.hidden_act), gated=False, bias=True,
-        params_dtype=params_dtype)
-    side = max_patches_per_side * p
-    with buildable_without_te(vit):
-        model = vit.QwenVLViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p,
-                                   temporal_patch_size=first_int(vc.temporal_patch_size), img_h=side,
-                                   img_w=side, in_channels=vc.in_channels,
-                                   spatial_merge_size=vc.spatial_merge_size,
-                                   out_hidden_size=vc.out_hidden_size, num_pos_per_side=g,
-                                   rope_theta=rope_theta(vc))
-    return model.eval()
 
 
 KIMI_PROJECTIONS = ("drop_pre_norm", "fused_norm_over_merged")

@@ -29,6 +29,7 @@ from mmparity.models.qwen3_5.native import block_first, block_first_ids
 from mmparity.models.qwen3_5 import reference
 from mmparity.models.qwen3_5.reference import OUTPUTS, table_side
 from mmparity.models.core import megatron_classes as upstream
+from mmparity.models.qwen3_5.megatron import build_qwen3_5
 
 COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "block_first", "merger")
 # Components whose module lives on the last pipeline stage (the others run on the first).
@@ -313,7 +314,7 @@ def megatron_pairs(model, cfg) -> list[Pair]:
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
 # the config its layout is measured on: tests/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset()
-MEGATRON = {"QwenVLViTModel": megatron_side.MegatronClass(upstream.build_qwen3_5, megatron_side.same_cases,
+MEGATRON = {"QwenVLViTModel": megatron_side.MegatronClass(build_qwen3_5, megatron_side.same_cases,
                                                           megatron_run, megatron_pairs)}
 
 

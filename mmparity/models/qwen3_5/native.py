@@ -42,9 +42,9 @@ from mmparity.models.core.attention import head_width
 from mmparity.models.core.layers import (
     activation_from_hf, tolerate_missing_extra_state, vision_layer_spec, vision_transformer_config)
 from mmparity.models.core.vit import ImageSizes, VisionTower, _dynamic_patch_grid_lists, check_image_size
-from mmparity.config import QWEN_VISION_NORM_EPS, head_dim, rope_theta
+from mmparity.config import rope_theta
+from mmparity.models.qwen3_5.config import NORM_EPS as QWEN_NORM_EPS, transformer_fields
 from mmparity.parallel import runtime
-QWEN_NORM_EPS = QWEN_VISION_NORM_EPS
 
 Grid = Tuple[int, int]
 GridArg = Union[int, Sequence[int]]
@@ -381,12 +381,11 @@ def table_side(cfg) -> int:
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
-    return vision_transformer_config(
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads, kv_channels=head_dim(cfg),
-        ffn_hidden_size=cfg.intermediate_size, normalization="LayerNorm", norm_eps=QWEN_NORM_EPS,
-        activation=activation_from_hf(cfg.hidden_act), gated=False, bias=True,
-        rotary_interleaved=False, params_dtype=params_dtype)
+    """The family's recipe (:func:`~mmparity.models.qwen3_5.config.transformer_fields`) with HF's
+    own activation function."""
+    fields = transformer_fields(cfg)
+    fields["activation"] = activation_from_hf(fields["activation"])
+    return vision_transformer_config(params_dtype=params_dtype, **fields)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> QwenVLViTModel:
