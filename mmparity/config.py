@@ -34,7 +34,6 @@ def head_dim(cfg) -> int:
 # Norm epsilons HF hard-codes in its modules instead of reading a config field: every layer that
 # builds these towers (native, upstream) reads them here.
 PIXTRAL_NORM_EPS = 1e-5  # every PixtralRMSNorm of the tower, ln_pre included
-KIMI_VISION_NORM_EPS = 1e-5  # every vision LayerNorm of Kimi-K2.5, as in the release
 
 
 def query_groups(cfg) -> int:

@@ -76,7 +76,7 @@ def hf_model(family: str, cfg, seed: int):
     return ref
 
 
-# Kimi's projector constructions (``upstream.models.KIMI_PROJECTIONS``): the converter's keys each
+# Kimi's projector constructions (``mmparity.models.kimi_k25.megatron.KIMI_PROJECTIONS``): the converter's keys each
 # one has no place for. The converter writes the proposal, a fused norm over the merged vector.
 KIMI_UNPLACED = {"fused_norm_over_merged": (),
                  "drop_pre_norm": ("vision_projection.encoder.linear_fc1.layer_norm_weight",

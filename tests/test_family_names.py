@@ -24,9 +24,9 @@ PENDING = {
     "mmparity/config.py": {"clip", "siglip", "pixtral", "llava", "mistral3", "kimi_k25"},
     # Detection facts read off a Mistral-native params.json (the disk layer's).
     "mmparity/io/hf.py": {"mistral3", "llava", "pixtral"},
-    # Megatron's class builders of the Pixtral-based and Kimi towers, not yet moved into their
-    # families' megatron.py as CLIP's and SigLIP's are.
-    "mmparity/models/core/megatron_classes.py": {"pixtral", "mistral3", "kimi_k25"},
+    # Megatron's class builders of the Pixtral-based towers, shared by the whole VLMs' vision
+    # parts, not yet moved into their families' megatron.py as the other towers' are.
+    "mmparity/models/core/megatron_classes.py": {"pixtral", "mistral3"},
     # Mistral's params.json -> HF config translation, which the disk layer calls.
     "mmparity/models/parts/mistral_params.py": {"mistral3"},
 }

@@ -22,6 +22,7 @@ from mmparity.models.kimi_k25.mapping import TileBlocks
 from mmparity.mapping.ops import LayoutError
 from mmparity.mapping.rules import ConversionError
 from mmparity.models.core import megatron_classes as models
+from mmparity.models.kimi_k25.megatron import build_kimi_k25
 from tests.test_convert_roundtrips import save_hf
 
 FAMILY = "kimi_k25"
@@ -198,7 +199,7 @@ def _load_rank(rank: int, world: int, fmt: str, path: str, expected: list) -> di
 
     runtime.init_parallel(world, 1)
     try:
-        model = models.build(models.build_kimi_k25, _whole())
+        model = models.build(build_kimi_k25, _whole())
         if fmt == "legacy":
             state = load_rank_file(Path(path) / "iter_0000001" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt")
         else:

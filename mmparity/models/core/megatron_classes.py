@@ -24,9 +24,6 @@ build_vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: 
 build_pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
 build_pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as
                       ``vision_model``, ``MultimodalProjector`` as ``vision_projection``
-build_kimi_k25        a tower alone: ``KimiViTModel``; a whole model: :class:`VisionWithProjection`,
-                      ``KimiViTModel`` as ``vision_model`` and the closest Megatron construction
-                      of the projector (:func:`kimi_projection`; Megatron has no exact place)
 ====================  =========================================================================
 
 A builder that needs Megatron-LM main's ``vit_model.py`` is marked :func:`needs_vit_model`, so that
@@ -45,7 +42,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from megatron.core import activations as mcore_activations
 from megatron.core import package_info
 from megatron.core.models.gpt import gpt_model
@@ -53,13 +49,12 @@ from megatron.core.models.multimodal import llava_model
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
 from mmparity.config import (
-    KIMI_VISION_NORM_EPS, PIXTRAL_NORM_EPS, decoder_biases, feature_layer_indices,
+    PIXTRAL_NORM_EPS, decoder_biases, feature_layer_indices,
     first_int, has_patch_merger, head_dim, image_hw, padded_vocab_size, query_groups, rope_theta,
     select_strategy, tied_embeddings, tower_depth, vision_of)
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
@@ -70,8 +65,6 @@ VIT_MODEL_MODULE = "megatron.core.models.vision.vit_model"
 INSTALL_HINT = ("Megatron-LM main's megatron/core/models/vision/vit_model.py is needed: put a "
                 "Megatron-LM checkout (github.com/NVIDIA/Megatron-LM, main) first on PYTHONPATH and "
                 "`pip install triton` (it is only imported)")
-# Upstream's default RoPE table side (896/14 for Kimi); HF has no cap.
-KIMI_MAX_PATCHES_PER_SIDE = 64
 
 
 class UpstreamUnavailable(ImportError):
@@ -232,70 +225,6 @@ def build_vlm_vision(cfg, params_dtype=torch.float32):
               if has_patch_merger(cfg) else {})
     tower = _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype, tower_depth(cfg), **merger)
     return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
-
-
-KIMI_PROJECTIONS = ("drop_pre_norm", "fused_norm_over_merged")
-
-
-def kimi_projection(cfg, variant: str, params_dtype=torch.float32) -> MultimodalProjector:
-    """The closest Megatron construction for Kimi's projector (none is exact).
-
-    Kimi normalises each of the m² sub-tokens of a merged vector with one LayerNorm over H, then
-    runs Linear(m²H, m²H), erf GELU, Linear(m²H, text H). ``MultimodalProjector('mlp')`` holds the
-    two linears exactly; for the per-sub-token norm:
-
-    * ``drop_pre_norm``: no norm (``linear_fc1`` a plain column-parallel linear);
-    * ``fused_norm_over_merged``: ``linear_fc1`` with TE's fused LayerNorm over the whole m²H vector
-      (its weight and bias are the H-sized ones tiled m² times), a different function.
-    """
-    if variant not in KIMI_PROJECTIONS:
-        raise ValueError(f"kimi projection variant must be one of {KIMI_PROJECTIONS}, got {variant!r}")
-    vc = cfg.vision_config
-    merged = vc.hidden_size * _kimi_merge(vc) ** 2
-    fc1 = (te_class("TELayerNormColumnParallelLinear") if variant == "fused_norm_over_merged"
-           else te_class("TEColumnParallelLinear"))
-    return MultimodalProjector(
-        projection_config(cfg.text_config.hidden_size, merged, F.gelu, True, params_dtype,
-                          "LayerNorm", cfg.projection_layer_norm_eps),
-        MLPSubmodules(linear_fc1=fc1, linear_fc2=te_class("TERowParallelLinear")), "mlp", merged)
-
-
-def _kimi_merge(vc) -> int:
-    kh, kw = tuple(vc.merge_kernel_size)
-    if (kh, kw) != (2, 2):
-        raise ValueError(f"KimiViTModel merges 2x2 blocks; the config asks {kh}x{kw}")
-    return kh
-
-
-@needs_vit_model
-def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = "fused_norm_over_merged",
-                   max_patches_per_side: int = KIMI_MAX_PATCHES_PER_SIDE):
-    vit = vit_model_module()
-    vc = cfg.vision_config if getattr(cfg, "model_type", None) == "kimi_k25" else cfg
-    _kimi_merge(vc)
-    p = first_int(vc.patch_size)
-    config = transformer_config(
-        num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
-        num_attention_heads=vc.num_attention_heads,
-        kv_channels=head_dim(vc), ffn_hidden_size=vc.intermediate_size,
-        normalization="LayerNorm", norm_eps=KIMI_VISION_NORM_EPS, activation=activation(vc.hidden_act), gated=False,
-        bias=True, rotary_interleaved=True, params_dtype=params_dtype)
-    side = max_patches_per_side * p
-    with buildable_without_te(vit):
-        tower = vit.KimiViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=p, img_h=side,
-                                 img_w=side, in_channels=3, pos_embed_height=vc.pos_emb_height,
-                                 pos_embed_width=vc.pos_emb_width, rope_theta=rope_theta(vc))
-    if vc is cfg:  # a tower alone: KimiViTModel's own keys, at the root
-        return tower.eval()
-    return VisionWithProjection(tower, kimi_projection(cfg, projection, params_dtype)
-                                if projection is not None else None).eval()
-
-
-def kimi_parts(model) -> tuple:
-    """(``KimiViTModel``, its projection or None) of what :func:`build_kimi_k25` built."""
-    if isinstance(model, VisionWithProjection):
-        return model.vision_model, model.vision_projection
-    return model, None
 
 
 def feature_layer_count(cfg) -> int:
@@ -485,11 +414,11 @@ def _as_param(model: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
 
 def run_vit(model, images: Sequence[torch.Tensor]) -> TowerRun:
     """``vit_model.ViTModel`` (merger included when it has one) on images."""
-    out, grids = _static_or_packed(model, images)
+    out, grids = static_or_packed(model, images)
     return TowerRun(out.reshape(-1, out.shape[-1]), grids)
 
 
-def _static_or_packed(tower, images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
+def static_or_packed(tower, images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
     """A ``vit_model`` tower's forward and the patch grids: one static batch when all sizes agree,
     else the packed (dynamic-resolution) path with THD attention."""
     p = tower.patch_dim
@@ -537,15 +466,6 @@ def run_qwen(model, grids: Sequence[tuple[int, int]], rows: Optional[torch.Tenso
         merged = torch.cat([model.merger(chunk, h, w) for chunk, (h, w)
                             in zip(hidden.split(counts, dim=1), grids)], dim=1)
     return tokens.reshape(-1, tokens.shape[-1]), merged.reshape(-1, merged.shape[-1])
-
-
-def run_kimi(model: VisionWithProjection, images: Sequence[torch.Tensor]):
-    """``KimiViTModel`` (+ projection) on single-frame images: ``(merged tokens (ΣM, 4H),
-    projected (ΣM, text H) or None)``; packed with THD attention when sizes differ."""
-    tower, projection = kimi_parts(model)
-    out, _grids = _static_or_packed(tower, images)
-    merged = out.reshape(-1, out.shape[-1])
-    return merged, projection(merged) if projection is not None else None
 
 
 # --- loading --------------------------------------------------------------------------------------

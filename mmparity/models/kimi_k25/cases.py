@@ -18,6 +18,7 @@ from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
     Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.models.kimi_k25 import mapping as converter
+from mmparity.models.kimi_k25 import megatron as kimi_megatron
 from mmparity.mapping.ops import RopeInterleave
 from mmparity.config import has_vision_sub_config as has_projector
 from mmparity.config import head_dim
@@ -27,7 +28,6 @@ from mmparity.models.core.layers import numbered_layers
 from mmparity.models.kimi_k25.native import KimiViTWithProjector, tower
 from mmparity.models.kimi_k25 import reference
 from mmparity.models.kimi_k25.reference import CHANNELS, KimiK25VisionReference, patch_size, vision_tower
-from mmparity.models.core import megatron_classes as upstream
 
 COMPONENTS = ("patch_embed", "pos_embed", "rope2d", "merger")
 
@@ -329,13 +329,13 @@ def megatron_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case
 
 
 def megatron_run(model, case: Case, cfg) -> dict:
-    tower, projection = upstream.kimi_parts(model)
+    tower, projection = kimi_megatron.kimi_parts(model)
     if case.name == "projector":
         return {"image_embeds": projection(case.data["features"])}
     seen = {}
     handle = tower.final_ln.register_forward_hook(lambda module, args, out: seen.setdefault("x", out))
     try:
-        merged, projected = upstream.run_kimi(model, case.data["images"])
+        merged, projected = kimi_megatron.run_kimi(model, case.data["images"])
     finally:
         handle.remove()
     out = {"pooler_output": merged, "last_hidden_state": seen["x"].reshape(-1, merged.shape[-1] // 4)}
@@ -345,7 +345,7 @@ def megatron_run(model, case: Case, cfg) -> dict:
 
 
 def megatron_pairs(model, cfg) -> list[Pair]:
-    tower, projection = upstream.kimi_parts(model)
+    tower, projection = kimi_megatron.kimi_parts(model)
     out = [Pair("patch_embed", tower.patch_embed, tokens_2d)] + megatron_side.layer_pairs(tower)
     out.append(Pair("final_layernorm", tower.final_ln, tokens_2d))
     if projection is not None:
@@ -358,7 +358,7 @@ def megatron_pairs(model, cfg) -> list[Pair]:
 # The projector norm is written in Megatron's fused-norm place, tiled (exactly invertible).
 SIDE_TENSORS = frozenset()
 MEGATRON = {"KimiViTModel+MultimodalProjector": megatron_side.MegatronClass(
-    upstream.build_kimi_k25, megatron_cases, megatron_run, megatron_pairs)}
+    kimi_megatron.build_kimi_k25, megatron_cases, megatron_run, megatron_pairs)}
 
 
 def hooks(towers) -> FamilyHooks:

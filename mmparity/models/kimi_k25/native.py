@@ -57,9 +57,9 @@ from mmparity.models.core.layers import (
 from mmparity.models.core.vit import (
     ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm, _dynamic_patch_grid_lists,
     check_image_size)
-from mmparity.config import KIMI_VISION_NORM_EPS, head_dim, rope_theta
+from mmparity.config import rope_theta
+from mmparity.models.kimi_k25.config import NORM_EPS as KIMI_NORM_EPS, transformer_fields
 from mmparity.parallel import runtime
-KIMI_NORM_EPS = KIMI_VISION_NORM_EPS
 
 Grid = Tuple[int, int]
 
@@ -619,12 +619,11 @@ def _merge(vc) -> int:
 
 
 def transformer_config(vc, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
-    return vision_transformer_config(
-        num_layers=vc.num_hidden_layers, hidden_size=vc.hidden_size,
-        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim(vc),
-        ffn_hidden_size=vc.intermediate_size, normalization="LayerNorm", norm_eps=KIMI_NORM_EPS,
-        activation=activation_from_hf(vc.hidden_act), gated=False, bias=True,
-        rotary_interleaved=True, params_dtype=params_dtype)
+    """The family's recipe (:func:`~mmparity.models.kimi_k25.config.transformer_fields`) with HF's
+    own activation function."""
+    fields = transformer_fields(vc)
+    fields["activation"] = activation_from_hf(fields["activation"])
+    return vision_transformer_config(params_dtype=params_dtype, **fields)
 
 
 def projection_config(cfg, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:

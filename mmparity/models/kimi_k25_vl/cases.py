@@ -21,6 +21,7 @@ from mmparity.models.core import inputs
 from mmparity.models.llava import cases as llava
 from mmparity.models.core import megatron_side
 from mmparity.models.kimi_k25 import cases as tower_cases
+from mmparity.models.kimi_k25.megatron import build_kimi_k25
 from mmparity.models.spec import (
     Case, FamilyHooks, Pair, Side, first_tensor, routing_tensor, sbh_tokens_2d, tokens_2d)
 from mmparity.models.kimi_k25_vl import mapping as converter
@@ -28,7 +29,6 @@ from mmparity.config import moe_layer_range, tied_embeddings
 from mmparity.models.kimi_k25_vl import native
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.kimi_k25_vl import reference
-from mmparity.models.core import megatron_classes as upstream
 
 OUTPUTS = ("logits", "token_loss")
 CHANNELS = 3
@@ -244,7 +244,7 @@ def megatron_reference_vision(model, case: Case, cfg) -> dict:
 
 
 KIMI_VISION = megatron_side.MegatronClass(
-    upstream.build_kimi_k25, megatron_vision_cases, tower_cases.megatron_run, tower_cases.megatron_pairs,
+    build_kimi_k25, megatron_vision_cases, tower_cases.megatron_run, tower_cases.megatron_pairs,
     module_cases=(), reference_run=megatron_reference_vision,
     note="the vision part (vision_model.*, vision_projection.*): the kimi_k25 family's class, on "
          "that family's cases",
