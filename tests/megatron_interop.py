@@ -20,7 +20,7 @@ from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.models.core import inputs
 from mmparity.models.spec import Case, MegatronClass, NoMegatron
-from mmparity.models.llava.cases import llava_clip_config
+from mmparity.models.llava.megatron import llava_clip_config
 from mmparity.parity.metrics import compare, fp32_tolerance
 from mmparity.models.core import megatron_classes as models
 

@@ -11,7 +11,7 @@ import torch
 
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
-from mmparity.models.llava.cases import llava_clip_config
+from mmparity.models.llava.megatron import llava_clip_config
 from mmparity.megatron import live
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint

@@ -153,7 +153,7 @@ def _loop_rank(rank: int, world: int, params: dict) -> dict:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     # A CLIP tower: Megatron-LM main's LLaVAModel builds no vit_model tower (docs/megatron.md).
-    from mmparity.models.llava.cases import llava_clip_config
+    from mmparity.models.llava.megatron import llava_clip_config
 
     return save_hf("llava", tmp_path_factory.mktemp("mlm_loop") / "hf", seed=5, cfg=llava_clip_config())
 

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel, LlavaCo
 
 from mmparity.models import registry as families
 from mmparity.models.llava import cases as llava_cases
+from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.core.inputs import random_like_state
 from mmparity.models.parts.dense_decoder import mapping as dense_rules
 from mmparity.mapping.rules import LanguageKeys, with_side
@@ -106,8 +107,8 @@ VLM_REFERENCE = dict(tiny_config=tiny_config, vision_config=llava_reference.visi
 
 # Its Megatron classes: stock LLaVAModel holds a LLaVA on a CLIP tower whole (on the VLM's own tiny
 # config), and its parts each alone.
-VLM_MEGATRON = {"LLaVAModel": dataclasses.replace(llava_cases.LLAVA_MODEL, default_config=None),
-                **llava_cases.whole_vlm_parts(why="checked beside LLaVAModel, part by part")}
+VLM_MEGATRON = {"LLaVAModel": dataclasses.replace(llava_megatron.LLAVA_MODEL, default_config=None),
+                **llava_megatron.whole_vlm_parts(why="checked beside LLaVAModel, part by part")}
 
 
 def vlm_hooks(towers, languages):

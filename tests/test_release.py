@@ -186,7 +186,7 @@ def test_megatron_lms_load_checkpoint_takes_a_release_with_a_plain_load(capsys, 
     import subprocess
     import sys
 
-    from mmparity.models.llava.cases import llava_clip_config
+    from mmparity.models.llava.megatron import llava_clip_config
     from mmparity.parallel.runtime import free_port
 
     _megatron_lm_training()

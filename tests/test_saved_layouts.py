@@ -24,7 +24,7 @@ from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 from mmparity.cli.main import main
 
 def _llava_clip():
-    from mmparity.models.llava.cases import llava_clip_config
+    from mmparity.models.llava.megatron import llava_clip_config
 
     return llava_clip_config()
 

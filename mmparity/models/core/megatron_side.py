@@ -13,7 +13,7 @@ the pieces the records share.
 
 A record may hold a part of the family's mcore state dict only (``holds``, under ``root``): whole
 VLMs whose ``vit_model`` tower Megatron-LM's ``LLaVAModel`` cannot be built with are checked and
-loaded part by part (their records are the LLaVA composition's, :mod:`mmparity.models.llava.cases`).
+loaded part by part (their records are the LLaVA composition's, :mod:`mmparity.models.llava.megatron`).
 """
 
 from __future__ import annotations

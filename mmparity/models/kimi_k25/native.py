@@ -58,7 +58,7 @@ from mmparity.models.core.vit import (
     ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm, _dynamic_patch_grid_lists,
     check_image_size)
 from mmparity.config import rope_theta
-from mmparity.models.kimi_k25.config import NORM_EPS as KIMI_NORM_EPS, transformer_fields
+from mmparity.models.kimi_k25.config import transformer_fields
 from mmparity.parallel import runtime
 
 Grid = Tuple[int, int]

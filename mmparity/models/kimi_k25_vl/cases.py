@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mmparity.models.core import inputs
-from mmparity.models.llava import cases as llava
+from mmparity.models.llava import megatron as llava
 from mmparity.models.core import megatron_side
 from mmparity.models.kimi_k25 import cases as tower_cases
 from mmparity.models.kimi_k25.megatron import build_kimi_k25

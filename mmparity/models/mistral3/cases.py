@@ -7,6 +7,7 @@ from __future__ import annotations
 from transformers import Mistral3Config, MistralConfig
 
 from mmparity.models.llava import cases as llava
+from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.spec import FamilyHooks, TowerLookup
 from mmparity.config import tower_depth
 from mmparity.models.pixtral_large import native as pixtral_large
@@ -39,7 +40,7 @@ PUBLISHED = llava.published_pixtral_mistral(
 
 # LLaVAModel cannot hold it (a vit_model tower): the language model, the vision part (Pixtral
 # ViTModel with the merger) and the projector, each alone.
-MEGATRON = llava.whole_vlm_parts(llava.pixtral_vision_part(
+MEGATRON = llava_megatron.whole_vlm_parts(llava_megatron.pixtral_vision_part(
     "Megatron's merger norm takes the vision epsilon, HF the text rms_norm_eps (discrepancy 2)"))
 
 

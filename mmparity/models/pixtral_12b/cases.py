@@ -6,6 +6,7 @@ from __future__ import annotations
 from transformers import LlavaConfig, MistralConfig
 
 from mmparity.models.llava import cases as llava
+from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.spec import FamilyHooks, TowerLookup
 from mmparity.models.pixtral_12b import reference
 
@@ -31,7 +32,7 @@ PUBLISHED = llava.published_pixtral_mistral(
 
 # LLaVAModel cannot hold it (a vit_model tower): the language model, the vision part (Pixtral
 # ViTModel) and the projector, each alone.
-MEGATRON = llava.whole_vlm_parts(llava.pixtral_vision_part())
+MEGATRON = llava_megatron.whole_vlm_parts(llava_megatron.pixtral_vision_part())
 
 
 def hooks(towers: TowerLookup, languages) -> FamilyHooks:
