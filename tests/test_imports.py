@@ -152,7 +152,7 @@ def test_convert_imports_no_model(tmp_path, converted, torch_import_cpu, family,
 
 def test_every_family_converts_without_its_models(tmp_path):
     """Config, shapes and key tables of every registered family load with no model code."""
-    script = ("import json, sys\nfrom mmparity import families\n"
+    script = ("import json, sys\nfrom mmparity.models import registry as families\n"
               "for name in families.names():\n"
               "    fam = families.get(name)\n"
               "    cfg = fam.family_config(fam.tiny_config())\n"
