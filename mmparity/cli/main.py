@@ -33,44 +33,47 @@ class Command:
 SUBCOMMANDS = {
     "list": Command(
         "list_cmd", "the registered families: towers, language models, whole VLMs",
-        "List the model families mmparity knows: the HF classes each is tested against and the\n"
-        "components compared. A family name is what check, convert, bench and tiny take.",
+        "List the model families mmparity knows: the HF classes each is tested against\n"
+        "and the components compared. A family name is what check, convert, bench and\n"
+        "tiny take.",
         "mmparity list --json"),
     "check": Command(
         "check", "does the mcore model (or Megatron's own class) compute what transformers does? "
                  "names the first module where it departs",
-        "Run the Megatron-Core model and the transformers reference on the same inputs and compare\n"
-        "them, module by module: exit 0 when they agree, 1 naming the first module where they\n"
-        "depart. Weights are seeded random ones, an HF directory's (--hf), or a converted\n"
-        "checkpoint's (--mcore).",
+        "Run the Megatron-Core model and the transformers reference on the same inputs\n"
+        "and compare them, module by module: exit 0 when they agree, 1 naming the first\n"
+        "module where they depart. Weights are seeded random ones, an HF directory's\n"
+        "(--hf), or a converted checkpoint's (--mcore).",
         "mmparity check --hf hf/", "`mmparity tiny llava hf/`"),
     "convert": Command(
         "convert", "HF safetensors <-> Megatron-LM checkpoints (torch_dist, legacy), TP/PP/EP, bit-exact",
-        "Convert an HF save_pretrained directory to a Megatron-LM checkpoint (torch_dist or legacy\n"
-        "rank files, at any TP/PP/EP), or such a checkpoint back to HF. Tensors are copied bit for\n"
-        "bit unless --dtype casts them, and the output is written to a staging directory that only\n"
-        "takes --dst's name once complete.",
+        "Convert an HF save_pretrained directory to a Megatron-LM checkpoint\n"
+        "(torch_dist or legacy rank files, at any TP/PP/EP), or such a checkpoint back\n"
+        "to HF. Tensors are copied bit for bit unless --dtype casts them, and the\n"
+        "output is written to a staging directory that only takes --dst's name once\n"
+        "complete.",
         "mmparity convert --src hf/ --dst mcore/ --to mcore --tp 2 --format legacy",
         "`mmparity tiny llava hf/`"),
     "verify": Command(
         "verify", "re-check a checkpoint against its checksums, or load it strictly into Megatron's "
                   "class (--load)",
-        "Re-read checkpoints mmparity wrote and compare every tensor with the checksums recorded in\n"
-        "their mmparity.json (exit 1 naming what differs). With --load, build Megatron's own class\n"
-        "instead and load each mcore checkpoint into it strictly.",
-        "mmparity verify --load mcore/",
-        "`mmparity tiny llava hf/` and\n  `mmparity convert --src hf/ --dst mcore/ --to mcore --tp 2 --format legacy`"),
+        "Re-read checkpoints mmparity wrote and compare every tensor with the checksums\n"
+        "recorded in their mmparity.json (exit 1 naming what differs). With --load,\n"
+        "build Megatron's own class instead and load each mcore checkpoint into it\n"
+        "strictly.",
+        "mmparity verify --load dist/",
+        "`mmparity tiny llava hf/`\n  and `mmparity convert --src hf/ --dst dist/ --to mcore`"),
     "bench": Command(
         "bench", "time the mcore and transformers forwards on the same inputs, with a parity verdict",
-        "Time the Megatron-Core model's and the transformers reference's forwards on the same\n"
-        "inputs, at a family's tiny or published config with random weights, and report the\n"
-        "median of each with a parity verdict.",
+        "Time the Megatron-Core model's and the transformers reference's forwards on\n"
+        "the same inputs, at a family's tiny or published config with random weights,\n"
+        "and report the median of each with a parity verdict.",
         "mmparity bench llava --repeats 2"),
     "tiny": Command(
         "tiny", "write a family's tiny HF model with seeded random weights (a first try, a bug report)",
-        "Write a family's built-in tiny HF model with seeded random weights, as save_pretrained\n"
-        "writes it: a small real input for check --hf, convert and verify. The same FAMILY and\n"
-        "--seed give the same bytes.",
+        "Write a family's built-in tiny HF model with seeded random weights, as\n"
+        "save_pretrained writes it: a small real input for check --hf, convert and\n"
+        "verify. The same FAMILY and --seed give the same bytes.",
         "mmparity tiny kimi_k25_vl hf/"),
 }
 
