@@ -1,6 +1,6 @@
 """``convert`` on several processes (``--workers P``, or torchrun-style ranks): the same bytes as one
 process, each rank writing whole output files, and a rank that dies at any point leaves the
-destination as it was, with the rank named (issue 24)."""
+destination as it was, with the rank named."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TE's ``_extra_state`` slots in what `convert` writes (issue 15): empty, exactly the ones
+"""TE's ``_extra_state`` slots in what `convert` writes: empty, exactly the ones
 Megatron's class declares, certified by the manifest like every tensor, ignored on the way back.
 
 The strict loads into Megatron's classes that depend on them are tests/test_megatron_load.py.

@@ -123,7 +123,7 @@ def test_a_timeout_option_that_is_no_duration_is_a_usage_error(capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# the commands, in a child each: what used to hang or print a traceback
+# the commands, in a child each: inputs that must neither hang nor print a traceback
 
 
 @pytest.mark.parametrize("env, needle", [

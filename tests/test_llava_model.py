@@ -1,4 +1,4 @@
-"""The whole LLaVA model (issue #6): native ``LLaVAModel`` and its converter against transformers'
+"""The whole LLaVA model: native ``LLaVAModel`` and its converter against transformers'
 ``LlavaForConditionalGeneration``. The generic family checks (strict load, fp32 parity, negative
 controls, TP=2) live in test_families.py / test_multirank.py; these are the LLaVA-specific ones."""
 

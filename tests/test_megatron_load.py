@@ -1,4 +1,4 @@
-"""What `mmparity convert` writes loads strictly into Megatron's own classes (issue 15).
+"""What `mmparity convert` writes loads strictly into Megatron's own classes.
 
 Each family's Megatron class (the installed megatron-core's stock ``CLIPViTModel`` for clip and
 siglip, ``LLaVAModel`` for llava; Megatron-LM main's ``vit_model`` classes for the others, which

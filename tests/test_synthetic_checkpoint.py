@@ -1,4 +1,5 @@
-"""benchmarks/synthetic_moe_checkpoint.py: the checkpoint issue 24's memory figures are measured on.
+"""benchmarks/synthetic_moe_checkpoint.py: the synthetic MoE checkpoint that the
+memory figures of ``convert`` are measured on.
 
 ``--by-width`` must give checkpoints whose names and count are the same at every size, so that
 what grows between two sizes is the bytes alone, and whose size is the one it predicted.

@@ -1,4 +1,5 @@
-"""Megatron's own classes under test (issue 15, phase 1).
+"""Megatron's own classes under test: the layouts they expect, strict loads into them, and parity
+with HF.
 
 Three kinds of test:
 

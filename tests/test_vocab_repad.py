@@ -1,5 +1,5 @@
 """LLaVA's padded vocabulary when an mcore checkpoint changes TP size, or was padded with another
-``--make-vocab-size-divisible-by`` (issue 15).
+``--make-vocab-size-divisible-by``.
 
 Megatron-LM pads the vocabulary to a multiple of ``make_vocab_size_divisible_by × TP``: resharding
 must re-pad for the target TP (the real rows exactly, the old padding stripped), with the divisor

@@ -11,37 +11,42 @@ from mmparity.cli.common import (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("families", nargs="*", metavar="FAMILY",
-                        help="families to time (default: every registered family with a config at --size)")
-    parser.add_argument("--size", default="tiny", choices=("tiny", "published"),
-                        help="tiny: the built-in test config; published: the released model's config "
-                             "(random weights)")
-    parser.add_argument("--images", type=int, metavar="N", default=None,
-                        help="images per forward (default: 4 at tiny size, the published batch otherwise)")
-    parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
-                        help="image size in pixels; repeat for a mixed batch (sizes cycle over --images)")
-    parser.add_argument("--mixed", action="store_true",
-                        help="time each family's packed mixed-size batch (the family record's published config, "
-                             "mixed sets at published size; 8 sizes of the patch multiple at tiny); "
-                             "families without one are skipped")
-    parser.add_argument("--no-parity", dest="parity", action="store_false",
-                        help="skip the parity verdict (in bfloat16/float16 it costs one float32 HF "
-                             "forward per family)")
-    parser.add_argument("--case", default="auto", metavar="NAME",
-                        help="the family case to time: auto (static batch when all sizes are equal, "
-                             "else packed), static or packed")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--attention-backend", default=None, metavar="NAME",
-                        help="native attention backend: auto (default), sdpa, math, varlen, flash, te; "
-                             "one that cannot run here is an error")
-    parser.add_argument("--repeats", type=int, metavar="N", default=None,
+    what = parser.add_argument_group("what is timed")
+    what.add_argument("families", nargs="*", metavar="FAMILY",
+                      help="families to time (default: every registered family with a config at --size)")
+    what.add_argument("--size", default="tiny", choices=("tiny", "published"),
+                      help="tiny: the built-in test config; published: the released model's config "
+                           "(random weights)")
+    what.add_argument("--case", default="auto", metavar="NAME",
+                      help="the family case to time: auto (static batch when all sizes are equal, "
+                           "else packed), static or packed")
+    what.add_argument("--images", type=int, metavar="N", default=None,
+                      help="images per forward (default: 4 at tiny size, the published batch otherwise)")
+    what.add_argument("--image-size", metavar="HxW", action="append", default=None,
+                      help="image size in pixels; repeat for a mixed batch (sizes cycle over --images)")
+    what.add_argument("--mixed", action="store_true",
+                      help="time each family's packed mixed-size batch (the family record's published config, "
+                           "mixed sets at published size; 8 sizes of the patch multiple at tiny); "
+                           "families without one are skipped")
+    numerics = parser.add_argument_group("numerics")
+    numerics.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                         help="dtype of both models (default float32)")
+    numerics.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both models run (default cpu)")
+    numerics.add_argument("--attention-backend", default=None, metavar="NAME",
+                          help="native attention backend: auto (default), sdpa, math, varlen, flash, te; "
+                               "one that cannot run here is an error")
+    numerics.add_argument("--seed", type=int, default=0, metavar="N",
+                         help="seed of the random weights and inputs (default 0)")
+    numerics.add_argument("--no-parity", dest="parity", action="store_false",
+                          help="skip the parity verdict (in bfloat16/float16 it costs one float32 HF "
+                               "forward per family)")
+    timing = parser.add_argument_group("timing and report")
+    timing.add_argument("--repeats", type=int, metavar="N", default=None,
                         help="timed forwards per side (default: 10 on CUDA, 3 on CPU); the median is reported")
-    parser.add_argument("--warmup", type=int, metavar="N", default=None,
+    timing.add_argument("--warmup", type=int, metavar="N", default=None,
                         help="untimed forwards first (default: 3 on CUDA, 1 on CPU)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    parser.add_argument("--quiet", action="store_true", help="only the summary line")
+    timing.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    timing.add_argument("--quiet", action="store_true", help="only the summary line")
 
 
 # A benchmarked batch: far above any published batch (tens of images), far below what fails to

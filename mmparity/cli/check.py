@@ -13,42 +13,49 @@ from mmparity.cli.common import (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("families", nargs="*", metavar="FAMILY",
-                        help="families to check (default: every registered family)")
-    parser.add_argument("--hf", metavar="DIR",
-                        help="an HF save_pretrained directory (config + safetensors, single or sharded); "
-                             "without FAMILY, its family is told from its config")
-    parser.add_argument("--hf-format", metavar="F", default=None,
-                        help="HF-side layout of --hf (default: detected from the keys)")
-    parser.add_argument("--mcore", metavar="DIR",
-                        help="check a converted mcore checkpoint (legacy or torch_dist, e.g. from "
-                             "mmparity convert) against the HF reference loaded from --hf (default: the "
-                             "source recorded in its mmparity.json); a legacy checkpoint runs at its own "
-                             "TP and PP, --tp / --pp reshard it")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention-backend", default=None, metavar="NAME",
+    what = parser.add_argument_group("what is compared")
+    what.add_argument("families", nargs="*", metavar="FAMILY",
+                      help="families to check (default: every registered family)")
+    what.add_argument("--hf", metavar="DIR",
+                      help="an HF save_pretrained directory (config + safetensors, single or sharded); "
+                           "without FAMILY, its family is told from its config")
+    what.add_argument("--hf-format", metavar="F", default=None,
+                      help="HF-side layout of --hf (default: detected from the keys)")
+    what.add_argument("--mcore", metavar="DIR",
+                      help="check a converted mcore checkpoint (legacy or torch_dist, e.g. from "
+                           "mmparity convert) against the HF reference loaded from --hf (default: the "
+                           "source recorded in its mmparity.json); a legacy checkpoint runs at its own "
+                           "TP and PP, --tp / --pp reshard it")
+    what.add_argument("--impl", default="native", choices=("native", "megatron", "both"),
+                      help="whose model to test against HF: mmparity's native mcore model (default), "
+                           "Megatron's own class (stock megatron-core, or Megatron-LM main's "
+                           "vit_model on PYTHONPATH), or both side by side")
+    what.add_argument("--megatron-class", metavar="NAME", default=None,
+                      help="with --impl megatron/both, where a family loads into several Megatron "
+                           "classes: which (clip: CLIPViTModel (default) or ViTModel)")
+    what.add_argument("--no-components", action="store_true", help="skip component checks")
+    inputs = parser.add_argument_group("inputs and numerics")
+    inputs.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="dtype of both models (default float32)")
+    inputs.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both models run (default cpu)")
+    inputs.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="seed of the inputs, and of the weights when no --hf gives them (default 0)")
+    inputs.add_argument("--attention-backend", default=None, metavar="NAME",
                         help="native attention backend: auto (default), sdpa, math, varlen, flash, te; "
                              "one that cannot run here is an error")
-    parser.add_argument("--tp", type=int, default=1, metavar="N",
-                        help="run the native model across N tensor-parallel ranks (spawned, or torchrun's)")
-    parser.add_argument("--ep", type=int, default=1, metavar="N",
-                        help="expert-parallel size of the native model (MoE families): each MoE layer's "
-                             "experts spread over N ranks, as convert --ep lays them out")
-    parser.add_argument("--pp", type=int, default=None, metavar="N",
-                        help="run the native model as N pipeline stages, each loading what "
-                             "'mmparity convert --pp N' writes for it; tp*pp ranks in all (default 1)")
-    parser.add_argument("--impl", default="native", choices=("native", "megatron", "both"),
-                        help="whose model to test against HF: mmparity's native mcore model (default), "
-                             "Megatron's own class (stock megatron-core, or Megatron-LM main's "
-                             "vit_model on PYTHONPATH), or both side by side")
-    parser.add_argument("--megatron-class", metavar="NAME", default=None,
-                        help="with --impl megatron/both, where a family loads into several Megatron "
-                             "classes: which (clip: CLIPViTModel (default) or ViTModel)")
-    parser.add_argument("--image-size", metavar="HxW", action="append", default=None,
+    inputs.add_argument("--image-size", metavar="HxW", action="append", default=None,
                         help="image size in pixels; repeat for several images per batch")
-    parser.add_argument("--low-memory", action="store_true",
+    ranks = parser.add_argument_group("parallelism")
+    ranks.add_argument("--tp", type=int, default=1, metavar="N",
+                       help="run the native model across N tensor-parallel ranks (spawned, or torchrun's)")
+    ranks.add_argument("--pp", type=int, default=None, metavar="N",
+                       help="run the native model as N pipeline stages, each loading what "
+                            "'mmparity convert --pp N' writes for it; tp*pp ranks in all (default 1)")
+    ranks.add_argument("--ep", type=int, default=1, metavar="N",
+                       help="expert-parallel size of the native model (MoE families): each MoE layer's "
+                            "experts spread over N ranks, as convert --ep lays them out")
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--low-memory", action="store_true",
                         help="with --hf: build both models without weights and read each module's weights "
                              "from the files just before it runs, dropping them after; resident at once: "
                              "about one layer's weights on one side (an MoE layer's routed experts one "
@@ -56,13 +63,13 @@ def add_arguments(parser) -> None:
                              "the weights outside the layer stacks while component checks run, plus "
                              "activations; same report as without it (native model, one process, no "
                              "--tp/--pp/--ep/--mcore)")
-    parser.add_argument("--expert-group", type=int, default=None, metavar="N",
+    memory.add_argument("--expert-group", type=int, default=None, metavar="N",
                         help="with --low-memory: experts of a stacked HF experts tensor resident at once "
                              "(default 8)")
-    parser.add_argument("--no-components", action="store_true", help="skip component checks")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    parser.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
-    parser.add_argument("--quiet", action="store_true", help="only the summary line")
+    report = parser.add_argument_group("report")
+    report.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    report.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
+    report.add_argument("--quiet", action="store_true", help="only the summary line")
 
 
 def _resolve_families(requested: list[str]) -> list[str]:

@@ -14,70 +14,74 @@ from mmparity.cli.common import (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--family", metavar="F",
-                        help="model family (default: an HF source's is told from its config, an mcore "
-                             "source names its own)")
-    parser.add_argument("--src", required=True, metavar="PATH",
-                        help="HF save_pretrained directory, or an mcore checkpoint root / iteration directory")
-    parser.add_argument("--dst", required=True, metavar="PATH", help="output directory (must not exist, see --force)")
-    parser.add_argument("--to", required=True, choices=("mcore", "hf"), help="output kind")
-    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size of mcore output")
-    parser.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel size of mcore output")
-    parser.add_argument("--ep", type=int, default=1, metavar="N",
-                        help="expert-parallel size of mcore output (Megatron's --expert-model-parallel-size; "
-                             "a model with experts only, dividing their count)")
-    parser.add_argument("--part", metavar="PART", default=None,
-                        help="with --to mcore from a whole VLM: write only this part, laid out for the Megatron "
-                             "class that trains it alone (language_model: GPTModel, as pretrain_gpt.py builds it); "
-                             "the other parts are left out and listed. Export such a checkpoint with --to hf "
-                             "--base HF_DIR")
-    parser.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
-                        help="mcore output format (default torch_dist)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="cast floating tensors (default: keep each tensor's dtype, bit-exact; a quantized "
-                             "(FP8 or INT4) source's quantized weights are dequantized to bfloat16)")
-    parser.add_argument("--expert-layout", choices=("grouped", "sequential"), default="grouped",
-                        help="legacy output of an MoE model: routed experts named as TEGroupedMLP does "
-                             "(grouped, linear_fc1.weight<e>: Megatron-LM's --moe-grouped-gemm) or as "
-                             "SequentialMLP does (sequential, local_experts.<e>.linear_fc1.weight)")
-    parser.add_argument("--requantize", action="store_true",
-                        help="with --to hf from an mcore checkpoint of a quantized source: write its weights "
-                             "in its scheme again (block-scaled FP8, or pack-quantized INT4), with the "
-                             "source's quantization_config")
-    parser.add_argument("--hf-format", metavar="F", default=None,
-                        help="HF-side layout: of the source when converting to mcore (default: detected), "
-                             "of the output with --to hf (default: the source's)")
-    parser.add_argument("--max-shard-size", metavar="S", default=None,
-                        help="largest output file, e.g. 500MB: an HF shard (default 5GB) or a torch_dist data "
-                             "file (default 2GB); with several processes, each writes whole files")
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
-                        help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
-                             "(default 128, Megatron-LM's default; for an mcore source, the N it records)")
-    parser.add_argument("--base", metavar="HF_DIR", default=None,
-                        help="with --to hf from an mcore checkpoint Megatron-LM wrote: the HF release it was "
-                             "converted from; its config, tokenizer and processor files are copied to the output "
-                             "and the tensors Megatron has no place for are taken from it (listed as not trained)")
-    parser.add_argument("--hf-config", metavar="FILE", default=None,
-                        help="with --to hf from an mcore checkpoint without mmparity's files: the HF config.json "
-                             "of the model (no tensors aside: use --base for families that keep some)")
-    parser.add_argument("--iteration", metavar="N", default=None,
-                        help="which iteration of an mcore checkpoint root to read (a number or 'release'; "
-                             "default: the tracker file's)")
-    parser.add_argument("--release", action="store_true",
-                        help="with --to mcore: write Megatron-LM's release checkpoint (tracker 'release', "
-                             "directory release/), which its loader takes with a plain --load: iteration 0, "
-                             "no RNG or optimizer state looked for (default: iteration 1, see docs/megatron.md)")
-    parser.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
-    parser.add_argument("--workers", type=int, default=1, metavar="P",
-                        help="convert with P processes on this machine, each writing its share of the output "
-                             "files (the same bytes as one process); across machines, start the ranks with "
-                             "torchrun instead (docs/convert.md)")
-    parser.add_argument("--node-local", action="store_true",
-                        help="with torchrun across machines and --format torch_dist: --dst is on each node's own "
-                             "disk; each node writes its ranks' data files there, rank 0's node also the metadata "
-                             "(gather the directories into one to load it; docs/convert.md)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
+    paths = parser.add_argument_group("source and destination")
+    paths.add_argument("--src", required=True, metavar="PATH",
+                       help="HF save_pretrained directory, or an mcore checkpoint root / iteration directory")
+    paths.add_argument("--dst", required=True, metavar="PATH", help="output directory (must not exist, see --force)")
+    paths.add_argument("--to", required=True, choices=("mcore", "hf"), help="output kind")
+    paths.add_argument("--family", metavar="F",
+                       help="model family (default: an HF source's is told from its config, an mcore "
+                            "source names its own)")
+    paths.add_argument("--force", action="store_true", help="replace an existing --dst (only once complete)")
+    paths.add_argument("--iteration", metavar="N", default=None,
+                       help="which iteration of an mcore checkpoint root to read (a number or 'release'; "
+                            "default: the tracker file's)")
+    paths.add_argument("--hf-format", metavar="F", default=None,
+                       help="HF-side layout: of the source when converting to mcore (default: detected), "
+                            "of the output with --to hf (default: the source's)")
+    paths.add_argument("--base", metavar="HF_DIR", default=None,
+                       help="with --to hf from an mcore checkpoint Megatron-LM wrote: the HF release it was "
+                            "converted from; its config, tokenizer and processor files are copied to the output "
+                            "and the tensors Megatron has no place for are taken from it (listed as not trained)")
+    paths.add_argument("--hf-config", metavar="FILE", default=None,
+                       help="with --to hf from an mcore checkpoint without mmparity's files: the HF config.json "
+                            "of the model (no tensors aside: use --base for families that keep some)")
+    mcore = parser.add_argument_group("Megatron-LM layout (--to mcore)")
+    mcore.add_argument("--format", choices=("torch_dist", "legacy"), default=None,
+                       help="mcore output format (default torch_dist)")
+    mcore.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size of mcore output")
+    mcore.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel size of mcore output")
+    mcore.add_argument("--ep", type=int, default=1, metavar="N",
+                       help="expert-parallel size of mcore output (Megatron's --expert-model-parallel-size; "
+                            "a model with experts only, dividing their count)")
+    mcore.add_argument("--part", metavar="PART", default=None,
+                       help="with --to mcore from a whole VLM: write only this part, laid out for the Megatron "
+                            "class that trains it alone (language_model: GPTModel, as pretrain_gpt.py builds it); "
+                            "the other parts are left out and listed. Export such a checkpoint with --to hf "
+                            "--base HF_DIR")
+    mcore.add_argument("--expert-layout", choices=("grouped", "sequential"), default="grouped",
+                       help="legacy output of an MoE model: routed experts named as TEGroupedMLP does "
+                            "(grouped, linear_fc1.weight<e>: Megatron-LM's --moe-grouped-gemm) or as "
+                            "SequentialMLP does (sequential, local_experts.<e>.linear_fc1.weight)")
+    mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                       help="pad vocabularies (LLaVA's) as Megatron-LM does: to a multiple of N x --tp "
+                            "(default 128, Megatron-LM's default; for an mcore source, the N it records)")
+    mcore.add_argument("--release", action="store_true",
+                       help="with --to mcore: write Megatron-LM's release checkpoint (tracker 'release', "
+                            "directory release/), which its loader takes with a plain --load: iteration 0, "
+                            "no RNG or optimizer state looked for (default: iteration 1, see docs/megatron.md)")
+    tensors = parser.add_argument_group("tensors and files")
+    tensors.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                         help="cast floating tensors (default: keep each tensor's dtype, bit-exact; a quantized "
+                              "(FP8 or INT4) source's quantized weights are dequantized to bfloat16)")
+    tensors.add_argument("--requantize", action="store_true",
+                         help="with --to hf from an mcore checkpoint of a quantized source: write its weights "
+                              "in its scheme again (block-scaled FP8, or pack-quantized INT4), with the "
+                              "source's quantization_config")
+    tensors.add_argument("--check-finite", action="store_true", help="refuse source tensors holding NaN/Inf")
+    tensors.add_argument("--max-shard-size", metavar="S", default=None,
+                         help="largest output file, e.g. 500MB: an HF shard (default 5GB) or a torch_dist data "
+                              "file (default 2GB); with several processes, each writes whole files")
+    procs = parser.add_argument_group("processes")
+    procs.add_argument("--workers", type=int, default=1, metavar="P",
+                       help="convert with P processes on this machine, each writing its share of the output "
+                            "files (the same bytes as one process); across machines, start the ranks with "
+                            "torchrun instead (docs/convert.md)")
+    procs.add_argument("--node-local", action="store_true",
+                       help="with torchrun across machines and --format torch_dist: --dst is on each node's own "
+                            "disk; each node writes its ranks' data files there, rank 0's node also the metadata "
+                            "(gather the directories into one to load it; docs/convert.md)")
+    procs.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
 
 
 class _RichProgress:

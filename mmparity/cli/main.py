@@ -6,24 +6,75 @@ import argparse
 import contextlib
 import importlib
 import logging
+import shutil
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage, quiet_third_party_warnings
 
-# subcommand -> module under mmparity.cli exposing add_arguments(parser) and run(args) -> int, and
-# the one line `mmparity --help` lists it with
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand as its ``--help`` presents it."""
+
+    module: str  # under mmparity.cli, exposing add_arguments(parser) and run(args) -> int
+    summary: str  # the one line `mmparity --help` lists it with
+    description: str  # what it does, atop its own --help
+    example: str  # the one worked example: a command line that works on what `before` wrote
+    before: str = ""  # the commands that write its input, from `mmparity tiny` on
+
+    def epilog(self) -> str:
+        after = f" (after {self.before})" if self.before else ""
+        return f"example{after}:\n  {self.example}"
+
+
 SUBCOMMANDS = {
-    "list": ("list_cmd", "the registered families: towers, language models, whole VLMs"),
-    "check": ("check", "does the mcore model (or Megatron's own class) compute what transformers does? "
-                       "names the first module where it departs"),
-    "convert": ("convert", "HF safetensors <-> Megatron-LM checkpoints (torch_dist, legacy), TP/PP/EP, "
-                           "bit-exact"),
-    "verify": ("verify", "re-check a checkpoint against its checksums, or load it strictly into Megatron's "
-                         "class (--load)"),
-    "bench": ("bench", "time the mcore and transformers forwards on the same inputs, with a parity verdict"),
-    "tiny": ("tiny", "write a family's tiny HF model with seeded random weights (a first try, a bug report)"),
+    "list": Command(
+        "list_cmd", "the registered families: towers, language models, whole VLMs",
+        "List the model families mmparity knows: the HF classes each is tested against\n"
+        "and the components compared. A family name is what check, convert, bench and\n"
+        "tiny take.",
+        "mmparity list --json"),
+    "check": Command(
+        "check", "does the mcore model (or Megatron's own class) compute what transformers does? "
+                 "names the first module where it departs",
+        "Run the Megatron-Core model and the transformers reference on the same inputs\n"
+        "and compare them, module by module: exit 0 when they agree, 1 naming the first\n"
+        "module where they depart. Weights are seeded random ones, an HF directory's\n"
+        "(--hf), or a converted checkpoint's (--mcore).",
+        "mmparity check --hf hf/", "`mmparity tiny llava hf/`"),
+    "convert": Command(
+        "convert", "HF safetensors <-> Megatron-LM checkpoints (torch_dist, legacy), TP/PP/EP, bit-exact",
+        "Convert an HF save_pretrained directory to a Megatron-LM checkpoint\n"
+        "(torch_dist or legacy rank files, at any TP/PP/EP), or such a checkpoint back\n"
+        "to HF. Tensors are copied bit for bit unless --dtype casts them, and the\n"
+        "output is written to a staging directory that only takes --dst's name once\n"
+        "complete.",
+        "mmparity convert --src hf/ --dst mcore/ --to mcore --tp 2 --format legacy",
+        "`mmparity tiny llava hf/`"),
+    "verify": Command(
+        "verify", "re-check a checkpoint against its checksums, or load it strictly into Megatron's "
+                  "class (--load)",
+        "Re-read checkpoints mmparity wrote and compare every tensor with the checksums\n"
+        "recorded in their mmparity.json (exit 1 naming what differs). With --load,\n"
+        "build Megatron's own class instead and load each mcore checkpoint into it\n"
+        "strictly.",
+        "mmparity verify --load dist/",
+        "`mmparity tiny llava hf/`\n  and `mmparity convert --src hf/ --dst dist/ --to mcore`"),
+    "bench": Command(
+        "bench", "time the mcore and transformers forwards on the same inputs, with a parity verdict",
+        "Time the Megatron-Core model's and the transformers reference's forwards on\n"
+        "the same inputs, at a family's tiny or published config with random weights,\n"
+        "and report the median of each with a parity verdict.",
+        "mmparity bench llava --repeats 2"),
+    "tiny": Command(
+        "tiny", "write a family's tiny HF model with seeded random weights (a first try, a bug report)",
+        "Write a family's built-in tiny HF model with seeded random weights, as\n"
+        "save_pretrained writes it: a small real input for check --hf, convert and\n"
+        "verify. The same FAMILY and --seed give the same bytes.",
+        "mmparity tiny kimi_k25_vl hf/"),
 }
 
 DESCRIPTION = """\
@@ -62,6 +113,19 @@ TIMEOUT_HELP = ("seconds a rendezvous of ranks (torchrun's, or the --tp/--pp ran
                 "(default: $MMPARITY_TIMEOUT, else 60)")
 
 
+# Wider terminals still get at most this many columns: help reads best in short lines.
+HELP_WIDTH = 100
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written (their lines are already short), options wrapped."""
+
+    def __init__(self, prog, **kwargs):
+        kwargs.setdefault("width", min(HELP_WIDTH, shutil.get_terminal_size().columns - 2))
+        kwargs.setdefault("max_help_position", 32)
+        super().__init__(prog, **kwargs)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage errors: one line, exit 2
         self.exit(EXIT_USAGE, f"mmparity: error: {message}\n")
@@ -69,15 +133,16 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mmparity", description=DESCRIPTION, epilog=EPILOG,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=_Formatter)
     from mmparity import __version__
 
     parser.add_argument("--version", action="version", version=f"mmparity {__version__}")
     parser.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, title="commands", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"mmparity.cli.{module}").add_arguments(sub_parser)
+    for name, command in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=command.summary, description=command.description,
+                                    epilog=command.epilog(), formatter_class=_Formatter)
+        importlib.import_module(f"mmparity.cli.{command.module}").add_arguments(sub_parser)
         # A global option, also taken after the subcommand; SUPPRESS keeps one given before it.
         sub_parser.add_argument("--timeout", type=_seconds, metavar="S", default=argparse.SUPPRESS,
                                 help=TIMEOUT_HELP)
@@ -157,7 +222,7 @@ def _main(argv) -> int:
         # A usage error like any other: on stderr, so a script capturing stdout sees nothing.
         parser.print_usage(sys.stderr)
         return fail_usage(f"a subcommand is required ({', '.join(SUBCOMMANDS)}); see mmparity --help")
-    module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command][0]}")
+    module = importlib.import_module(f"mmparity.cli.{SUBCOMMANDS[args.command].module}")
     runtime = None
     if args.timeout is not None:
         from mmparity.parallel import runtime

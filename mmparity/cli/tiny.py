@@ -7,23 +7,13 @@ name by family and seed: the same family and seed give the same bytes.
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 from mmparity.cli.common import EXIT_OK, UsageError, check_seed, human_bytes
 
-EXAMPLE = """\
-example:
-  mmparity tiny kimi_k25_vl hf/ && mmparity check --hf hf/
-
-The directory is what save_pretrained writes; the same FAMILY and --seed give the same bytes.
-"""
-
 
 def add_arguments(parser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EXAMPLE
     parser.add_argument("family", metavar="FAMILY", help="a registered family (mmparity list)")
     parser.add_argument("dir", metavar="DIR", help="directory to write (must not exist, see --force)")
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random weights (default 0)")

@@ -10,34 +10,36 @@ from mmparity.cli.common import EXIT_FAIL, EXIT_OK, UsageError, parse_iteration
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR",
-                        help="checkpoint directories written by mmparity (HF, legacy or torch_dist)")
-    parser.add_argument("--load", action="store_true",
-                        help="build Megatron's own class for each mcore checkpoint's family at its TP "
-                             "size (one gloo rank each) and load it strictly: load_state_dict per rank "
-                             "(legacy), dist_checkpointing.load's steps with nothing unpickled beyond an allow-list "
-                             "(torch_dist)")
-    parser.add_argument("--megatron-class", metavar="NAME", default=None,
-                        help="with --load, where a family loads into several Megatron classes: which")
-    parser.add_argument("--tp", type=int, default=None, metavar="N",
-                        help="with --load, a torch_dist checkpoint (global tensors) loads at any TP "
-                             "size: load it on N ranks (default: the size recorded)")
-    parser.add_argument("--pp", type=int, default=None, metavar="N",
-                        help="with --load, a torch_dist checkpoint loads at any PP size too: build "
-                             "Megatron's language model in N stages (default: the size recorded)")
-    parser.add_argument("--base", metavar="HF_DIR", default=None,
-                        help="also compare the tensors that were never trained (an HF export's 'from the base', "
-                             "an mcore checkpoint's side file) with the HF release they came from; with --load "
-                             "of a checkpoint Megatron-LM wrote (no mmparity.json): the model it holds")
-    parser.add_argument("--hf-config", metavar="FILE", default=None,
-                        help="with --load of a checkpoint Megatron-LM wrote: the HF config.json of the model it "
-                             "holds, instead of --base (with --family unless the file is named config.json)")
-    parser.add_argument("--family", metavar="NAME", default=None,
-                        help="with --hf-config: the model family")
-    parser.add_argument("--iteration", metavar="N", default=None,
-                        help="with a checkpoint Megatron-LM wrote: which iteration to describe or load (default: "
-                             "the tracker's)")
-    parser.add_argument("--quiet", action="store_true", help="print only problems")
+    checksums = parser.add_argument_group("checksums")
+    checksums.add_argument("dirs", nargs="+", metavar="DIR",
+                           help="checkpoint directories written by mmparity (HF, legacy or torch_dist)")
+    checksums.add_argument("--base", metavar="HF_DIR", default=None,
+                           help="also compare the tensors that were never trained (an HF export's 'from the base', "
+                                "an mcore checkpoint's side file) with the HF release they came from; with --load "
+                                "of a checkpoint Megatron-LM wrote (no mmparity.json): the model it holds")
+    checksums.add_argument("--quiet", action="store_true", help="print only problems")
+    load = parser.add_argument_group("loading into Megatron's class (--load)")
+    load.add_argument("--load", action="store_true",
+                      help="build Megatron's own class for each mcore checkpoint's family at its TP "
+                           "size (one gloo rank each) and load it strictly: load_state_dict per rank "
+                           "(legacy), dist_checkpointing.load's steps with nothing unpickled beyond an allow-list "
+                           "(torch_dist)")
+    load.add_argument("--megatron-class", metavar="NAME", default=None,
+                      help="with --load, where a family loads into several Megatron classes: which")
+    load.add_argument("--tp", type=int, default=None, metavar="N",
+                      help="with --load, a torch_dist checkpoint (global tensors) loads at any TP "
+                           "size: load it on N ranks (default: the size recorded)")
+    load.add_argument("--pp", type=int, default=None, metavar="N",
+                      help="with --load, a torch_dist checkpoint loads at any PP size too: build "
+                           "Megatron's language model in N stages (default: the size recorded)")
+    load.add_argument("--hf-config", metavar="FILE", default=None,
+                      help="with --load of a checkpoint Megatron-LM wrote: the HF config.json of the model it "
+                           "holds, instead of --base (with --family unless the file is named config.json)")
+    load.add_argument("--family", metavar="NAME", default=None,
+                      help="with --hf-config: the model family")
+    load.add_argument("--iteration", metavar="N", default=None,
+                      help="with a checkpoint Megatron-LM wrote: which iteration to describe or load (default: "
+                           "the tracker's)")
 
 
 def run(args) -> int:
