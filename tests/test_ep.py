@@ -13,7 +13,7 @@ from mmparity.io.manifest import read_manifest
 from mmparity.io.verify import verify
 from mmparity.parallel import ep, pp, tp
 from mmparity.parallel.axes import AxisError, Grid, expert_axis
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 
 ROOT = "language_model."
 LAYERS = f"{ROOT}decoder.layers."

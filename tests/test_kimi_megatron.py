@@ -20,7 +20,7 @@ from mmparity.io.torch_dist import load_torch_dist
 from mmparity.cli.main import main
 from mmparity.models.kimi_k25.mapping import TileBlocks
 from mmparity.mapping.ops import LayoutError
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 from mmparity.models.core import megatron_classes as models
 from tests.test_convert_roundtrips import save_hf
 

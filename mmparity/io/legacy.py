@@ -34,7 +34,7 @@ from mmparity import errors
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp
 from mmparity.parallel.axes import AxisError, Grid
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 from mmparity.io import extra_state, megatron_args, unpickle
 from mmparity.io.fsio.checksums import tensor_checksum
 from mmparity.io.fsio import shared

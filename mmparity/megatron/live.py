@@ -12,7 +12,7 @@ its TP kinds (``converters.tp``), pipeline renumbering (``converters.pp``) and e
 parameters instead of checkpoint files. Both directions are planned before any tensor moves, and
 the plan is the conversion's totality check: every tensor of the model has its place in the
 table, every HF tensor is produced (or loaded) exactly once; otherwise one
-:class:`~mmparity.mapping.rules.ConversionError` lists every offender, raised on every rank
+:class:`~mmparity.errors.ConversionError` lists every offender, raised on every rank
 alike (each rank plans from the same gathered names, so none is left waiting in a collective).
 
 Every collective is preceded by an agreement on problems: what a rank does alone before it (read a
@@ -52,7 +52,7 @@ from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping import rules as R
 from mmparity.parallel import tp as tp_mod
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 
 __all__ = ["LiveLayout", "export_hf", "import_hf", "ImportReport", "EXPORT_DTYPES"]
 
