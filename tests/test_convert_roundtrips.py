@@ -217,7 +217,7 @@ def test_whole_vlm_source_converts_only_the_family(family, make, prefixes, tmp_p
 
 def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
     """One spawned rank: for each (family, format, checkpoint), load it at TP 4 and at TP 1, run."""
-    from mmparity.io.torch_dist import load_torch_dist
+    from mmparity.megatron.torch_dist import load_torch_dist
     from mmparity.convert.pipeline import read_mcore_shards
     from mmparity.parallel import runtime
 

@@ -362,7 +362,7 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
     (layer, expert) at a time under the per-expert keys, bit-exact."""
     from mmparity.parallel import runtime
     from mmparity.convert.pipeline import torch_dist_index
-    from mmparity.io.torch_dist import save_torch_dist
+    from mmparity.megatron.torch_dist import save_torch_dist
     from mmparity.io.torch_dist_files import TorchDistFiles
     from mmparity.mapping.rules import to_te_spelling
 
@@ -461,10 +461,10 @@ def test_torch_dist_extra_states_of_the_moe_family_are_keyed_as_mcore_keys_them(
 
     from mmparity.models import registry as families
     from mmparity.parallel import runtime
-    from mmparity.io import mcore_compat as mc
+    from mmparity.megatron import mcore_compat as mc
     from mmparity.io import extra_state
     from mmparity.convert import pipeline as streaming
-    from mmparity.io.torch_dist import extra_state_objects
+    from mmparity.megatron.torch_dist import extra_state_objects
     from mmparity.parallel import pp
 
     family = families.get("kimi_k25_vl")
@@ -498,7 +498,7 @@ def test_torch_dist_expert_extra_states_match_mcores_in_stacked_and_per_layer_bl
     layer axis when the block is homogeneous: extra_state_objects places them the same way."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from mmparity.parallel import runtime
-    from mmparity.io.torch_dist import extra_state_objects
+    from mmparity.megatron.torch_dist import extra_state_objects
     from mmparity.parallel import pp
 
     with runtime.parallel_context(1, 1):

@@ -16,7 +16,7 @@ from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.io.legacy import load_rank_file, write_legacy
 from mmparity.io.manifest import Provenance
-from mmparity.io.torch_dist import load_torch_dist
+from mmparity.megatron.torch_dist import load_torch_dist
 from mmparity.cli.main import main
 from mmparity.models.kimi_k25.mapping import TileBlocks
 from mmparity.mapping.ops import LayoutError

@@ -21,7 +21,7 @@ from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.megatron import load as megatron_load
-from mmparity.io import torch_dist
+from mmparity.megatron import torch_dist
 from mmparity.io.legacy import open_legacy, write_legacy
 from mmparity.io.manifest import Provenance
 from mmparity.megatron.load import build_and_load, load_job

@@ -15,11 +15,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
-from mmparity.io import mcore_compat as mc
+from mmparity.megatron import mcore_compat as mc
 from mmparity.io import extra_state, megatron_args
 from mmparity.convert import pipeline as S
 from mmparity.io.fsio.errors import CheckpointError
-from mmparity.io.torch_dist import extra_state_objects, save_torch_dist
+from mmparity.megatron.torch_dist import extra_state_objects, save_torch_dist
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping import rules as R

@@ -38,13 +38,14 @@ from mmparity.parallel.axes import Grid
 from mmparity.models.core.megatron_side import MegatronClass, NoMegatron, default_refusal
 from mmparity.io import formats as ckpt_formats
 from mmparity.models.registry import megatron_class as megatron_class_for
-from mmparity.io import torch_dist, torch_dist_files
+from mmparity.io import torch_dist_files
+from mmparity.megatron import torch_dist
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.layout import resolve_iteration_dir
 from mmparity.io.legacy import load_rank_payload, model_chunk_keys, open_legacy
 from mmparity.io.megatron_written import describe, read_common
 from mmparity.io.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
-from mmparity.io.torch_dist import copy_containers
+from mmparity.megatron.torch_dist import copy_containers
 from mmparity.convert.pipeline import (
     _NOT_MODEL_KEYS, ConvertError, _check_shapes, _padded_tables, _validate_tp, model_config_for, open_source)
 from mmparity.io.unpickle import RefusedPickle

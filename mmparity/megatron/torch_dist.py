@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mmparity import errors
-from mmparity.io import mcore_compat as mc
+from mmparity.megatron import mcore_compat as mc
 from mmparity.io import extra_state, torch_dist_files, torch_dist_layout
 from mmparity.io.layout import CHECKPOINT_VERSION, RELEASE, iteration_dirname, resolve_iteration_dir
 from mmparity.io.manifest import LAYOUT_TORCH_DIST, Manifest, Provenance, TensorRecord, write_mcore_root
@@ -443,7 +443,7 @@ def load_torch_dist(
 ) -> dict:
     """Loads the `model` part of a torch_dist checkpoint into this rank's shards, as
     `dist_checkpointing.load` would, but with nothing unpickled beyond the allow-lists of
-    `mmparity.io.unpickle` (see `_mcore_compat`: mcore's own load cannot be made safe).
+    `mmparity.io.unpickle` (see `mcore_compat`: mcore's own load cannot be made safe).
 
     `sharded_state_dict` is the receiving model's `sharded_state_dict()` under its own (any) TP
     size. Returns a plain state dict for `model.load_state_dict`. `path` is a root (its tracker
