@@ -193,7 +193,7 @@ def test_config_json_beside_a_params_json_that_disagrees_is_refused(capsys, mist
 def test_config_json_beside_a_params_json_that_agrees_converts(capsys, mistral_release, tmp_path):
     """Both files describing the same model: config.json is read, the result is the params.json
     release's, bit for bit."""
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.convert import read_mcore_shards
 
     release, params, cfg = mistral_release
     for name, config in (("both", cfg.to_json_string()), ("params_only", None)):
@@ -649,7 +649,7 @@ def test_a_typed_divisor_of_a_billion_is_refused_before_allocating(hf, tmp_path)
 
 @pytest.mark.parametrize("divisor", [1, 7, 256, 2**16])
 def test_a_divisor_within_the_bound_converts(capsys, hf, tmp_path, divisor):
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.convert import read_mcore_shards
 
     code, out, err = run_cli(capsys, "convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
                              "--to", "mcore", "--format", "legacy", "--make-vocab-size-divisible-by", divisor,

@@ -184,7 +184,7 @@ def _assert_trained_weights_exported(hf_dir: Path, out: Path, trained: Path, tp:
     the tensors Megatron has no place for taken from the base: bit for bit."""
     from safetensors.torch import load_file
 
-    from mmparity.io.hf import read_hf_config
+    from mmparity.convert.configs import read_hf_config
 
     family = families.get("llava")
     cfg = read_hf_config(hf_dir)[0]

@@ -25,7 +25,7 @@ from mmparity.io.manifest import read_manifest
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.megatron.load import build_and_load, load_job
-from mmparity.convert.pipeline import SIDE_FILE
+from mmparity.io.formats.mcore import SIDE_FILE
 from mmparity.cli.main import main
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping.rules import side_keys

@@ -25,7 +25,7 @@ from mmparity.megatron import torch_dist
 from mmparity.io.legacy import open_legacy, write_legacy
 from mmparity.io.manifest import Provenance
 from mmparity.megatron.load import build_and_load, load_job
-from mmparity.convert.pipeline import HF_CONFIG_FILE
+from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.cli.main import main
 from mmparity.parallel import pp as pp_mod
 from mmparity.parity import harness

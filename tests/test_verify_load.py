@@ -16,7 +16,7 @@ from mmparity.models.core.inputs import random_like_state
 from mmparity.megatron import torch_dist
 from mmparity.io.legacy import write_legacy
 from mmparity.io.manifest import Provenance
-from mmparity.convert.pipeline import HF_CONFIG_FILE
+from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.models.core import megatron_classes as models
 from tests.test_convert_cli import run_cli
 from tests.test_convert_roundtrips import save_hf

@@ -9,10 +9,3 @@ write. Each format is one module of :mod:`mmparity.io.formats`; ``verify(dir)``
 here imports transformers or megatron (Megatron's own torch_dist save and load are
 ``mmparity.megatron.torch_dist``'s).
 """
-
-from mmparity.io import formats
-from mmparity.io.formats import hf as _hf_format
-from mmparity.io.formats import legacy as _legacy_format
-from mmparity.io.formats import torch_dist as _torch_dist_format
-
-formats.register(_hf_format.FORMAT, _legacy_format.FORMAT, _torch_dist_format.FORMAT)
