@@ -598,10 +598,11 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
     import importlib
 
     verify_mod = importlib.import_module("mmparity.io.verify")  # the package exports a function of that name
+    from mmparity.io.formats import hf as safetensors_verifier  # verifies side files as HF shards
     src = copy_tree(clip_sources["legacy"], tmp_path / "src")
     entries = HUGE_SIDE_FILES["a sparse 12 GiB tensor in its place"](_side_entries(clip_sources["legacy"]))
     _write_side_file(src / "mcore_side.safetensors", entries)
-    opened = verify_mod.safe_open
+    opened = safetensors_verifier.safe_open
 
     class Guarded:
         def __init__(self, *args, **kwargs):
@@ -615,7 +616,7 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
                 raise AssertionError(f"verify read the {HUGE}-element tensor {key} its header declares")
             return self._handle.get_tensor(key)
 
-    monkeypatch.setattr(verify_mod, "safe_open", Guarded)
+    monkeypatch.setattr(safetensors_verifier, "safe_open", Guarded)
     report = verify_mod.verify(src)
     assert not report.ok and any("ln_post.weight" in str(p) and "its header declares shape" in str(p)
                                  for p in report.problems), str(report)

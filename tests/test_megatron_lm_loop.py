@@ -122,7 +122,7 @@ def _loop_rank(rank: int, world: int, params: dict) -> dict:
     job = megatron_load.load_job(params["src"], tp=params["tp"])[0]
     job.init_parallel()
     cfg = job.cfg
-    _megatron_lm_args(cfg, job.tp, job.pp, params["format"], params["src"], params["save"],
+    _megatron_lm_args(cfg, job.grid.tp.size, job.grid.pp.size, params["format"], params["src"], params["save"],
                       finetune=params["finetune"])
     # What mmparity's own strict loader reads out of its checkpoint: the reference for Megatron-LM's.
     reference = megatron_load.build_and_load(rank, world, job)
