@@ -127,11 +127,12 @@ check_dtype float32
 # Both benches judge bf16 parity against an fp32 HF forward (exit 1 on a failed verdict) and
 # rewrite their JSON after every family, so a step cut by its limit still reports what it timed.
 # The towers only, named: the whole VLMs' published sizes (Mistral-Small-3.1 is 24B parameters)
-# take minutes to build on the host, and the 2026-12-04 run spent the step's whole limit on the
-# first of them without timing it.
+# take minutes each to build on the host, longer than the step's whole limit, so not one of them
+# would be timed.
 step bench_published 180 "$PY" -m mmparity bench pixtral clip siglip qwen3_5 kimi_k25 --size "$BENCH_SIZE" \
     --device "$DEVICE" --dtype bfloat16 --json "$OUT/bench_published_bfloat16.json"
-# Most wanted first (the issue's targets), in case the step runs out of time.
+# Most wanted first (the towers with speed targets in benchmarks/RESULTS.md), in case the step
+# runs out of time.
 step bench_mixed 140 "$PY" -m mmparity bench qwen3_5 kimi_k25 pixtral siglip clip --mixed \
     --size "$BENCH_SIZE" --device "$DEVICE" --dtype bfloat16 --json "$OUT/bench_mixed_bfloat16.json"
 step attention_kernels 45 "$PY" benchmarks/attention_kernels.py --device "$DEVICE" --dtype bfloat16 \

@@ -1,9 +1,16 @@
+import argparse
 import os
 
 import pytest
 import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Tests read mmparity's own rank files back with torch.load(weights_only=True); those hold
+# Megatron-LM's `args` Namespace. megatron-core allow-lists it when first imported, so without this
+# whether a test could read a rank file depended on which test imported megatron-core first (and a
+# `torch.serialization.safe_globals([...])` block removes what it names on exit: don't use one).
+torch.serialization.add_safe_globals([argparse.Namespace])
 
 
 def pytest_collection_modifyitems(config, items):

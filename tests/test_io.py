@@ -422,7 +422,7 @@ def test_parse_size_rejects_nonsense(text):
 def test_io_imports_neither_framework():
     import subprocess
 
-    fsio = Path(__file__).parent.parent / "mmparity" / "checkpoint" / "fsio"
+    fsio = Path(__file__).parent.parent / "mmparity" / "io" / "fsio"
     modules = ", ".join(sorted(f"mmparity.io.fsio.{p.stem}" for p in fsio.glob("*.py") if p.stem != "__init__"))
     code = (f"import sys, {modules}, mmparity.parallel.pp;"
             "bad = [m for m in ('megatron', 'transformers') if m in sys.modules]; assert not bad, bad")

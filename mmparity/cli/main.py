@@ -12,15 +12,39 @@ import threading
 
 from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage, quiet_third_party_warnings
 
-# subcommand -> module under mmparity.cli exposing add_arguments(parser) and run(args) -> int
+# subcommand -> module under mmparity.cli exposing add_arguments(parser) and run(args) -> int, and
+# the one line `mmparity --help` lists it with
 SUBCOMMANDS = {
-    "list": ("list_cmd", "list families, their components and HF reference classes"),
-    "check": ("check", "parity of native mcore encoders against the HF reference"),
-    "bench": ("bench", "forward time of native encoders against the HF reference"),
-    "convert": ("convert", "convert checkpoints between HF safetensors and mcore (legacy, torch_dist)"),
-    "verify": ("verify", "re-check a checkpoint mmparity wrote against its mmparity.json checksums"),
-    "tiny": ("tiny", "write a family's tiny HF model with seeded random weights (for a first try, or a bug report)"),
+    "list": ("list_cmd", "the registered families: towers, language models, whole VLMs"),
+    "check": ("check", "does the mcore model (or Megatron's own class) compute what transformers does? "
+                       "names the first module where it departs"),
+    "convert": ("convert", "HF safetensors <-> Megatron-LM checkpoints (torch_dist, legacy), TP/PP/EP, "
+                           "bit-exact"),
+    "verify": ("verify", "re-check a checkpoint against its checksums, or load it strictly into Megatron's "
+                         "class (--load)"),
+    "bench": ("bench", "time the mcore and transformers forwards on the same inputs, with a parity verdict"),
+    "tiny": ("tiny", "write a family's tiny HF model with seeded random weights (a first try, a bug report)"),
 }
+
+DESCRIPTION = """\
+Move vision-language models between Hugging Face transformers and Megatron-LM,
+both ways, and check that the Megatron-Core model computes the same function
+as the transformers one: convert a release for Megatron-LM (the whole VLM, or
+its language model alone), check it, and export what Megatron-LM trained back
+to the whole release."""
+
+EPILOG = """\
+example: a tiny LLaVA to Megatron-LM's rank files at TP 2 and back
+  mmparity tiny llava hf/
+  mmparity check --hf hf/
+  mmparity convert --src hf/ --dst mcore/ --to mcore --tp 2 --format legacy
+  mmparity verify --load mcore/
+  mmparity convert --src mcore/ --dst hf2/ --to hf
+
+Each command's options: mmparity COMMAND --help. Exit codes: 0 success,
+1 a parity failure or problems found, 2 a usage or input error.
+Guides: README.md and docs/ in the mmparity repository (convert.md, check.md,
+megatron.md for Megatron-LM users, live.md, gpu.md)."""
 
 
 def _seconds(text: str) -> float:
@@ -44,12 +68,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mmparity", description=__doc__)
+    parser = _Parser(prog="mmparity", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     from mmparity import __version__
 
     parser.add_argument("--version", action="version", version=f"mmparity {__version__}")
     parser.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, title="commands", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(f"mmparity.cli.{module}").add_arguments(sub_parser)
@@ -99,12 +124,24 @@ def main(argv=None) -> int:
     with a traceback. Called with ``argv`` (embedded, tests) the handlers stay as they were."""
     with _terminating_signals_interrupt():
         try:
-            return _main(argv)
-        except KeyboardInterrupt as exc:  # also while parsing and importing
+            try:
+                return _main(argv)
+            except KeyboardInterrupt as exc:  # also while parsing and importing
+                if argv is None:
+                    _only_exit()
+                return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+        finally:
             if argv is None:
-                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                    signal.signal(signum, signal.SIG_IGN)
-            return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+                # The command is done (or was stopped): what is left is the interpreter's shutdown
+                # (library finalizers), which an interrupt would cut short with a traceback.
+                _only_exit()
+
+
+def _only_exit() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _main(argv) -> int:
