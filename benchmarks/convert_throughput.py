@@ -15,7 +15,7 @@ Jobs, all reading the same (warm) source bytes:
   the converters' own overhead shows (column `x floor`);
 * `transformers`: `from_pretrained` + `state_dict()` + `save_file`, fsynced (what people do today);
 * `hf -> legacy tp1 / tp2`, `hf -> torch_dist tp1 / tp2`, and back `legacy tp2 -> hf`,
-  `torch_dist -> hf`, through `mmparity.convert.pipeline.convert` (atomic, fsynced, checksummed).
+  `torch_dist -> hf`, through `mmparity.convert.convert` (atomic, fsynced, checksummed).
 
 On a machine whose disk or memory speed drifts (shared, virtual), single runs are noise: jobs run
 in rounds, `--repeat` times, and `--paired` times the plain copy right before every job run so that
@@ -137,7 +137,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
             return {"seconds": seconds, "ready_anon_kb": ready, "phases": phases}
         import torch  # noqa: F401  (import cost outside the timed region, as for the others)
 
-        from mmparity.convert.pipeline import ConvertOptions, convert
+        from mmparity.convert import ConvertOptions, convert
 
         by_phase = options.pop("memory_phases", False)
         _import_for(options)
@@ -246,7 +246,7 @@ def _rank(src: str, dst: str, options: dict) -> None:
 
     warnings.filterwarnings("ignore")
     from mmparity.io import team as team_mod
-    from mmparity.convert.pipeline import ConvertOptions, convert
+    from mmparity.convert import ConvertOptions, convert
 
     _import_for(options)
     print("ready", flush=True)

@@ -1,4 +1,8 @@
-"""Exceptions from torch, DCP and Megatron reduced to one line, cause first.
+"""The errors every layer raises, and exceptions from torch, DCP and Megatron reduced to one line.
+
+:class:`ConversionError` lists every reason a conversion cannot be total (the rule engine, the
+parallel splits and the formats raise it); :class:`ConvertError` is why a conversion on disk cannot
+be done, in one line (the CLI prints it). Both live here, below every layer that raises them.
 
 DCP wraps each rank's failure in a ``CheckpointException`` whose text is every rank's traceback
 flattened; Megatron and torch chain exceptions several deep. A user is told the innermost cause
@@ -8,10 +12,48 @@ flattened; Megatron and torch chain exceptions several deep. A user is told the 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
-__all__ = ["root_cause", "one_line", "MAX_CHARS"]
+__all__ = ["ConversionError", "ConvertError", "problems_line", "from_conversion_error", "root_cause", "one_line",
+           "MAX_CHARS"]
 
 MAX_CHARS = 600
+# How many problems a one-line message shows before counting the rest.
+MAX_PROBLEMS_SHOWN = 4
+
+
+class ConversionError(ValueError):
+    """Every reason a conversion cannot be total, listed at once."""
+
+    def __init__(self, title: str, problems: Sequence[str]):
+        self.title = title
+        self.problems = list(problems)
+        shown = self.problems[:60]
+        more = len(self.problems) - len(shown)
+        body = "\n".join(f"  - {p}" for p in shown) + (f"\n  … and {more} more" if more > 0 else "")
+        super().__init__(f"{title} ({len(self.problems)} problem(s)):\n{body}")
+
+    def line(self, shown: int = 4) -> str:
+        """The same as one line, as a user error is printed: the title, the first ``shown``
+        problems, how many more (the multi-line ``str`` lists them all, for the Python API)."""
+        first = "; ".join(" ".join(p.split()) for p in self.problems[:shown])
+        more = len(self.problems) - shown
+        return f"{self.title}: {first}" + (f" (+{more} more)" if more > 0 else "")
+
+
+class ConvertError(Exception):
+    """Why a conversion cannot be done, in one line (the CLI prints it and exits 2)."""
+
+
+def problems_line(title: str, problems: Sequence[str]) -> str:
+    """``title: first; second; ... (+N more)``, each problem's whitespace collapsed."""
+    shown = "; ".join(" ".join(p.split()) for p in problems[:MAX_PROBLEMS_SHOWN])
+    more = len(problems) - MAX_PROBLEMS_SHOWN
+    return f"{title}: {shown}" + (f" (+{more} more)" if more > 0 else "")
+
+
+def from_conversion_error(exc: ConversionError, where: str = "") -> ConvertError:
+    return ConvertError(problems_line(f"{where}{exc.title}", exc.problems))
 
 # A traceback pasted into a message ("Traceback (most recent call last): File ..., line N, in f ...").
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\):.*?(?=\b[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b: |\Z)",

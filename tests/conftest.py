@@ -47,7 +47,7 @@ def pytest_configure(config):
     if not torch.cuda.is_available():
         runtime.share_rank_imports(["torch.multiprocessing", "torch.distributed", "megatron.core", "transformers",
                                     "mmparity.parallel.runtime", "mmparity.models.registry", "mmparity.models.spec",
-                                    "mmparity.parity.harness", "mmparity.convert.pipeline"])
+                                    "mmparity.parity.harness", "mmparity.convert"])
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -362,7 +362,7 @@ def hf_logits(release: str, family: str, ids: torch.Tensor) -> torch.Tensor:
     family's reference class, its text model and head (``model.model.language_model``,
     ``lm_head``), the decoder a whole VLM runs on text."""
     from mmparity.models import registry as families
-    from mmparity.io.hf import read_hf_config
+    from mmparity.convert.configs import read_hf_config
 
     reference = type(families.get(family).build_reference(read_hf_config(release, for_models=True)[0]))
     model = reference.from_pretrained(release, dtype=torch.float32).eval()

@@ -463,7 +463,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 
 def _load_into(model, root):
-    from mmparity.io.torch_dist import load_torch_dist
+    from mmparity.megatron.torch_dist import load_torch_dist
 
     loaded = load_torch_dist(root, model.sharded_state_dict())
     model.load_state_dict(loaded)
@@ -478,7 +478,7 @@ def _two_rank_worker(rank: int, world_size: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mmparity.io.torch_dist import save_torch_dist
+    from mmparity.megatron.torch_dist import save_torch_dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -553,7 +553,7 @@ def _one_rank_worker(rank: int, world_size: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mmparity.io.torch_dist import save_torch_dist
+    from mmparity.megatron.torch_dist import save_torch_dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -691,7 +691,7 @@ def test_torch_dist_needs_a_process_group(tmp_path):
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
 
-    from mmparity.io.torch_dist import load_torch_dist, save_torch_dist
+    from mmparity.megatron.torch_dist import load_torch_dist, save_torch_dist
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

@@ -114,7 +114,7 @@ def test_progress_bars_are_drawn_on_a_terminal(pixtral_hf, tmp_path):
     from rich.console import Console
 
     from mmparity.cli.convert import _RichProgress
-    from mmparity.convert.pipeline import ConvertOptions, convert
+    from mmparity.convert import ConvertOptions, convert
 
     with (tmp_path / "tty.txt").open("w") as terminal:
         progress = _RichProgress(Console(file=terminal, force_terminal=True, width=120))

@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmparity.convert import pipeline as streaming
+from mmparity.convert import sources as convert_sources
+from mmparity.io.formats import hf as hf_format, legacy as legacy_format, mcore as mcore_format
+from mmparity.io.formats import torch_dist as torch_dist_format
 from mmparity.io.fsio import heap as heap_mod
 from mmparity.io.fsio import pieces as pieces_mod
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
@@ -41,7 +43,8 @@ def materialised(monkeypatch):
 
     monkeypatch.setattr(rules, "join", spy(rules.join, several))
     monkeypatch.setattr(pieces_mod, "joined", spy(pieces_mod.joined, several))
-    monkeypatch.setattr(streaming, "joined", spy(streaming.joined, several))
+    for module in (convert_sources, mcore_format, hf_format):  # the modules that join pieces
+        monkeypatch.setattr(module, "joined", spy(module.joined, several))
     monkeypatch.setattr(tp.ColumnJoin, "tensor", spy(tp.ColumnJoin.tensor, lambda *_: True))
     monkeypatch.setattr(ops.PadRows, "apply", spy(ops.PadRows.apply, lambda *_: True))
     return made
@@ -109,7 +112,8 @@ def test_every_writer_hands_the_heap_back_once_before_its_tensors(target, monkey
             super().check(nbytes)
 
     recording = Recording()
-    monkeypatch.setattr(streaming, "heap_budget", lambda: recording)
+    for module in (hf_format, legacy_format, torch_dist_format):  # each writer's budget
+        monkeypatch.setattr(module, "heap_budget", lambda: recording)
     src = save_hf("llava", tmp_path / "hf", seed=5)
     mcore = tmp_path / "mcore"
     assert run("convert", "--family", "llava", "--src", src, "--dst", mcore, "--to", "mcore",

@@ -82,7 +82,7 @@ def test_hf_to_mcore_tp2_pp2_and_back_is_bit_exact(family, fmt, hf_dirs, tmp_pat
 @pytest.mark.parametrize("family", families.names())
 def test_streaming_convert_and_the_in_memory_api_give_the_same_shards(family, hf_dirs, tmp_path):
     """One engine: `convert` to legacy TP 2 writes exactly what `Family.hf_to_mcore` returns."""
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.convert import read_mcore_shards
     from transformers import AutoConfig
 
     src = hf_dirs[family]
@@ -217,8 +217,8 @@ def test_whole_vlm_source_converts_only_the_family(family, make, prefixes, tmp_p
 
 def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
     """One spawned rank: for each (family, format, checkpoint), load it at TP 4 and at TP 1, run."""
-    from mmparity.io.torch_dist import load_torch_dist
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.megatron.torch_dist import load_torch_dist
+    from mmparity.convert import read_mcore_shards
     from mmparity.parallel import runtime
 
     results = []

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from mmparity.models import registry as families
 from mmparity.mapping import ops
 from mmparity.parallel import tp
-from mmparity.mapping.rules import ConversionError, Rule, RuleSet, convert_hf_to_mcore, rename, to_te_spelling
+from mmparity.errors import ConversionError
+from mmparity.mapping.rules import Rule, RuleSet, convert_hf_to_mcore, rename, to_te_spelling
 from mmparity.mapping import rules as R
 from mmparity.models.core.inputs import random_like_state
 from tests.strategies import config_and_tp

@@ -13,7 +13,7 @@ from mmparity.io.manifest import read_manifest
 from mmparity.io.verify import verify
 from mmparity.parallel import ep, pp, tp
 from mmparity.parallel.axes import AxisError, Grid, expert_axis
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 
 ROOT = "language_model."
 LAYERS = f"{ROOT}decoder.layers."
@@ -361,8 +361,8 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
     a stacked expert axis, and a stacked layer axis unless dense layers come first), read back one
     (layer, expert) at a time under the per-expert keys, bit-exact."""
     from mmparity.parallel import runtime
-    from mmparity.convert.pipeline import torch_dist_index
-    from mmparity.io.torch_dist import save_torch_dist
+    from mmparity.io.formats.torch_dist import torch_dist_index
+    from mmparity.megatron.torch_dist import save_torch_dist
     from mmparity.io.torch_dist_files import TorchDistFiles
     from mmparity.mapping.rules import to_te_spelling
 
@@ -373,7 +373,7 @@ def test_torch_dist_expert_tensors_are_read_back_per_layer_and_expert(tmp_path, 
         state = {k.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"): v
                  for k, v in to_te_spelling({k: v for k, v in block.state_dict(prefix="decoder.").items()
                                              if isinstance(v, torch.Tensor)}).items()}
-        save_torch_dist(tmp_path / "ckpt", block.sharded_state_dict(prefix="decoder."), tp_size=1, pp_size=1)
+        save_torch_dist(tmp_path / "ckpt", block.sharded_state_dict(prefix="decoder."), grid=Grid.of())
     files = TorchDistFiles(tmp_path / "ckpt" / "iter_0000001")
     index = torch_dist_index(files, list(state))
     assert set(index) == set(state)
@@ -461,16 +461,16 @@ def test_torch_dist_extra_states_of_the_moe_family_are_keyed_as_mcore_keys_them(
 
     from mmparity.models import registry as families
     from mmparity.parallel import runtime
-    from mmparity.io import mcore_compat as mc
+    from mmparity.megatron import mcore_compat as mc
     from mmparity.io import extra_state
-    from mmparity.convert import pipeline as streaming
-    from mmparity.io.torch_dist import extra_state_objects
+    from mmparity.mapping.tables import mcore_order, tp_kinds
+    from mmparity.megatron.torch_dist import extra_state_objects
     from mmparity.parallel import pp
 
     family = families.get("kimi_k25_vl")
     cfg = family.tiny_config()
-    rules = streaming._rule_set("kimi_k25_vl", cfg, None)
-    order, kinds = streaming._mcore_order(rules), streaming._kinds(rules)
+    rules = family.rule_set(cfg, None)
+    order, kinds = mcore_order(rules), tp_kinds(rules)
     with runtime.parallel_context(1, 1), torch.device("meta"):
         sharded = family.build_native(cfg).sharded_state_dict()
     per_layer = {parts[0] for entry in sharded.values() if isinstance(entry, (mc.ShardedTensor, ShardedTensorFactory))
@@ -498,7 +498,7 @@ def test_torch_dist_expert_extra_states_match_mcores_in_stacked_and_per_layer_bl
     layer axis when the block is homogeneous: extra_state_objects places them the same way."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from mmparity.parallel import runtime
-    from mmparity.io.torch_dist import extra_state_objects
+    from mmparity.megatron.torch_dist import extra_state_objects
     from mmparity.parallel import pp
 
     with runtime.parallel_context(1, 1):

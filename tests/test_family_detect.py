@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from mmparity.models import registry as families
 from mmparity.models.core.inputs import random_like_state
 from mmparity.io.fsio.errors import CheckpointError
-from mmparity.io.hf import detect_family, read_config_facts
-from mmparity.convert.pipeline import ConvertOptions, convert
+from mmparity.convert.configs import detect_family, read_config_facts
+from mmparity.convert import ConvertOptions, convert
 from mmparity.cli.common import human_bytes
 from mmparity.cli.main import main
 from mmparity.models.registry import ConfigFacts, Family, Takes

@@ -193,7 +193,7 @@ def test_config_json_beside_a_params_json_that_disagrees_is_refused(capsys, mist
 def test_config_json_beside_a_params_json_that_agrees_converts(capsys, mistral_release, tmp_path):
     """Both files describing the same model: config.json is read, the result is the params.json
     release's, bit for bit."""
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.convert import read_mcore_shards
 
     release, params, cfg = mistral_release
     for name, config in (("both", cfg.to_json_string()), ("params_only", None)):
@@ -598,10 +598,11 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
     import importlib
 
     verify_mod = importlib.import_module("mmparity.io.verify")  # the package exports a function of that name
+    from mmparity.io.formats import hf as safetensors_verifier  # verifies side files as HF shards
     src = copy_tree(clip_sources["legacy"], tmp_path / "src")
     entries = HUGE_SIDE_FILES["a sparse 12 GiB tensor in its place"](_side_entries(clip_sources["legacy"]))
     _write_side_file(src / "mcore_side.safetensors", entries)
-    opened = verify_mod.safe_open
+    opened = safetensors_verifier.safe_open
 
     class Guarded:
         def __init__(self, *args, **kwargs):
@@ -615,7 +616,7 @@ def test_verify_holds_a_header_to_its_record_before_reading(clip_sources, tmp_pa
                 raise AssertionError(f"verify read the {HUGE}-element tensor {key} its header declares")
             return self._handle.get_tensor(key)
 
-    monkeypatch.setattr(verify_mod, "safe_open", Guarded)
+    monkeypatch.setattr(safetensors_verifier, "safe_open", Guarded)
     report = verify_mod.verify(src)
     assert not report.ok and any("ln_post.weight" in str(p) and "its header declares shape" in str(p)
                                  for p in report.problems), str(report)
@@ -649,7 +650,7 @@ def test_a_typed_divisor_of_a_billion_is_refused_before_allocating(hf, tmp_path)
 
 @pytest.mark.parametrize("divisor", [1, 7, 256, 2**16])
 def test_a_divisor_within_the_bound_converts(capsys, hf, tmp_path, divisor):
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.convert import read_mcore_shards
 
     code, out, err = run_cli(capsys, "convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
                              "--to", "mcore", "--format", "legacy", "--make-vocab-size-divisible-by", divisor,

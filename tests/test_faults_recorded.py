@@ -115,7 +115,7 @@ def test_load_job_builds_with_the_recorded_divisor(converted):
     from mmparity.megatron.load import load_job
 
     job = load_job(converted("legacy", tp=2, divisor=7))[0]
-    assert (job.tp, job.pp) == (2, 1)
+    assert (job.grid.tp.size, job.grid.pp.size) == (2, 1)
     assert job.build_options == {"divisible_by": 7}
 
 

@@ -5,17 +5,22 @@ no other edit."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from mmparity.parallel.axes import Grid
 from mmparity.io import formats
-from mmparity.convert import pipeline as streaming
+from mmparity.io.formats import base
 from mmparity.io.fsio.checksums import tensor_checksum
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.manifest import (
     LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, LAYOUTS, Manifest, TensorRecord, write_manifest)
-from mmparity.convert.pipeline import ConvertError, ConvertOptions, convert, open_source
+from mmparity.convert import ConvertOptions, convert
+from mmparity.convert.sources import open_source
+from mmparity.errors import ConvertError
+from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.io.verify import verify
 
 
@@ -32,22 +37,26 @@ def test_the_built_in_formats_are_the_registry_in_detection_order():
 
 
 class _ToySource:
-    def __init__(self, path, family, complete):
-        self.path, self.family, self.complete = path, family, complete
+    def __init__(self, stored, model, complete):
+        self.path, self.family, self.complete = stored.path, model.name, complete
 
 
-def _toy_format(written: list, verified: list) -> formats.Format:
+def _toy_format(written: list, verified: list) -> base.Format:
     """An mcore format of one marker file per iteration directory, whose source and writer only
     record that they were called."""
-    def write(source, options, progress):
-        written.append((source.family, options.dst))
-        options.dst.mkdir()
-        return formats.Written(3, 12, Grid.of(tp=options.tp))
+    def write(source, out, progress):
+        written.append((source.family, out.dst))
+        out.dst.mkdir()
+        return base.Written(3, 12, out.grid)
 
-    return formats.Format(
-        name="toy", layout="mcore_toy", kind=formats.MCORE, what="a toy checkpoint (toy.json)",
+    def probe(path, iteration=None):
+        root = path.parent if path.name.startswith("iter_") else path
+        return base.Stored(path, root, root / HF_CONFIG_FILE, capacity=(100, 10**6))  # what its config may claim
+
+    return base.Format(
+        name="toy", layout="mcore_toy", kind=base.MCORE, what="a toy checkpoint (toy.json)",
         detect=lambda iteration_dir: (iteration_dir / "toy.json").is_file(),
-        open_source=lambda path, family, hf_format, filt, tp, multiple, complete, **described: _ToySource(path, family, complete),
+        probe=probe, open=lambda stored, model, filt, complete, described_by: _ToySource(stored, model, complete),
         write=write, verify=lambda root, records, report: verified.append(sorted(records)), stores_grid=True)
 
 
@@ -66,13 +75,17 @@ def _toy_checkpoint(root):
     (root / "iter_0000001").mkdir(parents=True)
     (root / "latest_checkpointed_iteration.txt").write_text("1\n")
     (root / "iter_0000001" / "toy.json").write_text("{}")
+    # The HF config an mcore checkpoint keeps: what tells a reader its model.
+    (root / HF_CONFIG_FILE).write_text(json.dumps({
+        "model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 20, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 16, "patch_size": 8}))
     return root
 
 
 def test_a_format_registered_by_one_entry_is_detected_opened_and_verified(toy, tmp_path):
     _written, verified = toy
     root = _toy_checkpoint(tmp_path / "toy")
-    assert streaming._source_kind(root).name == "toy"
+    assert formats.source_format(root).name == "toy"
     source = open_source(root, "clip", complete=False)
     assert isinstance(source, _ToySource) and (source.path, source.family, source.complete) == (root, "clip", False)
     # Its manifest is one verify dispatches on (write_manifest knows the registered layouts).
@@ -85,7 +98,7 @@ def test_a_format_registered_by_one_entry_is_detected_opened_and_verified(toy, t
     with pytest.raises(ConvertError, match=r"neither legacy rank directories \(mp_rank_\*/model_optim_rng.pt\), "
                                            r"a torch_dist checkpoint \(.metadata, metadata.json\) nor a toy "
                                            r"checkpoint \(toy.json\)"):
-        streaming._source_kind(root)
+        formats.source_format(root)
 
 
 def test_a_format_registered_by_one_entry_is_written_by_convert(toy, tmp_path):
@@ -98,7 +111,7 @@ def test_a_format_registered_by_one_entry_is_written_by_convert(toy, tmp_path):
     assert "toy" in formats.writable()
     result = convert(ConvertOptions(src=tmp_path / "clip", dst=tmp_path / "out", to="mcore", format="toy", tp=2))
     assert written == [("clip", tmp_path / "out")]
-    assert (result.layout, result.tensors, result.nbytes, result.tp, result.pp) == ("mcore_toy", 3, 12, 2, 1)
+    assert (result.layout, result.tensors, result.nbytes, result.grid) == ("mcore_toy", 3, 12, Grid.of(tp=2))
 
 
 def test_without_the_entry_the_format_is_unknown(tmp_path):

@@ -16,11 +16,11 @@ from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.io.legacy import load_rank_file, write_legacy
 from mmparity.io.manifest import Provenance
-from mmparity.io.torch_dist import load_torch_dist
+from mmparity.megatron.torch_dist import load_torch_dist
 from mmparity.cli.main import main
 from mmparity.models.kimi_k25.mapping import TileBlocks
 from mmparity.mapping.ops import LayoutError
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 from mmparity.models.core import megatron_classes as models
 from mmparity.models.kimi_k25.megatron import build_kimi_k25
 from tests.test_convert_roundtrips import save_hf

@@ -181,7 +181,7 @@ def test_multi_token_prediction_layers_are_dropped_and_reported(fam, tmp_path, c
 
 
 def test_whole_checkpoint_is_detected_as_the_whole_family(fam, tmp_path):
-    from mmparity.io.hf import detect_family
+    from mmparity.convert.configs import detect_family
 
     (tmp_path / "config.json").write_text(json.dumps(fam.tiny_config().to_dict() | {
         "architectures": ["Kimi_K25ForConditionalGeneration"]}))

@@ -17,7 +17,7 @@ from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 from mmparity.io.legacy import open_legacy
 from mmparity.mapping import rules as R
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 from tests.test_convert_roundtrips import run, save_hf
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks

@@ -122,7 +122,7 @@ def _loop_rank(rank: int, world: int, params: dict) -> dict:
     job = megatron_load.load_job(params["src"], tp=params["tp"])[0]
     job.init_parallel()
     cfg = job.cfg
-    _megatron_lm_args(cfg, job.tp, job.pp, params["format"], params["src"], params["save"],
+    _megatron_lm_args(cfg, job.grid.tp.size, job.grid.pp.size, params["format"], params["src"], params["save"],
                       finetune=params["finetune"])
     # What mmparity's own strict loader reads out of its checkpoint: the reference for Megatron-LM's.
     reference = megatron_load.build_and_load(rank, world, job)
@@ -184,7 +184,7 @@ def _assert_trained_weights_exported(hf_dir: Path, out: Path, trained: Path, tp:
     the tensors Megatron has no place for taken from the base: bit for bit."""
     from safetensors.torch import load_file
 
-    from mmparity.io.hf import read_hf_config
+    from mmparity.convert.configs import read_hf_config
 
     family = families.get("llava")
     cfg = read_hf_config(hf_dir)[0]

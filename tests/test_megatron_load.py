@@ -25,7 +25,7 @@ from mmparity.io.manifest import read_manifest
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.megatron.load import build_and_load, load_job
-from mmparity.convert.pipeline import SIDE_FILE
+from mmparity.io.formats.mcore import SIDE_FILE
 from mmparity.cli.main import main
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping.rules import side_keys
@@ -111,10 +111,10 @@ def _stage(rank: int, world: int, job, hf_dir: str) -> dict:
     job.init_parallel()
     try:
         model = build_and_load(rank, world, job)
-        shards = families.get("llava").hf_to_mcore(load_safetensors_state_dict(hf_dir), job.cfg, tp_size=job.tp)
+        shards = families.get("llava").hf_to_mcore(load_safetensors_state_dict(hf_dir), job.cfg, tp_size=job.grid.tp.size)
         layout = pp_mod.pipeline_layout(list(shards[0]))
-        stage = pp_mod.split_pipeline_stages(shards[rank % job.tp], job.layer_counts, layer_prefix=layout.layer_prefix,
-                                             last_stage_prefixes=layout.last_stage_keys)[rank // job.tp]
+        stage = pp_mod.split_pipeline_stages(shards[rank % job.grid.tp.size], job.layer_counts, layer_prefix=layout.layer_prefix,
+                                             last_stage_prefixes=layout.last_stage_keys)[rank // job.grid.tp.size]
         loaded = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         return {"differ": [k for k, v in stage.items() if not torch.equal(loaded[k], v)],
                 "keys": sorted(stage), "loaded": sorted(loaded)}
@@ -134,7 +134,7 @@ def test_llava_pipeline_stages_load_strictly_into_llava_model(tmp_path):
     assert main(["convert", "--family", "llava", "--src", str(hf_dir), "--dst", str(dst), "--to", "mcore",
                  "--format", "legacy", "--pp", "2", "--quiet"]) == 0
     job, _, _, world = load_job(dst)
-    assert (job.tp, job.pp, job.layer_counts, world) == (1, 2, (2, 1), 2)
+    assert (job.grid.tp.size, job.grid.pp.size, job.layer_counts, world) == (1, 2, (2, 1), 2)
     first, last = runtime.spawn(_stage, world, job, str(hf_dir))
     for stage in (first, last):
         assert stage["differ"] == [] and stage["keys"] == [k for k in stage["loaded"] if k in stage["keys"]]

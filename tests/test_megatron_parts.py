@@ -21,11 +21,11 @@ from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.megatron import load as megatron_load
-from mmparity.io import torch_dist
+from mmparity.megatron import torch_dist
 from mmparity.io.legacy import open_legacy, write_legacy
 from mmparity.io.manifest import Provenance
 from mmparity.megatron.load import build_and_load, load_job
-from mmparity.convert.pipeline import HF_CONFIG_FILE
+from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.cli.main import main
 from mmparity.parallel import pp as pp_mod
 from mmparity.parity import harness
@@ -243,7 +243,7 @@ def _loaded_rank(rank: int, world: int, job, hf_dir: str) -> list:
     try:
         model = build_and_load(rank, world, job)
         loaded = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and k.startswith(STOCK_PARTS)}
-        expected = _expected_language_model(job.cfg, hf_dir, job.tp, rank, job.layer_counts)
+        expected = _expected_language_model(job.cfg, hf_dir, job.grid.tp.size, rank, job.layer_counts)
         assert set(loaded) == set(expected), sorted(set(loaded) ^ set(expected))
         return [k for k, v in expected.items() if not torch.equal(loaded[k], v)]
     finally:
@@ -261,7 +261,7 @@ def test_torch_dist_at_tp2_pp2_reads_each_stages_slice(mistral3):
     """Global tensors read into GPTModel's stages: stage 1's layer 0 is the model's layer 1, the
     vocabulary re-padded for TP 2 by Megatron's own load."""
     job, _, _, world = load_job(mistral3(fmt="torch_dist"), tp=2, pp=2)
-    assert (job.tp, job.pp, job.layer_counts, world) == (2, 2, (1, 1), 4)
+    assert (job.grid.tp.size, job.grid.pp.size, job.layer_counts, world) == (2, 2, (1, 1), 4)
     assert runtime.spawn(_loaded_rank, world, job, str(mistral3.hf)) == [[], [], [], []]
 
 

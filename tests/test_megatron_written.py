@@ -171,7 +171,7 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
     job, _family, _name, _world = megatron_load.load_job(base_mcore)
     job.init_parallel()
     model, _loaded, _not_loaded, _filled = megatron_load._load(rank, job)
-    tp_rank = rank % job.tp
+    tp_rank = rank % job.grid.tp.size
     trained_rank = open_legacy(trained_mcore).load_rank(tp_rank)
     own = model.state_dict()
     # "Training": the changed weights, loaded strictly into the same classes.
@@ -179,7 +179,7 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
     # What the classes built here do not hold (towers only Megatron-LM main builds).
     beside = {k: v for k, v in trained_rank.items() if k not in own and isinstance(v, torch.Tensor)}
     iteration_dir = Path(out) / f"iter_{iteration:07d}"
-    args = megatron_args(job.tp)
+    args = megatron_args(job.grid.tp.size)
     if fmt == "legacy":
         optimizer = cpu_fp32_optimizer(model)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
@@ -198,7 +198,7 @@ def _save_rank(rank: int, world: int, base_mcore: str, trained_mcore: str, train
         optimizer = chained_cpu_optimizer(model) if chained else cpu_fp32_optimizer(model)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": sharded,
                  "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": iteration},
-                 "rng_state": ShardedObject("rng_state", rng_state(), (1, job.tp), (0, tp_rank), replica_id=0),
+                 "rng_state": ShardedObject("rng_state", rng_state(), (1, job.grid.tp.size), (0, tp_rank), replica_id=0),
                  "num_floating_point_operations_so_far": 12345}
         state["optimizer"] = optimizer.sharded_state_dict(state["model"])
         iteration_dir.mkdir(parents=True, exist_ok=True)

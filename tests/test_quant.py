@@ -149,7 +149,7 @@ from mmparity.models.core.inputs import random_like_state  # noqa: E402
 from mmparity.io.manifest import read_manifest  # noqa: E402
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
 from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint  # noqa: E402
-from mmparity.convert.pipeline import read_mcore_shards  # noqa: E402
+from mmparity.convert import read_mcore_shards  # noqa: E402
 from mmparity.cli.main import main  # noqa: E402
 
 # Blocks that cut the tiny model's rows and columns into partial edge blocks.

@@ -251,7 +251,7 @@ from mmparity.models import registry as families  # noqa: E402
 from mmparity.models.core.inputs import random_like_state  # noqa: E402
 from mmparity.io.manifest import read_manifest  # noqa: E402
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict  # noqa: E402
-from mmparity.convert.pipeline import read_mcore_shards  # noqa: E402
+from mmparity.convert import read_mcore_shards  # noqa: E402
 from mmparity.cli.main import main  # noqa: E402
 from mmparity.mapping.rules import convert_mcore_to_hf  # noqa: E402
 from mmparity.models.kimi_k25_vl import reference  # noqa: E402

@@ -85,7 +85,7 @@ def assert_round_trip(family: str, src: Path, tmp: Path, fmt: str, *export) -> P
 
 
 def mcore_tensors(mcore: Path) -> list:
-    from mmparity.convert.pipeline import read_mcore_shards
+    from mmparity.convert import read_mcore_shards
 
     _, _, shards = read_mcore_shards(mcore)
     return list(shards) + list(shards.side)

@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 
 from mmparity.models import registry as families
 from mmparity.io import dcp_index, dcp_metadata, torch_dist_files, unpickle
-from mmparity.convert import pipeline as streaming
+from mmparity.convert import ConvertOptions, convert
+from mmparity.convert.sources import open_source
+from mmparity.io.formats import torch_dist as torch_dist_format
+from mmparity.io.formats.base import Output, Progress
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.manifest import read_manifest
 from mmparity.io.torch_dist_layout import plan
@@ -43,10 +46,9 @@ def _convert_both(tmp_path: Path, family: str, cfg=None) -> tuple[Path, Path]:
 
     hf = save_hf(family, tmp_path / "hf", seed=5, cfg=cfg)
     paths = {}
-    for name, write in (("ours", streaming._write_torch_dist), ("mcore", write_with_mcore)):
+    for name, write in (("ours", torch_dist_format.write), ("mcore", write_with_mcore)):
         paths[name] = tmp_path / name
-        options = streaming.ConvertOptions(src=hf, dst=paths[name], to="mcore", format="torch_dist")
-        write(streaming.open_source(hf, family), options, streaming.Progress())
+        write(open_source(hf, family), Output(paths[name]), Progress())
     return paths["ours"], paths["mcore"]
 
 
@@ -99,8 +101,8 @@ def test_the_same_source_writes_the_same_bytes(tmp_path):
     hf = save_hf("mistral3", tmp_path / "hf", seed=1)
     outputs = []
     for name in ("one", "two"):
-        options = streaming.ConvertOptions(src=hf, dst=tmp_path / name / "ckpt", to="mcore", format="torch_dist")
-        streaming.convert(options)
+        options = ConvertOptions(src=hf, dst=tmp_path / name / "ckpt", to="mcore", format="torch_dist")
+        convert(options)
         outputs.append(options.dst / "iter_0000001")
     for file in sorted(p.name for p in outputs[0].iterdir()):
         assert (outputs[0] / file).read_bytes() == (outputs[1] / file).read_bytes(), file
@@ -240,8 +242,8 @@ def test_regions_across_chunks_read_the_same_mapped_or_loaded(tmp_path, monkeypa
     from mmparity.io.torch_dist_files import TorchDistFiles
 
     hf = save_hf("mistral3", tmp_path / "hf", seed=2)
-    options = streaming.ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
-    streaming.convert(options)
+    options = ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
+    convert(options)
     files = TorchDistFiles(options.dst / "iter_0000001")
     key = "language_model.decoder.layers.mlp.linear_fc1.weight"
     layers, rows, cols = files.tensors[key][1]
@@ -266,8 +268,8 @@ def test_a_layer_of_gated_halves_is_read_as_two_views_of_the_file(tmp_path):
     from mmparity.io.torch_dist_files import TorchDistFiles
 
     hf = save_hf("mistral3", tmp_path / "hf", seed=3)
-    options = streaming.ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
-    streaming.convert(options)
+    options = ConvertOptions(src=hf, dst=tmp_path / "ckpt", to="mcore", format="torch_dist")
+    convert(options)
     files = TorchDistFiles(options.dst / "iter_0000001")
     key = "language_model.decoder.layers.mlp.linear_fc1.weight"
     layers, rows, cols = files.tensors[key][1]
@@ -279,7 +281,7 @@ def test_a_layer_of_gated_halves_is_read_as_two_views_of_the_file(tmp_path):
     assert files.region_pieces(key, (layer, 0, 1), (1, rows, cols - 1)) is None
     assert files.region_pieces(key, (layer, 0, 0), (1, rows // 2, cols)) is None
     back = tmp_path / "back"
-    streaming.convert(streaming.ConvertOptions(src=options.dst, dst=back, to="hf"))
+    convert(ConvertOptions(src=options.dst, dst=back, to="hf"))
     assert_same_checkpoint(back, hf)  # and the pieces go back to HF bit for bit
 
 

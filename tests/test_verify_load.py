@@ -13,10 +13,10 @@ import pytest
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.models.core.inputs import random_like_state
-from mmparity.io import torch_dist
+from mmparity.megatron import torch_dist
 from mmparity.io.legacy import write_legacy
 from mmparity.io.manifest import Provenance
-from mmparity.convert.pipeline import HF_CONFIG_FILE
+from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.models.clip.megatron import build_clip
 from mmparity.models.core import megatron_classes as models
 from tests.test_convert_cli import run_cli

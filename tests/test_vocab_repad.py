@@ -16,7 +16,7 @@ from mmparity.io.manifest import read_manifest
 from mmparity.io.verify import verify
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.io.legacy import read_legacy
-from mmparity.convert.pipeline import read_mcore_shards
+from mmparity.convert import read_mcore_shards
 from mmparity.io.torch_dist_files import global_state_dict
 from tests.test_convert_roundtrips import assert_same_checkpoint, run, save_hf
 from tests.test_convert_cli import run_cli

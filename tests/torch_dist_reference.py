@@ -13,32 +13,37 @@ import dataclasses
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
-from mmparity.models import registry as families
-from mmparity.parallel import runtime
-from mmparity.io import mcore_compat as mc
+from mmparity.errors import ConvertError, problems_line
 from mmparity.io import extra_state, megatron_args
-from mmparity.convert import pipeline as S
+from mmparity.io.formats.base import Output, Progress
+from mmparity.io.formats.mcore import mcore_plan, mcore_provenance, side_files as mcore_side_files
 from mmparity.io.fsio.errors import CheckpointError
-from mmparity.io.torch_dist import extra_state_objects, save_torch_dist
+from mmparity.io.fsio.heap import heap_budget
+from mmparity.io.layout import HF_CONFIG_FILE, RELEASE
+from mmparity.mapping import rules as R
+from mmparity.mapping.tables import padded_tables as padded_tables_of
+from mmparity.megatron import mcore_compat as mc
+from mmparity.megatron.torch_dist import extra_state_objects, save_torch_dist
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
-from mmparity.mapping import rules as R
+from mmparity.parallel import runtime
+from mmparity.parallel.axes import Grid
 
 
-def write_with_mcore(source, options: S.ConvertOptions, progress=None) -> tuple[int, int]:
-    progress = progress or S.Progress()
-    order, kinds = S._mcore_plan(source, options.grid)
+def write_with_mcore(source, out: Output, progress=None) -> tuple[int, int]:
+    progress = progress or Progress()
+    order, kinds = mcore_plan(source, out.grid)
     # torch_dist stores global tensors: the TP/PP/EP sizes only had to fit (checked above).
-    pp_mod.pipeline_layout(order).layer_counts(options.grid.pp)
+    pp_mod.pipeline_layout(order).layer_counts(out.grid.pp)
     total = sum(source.metas[k].nbytes for k in order)
-    rules = S._rule_set(source.family, source.cfg, source.hf_format)
+    rules = source.rules
     aside = set(R.side_keys(rules))
-    side_files, side_records, side_extra = S._side_tensors(source, rules)
+    side_files, side_records, side_extra = mcore_side_files(source)
     with runtime.parallel_context(1, 1):
         # The model only supplies mcore's sharding metadata (keys, layer offsets, the swiglu
         # factory); built on meta it costs no memory, and its data is replaced below.
         with torch.device("meta"):
-            model = families.get(source.family).build_native(source.cfg)
+            model = source.model.spec.build_native(source.cfg)
         sharded = model.sharded_state_dict()
         # The layer stacks mcore keys layer by layer (a non-homogeneous block: dense and MoE
         # layers), as its sharded tensors' keys tell; the extra states follow them.
@@ -70,9 +75,9 @@ def write_with_mcore(source, options: S.ConvertOptions, progress=None) -> tuple[
             local_keys[local] = key
         problems += [f"converted tensor {k} is not in the native model" for k in sorted(set(order) - set(local_keys.values()))]
         if problems:
-            raise S.ConvertError(S._problems_line(f"{source.family!r}: the native model and the converter disagree", problems))
+            raise ConvertError(problems_line(f"{source.family!r}: the native model and the converter disagree", problems))
         progress.phase(f"{source.family} -> torch_dist", len(local_keys), total)
-        padded_tables = S._padded_tables(rules)
+        padded_tables = padded_tables_of(rules)
         # Every entry gets a meta placeholder of the converted shape; DCP plans from those, and
         # each tensor is produced from the source only when the writer reaches it.
         # Keyed by the placeholder's storage, which every alias mcore makes of it shares; the
@@ -102,10 +107,10 @@ def write_with_mcore(source, options: S.ConvertOptions, progress=None) -> tuple[
                     entry = dataclasses.replace(entry, data=placeholder, local_shape=tuple(meta.shape),
                                                 global_shape=tuple(meta.shape))
                 if tuple(meta.shape) != tuple(entry.local_shape):
-                    raise S.ConvertError(f"{key}: converted shape {list(meta.shape)}, the native model expects "
+                    raise ConvertError(f"{key}: converted shape {list(meta.shape)}, the native model expects "
                                        f"{list(entry.local_shape)}")
                 sharded[local] = dataclasses.replace(entry, data=placeholder, dtype=meta.dtype)
-        heap = S.heap_budget()
+        heap = heap_budget()
 
         source_errors: list = []
 
@@ -113,9 +118,9 @@ def write_with_mcore(source, options: S.ConvertOptions, progress=None) -> tuple[
             key, placeholder = key_of.get(target.untyped_storage()._cdata, (None, None))
             try:
                 if key is None:
-                    raise S.ConvertError(f"internal: a torch_dist shard of shape {list(target.shape)} has no source tensor")
+                    raise ConvertError(f"internal: a torch_dist shard of shape {list(target.shape)} has no source tensor")
                 pieces = source.mcore_pieces(key)
-            except S.ConvertError as exc:
+            except ConvertError as exc:
                 source_errors.append(exc)  # DCP wraps it in a multi-line report; ours is the one line
                 raise
             nbytes = sum(p.numel() * p.element_size() for p in pieces)
@@ -128,17 +133,16 @@ def write_with_mcore(source, options: S.ConvertOptions, progress=None) -> tuple[
     # write runs under the default group alone.
     with runtime.process_group():
         try:
-            save_torch_dist(options.dst, sharded, provenance=S._mcore_provenance(source, options, **side_extra),
-                            extra_records=side_records,
-                            tp_size=1, pp_size=1, ep_size=1,
-                            extra_files={S.HF_CONFIG_FILE: source.config_bytes, **side_files},
-                            force=options.force, produce=produce, locate=source.locate,
-                            iteration=S.RELEASE if options.release else 1,
+            save_torch_dist(out.dst, sharded, provenance=mcore_provenance(source, out, **side_extra),
+                            extra_records=side_records, grid=Grid.of(),
+                            extra_files={HF_CONFIG_FILE: source.config_bytes, **side_files},
+                            force=out.force, produce=produce, locate=source.locate,
+                            iteration=RELEASE if out.release else 1,
                             common={megatron_args.ARGS_KEY: megatron_args.checkpoint_args(
                                 source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch_dist",
-                                tp=options.tp, pp=options.pp, ep=options.ep, vocab_multiple=source.vocab_multiple)},
+                                grid=out.grid, vocab_multiple=source.vocab_multiple)},
                             content_metadata=megatron_args.content_metadata())
         except CheckpointError as exc:
-            raise (source_errors[0] if source_errors else S.ConvertError(str(exc))) from None
+            raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None
     progress.advance(len(local_keys), 0)
     return len(local_keys), total

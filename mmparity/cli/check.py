@@ -86,7 +86,7 @@ def _detect(directory: str):
     """The family of ``--hf DIR`` from its config (:func:`mmparity.models.registry.detect`)."""
     from mmparity.models import registry as families
     from mmparity.io.fsio.errors import CheckpointError
-    from mmparity.io.hf import detect_family
+    from mmparity.convert.configs import detect_family
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
@@ -129,7 +129,7 @@ def _family_config(directory: str, family: str):
     or the family does not take it."""
     from mmparity.models import registry as families
     from mmparity.io.fsio.errors import CheckpointError
-    from mmparity.io.hf import read_hf_config
+    from mmparity.convert.configs import read_hf_config
 
     if not os.path.isdir(directory):
         raise UsageError(f"--hf {directory}: no such directory")
@@ -168,7 +168,7 @@ def _load_hf(directory: str, family: str, hf_format):
             state = ckpt.state_dict()
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
-    from mmparity.convert.pipeline import SourceUse
+    from mmparity.io.formats.base import SourceUse
 
     try:
         tensors, prefix, fmt = fam.select_tensors(cfg, state, hf_format)
@@ -209,7 +209,7 @@ def _open_low_memory(directory: str, family: str, hf_format):
     from mmparity.io.fsio.heap import map_large_blocks
     from mmparity.io.fsio.safetensors_pread import RangeReader
     from mmparity.io.hf import bound_config
-    from mmparity.convert.pipeline import SourceUse
+    from mmparity.io.formats.base import SourceUse
     from mmparity.mapping.rules import ConversionError
 
     if not os.path.isdir(directory):
@@ -342,7 +342,8 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:
     from mmparity.io import formats
     from mmparity.io.legacy import open_legacy
     from mmparity.io.layout import resolve_iteration_dir
-    from mmparity.convert.pipeline import ConvertError, read_mcore_shards
+    from mmparity.convert import read_mcore_shards
+    from mmparity.errors import ConvertError
 
     if len(args.families) > 1:
         raise UsageError("--mcore checks one checkpoint: give at most one FAMILY")

@@ -130,7 +130,7 @@ def config_facts(directory):
     """A checkpoint's config facts, to name the family that takes it whole; None if unreadable
     (with its family given, nothing else needed them)."""
     from mmparity.io.fsio.errors import CheckpointError
-    from mmparity.io.hf import read_config_facts
+    from mmparity.convert.configs import read_config_facts
 
     try:
         return read_config_facts(directory)

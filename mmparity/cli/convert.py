@@ -1,4 +1,4 @@
-"""``mmparity convert``: HF <-> mcore checkpoints on disk (see ``mmparity.convert.pipeline`` for how)."""
+"""``mmparity convert``: HF <-> mcore checkpoints on disk (see :mod:`mmparity.convert` for how)."""
 
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def _join_team(workers: int):
 
 def run(args) -> int:
     quiet_third_party_warnings()
+    from mmparity.convert import ConvertOptions
     from mmparity.io import formats
-    from mmparity.convert.pipeline import ConvertOptions
 
     if args.to == "hf" and args.format is not None:
         raise UsageError("--format chooses the mcore output format; it does not apply to --to hf")
@@ -217,8 +217,9 @@ def run(args) -> int:
 
 
 def _run(args, options, team) -> int:
+    from mmparity.convert import convert
+    from mmparity.errors import ConvertError
     from mmparity.io import formats
-    from mmparity.convert.pipeline import ConvertError, convert
     from mmparity.io.fsio.errors import CheckpointError
     from mmparity.io.fsio.paths import refuse_link_destination
     from mmparity.io.fsio.sources import check_sources_unchanged, sources_unchanged
@@ -258,8 +259,9 @@ def _run(args, options, team) -> int:
     if not args.quiet:
         if result.detection is not None:
             print(result.detection.line())
-        parallel = (f" tp={result.tp} pp={result.pp}" + (f" ep={result.ep}" if result.ep > 1 else "")
-                    if formats.by_layout(result.layout).stores_grid else f" ep={result.ep}" if result.ep > 1 else "")
+        tp, pp, ep = result.grid.sizes
+        parallel = (f" tp={tp} pp={pp}" + (f" ep={ep}" if ep > 1 else "")
+                    if formats.by_layout(result.layout).stores_grid else f" ep={ep}" if ep > 1 else "")
         rate = result.nbytes / result.seconds if result.seconds > 0 else 0.0
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)"

@@ -94,7 +94,7 @@ def _compare_base(args, directory) -> bool:
     if args.base is None:
         return True
     from mmparity.io.fsio.errors import CheckpointError
-    from mmparity.io.base_compare import compare_with_base
+    from mmparity.convert.base_compare import compare_with_base
     from mmparity.io.megatron_written import FROM_BASE
 
     try:

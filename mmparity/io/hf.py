@@ -1,6 +1,7 @@
 """HF `save_pretrained`-style safetensors output with an `mmparity.json` manifest, in one atomic step;
-the bound every HF config is held to before anything is built from it; and the few config facts
-that tell which family a checkpoint is."""
+the bound every HF config is held to before anything is built from it (read against the weights
+a checkpoint holds); and the bounded, finite JSON a config file must be. Which model a config
+describes is the conversion layer's to read (``mmparity.convert.configs``)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,20 @@ from pathlib import Path
 
 import torch
 
-from mmparity.models.registry import MISTRAL_NATIVE, ConfigFacts, Detection, detect
-from mmparity.config import ConfigViewError, config_view, feature_layer_indices, known_model_types
+from mmparity.config import feature_layer_indices
 from mmparity.io.layout import LEGACY_FILE
 from mmparity.io.manifest import LAYOUT_HF, MANIFEST_FILE, Manifest, Provenance, TensorRecord, write_manifest
 from mmparity.io.fsio.bounded import read_json_file
 from mmparity.io.fsio.errors import CheckpointError
-from mmparity.io.fsio.paths import refuse_links_outside, require_regular_file
+from mmparity.io.fsio.paths import require_regular_file
 from mmparity.io.fsio.publish import atomic_directory, write_extra_files
 from mmparity.io.fsio.safetensors_format import DEFAULT_MAX_SHARD_SIZE, has_hf_weights
 from mmparity.io.fsio.safetensors_read import SafetensorsCheckpoint
 from mmparity.io.fsio.safetensors_write import write_safetensors_shards
 from mmparity.io.fsio.torch_archive import TorchArchive
 
-__all__ = ["write_hf", "bound_config", "checkpoint_capacity", "read_config_facts", "detect_family"]
+__all__ = ["write_hf", "bound_config", "checkpoint_capacity", "safetensors_capacity", "torch_dist_capacity",
+           "refuse_unusable_sizes", "read_config_json"]
 
 
 def write_hf(
@@ -235,10 +236,8 @@ def _int_fields(data: dict, prefix: str = "", lists: bool = False):
 
 
 # --------------------------------------------------------------------------------------------------
-# which family: the facts detection needs, read without transformers
+# a config file as JSON
 
-HF_CONFIG = "config.json"
-MISTRAL_PARAMS = "params.json"
 # Far above any real config (a few kB; tens with label maps): past it the file is no config, and is
 # not read into memory.
 MAX_CONFIG_BYTES = 2**24
@@ -260,7 +259,8 @@ def _non_finite(data) -> str | None:
     return None
 
 
-def _read_json_object(path: Path) -> dict:
+def read_config_json(path: Path) -> dict:
+    """A config file's JSON object, bounded in size, NaN and infinities refused, naming the file."""
     data = read_json_file(path, "config", MAX_CONFIG_BYTES)
     bad = _non_finite(data)
     if bad is not None:
@@ -269,118 +269,3 @@ def _read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: a JSON {type(data).__name__}, not an object")
     return data
-
-
-def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *, for_models: bool = False):
-    """``(config, config file bytes)`` of a directory: its ``config_name`` (an HF directory's
-    config.json, or the copy an mcore checkpoint keeps), or, for a Mistral-native release with
-    only ``params.json``, that file translated (:mod:`mmparity.models.parts.mistral_params`) and the
-    HF config.json it amounts to, which is what a converted checkpoint then carries.
-
-    The config is a :class:`mmparity.config.ConfigView` (what transformers would hold, read
-    without importing it: conversion needs the facts, not the classes) unless ``for_models``, for
-    callers that build transformers' models from it, or its model type has no table there.
-    ``CheckpointError`` names the file and what is wrong."""
-    directory = Path(directory)
-    config_path, params_path = directory / config_name, directory / MISTRAL_PARAMS
-    refuse_links_outside(directory, root_names=[n for n in (config_name, MISTRAL_PARAMS)
-                                                if os.path.lexists(directory / n)])
-    if os.path.lexists(config_path):
-        require_regular_file(config_path, "config")
-        data = _read_json_object(config_path)  # what transformers would read, NaN refused
-        refuse_unusable_sizes(data, config_path)  # before any reader divides by them
-        if not for_models and data.get("model_type") in known_model_types():
-            try:
-                config = config_view(data)
-            except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
-        else:
-            from transformers import AutoConfig
-
-            try:
-                config = AutoConfig.from_pretrained(str(config_path), local_files_only=True)
-            except Exception as exc:  # transformers raises several types for a bad config
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
-        refuse_unusable_sizes(config, config_path)  # the derived fields too (head_dim, ...)
-        if config_name == HF_CONFIG and os.path.lexists(params_path):
-            _check_params_beside(config, config_path, params_path)
-        return config, config_path.read_bytes()
-    if config_name == HF_CONFIG and os.path.lexists(params_path):
-        from mmparity.models.parts.mistral_params import ParamsError, config_from_params
-
-        try:
-            full = config_from_params(_read_json_object(params_path))
-        except (ParamsError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{params_path}: {exc}") from None
-        refuse_unusable_sizes(full, params_path)
-        raw = full.to_json_string().encode()
-        return (full if for_models else config_view(full.to_dict())), raw
-    raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
-                          f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
-
-
-def _check_params_beside(config, config_path: Path, params_path: Path) -> None:
-    """A release with both files (Mistral's own beside transformers'): config.json is the one
-    read, as transformers reads it, and params.json must describe the same model wherever both
-    state a field; otherwise which one the weights follow is anyone's guess."""
-    from mmparity.models.parts.mistral_params import params_disagreements
-
-    problems = params_disagreements(_read_json_object(params_path), config)
-    if problems:
-        shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
-        raise CheckpointError(f"{config_path} and {params_path} disagree: {shown}; {HF_CONFIG} is the one "
-                              f"read: correct the file that does not describe these weights, or remove "
-                              f"{MISTRAL_PARAMS}")
-
-
-def _name(data: dict, key: str, path: Path, where: str = "") -> str | None:
-    value = data.get(key)
-    if value is not None and not isinstance(value, str):
-        raise CheckpointError(f"{path}: {where}{key} is {json.dumps(value)[:60]}, expected a string")
-    return value
-
-
-def read_config_facts(directory: str | os.PathLike) -> ConfigFacts:
-    """What family detection needs from a checkpoint directory: `architectures`, `model_type` and
-    `vision_config.model_type` of its config.json, or, for a Mistral-native release without one,
-    whether its params.json has a vision encoder. Refuses what any reader of the directory refuses
-    (links out of it, non-regular files) and fields of the wrong type; imports no framework."""
-    directory = Path(directory)
-    present = [n for n in (HF_CONFIG, MISTRAL_PARAMS) if os.path.lexists(directory / n)]
-    refuse_links_outside(directory, root_names=present)
-    layout = MISTRAL_NATIVE if MISTRAL_PARAMS in present else None
-    if HF_CONFIG in present:
-        path = directory / HF_CONFIG
-        data = _read_json_object(path)
-        architectures = data.get("architectures") or []
-        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-            raise CheckpointError(f"{path}: architectures is {json.dumps(architectures)[:60]}, expected a "
-                                  "list of class names")
-        vision, text = data.get("vision_config"), data.get("text_config")
-        for name, sub in (("vision_config", vision), ("text_config", text)):
-            if sub is not None and not isinstance(sub, dict):
-                raise CheckpointError(f"{path}: {name} is {json.dumps(sub)[:60]}, expected an object")
-        return ConfigFacts(HF_CONFIG, tuple(architectures), _name(data, "model_type", path),
-                           _name(vision, "model_type", path, "vision_config.") if vision else None, layout,
-                           _name(text, "model_type", path, "text_config.") if text else None)
-    if layout is not None:
-        # Mistral's releases name the Pixtral tower `vision_encoder`; its patch merger makes the
-        # release a Mistral3 one (as transformers' conversion scripts decide), else a Pixtral-12B
-        # style LLaVA; the text model is Mistral's either way.
-        params = _read_json_object(directory / MISTRAL_PARAMS)
-        encoder = params.get("vision_encoder")
-        if not isinstance(encoder, dict):
-            return ConfigFacts(MISTRAL_PARAMS, layout=layout)
-        whole = "mistral3" if encoder.get("spatial_merge_size") is not None else "llava"
-        return ConfigFacts(MISTRAL_PARAMS, model_type=whole, vision_model_type="pixtral", layout=layout,
-                           text_model_type="mistral")
-    raise CheckpointError(f"{directory}: no {HF_CONFIG} (nor Mistral's {MISTRAL_PARAMS}) to tell the family from")
-
-
-def detect_family(directory: str | os.PathLike) -> Detection:
-    """The registered family of the checkpoint in `directory`, from its config
-    (:func:`mmparity.models.registry.detect`): `CheckpointError` for a config that cannot be read,
-    `mmparity.models.registry.DetectError` when no one family takes it."""
-    return detect(read_config_facts(directory))

@@ -6,6 +6,7 @@
         mp_rank_00_001/model_optim_rng.pt         legacy, TP rank 0 of PP stage 1
         mp_rank_00_001_002/model_optim_rng.pt     legacy, ... of expert-parallel rank 2
         .metadata, __0_0.distcp, metadata.json    torch_dist (megatron.core.dist_checkpointing)
+    <root>/hf_config.json                         ours: the HF config of the model it holds
     <root>/mmparity.json                          ours: what was written, with checksums
 
 Pure: no megatron import.
@@ -24,6 +25,7 @@ from mmparity.parallel.axes import Grid
 
 __all__ = [
     "TRACKER_FILE",
+    "HF_CONFIG_FILE",
     "RELEASE",
     "LEGACY_FILE",
     "DIST_CONFIG_FILE",
@@ -42,6 +44,9 @@ __all__ = [
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+# An mcore checkpoint mmparity writes keeps its source's HF config under this name, so that
+# converting back (and `check --mcore`) knows the shapes without the original directory.
+HF_CONFIG_FILE = "hf_config.json"
 RELEASE = "release"
 LEGACY_FILE = "model_optim_rng.pt"
 # megatron.core.dist_checkpointing writes this last; its presence marks a complete torch_dist dir.

@@ -34,7 +34,7 @@ from mmparity import errors
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp
 from mmparity.parallel.axes import AxisError, Grid
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 from mmparity.io import extra_state, megatron_args, unpickle
 from mmparity.io.fsio.checksums import tensor_checksum
 from mmparity.io.fsio import shared
@@ -98,15 +98,15 @@ class LegacyWriter:
     `torch.load` ignores them, the manifest's per-tensor checksums replace them).
 
     `rank_entries[tp_rank]` maps every *globally numbered* key of that TP rank to a `(dtype, shape)`
-    pair, or to a plain value (None, int, str …) that goes into the pickle as is. With `ep_size > 1`
-    each (TP rank, PP stage) is one file per EP rank, holding its share of the `num_experts`
+    pair, or to a plain value (None, int, str …) that goes into the pickle as is. With EP > 1 in
+    `grid` each (TP rank, PP stage) is one file per EP rank, holding its share of the `num_experts`
     experts of every MoE layer and a copy of everything else: a key's `write` fills every file
     that holds it.
     """
 
-    def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, pp_size: int, layer_counts: Sequence[int],
+    def __init__(self, staging: Path, rank_entries: Sequence[Mapping], *, grid: Grid, layer_counts: Sequence[int],
                  layer_prefix: str, last_stage_prefixes: Sequence[str], iteration: int | str, locate=None,
-                 ep_size: int = 1, num_experts: int = 0, common: Mapping | None = None,
+                 num_experts: int = 0, common: Mapping | None = None,
                  writes: Callable[[Sequence[int]], Sequence[bool]] | None = None):
         """``writes(file byte sizes)`` says which rank files this process writes (default: all),
         where several processes write one checkpoint; the others are laid out the same but not
@@ -120,8 +120,9 @@ class LegacyWriter:
             if set(entries) != reference_keys:
                 diff = sorted(set(entries) ^ reference_keys)
                 raise CheckpointError(f"TP rank {tp_rank} and rank 0 hold different keys, e.g. {', '.join(diff[:8])}")
+        if grid.tp.size != len(rank_entries):
+            raise CheckpointError(f"{len(rank_entries)} TP shards to write for a grid of TP {grid.tp.size}")
         self.staging = Path(staging)
-        grid = Grid.of(len(rank_entries), pp_size, ep_size)
         problems = grid.problems(num_experts)
         if problems:
             raise CheckpointError(problems[0])
@@ -326,9 +327,9 @@ def write_legacy(
     entries = [{k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
                for shard in tp_shards]
     with atomic_directory(root, force=force) as staging:
-        writer = LegacyWriter(staging, entries, pp_size=pp_size, layer_counts=counts, layer_prefix=layer_prefix,
-                              last_stage_prefixes=last_stage_prefixes, iteration=iteration, ep_size=ep_size,
-                              num_experts=num_experts)
+        grid = Grid.of(len(tp_shards), pp_size, ep_size)
+        writer = LegacyWriter(staging, entries, grid=grid, layer_counts=counts, layer_prefix=layer_prefix,
+                              last_stage_prefixes=last_stage_prefixes, iteration=iteration, num_experts=num_experts)
         try:
             for tp_rank, state_dict in enumerate(tp_shards):
                 for key, value in state_dict.items():
@@ -337,18 +338,19 @@ def write_legacy(
             records = writer.close()
         finally:
             writer.abort()
-        finish_legacy(staging, records, tp_size=len(tp_shards), pp_size=pp_size, layer_counts=counts,
-                      iteration=iteration, provenance=provenance, extra_files=extra_files, ep_size=ep_size)
+        finish_legacy(staging, records, grid=grid, layer_counts=counts, iteration=iteration, provenance=provenance,
+                      extra_files=extra_files)
     if on_file is not None:
         for relative in writer.files:
             on_file(relative, 0)
     return Path(root)
 
 
-def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, tp_size: int, pp_size: int,
-                  layer_counts: Sequence[int], iteration: int | str, provenance: Provenance | None,
-                  extra_files: Mapping[str, str | bytes] | None, ep_size: int = 1) -> None:
+def finish_legacy(staging: Path, records: Sequence[TensorRecord], *, grid: Grid, layer_counts: Sequence[int],
+                  iteration: int | str, provenance: Provenance | None,
+                  extra_files: Mapping[str, str | bytes] | None) -> None:
     """The small files beside the rank files: extra files, the tracker and the manifest."""
+    tp_size, pp_size, ep_size = grid.sizes
     write_mcore_root(
         staging,
         Manifest(

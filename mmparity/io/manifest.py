@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import mmparity
-from mmparity.io import formats as ckpt_formats
 from mmparity.io.fsio.checksums import TensorChecksum
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.fsio import shared
@@ -37,6 +36,8 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "key_prefixes",
+    "allow_layout",
+    "forget_layout",
 ]
 
 MANIFEST_FILE = "mmparity.json"
@@ -49,6 +50,19 @@ LAYOUT_HF = "hf_safetensors"
 LAYOUT_LEGACY = "mcore_legacy"
 LAYOUT_TORCH_DIST = "mcore_torch_dist"
 LAYOUTS = (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST)
+# What a manifest may name: the built-in formats' layouts, and those of formats added at run time
+# (``mmparity.io.formats.register`` adds theirs here, ``unregister`` takes it away).
+_known_layouts = list(LAYOUTS)
+
+
+def allow_layout(layout: str) -> None:
+    if layout not in _known_layouts:
+        _known_layouts.append(layout)
+
+
+def forget_layout(layout: str) -> None:
+    if layout in _known_layouts and layout not in LAYOUTS:
+        _known_layouts.remove(layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,9 +234,8 @@ def _record_text(record: Mapping) -> str:
 
 
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
-    known = [f.layout for f in ckpt_formats.formats()]  # every registered format's
-    if manifest.layout not in known:
-        raise CheckpointError(f"unknown checkpoint layout {manifest.layout!r}; known: {', '.join(known)}")
+    if manifest.layout not in _known_layouts:
+        raise CheckpointError(f"unknown checkpoint layout {manifest.layout!r}; known: {', '.join(_known_layouts)}")
     path = Path(directory) / MANIFEST_FILE
     # The same text as ``json.dump(manifest.to_json(), f, indent=1)``, the records encoded one at a
     # time: a checkpoint of many thousand tensors never holds all their JSON dicts at once.

@@ -42,6 +42,7 @@ from mmparity.io import unpickle
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
+from mmparity.parallel.axes import Grid
 
 __all__ = ["ARGS_KEY", "args_parallelism", "checkpoint_args", "content_metadata", "read_legacy_args"]
 
@@ -62,15 +63,16 @@ def _model_config(cfg):
     return getattr(cfg, "text_config", None) or cfg
 
 
-def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: str, tp: int, pp: int,
-                    ep: int = 1, vocab_multiple: int | None = None) -> argparse.Namespace:
+def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: str, grid: Grid,
+                    vocab_multiple: int | None = None) -> argparse.Namespace:
     """The ``args`` subset Megatron-LM's loader reads, for a checkpoint of ``shapes`` (mcore key ->
-    shape at TP 1, in plan order) converted from HF config ``cfg`` for a TP x PP x EP run.
+    shape at TP 1, in plan order) converted from HF config ``cfg`` for a run on ``grid`` (TP x PP x EP).
 
     ``ckpt_format`` is Megatron-LM's name (``torch`` for legacy, ``torch_dist``)."""
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
     model = _model_config(cfg)
+    tp, pp, ep = grid.sizes
     layout = pp_mod.pipeline_layout(list(shapes))
     heads = hfconfig.num_heads(model)
     groups = hfconfig.query_groups(model)

@@ -21,7 +21,6 @@ import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ from mmparity.io.layout import (
     LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname, parse_iteration_number,
     read_tracker, resolve_iteration_dir)
 
-__all__ = ["ModelConfig", "FROM_BASE", "MegatronCheckpoint", "describe", "iterations", "base_files",
+__all__ = ["FROM_BASE", "MegatronCheckpoint", "describe", "iterations", "base_files",
            "copy_base_files", "args_parallelism", "read_common"]
 
 # How the output and its manifest name tensors taken from the base instead of the checkpoint.
@@ -50,26 +49,6 @@ _OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _NOT_COPIED = frozenset({"config.json", "params.json", "mmparity.json", "model.safetensors.index.json",
                          "pytorch_model.bin.index.json", "consolidated.safetensors.index.json"})
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """Where the model of an mcore checkpoint is described, when not (only) by its own files."""
-
-    family: str
-    cfg: object
-    config_bytes: bytes
-    hf_format: str
-    prefix: str
-    origin: str  # "--base DIR" / "--hf-config FILE", for messages
-    base: Path | None = None  # the HF release, when given
-    # mcore side keys -> their tensors, made from the base by the family's own rules (None: no base)
-    side_tensors: Callable[[Sequence[str]], dict] | None = None
-    # mcore key -> the base's HF keys it is made from (for naming what came from the base)
-    hf_sources: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
-    # The base as a whole mcore source (``streaming``'s HF source): the parts of a whole VLM a
-    # checkpoint of one part never held come from it, tensor by tensor (None: no base)
-    base_source: object = None
 
 
 def base_files(base: Path) -> list[str]:

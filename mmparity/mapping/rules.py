@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from mmparity.errors import ConversionError
 from mmparity.parallel import tp as tp_mod
 from mmparity.mapping.ops import Identity, LayoutError, Op
 from mmparity.parallel.tp import ShardError
@@ -31,25 +32,6 @@ from mmparity.parallel.tp import ShardError
 _VAR = re.compile(r"\{(\w+)\}")
 # Megatron-LM's default --make-vocab-size-divisible-by.
 VOCAB_MULTIPLE = 128
-
-
-class ConversionError(ValueError):
-    """Every reason a conversion cannot be total, listed at once."""
-
-    def __init__(self, title: str, problems: Sequence[str]):
-        self.title = title
-        self.problems = list(problems)
-        shown = self.problems[:60]
-        more = len(self.problems) - len(shown)
-        body = "\n".join(f"  - {p}" for p in shown) + (f"\n  … and {more} more" if more > 0 else "")
-        super().__init__(f"{title} ({len(self.problems)} problem(s)):\n{body}")
-
-    def line(self, shown: int = 4) -> str:
-        """The same as one line, as a user error is printed: the title, the first ``shown``
-        problems, how many more (the multi-line ``str`` lists them all, for the Python API)."""
-        first = "; ".join(" ".join(p.split()) for p in self.problems[:shown])
-        more = len(self.problems) - shown
-        return f"{self.title}: {first}" + (f" (+{more} more)" if more > 0 else "")
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,13 @@ names) one tensor at a time, gathered across its tensor-, pipeline- and expert-p
 what an RL loop sends to an inference engine every few steps. ``import_hf(model, hf_dir)`` loads
 an HF checkpoint straight into such a model, each rank reading only the bytes of its own shard.
 
-One engine, the one ``mmparity convert`` runs: the family's rule table (``converters.rules``),
-its TP kinds (``converters.tp``), pipeline renumbering (``converters.pp``) and expert renumbering
-(``converters.ep``). What differs is only where tensors come from and go to: the model's
+One engine, the one ``mmparity convert`` runs: the family's rule table (``mapping.rules``),
+its TP kinds (``parallel.tp``), pipeline renumbering (``parallel.pp``) and expert renumbering
+(``parallel.ep``). What differs is only where tensors come from and go to: the model's
 parameters instead of checkpoint files. Both directions are planned before any tensor moves, and
 the plan is the conversion's totality check: every tensor of the model has its place in the
 table, every HF tensor is produced (or loaded) exactly once; otherwise one
-:class:`~mmparity.mapping.rules.ConversionError` lists every offender, raised on every rank
+:class:`~mmparity.errors.ConversionError` lists every offender, raised on every rank
 alike (each rank plans from the same gathered names, so none is left waiting in a collective).
 
 Every collective is preceded by an agreement on problems: what a rank does alone before it (read a
@@ -45,14 +45,15 @@ import torch
 import torch.distributed as dist
 
 from mmparity import errors
-from mmparity.models import registry as families
+from mmparity.convert import configs
+from mmparity.convert.model import Model, lookup
+from mmparity.convert.sources import open_source
 from mmparity.io.fsio.pieces import narrow_pieces
-from mmparity.convert.pipeline import load_family_config, open_source
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping import rules as R
 from mmparity.parallel import tp as tp_mod
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 
 __all__ = ["LiveLayout", "export_hf", "import_hf", "ImportReport", "EXPORT_DTYPES"]
 
@@ -229,7 +230,7 @@ class LiveLayout:
 
     def _global_key(self, local: str, stage: int, ep_rank: int, counts: Sequence[int]) -> str:
         """A local key of (pipeline stage, EP rank) -> its global name: the inverse of the splits
-        ``converters.pp`` and ``converters.ep`` make."""
+        ``parallel.pp`` and ``parallel.ep`` make."""
         key = local
         parts = pp_mod.layer_key_parts(key)
         if parts is not None and parts[0] == self.layout.layer_prefix and len(counts) > 1:
@@ -239,10 +240,6 @@ class LiveLayout:
             per_rank = self.num_experts // self.coords.ep
             key = expert.spell(expert=ep_rank * per_rank + expert.expert)
         return key
-
-
-def _rule_set(family: str, cfg, hf_format: str | None) -> R.RuleSet:
-    return families.get(family).rule_set(cfg, hf_format)
 
 
 def _without_absent_side(rule_set: R.RuleSet, present: Mapping) -> tuple[R.RuleSet, list[str]]:
@@ -279,10 +276,11 @@ def export_hf(model, family: str, cfg, *, base: str | os.PathLike | None = None,
                          f"{', '.join(map(str, EXPORT_DTYPES))}, or None for the model's own")
 
     def prepare():
+        spec = lookup(family)
         # The base's own layout and prefix, unless asked otherwise: its tensors and ours agree.
-        aside = open_source(Path(base), family, hf_format) if base is not None else None
-        return aside, _rule_set(family, cfg, aside.hf_format if aside is not None and hf_format is None
-                                else hf_format)
+        aside = open_source(Path(base), hf_format=hf_format, spec=spec) if base is not None else None
+        return aside, Model(spec, cfg, b"").rules(aside.hf_format if aside is not None and hf_format is None
+                                                 else hf_format)
 
     _coords()
     aside_source, rules = _agreed(prepare, "reading the base" if base is not None else "planning")
@@ -436,4 +434,4 @@ def family_config(hf_dir: str | os.PathLike, family: str):
     it (a whole VLM's config for a whole-VLM family, a tower's for a tower family)."""
 
     path = Path(hf_dir)
-    return load_family_config(path / "config.json", family, path)[0]
+    return configs.family_config(lookup(family), path / configs.HF_CONFIG, path)[0]

@@ -32,24 +32,27 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from mmparity import errors
-from mmparity.models import registry as families
-from mmparity.parallel import runtime
-from mmparity.parallel.axes import Grid
-from mmparity.models.core.megatron_side import MegatronClass, NoMegatron, default_refusal
+from mmparity.convert.checks import check_shapes
+from mmparity.convert.sources import model_config_for, open_source
+from mmparity.errors import ConvertError
 from mmparity.io import formats as ckpt_formats
-from mmparity.models.registry import megatron_class as megatron_class_for
-from mmparity.io import torch_dist, torch_dist_files
+from mmparity.io import torch_dist_files
+from mmparity.io.formats.mcore import NOT_MODEL_KEYS, validate_tp
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.layout import resolve_iteration_dir
 from mmparity.io.legacy import load_rank_payload, model_chunk_keys, open_legacy
-from mmparity.io.megatron_written import describe, read_common
 from mmparity.io.manifest import LAYOUT_LEGACY, LAYOUT_TORCH_DIST, read_manifest
-from mmparity.io.torch_dist import copy_containers
-from mmparity.convert.pipeline import (
-    _NOT_MODEL_KEYS, ConvertError, _check_shapes, _padded_tables, _validate_tp, model_config_for, open_source)
+from mmparity.io.megatron_written import describe, read_common
 from mmparity.io.unpickle import RefusedPickle
-from mmparity.parallel import pp as pp_mod
+from mmparity.mapping.tables import padded_tables
+from mmparity.megatron import torch_dist
+from mmparity.megatron.torch_dist import copy_containers
 from mmparity.models.core import megatron_classes as models
+from mmparity.models.core.megatron_side import MegatronClass, NoMegatron, default_refusal
+from mmparity.models.registry import megatron_class as megatron_class_for
+from mmparity.parallel import pp as pp_mod
+from mmparity.parallel import runtime
+from mmparity.parallel.axes import Grid
 
 
 # How a rank's count of a Megatron-written torch_dist checkpoint's optimizer / RNG items is named.
@@ -115,10 +118,8 @@ class LoadReport:
     layout: str
     family: str
     megatron_class: str
-    tp: int
+    grid: Grid
     ranks: list = dataclasses.field(default_factory=list)
-    pp: int = 1
-    ep: int = 1
     parts: tuple = ()  # LoadParts, where the load is split over several classes or holds a part
     not_loaded: tuple = ()
     notes: tuple = ()
@@ -129,8 +130,9 @@ class LoadReport:
         return bool(self.ranks) and all(r.ok for r in self.ranks)
 
     def __str__(self) -> str:
-        head = (f"{self.directory} ({self.layout}, TP {self.tp}"
-                f"{f', PP {self.pp}' if self.pp > 1 else ''}{f', EP {self.ep}' if self.ep > 1 else ''}): "
+        tp, pp, ep = self.grid.sizes
+        head = (f"{self.directory} ({self.layout}, TP {tp}"
+                f"{f', PP {pp}' if pp > 1 else ''}{f', EP {ep}' if ep > 1 else ''}): "
                 f"strict load into Megatron's "
                 f"{self.megatron_class} ({self.family}, megatron-core {models.megatron_version()}, "
                 f"{models.describe_te()})")
@@ -145,10 +147,10 @@ class LoadReport:
                          f"{', '.join(self.training_state)}")
         lines += [f"  note: {note}" for note in self.notes]
         for r in self.ranks:
-            tp_rank, pp_rank, ep_rank = grid_ranks(r.rank, self.tp, self.pp, self.ep)
-            where = ", ".join(([f"TP rank {tp_rank}"] if self.pp > 1 or self.ep > 1 else [])
-                              + ([f"PP stage {pp_rank}"] if self.pp > 1 else [])
-                              + ([f"EP rank {ep_rank}"] if self.ep > 1 else []))
+            tp_rank, pp_rank, ep_rank = grid_ranks(r.rank, self.grid)
+            where = ", ".join(([f"TP rank {tp_rank}"] if pp > 1 or ep > 1 else [])
+                              + ([f"PP stage {pp_rank}"] if pp > 1 else [])
+                              + ([f"EP rank {ep_rank}"] if ep > 1 else []))
             where = f" ({where})" if where else ""
             lines.append(f"  rank {r.rank}{where}: {'ok' if r.ok else 'FAIL'}: "
                          f"{self._loads(r) if r.ok else r.message}")
@@ -159,7 +161,7 @@ class LoadReport:
         filled = (f"; filled {r.filled} empty _extra_state slots the converter does not write (TE modules of "
                   "MLA and grouped-GEMM experts)" if r.filled else "")
         if not self.parts:
-            left = "; not loaded: " + ", ".join(f"{what} {count} {ckpt_formats.by_layout(self.layout).load_unit}"
+            left = "; not loaded: " + ", ".join(f"{what} {count} {_LOAD_UNIT[self.layout]}"
                                                for what, count in r.not_loaded.items()) if r.not_loaded else ""
             # A Megatron-written checkpoint's rank: how much of it is the model that loaded.
             count = f" {sum(r.loaded.values())} model keys" if self.training_state else ""
@@ -167,7 +169,7 @@ class LoadReport:
         text = "loads " + (", ".join(f"{name} {count} keys" for name, count in r.loaded.items())
                            or "nothing on this stage")
         if r.not_loaded:
-            unit = ckpt_formats.by_layout(self.layout).load_unit
+            unit = _LOAD_UNIT[self.layout]
             text += "; not loaded: " + ", ".join(f"{what} {count} {unit}" for what, count in r.not_loaded.items())
         return text + filled
 
@@ -178,10 +180,10 @@ class LoadJob:
     layout: str
     parts: tuple  # LoadParts
     cfg: object
-    tp: int = 1
-    pp: int = 1
+    # TP x PP x EP the classes are built and loaded at (EP: Megatron's expert_model_parallel_size,
+    # legacy: one rank file per EP rank)
+    grid: Grid = dataclasses.field(default_factory=Grid.of)
     layer_counts: Optional[tuple] = None  # the pipelined stack's split, as the manifest records it
-    ep: int = 1  # Megatron's expert_model_parallel_size (legacy: one rank file per EP rank)
     divisible_by: Optional[int] = None  # the vocabulary divisor the checkpoint was padded with
     not_loaded: tuple = ()  # NotLoaded
     notes: tuple = ()  # why the load is split, where it is
@@ -191,7 +193,7 @@ class LoadJob:
     def skips(self, key: str) -> Optional[str]:
         """What of the checkpoint that is not loaded ``key`` belongs to (as the report names it),
         or None."""
-        if self.training_state and _NOT_MODEL_KEYS.match(key):
+        if self.training_state and NOT_MODEL_KEYS.match(key):
             return TRAINING_STATE
         for left in self.not_loaded:
             if not left.prefixes and not any(part.holds_key(key) for part in self.parts):
@@ -207,10 +209,6 @@ class LoadJob:
         return {"divisible_by": self.divisible_by} if self.divisible_by is not None else {}
 
     @property
-    def grid(self) -> Grid:
-        return Grid.of(self.tp, self.pp, self.ep)
-
-    @property
     def world_size(self) -> int:
         return self.grid.world_size
 
@@ -220,10 +218,11 @@ class LoadJob:
         runtime.init_parallel(self.grid, layer_counts=self.layer_counts)
 
 
-def grid_ranks(rank: int, tp: int, pp: int, ep: int = 1) -> tuple[int, int, int]:
+def grid_ranks(rank: int, grid: Grid) -> tuple[int, int, int]:
     """``(TP rank, PP stage, EP rank)`` of a global rank in a world of ``tp x ep x pp`` ranks laid
     out as mcore lays them (TP fastest, then data parallel, whose ranks are the EP ranks here, then
     pipeline)."""
+    tp, _, ep = grid.sizes
     return rank % tp, rank // (tp * ep), (rank // tp) % ep
 
 
@@ -232,12 +231,12 @@ def _own_ranks(rank: int, job: "LoadJob") -> tuple[int, int, int]:
     :func:`grid_ranks`."""
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():
-        return grid_ranks(rank, job.tp, job.pp, job.ep)
+        return grid_ranks(rank, job.grid)
     own = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-           ps.get_expert_model_parallel_rank() if job.ep > 1 else 0)
-    if own != grid_ranks(rank, job.tp, job.pp, job.ep):
+           ps.get_expert_model_parallel_rank() if job.grid.ep.size > 1 else 0)
+    if own != grid_ranks(rank, job.grid):
         raise CheckpointError(f"rank {rank}: mcore places it at (TP, PP, EP) {own}, not "
-                              f"{grid_ranks(rank, job.tp, job.pp, job.ep)}")
+                              f"{grid_ranks(rank, job.grid)}")
     return own
 
 
@@ -285,7 +284,7 @@ def _build(rank: int, job: LoadJob) -> tuple[torch.nn.Module, list]:
 def _load(rank: int, job: LoadJob) -> tuple[torch.nn.Module, dict, dict]:
     """``(model, {class: entries loaded}, {prefix: entries not loaded})`` for this rank."""
     model, built = _build(rank, job)
-    state, not_loaded, filled = ckpt_formats.by_layout(job.layout).load_state(rank, job, model, built)
+    state, not_loaded, filled = _LOAD_STATE[job.layout](rank, job, model, built)
     load_state_dict_strictly(model, state)
     loaded = {part.name: sum(1 for key in state if part.holds_key(key)) for part, _ in built}
     return model, loaded, not_loaded, filled
@@ -312,8 +311,16 @@ def legacy_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -
 def torch_dist_state(rank: int, job: LoadJob, model: torch.nn.Module, built: list) -> tuple[dict, dict, int]:
     """The same, read by DCP against the classes' own sharded state dict (a collective)."""
     wanted = sharded_state_dict(model)
-    not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.pp > 1, iteration=job.iteration)
+    not_loaded = _compare_sharded_keys(job.root, wanted, job.skips, stages=job.grid.pp.size > 1,
+                                       iteration=job.iteration)
     return torch_dist.load_torch_dist(job.root, wanted, iteration=job.iteration), not_loaded, 0
+
+
+# What Megatron's class loads of each mcore format, by the layout its manifest records: this rank's
+# state and how its report counts what it did not load (a legacy file's keys, torch_dist's stored
+# items). A format not here does not load into Megatron's class.
+_LOAD_STATE = {LAYOUT_LEGACY: legacy_state, LAYOUT_TORCH_DIST: torch_dist_state}
+_LOAD_UNIT = {LAYOUT_LEGACY: "keys", LAYOUT_TORCH_DIST: "stored"}
 
 
 def build_and_load(rank: int, world_size: int, job: LoadJob) -> torch.nn.Module:
@@ -411,8 +418,8 @@ def _part(name: str, record: MegatronClass) -> LoadPart:
                     record.unwritten_extra_state)
 
 
-def plan_parts(family: str, megatron_class: Optional[str] = None, cfg=None) -> tuple[tuple, tuple, tuple]:
-    """``(parts, not loaded, notes)`` of a load of a ``family`` checkpoint (of model ``cfg``).
+def plan_parts(spec, megatron_class: Optional[str] = None, cfg=None) -> tuple[tuple, tuple, tuple]:
+    """``(parts, not loaded, notes)`` of a load of a checkpoint of the family ``spec`` (of model ``cfg``).
 
     The class asked for holds its keys, and nothing else is loaded (the rest: not asked for).
     The family's default class (its first that can be built for ``cfg``) is completed by the
@@ -421,8 +428,8 @@ def plan_parts(family: str, megatron_class: Optional[str] = None, cfg=None) -> t
     not loaded, with their reason. Raises :class:`~mmparity.models.core.megatron_classes.UpstreamUnavailable`
     when the first class cannot be imported, :class:`~mmparity.models.spec.NoMegatronClass` when the
     class asked for cannot be built for ``cfg``."""
-    hooks = families.get(family).hooks
-    name, record = megatron_class_for(family, megatron_class, cfg)
+    hooks = spec.hooks
+    name, record = megatron_class_for(spec.name, megatron_class, cfg)
     models.require(record.build)
     parts, taken, unavailable = [_part(name, record)], list(record.holds), []
     fallback = default_refusal(hooks, cfg) if megatron_class is None else None
@@ -449,17 +456,17 @@ def plan_parts(family: str, megatron_class: Optional[str] = None, cfg=None) -> t
     return tuple(parts), tuple(not_loaded), tuple(notes)
 
 
-def plan_held_part(family: str, part: str, megatron_class: Optional[str], cfg, root) -> tuple[tuple, tuple, tuple]:
+def plan_held_part(spec, part: str, megatron_class: Optional[str], cfg, root) -> tuple[tuple, tuple, tuple]:
     """``(parts, not loaded, notes)`` of a load of a checkpoint holding one part of a whole VLM alone
     (its keys without the part's root ``part``): the family's class that holds exactly that part,
     built alone, its keys at the root. Another class asked for is refused by name: such a
     checkpoint must never be half loaded into a class laid out for the whole."""
-    hooks = families.get(family).hooks
+    hooks = spec.hooks
     options = {} if isinstance(hooks.megatron, NoMegatron) else dict(hooks.megatron)
     holding = [(name, record) for name, record in options.items() if record.holds == (part,)]
     what = f"the {part.rstrip('.')} alone"
     if not holding:
-        raise CheckpointError(f"{root}: holds {what}, and family {family!r} has no Megatron class for it")
+        raise CheckpointError(f"{root}: holds {what}, and family {spec.name!r} has no Megatron class for it")
     name, record = holding[0]
     if megatron_class is not None and megatron_class != name:
         raise CheckpointError(f"{root}: holds {what}, laid out for Megatron's {name}; it does not load into "
@@ -502,7 +509,7 @@ def _megatron_written(root: Path, family: Optional[str], base, hf_config, iterat
         stored = list(torch_dist_files.tensor_metadata(iteration_dir)) + list(torch_dist_files.object_keys(iteration_dir))
         counts: dict = {}
         for key in stored:
-            if _NOT_MODEL_KEYS.match(key):
+            if NOT_MODEL_KEYS.match(key):
                 group = key.split(".")[0].split("/")[0]
                 counts[group] = counts.get(group, 0) + 1
         where = {group: [f"{count} sharded item{'s' if count > 1 else ''}"] for group, count in counts.items()}
@@ -526,7 +533,7 @@ def _check_args_divisor(source, divisor: int, tp: int, root: Path, stores_grid: 
     table): rank files hold their tables as padded for their own TP, exactly; global tensors may
     be loaded at another TP, padded otherwise, but never past the bound ``--make-vocab-size-
     divisible-by`` is held to."""
-    for key, padding in _padded_tables(source.rules).items():
+    for key, padding in padded_tables(source.rules).items():
         meta = source.metas.get(key)
         if meta is None or not meta.shape:
             continue
@@ -561,7 +568,7 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
          training_state) = _megatron_written(root, family, base, hf_config, iteration)
         layer_counts, iteration = None, written.iteration
     fmt = ckpt_formats.by_layout(layout)
-    if fmt is None or fmt.load_state is None:
+    if fmt is None or layout not in _LOAD_STATE:
         raise CheckpointError(f"{root}: --load needs an mcore checkpoint (legacy or torch_dist), "
                               f"this one is {layout}")
     if family is None:
@@ -581,16 +588,16 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         # vocabulary divisor by what is present, every stored shape against the config. Missing and
         # foreign tensors are left to the strict load, which names them per rank.
         source = open_source(root, family, complete=False, model_config=model_config, iteration=iteration)
-        _check_shapes(source)
+        check_shapes(source)
         if args_divisor is not None:
             _check_args_divisor(source, args_divisor, tp, root, fmt.stores_grid)
-        _validate_tp(source.rules, tp)
+        validate_tp(source.rules, tp)
     except ConvertError as exc:
         raise CheckpointError(str(exc)) from None
     if source.part:
-        parts, not_loaded, notes = plan_held_part(family, source.part, megatron_class, source.cfg, root)
+        parts, not_loaded, notes = plan_held_part(source.model.spec, source.part, megatron_class, source.cfg, root)
     else:
-        parts, not_loaded, notes = plan_parts(family, megatron_class, source.cfg)
+        parts, not_loaded, notes = plan_parts(source.model.spec, megatron_class, source.cfg)
     if written is not None:
         notes = (written_note, *notes)
     if pp != 1:
@@ -609,7 +616,7 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
                 raise CheckpointError(f"{root}: {exc}") from None
     ep = recorded_ep if fmt.stores_grid else 1
     divisor = args_divisor if args_divisor is not None else source.vocab_multiple
-    job = LoadJob(str(root), layout, parts, source.cfg, tp=tp, pp=pp, layer_counts=layer_counts, ep=ep,
+    job = LoadJob(str(root), layout, parts, source.cfg, Grid.of(tp, pp, ep), layer_counts=layer_counts,
                   divisible_by=divisor, not_loaded=not_loaded, notes=notes, iteration=iteration,
                   training_state=training_state)
     return job, family, " + ".join(p.name for p in parts), job.world_size
@@ -639,6 +646,5 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
     if refused:  # not a checkpoint that fails to fit the class: one that must not be loaded at all
         raise RefusedPickle(refused[0].message)
     partial = len(job.parts) > 1 or any(p.holds for p in job.parts)
-    return LoadReport(Path(directory), job.layout, family, name, job.tp, ranks, pp=job.pp, ep=job.ep,
-                      parts=job.parts if partial else (), not_loaded=job.not_loaded, notes=job.notes,
-                      training_state=job.training_state)
+    return LoadReport(Path(directory), job.layout, family, name, job.grid, ranks, parts=job.parts if partial else (),
+                      not_loaded=job.not_loaded, notes=job.notes, training_state=job.training_state)

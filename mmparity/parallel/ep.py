@@ -32,7 +32,7 @@ import torch
 
 from mmparity.parallel import tp as tp_mod
 from mmparity.parallel.axes import Axis, AxisError, expert_axis
-from mmparity.mapping.rules import ConversionError
+from mmparity.errors import ConversionError
 
 __all__ = [
     "GROUPED",

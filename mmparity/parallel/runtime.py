@@ -36,20 +36,29 @@ from mmparity.parallel.axes import Grid
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    tp: int
-    pp: int
+    """The parallel state models are built under: the :class:`~mmparity.parallel.axes.Grid` the
+    groups were made for (the one record of the sizes), and this process's place in the world."""
+
+    grid: Grid
     world_size: int
     rank: int
     backend: str
     # Layers of the pipelined stack on each stage; None means mcore's even split.
     layer_counts: tuple[int, ...] | None = None
-    # Megatron's expert_model_parallel_size: MoE layers built now hold 1/ep of their experts.
-    ep: int = 1
+
+    # The sizes as the models being built read them (``grid.ep``: Megatron's
+    # expert_model_parallel_size, so MoE layers built now hold 1/ep of their experts).
+    @property
+    def tp(self) -> int:
+        return self.grid.tp.size
 
     @property
-    def grid(self) -> Grid:
-        """The parallel axes the groups were made for."""
-        return Grid.of(self.tp, self.pp, self.ep)
+    def pp(self) -> int:
+        return self.grid.pp.size
+
+    @property
+    def ep(self) -> int:
+        return self.grid.ep.size
 
 
 _layout: ParallelLayout | None = None
@@ -100,7 +109,8 @@ def init_parallel(tp: int | Grid = 1, pp: int = 1, *, ep: int = 1, device: str |
 
     counts = _checked_layer_counts(layer_counts, tp.pp.size if isinstance(tp, Grid) else pp)
     tp, pp, ep = _sizes(tp, pp, ep)
-    if _layout is not None and (_layout.tp, _layout.pp, _layout.ep) == (tp, pp, ep):
+    grid = Grid.of(tp, pp, ep)
+    if _layout is not None and _layout.grid == grid:
         _seed_everything(seed, device)
         if _layout.layer_counts != counts:
             _layout = replace(_layout, layer_counts=counts)
@@ -127,8 +137,8 @@ def init_parallel(tp: int | Grid = 1, pp: int = 1, *, ep: int = 1, device: str |
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         create_gloo_process_groups=False)
     _seed_everything(seed, device)
-    _layout = ParallelLayout(tp=tp, pp=pp, world_size=world_size, rank=dist.get_rank(),
-                             backend=backend, layer_counts=counts, ep=ep)
+    _layout = ParallelLayout(grid, world_size=world_size, rank=dist.get_rank(), backend=backend,
+                             layer_counts=counts)
     return _layout
 
 
@@ -179,7 +189,7 @@ def pipeline_size() -> int:
     """Pipeline stages that models built now are split over (1 inside :func:`single_stage`)."""
     if _single_stage_depth or _layout is None:
         return 1
-    return _layout.pp
+    return _layout.grid.pp.size
 
 
 def pipeline_rank() -> int:

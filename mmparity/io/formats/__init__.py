@@ -1,89 +1,45 @@
-"""Checkpoint formats as records: one module per format (``hf``, ``legacy``, ``torch_dist``), each
-exposing a :class:`Format`, and the registry the pipeline, ``verify``, ``verify --load`` and
-``check --mcore`` look a format up in instead of switching on its name.
+"""The checkpoint formats: one module each (:mod:`.hf`, :mod:`.legacy`, :mod:`.torch_dist`), each
+holding its detect, probe, reader, writer and verifier behind one :class:`~.base.Format` record, and
+this list of them, which the pipeline, ``verify``, ``verify --load`` and ``check --mcore`` look a
+format up in instead of switching on its name.
 
-A format says how to tell a directory of it, how to open one as a conversion source, how to write
-one, how to re-check one against its manifest and how to load one into Megatron's class. Its
-module is a thin adapter over the readers and writers that do the work (``legacy``,
-``torch_dist``, ``torch_dist_files``, ``streaming``'s sources and writers). Adding a format is its
-module and one :func:`register` call (``mmparity.io`` registers the built-in ones, in the
-order detection tries them).
-
-This module imports no format: the format modules import it (and the pipeline), not the other way
-round.
+The list is written out here, in the order detection tries them. A format added at run time (a
+throwaway in the tests) is one :func:`register` call; nothing else names a format.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Format", "Written", "register", "unregister", "formats", "get", "by_layout", "target",
-           "writable", "detect_directory", "detect_iteration", "neither", "HF", "MCORE"]
+from mmparity.errors import ConvertError
+from mmparity.io.formats import hf, legacy, torch_dist
+from mmparity.io.formats.base import HF, MCORE, Format, neither
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.layout import TRACKER_FILE, resolve_iteration_dir
+from mmparity.io.manifest import allow_layout, forget_layout
 
-HF, MCORE = "hf", "mcore"  # what a format holds: HF safetensors, or Megatron-Core state dicts
+__all__ = ["BUILT_IN", "register", "unregister", "formats", "get", "by_layout", "target", "writable",
+           "detect_directory", "detect_iteration", "source_format"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Written:
-    """What a format's writer wrote: tensors, bytes, and the parallel sizes its files are laid
-    out for (a format of global tensors: all 1)."""
-
-    tensors: int
-    nbytes: int
-    grid: object  # mmparity.parallel.axes.Grid
-    requant: object = None  # an HF writer's --requantize report
-
-
-@dataclasses.dataclass(frozen=True)
-class Format:
-    """One checkpoint format.
-
-    ``kind`` is what it holds (:data:`HF`: a directory of safetensors, itself the checkpoint;
-    :data:`MCORE`: a Megatron iteration directory, found through its root's tracker). ``detect``
-    is asked of that directory. ``stores_grid``: its files are per rank (legacy), so a checkpoint
-    keeps the TP/PP/EP sizes it was written at; otherwise it holds global tensors that load at any
-    size.
-    """
-
-    name: str  # as --format names it
-    layout: str  # as the manifest records it
-    kind: str
-    what: str  # a directory of it in words, for "neither ... nor ..." messages
-    detect: Callable[[Path], bool]
-    # (path, family, hf_format, tensor filter, tp, vocab_multiple, complete, *, model_config, iteration)
-    # -> a streaming source; model_config and iteration describe a checkpoint Megatron-LM wrote
-    # (--base / --hf-config, --iteration)
-    open_source: Callable[..., object]
-    # (source, ConvertOptions, Progress) -> Written
-    write: Callable[..., Written]
-    # (root, {file: [TensorRecord]}, VerifyReport): checks every record, appends the problems
-    verify: Callable[[Path, Mapping[str, Sequence], object], None]
-    # verify --load: (rank, LoadJob, model, built parts) -> (state, {prefix: not loaded}, filled);
-    # None: Megatron's class does not load this format
-    load_state: Callable | None = None
-    stores_grid: bool = False
-    records_directories: bool = False  # a tensor record names a directory of files, not a file
-    load_unit: str = "keys"  # what verify --load counts of what it did not load
-    default: bool = False  # the output format of its kind when none is named (listed first)
-
-
-_FORMATS: dict[str, Format] = {}
+BUILT_IN = (hf.FORMAT, legacy.FORMAT, torch_dist.FORMAT)
+_FORMATS: dict[str, Format] = {f.name: f for f in BUILT_IN}
 
 
 def register(*records: Format) -> None:
-    """Adds formats (after those registered before: detection tries them in this order)."""
+    """Adds formats (after those there: detection tries them in this order)."""
     for record in records:
         if record.kind not in (HF, MCORE):
             raise ValueError(f"format {record.name!r}: kind must be {HF!r} or {MCORE!r}, got {record.kind!r}")
         if record.name in _FORMATS or any(f.layout == record.layout for f in _FORMATS.values()):
             raise ValueError(f"format {record.name!r} (layout {record.layout!r}) is already registered")
         _FORMATS[record.name] = record
+        allow_layout(record.layout)
 
 
 def unregister(name: str) -> None:
-    _FORMATS.pop(name, None)
+    record = _FORMATS.pop(name, None) if name not in {f.name for f in BUILT_IN} else None
+    if record is not None:
+        forget_layout(record.layout)
 
 
 def formats(kind: str | None = None) -> list[Format]:
@@ -119,8 +75,24 @@ def detect_iteration(iteration_dir: Path) -> Format | None:
     return next((f for f in formats(MCORE) if f.detect(iteration_dir)), None)
 
 
-def neither(whats: Sequence[str]) -> str:
-    """``neither A nor B`` (``neither A, B nor C``) of directories described in words."""
-    if len(whats) == 1:
-        return f"not {whats[0]}"
-    return f"neither {', '.join(whats[:-1])} nor {whats[-1]}"
+def source_format(path: Path, iteration: int | str | None = None) -> Format:
+    """The format of a source directory (an HF directory, or an mcore root or iteration
+    directory), or a :class:`ConvertError` saying what it is not."""
+    if not path.exists():
+        raise ConvertError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise ConvertError(f"{path}: not a directory (expected an HF save_pretrained directory or an mcore checkpoint)")
+    found = detect_directory(path)
+    if found is not None:
+        return found
+    try:
+        _, iteration_dir, _ = resolve_iteration_dir(path, iteration)
+    except CheckpointError as exc:
+        if (path / TRACKER_FILE).exists() or path.name.startswith("iter_"):
+            raise ConvertError(str(exc)) from None
+        whats = [f.what for f in formats(HF)] + [f"an mcore checkpoint ({TRACKER_FILE})"]
+        raise ConvertError(f"{path}: {neither(whats)}") from None
+    found = detect_iteration(iteration_dir)
+    if found is not None:
+        return found
+    raise ConvertError(f"{iteration_dir}: {neither([f.what for f in formats(MCORE)])}")

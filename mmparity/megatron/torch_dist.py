@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mmparity import errors
-from mmparity.io import mcore_compat as mc
+from mmparity.megatron import mcore_compat as mc
 from mmparity.io import extra_state, torch_dist_files, torch_dist_layout
 from mmparity.io.layout import CHECKPOINT_VERSION, RELEASE, iteration_dirname, resolve_iteration_dir
 from mmparity.io.manifest import LAYOUT_TORCH_DIST, Manifest, Provenance, TensorRecord, write_mcore_root
@@ -51,6 +51,7 @@ from mmparity.io.fsio.pieces import joined, narrow_pieces
 from mmparity.io.fsio.publish import discard_staging_directory, make_staging_directory, publish_staging_directory
 from mmparity.io.fsio.slots import SlotWriter
 from mmparity.io.fsio.syscalls import pwrite_all
+from mmparity.parallel.axes import Grid
 
 __all__ = [
     "CpuTorchDistSaveStrategy",
@@ -299,17 +300,15 @@ def _validate_sharding(state_dict: ShardedStateDict) -> None:
 # save / load
 
 
-def _parallel_sizes(tp_size: int | None, pp_size: int | None) -> tuple[int, int]:
-    if tp_size is not None and pp_size is not None:
-        return tp_size, pp_size
+def _initialised_grid() -> Grid:
+    """The TP / PP / EP sizes of mcore's initialised parallel state (all 1 when there is none)."""
     from megatron.core import parallel_state
 
-    initialised = parallel_state.model_parallel_is_initialized()
-    if tp_size is None:
-        tp_size = parallel_state.get_tensor_model_parallel_world_size() if initialised else 1
-    if pp_size is None:
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialised else 1
-    return tp_size, pp_size
+    if not parallel_state.model_parallel_is_initialized():
+        return Grid.of()
+    return Grid.of(parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
 
 
 def save_torch_dist(
@@ -318,9 +317,7 @@ def save_torch_dist(
     *,
     iteration: int | str = 1,
     provenance: Provenance | None = None,
-    tp_size: int | None = None,
-    pp_size: int | None = None,
-    ep_size: int | None = None,
+    grid: Grid | None = None,
     content_metadata: Mapping | None = None,
     extra_files: Mapping[str, str | bytes] | None = None,
     force: bool = False,
@@ -332,8 +329,8 @@ def save_torch_dist(
     """Collective: writes a Megatron-LM style torch_dist checkpoint of a model, atomically.
 
     `sharded_state_dict` is the model's `sharded_state_dict()` on this rank (or a callable
-    producing it, so a failure while producing it is agreed on like any other). TP/PP/EP sizes for
-    the manifest default to the initialised mcore parallel state. `content_metadata` is passed to mcore
+    producing it, so a failure while producing it is agreed on like any other). The TP/PP/EP sizes
+    the manifest records (`grid`) default to the initialised mcore parallel state's. `content_metadata` is passed to mcore
     as is: give it the `metadata` you passed to `sharded_state_dict(metadata=...)`, so Megatron-LM
     rebuilds the same key layout on load (none means mcore's defaults, stacked layer keys).
     `extra_files` (plain names) are written at the root by rank 0 in the same atomic step, and
@@ -348,12 +345,7 @@ def save_torch_dist(
     _require_process_group()
     rank = dist.get_rank()
     root = Path(root).absolute()
-    tp_size, pp_size = _parallel_sizes(tp_size, pp_size)
-    if ep_size is None:
-        from megatron.core import parallel_state
-
-        ep_size = (parallel_state.get_expert_model_parallel_world_size()
-                   if parallel_state.model_parallel_is_initialized() else 1)
+    tp_size, pp_size, ep_size = (grid or _initialised_grid()).sizes
     iteration_name = iteration_dirname(iteration)
 
     announcement: list = [None]
@@ -443,7 +435,7 @@ def load_torch_dist(
 ) -> dict:
     """Loads the `model` part of a torch_dist checkpoint into this rank's shards, as
     `dist_checkpointing.load` would, but with nothing unpickled beyond the allow-lists of
-    `mmparity.io.unpickle` (see `_mcore_compat`: mcore's own load cannot be made safe).
+    `mmparity.io.unpickle` (see `mcore_compat`: mcore's own load cannot be made safe).
 
     `sharded_state_dict` is the receiving model's `sharded_state_dict()` under its own (any) TP
     size. Returns a plain state dict for `model.load_state_dict`. `path` is a root (its tracker

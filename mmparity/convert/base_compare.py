@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from safetensors.torch import load_file
+
+from mmparity.convert.sources import model_config_for
+from mmparity.errors import ConvertError
+from mmparity.io.formats.mcore import SIDE_FILE
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.fsio.safetensors_read import SafetensorsCheckpoint
-from mmparity.io.manifest import LAYOUT_HF, read_manifest
-from mmparity.convert.pipeline import MANIFEST_FILE, SIDE_FILE, ConvertError, model_config_for
+from mmparity.io.manifest import LAYOUT_HF, MANIFEST_FILE, read_manifest
 from mmparity.io.megatron_written import equal_tensors
 
 __all__ = ["compare_with_base"]
@@ -40,8 +44,6 @@ def compare_with_base(directory: str | os.PathLike, base: str | os.PathLike) -> 
     side_path = directory / SIDE_FILE
     if not side_path.is_file():
         return 0, []
-    from safetensors.torch import load_file
-
     side = load_file(str(side_path))
     try:
         config = model_config_for(directory, manifest.provenance.family, base, None)
