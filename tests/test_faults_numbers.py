@@ -75,6 +75,22 @@ def test_checkpoint_version_of_the_current_layout_converts(capsys, sources, tmp_
     assert code == 0, err
 
 
+@pytest.mark.parametrize("version", [math.nan, -math.inf, 0.5, 4.0, "3.0"])
+def test_torch_dist_checkpoint_version_that_is_no_version_is_refused(capsys, sources, tmp_path, version):
+    """The same number in a torch_dist checkpoint's common state (``common.pt``)."""
+    src = copy_tree(sources["torch_dist"], tmp_path / "src")
+    common = next(src.glob("iter_*/common.pt"))
+    payload = torch.load(common, weights_only=True)
+    assert payload["checkpoint_version"] == 3.0  # the harness's own file: the field is there to break
+    payload["checkpoint_version"] = version
+    torch.save(payload, common)
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "hf", "--to", "hf", "--quiet")
+    one_line_error(code, out, err, "common.pt", "checkpoint_version")
+    assert not (tmp_path / "hf").exists()
+    code, out, err = run_cli(capsys, "verify", src)
+    assert code in (1, 2) and "checkpoint_version" in out + err and "Traceback" not in out + err, (code, out, err)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. Mistral's params.json: NaN and absurd numbers, and a config.json beside it that disagrees
 

@@ -55,7 +55,7 @@ from mmparity.checkpoint.hf import (bound_config, detect_family, read_hf_config,
 from mmparity.families import UnknownFamilyError
 from mmparity.checkpoint.layout import RELEASE, TRACKER_FILE, checkpoint_extent, iteration_dirname, resolve_iteration_dir
 from mmparity.checkpoint.legacy import LegacyWriter, finish_legacy, load_rank_payload, model_chunk_keys, open_legacy
-from mmparity.checkpoint.megatron_written import FROM_BASE, ModelConfig, args_parallelism, copy_base_files
+from mmparity.checkpoint.megatron_written import FROM_BASE, ModelConfig, args_parallelism, copy_base_files, read_common
 from mmparity.checkpoint.manifest import (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST, MANIFEST_FILE, Manifest,
                                           Provenance, TensorRecord, read_manifest, write_manifest)
 from mmparity.checkpoint.torch_dist_files import TorchDistFiles
@@ -1022,6 +1022,7 @@ class _TorchDistSource(_McoreSource):
         recorded = manifest
         manifest = _manifest_of_iteration(manifest, self.iteration)
         self.manifest_elsewhere = manifest is not recorded
+        read_common(iteration_dir)  # its checkpoint_version says whether this layout is the one read here
         self.files = TorchDistFiles(iteration_dir)
         self._init_common(root, manifest, family, filt, complete, model_config,
                           torch_dist_capacity(self.files.metadata),

@@ -24,6 +24,7 @@ from mmparity.checkpoint.fsio.safetensors_format import SAFETENSORS_DTYPES
 from mmparity.checkpoint.fsio.errors import CheckpointError
 from mmparity.checkpoint.fsio.paths import link_outside, links_outside, require_regular_file
 from mmparity.checkpoint.legacy import load_rank_file
+from mmparity.checkpoint.megatron_written import read_common
 from mmparity.checkpoint.manifest import MANIFEST_FILE, TensorRecord, read_manifest
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -174,6 +175,10 @@ def _verify_torch_dist(root: Path, by_file: Mapping[str, list[TensorRecord]], re
         except CheckpointError as exc:
             report.problems.append(Problem(dir_name, None, f"{exc}; {len(records)} shard record(s) not checked"))
             continue
+        try:
+            read_common(path)  # a checkpoint_version that is no version is damage, as in a legacy file
+        except CheckpointError as exc:
+            report.problems.append(Problem(dir_name, None, str(exc)))
         metadata = files.tensors
         objects = torch_dist_files.object_keys(path, files.metadata)
         by_key: dict[str, list[TensorRecord]] = defaultdict(list)
