@@ -654,6 +654,13 @@ def test_a_divisor_that_pads_past_any_megatron_run_is_refused_by_flag(capsys, hf
     assert not (tmp_path / "out").exists()
 
 
+def test_a_divisor_given_to_an_export_is_refused_not_ignored(capsys, hf, converted, tmp_path):
+    code, out, err = run_cli(capsys, "convert", "--src", converted("legacy"), "--dst", tmp_path / "out",
+                             "--to", "hf", "--make-vocab-size-divisible-by", 64)
+    one_line_error(code, out, err, "--make-vocab-size-divisible-by", "--to hf", "drop the flag")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # a child process under an address-space limit
 def test_a_typed_divisor_of_a_billion_is_refused_before_allocating(hf, tmp_path):
     code, out, err = run_subprocess("convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
