@@ -187,6 +187,21 @@ def test_torch_dist_payload_never_runs(capsys, tmp_path, clean, plant, tp):
             assert "refusing to unpickle posix.mkdir" in out + err, (name, out, err)
 
 
+@pytest.mark.parametrize("stored", [[1, 2, 3], {"weight": 1.0}, 7, torch.zeros(2, dtype=torch.int8)])
+def test_a_tensor_item_that_is_no_such_tensor_is_named_by_every_command(capsys, tmp_path, clean, stored):
+    """Inert but wrong: a torch_dist tensor item holding a list, a dict, a number or another tensor.
+    Every command names the item and what it holds (verify --load too, whose load DCP decodes)."""
+    root = shutil.copytree(clean["torch_dist"], tmp_path / "ckpt")
+    key = next(iter(torch_dist_files.tensor_metadata(_iteration_dir(root))))
+    _repoint(root, key, _torch_save(stored), False)
+    found = type(stored).__name__ if not isinstance(stored, torch.Tensor) else "torch.int8 [2]"
+    for name, argv in _commands(root, tmp_path / "out", 1).items():
+        code, out, err = run_cli(capsys, *argv)
+        assert code == (1 if name.startswith("verify") else 2), (name, out, err)
+        assert f"{key!r} chunk" in out + err and f"holds {found}" in out + err, (name, out, err)
+        assert "Traceback" not in out + err and "AttributeError" not in out + err, (name, out, err)
+
+
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_legacy_payload_never_runs(capsys, tmp_path, clean, tp):
     root = shutil.copytree(clean[f"legacy{tp}"], tmp_path / "ckpt")
