@@ -313,8 +313,8 @@ def test_megatron_written_metadata_naming_os_system_is_refused(capsys, tmp_path,
 
 def test_megatron_written_common_state_naming_os_system_is_refused(capsys, tmp_path, megatron_written):
     """The common state beside megatron-core's DCP files (``common.pt``: its args, iteration), with
-    a hostile entry: what reads it (verify's description, the load) refuses it before anything
-    runs; the export to HF takes its sizes from the DCP metadata and does not read it at all."""
+    a hostile entry: everything that reads it (verify's description, the load, the export, which
+    checks its checkpoint_version) refuses it before anything runs."""
     root = shutil.copytree(megatron_written["torch_dist"], tmp_path / "ckpt")
     marker = tmp_path / "PAYLOAD-RAN"
 
@@ -327,10 +327,7 @@ def test_megatron_written_common_state_naming_os_system_is_refused(capsys, tmp_p
         code, out, err = run_cli(capsys, *argv)
         assert not marker.exists(), f"`mmparity {name}` ran code planted in common.pt"
         assert "Traceback" not in out + err, (name, out + err)
-        if name.startswith("verify"):
-            assert code == 2 and "refusing to unpickle posix.system" in err and "common.pt" in err, (name, out, err)
-        else:
-            assert code == 0, (name, out, err)
+        assert code == 2 and "refusing to unpickle posix.system" in err and "common.pt" in err, (name, out, err)
 
 
 def test_megatron_core_plan_classes_are_allowed(megatron_written):
