@@ -790,3 +790,45 @@ def test_bench_json_report_is_strict_json():
     assert got["rel_l2"] is None and got["non_finite"]["rel_l2"] == "NaN"
     assert got["native"]["images_per_s"] is None and got["native"]["non_finite"] == {
         "images_per_s": "Infinity", "times_ms[1]": "NaN"}
+
+
+# --------------------------------------------------------------------------------------------------
+# mmparity.json's numbers: an iteration no Megatron-LM run has, a shard offset past any tensor
+
+
+def _edit_manifest(src: Path, edit) -> None:
+    manifest = json.loads((src / "mmparity.json").read_text())
+    edit(manifest)
+    (src / "mmparity.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("iteration", [-5, 10**30, "7", 1.0, True])
+def test_a_manifest_iteration_that_is_none_is_refused(capsys, sources, tmp_path, fmt, iteration):
+    src = copy_tree(sources[fmt], tmp_path / "src")
+    _edit_manifest(src, lambda m: m.__setitem__("iteration", iteration))
+    for argv in (["verify", src], ["convert", "--src", src, "--dst", tmp_path / "hf", "--to", "hf", "--quiet"]):
+        code, out, err = run_cli(capsys, *argv)
+        one_line_error(code, out, err, "mmparity.json", "iteration is")
+    assert not (tmp_path / "hf").exists()
+
+
+def _first_offset_record(manifest: dict) -> dict:
+    return next(r for r in manifest["tensors"] if r.get("offset") and len(r["offset"]) >= 2)
+
+
+@pytest.mark.parametrize("offset", [[10**30, 0], [-1, 0], [2**63, 0]])
+def test_a_shard_offset_past_any_tensor_is_refused(capsys, sources, tmp_path, offset):
+    src = copy_tree(sources["torch_dist"], tmp_path / "src")
+    _edit_manifest(src, lambda m: _first_offset_record(m).__setitem__("offset", offset + _first_offset_record(m)
+                                                                        ["offset"][2:]))
+    code, out, err = run_cli(capsys, "verify", src)
+    one_line_error(code, out, err, "mmparity.json", "offset")
+
+
+def test_a_shard_offset_outside_its_tensor_is_damage(capsys, sources, tmp_path):
+    """Within 64 bits but past the tensor's rows: verify lists the record (exit 1), no traceback."""
+    src = copy_tree(sources["torch_dist"], tmp_path / "src")
+    _edit_manifest(src, lambda m: _first_offset_record(m)["offset"].__setitem__(0, 10**6))
+    code, out, err = run_cli(capsys, "verify", src)
+    assert code == 1 and "does not fit global shape" in out and "Traceback" not in out + err, (code, out, err)

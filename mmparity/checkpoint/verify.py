@@ -161,7 +161,9 @@ def _shard_of(global_tensor: torch.Tensor, record: TensorRecord) -> torch.Tensor
     """The region a record describes: leading offsets index prepended (layer) axes."""
     offset, shape = record.offset or (), record.checksum.shape
     prepended = len(offset) - len(shape)
-    if prepended < 0 or global_tensor.dim() != len(offset):
+    ends = [o + 1 for o in offset[:prepended]] + [o + n for o, n in zip(offset[prepended:], shape)]
+    if prepended < 0 or global_tensor.dim() != len(offset) or any(
+            end > size for end, size in zip(ends, global_tensor.shape)):
         raise CheckpointError(f"offset {list(offset)} does not fit global shape {list(global_tensor.shape)}")
     index = tuple(offset[:prepended]) + tuple(slice(o, o + n) for o, n in zip(offset[prepended:], shape))
     return global_tensor[index]
