@@ -75,6 +75,22 @@ def test_checkpoint_version_of_the_current_layout_converts(capsys, sources, tmp_
     assert code == 0, err
 
 
+@pytest.mark.parametrize("version", [math.nan, -math.inf, 0.5, 4.0, "3.0"])
+def test_torch_dist_checkpoint_version_that_is_no_version_is_refused(capsys, sources, tmp_path, version):
+    """The same number in a torch_dist checkpoint's common state (``common.pt``)."""
+    src = copy_tree(sources["torch_dist"], tmp_path / "src")
+    common = next(src.glob("iter_*/common.pt"))
+    payload = torch.load(common, weights_only=True)
+    assert payload["checkpoint_version"] == 3.0  # the harness's own file: the field is there to break
+    payload["checkpoint_version"] = version
+    torch.save(payload, common)
+    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", tmp_path / "hf", "--to", "hf", "--quiet")
+    one_line_error(code, out, err, "common.pt", "checkpoint_version")
+    assert not (tmp_path / "hf").exists()
+    code, out, err = run_cli(capsys, "verify", src)
+    assert code in (1, 2) and "checkpoint_version" in out + err and "Traceback" not in out + err, (code, out, err)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. Mistral's params.json: NaN and absurd numbers, and a config.json beside it that disagrees
 
@@ -640,6 +656,13 @@ def test_a_divisor_that_pads_past_any_megatron_run_is_refused_by_flag(capsys, hf
     assert not (tmp_path / "out").exists()
 
 
+def test_a_divisor_given_to_an_export_is_refused_not_ignored(capsys, hf, converted, tmp_path):
+    code, out, err = run_cli(capsys, "convert", "--src", converted("legacy"), "--dst", tmp_path / "out",
+                             "--to", "hf", "--make-vocab-size-divisible-by", 64)
+    one_line_error(code, out, err, "--make-vocab-size-divisible-by", "--to hf", "drop the flag")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # a child process under an address-space limit
 def test_a_typed_divisor_of_a_billion_is_refused_before_allocating(hf, tmp_path):
     code, out, err = run_subprocess("convert", "--family", "llava", "--src", hf, "--dst", tmp_path / "out",
@@ -769,3 +792,45 @@ def test_bench_json_report_is_strict_json():
     assert got["rel_l2"] is None and got["non_finite"]["rel_l2"] == "NaN"
     assert got["native"]["images_per_s"] is None and got["native"]["non_finite"] == {
         "images_per_s": "Infinity", "times_ms[1]": "NaN"}
+
+
+# --------------------------------------------------------------------------------------------------
+# mmparity.json's numbers: an iteration no Megatron-LM run has, a shard offset past any tensor
+
+
+def _edit_manifest(src: Path, edit) -> None:
+    manifest = json.loads((src / "mmparity.json").read_text())
+    edit(manifest)
+    (src / "mmparity.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("iteration", [-5, 10**30, "7", 1.0, True])
+def test_a_manifest_iteration_that_is_none_is_refused(capsys, sources, tmp_path, fmt, iteration):
+    src = copy_tree(sources[fmt], tmp_path / "src")
+    _edit_manifest(src, lambda m: m.__setitem__("iteration", iteration))
+    for argv in (["verify", src], ["convert", "--src", src, "--dst", tmp_path / "hf", "--to", "hf", "--quiet"]):
+        code, out, err = run_cli(capsys, *argv)
+        one_line_error(code, out, err, "mmparity.json", "iteration is")
+    assert not (tmp_path / "hf").exists()
+
+
+def _first_offset_record(manifest: dict) -> dict:
+    return next(r for r in manifest["tensors"] if r.get("offset") and len(r["offset"]) >= 2)
+
+
+@pytest.mark.parametrize("offset", [[10**30, 0], [-1, 0], [2**63, 0]])
+def test_a_shard_offset_past_any_tensor_is_refused(capsys, sources, tmp_path, offset):
+    src = copy_tree(sources["torch_dist"], tmp_path / "src")
+    _edit_manifest(src, lambda m: _first_offset_record(m).__setitem__("offset", offset + _first_offset_record(m)
+                                                                        ["offset"][2:]))
+    code, out, err = run_cli(capsys, "verify", src)
+    one_line_error(code, out, err, "mmparity.json", "offset")
+
+
+def test_a_shard_offset_outside_its_tensor_is_damage(capsys, sources, tmp_path):
+    """Within 64 bits but past the tensor's rows: verify lists the record (exit 1), no traceback."""
+    src = copy_tree(sources["torch_dist"], tmp_path / "src")
+    _edit_manifest(src, lambda m: _first_offset_record(m)["offset"].__setitem__(0, 10**6))
+    code, out, err = run_cli(capsys, "verify", src)
+    assert code == 1 and "does not fit global shape" in out and "Traceback" not in out + err, (code, out, err)

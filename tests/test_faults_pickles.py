@@ -187,6 +187,21 @@ def test_torch_dist_payload_never_runs(capsys, tmp_path, clean, plant, tp):
             assert "refusing to unpickle posix.mkdir" in out + err, (name, out, err)
 
 
+@pytest.mark.parametrize("stored", [[1, 2, 3], {"weight": 1.0}, 7, torch.zeros(2, dtype=torch.int8)])
+def test_a_tensor_item_that_is_no_such_tensor_is_named_by_every_command(capsys, tmp_path, clean, stored):
+    """Inert but wrong: a torch_dist tensor item holding a list, a dict, a number or another tensor.
+    Every command names the item and what it holds (verify --load too, whose load DCP decodes)."""
+    root = shutil.copytree(clean["torch_dist"], tmp_path / "ckpt")
+    key = next(iter(torch_dist_files.tensor_metadata(_iteration_dir(root))))
+    _repoint(root, key, _torch_save(stored), False)
+    found = type(stored).__name__ if not isinstance(stored, torch.Tensor) else "torch.int8 [2]"
+    for name, argv in _commands(root, tmp_path / "out", 1).items():
+        code, out, err = run_cli(capsys, *argv)
+        assert code == (1 if name.startswith("verify") else 2), (name, out, err)
+        assert f"{key!r} chunk" in out + err and f"holds {found}" in out + err, (name, out, err)
+        assert "Traceback" not in out + err and "AttributeError" not in out + err, (name, out, err)
+
+
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_legacy_payload_never_runs(capsys, tmp_path, clean, tp):
     root = shutil.copytree(clean[f"legacy{tp}"], tmp_path / "ckpt")
@@ -298,8 +313,8 @@ def test_megatron_written_metadata_naming_os_system_is_refused(capsys, tmp_path,
 
 def test_megatron_written_common_state_naming_os_system_is_refused(capsys, tmp_path, megatron_written):
     """The common state beside megatron-core's DCP files (``common.pt``: its args, iteration), with
-    a hostile entry: what reads it (verify's description, the load) refuses it before anything
-    runs; the export to HF takes its sizes from the DCP metadata and does not read it at all."""
+    a hostile entry: everything that reads it (verify's description, the load, the export, which
+    checks its checkpoint_version) refuses it before anything runs."""
     root = shutil.copytree(megatron_written["torch_dist"], tmp_path / "ckpt")
     marker = tmp_path / "PAYLOAD-RAN"
 
@@ -312,10 +327,7 @@ def test_megatron_written_common_state_naming_os_system_is_refused(capsys, tmp_p
         code, out, err = run_cli(capsys, *argv)
         assert not marker.exists(), f"`mmparity {name}` ran code planted in common.pt"
         assert "Traceback" not in out + err, (name, out + err)
-        if name.startswith("verify"):
-            assert code == 2 and "refusing to unpickle posix.system" in err and "common.pt" in err, (name, out, err)
-        else:
-            assert code == 0, (name, out, err)
+        assert code == 2 and "refusing to unpickle posix.system" in err and "common.pt" in err, (name, out, err)
 
 
 def test_megatron_core_plan_classes_are_allowed(megatron_written):

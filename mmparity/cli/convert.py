@@ -174,6 +174,10 @@ def run(args) -> int:
     if args.to == "hf" and args.part is not None:
         raise UsageError("--part chooses what --to mcore writes; an HF release is the whole model (an mcore checkpoint "
                          "of one part exports with --base HF_DIR)")
+    if args.to == "hf" and args.make_vocab_size_divisible_by is not None:
+        # Silently ignoring it would let a user believe the export used it.
+        raise UsageError("--make-vocab-size-divisible-by pads what --to mcore writes; --to hf cuts every vocabulary "
+                         "table to the HF config's size whatever its padding: drop the flag")
     if args.to == "hf" and args.release:
         raise UsageError("--release names the mcore output's iteration; it does not apply to --to hf")
     if args.ep < 1:

@@ -24,6 +24,10 @@ from mmparity.io.fsio.bounded import check_bounded, json_value
 from mmparity.io.fsio.json_members import object_members
 from mmparity.io.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.io.fsio.publish import write_extra_files
+from mmparity.io.layout import RELEASE
+
+# Positions and iteration numbers are 64-bit in Megatron-LM and torch; past that, nothing is real.
+_MAX_POSITION = 2**63
 
 __all__ = [
     "MANIFEST_FILE",
@@ -97,8 +101,8 @@ class TensorRecord:
     def from_json(cls, record: Mapping) -> TensorRecord:
         offset = record.get("offset")
         if offset is not None and (not isinstance(offset, list) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in offset)):
-            raise ValueError(f"offset {offset!r} is not a list of positions")
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_POSITION for n in offset)):
+            raise ValueError(f"offset {json.dumps(offset)[:60]} is not a list of positions")
         return cls(
             sys.intern(_expect(record["file"], str, "file")),  # a few files, thousands of records
             shared.name(_expect(record["key"], str, "key")),
@@ -192,7 +196,7 @@ class Manifest:
             pipeline_layer_counts=(tuple(_positive(c, "pipeline_layer_counts")
                                          for c in _expect(counts, list, "pipeline_layer_counts"))
                                    if counts is not None else None),
-            iteration=_expect(data.get("iteration"), (int, str, type(None)), "iteration"),
+            iteration=_iteration(data.get("iteration")),
             mmparity_version=str(data.get("mmparity_version", "unknown")),
             expert_parallel_size=_positive(data.get("expert_parallel_size", 1), "expert_parallel_size"),
         )
@@ -204,6 +208,17 @@ def _expect(value, types, what: str):
     if isinstance(value, bool) or not isinstance(value, types):
         names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
         raise ValueError(f"{what} is {json.dumps(value)[:60]}, expected {names}")
+    return value
+
+
+def _iteration(value) -> int | str | None:
+    """What convert writes: Megatron-LM's iteration number (its tracker's range), "release", or
+    null; anything else names no iteration directory there could be."""
+    if value is None or value == RELEASE:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_POSITION:
+        raise ValueError(f"iteration is {json.dumps(value)[:60]}, expected an iteration number, "
+                         f"{json.dumps(RELEASE)} or null")
     return value
 
 

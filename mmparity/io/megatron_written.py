@@ -32,8 +32,8 @@ from mmparity.io.megatron_args import args_parallelism
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.fsio.paths import require_regular_file
 from mmparity.io.layout import (
-    LEGACY_FILE, RELEASE, TRACKER_FILE, iteration_dirname, parse_rank_dirname, parse_iteration_number,
-    read_tracker, resolve_iteration_dir)
+    LEGACY_FILE, RELEASE, TRACKER_FILE, check_checkpoint_version, iteration_dirname, parse_rank_dirname,
+    parse_iteration_number, read_tracker, resolve_iteration_dir)
 
 __all__ = ["FROM_BASE", "MegatronCheckpoint", "describe", "iterations", "base_files",
            "copy_base_files", "args_parallelism", "read_common"]
@@ -125,6 +125,8 @@ def read_common(iteration_dir: Path) -> dict | None:
         common = common[0]
     if not isinstance(common, dict):
         raise CheckpointError(f"{where}: expected a dict, found {type(common).__name__}")
+    if "checkpoint_version" in common:  # a legacy rank file's version is checked; this one alike
+        check_checkpoint_version(common["checkpoint_version"], where)
     return common
 
 

@@ -460,5 +460,22 @@ def load_torch_dist(
         cause = errors.root_cause(exc)
         if isinstance(cause, CheckpointError):  # ours (a refused pickle, say), raised inside DCP
             raise cause.with_traceback(None) from None
+        # DCP decodes tensor items itself and fails on one that is no tensor of the stated shape
+        # with whatever that object lacks ("'list' object has no attribute 'size'"): the item is
+        # named by reading the tensors as convert does, which checks each chunk against .metadata.
+        damaged = _first_damaged_tensor(iteration_dir)
+        if damaged is not None:
+            raise damaged from None
         raise CheckpointError(f"{iteration_dir}: torch_dist load failed: {errors.one_line(cause)}") from None
     return loaded["model"]
+
+
+def _first_damaged_tensor(iteration_dir: Path) -> CheckpointError | None:
+    """The first tensor item whose stored chunk is not what ``.metadata`` says, as a refusal."""
+    try:
+        files = torch_dist_files.TorchDistFiles(iteration_dir)
+        for key in files.tensors:
+            files.read(key)
+    except CheckpointError as exc:
+        return exc
+    return None

@@ -28,6 +28,7 @@ from mmparity.io.fsio.heap import heap_budget
 from mmparity.io.hf import torch_dist_capacity
 from mmparity.io.layout import HF_CONFIG_FILE, RELEASE, resolve_iteration_dir
 from mmparity.io.manifest import LAYOUT_TORCH_DIST, MANIFEST_FILE, TensorRecord, read_manifest
+from mmparity.io.megatron_written import read_common
 from mmparity.io.torch_dist_files import TorchDistFiles, is_torch_dist_dir
 from mmparity.mapping import rules as R
 from mmparity.parallel import ep as ep_mod
@@ -56,6 +57,7 @@ def probe(path: Path, iteration: int | str | None = None) -> Stored:
     manifest = read_manifest(root) if (root / MANIFEST_FILE).is_file() else None
     recorded = manifest
     manifest = manifest_of_iteration(manifest, found)
+    read_common(iteration_dir)  # its checkpoint_version says whether this layout is the one read here
     files = TorchDistFiles(iteration_dir)
     return Stored(path, root, root / HF_CONFIG_FILE, torch_dist_capacity(files.metadata), manifest,
                   manifest is not recorded, found, tuple(k for k in files.tensors if not NOT_MODEL_KEYS.match(k)),
@@ -190,7 +192,9 @@ def _shard_of(global_tensor: torch.Tensor, record: TensorRecord) -> torch.Tensor
     """The region a record describes: leading offsets index prepended (layer) axes."""
     offset, shape = record.offset or (), record.checksum.shape
     prepended = len(offset) - len(shape)
-    if prepended < 0 or global_tensor.dim() != len(offset):
+    ends = [o + 1 for o in offset[:prepended]] + [o + n for o, n in zip(offset[prepended:], shape)]
+    if prepended < 0 or global_tensor.dim() != len(offset) or any(
+            end > size for end, size in zip(ends, global_tensor.shape)):
         raise CheckpointError(f"offset {list(offset)} does not fit global shape {list(global_tensor.shape)}")
     index = tuple(offset[:prepended]) + tuple(slice(o, o + n) for o, n in zip(offset[prepended:], shape))
     return global_tensor[index]
@@ -204,6 +208,10 @@ def _verify_dcp(root: Path, by_file: Mapping[str, list[TensorRecord]], report: V
         except CheckpointError as exc:
             report.problems.append(Problem(dir_name, None, f"{exc}; {len(records)} shard record(s) not checked"))
             continue
+        try:
+            read_common(path)  # a checkpoint_version that is no version is damage, as in a legacy file
+        except CheckpointError as exc:
+            report.problems.append(Problem(dir_name, None, str(exc)))
         metadata = files.tensors
         objects = torch_dist_files.object_keys(path, files.metadata)
         by_key: dict[str, list[TensorRecord]] = defaultdict(list)
