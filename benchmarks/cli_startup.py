@@ -9,7 +9,7 @@ Each job runs ``--repeat`` times and the least is kept: a shared machine's noise
 CPU time. ``--help`` and ``list`` are divided by a bare interpreter (``python -c pass``); a
 convert of a tiny checkpoint (``mmparity tiny``'s, or the mcore checkpoint converted from it) is
 divided by an interpreter that only imports torch, which is most of what a convert costs.
-What each command may import is asserted by tests/test_imports.py; this measures what it costs.
+What each command may import is asserted by tests/cli/test_imports.py; this measures what it costs.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def mtp_layers(text) -> int:
 # class (the table below, transformers 5's dataclass defaults), the derived fields those classes
 # compute at init (``head_dim``, key/value heads, ``rope_parameters``), sub-configs built the same
 # way, and the classes' attribute aliases. It covers the model types the registered families
-# read; tests/test_config_view.py checks every entry, field by field, against transformers'
+# read; tests/models/test_config_view.py checks every entry, field by field, against transformers'
 # own classes, so a transformers release that changes a default fails there, not in a conversion.
 # Commands that build models (check, bench) keep transformers' classes.
 

@@ -6,7 +6,7 @@
 # python3. Runs from any directory, each step time-boxed inside one overall budget:
 #   1. installs .whl/*.whl into a temporary directory (no index, no deps) and puts it and this
 #      checkout on PYTHONPATH
-#   2. pytest -m gpu                                  (tests/test_gpu.py and any other gpu-marked test)
+#   2. pytest -m gpu                                  (tests/models/test_gpu.py and any other gpu-marked test)
 #   3. mmparity check --device cuda, bfloat16 and float32, every registered family
 #   4. mmparity bench --size published --device cuda --dtype bfloat16, with the parity verdict
 #   5. the same with --mixed: each family's packed mixed-size batch (the real workload), parity too

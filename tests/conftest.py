@@ -86,6 +86,6 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _is_fault_test(nodeid: str) -> bool:
-    """The fault suite is tests/test_faults.py and its topical siblings tests/test_faults_*.py."""
+    """The fault suite is tests/faults/test_faults.py and its topical siblings tests/test_faults_*.py."""
     name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
     return name == "test_faults.py" or (name.startswith("test_faults_") and name.endswith(".py"))

@@ -5,7 +5,7 @@ Megatron's layout with what it has no place for aside), a strict load
 (``upstream.models.load_strict``) of its mcore state into the class its Megatron record (the
 family's hooks' ``megatron``) builds, a forward on the cases that record gives, and the comparison with HF's outputs, output by output and
 module by module. ``check --impl megatron`` does the same through the parity harness; this driver
-keeps the raw per-output numbers and the Kimi projection variants for ``tests/test_upstream.py``
+keeps the raw per-output numbers and the Kimi projection variants for ``tests/models/test_upstream.py``
 and ``scripts/megatron_parity.py``.
 """
 

@@ -1,4 +1,4 @@
-"""Megatron-LM main's ``pretrain_gpt.py`` path on the CPU, for ``tests/test_megatron_lm_gpt.py``.
+"""Megatron-LM main's ``pretrain_gpt.py`` path on the CPU, for ``tests/megatron/test_megatron_lm_gpt.py``.
 
 A whole VLM's language model trained alone, as a user of Megatron-LM trains Kimi-K2.5's or
 Mistral3's (its ``LLaVAModel`` builds neither tower): the flags parsed and validated by
@@ -18,7 +18,7 @@ Everything that is a CPU stand-in lives here, in the harness, never in mmparity:
   ``te_stand_ins.megatron_te_spec`` (Megatron's own spec, the CPU stand-ins in TE's places), the
   build through ``buildable_without_te`` / ``host_placement`` as mmparity's own builders do;
 * CUDA: the RNG state, device fences, ``current_device``, the tracker's CUDA tensor
-  (``tests.test_megatron_lm_loop._cpu_stand_ins``), the streams ``get_model`` wraps DDP in;
+  (``tests.megatron.test_megatron_lm_loop._cpu_stand_ins``), the streams ``get_model`` wraps DDP in;
 * the optimizer's parameter and gradient type checks (``type() == 'torch.cuda.FloatTensor'``),
   answered for CPU float32 tensors while it is built and stepped (Megatron's distributed
   optimizer refuses CPU parameters by this check alone), and the flags and norms its classes make
@@ -397,7 +397,7 @@ def gpt_rank(rank: int, world: int, params: dict) -> dict:
     from mmparity.parallel import runtime
     from mmparity.parallel.axes import Grid
     from mmparity.megatron import load as megatron_load
-    from tests.test_megatron_lm_loop import _cpu_stand_ins
+    from tests.megatron.test_megatron_lm_loop import _cpu_stand_ins
 
     _cpu_stand_ins()
     # Its argument check reads the GPU's compute capability for grouped GEMM experts.

@@ -1,6 +1,6 @@
 """Megatron-LM main's own ``load_checkpoint`` of a ``convert --release`` checkpoint with a plain
 ``--load`` (no --finetune / --no-load-optim / --no-load-rng), on CPU, one rank: run by
-``tests/test_release.py`` as ``python tests/megatron_lm_release_load.py DIR FORMAT HF_DIR PORT``
+``tests/io/test_release.py`` as ``python tests/megatron_lm_release_load.py DIR FORMAT HF_DIR PORT``
 with Megatron-LM main on PYTHONPATH. Prints one JSON line: the iteration it loaded at, how many
 tensors, how many the load changed, and which differ from ``live.import_hf`` of the release.
 The one CPU workaround is here in the harness, never in mmparity."""

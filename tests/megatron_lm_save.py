@@ -1,4 +1,4 @@
-"""Run by tests/test_megatron_lm_save.py in a subprocess: Megatron-LM main's own
+"""Run by tests/megatron/test_megatron_lm_save.py in a subprocess: Megatron-LM main's own
 ``save_checkpoint`` saves a CLIP model (Megatron's class, loaded from mmparity's conversion of a
 changed HF model), then ``convert --to hf --base`` must give the changed weights bit-exactly.
 
@@ -35,7 +35,7 @@ def run(fmt: str, tmp: Path) -> None:
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
     from mmparity.io.legacy import open_legacy
     from mmparity.cli.main import main
-    from tests.test_megatron_written import cpu_fp32_optimizer, cpu_stand_ins, make_pair
+    from tests.io.test_megatron_written import cpu_fp32_optimizer, cpu_stand_ins, make_pair
 
     base, trained = make_pair("clip", tmp)
     for name, src in (("base_mcore", base), ("trained_mcore", trained)):

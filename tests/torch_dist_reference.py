@@ -2,7 +2,7 @@
 model built on meta supplies mcore's sharded state dict (keys, layer offsets, the swiglu
 factory), and megatron-core's own save strategy plans and writes it (DCP under gloo).
 
-Kept as the reference ``tests/test_torch_dist_layout.py`` compares the megatron-free writer
+Kept as the reference ``tests/io/test_torch_dist_layout.py`` compares the megatron-free writer
 with: both are given the same source, and what they write must load the same.
 """
 

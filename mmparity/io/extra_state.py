@@ -14,7 +14,7 @@ their TP kinds (the checkpoint holds nothing else to read it from): the TP-split
 ``MultimodalProjector``) and ``output_layer``, and the ``core_attention`` beside each
 ``linear_qkv``; multi-latent attention's projections and core attention; ``TEGroupedMLP``'s two
 grouped linears (one slot each in a plain state dict, one per expert in a sharded one). Plain ``nn.Linear``s that Megatron keeps whole (Qwen's merger, Pixtral-Large's
-merging layer) have none. ``tests/test_extra_state.py`` checks the rule against every family's
+merging layer) have none. ``tests/io/test_extra_state.py`` checks the rule against every family's
 recorded layout (``tests/data/megatron_layout``).
 """
 

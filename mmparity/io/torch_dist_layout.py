@@ -18,7 +18,7 @@ dict a converter produces (its keys in TE spelling), Megatron's classes shard it
 * **extra states** (``_extra_state``, TE's FP8 slots, written empty): byte objects under
   ``<key>/shard_<offsets>_<shape>``, with the same prepended axes as their module's tensors.
 
-``tests/test_torch_dist_layout.py`` pins this against every registered family's Megatron model
+``tests/io/test_torch_dist_layout.py`` pins this against every registered family's Megatron model
 (its ``sharded_state_dict()``, factories applied), which is where the rules come from.
 """
 

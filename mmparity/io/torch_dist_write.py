@@ -15,7 +15,7 @@ state (Megatron-LM's ``args``, ``checkpoint_version``, ``iteration``, the conten
 megatron-core reads from that file in every supported version.
 
 The directory is staged and published atomically; any failure (or a kill) leaves the destination
-as it was. ``tests/test_torch_dist_layout.py`` compares what this writes with what mcore's own
+as it was. ``tests/io/test_torch_dist_layout.py`` compares what this writes with what mcore's own
 save of the family's Megatron model writes.
 """
 

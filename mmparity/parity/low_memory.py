@@ -60,7 +60,7 @@ from mmparity.parity.report import Report, versions
 
 def supported() -> list[str]:
     """The families whose report this path reproduces, as their registry entries say
-    (tests/test_check_low_memory.py checks each on its tiny checkpoint)."""
+    (tests/cli/test_check_low_memory.py checks each on its tiny checkpoint)."""
     return [name for name in families.names() if families.get(name).low_memory]
 
 

@@ -238,7 +238,7 @@ class _Requant:
                                "are) or repair them") from None
         error, exact = quant_mod.requant_error(value, weight, scale, self.scheme)
         # With the source's scales kept and its values coming back exactly, the bytes are the
-        # source's (quantize inverts dequantize, tests/test_quant.py); otherwise they changed.
+        # source's (quantize inverts dequantize, tests/mapping/test_quant.py); otherwise they changed.
         same = exact and torch.equal(scale, self.scales[key])
         if writer.writes(self.stored_names[key][0]):  # where several processes write, counted by one
             self.error = self.error.add(error, exact, same)

@@ -247,7 +247,7 @@ def patch_rows_of_reference_ln_pre(pairs: list, cfg) -> list:
 
 
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
-# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset({"ln_post.weight", "ln_post.bias"})
 MEGATRON = {
     "CLIPViTModel": megatron_side.MegatronClass(clip_megatron.build_clip, megatron_side.configured_size(lambda cfg: cfg),

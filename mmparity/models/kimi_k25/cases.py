@@ -354,7 +354,7 @@ def megatron_pairs(model, cfg) -> list[Pair]:
 
 
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
-# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 # The projector norm is written in Megatron's fused-norm place, tiled (exactly invertible).
 SIDE_TENSORS = frozenset()
 MEGATRON = {"KimiViTModel+MultimodalProjector": megatron_side.MegatronClass(

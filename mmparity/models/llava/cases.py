@@ -488,7 +488,7 @@ def random_text(pick, config_class, vocabs, **fixed):
 def random_config(pick):
     """Whole-LLaVA configs on the tiny Pixtral tower: tower depth, feature layers, GQA, a head_dim
     that is not hidden/heads, a vocabulary that needs padding or not, tied head, projector bias.
-    (tests/test_llava_model.py also varies the tower family.)"""
+    (tests/models/test_llava_model.py also varies the tower family.)"""
     vision = reference.tiny_config().vision_config
     vision.num_hidden_layers = pick(range(1, 4))
     index = range(-(vision.num_hidden_layers + 1), vision.num_hidden_layers + 1)
@@ -522,9 +522,9 @@ def published_pixtral_mistral(source: str, *, patch: int, image_size: int, ffn: 
 
 
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
-# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 # The CLIP tower's layer past vision_feature_layer (Megatron builds the tower that deep) and
-# ln_post; tests/test_upstream.py's test_llava_keeps_aside_what_megatron_has_no_place_for says more.
+# ln_post; tests/models/test_upstream.py's test_llava_keeps_aside_what_megatron_has_no_place_for says more.
 SIDE_TENSORS = frozenset({f"vision_model.decoder.layers.1.{k}" for k in (
     "mlp.linear_fc1.bias", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.layer_norm_weight",
     "mlp.linear_fc1.weight", "mlp.linear_fc2.bias", "mlp.linear_fc2.weight",

@@ -202,7 +202,7 @@ def megatron_run(model, case: Case, cfg) -> dict:
 
 # Megatron-LM main's ViTModel (rope2d, ln_pre) on every case, mixed sizes packed.
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
-# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset()
 MEGATRON = {"ViTModel": megatron_side.MegatronClass(upstream.build_pixtral, megatron_side.same_cases, megatron_run,
                                                     lambda model, cfg: megatron_side.vit_pairs(model))}

@@ -195,7 +195,7 @@ def megatron_pairs(model, cfg) -> list[Pair]:
 
 
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
-# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset()
 MEGATRON = {"ViTModel+MultimodalProjector": megatron_side.MegatronClass(
     upstream.build_pixtral_large, megatron_cases, megatron_run, megatron_pairs)}

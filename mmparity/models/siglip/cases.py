@@ -80,7 +80,7 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
-# the config its layout is measured on: tests/test_upstream.py holds the converter to it.
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset({
     "head.probe", "head.attention.linear_q.weight", "head.attention.linear_q.bias",
     "head.attention.linear_kv.weight", "head.attention.linear_kv.bias",

@@ -1,0 +1,219 @@
+"""A language-model part and a whole VLM written here, in the test, and registered for its
+duration: one registry entry and its modules each, nothing else edited. The whole VLM composes a
+registered tower (CLIP) with the throwaway language model, and the generic machinery (conversion
+both ways, shapes without the model, detection, the parity harness with its localisation,
+``--impl megatron``) takes it. The language model names its Megatron class in its registry entry
+(a builder in its own native module: stock ``GPTModel``); the whole VLM lists its Megatron classes
+in its own cases module (stock ``LLaVAModel`` for the whole model, and the parts), and ``check
+--impl megatron`` runs both with nothing else edited. tests/models/test_new_family.py does the same for a
+tower family; docs/families.md walks through all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import types
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel, LlavaConfig
+
+from mmparity.models import registry as families
+from mmparity.models.llava import cases as llava_cases
+from mmparity.models.llava import megatron as llava_megatron
+from mmparity.models.core.inputs import random_like_state
+from mmparity.models.parts.dense_decoder import mapping as dense_rules
+from mmparity.mapping.rules import LanguageKeys, with_side
+from mmparity.models.parts.dense_decoder import native as dense_native
+from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
+from mmparity.cli.main import main
+from mmparity.parity import harness
+from mmparity.parity.metrics import FP32_REL_L2
+from mmparity.models.clip import reference as clip_reference
+from mmparity.models.parts.dense_decoder import reference as dense_reference
+from mmparity.models.llava import reference as llava_reference
+from mmparity.models.core import megatron_classes as upstream
+
+
+# --- the language model: an HF text model transformers builds inside a VLM from its config -------
+
+class ToyDecoderConfig(LlamaConfig):
+    model_type = "toy_decoder"
+
+
+class ToyDecoderModel(LlamaModel):
+    config_class = ToyDecoderConfig
+
+
+def _register_with_transformers():
+    try:
+        AutoConfig.register("toy_decoder", ToyDecoderConfig)
+        AutoModel.register(ToyDecoderConfig, ToyDecoderModel)
+    except ValueError:  # already registered by an earlier test in this process
+        pass
+
+
+def toy_transformer_config(text, params_dtype=torch.float32):
+    """The decoder as mcore builds it: a Llama decoder, no bias, the config's head width."""
+    return vision_transformer_config(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
+        kv_channels=text.head_dim, ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
+        norm_eps=text.rms_norm_eps, activation=activation_from_hf(text.hidden_act), gated=True,
+        bias=False, params_dtype=params_dtype)
+
+
+def toy_builder(text, params_dtype=torch.float32):
+    return dense_native.LanguageModelBuilder(text, params_dtype, config=toy_transformer_config(text, params_dtype))
+
+
+BUILT = []
+
+
+def toy_megatron_builder(cfg, params_dtype=torch.float32, divisible_by: int = 128, parallel_output: bool = True):
+    """Megatron's class for the toy decoder: stock GPTModel, as for any Llama-style decoder (the
+    call is recorded so the test sees its registry entry chose it)."""
+    BUILT.append(cfg.text_config.model_type)
+    return upstream.build_language_model(cfg, params_dtype, divisible_by, parallel_output)
+
+
+LANGUAGE_MODULES = {
+    # Its own table: only the HF layout, the dense rules under its names.
+    "mapping": dict(SPEC=LanguageKeys(layouts=("hf",), rules=dense_rules.language_rules,
+                                         tp_problems=dense_rules.tp_problems)),
+    "native": dict(transformer_config=toy_transformer_config, LanguageModelBuilder=toy_builder,
+                   megatron_builder=toy_megatron_builder),
+    "reference": dict(decoder_shapes=dense_reference.decoder_shapes),
+}
+
+
+# --- the whole VLM: a CLIP tower, the projector, the toy decoder -----------------------------------
+
+def tiny_config() -> LlavaConfig:
+    text = ToyDecoderConfig(vocab_size=75, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+    return LlavaConfig(vision_config=clip_reference.tiny_config(), text_config=text, image_token_index=7,
+                       projector_hidden_act="gelu", vision_feature_layer=-1,
+                       vision_feature_select_strategy="default", multimodal_projector_bias=True,
+                       tie_word_embeddings=False)
+
+
+VLM_REFERENCE = dict(tiny_config=tiny_config, vision_config=llava_reference.vision_config,
+                     build=llava_reference.build, state_shapes=llava_reference.state_shapes)
+
+
+# Its Megatron classes: stock LLaVAModel holds a LLaVA on a CLIP tower whole (on the VLM's own tiny
+# config), and its parts each alone.
+VLM_MEGATRON = {"LLaVAModel": dataclasses.replace(llava_megatron.LLAVA_MODEL, default_config=None),
+                **llava_megatron.whole_vlm_parts(why="checked beside LLaVAModel, part by part")}
+
+
+def vlm_hooks(towers, languages):
+    return llava_cases.hooks(towers, languages, llava_cases.Composition(megatron=VLM_MEGATRON),
+                             sys.modules["mmparity.models.toy_vlm.reference"])
+
+
+@pytest.fixture
+def parts(monkeypatch):
+    _register_with_transformers()
+    for layer, names in LANGUAGE_MODULES.items():
+        module = types.ModuleType(f"mmparity.models.parts.toy_decoder.{layer}")
+        module.__dict__.update(names)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    for layer, names in (("reference", VLM_REFERENCE), ("cases", {"hooks": vlm_hooks})):
+        module = types.ModuleType(f"mmparity.models.toy_vlm.{layer}")
+        module.__dict__.update(names)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    # One registry entry each.
+    monkeypatch.setitem(families._LANGUAGE_MODELS, "toy_decoder", families.LanguageModel(
+        name="toy_decoder", summary="a throwaway decoder", text_model_types=("toy_decoder",),
+        module="toy_decoder", megatron="mmparity.models.parts.toy_decoder.native:megatron_builder"))
+    monkeypatch.setitem(families._REGISTRY, "toy_vlm", families.Family(
+        name="toy_vlm", summary="a throwaway whole VLM", reference_classes=("LlavaForConditionalGeneration",),
+        composed=True, takes_whole=(
+            families.Takes(architecture="LlavaForConditionalGeneration", text_model_type="toy_decoder"),
+            families.Takes(model_type="llava", text_model_type="toy_decoder"))))
+    return families.get("toy_vlm")
+
+
+def test_its_language_model_is_found_by_the_text_model_type(parts):
+    assert families.language_of(parts.tiny_config()).name == "toy_decoder"
+    taken = ", ".join(t for name in families.language_models()
+                      for t in families._LANGUAGE_MODELS[name].text_model_types)
+    assert taken.endswith("toy_decoder")
+    with pytest.raises(ValueError, match=f"registered language models take: {re.escape(taken)}"):
+        families.language_of(types.SimpleNamespace(text_config=types.SimpleNamespace(model_type="gpt2")))
+
+
+def test_conversion_both_ways_and_shapes_without_the_model(parts):
+    cfg = parts.tiny_config()
+    model = parts.build_reference(cfg)
+    state = random_like_state(model.state_dict(), seed=4)
+    assert parts.state_shapes(cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shards = parts.hf_to_mcore(state, cfg, tp_size=2)
+    assert "language_model.decoder.layers.1.self_attention.linear_qkv.weight" in shards[0]
+    back = parts.mcore_to_hf(shards, cfg, hf_format="hf")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_the_native_model_loads_its_weights_strictly(parts):
+    cfg = parts.tiny_config()
+    state = random_like_state(parts.build_reference(cfg).state_dict(), seed=5)
+    parts.build_native(cfg).load_state_dict(with_side(parts.hf_to_mcore(state, cfg))[0], strict=True)
+
+
+def test_detection_takes_it_by_its_text_model(parts):
+    facts = families.ConfigFacts("config.json", ("LlavaForConditionalGeneration",), "llava", "clip_vision_model",
+                                 text_model_type="toy_decoder")
+    assert families.detect(facts).family == "toy_vlm"
+
+
+def test_parity_passes_and_a_fault_is_named_by_its_part(parts):
+    assert harness.check("toy_vlm", seed=3).passed
+
+    def perturb(state):
+        key = "language_model.decoder.layers.1.mlp.linear_fc2.weight"
+        state[key] = state[key].clone()
+        state[key][0, 0] += 0.5
+
+    report = harness.check("toy_vlm", seed=3, mutate_native=perturb, components=False)
+    assert {r.first_divergence.module for r in report.failures()} == {"language_model.decoder.layers.1"}
+
+
+def _megatron_results(report):
+    return [r for r in report.results if r.impl == "megatron"]
+
+
+def test_impl_megatron_runs_its_whole_vlm_in_stock_llava_model(parts):
+    assert parts.megatron_class()[0] == "LLaVAModel"
+    report = harness.check("toy_vlm", seed=3, impl="megatron")
+    results = _megatron_results(report)
+    assert report.passed and results, [(r.check, r.metrics) for r in results]
+    assert report.megatron["classes"] == {"toy_vlm": "LLaVAModel"}
+    logits = next(r for r in results if r.check.endswith("logits"))
+    assert logits.metrics["rel_l2"] <= FP32_REL_L2
+
+
+def test_impl_megatron_runs_its_language_model_in_the_class_its_entry_names(parts):
+    BUILT.clear()
+    report = harness.check("toy_vlm", seed=3, impl="megatron", megatron_class="GPTModel")
+    assert report.passed and _megatron_results(report) and BUILT == ["toy_decoder"]
+
+    def perturb(state):
+        key = "language_model.decoder.layers.1.mlp.linear_fc2.weight"
+        state[key] = state[key].clone()
+        state[key][0, 0] += 0.5
+
+    failed = harness.check("toy_vlm", seed=3, impl="megatron", megatron_class="GPTModel", mutate_native=perturb)
+    assert {r.first_divergence.module for r in _megatron_results(failed) if not r.passed} == \
+        {"language_model.decoder.layers.1"}
+
+
+def test_cli_check_impl_megatron_takes_it(parts, capsys):
+    capsys.readouterr()
+    code = main(["check", "toy_vlm", "--impl", "megatron", "--megatron-class", "MultimodalProjector"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "MultimodalProjector" in out, out + err
