@@ -20,6 +20,7 @@ from mmparity.parallel import runtime
 from mmparity.models.registry import megatron_class
 from mmparity.io.legacy import open_legacy
 from mmparity.megatron.load import grid_ranks
+from mmparity.parallel.axes import Grid
 from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
@@ -123,7 +124,7 @@ def test_verify_load_at_tp_pp_ep(tp, pp, ep, legacy, capsys):
     assert code == 0, out + err
     assert f"TP {tp}" in out and (ep == 1 or f"EP {ep}" in out), out
     for rank in range(tp * pp * ep):
-        t, p, e = grid_ranks(rank, tp, pp, ep)
+        t, p, e = grid_ranks(rank, Grid.of(tp, pp, ep))
         assert f"rank {rank}" in out and f"rank {rank} " in out.replace(":", " "), out
         line = next(line for line in out.splitlines() if line.strip().startswith(f"rank {rank} ")
                     or line.strip().startswith(f"rank {rank}:"))
@@ -137,8 +138,8 @@ def test_verify_load_at_tp_pp_ep(tp, pp, ep, legacy, capsys):
 
 def test_grid_ranks_follow_mcores_order():
     """TP fastest, then the EP (data-parallel) ranks, then the pipeline stage."""
-    assert [grid_ranks(r, 2, 1, 2) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
-    assert [grid_ranks(r, 1, 2, 2) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert [grid_ranks(r, Grid.of(2, 1, 2)) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+    assert [grid_ranks(r, Grid.of(1, 2, 2)) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
 
 
 class _Group:
