@@ -159,7 +159,7 @@ def main() -> None:
 
 def _clean(work: Path, temporary: bool, outputs: list[Path]) -> None:
     """A temporary work directory goes whole; in a ``--workdir`` the source stays for the next run
-    (it is made only when missing) and what the jobs wrote goes: three 8 GB trees per sitting
+    (it is made only when missing) and what the jobs wrote goes: three 8 GB trees per run of the benchmark
     otherwise pile up there."""
     if temporary:
         shutil.rmtree(work, ignore_errors=True)

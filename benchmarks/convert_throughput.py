@@ -203,7 +203,7 @@ def _import_for(options: dict) -> None:
 
     families.get("qwen3_5").hooks  # loads the reference and native modules with the family
     if options.get("format") == "torch_dist" and options["to"] == "mcore":
-        import mmparity.io.torch_dist_write  # noqa: F401  (megatron-free since session 13)
+        import mmparity.io.torch_dist_write  # noqa: F401  (imports no megatron)
 
 
 def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, dict]:  # (seconds, phases)
@@ -538,7 +538,7 @@ def main() -> None:
                   f"{row['peak_anon_kb'] / 1024:.0f} | "
                   f"{(row['ready_anon_kb'] or 0) / 1024:.0f} |")
         if stalls:
-            print(f"\n\\* the copy just before took over {STALLED_COPY:g}x the sitting's fastest copy "
+            print(f"\n\\* the copy just before took over {STALLED_COPY:g}x the run's fastest copy "
                   f"({fastest_copy:.2f} s): a stall of the disk, which makes the job look fast; not counted in the best")
         if args.against:
             _print_against(runs, against_runs, args.against[1], fastest_copy)
@@ -547,7 +547,7 @@ def main() -> None:
             log.close()
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-        elif not args.keep:  # the source stays for the next sitting (made only when missing)
+        elif not args.keep:  # the source stays for the next run of the benchmark (made only when missing)
             for path in written:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -556,7 +556,7 @@ STALLED_COPY = 1.5
 
 
 def _fastest_copy(runs: dict, against_runs: dict) -> float:
-    """The sitting's fastest plain copy: the baseline's runs and every run's paired copy."""
+    """The fastest plain copy of this run of the benchmark: the baseline's runs and every run's paired copy."""
     copies = [r["seconds"] for r in runs.get("copy (baseline)", [])]
     copies += [r["paired_copy_seconds"] for group in (runs, against_runs) for rs in group.values() for r in rs
                if r.get("paired_copy_seconds")]
@@ -567,7 +567,7 @@ def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, st
     """(best ratio, the ratios listed, whether any was against a stalled copy) of one job's runs.
 
     A run's ratio is its wall time over the copy made right before it. A copy that took over
-    ``STALLED_COPY`` times the sitting's fastest met a stall of the disk (on this VM: 1.2-1.9 s
+    ``STALLED_COPY`` times the run's fastest met a stall of the disk (on this VM: 1.2-1.9 s
     against 0.63 s), and the job right after it, on a disk that has recovered, looks up to twice as
     fast as it is: such a ratio is listed, starred, but the best is taken from the others (from
     all, where every one is starred)."""
