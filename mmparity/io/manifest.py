@@ -24,7 +24,7 @@ from mmparity.io.fsio.bounded import check_bounded, json_value
 from mmparity.io.fsio.json_members import object_members
 from mmparity.io.fsio.paths import is_plain_relative_path, require_regular_file
 from mmparity.io.fsio.publish import write_extra_files
-from mmparity.io.layout import RELEASE
+from mmparity.io.layout import RELEASE, TRACKER_FILE, write_tracker
 
 # Positions and iteration numbers are 64-bit in Megatron-LM and torch; past that, nothing is real.
 _MAX_POSITION = 2**63
@@ -275,8 +275,6 @@ def write_mcore_root(staging: str | os.PathLike, manifest: Manifest,
                      extra_files: Mapping[str, str | bytes] | None = None) -> None:
     """The small files at an mcore checkpoint's root, beside its iteration directory: extra files
     (e.g. the HF config), Megatron-LM's tracker naming the iteration, and the manifest."""
-    from mmparity.io.layout import TRACKER_FILE, write_tracker
-
     write_extra_files(Path(staging), extra_files, (MANIFEST_FILE, TRACKER_FILE))
     write_tracker(Path(staging), manifest.iteration)
     write_manifest(staging, manifest)
