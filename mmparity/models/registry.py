@@ -1,17 +1,17 @@
-"""The family registry: one :class:`Family` per model family, in one dict literal.
+"""The family registry: the one list of model families (:data:`FAMILIES`) and of the language-model
+parts whole VLMs are built of (:data:`LANGUAGE_MODELS`), each a package.
 
-A family is its entry here plus its modules: ``mmparity.reference.<name>`` (the HF config and
-model), ``mmparity.native.<name>`` (the mcore model), ``mmparity.converters.<name>`` (the key
-tables) and ``mmparity.cases.<name>``, whose ``hooks(towers)`` returns the typed
-:class:`~mmparity.models.spec.FamilyHooks` record every generic part reads.
+A family's package holds its record (``FAMILY`` in its ``__init__``: what ``list`` shows, which
+checkpoints detection gives it) and its modules: ``reference`` (the HF config and model), ``native``
+(the mcore model), ``mapping`` (the key tables) and ``cases``, whose ``hooks(towers)`` returns the
+typed :class:`~mmparity.models.spec.FamilyHooks` record every generic part reads.
 
-What a command needs is loaded when it asks, and no more: the entry itself is data (what
-``list`` shows, which checkpoints detection gives the family), and this module imports no
-framework, so ``mmparity list`` and ``--help`` load none; conversion reads the config (a
-``hfconfig.ConfigView``), the key tables and the tensor shapes straight from the reference and
-converters modules, which load neither framework's models nor transformers; the hooks (the
-models and the parity glue) load on first use and are checked then (a missing or mistyped hook
-fails naming the family).
+What a command needs is loaded when it asks, and no more: the records are data and this module
+imports no framework, so ``mmparity list`` and ``--help`` load none; conversion reads the config (a
+``mmparity.config.ConfigView``), the key tables and the tensor shapes straight from the reference
+and mapping modules, which load neither framework's models nor transformers; the hooks (the models
+and the parity glue) load on first use and are checked then (a missing or mistyped hook fails
+naming the family).
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ class ConfigFacts:
 
 @dataclass(frozen=True)
 class Family:
-    name: str
+    """A family's record: the ``FAMILY`` of its package's ``__init__``. ``name`` and ``package`` are
+    the registry's to fill in (the package's last name, and its dotted path)."""
+
     summary: str
     reference_classes: tuple
     # What ``check`` compares, for ``mmparity list``: paired modules and components.
@@ -127,7 +129,7 @@ class Family:
     takes_part: tuple = ()
     # A whole VLM composed as Megatron's LLaVAModel (``cases.llava``): its key tables are LLaVA's
     # (``mmparity.models.llava.mapping``) over the registered vision tower its config names, not a
-    # ``mmparity.converters.<name>`` of its own.
+    # ``mapping`` module of its own.
     composed: bool = False
     # Built of registered parts with its own key table (not LLaVA's): its hooks are given the
     # tower and the language-model lookups, as a composed family's are.
@@ -135,6 +137,12 @@ class Family:
     # ``check --low-memory`` reproduces its in-memory report (one module's weights resident at a
     # time); a family whose models that path cannot drive yet says False.
     low_memory: bool = True
+    name: str = ""
+    package: str = ""
+
+    def module(self, layer: str) -> ModuleType:
+        """The family's module ``layer`` (``reference``, ``mapping``, ``cases``), imported now."""
+        return importlib.import_module(f"{self.package or 'mmparity.models.' + self.name}.{layer}")
 
     def takes(self, facts: ConfigFacts) -> tuple[int, int]:
         """How well this family takes a checkpoint: (2 whole, 1 part, 0 not at all; how many facts
@@ -150,7 +158,7 @@ class Family:
         """The family's hooks, loaded and checked on first use."""
         from mmparity.models.spec import FamilyHooks
 
-        module = importlib.import_module(f"mmparity.models.{self.name}.cases")
+        module = self.module("cases")
         try:
             # A whole VLM is composed of registered parts: its tower and its language model.
             hooks = (module.hooks(tower_of, language_of) if self.composed or self.with_language
@@ -158,7 +166,7 @@ class Family:
         except TypeError as exc:  # a required hook left out of the record
             raise FamilyError(f"family {self.name!r}: {exc}") from None
         if not isinstance(hooks, FamilyHooks):
-            raise FamilyError(f"family {self.name!r}: mmparity.cases.{self.name}.hooks() returned "
+            raise FamilyError(f"family {self.name!r}: {module.__name__}.hooks() returned "
                               f"{type(hooks).__name__}, not FamilyHooks")
         try:
             hooks.check(self.name)
@@ -171,11 +179,11 @@ class Family:
     @cached_property
     def _reference(self) -> ModuleType:
         # Configuration classes at import; the model class only inside ``build``.
-        return importlib.import_module(f"mmparity.models.{self.name}.reference")
+        return self.module("reference")
 
     @cached_property
     def converter(self) -> ConverterSpec:
-        """The family's key tables: ``mmparity.converters.<name>.SPEC``, or for a composed family
+        """The family's key tables: its ``mapping.SPEC``, or for a composed family
         LLaVA's table over the vision tower its config names."""
         from mmparity.mapping.rules import ConverterSpec
 
@@ -184,9 +192,10 @@ class Family:
 
             spec = llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter)
         else:
-            spec = importlib.import_module(f"mmparity.models.{self.name}.mapping").SPEC
+            mapping = self.module("mapping")
+            spec = mapping.SPEC
             if not isinstance(spec, ConverterSpec):
-                raise FamilyError(f"family {self.name!r}: mmparity.converters.{self.name}.SPEC is "
+                raise FamilyError(f"family {self.name!r}: {mapping.__name__}.SPEC is "
                                   f"{type(spec).__name__}, not ConverterSpec")
         tables = spec.rule_set
 
@@ -377,157 +386,121 @@ def _not_taken(table, names: list) -> list:
     return [k for k in left if not any(d.match(k) for d in drops)]
 
 
-def _llava_tower(vision_model_type: str) -> tuple:
+def llava_tower_takes(vision_model_type: str) -> tuple:
     """A LLaVA checkpoint whose vision tower is of ``vision_model_type``: its tower is the part."""
     return (Takes(architecture="LlavaForConditionalGeneration", vision_model_type=vision_model_type),
             Takes(model_type="llava", vision_model_type=vision_model_type))
 
 
-_REGISTRY: dict[str, Family] = {
-    "pixtral": Family(
-        name="pixtral",
-        summary="Pixtral vision encoder (2D RoPE, RMSNorm, SwiGLU), static and packed mixed sizes",
-        reference_classes=("PixtralVisionModel",),
-        compared=("patch_embed", "rope2d", "ln_pre", "layers", "packed attention"),
-        takes_whole=(Takes(architecture="PixtralVisionModel"), Takes(model_type="pixtral")),
-        takes_part=_llava_tower("pixtral"),
-    ),
-    "clip": Family(
-        name="clip",
-        summary="CLIP vision encoder (class token, learned positions resampled for other sizes, "
-                "pre-LayerNorm, quick_gelu), last_hidden_state and pooled class token",
-        reference_classes=("CLIPVisionModel",),
-        compared=("patch_embed", "pos_embed", "ln_pre", "layers", "ln_post", "packed attention"),
-        checkpoint_note="CLIPVisionModel, or the vision_model.* of a whole CLIPModel / the "
-                        "vision tower of a LLaVA checkpoint (the rest is dropped)",
-        takes_whole=(Takes(architecture="CLIPVisionModel"), Takes(model_type="clip_vision_model")),
-        takes_part=(Takes(architecture="CLIPModel"), Takes(model_type="clip"),
-                    *_llava_tower("clip_vision_model")),
-    ),
-    "siglip": Family(
-        name="siglip",
-        summary="SigLIP vision encoder (learned positions resampled for other sizes, tanh GELU, "
-                "post-LayerNorm) and its attention-pooling head",
-        reference_classes=("SiglipVisionModel",),
-        compared=("patch_embed", "pos_embed", "layers", "ln_post", "head", "packed attention"),
-        checkpoint_note="SiglipVisionModel, or the vision_model.* of a whole SiglipModel (the text "
-                        "model and logit scale / bias are dropped)",
-        takes_whole=(Takes(architecture="SiglipVisionModel"), Takes(model_type="siglip_vision_model")),
-        takes_part=(Takes(architecture="SiglipModel"), Takes(model_type="siglip"),
-                    *_llava_tower("siglip_vision_model")),
-    ),
-    "pixtral_large": Family(
-        name="pixtral_large",
-        summary="Pixtral-Large / Mistral3 vision path: Pixtral tower, RMSNorm + 2x2 patch merger, "
-                "MLP projector; static and packed mixed sizes",
-        reference_classes=("PixtralVisionModel", "Mistral3MultiModalProjector"),
-        compared=("patch_embed", "ln_pre", "layers", "merger_norm", "merger", "projector",
-                  "packed attention"),
-        checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint (vision tower + "
-                        "multi_modal_projector, language model dropped), HF or Mistral-native "
-                        "consolidated.safetensors layout",
-        # Whole Mistral3 (and Mistral-native) releases are a whole-model family's, once there is one.
-        takes_part=(Takes(architecture="Mistral3ForConditionalGeneration"), Takes(model_type="mistral3"),
-                    Takes(layout=MISTRAL_NATIVE, vision_model_type="pixtral")),
-    ),
-    "qwen3_5": Family(
-        name="qwen3_5",
-        summary="Qwen3.5-MoE VL vision tower (Conv3d patches, resampled learned positions, 2D RoPE, "
-                "block-first order, 2x2 merger), static and packed mixed sizes",
-        reference_classes=("Qwen3_5MoeVisionModel",),
-        compared=("patch_embed", "pos_embed", "rope2d", "block_first", "layers", "merger",
-                  "packed attention"),
-        checkpoint_note="standalone vision tower, or a whole Qwen3_5MoeForConditionalGeneration "
-                        "checkpoint (model.visual.*) whose language model is dropped",
-        takes_whole=(Takes(architecture="Qwen3_5MoeVisionModel"), Takes(model_type="qwen3_5_moe_vision")),
-        takes_part=(Takes(architecture="Qwen3_5MoeForConditionalGeneration"), Takes(model_type="qwen3_5_moe")),
-    ),
-    "kimi_k25": Family(
-        name="kimi_k25",
-        summary="Kimi-K2.5 MoonViT (bicubic learned positions, interleaved 2D RoPE, LayerNorm, 2x2 "
-                "merger with temporal mean) and projector; static, packed mixed sizes, video clips",
-        reference_classes=("Kimi_K25VisionModel", "Kimi_K25MultimodalProjection"),
-        compared=("patch_embed", "pos_embed", "rope2d", "layers", "final_layernorm", "merger",
-                  "projector", "packed attention"),
-        checkpoint_note="HF layout (Kimi_K25VisionModel, or a whole Kimi_K25ForConditionalGeneration "
-                        "checkpoint: tower + mm_projector, language model dropped) or the original "
-                        "release layout (encoder.blocks.N.wqkv …, mm_projector.proj.* or Kimi-VL's "
-                        "multi_modal_projector.*)",
-        takes_whole=(Takes(architecture="Kimi_K25VisionModel"), Takes(model_type="kimi_k25_vision")),
-        takes_part=(Takes(architecture="Kimi_K25ForConditionalGeneration"), Takes(model_type="kimi_k25")),
-    ),
-    "kimi_k25_vl": Family(
-        name="kimi_k25_vl",
-        summary="Kimi-K2.5 whole: MoonViT + projector + DeepSeek-V3 decoder (MLA, leading dense "
-                "layers, routed and shared experts); logits, per-token loss, router agreement",
-        reference_classes=("Kimi_K25ForConditionalGeneration",),
-        compared=("vision layers", "vision_projection", "attention", "router", "shared_experts",
-                  "routed experts", "language layers", "final_norm"),
-        checkpoint_note="whole Kimi_K25ForConditionalGeneration checkpoint as Megatron's LLaVAModel "
-                        "(vision_model, vision_projection, language_model with MoE layers); module "
-                        "names, the release layout (language_model.model.layers.N, one tensor per "
-                        "expert) or what transformers' save_pretrained writes (blocks.N, read through "
-                        "its conversion mapping); experts as TEGroupedMLP names them; MTP layers "
-                        "dropped and reported",
-        takes_whole=(Takes(architecture="Kimi_K25ForConditionalGeneration", text_model_type="deepseek_v3"),
-                     Takes(model_type="kimi_k25", text_model_type="deepseek_v3")),
-        with_language=True,
-    ),
-    "llava": Family(
-        name="llava",
-        summary="LLaVA: a registered vision tower (Pixtral, CLIP, SigLIP; vision_feature_layer, "
-                "select strategy), MLP projector, Llama-style GPT decoder; logits and per-token loss",
-        reference_classes=("LlavaForConditionalGeneration",),
-        compared=("pixel_shuffle", "loss_weights", "expansion", "vision layers", "projector",
-                  "layers", "final_norm"),
-        checkpoint_note="whole LlavaForConditionalGeneration checkpoint (module names, or files "
-                        "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
-                        "for TP and trimmed on export; tied or untied lm_head",
-        takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
-        composed=True,
-    ),
-    "mistral3": Family(
-        name="mistral3",
-        summary="Mistral3 whole (Mistral-Small-3.1 / Pixtral-Large style): Pixtral tower with the "
-                "2x2 merger, MLP projector, Mistral decoder; Pixtral processor's image rows; logits "
-                "and per-token loss",
-        reference_classes=("Mistral3ForConditionalGeneration",),
-        compared=("vision layers", "merger", "projector", "language layers", "final_norm",
-                  "pixel_shuffle", "loss_weights", "expansion"),
-        checkpoint_note="whole Mistral3ForConditionalGeneration checkpoint as Megatron's LLaVAModel "
-                        "(vision_model with merger, vision_projection, language_model), HF or "
-                        "Mistral-native (consolidated.safetensors + params.json); vocabulary padded as "
-                        "Megatron-LM pads it",
-        takes_whole=(Takes(architecture="Mistral3ForConditionalGeneration"), Takes(model_type="mistral3"),
-                     Takes(layout=MISTRAL_NATIVE, model_type="mistral3")),
-        composed=True,
-    ),
-    "pixtral_12b": Family(
-        name="pixtral_12b",
-        summary="Pixtral-12B: LLaVA with a Pixtral tower and a Mistral decoder, fed the Pixtral "
-                "processor's [IMG] / [IMG_BREAK] / [IMG_END] rows; logits and per-token loss",
-        reference_classes=("LlavaForConditionalGeneration",),
-        compared=("vision layers", "projector", "language layers", "final_norm",
-                  "pixel_shuffle", "loss_weights", "expansion"),
-        checkpoint_note="whole LlavaForConditionalGeneration checkpoint with a Pixtral tower and a "
-                        "Mistral text model, as Megatron's LLaVAModel; HF or Mistral-native "
-                        "(consolidated.safetensors + params.json)",
-        takes_whole=(Takes(architecture="LlavaForConditionalGeneration", vision_model_type="pixtral",
-                           text_model_type="mistral"),
-                     Takes(model_type="llava", vision_model_type="pixtral", text_model_type="mistral"),
-                     Takes(layout=MISTRAL_NATIVE, model_type="llava")),
-        composed=True,
-    ),
-}
+# --- the one list ------------------------------------------------------------------------------
+# A family is a package holding its modules, whose ``__init__`` defines its record ``FAMILY``; a
+# language-model part of whole VLMs likewise defines ``PART``. Adding one is its package and its
+# line here; the order is the order ``list`` shows them in.
+FAMILIES = (
+    "mmparity.models.pixtral",
+    "mmparity.models.clip",
+    "mmparity.models.siglip",
+    "mmparity.models.pixtral_large",
+    "mmparity.models.qwen3_5",
+    "mmparity.models.kimi_k25",
+    "mmparity.models.kimi_k25_vl",
+    "mmparity.models.llava",
+    "mmparity.models.mistral3",
+    "mmparity.models.pixtral_12b",
+)
+LANGUAGE_MODELS = (
+    "mmparity.models.parts.dense_decoder",
+    "mmparity.models.parts.deepseek_v3",
+)
+
+# Packages outside the tree, by their dotted paths (comma-separated), registered after the built-in
+# ones: a family of one's own, in every command and in every rank a command starts.
+PLUGINS = "MMPARITY_FAMILIES"
+
+_REGISTRY: dict[str, Family] = {}
+_LANGUAGE_MODELS: dict[str, LanguageModel] = {}
+_loaded = False
+
+
+class RegistryError(ValueError):
+    """A package named to the registry is not a family's or a part's (one line, naming it)."""
+
+
+def _record(package: str):
+    """The package's record, named after the package."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError as exc:
+        raise RegistryError(f"{package}: cannot import it ({exc}); check {PLUGINS} or the registry's "
+                            "list") from None
+    record = getattr(module, "FAMILY", None) or getattr(module, "PART", None)
+    if not isinstance(record, (Family, LanguageModel)):
+        raise RegistryError(f"{package}: its __init__ defines no FAMILY (a Family) or PART (a "
+                            "LanguageModel)")
+    return dataclasses.replace(record, name=package.rpartition(".")[2], package=package)
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True  # first: a package's import may ask for the registry
+    import os
+
+    plugins = [p.strip() for p in os.environ.get(PLUGINS, "").split(",") if p.strip()]
+    try:
+        for package in (*FAMILIES, *LANGUAGE_MODELS, *plugins):
+            _add(_record(package))
+    except BaseException:
+        _loaded = False
+        _REGISTRY.clear()
+        _LANGUAGE_MODELS.clear()
+        raise
+
+
+def _add(record) -> None:
+    table = _REGISTRY if isinstance(record, Family) else _LANGUAGE_MODELS
+    if record.name in _REGISTRY or record.name in _LANGUAGE_MODELS:
+        if table.get(record.name, None) == record:
+            return
+        raise RegistryError(f"{record.package}: a family or part named {record.name!r} is registered "
+                            "already; rename the package")
+    table[record.name] = record
+
+
+def _families() -> dict[str, Family]:
+    _load()
+    return _REGISTRY
+
+
+def _parts() -> dict[str, LanguageModel]:
+    _load()
+    return _LANGUAGE_MODELS
+
+
+def register(package: str):
+    """Add the family or language-model part whose package is ``package`` (dotted path) to this
+    process's registry, after the others; its record. :func:`unregister` takes it back.
+    (Ranks a command starts see only the built-in ones and those in ``MMPARITY_FAMILIES``.)"""
+    _load()
+    record = _record(package)
+    _add(record)
+    return record
+
+
+def unregister(name: str) -> None:
+    _load()
+    _REGISTRY.pop(name, None)
+    _LANGUAGE_MODELS.pop(name, None)
 
 
 @dataclass(frozen=True)
 class LanguageModel:
-    """A language-model part of whole VLMs: the HF text model types it takes and its modules,
-    ``mmparity.converters.<module>`` (``SPEC``, a ``LanguageKeys``: rules per layout),
-    ``mmparity.native.<module>`` (``transformer_config``, ``LanguageModelBuilder``) and
-    ``mmparity.reference.<module>`` (``decoder_shapes``). A composed family finds its language
-    model here by ``text_config.model_type``, as it finds its tower among the families.
+    """A language-model part of whole VLMs (``PART`` in its package's ``__init__``): the HF text
+    model types it takes; its package's modules are ``mapping`` (``SPEC``, a ``LanguageKeys``: rules
+    per layout), ``native`` (``transformer_config``, ``LanguageModelBuilder``) and ``reference``
+    (``decoder_shapes``). A composed family finds its language model here by
+    ``text_config.model_type``, as it finds its tower among the families.
 
     ``megatron``: where Megatron's class for the part is built, ``"module:function"`` (a builder
     ``(whole cfg, params_dtype, divisible_by=, parallel_output=)`` of the part alone, as
@@ -535,12 +508,16 @@ class LanguageModel:
     checks and loads its ``language_model.*`` in it. Empty: Megatron has no class for it, and
     ``why_no_megatron`` says why."""
 
-    name: str
     summary: str
     text_model_types: tuple
-    module: str
     megatron: str = ""
     why_no_megatron: str = ""
+    # The registry's to fill in, as a family's.
+    name: str = ""
+    package: str = ""
+
+    def _module(self, layer: str) -> ModuleType:
+        return importlib.import_module(f"{self.package or 'mmparity.models.parts.' + self.name}.{layer}")
 
     @cached_property
     def megatron_build(self):
@@ -557,53 +534,35 @@ class LanguageModel:
     def converter(self):
         from mmparity.mapping.rules import LanguageKeys
 
-        spec = importlib.import_module(f"mmparity.models.parts.{self.module}.mapping").SPEC
+        mapping = self._module("mapping")
+        spec = mapping.SPEC
         if not isinstance(spec, LanguageKeys):
-            raise FamilyError(f"language model {self.name!r}: mmparity.converters.{self.module}.SPEC is "
+            raise FamilyError(f"language model {self.name!r}: {mapping.__name__}.SPEC is "
                               f"{type(spec).__name__}, not LanguageKeys")
         return spec
 
     @cached_property
     def native(self) -> ModuleType:
-        return importlib.import_module(f"mmparity.models.parts.{self.module}.native")
+        return self._module("native")
 
     @cached_property
     def reference(self) -> ModuleType:
-        return importlib.import_module(f"mmparity.models.parts.{self.module}.reference")
+        return self._module("reference")
 
 
-_LANGUAGE_MODELS: dict[str, LanguageModel] = {
-    "dense_decoder": LanguageModel(
-        name="dense_decoder",
-        summary="Llama / Mistral / Qwen2-style decoder (GQA, explicit head_dim, q/k/v biases as the "
-                "model type has them, tied or untied head) as Megatron's GPTModel",
-        text_model_types=("llama", "mistral", "qwen2"),
-        module="dense_decoder",
-        megatron="mmparity.models.core.megatron_classes:build_language_model",
-    ),
-    "deepseek_v3": LanguageModel(
-        name="deepseek_v3",
-        summary="DeepSeek-V3 / Kimi-K2 decoder: multi-latent attention, leading dense layers, then "
-                "routed experts with a shared expert (sigmoid, score-correction bias, group-limited "
-                "top-k, scaling factor), YaRN RoPE; GPTModel with mcore's MLA and MoE layers",
-        text_model_types=("deepseek_v3",),
-        module="deepseek_v3",
-        megatron="mmparity.models.core.megatron_classes:build_moe_language_model",
-    ),
-}
 
 
 def language_models() -> list[str]:
-    return list(_LANGUAGE_MODELS)
+    return list(_parts())
 
 
 def language_of(cfg) -> LanguageModel:
     """The registered language-model part that takes ``cfg.text_config``'s model type."""
     model_type = getattr(getattr(cfg, "text_config", None), "model_type", None)
-    for part in _LANGUAGE_MODELS.values():
+    for part in _parts().values():
         if model_type in part.text_model_types:
             return part
-    taken = [t for part in _LANGUAGE_MODELS.values() for t in part.text_model_types]
+    taken = [t for part in _parts().values() for t in part.text_model_types]
     raise ValueError(f"language model of model_type {model_type!r} is not supported; registered "
                      f"language models take: {', '.join(taken)}")
 
@@ -614,7 +573,7 @@ class UnknownFamilyError(KeyError):
 
 
 def names() -> list[str]:
-    return list(_REGISTRY)
+    return list(_families())
 
 
 def megatron_class(family: str, name: str | None = None, cfg=None):
@@ -624,7 +583,7 @@ def megatron_class(family: str, name: str | None = None, cfg=None):
 
 def get(name: str) -> Family:
     try:
-        return _REGISTRY[name]
+        return _families()[name]
     except KeyError:
         raise UnknownFamilyError(f"unknown family {name!r}; valid families: {', '.join(names())}") from None
 
@@ -648,7 +607,7 @@ class Detection:
 
 
 def _scores(facts: ConfigFacts) -> dict[str, tuple[int, int]]:
-    return {name: family.takes(facts) for name, family in _REGISTRY.items()}
+    return {name: family.takes(facts) for name, family in _families().items()}
 
 
 def _best(scores: Mapping[str, tuple[int, int]]) -> list[str]:
@@ -697,7 +656,7 @@ def _tower_family(cfg) -> Family:
     VLM loads no model."""
     model_type = getattr(getattr(cfg, "vision_config", None), "model_type", None)
     towers = {}
-    for family in _REGISTRY.values():
+    for family in _families().values():
         if not family.composed and family.converter.tower is not None:
             towers[family.converter.tower.model_type] = family
     if model_type not in towers:

@@ -64,9 +64,12 @@ def third_party(modules) -> set[str]:
 
 
 def family_code(modules) -> list[str]:
-    """mmparity's modules past the command line's own: the families, the disk layer and above."""
+    """mmparity's modules past the command line's own: the families' modules, the disk layer and
+    above. A family's (or a part's) package itself is its registry record, data, and not counted."""
+    records = {name for package in (*families.FAMILIES, *families.LANGUAGE_MODELS)
+               for name in (package, package.rpartition(".")[0])}
     return [m for m in modules if m.startswith("mmparity.") and m.split(".")[1] not in ("cli", "errors", "models")
-            or m.startswith("mmparity.models.") and m.split(".")[2] not in ("registry", "spec")]
+            or m.startswith("mmparity.models.") and m.split(".")[2] not in ("registry", "spec") and m not in records]
 
 
 def mmparity_models(modules) -> list[str]:
@@ -94,7 +97,7 @@ def models(modules) -> list[str]:
 def test_listing_and_help_import_no_framework(tmp_path, argv):
     result = run_child(tmp_path, *argv)
     assert not frameworks(result["modules"]), frameworks(result["modules"])[:10]
-    # The registry names the families without importing them.
+    # The registry reads the families' records without importing their modules.
     assert not family_code(result["modules"]), family_code(result["modules"])[:10]
     # What is left is the interpreter, argparse and (for the table) rich.
     assert third_party(result["modules"]) <= {"rich"}, third_party(result["modules"])

@@ -130,7 +130,7 @@ def parts(monkeypatch):
     # One registry entry each.
     monkeypatch.setitem(families._LANGUAGE_MODELS, "toy_decoder", families.LanguageModel(
         name="toy_decoder", summary="a throwaway decoder", text_model_types=("toy_decoder",),
-        module="toy_decoder", megatron="mmparity.models.parts.toy_decoder.native:megatron_builder"))
+        megatron="mmparity.models.parts.toy_decoder.native:megatron_builder"))
     monkeypatch.setitem(families._REGISTRY, "toy_vlm", families.Family(
         name="toy_vlm", summary="a throwaway whole VLM", reference_classes=("LlavaForConditionalGeneration",),
         composed=True, takes_whole=(

@@ -1,0 +1,17 @@
+"""The llava family: its record in the registry (what ``mmparity list`` shows and which
+checkpoints detection gives it); its modules sit beside this file."""
+
+from mmparity.models.registry import Family, Takes
+
+FAMILY = Family(
+    summary="LLaVA: a registered vision tower (Pixtral, CLIP, SigLIP; vision_feature_layer, "
+            "select strategy), MLP projector, Llama-style GPT decoder; logits and per-token loss",
+    reference_classes=("LlavaForConditionalGeneration",),
+    compared=("pixel_shuffle", "loss_weights", "expansion", "vision layers", "projector",
+              "layers", "final_norm"),
+    checkpoint_note="whole LlavaForConditionalGeneration checkpoint (module names, or files "
+                    "saved by transformers 5 or 4); vocabulary padded to a multiple of 128 "
+                    "for TP and trimmed on export; tied or untied lm_head",
+    takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
+    composed=True,
+)
