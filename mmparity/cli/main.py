@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from mmparity.cli.common import EXIT_USAGE, UsageError, fail_usage, quiet_third_party_warnings
+from mmparity.models.registry import RegistryError
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
         try:
             try:
                 return _main(argv)
+            except RegistryError as exc:  # MMPARITY_FAMILIES names no family's package
+                return fail_usage(str(exc))
             except KeyboardInterrupt as exc:  # also while parsing and importing
                 if argv is None:
                     _only_exit()
