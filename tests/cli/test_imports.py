@@ -69,7 +69,7 @@ def family_code(modules) -> list[str]:
     records = {name for package in (*families.FAMILIES, *families.LANGUAGE_MODELS)
                for name in (package, package.rpartition(".")[0])}
     return [m for m in modules if m.startswith("mmparity.") and m.split(".")[1] not in ("cli", "errors", "models")
-            or m.startswith("mmparity.models.") and m.split(".")[2] not in ("registry", "spec") and m not in records]
+            or m.startswith("mmparity.models.") and m.split(".")[2] not in ("registry", "record", "spec") and m not in records]
 
 
 def mmparity_models(modules) -> list[str]:

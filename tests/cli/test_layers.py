@@ -28,6 +28,7 @@ LAYERS = {
     # Shared mcore blocks, the records a family fills, and Megatron's classes built from configs.
     "mmparity.models.core": 4,
     "mmparity.models.spec": 4,
+    "mmparity.models.record": 4,
     # Parts several families are made of (decoders), then the families, then the one list.
     "mmparity.models.parts": 5,
     "mmparity.models": 6,

@@ -13,9 +13,9 @@ import pytest
 from mmparity.models import registry
 from tests.faults.test_faults import one_line_error, run_subprocess
 
-RECORD = '''from mmparity.models.registry import Family, Takes
+RECORD = '''from mmparity.models.record import FamilyRecord, Takes
 
-FAMILY = Family(summary="a family from outside the tree", reference_classes=("OutsideModel",),
+FAMILY = FamilyRecord(summary="a family from outside the tree", reference_classes=("OutsideModel",),
                 takes_whole=(Takes(architecture="OutsideModel"),))
 '''
 

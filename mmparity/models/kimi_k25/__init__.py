@@ -1,9 +1,9 @@
 """The kimi_k25 family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, Takes
+from mmparity.models.record import FamilyRecord, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="Kimi-K2.5 MoonViT (bicubic learned positions, interleaved 2D RoPE, LayerNorm, 2x2 "
             "merger with temporal mean) and projector; static, packed mixed sizes, video clips",
     reference_classes=("Kimi_K25VisionModel", "Kimi_K25MultimodalProjection"),

@@ -1,9 +1,9 @@
 """The kimi_k25_vl family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, Takes
+from mmparity.models.record import FamilyRecord, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="Kimi-K2.5 whole: MoonViT + projector + DeepSeek-V3 decoder (MLA, leading dense "
             "layers, routed and shared experts); logits, per-token loss, router agreement",
     reference_classes=("Kimi_K25ForConditionalGeneration",),

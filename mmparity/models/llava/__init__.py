@@ -1,9 +1,9 @@
 """The llava family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, Takes
+from mmparity.models.record import FamilyRecord, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="LLaVA: a registered vision tower (Pixtral, CLIP, SigLIP; vision_feature_layer, "
             "select strategy), MLP projector, Llama-style GPT decoder; logits and per-token loss",
     reference_classes=("LlavaForConditionalGeneration",),
@@ -15,3 +15,10 @@ FAMILY = Family(
     takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
     composed=True,
 )
+
+
+def tower_takes(vision_model_type: str) -> tuple:
+    """What a tower family takes part of: a LLaVA checkpoint whose vision tower is of
+    ``vision_model_type`` (its ``takes_part``)."""
+    return (Takes(architecture="LlavaForConditionalGeneration", vision_model_type=vision_model_type),
+            Takes(model_type="llava", vision_model_type=vision_model_type))

@@ -1,9 +1,9 @@
 """The mistral3 family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, MISTRAL_NATIVE, Takes
+from mmparity.models.record import FamilyRecord, MISTRAL_NATIVE, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="Mistral3 whole (Mistral-Small-3.1 / Pixtral-Large style): Pixtral tower with the "
             "2x2 merger, MLP projector, Mistral decoder; Pixtral processor's image rows; logits "
             "and per-token loss",

@@ -1,9 +1,9 @@
 """The pixtral_12b family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, MISTRAL_NATIVE, Takes
+from mmparity.models.record import FamilyRecord, MISTRAL_NATIVE, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="Pixtral-12B: LLaVA with a Pixtral tower and a Mistral decoder, fed the Pixtral "
             "processor's [IMG] / [IMG_BREAK] / [IMG_END] rows; logits and per-token loss",
     reference_classes=("LlavaForConditionalGeneration",),

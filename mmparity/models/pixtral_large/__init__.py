@@ -1,9 +1,9 @@
 """The pixtral_large family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, MISTRAL_NATIVE, Takes
+from mmparity.models.record import FamilyRecord, MISTRAL_NATIVE, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="Pixtral-Large / Mistral3 vision path: Pixtral tower, RMSNorm + 2x2 patch merger, "
             "MLP projector; static and packed mixed sizes",
     reference_classes=("PixtralVisionModel", "Mistral3MultiModalProjector"),

@@ -1,9 +1,9 @@
 """The qwen3_5 family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, Takes
+from mmparity.models.record import FamilyRecord, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="Qwen3.5-MoE VL vision tower (Conv3d patches, resampled learned positions, 2D RoPE, "
             "block-first order, 2x2 merger), static and packed mixed sizes",
     reference_classes=("Qwen3_5MoeVisionModel",),

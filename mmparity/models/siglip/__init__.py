@@ -1,9 +1,10 @@
 """The siglip family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.registry import Family, Takes, llava_tower_takes
+from mmparity.models.llava import tower_takes as llava_tower
+from mmparity.models.record import FamilyRecord, Takes
 
-FAMILY = Family(
+FAMILY = FamilyRecord(
     summary="SigLIP vision encoder (learned positions resampled for other sizes, tanh GELU, "
             "post-LayerNorm) and its attention-pooling head",
     reference_classes=("SiglipVisionModel",),
@@ -12,5 +13,5 @@ FAMILY = Family(
                     "model and logit scale / bias are dropped)",
     takes_whole=(Takes(architecture="SiglipVisionModel"), Takes(model_type="siglip_vision_model")),
     takes_part=(Takes(architecture="SiglipModel"), Takes(model_type="siglip"),
-                *llava_tower_takes("siglip_vision_model")),
+                *llava_tower("siglip_vision_model")),
 )
