@@ -76,8 +76,9 @@ def test_patch_merger_is_the_class_not_a_stray_value(tmp_path):
     from transformers import AutoConfig
 
     tables = hf_config_tables()
-    merged = [t for t, table in tables.items() if "spatial_merge_size" in table.fields and "text_config" in table.fields]
-    plain = [t for t, table in tables.items() if "spatial_merge_size" not in table.fields and "text_config" in table.fields]
+    whole = {t: table.fields for t, table in tables.items() if "text_config" in table.fields}
+    merged = [t for t, fields in whole.items() if "spatial_merge_size" in fields]
+    plain = [t for t, fields in whole.items() if "spatial_merge_size" not in fields]
     assert merged and plain
     for model_type in merged:
         view = hfconfig.config_view({"model_type": model_type, "spatial_merge_size": 3}, tables)
