@@ -599,3 +599,20 @@ def tower_of(cfg) -> FamilyHooks:
         raise FamilyError(f"family {family.name!r}: its converter serves as a LLaVA tower of "
                           f"{family.converter.tower.model_type!r}, but its hooks have no llava_tower")
     return family.hooks
+
+
+def config_modules() -> list[ModuleType]:
+    """The ``config`` module of every registered family and language-model part that has one, in
+    registry order: what a command reads a checkpoint's config with before it knows the family
+    (``HF_CONFIGS``: the HF configuration classes as tables; ``MISTRAL_NATIVE``: what a release in
+    Mistral's own layout of the model is). Those modules import no model code."""
+    packages = ([f"mmparity.models.{name}" for name in names()]
+                + [f"mmparity.models.parts.{name}" for name in language_models()])
+    found = []
+    for package in packages:
+        try:
+            found.append(importlib.import_module(f"{package}.config"))
+        except ModuleNotFoundError as exc:
+            if exc.name not in (package, f"{package}.config"):  # a module it imports is missing
+                raise
+    return found
