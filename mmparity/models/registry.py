@@ -606,8 +606,8 @@ def config_modules() -> list[ModuleType]:
     registry order: what a command reads a checkpoint's config with before it knows the family
     (``HF_CONFIGS``: the HF configuration classes as tables; ``MISTRAL_NATIVE``: what a release in
     Mistral's own layout of the model is). Those modules import no model code."""
-    packages = ([f"mmparity.models.{name}" for name in names()]
-                + [f"mmparity.models.parts.{name}" for name in language_models()])
+    packages = [record.package or f"mmparity.models.{record.name}" for record in _families().values()]
+    packages += [part.package or f"mmparity.models.parts.{part.name}" for part in _parts().values()]
     found = []
     for package in packages:
         try:
