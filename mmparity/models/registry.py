@@ -16,6 +16,7 @@ naming the family).
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import importlib
 from dataclasses import dataclass
@@ -616,3 +617,26 @@ def config_modules() -> list[ModuleType]:
             if exc.name not in (package, f"{package}.config"):  # a module it imports is missing
                 raise
     return found
+
+
+# --- the records, for commands -----------------------------------------------------------------
+
+def families() -> list[Family]:
+    """Every registered family's record, in registry order: what a command iterates."""
+    return list(_families().values())
+
+
+def resolve(family: str | Family) -> Family:
+    """The record of ``family`` (a name, or a record passed through): the one lookup a command or
+    public entry point makes before handing the record down. :class:`UnknownFamilyError` lists the
+    families there are."""
+    return family if isinstance(family, Family) else get(family)
+
+
+def _by_name(family: Family):
+    return resolve, (family.name,)
+
+
+# A record crosses to spawned ranks by name: its loaded hooks hold closures that do not pickle,
+# and the rank's registry holds the same record.
+copyreg.pickle(Family, _by_name)

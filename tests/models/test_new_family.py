@@ -221,7 +221,7 @@ def test_strategies_draw_from_its_record(toy):
 
 
 def test_the_bench_leaves_its_flops_uncounted_and_unpublished(toy):
-    assert bench.tower_shape("toy", toy.tiny_config()) is None
+    assert bench.tower_shape(toy, toy.tiny_config()) is None
     assert "toy" not in bench.published_families()
 
 
