@@ -100,15 +100,11 @@ class Family(FamilyRecord):
             # A whole VLM is composed of registered parts: its tower and its language model.
             hooks = (module.hooks(tower_of, language_of) if self.composed or self.with_language
                      else module.hooks(tower_of))
-        except TypeError as exc:  # a required hook left out of the record
+        except TypeError as exc:  # a hook left out of the record, or one that does not fit
             raise FamilyError(f"family {self.name!r}: {exc}") from None
         if not isinstance(hooks, FamilyHooks):
             raise FamilyError(f"family {self.name!r}: {module.__name__}.hooks() returned "
                               f"{type(hooks).__name__}, not FamilyHooks")
-        try:
-            hooks.check(self.name)
-        except TypeError as exc:
-            raise FamilyError(str(exc)) from None
         return hooks
 
     # --- what conversion reads, without the models ------------------------------------------------
@@ -162,7 +158,7 @@ class Family(FamilyRecord):
 
     def build_reference(self, cfg):
         """The HF transformers module for ``cfg``, fp32, in eval mode."""
-        return self.hooks.build_reference(cfg)
+        return self.hooks.reference.build(cfg)
 
     def build_native(self, cfg, params_dtype: torch.dtype | None = None):
         """The native mcore module for ``cfg`` in eval mode (``params_dtype`` default float32).
@@ -177,7 +173,7 @@ class Family(FamilyRecord):
         if runtime.current_layout() is None:
             runtime.init_parallel(1, 1)
         dtype = torch.float32 if params_dtype is None else params_dtype
-        return self.hooks.build_native(cfg, params_dtype=dtype).eval()
+        return self.hooks.native.build(cfg, params_dtype=dtype).eval()
 
     # --- Megatron's own classes -----------------------------------------------------------------
 

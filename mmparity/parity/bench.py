@@ -55,12 +55,12 @@ class BenchError(ValueError):
 
 def published_families() -> list[str]:
     """The registered families whose record names a released size."""
-    return [fam.name for fam in families.families() if fam.hooks.published is not None]
+    return [fam.name for fam in families.families() if fam.hooks.bench.published is not None]
 
 
 def published_config(fam: families.Family):
     """The family's config at its released size, of the same classes as its tiny config."""
-    family, spec = fam.name, fam.hooks.published
+    family, spec = fam.name, fam.hooks.bench.published
     if spec is None:
         raise BenchError(f"family {family!r} has no published config in the bench; "
                          f"published: {', '.join(published_families())}")
@@ -87,7 +87,7 @@ def bench_config(fam: families.Family, size: str):
         raise BenchError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if size == "published":
         cfg = published_config(fam)
-        spec = fam.hooks.published
+        spec = fam.hooks.bench.published
         return cfg, spec.source + (f"; {spec.note}" if spec.note else "")
     return fam.tiny_config(), "tiny config (mmparity.reference)"
 
@@ -95,7 +95,7 @@ def bench_config(fam: families.Family, size: str):
 def default_batch(fam: families.Family, size: str, cfg) -> tuple[int, tuple[int, int]]:
     """(images, (H, W)) when the caller gives none: the published batch, or a small tiny one."""
     if size == "published":
-        spec = fam.hooks.published
+        spec = fam.hooks.bench.published
         return spec.images, tuple(spec.image_size)
     multiple = size_multiple(fam, cfg)
     side = getattr(vision_sub_config(cfg), "image_size", None)
@@ -113,7 +113,7 @@ def mixed_batch(fam: families.Family, size: str, cfg) -> tuple[int, list]:
     """(images, sizes) of the family's packed mixed-size batch at ``size`` (``--mixed``);
     ``BenchError`` when the family has none or refuses it (e.g. LLaVA's fixed-size towers)."""
     if size == "published":
-        spec = fam.hooks.published
+        spec = fam.hooks.bench.published
         if not spec.mixed:
             raise BenchError(f"family {fam.name!r} has no mixed-size set in its published config")
         sizes, images = [tuple(s) for s in spec.mixed], spec.mixed_images or len(spec.mixed)
@@ -158,7 +158,7 @@ def tower_shape(fam: families.Family, cfg) -> Optional[TowerShape]:
     """The family's shape for :func:`count_flops`; ``None`` for a family whose record has no FLOP
     formula (e.g. a whole VLM): its FLOPs and TFLOP/s are then reported as not counted, never
     guessed."""
-    shape_fn = fam.hooks.flop_shape
+    shape_fn = fam.hooks.bench.flop_shape
     return None if shape_fn is None else shape_fn(cfg, _base_shape(cfg))
 
 
@@ -340,7 +340,7 @@ def bench_case(fam: families.Family, cfg, sizes: list, seed: int, case_name: str
     size and the family has a static case, else ``packed``; ``case_name`` forces one."""
     family, hooks = fam.name, fam.hooks
     try:
-        by_name = {case.name: case for case in hooks.cases(cfg, seed, sizes)}
+        by_name = {case.name: case for case in hooks.parity.cases(cfg, seed, sizes)}
     except ValueError as exc:  # the family refuses these sizes
         raise BenchError(f"{family}: {exc}") from None
     if case_name == "auto":
@@ -354,7 +354,7 @@ def bench_case(fam: families.Family, cfg, sizes: list, seed: int, case_name: str
         if len(set(map(tuple, sizes))) != 1:
             raise BenchError("the static case needs every image of one size")
         case = _resize_static(case, sizes, seed)
-    return hooks.prepare_case(case, cfg)
+    return hooks.parity.prepare_case(case, cfg)
 
 
 def _case_sizes(case) -> list:

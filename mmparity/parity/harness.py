@@ -198,12 +198,12 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
     # --impl megatron / both every side runs the cases Megatron's class accepts.
     try:
         raw_cases = (mclass.cases(hooks, cfg, seed, image_sizes) if runs_megatron
-                     else hooks.cases(cfg, seed, image_sizes))
+                     else hooks.parity.cases(cfg, seed, image_sizes))
     except megatron_cases.UnsupportedInput as exc:
         raise InputError(f"{family}: {exc}") from None
     refuse_case_sizes(fam, cfg, raw_cases)
-    cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
-    component_names = hooks.components if components and runs_native else ()
+    cases = [hooks.parity.prepare_case(case, cfg) for case in raw_cases]
+    component_names = hooks.parity.components if components and runs_native else ()
     if ep != 1:
         stage_shards = _split_experts(family, stage_shards, ep, runs_megatron)
     world = tp * pp * ep
@@ -424,7 +424,7 @@ def split_stages(fam: families.Family, cfg, shards: list, pp: int,
         runtime.uneven_stage_fields(counts)
     except ValueError as exc:
         problems.append(f"--pp {pp} on {layout.num_layers} layers: {exc}")
-    problems += fam.hooks.pipeline_problems(cfg, pp)
+    problems += fam.hooks.config.pipeline_problems(cfg, pp)
     if problems:
         raise InputError(f"{family}: {'; '.join(problems)}")
     per_rank = [pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
@@ -471,7 +471,7 @@ class NativeJob:
         side = Side(native, hooks.native.run, hooks.native.pairs(native, self.cfg))
         with pipeline.StageLink(native) if pp > 1 else contextlib.nullcontext():
             case_results = [side.run(case) for case in self.cases]
-        last_stage_components = set(hooks.last_stage_components)
+        last_stage_components = set(hooks.parity.last_stage_components)
         mine = [name for name in self.components
                 if (name in last_stage_components and stage == pp - 1)
                 or (name not in last_stage_components and stage == 0)]
@@ -591,7 +591,7 @@ def _compare_component(family, name, actual, expected, low_precision, dtype) -> 
 
 def size_multiple(fam: families.Family, cfg) -> int:
     """Image sides must be a multiple of this: the patch size, times the merge size if any."""
-    custom = fam.hooks.image_size_multiple
+    custom = fam.hooks.config.image_size_multiple
     if custom is not None:
         return custom(cfg)
     merge = getattr(vision_sub_config(cfg), "spatial_merge_size", None) or 1
@@ -612,7 +612,7 @@ def validate_image_sizes(fam: families.Family, cfg, sizes) -> None:
                          f"(the patch size{', times the merge size,' if multiple != _patch(cfg) else ''} "
                          f"of family {family!r})")
     # Family-specific limits beyond divisibility (e.g. a 2x2 merger needs at least a 2x2 grid).
-    problems = fam.hooks.image_size_problems(cfg, sizes)
+    problems = fam.hooks.config.image_size_problems(cfg, sizes)
     if problems:
         raise InputError(f"family {family!r}: {'; '.join(problems)}")
 
@@ -620,7 +620,7 @@ def validate_image_sizes(fam: families.Family, cfg, sizes) -> None:
 def refuse_config(fam: families.Family, cfg) -> None:
     """:class:`InputError` for what of ``cfg`` the native model cannot reproduce (the family's
     ``config_problems``): said before anything is built, not by a rank that fails building it."""
-    problems = fam.hooks.config_problems(cfg)
+    problems = fam.hooks.config.problems(cfg)
     if problems:
         raise InputError(f"{fam.name}: the native model cannot reproduce this config: {'; '.join(problems)}")
 
@@ -628,7 +628,7 @@ def refuse_config(fam: families.Family, cfg) -> None:
 def refuse_case_sizes(fam: families.Family, cfg, cases) -> None:
     """:class:`InputError` when a case's images are beyond what ``cfg`` allows (the family's
     ``image_size_problems``): the family's own inputs, where a config takes none of them."""
-    problems = fam.hooks.image_size_problems
+    problems = fam.hooks.config.image_size_problems
     outside = [p for case in cases if "sizes" in case.data for p in problems(cfg, case.data["sizes"])]
     if outside:
         raise InputError(f"{fam.name}: the config takes none of the images this check runs: {outside[0]}"

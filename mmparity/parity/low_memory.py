@@ -484,10 +484,10 @@ def check(family: "str | families.Family", cfg, reader, *, dtype: str = "float32
             ref_lp = _streamed(lp_model, hf_tensors, torch_dtype, device, usage, "reference_lp", rows,
                                expert_group)
 
-        raw_cases = hooks.cases(cfg, seed, image_sizes)
+        raw_cases = hooks.parity.cases(cfg, seed, image_sizes)
         harness.refuse_case_sizes(fam, cfg, raw_cases)
-        cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
-        component_names = hooks.components if components else ()
+        cases = [hooks.parity.prepare_case(case, cfg) for case in raw_cases]
+        component_names = hooks.parity.components if components else ()
 
         runtime.init_parallel(1, 1, device=device, seed=seed)
         with _parameters_on_meta():

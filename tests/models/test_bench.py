@@ -45,7 +45,7 @@ def _counted_native_flops(family: str, case_name: str, sizes):
                                                         bench._case_sizes(case))
 
 
-COUNTED = [name for name in families.names() if families.get(name).hooks.flop_shape is not None]
+COUNTED = [name for name in families.names() if families.get(name).hooks.bench.flop_shape is not None]
 
 
 @pytest.mark.parametrize("family", COUNTED)
@@ -76,7 +76,7 @@ def test_families_without_a_formula_report_flops_as_not_counted(family):
 
 
 # Towers: their FLOP formula counts the whole forward. Whole VLMs (a language model too) have none.
-PUBLISHED_TOWERS = [f for f in bench.published_families() if families.get(f).hooks.flop_shape is not None]
+PUBLISHED_TOWERS = [f for f in bench.published_families() if families.get(f).hooks.bench.flop_shape is not None]
 PUBLISHED_WHOLE = [f for f in bench.published_families() if f not in PUBLISHED_TOWERS]
 
 
