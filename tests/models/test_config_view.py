@@ -48,9 +48,9 @@ def _configs() -> dict[str, object]:
         found[f"{name}.tiny"] = fam.tiny_config()
         rng = random.Random(name)
         for i in range(3):
-            found[f"{name}.random{i}"] = fam.hooks.random_config(lambda options: rng.choice(list(options)))
-        if fam.hooks.published is not None:
-            found[f"{name}.published"] = bench.published_config(name)
+            found[f"{name}.random{i}"] = fam.hooks.config.random(lambda options: rng.choice(list(options)))
+        if fam.hooks.bench.published is not None:
+            found[f"{name}.published"] = bench.published_config(fam)
     for name in ("mistral3", "pixtral_12b"):
         found[f"{name}.params_json"] = config_from_params(params_from_config(families.get(name).tiny_config()))
     return found
