@@ -88,7 +88,7 @@ class PartRecord:
 
     ``megatron``: where Megatron's class for the part is built, ``"module:function"`` (a builder
     ``(whole cfg, params_dtype, divisible_by=, parallel_output=)`` of the part alone, as
-    ``mmparity.models.core.megatron_classes.build_language_model``); every whole VLM composed with the part
+    ``mmparity.models.parts.dense_decoder.megatron.build_language_model``); every whole VLM composed with the part
     checks and loads its ``language_model.*`` in it. Empty: Megatron has no class for it, and
     ``why_no_megatron`` says why."""
 

@@ -173,7 +173,7 @@ class LlavaTower:
     ``vit_model``: that tower is Megatron-LM main's ``vit_model.ViTModel``, which ``LLaVAModel``
     cannot be built with (the whole VLM is then checked and loaded part by part);
     ``megatron_config(vc, params_dtype, num_layers)``: the tower family's recipe of the
-    ``TransformerConfig`` Megatron's classes build its tower with (None: Pixtral's).
+    ``TransformerConfig`` Megatron's classes build its tower with (None: it has none).
     """
 
     model_type: str

@@ -30,6 +30,7 @@ from mmparity.cli.main import main
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping.rules import side_keys
 from mmparity.models.core import megatron_classes as models
+from mmparity.models.pixtral import megatron as pixtral_megatron
 from tests import megatron_interop as mi
 from tests.mapping.test_convert_roundtrips import save_hf
 
@@ -167,7 +168,7 @@ def test_llava_on_a_pixtral_tower_loads_part_by_part(tmp_path, capsys):
     assert "LLaVAModel" not in name and name.startswith("GPTModel + ")
     assert any("discrepancy 5" in note for note in job.notes)
     held = [prefix for part in job.parts for prefix in part.holds]
-    if models.available(models.build_pixtral):
+    if models.available(pixtral_megatron.build_pixtral):
         assert name == "GPTModel + ViTModel+MultimodalProjector" and not job.not_loaded
     else:
         assert name == "GPTModel + MultimodalProjector" and "vision_model." not in held

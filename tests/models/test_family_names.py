@@ -16,13 +16,9 @@ from mmparity.models import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Modules that still write family names (as HF ``model_type`` values that happen to equal them,
-# or in builders of Megatron's classes not yet moved into their family's package), and the names.
-PENDING = {
-    # Megatron's class builders of the Pixtral-based towers, shared by the whole VLMs' vision
-    # parts, not yet moved into their families' megatron.py as the other towers' are.
-    "mmparity/models/core/megatron_classes.py": {"pixtral", "mistral3"},
-}
+# Modules that still write family names (as HF ``model_type`` values that happen to equal them),
+# and the names.
+PENDING = {}
 
 
 def _family_of(path: Path) -> str | None:

@@ -34,7 +34,7 @@ from mmparity.parity.metrics import FP32_REL_L2
 from mmparity.models.clip import reference as clip_reference
 from mmparity.models.parts.dense_decoder import reference as dense_reference
 from mmparity.models.llava import reference as llava_reference
-from mmparity.models.core import megatron_classes as upstream
+from mmparity.models.parts.dense_decoder import megatron as dense_decoder_megatron
 
 
 # --- the language model: an HF text model transformers builds inside a VLM from its config -------
@@ -76,7 +76,7 @@ def toy_megatron_builder(cfg, params_dtype=torch.float32, divisible_by: int = 12
     """Megatron's class for the toy decoder: stock GPTModel, as for any Llama-style decoder (the
     call is recorded so the test sees its registry entry chose it)."""
     BUILT.append(cfg.text_config.model_type)
-    return upstream.build_language_model(cfg, params_dtype, divisible_by, parallel_output)
+    return dense_decoder_megatron.build_language_model(cfg, params_dtype, divisible_by, parallel_output)
 
 
 LANGUAGE_MODULES = {

@@ -38,6 +38,8 @@ from mmparity.parity.metrics import compare
 from mmparity.models.llava.cases import expected_loss_mask
 from mmparity.config import PIXTRAL_NORM_EPS, padded_vocab_size
 from mmparity.models.core import megatron_layout as layout, megatron_classes as models, te_stand_ins
+from mmparity.models.llava import megatron as llava_megatron
+from mmparity.models.pixtral import megatron as pixtral_megatron
 from tests import megatron_interop as mi
 
 LAYOUT_DIR = Path(__file__).parents[1] / "data" / "megatron_layout"
@@ -418,4 +420,5 @@ def test_main_llava_cannot_build_a_vit_model_tower():
     pixtral-vit-large, qwen-vl and kimi-vit to vit_model, then asks clip_vit_model's
     get_num_image_embeddings for the tower's token count, which knows none of them."""
     with pytest.raises(NotImplementedError, match="unknown vision model type pixtral-vit"):
-        models.build(models.build_llava, families.get("llava").tiny_config(), vision_model_type="pixtral-vit")
+        models.build(llava_megatron.build_llava, families.get("llava").tiny_config(), vision_model_type="pixtral-vit",
+                     tower_config=pixtral_megatron.transformer_config, vit_model=True)

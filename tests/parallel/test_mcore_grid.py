@@ -18,6 +18,7 @@ from mmparity.models import registry as families
 from mmparity.models.registry import megatron_class
 from mmparity.cli.main import main
 from mmparity.models.core import megatron_classes as models
+from mmparity.models.pixtral import megatron as pixtral_megatron
 from tests.mapping.test_convert_roundtrips import save_hf
 from tests.megatron.test_megatron_load import llava_clip_config
 
@@ -94,7 +95,7 @@ def _require_megatron_class(name: str) -> None:
     _, family, _ = _entry(name)
     needed = [megatron_class(family)[1].build]
     if family == "llava" and _config(name).vision_config.model_type == "pixtral":
-        needed.append(models.build_pixtral)
+        needed.append(pixtral_megatron.build_pixtral)
     for builder in needed:
         try:
             models.require(builder)

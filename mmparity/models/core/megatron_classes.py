@@ -1,30 +1,26 @@
-"""Builders of Megatron's own classes from HF configs, and their forward.
+"""The shared pieces of Megatron's own classes, built from HF configs, and their forward.
 
 The HF config is the only source of shapes and hyper-parameters (read duck-typed through
-:mod:`mmparity.config`: this layer never imports transformers). Each builder makes the class a
-Megatron-LM user trains with. They are plain functions: which family loads into which is said by
-the family itself (its hooks' ``megatron`` record, in ``mmparity.cases.<name>``), not here.
+:mod:`mmparity.config`: this layer never imports transformers). A family's own builder lives in
+its package's ``megatron.py`` and is configured by its one recipe (its ``config.py``); which family
+loads into which class is said by the family itself (its hooks' ``megatron`` record), not here.
+This module knows no family: it holds what those builders share.
 
-====================  =========================================================================
-builder               Megatron class (module tree)
-====================  =========================================================================
-stock_clip_vit        stock ``CLIPViTModel`` (the CLIP and SigLIP families' ``megatron.py`` build
-                      theirs with it, and Megatron-LM main's ``ViTModel`` in CLIP mode with
-                      :func:`vit_model`)
-build_llava           stock ``LLaVAModel`` (``vision_model`` tower, ``vision_projection``
-                      ``MultimodalProjector``, ``language_model`` ``GPTModel``)
-build_language_model  a whole VLM's language model alone: stock ``GPTModel`` (dense decoder)
-build_moe_language_   a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock
-model                 ``GPTModel`` on mcore's TE block spec for MLA + MoE (grouped-GEMM experts)
-build_projector       a whole VLM's projector alone: stock ``MultimodalProjector``
-build_vlm_vision      a whole VLM's vision part, :class:`VisionWithProjection`: Megatron-LM main's
-                      ``ViTModel`` (Pixtral; with the merger where the VLM merges) and the
-                      projector (the parts of a VLM whose ``vit_model`` tower Megatron-LM's
-                      ``LLaVAModel`` cannot hold: docs/megatron.md, discrepancy 5)
-build_pixtral         Megatron-LM ``vit_model.ViTModel`` (``rope2d``, ``ln_pre``)
-build_pixtral_large   :class:`VisionWithProjection`: ``ViTModel(use_merger=True)`` as
-                      ``vision_model``, ``MultimodalProjector`` as ``vision_projection``
-====================  =========================================================================
+========================  =====================================================================
+piece                     what it is
+========================  =====================================================================
+transformer_config        a family's recipe as Megatron's classes take it (inference at the
+                          current TP size, fusions off)
+stock_clip_vit            stock ``CLIPViTModel`` on a tower config's geometry
+vit_model                 Megatron-LM main's ``ViTModel`` on a tower config's geometry
+build_projector           a whole VLM's projector alone: stock ``MultimodalProjector``
+build_moe_language_model  a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock
+                          ``GPTModel`` on mcore's TE block spec for MLA + MoE (grouped-GEMM
+                          experts)
+VisionWithProjection      a tower and its projector under ``LLaVAModel``'s names, for the parts
+                          of a VLM whose ``vit_model`` tower Megatron-LM's ``LLaVAModel`` cannot
+                          hold (docs/megatron.md, discrepancy 5)
+========================  =====================================================================
 
 A builder that needs Megatron-LM main's ``vit_model.py`` is marked :func:`needs_vit_model`, so that
 :func:`require` / :func:`available` say so before anything is built.
@@ -45,7 +41,6 @@ import torch
 from megatron.core import activations as mcore_activations
 from megatron.core import package_info
 from megatron.core.models.gpt import gpt_model
-from megatron.core.models.multimodal import llava_model
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -53,10 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
-from mmparity.config import (
-    PIXTRAL_NORM_EPS, decoder_biases, feature_layer_indices,
-    first_int, has_patch_merger, head_dim, image_hw, padded_vocab_size, query_groups, rope_theta,
-    select_strategy, tied_embeddings, tower_depth, vision_of)
+from mmparity.config import feature_layer_indices, first_int, image_hw, padded_vocab_size, tied_embeddings
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
@@ -118,16 +110,6 @@ def transformer_config(*, pipelined: bool = False, **fields) -> TransformerConfi
     return vision_transformer_config(pipelined_stack=pipelined, **fields)
 
 
-def pixtral_config(vc, params_dtype=torch.float32, num_layers: Optional[int] = None) -> TransformerConfig:
-    """Pixtral towers: RMSNorm (HF's literal 1e-5), gated MLP, no biases, interleaved 2D RoPE."""
-    return transformer_config(
-        num_layers=num_layers or vc.num_hidden_layers, hidden_size=vc.hidden_size,
-        num_attention_heads=vc.num_attention_heads, kv_channels=head_dim(vc),
-        ffn_hidden_size=vc.intermediate_size, normalization="RMSNorm", norm_eps=PIXTRAL_NORM_EPS,
-        activation=activation(vc.hidden_act), gated=True, bias=False, rotary_interleaved=True,
-        params_dtype=params_dtype)
-
-
 def projection_config(hidden_size: int, ffn_hidden_size: int, act: Callable, bias: bool,
                       params_dtype=torch.float32, normalization: str = "LayerNorm",
                       eps: float = 1e-5) -> TransformerConfig:
@@ -178,28 +160,6 @@ def vit_model(vc, config: TransformerConfig, **mode):
                             **mode)
 
 
-def _pixtral_vit(vc, params_dtype, num_layers: Optional[int] = None, **mode):
-    return vit_model(vc, pixtral_config(vc, params_dtype, num_layers), ln_pre=True,
-                      ln_pre_eps=PIXTRAL_NORM_EPS, pos_emb_type="rope2d", rope_theta=rope_theta(vc), **mode)
-
-
-@needs_vit_model
-def build_pixtral(cfg, params_dtype=torch.float32):
-    return _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype).eval()
-
-
-@needs_vit_model
-def build_pixtral_large(cfg, params_dtype=torch.float32):
-    """``ViTModel(use_merger=True)`` + the Mistral3 projector's two linears as a
-    ``MultimodalProjector``. Megatron's merger norm takes the *vision* epsilon (HF: the text
-    config's ``rms_norm_eps``); that is Megatron's behaviour and is kept."""
-    if getattr(cfg, "model_type", None) != "mistral3":
-        raise ValueError(f"pixtral_large needs a Mistral3 config, got {getattr(cfg, 'model_type', None)!r}")
-    tower = _pixtral_vit(cfg.vision_config, params_dtype, use_merger=True,
-                         spatial_merge_size=cfg.spatial_merge_size)
-    return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
-
-
 def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
     """A LLaVA / Mistral3 projector's config: two linears to the text width, the HF activation."""
     text = cfg.text_config
@@ -213,121 +173,6 @@ def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
     width = cfg.vision_config.hidden_size * len(feature_layer_indices(cfg))
     return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
                                "mlp", width).eval()
-
-
-@needs_vit_model
-def build_vlm_vision(cfg, params_dtype=torch.float32):
-    """A whole VLM's vision part under ``LLaVAModel``'s names, for the VLMs ``LLaVAModel`` cannot
-    hold: Megatron-LM main's Pixtral ``ViTModel`` built ``tower_depth`` layers deep as the
-    converter writes it (with ``PixtralLargePatchMerger`` where the VLM merges patches, Mistral3),
-    and the projector."""
-    merger = (dict(use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
-              if has_patch_merger(cfg) else {})
-    tower = _pixtral_vit(vision_of(cfg, ("pixtral",)), params_dtype, tower_depth(cfg), **merger)
-    return VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
-
-
-def feature_layer_count(cfg) -> int:
-    """Megatron builds a LLaVA tower only up to HF's ``vision_feature_layer``: the number of
-    encoder layers HF's selected hidden state has gone through."""
-    layer = cfg.vision_feature_layer
-    if not isinstance(layer, int):
-        raise ValueError(f"vision_feature_layer={layer!r}: Megatron's LLaVAModel takes one layer")
-    total = cfg.vision_config.num_hidden_layers
-    return layer + total + 1 if layer < 0 else layer
-
-
-@dataclass(frozen=True)
-class LanguageModelArgs:
-    """What Megatron-LM builds a dense decoder's ``GPTModel`` with, read off the HF config once:
-    ``LLaVAModel`` takes them as its ``language_*`` arguments, :func:`build_language_model` hands
-    them to ``GPTModel`` itself."""
-
-    config: TransformerConfig
-    vocab_size: int  # padded as Megatron-LM pads it at the current TP size
-    max_sequence_length: int
-    rotary_base: float
-    tied: bool  # share_embeddings_and_output_weights
-
-
-def language_model_args(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE) -> LanguageModelArgs:
-    """A whole VLM's dense decoder (Llama / Mistral / Qwen2 text config): RMSNorm, gated MLP, GQA,
-    an explicit head width, q/k/v and linear biases as the model type has them, RoPE with the
-    config's base; the layer stack split over the pipeline stages."""
-    text = cfg.text_config
-    layout = runtime.current_layout()
-    tp = layout.tp if layout is not None else 1
-    qkv_bias, linear_bias = decoder_biases(text)
-    config = transformer_config(
-        pipelined=True,
-        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads, num_query_groups=query_groups(text),
-        kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
-        norm_eps=text.rms_norm_eps, activation=activation(text.hidden_act), gated=True,
-        bias=linear_bias, add_qkv_bias=qkv_bias, params_dtype=params_dtype)
-    return LanguageModelArgs(config, padded_vocab_size(text.vocab_size, divisible_by, tp),
-                             text.max_position_embeddings, rope_theta(text), tied_embeddings(cfg))
-
-
-def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                parallel_output: bool = True, *, vision_model_type: str = "",
-                tower_config: Optional[Callable] = None):
-    """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
-    family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` for Pixtral),
-    ``MultimodalProjector``, ``GPTModel`` with a Llama decoder. ``tower_config(vc, params_dtype,
-    num_layers)``: the tower family's recipe (None: Pixtral's). The tower is built
-    ``feature_layer_count`` layers deep; the vocabulary is padded as Megatron-LM pads it."""
-    vc = cfg.vision_config
-    if not vision_model_type:
-        raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
-    if select_strategy(cfg) not in ("default", "full"):
-        raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
-    layers = feature_layer_count(cfg)
-    modules = [llava_model, clip_vit_model]
-    if vision_model_type == "pixtral-vit":
-        modules.append(vit_model_module())
-    vision_config = (tower_config or pixtral_config)(vc, params_dtype, layers)
-    vision_config.vision_model_type = vision_model_type
-    language = language_model_args(cfg, params_dtype, divisible_by)
-    img_h, img_w = image_hw(vc)
-    with buildable_without_te(*modules):
-        model = llava_model.LLaVAModel(
-            language_transformer_config=language.config,
-            language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
-            language_vocab_size=language.vocab_size,
-            language_max_sequence_length=language.max_sequence_length,
-            vision_transformer_config=vision_config,
-            vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
-            drop_vision_class_token=select_strategy(cfg) == "default",
-            vision_projection_config=vlm_projection_config(cfg, params_dtype),
-            vision_projection_layer_spec=te_stand_ins.projector_spec(),
-            vision_projection_type="mlp",
-            share_embeddings_and_output_weights=language.tied,
-            language_position_embedding_type="rope", language_rotary_base=language.rotary_base,
-            img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
-            parallel_output=parallel_output,
-            # Megatron-LM's LLaVA under pipeline parallelism: the encoder and the embedding on the
-            # first stage, the output layer on the last, the language layers split between them.
-            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
-            add_encoder=runtime.is_first_stage())
-    return model.eval()
-
-
-def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                         parallel_output: bool = True):
-    """A whole VLM's language model alone: stock ``GPTModel`` exactly as ``LLaVAModel`` builds its
-    ``language_model`` (the same arguments, :func:`language_model_args`), this pipeline stage of it
-    (embedding on the first stage, final norm and output layer on the last)."""
-    language = language_model_args(cfg, params_dtype, divisible_by)
-    with buildable_without_te(gpt_model):
-        model = gpt_model.GPTModel(
-            config=language.config, transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
-            vocab_size=language.vocab_size, max_sequence_length=language.max_sequence_length,
-            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
-            parallel_output=parallel_output, share_embeddings_and_output_weights=language.tied,
-            position_embedding_type="rope", rotary_base=language.rotary_base,
-            scatter_embedding_sequence_parallel=False)
-    return model.eval()
 
 
 def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,

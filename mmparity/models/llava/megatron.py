@@ -11,20 +11,26 @@ from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.multimodal import llava_model
+from megatron.core.models.vision import clip_vit_model
 from transformers import LlavaConfig
 
-from mmparity.config import feature_layer_indices, first_int, padded_vocab_size, spatial_merge
+from mmparity.config import (
+    feature_layer_indices, first_int, image_hw, padded_vocab_size, select_strategy, spatial_merge)
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.clip import reference as clip_reference
-from mmparity.models.core import inputs, megatron_side
+from mmparity.models.core import inputs, megatron_side, te_stand_ins
 from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.core.layers import numbered_layers
-from mmparity.models.core.te_stand_ins import cuda_calls_on_host
+from mmparity.models.core.te_stand_ins import buildable_without_te, cuda_calls_on_host
 from mmparity.models.llava import reference
 from mmparity.models.llava.reference import IGNORE_INDEX
+from mmparity.models.parts.dense_decoder import megatron as dense_decoder
 from mmparity.models.pixtral import cases as pixtral_cases
+from mmparity.models.pixtral import megatron as pixtral_megatron
 from mmparity.models.spec import (
     Case, FamilyHooks, MegatronClass, MegatronClasses, Pair, TowerLookup, first_tensor, tokens_2d)
+from mmparity.parallel import runtime
 
 # Paired modules are named by the part they belong to, in Megatron's ``LLaVAModel`` names.
 VISION = "vision_model."
@@ -260,7 +266,7 @@ PROJECTION = MegatronClass(
     note="the projector part (vision_projection.*) alone, on seeded tower features", module_cases=(),
     holds=("vision_projection.",), root="vision_projection.")
 VISION_PART = MegatronClass(
-    upstream.build_vlm_vision, _vision_cases, _run_vision_part, _vision_part_pairs,
+    pixtral_megatron.build_vlm_vision, _vision_cases, _run_vision_part, _vision_part_pairs,
     reference_run=_reference_vision_part,
     note="the vision part (vision_model.*, vision_projection.*) on images",
     holds=("vision_model.", "vision_projection."))
@@ -287,6 +293,60 @@ def pixtral_vision_part(note: str = "") -> MegatronClass:
     return replace(VISION_PART, note="; ".join(n for n in (VISION_PART.note, note) if n))
 
 
+def feature_layer_count(cfg) -> int:
+    """Megatron builds a LLaVA tower only up to HF's ``vision_feature_layer``: the number of
+    encoder layers HF's selected hidden state has gone through."""
+    layer = cfg.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer={layer!r}: Megatron's LLaVAModel takes one layer")
+    total = cfg.vision_config.num_hidden_layers
+    return layer + total + 1 if layer < 0 else layer
+
+
+def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
+                parallel_output: bool = True, *, vision_model_type: str = "",
+                tower_config: Optional[Callable] = None, vit_model: bool = False):
+    """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
+    family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` where
+    ``vit_model``), ``MultimodalProjector``, ``GPTModel`` with the dense decoder.
+    ``tower_config(vc, params_dtype, num_layers)``: the tower family's recipe. The tower is built
+    ``feature_layer_count`` layers deep; the vocabulary is padded as Megatron-LM pads it."""
+    vc = cfg.vision_config
+    if not vision_model_type or tower_config is None:
+        raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
+    if select_strategy(cfg) not in ("default", "full"):
+        raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
+    layers = feature_layer_count(cfg)
+    modules = [llava_model, clip_vit_model]
+    if vit_model:
+        modules.append(upstream.vit_model_module())
+    vision_config = tower_config(vc, params_dtype, layers)
+    vision_config.vision_model_type = vision_model_type
+    language = dense_decoder.language_model_args(cfg, params_dtype, divisible_by)
+    img_h, img_w = image_hw(vc)
+    with buildable_without_te(*modules):
+        model = llava_model.LLaVAModel(
+            language_transformer_config=language.config,
+            language_transformer_layer_spec=te_stand_ins.gpt_layer_spec(),
+            language_vocab_size=language.vocab_size,
+            language_max_sequence_length=language.max_sequence_length,
+            vision_transformer_config=vision_config,
+            vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
+            drop_vision_class_token=select_strategy(cfg) == "default",
+            vision_projection_config=upstream.vlm_projection_config(cfg, params_dtype),
+            vision_projection_layer_spec=te_stand_ins.projector_spec(),
+            vision_projection_type="mlp",
+            share_embeddings_and_output_weights=language.tied,
+            language_position_embedding_type="rope", language_rotary_base=language.rotary_base,
+            img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
+            parallel_output=parallel_output,
+            # Megatron-LM's LLaVA under pipeline parallelism: the encoder and the embedding on the
+            # first stage, the output layer on the last, the language layers split between them.
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            add_encoder=runtime.is_first_stage())
+    return model.eval()
+
+
 def _vit_model_tower(towers: TowerLookup, cfg) -> bool:
     return towers(cfg).llava_tower.vit_model
 
@@ -297,8 +357,9 @@ def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, di
     ``vision_model_type`` its tower record names. A record's ``build`` is this function until
     :func:`bind_towers` gives it the family's tower lookup."""
     tower = towers(cfg).llava_tower
-    return upstream.build_llava(cfg, params_dtype, divisible_by=divisible_by, parallel_output=parallel_output,
-                                vision_model_type=tower.megatron_type, tower_config=tower.megatron_config)
+    return build_llava(cfg, params_dtype, divisible_by=divisible_by, parallel_output=parallel_output,
+                       vision_model_type=tower.megatron_type, tower_config=tower.megatron_config,
+                       vit_model=tower.vit_model)
 
 
 def _refuse_a_vit_model_tower(towers: TowerLookup, cfg) -> str | None:

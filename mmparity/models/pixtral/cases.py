@@ -22,6 +22,7 @@ from mmparity.models.core.layers import numbered_layers
 from mmparity.models.pixtral import reference
 from mmparity.models.pixtral.reference import patch_size
 from mmparity.models.core import megatron_classes as upstream
+from mmparity.models.pixtral import megatron as pixtral_megatron
 
 COMPONENTS = ("rope2d", "patch_embed")
 
@@ -204,7 +205,7 @@ def megatron_run(model, case: Case, cfg) -> dict:
 # What Megatron's default class has no place for, kept beside its state dict (the side file), on
 # the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset()
-MEGATRON = {"ViTModel": megatron_side.MegatronClass(upstream.build_pixtral, megatron_side.same_cases, megatron_run,
+MEGATRON = {"ViTModel": megatron_side.MegatronClass(pixtral_megatron.build_pixtral, megatron_side.same_cases, megatron_run,
                                                     lambda model, cfg: megatron_side.vit_pairs(model))}
 
 
@@ -214,5 +215,6 @@ def hooks(towers) -> FamilyHooks:
                         parity=Parity(cases, prepare_case, COMPONENTS), megatron=MEGATRON,
                         bench=Bench(flop_shape, PUBLISHED),
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True,
-                                               megatron_type="pixtral-vit", vit_model=True,
+                                               megatron_type=pixtral_megatron.SUBTYPE, vit_model=True,
+                                               megatron_config=pixtral_megatron.transformer_config,
                                                max_patches=max_patches_per_side))

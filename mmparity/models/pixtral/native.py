@@ -10,7 +10,8 @@ import torch
 
 from mmparity.models.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.models.core.vit import ViTModel
-from mmparity.config import PIXTRAL_NORM_EPS, head_dim, rope_theta
+from mmparity.config import PIXTRAL_NORM_EPS, rope_theta
+from mmparity.models.pixtral.config import transformer_fields
 
 
 def _image_hw(cfg) -> tuple[int, int]:
@@ -24,12 +25,11 @@ def _patch(cfg) -> int:
 
 
 def transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
-    return vision_transformer_config(
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads, kv_channels=head_dim(cfg),
-        ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm",
-        norm_eps=PIXTRAL_NORM_EPS, activation=activation_from_hf(cfg.hidden_act), gated=True,
-        bias=False, rotary_interleaved=True, params_dtype=params_dtype)
+    """The family's recipe (:func:`~mmparity.models.pixtral.config.transformer_fields`) with HF's
+    own activation function."""
+    fields = transformer_fields(cfg)
+    fields["activation"] = activation_from_hf(fields["activation"])
+    return vision_transformer_config(params_dtype=params_dtype, **fields)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> ViTModel:

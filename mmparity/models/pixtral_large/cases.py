@@ -17,7 +17,7 @@ from mmparity.models.pixtral_large import mapping as converter
 from mmparity.models.pixtral_large import native
 from mmparity.models.pixtral_large import reference
 from mmparity.models.pixtral_large.reference import OUTPUTS, patch_size, vision_config
-from mmparity.models.core import megatron_classes as upstream
+from mmparity.models.pixtral_large.megatron import build_pixtral_large
 
 COMPONENTS = ("merger",)
 # Components whose module lives on the last pipeline stage (the others run on the first).
@@ -198,7 +198,7 @@ def megatron_pairs(model, cfg) -> list[Pair]:
 # the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
 SIDE_TENSORS = frozenset()
 MEGATRON = {"ViTModel+MultimodalProjector": megatron_side.MegatronClass(
-    upstream.build_pixtral_large, megatron_cases, megatron_run, megatron_pairs)}
+    build_pixtral_large, megatron_cases, megatron_run, megatron_pairs)}
 
 
 def hooks(towers) -> FamilyHooks:

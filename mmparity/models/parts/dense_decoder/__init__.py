@@ -7,5 +7,5 @@ PART = PartRecord(
     summary="Llama / Mistral / Qwen2-style decoder (GQA, explicit head_dim, q/k/v biases as the "
             "model type has them, tied or untied head) as Megatron's GPTModel",
     text_model_types=("llama", "mistral", "qwen2"),
-    megatron="mmparity.models.core.megatron_classes:build_language_model",
+    megatron="mmparity.models.parts.dense_decoder.megatron:build_language_model",
 )

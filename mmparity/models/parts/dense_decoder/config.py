@@ -1,9 +1,27 @@
-"""The dense decoders' HF configuration classes (Llama, Mistral, Qwen2) as config.json is read
-without transformers."""
+"""The dense decoder's one HF text config -> Megatron ``TransformerConfig`` recipe: the native
+``GPTModel`` (:mod:`mmparity.models.parts.dense_decoder.native`) and Megatron's own
+(:mod:`mmparity.models.parts.dense_decoder.megatron`, and ``LLaVAModel``'s language model) both
+build from it. Below it, the dense decoders' HF configuration classes (Llama, Mistral, Qwen2) as
+config.json is read without transformers."""
 
 from __future__ import annotations
 
-from mmparity.config import DECODER_FIELDS, ConfigType
+from mmparity.config import DECODER_FIELDS, ConfigType, decoder_biases, head_dim, query_groups
+
+
+def transformer_fields(text) -> dict:
+    """The decoder's ``TransformerConfig`` fields from a Llama / Mistral / Qwen2 text config:
+    RMSNorm, a gated MLP, GQA (one group per head where ``num_key_value_heads`` is unset, as
+    transformers reads it), an explicit head width, q/k/v and linear biases as the model type has
+    them, rotate-half RoPE. ``activation`` is the HF activation's name: each side turns it into
+    its function."""
+    qkv_bias, linear_bias = decoder_biases(text)
+    return dict(num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+                num_attention_heads=text.num_attention_heads, num_query_groups=query_groups(text),
+                kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size, normalization="RMSNorm",
+                norm_eps=text.rms_norm_eps, activation=text.hidden_act, gated=True, bias=linear_bias,
+                add_qkv_bias=qkv_bias, rotary_interleaved=False)
+
 
 # --- HF config tables ---
 # The configuration classes a text_config is read with, without transformers (mmparity.config's

@@ -17,9 +17,10 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mmparity.config import decoder_bias_problems, decoder_biases, head_dim, rope_theta
+from mmparity.config import decoder_bias_problems, rope_theta
 from mmparity.models.core.attention import head_width
 from mmparity.models.core.layers import activation_from_hf, layer_spec, vision_transformer_config
+from mmparity.models.parts.dense_decoder.config import transformer_fields
 
 
 # HF text model types whose decoder the native GPT model reproduces exactly.
@@ -119,17 +120,14 @@ def _text_config_problems(text) -> list[str]:
 
 
 def transformer_config(text, params_dtype: torch.dtype = torch.float32):
+    """The part's recipe (:func:`~mmparity.models.parts.dense_decoder.config.transformer_fields`)
+    with HF's own activation function, for a text config the decoder reproduces exactly."""
     problems = _text_config_problems(text)
     if problems:
         raise ValueError("unsupported language model: " + "; ".join(problems))
-    qkv_bias, linear_bias = decoder_biases(text)
-    return vision_transformer_config(
-        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads, num_query_groups=text.num_key_value_heads,
-        kv_channels=head_dim(text), ffn_hidden_size=text.intermediate_size,
-        normalization="RMSNorm", norm_eps=text.rms_norm_eps,
-        activation=activation_from_hf(text.hidden_act), gated=True, bias=linear_bias,
-        add_qkv_bias=qkv_bias, rotary_interleaved=False, params_dtype=params_dtype)
+    fields = transformer_fields(text)
+    fields["activation"] = activation_from_hf(fields["activation"])
+    return vision_transformer_config(params_dtype=params_dtype, **fields)
 
 
 class LanguageModelBuilder:
