@@ -13,7 +13,7 @@ transformer_config        a family's recipe as Megatron's classes take it (infer
                           current TP size, fusions off)
 stock_clip_vit            stock ``CLIPViTModel`` on a tower config's geometry
 vit_model                 Megatron-LM main's ``ViTModel`` on a tower config's geometry
-build_projector           a whole VLM's projector alone: stock ``MultimodalProjector``
+projection_config         a projector recipe as ``MultimodalProjector`` takes it
 build_moe_language_model  a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock
                           ``GPTModel`` on mcore's TE block spec for MLA + MoE (grouped-GEMM
                           experts)
@@ -42,13 +42,12 @@ from megatron.core import activations as mcore_activations
 from megatron.core import package_info
 from megatron.core.models.gpt import gpt_model
 from megatron.core.models.vision import clip_vit_model
-from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
-from mmparity.config import feature_layer_indices, first_int, image_hw, padded_vocab_size, tied_embeddings
+from mmparity.config import first_int, image_hw, padded_vocab_size, tied_embeddings
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
@@ -110,16 +109,14 @@ def transformer_config(*, pipelined: bool = False, **fields) -> TransformerConfi
     return vision_transformer_config(pipelined_stack=pipelined, **fields)
 
 
-def projection_config(hidden_size: int, ffn_hidden_size: int, act: Callable, bias: bool,
-                      params_dtype=torch.float32, normalization: str = "LayerNorm",
-                      eps: float = 1e-5) -> TransformerConfig:
-    """``MultimodalProjector``'s config: ``hidden_size`` is its output width, ``ffn_hidden_size``
-    its inner width; attention fields only have to be valid (one head per TP rank)."""
+def projection_config(params_dtype=torch.float32, **fields) -> TransformerConfig:
+    """``MultimodalProjector``'s config from a projector recipe's fields (``hidden_size`` its
+    output width, ``ffn_hidden_size`` its inner width, ``activation`` a function); attention
+    fields only have to be valid (one head per TP rank)."""
     layout = runtime.current_layout()
     heads = layout.tp if layout is not None else 1
-    return transformer_config(num_layers=1, hidden_size=hidden_size, num_attention_heads=heads,
-                              kv_channels=1, ffn_hidden_size=ffn_hidden_size, normalization=normalization,
-                              norm_eps=eps, activation=act, gated=False, bias=bias, params_dtype=params_dtype)
+    return transformer_config(num_layers=1, num_attention_heads=heads, kv_channels=1, params_dtype=params_dtype,
+                              **fields)
 
 
 # --- builders -------------------------------------------------------------------------------------
@@ -158,21 +155,6 @@ def vit_model(vc, config: TransformerConfig, **mode):
         return vit.ViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=first_int(vc.patch_size),
                             img_h=img_h, img_w=img_w, in_channels=vc.num_channels, patch_embed_bias=False,
                             **mode)
-
-
-def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
-    """A LLaVA / Mistral3 projector's config: two linears to the text width, the HF activation."""
-    text = cfg.text_config
-    return projection_config(text.hidden_size, text.hidden_size, activation(cfg.projector_hidden_act),
-                             bool(cfg.multimodal_projector_bias), params_dtype, "RMSNorm", text.rms_norm_eps)
-
-
-def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
-    """A whole VLM's projector alone, as ``LLaVAModel`` builds its ``vision_projection``: its input
-    is the tower's width times the feature layers HF concatenates (a merger keeps the width)."""
-    width = cfg.vision_config.hidden_size * len(feature_layer_indices(cfg))
-    return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
-                               "mlp", width).eval()
 
 
 def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,

@@ -19,6 +19,18 @@ def transformer_fields(vc) -> dict:
                 activation=vc.hidden_act, gated=False, bias=True, rotary_interleaved=True)
 
 
+def projection_fields(cfg) -> dict:
+    """The projector MLP's ``TransformerConfig`` fields from a whole-model config: LayerNorm of
+    ``projection_layer_norm_eps``, Linear(m²H, m²H) -> erf GELU -> Linear(m²H, text H) with biases
+    (m² the merged sub-tokens). ``activation`` is the HF activation's name. The attention fields,
+    which an MLP never reads, are each side's."""
+    vc = cfg.vision_config
+    kh, kw = tuple(vc.merge_kernel_size)
+    return dict(hidden_size=cfg.text_config.hidden_size, ffn_hidden_size=vc.hidden_size * kh * kw,
+                normalization="LayerNorm", norm_eps=cfg.projection_layer_norm_eps, activation="gelu",
+                gated=False, bias=True)
+
+
 # --- HF config tables ---
 # The configuration classes config.json is read with, without transformers (mmparity.config's
 # ConfigView): transformers 5's defaults of Kimi-K2.5's classes; the text config is read with the

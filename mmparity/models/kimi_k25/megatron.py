@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.config import first_int, rope_theta
 from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
-from mmparity.models.kimi_k25.config import transformer_fields
+from mmparity.models.kimi_k25.config import projection_fields, transformer_fields
 
 # Whole-model configs whose vision path this builds (a tower config is built alone).
 MODEL_TYPES = ("kimi_k25",)
@@ -39,14 +39,28 @@ def kimi_projection(cfg, variant: str, params_dtype=torch.float32) -> Multimodal
     """
     if variant not in KIMI_PROJECTIONS:
         raise ValueError(f"kimi projection variant must be one of {KIMI_PROJECTIONS}, got {variant!r}")
-    vc = cfg.vision_config
-    merged = vc.hidden_size * _kimi_merge(vc) ** 2
+    _kimi_merge(cfg.vision_config)
     fc1 = (te_class("TELayerNormColumnParallelLinear") if variant == "fused_norm_over_merged"
            else te_class("TEColumnParallelLinear"))
-    return MultimodalProjector(
-        upstream.projection_config(cfg.text_config.hidden_size, merged, F.gelu, True, params_dtype,
-                                   "LayerNorm", cfg.projection_layer_norm_eps),
-        MLPSubmodules(linear_fc1=fc1, linear_fc2=te_class("TERowParallelLinear")), "mlp", merged)
+    return MultimodalProjector(projection_config(cfg, params_dtype),
+                               MLPSubmodules(linear_fc1=fc1, linear_fc2=te_class("TERowParallelLinear")), "mlp",
+                               projection_fields(cfg)["ffn_hidden_size"])
+
+
+def transformer_config(vc, params_dtype=torch.float32) -> TransformerConfig:
+    """The tower's recipe (:func:`~mmparity.models.kimi_k25.config.transformer_fields`) as
+    Megatron's classes take it."""
+    fields = transformer_fields(vc)
+    fields["activation"] = upstream.activation(fields["activation"])
+    return upstream.transformer_config(params_dtype=params_dtype, **fields)
+
+
+def projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
+    """The projector's recipe (:func:`~mmparity.models.kimi_k25.config.projection_fields`) as
+    Megatron's ``MultimodalProjector`` takes it."""
+    fields = projection_fields(cfg)
+    fields["activation"] = upstream.activation(fields["activation"])
+    return upstream.projection_config(params_dtype, **fields)
 
 
 def _kimi_merge(vc) -> int:
@@ -63,9 +77,7 @@ def build_kimi_k25(cfg, params_dtype=torch.float32, projection: Optional[str] = 
     vc = cfg.vision_config if getattr(cfg, "model_type", None) in MODEL_TYPES else cfg
     _kimi_merge(vc)
     p = first_int(vc.patch_size)
-    fields = transformer_fields(vc)
-    fields["activation"] = upstream.activation(fields["activation"])
-    config = upstream.transformer_config(params_dtype=params_dtype, **fields)
+    config = transformer_config(vc, params_dtype)
     side = max_patches_per_side * p
     with buildable_without_te(vit):
         tower = vit.KimiViTModel(config, upstream.te_stand_ins.vit_layer_spec(), patch_dim=p, img_h=side,

@@ -58,7 +58,7 @@ from mmparity.models.core.vit import (
     ImageSizes, TowerWithProjection, VisionTower, PatchEmbedding, VisionNorm, _dynamic_patch_grid_lists,
     check_image_size)
 from mmparity.config import rope_theta
-from mmparity.models.kimi_k25.config import transformer_fields
+from mmparity.models.kimi_k25.config import projection_fields, transformer_fields
 from mmparity.parallel import runtime
 
 Grid = Tuple[int, int]
@@ -628,17 +628,16 @@ def transformer_config(vc, params_dtype: torch.dtype = torch.float32) -> Transfo
 
 def projection_config(cfg, params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
     vc = vision_cfg(cfg)
-    width = vc.hidden_size * _merge(vc) ** 2
+    _merge(vc)
     projection_hidden = getattr(cfg, "projection_hidden_size", None) or vc.hidden_size
     if projection_hidden != vc.hidden_size:
         raise ValueError(f"projection_hidden_size={projection_hidden} must equal the vision hidden size "
                          f"{vc.hidden_size}: the projector normalises each merged sub-token")
+    fields = projection_fields(cfg)
+    fields["activation"] = activation_from_hf(fields["activation"])
     # Attention fields are unused by the MLP; heads only need to satisfy TransformerConfig's checks.
-    return vision_transformer_config(
-        num_layers=1, hidden_size=cfg.text_config.hidden_size,
-        num_attention_heads=vc.num_attention_heads, kv_channels=1, ffn_hidden_size=width,
-        normalization="LayerNorm", norm_eps=cfg.projection_layer_norm_eps, activation=F.gelu,
-        gated=False, bias=True, params_dtype=params_dtype, pipelined_stack=False)
+    return vision_transformer_config(num_layers=1, num_attention_heads=vc.num_attention_heads, kv_channels=1,
+                                     params_dtype=params_dtype, pipelined_stack=False, **fields)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> KimiViTModel:

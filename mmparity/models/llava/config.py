@@ -1,8 +1,25 @@
-"""LLaVA's HF configuration class as config.json is read without transformers."""
+"""The projector's one HF config -> Megatron ``TransformerConfig`` recipe of the VLMs composed as
+LLaVA (LLaVA, Pixtral-12B) and as Mistral3 (Pixtral-Large): the native projectors
+(:mod:`mmparity.models.llava.native`, :mod:`mmparity.models.pixtral_large.native`) and Megatron's
+``MultimodalProjector`` (:mod:`mmparity.models.llava.megatron`) all build from it. The tower's and
+the language model's recipes are their parts' own (``<part>/config.py``). Below it, LLaVA's HF
+configuration class as config.json is read without transformers."""
 
 from __future__ import annotations
 
 from mmparity.config import ConfigType
+
+
+def projection_fields(cfg) -> dict:
+    """The projector MLP's ``TransformerConfig`` fields from the whole VLM's config: two linears to
+    the text width, HF's projector activation, biases as ``multimodal_projector_bias`` says, the
+    text config's RMSNorm epsilon. ``activation`` is the HF activation's name: each side turns it
+    into its function. The attention fields, which an MLP never reads, are each side's."""
+    text = cfg.text_config
+    return dict(hidden_size=text.hidden_size, ffn_hidden_size=text.hidden_size, normalization="RMSNorm",
+                norm_eps=text.rms_norm_eps, activation=cfg.projector_hidden_act, gated=False,
+                bias=bool(cfg.multimodal_projector_bias))
+
 
 # --- HF config tables ---
 # The configuration class config.json is read with, without transformers (mmparity.config's

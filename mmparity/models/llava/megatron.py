@@ -13,10 +13,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.multimodal import llava_model
 from megatron.core.models.vision import clip_vit_model
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import LlavaConfig
 
 from mmparity.config import (
-    feature_layer_indices, first_int, image_hw, padded_vocab_size, select_strategy, spatial_merge)
+    feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size, select_strategy, spatial_merge,
+    tower_depth, vision_of)
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.clip import reference as clip_reference
 from mmparity.models.core import inputs, megatron_side, te_stand_ins
@@ -24,6 +27,7 @@ from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.core.te_stand_ins import buildable_without_te, cuda_calls_on_host
 from mmparity.models.llava import reference
+from mmparity.models.llava.config import projection_fields
 from mmparity.models.llava.reference import IGNORE_INDEX
 from mmparity.models.parts.dense_decoder import megatron as dense_decoder
 from mmparity.models.pixtral import cases as pixtral_cases
@@ -235,62 +239,32 @@ def llava_clip_config() -> LlavaConfig:
                        vision_feature_layer=-2, vision_feature_select_strategy="default",
                        multimodal_projector_bias=True, tie_word_embeddings=False)
 
-def language_part_builder(languages: Callable, cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                          parallel_output: bool = True):
-    """Megatron's class for the language-model part ``languages(cfg)`` is (the builder its registry
-    entry names), this pipeline stage of it. A record's ``build`` is this function until
-    :func:`bind_language` gives it the family's part lookup."""
-    return languages(cfg).megatron_build(cfg, params_dtype, divisible_by=divisible_by,
-                                         parallel_output=parallel_output)
+def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
+    """The projector's recipe (:func:`~mmparity.models.llava.config.projection_fields`) as
+    Megatron's ``MultimodalProjector`` takes it."""
+    fields = projection_fields(cfg)
+    fields["activation"] = upstream.activation(fields["activation"])
+    return upstream.projection_config(params_dtype, **fields)
 
 
-def bind_language(classes: MegatronClasses, languages: Callable) -> MegatronClasses:
-    """``classes`` with each language-model record built by the part ``languages(cfg)`` names."""
-    if not isinstance(classes, Mapping):
-        return classes
-    return {name: replace(record, build=partial(language_part_builder, languages))
-            if record.build is language_part_builder else record for name, record in classes.items()}
+def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
+    """A whole VLM's projector alone, as ``LLaVAModel`` builds its ``vision_projection``: its input
+    is the tower's width times the feature layers HF concatenates (a merger keeps the width)."""
+    return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
+                               "mlp", _feature_width(cfg)).eval()
 
 
-# Where ``LLaVAModel`` cannot hold a whole VLM, one record per part; each holds its prefix of the
-# whole model's keys (LLaVAModel's attribute names). The language model's is the part's own class.
-LANGUAGE_MODEL = MegatronClass(
-    language_part_builder, _text_cases, _run_language_model, _language_pairs,
-    reference_run=_reference_language_model, reference_outputs=_loss_over_padded_vocabulary,
-    note=f"the language model part (language_model.*) on text-only ids; {PADDED_LOSS_NOTE}",
-    module_cases=("text",), pipelined=True, stage_module=megatron_side.whole_model,
-    holds=("language_model.",), root="language_model.")
-PROJECTION = MegatronClass(
-    upstream.build_projector, _feature_cases, _run_projector, megatron_side.no_pairs,
-    reference_run=_reference_projector,
-    note="the projector part (vision_projection.*) alone, on seeded tower features", module_cases=(),
-    holds=("vision_projection.",), root="vision_projection.")
-VISION_PART = MegatronClass(
-    pixtral_megatron.build_vlm_vision, _vision_cases, _run_vision_part, _vision_part_pairs,
-    reference_run=_reference_vision_part,
-    note="the vision part (vision_model.*, vision_projection.*) on images",
-    holds=("vision_model.", "vision_projection."))
-WHY_PARTS = ("Megatron-LM's LLaVAModel cannot be built with a vit_model tower (docs/megatron.md, "
-             "discrepancy 5), so the whole model is checked and loaded part by part")
-WHY_NO_WHOLE = ("the composition names no Megatron class for the whole model, so its language model and "
-                "projector are checked and loaded part by part")
-
-
-def whole_vlm_parts(vision: Optional[MegatronClass] = None, why: str = WHY_PARTS) -> dict[str, MegatronClass]:
-    """A whole VLM's Megatron classes part by part, the language model first (stock megatron-core:
-    it always runs): ``GPTModel``, the ``vision`` part where Megatron has a class for the tower
-    (e.g. :func:`pixtral_vision_part`), and ``MultimodalProjector``; ``why`` the whole model has none."""
-    named = [("GPTModel", LANGUAGE_MODEL)]
-    if vision is not None:
-        named.append(("ViTModel+MultimodalProjector", vision))
-    named.append(("MultimodalProjector", PROJECTION))
-    return {name: replace(record, why_part=why) for name, record in named}
-
-
-def pixtral_vision_part(note: str = "") -> MegatronClass:
-    """The vision part of a whole VLM on a Pixtral tower (Megatron-LM main's ``ViTModel``, with the
-    merger where the VLM merges) and its projector; ``note``: what it computes otherwise than HF."""
-    return replace(VISION_PART, note="; ".join(n for n in (VISION_PART.note, note) if n))
+@upstream.needs_vit_model
+def build_vlm_vision(cfg, params_dtype=torch.float32):
+    """A whole VLM's vision part under ``LLaVAModel``'s names, for the VLMs ``LLaVAModel`` cannot
+    hold: Megatron-LM main's Pixtral ``ViTModel`` built ``tower_depth`` layers deep as the
+    converter writes it (with ``PixtralLargePatchMerger`` where the VLM merges patches, Mistral3),
+    and the projector."""
+    merger = (dict(use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
+              if has_patch_merger(cfg) else {})
+    tower = pixtral_megatron.pixtral_vit(vision_of(cfg, pixtral_megatron.MODEL_TYPES), params_dtype,
+                                         tower_depth(cfg), **merger)
+    return upstream.VisionWithProjection(tower, build_projector(cfg, params_dtype)).eval()
 
 
 def feature_layer_count(cfg) -> int:
@@ -333,7 +307,7 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTI
             vision_transformer_config=vision_config,
             vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
             drop_vision_class_token=select_strategy(cfg) == "default",
-            vision_projection_config=upstream.vlm_projection_config(cfg, params_dtype),
+            vision_projection_config=vlm_projection_config(cfg, params_dtype),
             vision_projection_layer_spec=te_stand_ins.projector_spec(),
             vision_projection_type="mlp",
             share_embeddings_and_output_weights=language.tied,
@@ -345,6 +319,64 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTI
             pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
             add_encoder=runtime.is_first_stage())
     return model.eval()
+
+
+def language_part_builder(languages: Callable, cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
+                          parallel_output: bool = True):
+    """Megatron's class for the language-model part ``languages(cfg)`` is (the builder its registry
+    entry names), this pipeline stage of it. A record's ``build`` is this function until
+    :func:`bind_language` gives it the family's part lookup."""
+    return languages(cfg).megatron_build(cfg, params_dtype, divisible_by=divisible_by,
+                                         parallel_output=parallel_output)
+
+
+def bind_language(classes: MegatronClasses, languages: Callable) -> MegatronClasses:
+    """``classes`` with each language-model record built by the part ``languages(cfg)`` names."""
+    if not isinstance(classes, Mapping):
+        return classes
+    return {name: replace(record, build=partial(language_part_builder, languages))
+            if record.build is language_part_builder else record for name, record in classes.items()}
+
+
+# Where ``LLaVAModel`` cannot hold a whole VLM, one record per part; each holds its prefix of the
+# whole model's keys (LLaVAModel's attribute names). The language model's is the part's own class.
+LANGUAGE_MODEL = MegatronClass(
+    language_part_builder, _text_cases, _run_language_model, _language_pairs,
+    reference_run=_reference_language_model, reference_outputs=_loss_over_padded_vocabulary,
+    note=f"the language model part (language_model.*) on text-only ids; {PADDED_LOSS_NOTE}",
+    module_cases=("text",), pipelined=True, stage_module=megatron_side.whole_model,
+    holds=("language_model.",), root="language_model.")
+PROJECTION = MegatronClass(
+    build_projector, _feature_cases, _run_projector, megatron_side.no_pairs,
+    reference_run=_reference_projector,
+    note="the projector part (vision_projection.*) alone, on seeded tower features", module_cases=(),
+    holds=("vision_projection.",), root="vision_projection.")
+VISION_PART = MegatronClass(
+    build_vlm_vision, _vision_cases, _run_vision_part, _vision_part_pairs,
+    reference_run=_reference_vision_part,
+    note="the vision part (vision_model.*, vision_projection.*) on images",
+    holds=("vision_model.", "vision_projection."))
+WHY_PARTS = ("Megatron-LM's LLaVAModel cannot be built with a vit_model tower (docs/megatron.md, "
+             "discrepancy 5), so the whole model is checked and loaded part by part")
+WHY_NO_WHOLE = ("the composition names no Megatron class for the whole model, so its language model and "
+                "projector are checked and loaded part by part")
+
+
+def whole_vlm_parts(vision: Optional[MegatronClass] = None, why: str = WHY_PARTS) -> dict[str, MegatronClass]:
+    """A whole VLM's Megatron classes part by part, the language model first (stock megatron-core:
+    it always runs): ``GPTModel``, the ``vision`` part where Megatron has a class for the tower
+    (e.g. :func:`pixtral_vision_part`), and ``MultimodalProjector``; ``why`` the whole model has none."""
+    named = [("GPTModel", LANGUAGE_MODEL)]
+    if vision is not None:
+        named.append(("ViTModel+MultimodalProjector", vision))
+    named.append(("MultimodalProjector", PROJECTION))
+    return {name: replace(record, why_part=why) for name, record in named}
+
+
+def pixtral_vision_part(note: str = "") -> MegatronClass:
+    """The vision part of a whole VLM on a Pixtral tower (Megatron-LM main's ``ViTModel``, with the
+    merger where the VLM merges) and its projector; ``note``: what it computes otherwise than HF."""
+    return replace(VISION_PART, note="; ".join(n for n in (VISION_PART.note, note) if n))
 
 
 def _vit_model_tower(towers: TowerLookup, cfg) -> bool:

@@ -23,20 +23,21 @@ from megatron.core.transformer.module import MegatronModule
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
 from mmparity.config import feature_layer_indices, padded_vocab_size, select_strategy, tower_depth, tied_embeddings
+from mmparity.models.llava.config import projection_fields
 from mmparity.models.llava.preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data
 from mmparity.models.core.attention import make_packed_seq_params
 from mmparity.models.core.layers import activation_from_hf, tolerate_missing_extra_state, vision_transformer_config
 
 
 def projection_transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
-    """HF ``LlavaMultiModalProjector``: Linear(vision·n -> text) -> act -> Linear(text -> text)."""
-    text = cfg.text_config
+    """HF ``LlavaMultiModalProjector``: Linear(vision·n -> text) -> act -> Linear(text -> text), the
+    projector's recipe (:func:`~mmparity.models.llava.config.projection_fields`) with HF's own
+    activation function."""
+    fields = projection_fields(cfg)
+    fields["activation"] = activation_from_hf(fields["activation"])
     # num_attention_heads only has to satisfy TransformerConfig's TP checks; the MLP has no heads.
-    return vision_transformer_config(
-        num_layers=1, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
-        ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
-        activation=activation_from_hf(cfg.projector_hidden_act), gated=False,
-        bias=cfg.multimodal_projector_bias, params_dtype=params_dtype, pipelined_stack=False)
+    return vision_transformer_config(num_layers=1, num_attention_heads=cfg.text_config.num_attention_heads,
+                                     params_dtype=params_dtype, pipelined_stack=False, **fields)
 
 
 # The vocabulary tables a state dict may hold (the first stage has the embedding, the last the

@@ -1,7 +1,7 @@
-"""Megatron's own classes Pixtral's converted tower loads into: Megatron-LM main's ``ViTModel`` in
-its Pixtral configuration (``rope2d``, ``ln_pre``), alone or, inside a whole VLM, with the
-merger where the VLM merges patches and the projector. All are configured by the family's one
-recipe (:func:`mmparity.models.pixtral.config.transformer_fields`)."""
+"""Megatron's own class Pixtral's converted tower loads into: Megatron-LM main's ``ViTModel`` in
+its Pixtral configuration (``rope2d``, ``ln_pre``), configured by the family's one recipe
+(:func:`mmparity.models.pixtral.config.transformer_fields`). The whole VLMs on a Pixtral tower
+build theirs with :func:`pixtral_vit` (with the merger where the VLM merges patches)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.config import PIXTRAL_NORM_EPS, has_patch_merger, rope_theta, tower_depth, vision_of
+from mmparity.config import PIXTRAL_NORM_EPS, rope_theta, vision_of
 from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.pixtral.config import transformer_fields
 
@@ -40,15 +40,3 @@ def pixtral_vit(vc, params_dtype=torch.float32, num_layers: Optional[int] = None
 @upstream.needs_vit_model
 def build_pixtral(cfg, params_dtype=torch.float32):
     return pixtral_vit(vision_of(cfg, MODEL_TYPES), params_dtype).eval()
-
-
-@upstream.needs_vit_model
-def build_vlm_vision(cfg, params_dtype=torch.float32):
-    """A whole VLM's vision part under ``LLaVAModel``'s names, for the VLMs ``LLaVAModel`` cannot
-    hold: Megatron-LM main's Pixtral ``ViTModel`` built ``tower_depth`` layers deep as the
-    converter writes it (with ``PixtralLargePatchMerger`` where the VLM merges patches), and the
-    projector."""
-    merger = (dict(use_merger=True, spatial_merge_size=cfg.spatial_merge_size)
-              if has_patch_merger(cfg) else {})
-    tower = pixtral_vit(vision_of(cfg, MODEL_TYPES), params_dtype, tower_depth(cfg), **merger)
-    return upstream.VisionWithProjection(tower, upstream.build_projector(cfg, params_dtype)).eval()

@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLPSubmodules
 
 from mmparity.config import rope_theta
+from mmparity.models.llava.config import projection_fields
 from mmparity.models.pixtral import native as pixtral
 from mmparity.models.core.layers import activation_from_hf, vision_layer_spec, vision_transformer_config
 from mmparity.models.core.vit import TowerWithProjection, ViTModel
@@ -64,17 +65,15 @@ def _feature_layer_is_last(cfg) -> bool:
 
 
 def projector_config(cfg, params_dtype: torch.dtype = torch.float32):
-    """TransformerConfig of the projector MLP: text hidden -> text hidden, the projector's act."""
-    text = cfg.text_config
+    """TransformerConfig of the projector MLP: the recipe of LLaVA-composed VLMs' projectors
+    (:func:`~mmparity.models.llava.config.projection_fields`) with HF's own activation function."""
+    fields = projection_fields(cfg)
+    fields["activation"] = activation_from_hf(fields["activation"])
     layout = runtime.current_layout()
     # The projector has no attention, but TransformerConfig demands a head count that TP divides.
     heads = layout.tp if layout is not None else 1
-    return vision_transformer_config(
-        num_layers=1, hidden_size=text.hidden_size, num_attention_heads=heads, kv_channels=1,
-        ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=text.rms_norm_eps,
-        activation=activation_from_hf(cfg.projector_hidden_act), gated=False,
-        bias=bool(cfg.multimodal_projector_bias), params_dtype=params_dtype,
-        pipelined_stack=False)
+    return vision_transformer_config(num_layers=1, num_attention_heads=heads, kv_channels=1,
+                                     params_dtype=params_dtype, pipelined_stack=False, **fields)
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> PixtralLargeVisionModel:

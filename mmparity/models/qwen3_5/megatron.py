@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmparity.config import first_int, rope_theta, vision_of
 from mmparity.models.core import megatron_classes as upstream
@@ -16,15 +17,21 @@ MODEL_TYPES = ("qwen3_5_moe_vision", "qwen3_5_vision")
 MAX_PATCHES_PER_SIDE = 48
 
 
+def transformer_config(vc, params_dtype=torch.float32) -> TransformerConfig:
+    """The tower's recipe (:func:`~mmparity.models.qwen3_5.config.transformer_fields`) as
+    Megatron's classes take it."""
+    fields = transformer_fields(vc)
+    fields["activation"] = upstream.activation(fields["activation"])
+    return upstream.transformer_config(params_dtype=params_dtype, **fields)
+
+
 @upstream.needs_vit_model
 def build_qwen3_5(cfg, params_dtype=torch.float32, max_patches_per_side: int = MAX_PATCHES_PER_SIDE):
     vit = upstream.vit_model_module()
     vc = vision_of(cfg, MODEL_TYPES)
     p = first_int(vc.patch_size)
     g = int(round(vc.num_position_embeddings ** 0.5))
-    fields = transformer_fields(vc)
-    fields["activation"] = upstream.activation(fields["activation"])
-    config = upstream.transformer_config(params_dtype=params_dtype, **fields)
+    config = transformer_config(vc, params_dtype)
     side = max_patches_per_side * p
     with buildable_without_te(vit):
         model = vit.QwenVLViTModel(config, upstream.te_stand_ins.vit_layer_spec(), patch_dim=p,
