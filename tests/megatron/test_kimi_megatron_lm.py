@@ -25,6 +25,7 @@ from mmparity.cli.main import main
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
 from mmparity.models.core import megatron_classes as models
+from mmparity.models.parts.deepseek_v3 import megatron as deepseek_v3_megatron
 from tests.mapping.test_convert_roundtrips import save_hf
 
 FAMILY = "kimi_k25_vl"
@@ -54,14 +55,14 @@ def legacy(hf_dir):
 
 def test_the_record_is_stock_gptmodel_on_the_language_model_part():
     name, record = megatron_class(FAMILY)
-    assert name == "GPTModel" and families.language_of(families.get(FAMILY).tiny_config()).megatron_build is models.build_moe_language_model
+    assert name == "GPTModel" and families.language_of(families.get(FAMILY).tiny_config()).megatron_build is deepseek_v3_megatron.build_moe_language_model
     assert record.holds == ("language_model.",) and record.root == "language_model." and record.pipelined
 
 
 def test_built_from_megatrons_te_spec_with_grouped_experts():
     cfg = families.get(FAMILY).tiny_config()
     with runtime.parallel_context(1, 1):
-        model = models.build(models.build_moe_language_model, cfg)
+        model = models.build(deepseek_v3_megatron.build_moe_language_model, cfg)
     assert type(model).__name__ == "GPTModel" and model.config.moe_grouped_gemm
     moe = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
     dense = [layer for layer in model.decoder.layers if not hasattr(layer.mlp, "router")]
@@ -83,7 +84,7 @@ def test_state_dict_is_the_converters_keys(legacy):
     grouped linears (one each) included: nothing is filled on load."""
     cfg = families.get(FAMILY).tiny_config()
     with runtime.parallel_context(1, 1):
-        model = models.build(models.build_moe_language_model, cfg)
+        model = models.build(deepseek_v3_megatron.build_moe_language_model, cfg)
     own = model.state_dict()
     stored = {k[len("language_model."):]: v for k, v in open_legacy(legacy(1, 1, 1)).load_rank(0, 0).items()
               if k.startswith("language_model.")}

@@ -14,9 +14,6 @@ transformer_config        a family's recipe as Megatron's classes take it (infer
 stock_clip_vit            stock ``CLIPViTModel`` on a tower config's geometry
 vit_model                 Megatron-LM main's ``ViTModel`` on a tower config's geometry
 projection_config         a projector recipe as ``MultimodalProjector`` takes it
-build_moe_language_model  a whole VLM's DeepSeek-V3 language model alone (Kimi-K2.5): stock
-                          ``GPTModel`` on mcore's TE block spec for MLA + MoE (grouped-GEMM
-                          experts)
 VisionWithProjection      a tower and its projector under ``LLaVAModel``'s names, for the parts
                           of a VLM whose ``vit_model`` tower Megatron-LM's ``LLaVAModel`` cannot
                           hold (docs/megatron.md, discrepancy 5)
@@ -40,14 +37,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from megatron.core import activations as mcore_activations
 from megatron.core import package_info
-from megatron.core.models.gpt import gpt_model
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
-from mmparity.config import first_int, image_hw, padded_vocab_size, tied_embeddings
+from mmparity.config import first_int, image_hw
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
@@ -155,40 +150,6 @@ def vit_model(vc, config: TransformerConfig, **mode):
         return vit.ViTModel(config, te_stand_ins.vit_layer_spec(), patch_dim=first_int(vc.patch_size),
                             img_h=img_h, img_w=img_w, in_channels=vc.num_channels, patch_embed_bias=False,
                             **mode)
-
-
-def build_moe_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                             parallel_output: bool = True):
-    """A whole VLM's DeepSeek-V3 language model (Kimi-K2.5's) alone: stock ``GPTModel`` as
-    Megatron-LM's DeepSeek-V3 / Kimi-K2 recipes build it (``--multi-latent-attention
-    --qk-layernorm --num-experts --moe-layer-freq --moe-grouped-gemm``, TE): the block spec from
-    mcore's own ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``
-    (:func:`te_stand_ins.gpt_decoder_block_spec`), the config mmparity's native DeepSeek-V3 build
-    reads off the HF text config (``native.core.mla_moe.transformer_config``: MLA, YaRN, the
-    sigmoid router with expert bias and group-limited top-k, ``moe_layer_freq``, at the current
-    TP / PP / EP) with the experts as grouped GEMMs; this pipeline stage of it."""
-    import dataclasses as _dataclasses
-
-    from megatron.core.transformer import multi_latent_attention
-
-    from mmparity.models.core import mla_moe as deepseek_v3  # its import also corrects mcore 0.16's TE guards
-
-    text = cfg.text_config
-    layout = runtime.current_layout()
-    tp = layout.tp if layout is not None else 1
-    config = _dataclasses.replace(deepseek_v3.transformer_config(text, params_dtype), moe_grouped_gemm=True)
-    from megatron.core.extensions import transformer_engine_spec_provider
-
-    with buildable_without_te(gpt_model, multi_latent_attention, transformer_engine_spec_provider), \
-            deepseek_v3.host_placement(torch.get_default_device()):
-        model = gpt_model.GPTModel(
-            config=config, transformer_layer_spec=te_stand_ins.gpt_decoder_block_spec(config),
-            vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
-            max_sequence_length=text.max_position_embeddings,
-            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
-            parallel_output=parallel_output, share_embeddings_and_output_weights=tied_embeddings(cfg),
-            position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
-    return model.eval()
 
 
 def build(builder: Callable, cfg, params_dtype=torch.float32, *, divisible_by: Optional[int] = None,

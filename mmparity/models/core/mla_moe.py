@@ -1,8 +1,8 @@
-"""What of an HF DeepSeek-V3 text config megatron-core's multi-latent attention and MoE layers
-reproduce, and the ``MLATransformerConfig`` that says it: one derivation, read by mmparity's native
-language model and by the builder of Megatron's own ``GPTModel`` alike. Also the two corrections
-megatron-core 0.16 needs to run those layers without Transformer Engine, and the host placement
-of the buffers they put on ``torch.cuda.current_device()``.
+"""What megatron-core's multi-latent attention and MoE layers need to run here, whoever builds
+them: the two corrections megatron-core 0.16 needs to run those layers without Transformer Engine
+(made on import), and the host placement of the buffers they put on
+``torch.cuda.current_device()``. The DeepSeek-V3 part's recipe of their config is its own
+(:mod:`mmparity.models.parts.deepseek_v3.config`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,6 @@ import contextlib
 import importlib.util
 
 import torch
-from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-from mmparity.parallel import runtime
-from mmparity.config import moe_layer_range, rope_parameters, routed_experts, shared_expert_size
-from mmparity.models.core.layers import activation_from_hf, performs_initialization
 
 
 def _without_transformer_engine() -> None:
@@ -41,11 +36,6 @@ def _without_transformer_engine() -> None:
 
 _without_transformer_engine()
 
-_without_transformer_engine()
-
-TEXT_MODEL_TYPES = ("deepseek_v3",)
-
-
 @contextlib.contextmanager
 def host_placement(device: torch.device | str):
     """mcore's router and YaRN table put buffers on ``torch.cuda.current_device()`` (at build and
@@ -61,92 +51,3 @@ def host_placement(device: torch.device | str):
         yield
     finally:
         torch.cuda.current_device = saved
-
-
-# --- what of the HF config mcore reproduces --------------------------------------------------------
-
-def config_problems(text) -> list[str]:
-    problems = []
-    if text.model_type not in TEXT_MODEL_TYPES:
-        problems.append(f"text model_type {text.model_type!r} (supported: {', '.join(TEXT_MODEL_TYPES)})")
-    if getattr(text, "attention_bias", False):
-        problems.append("attention_bias=True (mcore's MLA projections have no bias)")
-    if not getattr(text, "rope_interleave", True):
-        problems.append("rope_interleave=False (mcore's MLA reads the rope dimensions as interleaved pairs)")
-    rope = rope_parameters(text)
-    if rope["rope_type"] not in ("default", "yarn"):
-        problems.append(f"rope_type {rope['rope_type']!r} (default and yarn only)")
-    experts, k = routed_experts(text), text.num_experts_per_tok
-    if experts:
-        groups, group_k = int(text.n_group or 1), int(text.topk_group or 1)
-        if groups > 1 and (k % group_k or k // group_k != 2):
-            problems.append(f"num_experts_per_tok={k} over topk_group={group_k}: mcore ranks a group by "
-                            f"its top {k // max(group_k, 1)} scores, HF by its top 2 (they agree where "
-                            "num_experts_per_tok is twice topk_group)")
-        if bool(text.norm_topk_prob) != (k > 1):
-            problems.append(f"norm_topk_prob={text.norm_topk_prob} with num_experts_per_tok={k}: mcore "
-                            "renormalises sigmoid scores exactly when top-k > 1")
-        if not getattr(text, "n_shared_experts", 0):
-            problems.append("n_shared_experts=0 (HF still builds a shared MLP, of width 0)")
-        if getattr(text, "topk_method", "noaux_tc") not in ("noaux_tc", None):
-            problems.append(f"topk_method {text.topk_method!r} (noaux_tc only)")
-    return problems
-
-
-def _moe_layer_freq(text) -> list[int]:
-    moe = moe_layer_range(text)
-    return [int(i in moe) for i in range(text.num_hidden_layers)]
-
-
-def transformer_config(text, params_dtype: torch.dtype = torch.float32) -> MLATransformerConfig:
-    problems = config_problems(text)
-    if problems:
-        raise ValueError("unsupported DeepSeek-V3 language model: " + "; ".join(problems))
-    rope = rope_parameters(text)
-    yarn = rope["rope_type"] == "yarn"
-    fields = dict(
-        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads, ffn_hidden_size=text.intermediate_size,
-        q_lora_rank=text.q_lora_rank, kv_lora_rank=text.kv_lora_rank, qk_head_dim=text.qk_nope_head_dim,
-        qk_pos_emb_head_dim=text.qk_rope_head_dim, v_head_dim=text.v_head_dim, qk_layernorm=True,
-        normalization="RMSNorm", layernorm_epsilon=text.rms_norm_eps,
-        activation_func=activation_from_hf(text.hidden_act), gated_linear_unit=True, add_bias_linear=False,
-        rope_type="yarn" if yarn else "rope", rotary_base=rope["rope_theta"],
-        apply_rope_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        perform_initialization=performs_initialization(),
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-    )
-    if yarn:
-        fields.update(rotary_scaling_factor=float(rope["factor"]),
-                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                      beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
-                      mscale=float(rope.get("mscale", 1)), mscale_all_dim=float(rope.get("mscale_all_dim", 0)))
-    experts = routed_experts(text)
-    if experts:
-        groups = int(text.n_group or 1)
-        fields.update(
-            num_moe_experts=experts, moe_layer_freq=_moe_layer_freq(text),
-            moe_ffn_hidden_size=text.moe_intermediate_size,
-            moe_shared_expert_intermediate_size=shared_expert_size(text) or None,
-            moe_router_topk=text.num_experts_per_tok, moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(text.routed_scaling_factor),
-            moe_router_num_groups=groups if groups > 1 else None,
-            moe_router_group_topk=int(text.topk_group) if groups > 1 else None,
-            moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-            moe_router_bias_update_rate=0.0)
-    layout = runtime.current_layout()
-    if layout is not None:
-        fields["tensor_model_parallel_size"] = layout.tp
-        fields["pipeline_model_parallel_size"] = runtime.pipeline_size()
-        fields["expert_model_parallel_size"] = getattr(layout, "ep", 1)
-        counts = runtime.stage_layer_counts()
-        if counts is not None and fields["pipeline_model_parallel_size"] > 1:
-            for key, value in runtime.uneven_stage_fields(counts).items():
-                fields.setdefault(key, value)
-    return MLATransformerConfig(**fields)
-
-

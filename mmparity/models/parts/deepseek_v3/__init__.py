@@ -8,5 +8,5 @@ PART = PartRecord(
             "routed experts with a shared expert (sigmoid, score-correction bias, group-limited "
             "top-k, scaling factor), YaRN RoPE; GPTModel with mcore's MLA and MoE layers",
     text_model_types=("deepseek_v3",),
-    megatron="mmparity.models.core.megatron_classes:build_moe_language_model",
+    megatron="mmparity.models.parts.deepseek_v3.megatron:build_moe_language_model",
 )
