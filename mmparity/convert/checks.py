@@ -21,6 +21,7 @@ from mmparity.io.fsio.publish import recover_destination
 from mmparity.io.layout import checkpoint_extent
 from mmparity.io.manifest import MANIFEST_FILE
 from mmparity.mapping.ops import MAX_EXTRA_PAD_ROWS
+from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.mapping.tables import padded_tables, tp_kinds
 
 __all__ = ["check_shapes", "check_vocab_divisor", "check_paths"]
@@ -96,8 +97,8 @@ def check_vocab_divisor(source: Source, tp: int, multiple: int | None) -> None:
         if target.excessive:
             raise ConvertError(f"--make-vocab-size-divisible-by {multiple}: pads {key} from {target.rows} to "
                                f"{target.padded} rows at TP {tp}, past twice its rows plus {MAX_EXTRA_PAD_ROWS}; "
-                               "Megatron-LM pads to a multiple of its divisor (default 128) x TP: give the one "
-                               "the model is trained with")
+                               f"Megatron-LM pads to a multiple of its divisor (default {VOCAB_MULTIPLE}) x TP: "
+                               "give the one the model is trained with")
 
 
 def check_paths(src: Path, dst: Path, force: bool,

@@ -25,7 +25,7 @@ from mmparity.models.llava import cases as llava_cases
 from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.core.inputs import random_like_state
 from mmparity.models.parts.dense_decoder import mapping as dense_rules
-from mmparity.mapping.rules import LanguageKeys, with_side
+from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, with_side
 from mmparity.models.parts.dense_decoder import native as dense_native
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.cli.main import main
@@ -72,7 +72,8 @@ def toy_builder(text, params_dtype=torch.float32):
 BUILT = []
 
 
-def toy_megatron_builder(cfg, params_dtype=torch.float32, divisible_by: int = 128, parallel_output: bool = True):
+def toy_megatron_builder(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
+                         parallel_output: bool = True):
     """Megatron's class for the toy decoder: stock GPTModel, as for any Llama-style decoder (the
     call is recorded so the test sees its registry entry chose it)."""
     BUILT.append(cfg.text_config.model_type)
