@@ -2,9 +2,9 @@
 registry writes a family's name, so adding, renaming or removing a family touches its package
 and one registry line, never a hand list elsewhere.
 
-A family's name written as a string anywhere else in the package or the scripts fails here.
-``PENDING`` names, module by module, what still does and why; it may only shrink: an entry whose
-names are gone from its module fails too, so it is struck when the code moves.
+A family's name written as a string anywhere else in the package or the scripts fails here (an
+HF ``model_type`` that happens to equal a family's name included: its table belongs in the package
+that reads it).
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from mmparity.models import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Modules that still write family names (as HF ``model_type`` values that happen to equal them),
-# and the names.
-PENDING = {}
 
 
 def _family_of(path: Path) -> str | None:
@@ -49,16 +46,8 @@ def _written_outside() -> dict:
 
 def test_no_family_name_is_written_outside_its_package_and_the_registry():
     found = _written_outside()
-    new = {path: sorted(names - PENDING.get(path, set())) for path, names in found.items()}
-    assert not {path: names for path, names in new.items() if names}, (
-        "family names written outside their package and the registry: derive them from the registry "
-        "(mmparity.models.registry) or move the code into the family's package")
-
-
-def test_pending_only_shrinks():
-    found = _written_outside()
-    stale = {path: sorted(names - found.get(path, set())) for path, names in PENDING.items()}
-    assert not {path: names for path, names in stale.items() if names}, "strike these from PENDING"
+    assert not found, ("family names written outside their package and the registry: derive them from the "
+                       f"registry (mmparity.models.registry) or move the code into the family's package: {found}")
 
 
 def test_a_family_name_written_elsewhere_is_caught(tmp_path):
