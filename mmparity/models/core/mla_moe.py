@@ -65,9 +65,16 @@ def host_placement(device: torch.device | str):
 
 # --- what of the HF config mcore reproduces --------------------------------------------------------
 
+def _deepseek_v3(text) -> bool:
+    """A DeepSeek-V3 text config, or one whose class derives from transformers' (another release
+    of the architecture under a model type of its own computes what DeepSeek-V3's classes do)."""
+    return text.model_type in TEXT_MODEL_TYPES or any(
+        vars(kind).get("model_type") in TEXT_MODEL_TYPES for kind in type(text).__mro__)
+
+
 def config_problems(text) -> list[str]:
     problems = []
-    if text.model_type not in TEXT_MODEL_TYPES:
+    if not _deepseek_v3(text):
         problems.append(f"text model_type {text.model_type!r} (supported: {', '.join(TEXT_MODEL_TYPES)})")
     if getattr(text, "attention_bias", False):
         problems.append("attention_bias=True (mcore's MLA projections have no bias)")

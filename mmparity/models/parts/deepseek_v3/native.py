@@ -182,5 +182,18 @@ class LanguageModelBuilder:
             accept_te_extra_states(layer.self_attention)
             if isinstance(layer.mlp, MoELayer):
                 add_routed_experts_probe(layer.mlp)
+        _forward_on_host(model)
         return model
+
+
+def _forward_on_host(model: GPTModel) -> None:
+    """Its forward under :func:`host_placement`: a whole VLM that runs it (LLaVA's composition)
+    places nothing itself, and mcore's rotary tables ask for the current CUDA device."""
+    forward = model.forward
+
+    def placed(*args, **kwargs):
+        with host_placement(next(model.parameters()).device):
+            return forward(*args, **kwargs)
+
+    model.forward = placed
 
