@@ -66,7 +66,7 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
         require_regular_file(config_path, "config")
         data = read_config_json(config_path)  # what transformers would read, NaN refused
         refuse_unusable_sizes(data, config_path)  # before any reader divides by them
-        if not for_models and data.get("model_type") in known_model_types():
+        if not for_models and set(_model_types(data)) <= set(known_model_types()):
             try:
                 config = config_view(data)
             except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -99,6 +99,15 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
         return (full if for_models else config_view(full.to_dict())), raw
     raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
                           f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
+
+
+def _model_types(data: dict):
+    """Every model_type a config.json names, its sub-configs' included: a whole VLM whose part is of
+    a type the view has no table for (a family from outside the tree) is read by transformers."""
+    yield data.get("model_type")
+    for value in data.values():
+        if isinstance(value, dict) and "model_type" in value:
+            yield from _model_types(value)
 
 
 def _check_params_beside(config, config_path: Path, params_path: Path) -> None:
