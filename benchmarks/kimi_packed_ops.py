@@ -84,7 +84,7 @@ def build(size: str, dtype: torch.dtype, device: torch.device):
     if size == "tiny":
         cfg = fam.tiny_config()
     else:
-        cfg = bench.published_config("kimi_k25")
+        cfg = bench.published_config(families.get("kimi_k25"))
         if size == "moderate":
             cfg.vision_config.num_hidden_layers = 2
     runtime.init_parallel(1, 1, device=device, seed=0)

@@ -104,8 +104,8 @@ def main(argv=None) -> int:
             print(f"skip {family}: not registered")
             continue
         started = time.perf_counter()
-        prepared = bench.prepare_family(family, size=args.size)
-        _, native = bench._build_pair(family, prepared.cfg, DTYPES[args.dtype], device, seed=0)
+        prepared = bench.prepare_family(families.get(family), size=args.size)
+        _, native = bench._build_pair(prepared.family, prepared.cfg, DTYPES[args.dtype], device, seed=0)
         case = replace(prepared.case, data=bench._to_device(prepared.case.data, device))
         run_native = families.get(family).hooks.native.run
 

@@ -8,6 +8,7 @@ native models and the reference models read a config the same way.
 from __future__ import annotations
 
 import copy
+from typing import Mapping
 
 
 def first_int(value) -> int:
@@ -129,10 +130,18 @@ def select_strategy(cfg) -> str:
     return getattr(cfg, "vision_feature_select_strategy", None) or "full"
 
 
+def declares(cfg, name: str) -> bool:
+    """Whether ``cfg``'s configuration class has the field ``name``, rather than its file merely
+    carrying a value of that name (transformers keeps unknown keys as attributes too)."""
+    if isinstance(cfg, ConfigView):
+        return name in object.__getattribute__(cfg, "_declared")
+    return hasattr(type(cfg), name)
+
+
 def has_patch_merger(cfg) -> bool:
-    """Whether a whole-VLM config merges patches before its projector (Mistral3's
-    ``spatial_merge_size``; LLaVA has none)."""
-    return getattr(cfg, "model_type", None) == "mistral3"
+    """Whether a whole-VLM config merges patches before its projector: its class has a
+    ``spatial_merge_size`` (Mistral3's does; LLaVA's has none, whatever its file carries)."""
+    return declares(cfg, "spatial_merge_size")
 
 
 def spatial_merge(cfg) -> int:
@@ -216,11 +225,13 @@ def mtp_layers(text) -> int:
 # more CPU than converting a small checkpoint (transformers' import pulls half of torch's optional
 # machinery). :class:`ConfigView` is what ``AutoConfig.from_pretrained`` would hold for the same
 # config.json, attribute for attribute: the file's fields over the defaults of its model_type's
-# class (the table below, transformers 5's dataclass defaults), the derived fields those classes
-# compute at init (``head_dim``, key/value heads, ``rope_parameters``), sub-configs built the same
-# way, and the classes' attribute aliases. It covers the model types the registered families
-# read; tests/models/test_config_view.py checks every entry, field by field, against transformers'
-# own classes, so a transformers release that changes a default fails there, not in a conversion.
+# class (a :class:`ConfigType`: transformers 5's dataclass defaults), the derived fields those
+# classes compute at init (``head_dim``, key/value heads, ``rope_parameters``), sub-configs built
+# the same way, and the classes' attribute aliases. Each table lives in the package of the model
+# that reads it (``HF_CONFIGS`` of its ``config`` module) and is handed to :func:`config_view` by
+# its caller, which collects them through the registry; this module holds the machinery alone.
+# tests/models/test_config_view.py checks every table, field by field, against transformers' own
+# classes, so a transformers release that changes a default fails there, not in a conversion.
 # Commands that build models (check, bench) keep transformers' classes.
 
 
@@ -246,187 +257,33 @@ _LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention
 _SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
 
 
-class _Type:
-    """One configuration class: its own fields and defaults, attribute aliases, sub-configs
-    (``key: (default model_type, resolved by the dict's model_type, init values when absent)``),
-    whether it standardises ``rope_parameters`` and with which default RoPE type."""
+class ConfigType:
+    """One configuration class, as its model's package declares it: its own fields and defaults,
+    attribute aliases, sub-configs (``key: (default model_type, resolved by the dict's model_type,
+    init values when absent)``), whether it standardises ``rope_parameters`` and with which default
+    RoPE type, and what the class computes at init: ``before(values, extra)`` before the common
+    part (sub-configs, RoPE, labels) runs, ``after(values, extra)`` once it has."""
 
     def __init__(self, fields: dict, aliases: dict | None = None, subs: dict | None = None,
-                 rope_type: str | None = None):
+                 rope_type: str | None = None, before=None, after=None):
         self.fields, self.aliases, self.subs, self.rope_type = fields, aliases or {}, subs or {}, rope_type
+        self.before, self.after = before, after
 
 
-_CLIP_VISION = {"hidden_size": 768, "intermediate_size": 3072, "projection_dim": 512, "num_hidden_layers": 12,
-                "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
-                "hidden_act": "quick_gelu", "layer_norm_eps": 1e-05, "attention_dropout": 0.0,
-                "initializer_range": 0.02, "initializer_factor": 1.0}
-_SIGLIP_VISION = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                  "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
-                  "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-06, "attention_dropout": 0.0,
-                  "vision_use_head": True}
-_DECODER = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
-            "pad_token_id": None, "tie_word_embeddings": False, "rope_parameters": None,
-            "attention_dropout": 0.0}
-
-_TYPES: dict[str, _Type] = {
-    "clip": _Type({"text_config": None, "vision_config": None, "projection_dim": 512,
-                   "logit_scale_init_value": 2.6592, "initializer_factor": 1.0},
-                  subs={"vision_config": ("clip_vision_model", False, {}),
-                        "text_config": ("clip_text_model", False, {})}),
-    "clip_vision_model": _Type(_CLIP_VISION),
-    "clip_text_model": _Type({"vocab_size": 49408, "hidden_size": 512, "intermediate_size": 2048,
-                              "projection_dim": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
-                              "max_position_embeddings": 77, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-05,
-                              "attention_dropout": 0.0, "initializer_range": 0.02, "initializer_factor": 1.0,
-                              "pad_token_id": 1, "bos_token_id": 49406, "eos_token_id": 49407}),
-    "siglip": _Type({"text_config": None, "vision_config": None, "initializer_factor": 1.0},
-                    subs={"vision_config": ("siglip_vision_model", False, {}),
-                          "text_config": ("siglip_text_model", False, {})}),
-    "siglip_vision_model": _Type(_SIGLIP_VISION),
-    "siglip_text_model": _Type({"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 3072,
-                                "num_hidden_layers": 12, "num_attention_heads": 12, "max_position_embeddings": 64,
-                                "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-06,
-                                "attention_dropout": 0.0, "pad_token_id": 1, "bos_token_id": 49406,
-                                "eos_token_id": 49407, "projection_size": None}),
-    "pixtral": _Type({"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                      "num_attention_heads": 16, "num_channels": 3, "image_size": 1024, "patch_size": 16,
-                      "hidden_act": "gelu", "attention_dropout": 0.0, "rope_parameters": None,
-                      "initializer_range": 0.02}, rope_type="axial"),
-    "llava": _Type({"vision_config": None, "text_config": None, "image_token_index": 32000,
-                    "image_seq_length": 576, "projector_hidden_act": "gelu",
-                    "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
-                    "multimodal_projector_bias": True, "tie_word_embeddings": False},
-                   aliases={"image_token_id": "image_token_index"},
-                   subs={"vision_config": ("clip_vision_model", True, {
-                             "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14, "image_size": 336,
-                             "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 32000,
-                             "projection_dim": 768}),
-                         "text_config": ("llama", True, {})}),
-    "mistral3": _Type({"vision_config": None, "text_config": None, "image_token_index": 10,
-                       "projector_hidden_act": "gelu", "vision_feature_layer": -1,
-                       "multimodal_projector_bias": False, "spatial_merge_size": 2, "tie_word_embeddings": True},
-                      aliases={"image_token_id": "image_token_index"},
-                      subs={"text_config": ("mistral", True, {
-                                "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-                                "initializer_range": 0.02, "intermediate_size": 32768,
-                                "max_position_embeddings": 131072, "model_type": "mistral",
-                                "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
-                                "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None,
-                                "use_cache": True, "vocab_size": 131072}),
-                            "vision_config": ("pixtral", True, {
-                                "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14,
-                                "image_size": 1540, "num_hidden_layers": 24, "num_attention_heads": 16,
-                                "vocab_size": 32000, "head_dim": 64, "hidden_act": "gelu"})}),
-    "mistral": _Type({**_DECODER, "intermediate_size": 14336, "num_key_value_heads": 8, "head_dim": None,
-                      "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2,
-                      "sliding_window": 4096}, rope_type="default"),
-    "llama": _Type({**_DECODER, "intermediate_size": 11008, "num_key_value_heads": None,
-                    "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1,
-                    "attention_bias": False, "mlp_bias": False, "head_dim": None}, rope_type="default"),
-    "qwen2": _Type({**_DECODER, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
-                    "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
-                    "max_window_layers": 28, "layer_types": None, "bos_token_id": None, "eos_token_id": None},
-                   rope_type="default"),
-    "qwen3_5_moe": _Type({"text_config": None, "vision_config": None, "image_token_id": 248056,
-                          "video_token_id": 248057, "vision_start_token_id": 248053,
-                          "vision_end_token_id": 248054, "tie_word_embeddings": False},
-                         subs={"vision_config": ("qwen3_5_moe_vision", False, {}),
-                               "text_config": ("qwen3_5_moe_text", False, {})}),
-    "qwen3_5_moe_vision": _Type({"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh",
-                                 "intermediate_size": 4304, "num_heads": 16, "in_channels": 3, "patch_size": 16,
-                                 "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584,
-                                 "num_position_embeddings": 2304, "initializer_range": 0.02,
-                                 "rope_parameters": None},
-                                aliases={"num_attention_heads": "num_heads", "num_hidden_layers": "depth"},
-                                rope_type="axial"),
-    "qwen3_5_moe_text": _Type({**_DECODER, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-                               "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-                               "attention_bias": False, "head_dim": 256, "linear_conv_kernel_dim": 4,
-                               "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-                               "linear_num_value_heads": 32, "moe_intermediate_size": 512,
-                               "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
-                               "output_router_logits": False, "router_aux_loss_coef": 0.001, "layer_types": None,
-                               "bos_token_id": None, "eos_token_id": None}, rope_type="default"),
-    "kimi_k25": _Type({"text_config": None, "vision_config": None, "projection_hidden_size": 1152,
-                       "projection_layer_norm_eps": 1e-05, "image_token_id": 163605, "video_token_id": 163840,
-                       "vision_start_token_id": 163602, "vision_end_token_id": 163604, "tie_word_embeddings": True},
-                      subs={"text_config": ("deepseek_v3", True, {}),
-                            "vision_config": ("kimi_k25_vision", False, {})}),
-    "kimi_k25_vision": _Type({"patch_size": 14, "pos_emb_height": 64, "pos_emb_width": 64, "pos_emb_time": 4,
-                              "num_attention_heads": 16, "num_hidden_layers": 27, "hidden_size": 1152,
-                              "intermediate_size": 4304, "hidden_act": "gelu_pytorch_tanh",
-                              "merge_kernel_size": [2, 2], "rope_parameters": None}, rope_type="axial"),
-    "deepseek_v3": _Type({**_DECODER, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-                          "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-                          "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-                          "output_router_logits": False, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
-                          "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-                          "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-                          "norm_topk_prob": True, "max_position_embeddings": 4096, "bos_token_id": 0,
-                          "eos_token_id": 1, "pretraining_tp": 1, "rope_interleave": True, "attention_bias": False,
-                          "num_mtp_layers": 1},
-                         aliases={"num_local_experts": "n_routed_experts",
-                                  "num_mtp_layers": "num_nextn_predict_layers"},
-                         rope_type="default"),
-}
+# The fields every decoder class shares, with transformers' defaults; each decoder's table
+# starts from these.
+DECODER_FIELDS = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
+                  "pad_token_id": None, "tie_word_embeddings": False, "rope_parameters": None,
+                  "attention_dropout": 0.0}
 
 
-def _head_dim_and_groups(v: dict, extra: dict) -> None:
-    if v.get("head_dim") is None:
-        v["head_dim"] = v["hidden_size"] // v["num_attention_heads"]
-    if v["num_key_value_heads"] is None:
-        v["num_key_value_heads"] = v["num_attention_heads"]
-
-
-def _pixtral(v: dict, extra: dict) -> None:
-    # Pixtral's class derives head_dim from the sizes, whatever the file says.
-    v["head_dim"] = v["hidden_size"] // v["num_attention_heads"]
-
-
-def _qwen2(v: dict, extra: dict) -> None:
-    v["sliding_window"] = v["sliding_window"] if v["use_sliding_window"] else None
-    if v["num_key_value_heads"] is None:
-        v["num_key_value_heads"] = v["num_attention_heads"]
-    if v["layer_types"] is None:
-        v["layer_types"] = ["sliding_attention" if v["sliding_window"] is not None and i >= v["max_window_layers"]
-                            else "full_attention" for i in range(v["num_hidden_layers"])]
-
-
-def _qwen3_5_text(v: dict, extra: dict) -> None:
-    extra.setdefault("partial_rotary_factor", 0.25)
-    if v["layer_types"] is None:
-        interval = extra.pop("full_attention_interval", 4)
-        v["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention"
-                            for i in range(v["num_hidden_layers"])]
-
-
-def _deepseek_v3(v: dict, extra: dict) -> None:
-    if v["num_key_value_heads"] is None:
-        v["num_key_value_heads"] = v["num_attention_heads"]
-    v["qk_head_dim"] = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
-    v["head_dim"] = v["qk_rope_head_dim"]
-
-
-def _siglip_text(v: dict, extra: dict) -> None:
-    if v["projection_size"] is None:
-        v["projection_size"] = v["hidden_size"]
-
-
-def _renamed_sub(key: str, old: str, new: str):
-    """Old checkpoints whose sub-config names the wrong model type."""
+def renamed_sub(key: str, old: str, new: str):
+    """A ``before`` hook for old checkpoints whose sub-config ``key`` names the wrong model type."""
     def fix(v: dict, extra: dict) -> None:
         if isinstance(v[key], dict) and v[key].get("model_type", new if key == "text_config" else None) == old:
             v[key] = {**v[key], "model_type": new}
     return fix
-
-
-# What each class computes at init before the common part (sub-configs, RoPE, labels) runs.
-_BEFORE = {"mistral": _head_dim_and_groups, "llama": _head_dim_and_groups, "pixtral": _pixtral,
-           "qwen2": _qwen2, "qwen3_5_moe_text": _qwen3_5_text, "deepseek_v3": _deepseek_v3,
-           "siglip_text_model": _siglip_text,
-           "kimi_k25": _renamed_sub("text_config", "kimi_k2", "deepseek_v3"),
-           "qwen3_5_moe": _renamed_sub("vision_config", "qwen3_5_moe", "qwen3_5_moe_vision")}
 
 
 class ConfigView:
@@ -435,13 +292,16 @@ class ConfigView:
     field the file lacks and the class has no default for is an ``AttributeError``, as there.
     ``to_dict()`` is transformers' ``to_dict()`` (without ``transformers_version``)."""
 
-    __slots__ = ("_values", "_aliases", "model_type", "_writable")
+    __slots__ = ("_values", "_aliases", "model_type", "_writable", "_declared")
 
-    def __init__(self, values: dict, model_type: str, aliases: dict, writable: bool = False):
+    def __init__(self, values: dict, model_type: str, aliases: dict, writable: bool = False,
+                 declared: frozenset = frozenset()):
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_aliases", aliases)
         object.__setattr__(self, "model_type", model_type)
         object.__setattr__(self, "_writable", writable)
+        # The fields its class has (the rest of ``_values`` the file merely carried).
+        object.__setattr__(self, "_declared", declared)
 
     def __getattr__(self, name: str):
         values = object.__getattribute__(self, "_values")
@@ -467,13 +327,15 @@ class ConfigView:
         return f"ConfigView({self.model_type!r}, {len(self._values)} fields)"
 
     def __copy__(self):
-        return ConfigView(dict(self._values), self.model_type, self._aliases, writable=True)
+        return ConfigView(dict(self._values), self.model_type, self._aliases, writable=True,
+                          declared=self._declared)
 
     def __deepcopy__(self, memo):
-        return ConfigView(copy.deepcopy(self._values, memo), self.model_type, self._aliases, writable=True)
+        return ConfigView(copy.deepcopy(self._values, memo), self.model_type, self._aliases, writable=True,
+                          declared=self._declared)
 
     def __reduce__(self):
-        return ConfigView, (self._values, self.model_type, self._aliases, self._writable)
+        return ConfigView, (self._values, self.model_type, self._aliases, self._writable, self._declared)
 
     def to_dict(self) -> dict:
         out = {}
@@ -487,25 +349,22 @@ class ConfigViewError(ValueError):
     """config.json names a model type the view has no table for, or a malformed sub-config."""
 
 
-def known_model_types() -> tuple:
-    return tuple(_TYPES)
-
-
-def config_view(data: dict, model_type: str | None = None) -> ConfigView:
-    """The :class:`ConfigView` of a config.json mapping (``model_type``: the class to read it
-    as, default the mapping's own)."""
+def config_view(data: dict, tables: Mapping[str, ConfigType], model_type: str | None = None) -> ConfigView:
+    """The :class:`ConfigView` of a config.json mapping, read with ``tables`` (model_type -> its
+    :class:`ConfigType`, sub-configs' types included; the packages of the models declare them);
+    ``model_type``: the class to read it as, default the mapping's own."""
     model_type = model_type or data.get("model_type")
-    kind = _TYPES.get(model_type)
+    kind = tables.get(model_type)
     if kind is None:
         raise ConfigViewError(f"model_type {model_type!r} is not one mmparity reads without transformers "
-                              f"(known: {', '.join(_TYPES)})")
+                              f"(known: {', '.join(tables)})")
     data = {kind.aliases.get(k, k): v for k, v in data.items()}
     fields = {**_BASE_FIELDS, **{kind.aliases.get(k, k): v for k, v in kind.fields.items()}}
     values = {name: copy.deepcopy(data[name] if name in data else default) for name, default in fields.items()}
     values.pop("transformers_version", None)
     extra = {k: copy.deepcopy(v) for k, v in data.items() if k not in fields}
-    if model_type in _BEFORE:
-        _BEFORE[model_type](values, extra)
+    if kind.before is not None:
+        kind.before(values, extra)
     for key, (default_type, by_model_type, init) in kind.subs.items():
         sub = values[key]
         if isinstance(sub, ConfigView):
@@ -513,7 +372,7 @@ def config_view(data: dict, model_type: str | None = None) -> ConfigView:
         if sub is not None and not isinstance(sub, dict):
             raise ConfigViewError(f"{key} is a {type(sub).__name__}, not an object")
         sub_type = (sub or {}).get("model_type", default_type) if by_model_type else default_type
-        values[key] = config_view(init if sub is None else sub, sub_type)
+        values[key] = config_view(init if sub is None else sub, tables, sub_type)
     torch_dtype = extra.pop("torch_dtype", None)
     if values["dtype"] is None and torch_dtype is not None:
         values["dtype"] = torch_dtype
@@ -534,9 +393,9 @@ def config_view(data: dict, model_type: str | None = None) -> ConfigView:
     for key in ("layer_types", "mtp_layer_types"):
         if values.get(key) is not None:
             values[key] = [_LEGACY_LAYER_TYPES.get(t, t) for t in values[key]]
-    if model_type == "llava" and not values["tie_word_embeddings"] and values["text_config"].tie_word_embeddings:
-        values["tie_word_embeddings"] = True  # transformers forwards the text config's flag
-    return ConfigView(values, model_type, kind.aliases)
+    if kind.after is not None:
+        kind.after(values, extra)
+    return ConfigView(values, model_type, kind.aliases, declared=frozenset(fields))
 
 
 def _standardize_rope(values: dict, extra: dict, default_rope_type: str, default_theta: float = 10000.0) -> None:

@@ -99,7 +99,7 @@ def megatron_state(family: str, cfg, hf_state: dict, tp: int,
 
 def family_cases(family: str, cfg, seed: int) -> list[Case]:
     hooks = families.get(source(family)).hooks
-    return [hooks.prepare_case(c, cfg) for c in megatron_class(family).cases(hooks, cfg, seed, None)]
+    return [hooks.parity.prepare_case(c, cfg) for c in megatron_class(family).cases(hooks, cfg, seed, None)]
 
 
 def hf_outputs(family: str, ref, case: Case) -> dict:

@@ -11,7 +11,7 @@ from mmparity.models import registry as families
 def family_configs(name: str):
     """Configs of ``name`` drawn by its record's ``random_config(pick)``, ``pick`` being hypothesis'
     choice among the options it is given (so failures shrink towards the first option)."""
-    random_config = families.get(name).hooks.random_config
+    random_config = families.get(name).hooks.config.random
 
     @st.composite
     def configs(draw):

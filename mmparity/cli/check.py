@@ -72,14 +72,15 @@ def add_arguments(parser) -> None:
     report.add_argument("--quiet", action="store_true", help="only the summary line")
 
 
-def _resolve_families(requested: list[str]) -> list[str]:
+def _resolve_families(requested: list[str]) -> list:
+    """The registry records of the families named (default: every registered family)."""
     from mmparity.models import registry as families
 
-    known = families.names()
+    known = {fam.name: fam for fam in families.families()}
     unknown = [n for n in requested if n not in known]
     if unknown:
         raise UsageError(f"unknown family {', '.join(map(repr, unknown))}; valid families: {', '.join(known)}")
-    return requested or known
+    return [known[n] for n in requested] if requested else list(known.values())
 
 
 def _detect(directory: str):
@@ -98,18 +99,18 @@ def _detect(directory: str):
         raise UsageError(f"--hf {directory}: {exc}") from None
 
 
-def _note_left_out(name: str, use, detection, directory: str, notes: list) -> None:
+def _note_left_out(fam, use, detection, directory: str, notes: list) -> None:
     if use.left_out:
         facts = detection.facts if detection is not None else config_facts(directory)
-        notes.append(left_out_line(name, use, facts, "checks part of the checkpoint: "))
+        notes.append(left_out_line(fam, use, facts, "checks part of the checkpoint: "))
 
 
-def _check_image_sizes(name: str, cfg, sizes) -> None:
+def _check_image_sizes(fam, cfg, sizes) -> None:
     from mmparity.parity import harness
 
     if sizes is not None:
         try:
-            harness.validate_image_sizes(name, cfg, sizes)
+            harness.validate_image_sizes(fam, cfg, sizes)
         except harness.InputError as exc:
             raise UsageError(f"--image-size: {exc}") from None
 
@@ -124,10 +125,9 @@ def _refuse_poisoned(directory: str, poisoned: dict) -> None:
                            "finds them all)")
 
 
-def _family_config(directory: str, family: str):
-    """(the family's record, its config) from ``--hf DIR``'s config file; one line if it has none
-    or the family does not take it."""
-    from mmparity.models import registry as families
+def _family_config(directory: str, fam):
+    """The config of the family (its record) from ``--hf DIR``'s config file; one line if it has
+    none or the family does not take it."""
     from mmparity.io.fsio.errors import CheckpointError
     from mmparity.convert.configs import read_hf_config
 
@@ -137,21 +137,20 @@ def _family_config(directory: str, family: str):
         full_cfg, _ = read_hf_config(directory, for_models=True)
     except CheckpointError as exc:
         raise UsageError(f"--hf {exc}") from None
-    fam = families.get(family)
     try:
         cfg = fam.family_config(full_cfg)
     except ValueError as exc:
-        raise UsageError(f"--hf {directory}: {exc} (family {family!r}); {_family_taking(full_cfg)}") from None
+        raise UsageError(f"--hf {directory}: {exc} (family {fam.name!r}); {_family_taking(full_cfg)}") from None
     from mmparity.parity import harness
 
     try:
-        harness.refuse_config(family, cfg)
+        harness.refuse_config(fam, cfg)
     except harness.InputError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
-    return fam, cfg
+    return cfg
 
 
-def _load_hf(directory: str, family: str, hf_format):
+def _load_hf(directory: str, fam, hf_format):
     """(family config, family tensors in the reference's own layout, what of the checkpoint they
     are: a ``SourceUse``) from an HF directory."""
     from mmparity.io.fsio.dtypes import check_source_dtypes
@@ -160,7 +159,7 @@ def _load_hf(directory: str, family: str, hf_format):
     from mmparity.io.hf import bound_config
     from mmparity.mapping.rules import ConversionError
 
-    fam, cfg = _family_config(directory, family)
+    cfg = _family_config(directory, fam)
     try:
         config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
         bound_config(cfg, os.path.join(directory, config_name), directory)
@@ -195,11 +194,11 @@ def _load_hf(directory: str, family: str, hf_format):
     poisoned = {k: int(v.numel() - torch.isfinite(v).sum()) for k, v in tensors.items()
                 if v.is_floating_point() and not bool(torch.isfinite(v).all())}
     _refuse_poisoned(directory, poisoned)
-    _refuse_unbacked_parameters(family, cfg, tensors, directory)
+    _refuse_unbacked_parameters(fam, cfg, tensors, directory)
     return cfg, tensors, use
 
 
-def _open_low_memory(directory: str, family: str, hf_format):
+def _open_low_memory(directory: str, fam, hf_format):
     """(family config, the checkpoint as a ``RangeReader``, its ``SourceUse``, the layout) for
     ``--low-memory``: the in-memory load's checks, each on one tensor at a time or on the headers."""
     import torch
@@ -216,7 +215,7 @@ def _open_low_memory(directory: str, family: str, hf_format):
         raise UsageError(f"--hf {directory}: no such directory")
     # Freed weights give their address space back at once (what an RLIMIT_AS run counts).
     map_large_blocks()
-    fam, cfg = _family_config(directory, family)
+    cfg = _family_config(directory, fam)
     try:
         config_name = "config.json" if os.path.exists(os.path.join(directory, "config.json")) else "params.json"
         reader = RangeReader(directory)
@@ -242,7 +241,7 @@ def _open_low_memory(directory: str, family: str, hf_format):
     except CheckpointError as exc:
         raise UsageError(f"--hf {directory}: {exc}") from None
     _refuse_poisoned(directory, poisoned)
-    _refuse_unbacked_parameters(family, cfg, tensors, directory)
+    _refuse_unbacked_parameters(fam, cfg, tensors, directory)
     return cfg, reader, use, fmt
 
 
@@ -255,21 +254,23 @@ def _usage_line(usage) -> str:
     return f"low memory: parameters resident at most at once: {sides}; {usage.reads} tensor reads"
 
 
-def _check_low_memory(args, name: str, sizes, notes: list, detection):
-    """``check --hf DIR --low-memory`` of one family: its report (see ``parity.low_memory``)."""
+def _check_low_memory(args, fam, sizes, notes: list, detection):
+    """``check --hf DIR --low-memory`` of one family (its record): its report (see
+    ``parity.low_memory``)."""
     from mmparity.mapping.rules import ConversionError
     from mmparity.parity import harness, low_memory
 
+    name = fam.name
     if name not in low_memory.supported():
         raise UsageError(f"--low-memory does not support family {name!r} yet; it supports "
                          f"{', '.join(low_memory.supported())}")
-    cfg, reader, use, fmt = _open_low_memory(args.hf, name, args.hf_format)
+    cfg, reader, use, fmt = _open_low_memory(args.hf, fam, args.hf_format)
     with reader:
-        _note_left_out(name, use, detection, args.hf, notes)
-        _check_image_sizes(name, cfg, sizes)
+        _note_left_out(fam, use, detection, args.hf, notes)
+        _check_image_sizes(fam, cfg, sizes)
         usage = low_memory.Usage()
         try:
-            report = low_memory.check(name, cfg, reader, dtype=args.dtype, device=args.device, seed=args.seed,
+            report = low_memory.check(fam, cfg, reader, dtype=args.dtype, device=args.device, seed=args.seed,
                                       image_sizes=sizes, components=not args.no_components, hf_format=fmt,
                                       usage=usage,
                                       expert_group=args.expert_group or low_memory.DEFAULT_EXPERT_GROUP)
@@ -288,12 +289,12 @@ def _family_taking(full_cfg) -> str:
     from mmparity.models import registry as families
 
     takers = []
-    for name in families.names():
+    for fam in families.families():
         try:
-            families.get(name).family_config(full_cfg)
+            fam.family_config(full_cfg)
         except Exception:  # any refusal: not this family's
             continue
-        takers.append(name)
+        takers.append(fam.name)
     architectures = ", ".join(getattr(full_cfg, "architectures", None) or []) or "no architectures"
     what = f"the config is {architectures} (model_type {getattr(full_cfg, 'model_type', None)!r})"
     if not takers:
@@ -301,18 +302,17 @@ def _family_taking(full_cfg) -> str:
     return f"{what}: check it as family {' or '.join(map(repr, takers))}"
 
 
-def _refuse_unbacked_parameters(family: str, cfg, tensors, directory: str) -> None:
+def _refuse_unbacked_parameters(fam, cfg, tensors, directory: str) -> None:
     """The check builds real models from `cfg`: refuse, before allocating them, a config that implies
     more parameters than the checkpoint holds, or other shapes than it holds (the reference built on
     the meta device, where building is free), rather than meet them in ``load_state_dict``."""
     import torch
 
-    from mmparity.models import registry as families
-
+    family = fam.name
     present = sum(t.numel() for t in tensors.values())
     try:
         with torch.device("meta"):
-            reference = families.get(family).build_reference(cfg)
+            reference = fam.build_reference(cfg)
             implied = sum(p.numel() for p in reference.parameters())
             expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     except (RuntimeError, ValueError) as exc:
@@ -405,8 +405,8 @@ def run(args) -> int:
         detection = _detect(args.hf)
         args.families = [detection.family]
         notes.append(detection.line())
-    names = _resolve_families(args.families)
-    if args.hf and len(names) != 1:
+    records = _resolve_families(args.families)
+    if args.hf and len(records) != 1:
         raise UsageError("--hf checks one checkpoint: give at most one FAMILY (default: told from its config)")
     select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
@@ -441,21 +441,21 @@ def run(args) -> int:
 
     started = time.perf_counter()
     combined = None
-    for name in names:
-        cfg, hf_state = (None, None)
+    for fam in records:
+        name, cfg, hf_state = fam.name, None, None
         if args.low_memory:
-            report = _check_low_memory(args, name, sizes, notes, detection)
+            report = _check_low_memory(args, fam, sizes, notes, detection)
             combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
                               attention_backend=report.attention_backend, versions=report.versions,
                               tp=report.tp, pp=report.pp, impl=report.impl, megatron=report.megatron)
             combined.results.extend(report.results)
             continue
         if args.hf:
-            cfg, hf_state, use = _load_hf(args.hf, name, args.hf_format)
-            _note_left_out(name, use, detection, args.hf, notes)
-        _check_image_sizes(name, cfg, sizes)
+            cfg, hf_state, use = _load_hf(args.hf, fam, args.hf_format)
+            _note_left_out(fam, use, detection, args.hf, notes)
+        _check_image_sizes(fam, cfg, sizes)
         try:
-            report = harness.check(name, cfg, hf_state, dtype=args.dtype, device=args.device,
+            report = harness.check(fam, cfg, hf_state, dtype=args.dtype, device=args.device,
                                    seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
                                    layer_counts=layer_counts, components=not args.no_components,
                                    native_shards=native_shards, impl=args.impl, vocab_divisor=divisor,

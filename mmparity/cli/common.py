@@ -138,10 +138,13 @@ def config_facts(directory):
         return None
 
 
-def left_out_line(family: str, use, facts, lead: str = "") -> str:
+def left_out_line(family, use, facts, lead: str = "") -> str:
     """What a conversion did not take of its source (a ``SourceUse``), by part, and who would take
     the whole (from the config ``facts``, when known)."""
     from mmparity.models import registry as families
+
+    fam = families.resolve(family)  # a name (convert's result) or the record (check's)
+    family = fam.name
 
     def count(n: int) -> str:
         return f"{n} tensor{'' if n == 1 else 's'}"
@@ -150,6 +153,6 @@ def left_out_line(family: str, use, facts, lead: str = "") -> str:
     line = (f"{family}: {lead}left out {use.left_out_tensors} of {use.tensors} source tensors "
             f"({human_bytes(use.left_out_bytes)} of {human_bytes(use.nbytes)}): {parts}; converted the other "
             f"{use.converted} ({human_bytes(use.converted_bytes)})")
-    if facts is not None and not families.converts_whole(family, facts):
+    if facts is not None and fam.takes(facts)[0] != 2:
         line += f"; {families.whole_clause(facts)}"
     return line

@@ -12,7 +12,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from mmparity.models import registry as families
 
-    rows = [families.get(n) for n in families.names()]
+    rows = families.families()
     if args.json:
         print(json.dumps([{"family": f.name, "summary": f.summary, "components": list(f.compared),
                            "reference_classes": list(f.reference_classes)} for f in rows], indent=2))

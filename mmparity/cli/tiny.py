@@ -23,7 +23,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from mmparity.models import registry as families
 
-    names = families.names()
+    records = {fam.name: fam for fam in families.families()}
+    names = list(records)
     if args.family not in names:
         raise UsageError(f"FAMILY {args.family!r} is not a registered family; name one of {', '.join(names)} "
                          f"(mmparity list describes them)")
@@ -37,7 +38,7 @@ def run(args) -> int:
     from mmparity.io.fsio.errors import CheckpointError
 
     try:
-        written = _write(families.get(args.family), destination, seed, force=args.force)
+        written = _write(records[args.family], destination, seed, force=args.force)
     except CheckpointError as exc:
         raise UsageError(f"DIR {exc}") from None
     count, size = written

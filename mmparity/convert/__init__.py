@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from mmparity.convert.checks import check_paths, check_shapes, check_vocab_divisor
-from mmparity.convert.model import lookup
 from mmparity.convert.parts import as_target_part, megatron_class_of, refuse_part_alone
 from mmparity.convert.sources import MISTRAL_LAYOUT, HF_SAVE_LAYOUT, model_config_for, open_as, open_source
 from mmparity.errors import ConvertError, from_conversion_error
@@ -192,7 +191,7 @@ def _convert(options: ConvertOptions, progress: Progress | None) -> ConvertResul
     started = time.perf_counter()
     try:
         check_options(options)
-        spec = lookup(options.family) if options.family is not None else None
+        spec = registry.resolve(options.family) if options.family is not None else None
         dtype = cast_dtype(options)
         src, dst = Path(options.src), Path(options.dst)
         if not src.exists():

@@ -12,19 +12,40 @@ import json
 import os
 from pathlib import Path
 
-from mmparity.config import ConfigViewError, config_view, known_model_types
+from mmparity.config import ConfigType, ConfigViewError, config_view
 from mmparity.errors import ConvertError
 from mmparity.io.fsio.errors import CheckpointError
 from mmparity.io.fsio.paths import refuse_links_outside, require_regular_file
 from mmparity.io.hf import bound_config, read_config_json, refuse_unusable_sizes
 from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.models import registry
+from mmparity.models.parts.mistral_params import (
+    NativeRelease, ParamsError, config_from_params, params_disagreements, release_of)
 
 __all__ = ["HF_CONFIG", "MISTRAL_PARAMS", "read_hf_config", "read_config_facts", "detect_family",
-           "family_config"]
+           "family_config", "hf_config_tables"]
 
 HF_CONFIG = "config.json"
 MISTRAL_PARAMS = "params.json"
+
+
+def hf_config_tables() -> dict[str, ConfigType]:
+    """Every HF model type config.json is read as without transformers, with its table: the
+    ``HF_CONFIGS`` of the registered packages (:func:`mmparity.models.registry.config_modules`),
+    in registry order. Two packages declaring one model type is a programming error, named."""
+    tables, owners = {}, {}
+    for module in registry.config_modules():
+        for model_type, table in getattr(module, "HF_CONFIGS", {}).items():
+            if model_type in tables:
+                raise ValueError(f"model_type {model_type!r} has a config table in both {owners[model_type]} "
+                                 f"and {module.__name__}")
+            tables[model_type], owners[model_type] = table, module.__name__
+    return tables
+
+
+def _native_releases() -> list[NativeRelease]:
+    """What a release in Mistral's own layout may be, as the registered packages declare it."""
+    return [module.MISTRAL_NATIVE for module in registry.config_modules() if hasattr(module, "MISTRAL_NATIVE")]
 
 
 def family_config(spec, config_path: Path, where: Path, capacity: tuple[int, int] | None = None):
@@ -66,9 +87,10 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
         require_regular_file(config_path, "config")
         data = read_config_json(config_path)  # what transformers would read, NaN refused
         refuse_unusable_sizes(data, config_path)  # before any reader divides by them
-        if not for_models and set(_model_types(data)) <= set(known_model_types()):
+        tables = {} if for_models else hf_config_tables()
+        if data.get("model_type") in tables:
             try:
-                config = config_view(data)
+                config = config_view(data, tables)
             except (ConfigViewError, TypeError, ValueError, KeyError, AttributeError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise CheckpointError(f"{config_path}: cannot read {config_name}: {first}") from None
@@ -86,36 +108,23 @@ def read_hf_config(directory: str | os.PathLike, config_name: str = HF_CONFIG, *
             _check_params_beside(config, config_path, params_path)
         return config, config_path.read_bytes()
     if config_name == HF_CONFIG and os.path.lexists(params_path):
-        # Imported here, not above: the translation builds transformers' config classes, which only
-        # a Mistral-native release needs.
-        from mmparity.models.parts.mistral_params import ParamsError, config_from_params
-
+        # The translation builds transformers' config classes (and imports them): only a
+        # Mistral-native release pays for transformers.
         try:
             full = config_from_params(read_config_json(params_path))
         except (ParamsError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{params_path}: {exc}") from None
         refuse_unusable_sizes(full, params_path)
         raw = full.to_json_string().encode()
-        return (full if for_models else config_view(full.to_dict())), raw
+        return (full if for_models else config_view(full.to_dict(), hf_config_tables())), raw
     raise CheckpointError(f"{directory}: no {config_name} (expected an HF save_pretrained directory, or "
                           f"Mistral's {MISTRAL_PARAMS} beside consolidated.safetensors)")
-
-
-def _model_types(data: dict):
-    """Every model_type a config.json names, its sub-configs' included: a whole VLM whose part is of
-    a type the view has no table for (a family from outside the tree) is read by transformers."""
-    yield data.get("model_type")
-    for value in data.values():
-        if isinstance(value, dict) and "model_type" in value:
-            yield from _model_types(value)
 
 
 def _check_params_beside(config, config_path: Path, params_path: Path) -> None:
     """A release with both files (Mistral's own beside transformers'): config.json is the one
     read, as transformers reads it, and params.json must describe the same model wherever both
     state a field; otherwise which one the weights follow is anyone's guess."""
-    from mmparity.models.parts.mistral_params import params_disagreements  # transformers: see read_hf_config
-
     problems = params_disagreements(read_config_json(params_path), config)
     if problems:
         shown = "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
@@ -155,16 +164,17 @@ def read_config_facts(directory: str | os.PathLike) -> registry.ConfigFacts:
                            _name(vision, "model_type", path, "vision_config.") if vision else None, layout,
                            _name(text, "model_type", path, "text_config.") if text else None)
     if layout is not None:
-        # Mistral's releases name the Pixtral tower `vision_encoder`; its patch merger makes the
-        # release a Mistral3 one (as transformers' conversion scripts decide), else a Pixtral-12B
-        # style LLaVA; the text model is Mistral's either way.
+        # Mistral's releases name their vision tower `vision_encoder`; whether it merges patches
+        # tells which model the release is (as transformers' conversion scripts decide), and the
+        # packages of the models that take such releases say what that is in HF terms.
         params = read_config_json(directory / MISTRAL_PARAMS)
         encoder = params.get("vision_encoder")
-        if not isinstance(encoder, dict):
+        release = release_of(encoder, _native_releases()) if isinstance(encoder, dict) else None
+        if release is None:
             return registry.ConfigFacts(MISTRAL_PARAMS, layout=layout)
-        whole = "mistral3" if encoder.get("spatial_merge_size") is not None else "llava"
-        return registry.ConfigFacts(MISTRAL_PARAMS, model_type=whole, vision_model_type="pixtral", layout=layout,
-                           text_model_type="mistral")
+        return registry.ConfigFacts(MISTRAL_PARAMS, model_type=release.model_type,
+                                    vision_model_type=release.vision_model_type, layout=layout,
+                                    text_model_type=release.text_model_type)
     raise CheckpointError(f"{directory}: no {HF_CONFIG} (nor Mistral's {MISTRAL_PARAMS}) to tell the family from")
 
 

@@ -10,15 +10,8 @@ from __future__ import annotations
 import torch
 
 from mmparity.mapping import rules as R
-from mmparity.models import registry
 
-__all__ = ["lookup", "Model"]
-
-
-def lookup(name: str):
-    """The family ``name``'s spec from the registry: the one lookup of a command (its callers
-    carry the spec on). ``registry.UnknownFamilyError`` lists the families there are."""
-    return registry.get(name)
+__all__ = ["Model"]
 
 
 class Model:

@@ -17,7 +17,7 @@ import torch
 
 from mmparity.convert.checks import check_shapes
 from mmparity.convert.configs import HF_CONFIG, detect_family, family_config, read_hf_config
-from mmparity.convert.model import Model, lookup
+from mmparity.convert.model import Model
 from mmparity.errors import ConvertError
 from mmparity.io.formats import source_format
 from mmparity.io.formats.base import HF, Format, Source, TensorFilter
@@ -111,20 +111,29 @@ def open_as(fmt: Format, path: Path, family: str | None, hf_format: str | None, 
 def _open_hf(fmt: Format, path: Path, family: str | None, hf_format: str | None, filt: TensorFilter, tp: int,
              vocab_multiple: int, part: str | None, spec) -> Source:
     """An HF source, its family told from its config when not given."""
-    detection = None
-    if spec is None:
-        if family is None:
-            try:
-                detection = detect_family(path)
-            except registry.DetectError as exc:
-                raise ConvertError(f"{path}: {exc}") from None
-            family = detection.family
-        spec = lookup(family)
+    spec, detection = _told(spec, family, path, str(path))
     stored = fmt.probe(path)
     model = Model(spec, *family_config(spec, stored.config, path, stored.capacity))
     source = fmt.open(stored, model, hf_format, filt, tp, vocab_multiple, part)
     source.detection = detection
     return source
+
+
+def _told(spec, family: str | None, directory: Path | None, where: str):
+    """``(spec, detection)``: the spec given, else the registry record of the family named, else of
+    the one told from ``directory``'s config (its ``Detection``; a failure is a ``ConvertError``
+    led by ``where``). The convert layer's one registry lookup: a command resolves its family
+    here once and carries the record on; ``registry.UnknownFamilyError`` lists the families."""
+    if spec is not None:
+        return spec, None
+    detection = None
+    if family is None:
+        try:
+            detection = detect_family(directory)
+        except registry.DetectError as exc:
+            raise ConvertError(f"{where}: {exc}") from None
+        family = detection.family
+    return registry.resolve(family), detection
 
 
 def _manifest_spec(manifest: Manifest | None, family: str | None, where: Path, spec=None):
@@ -138,7 +147,7 @@ def _manifest_spec(manifest: Manifest | None, family: str | None, where: Path, s
     if spec is not None:
         return spec
     try:
-        return lookup(family or recorded)  # unknown names raise, listing the valid ones
+        return _told(None, family or recorded, None, str(where))[0]  # unknown names raise, listing the valid ones
     except registry.UnknownFamilyError as exc:
         raise ConvertError(f"{where / MANIFEST_FILE}: records {exc}; pass --family" if family is None
                            else str(exc)) from None
@@ -168,15 +177,11 @@ def model_config_for(src: Path, family: str | None, base: Path | None, hf_config
     path = Path(hf_config)
     if not path.is_file():
         raise ConvertError(f"--hf-config {path}: no such file (an HF config.json of the model)")
-    if family is None:
-        if path.name != HF_CONFIG:
-            raise ConvertError(f"--hf-config {path}: pass --family too (the family is told only from a file "
-                               f"named {HF_CONFIG})")
-        try:
-            family = detect_family(path.parent).family
-        except registry.DetectError as exc:
-            raise ConvertError(f"--hf-config {path}: {exc}") from None
-    spec = spec if spec is not None else lookup(family)
+    if family is None and path.name != HF_CONFIG:
+        raise ConvertError(f"--hf-config {path}: pass --family too (the family is told only from a file "
+                           f"named {HF_CONFIG})")
+    spec = _told(spec, family, path.parent, f"--hf-config {path}")[0]
+    family = spec.name
     try:
         full, raw = read_hf_config(path.parent, path.name)
         cfg = spec.family_config(full)
@@ -194,13 +199,7 @@ def _described_by_base(base: Path, family: str | None, spec) -> ModelConfig:
     if not base.is_dir() or not has_hf_weights(base):
         raise ConvertError(f"--base {base}: not an HF save_pretrained directory (config.json and safetensors "
                            "weights: the release the checkpoint was converted from)")
-    if spec is None:
-        if family is None:
-            try:
-                family = detect_family(base).family
-            except registry.DetectError as exc:
-                raise ConvertError(f"--base {base}: {exc}") from None
-        spec = lookup(family)
+    spec = _told(spec, family, base, f"--base {base}")[0]
     try:
         hf = open_source(base, spec=spec)
     except ConvertError as exc:

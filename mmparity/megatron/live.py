@@ -46,12 +46,13 @@ import torch.distributed as dist
 
 from mmparity import errors
 from mmparity.convert import configs
-from mmparity.convert.model import Model, lookup
+from mmparity.convert.model import Model
 from mmparity.convert.sources import open_source
 from mmparity.io.fsio.pieces import narrow_pieces
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
 from mmparity.mapping import rules as R
+from mmparity.models import registry
 from mmparity.parallel import tp as tp_mod
 from mmparity.errors import ConversionError
 
@@ -276,7 +277,7 @@ def export_hf(model, family: str, cfg, *, base: str | os.PathLike | None = None,
                          f"{', '.join(map(str, EXPORT_DTYPES))}, or None for the model's own")
 
     def prepare():
-        spec = lookup(family)
+        spec = registry.resolve(family)
         # The base's own layout and prefix, unless asked otherwise: its tensors and ours agree.
         aside = open_source(Path(base), hf_format=hf_format, spec=spec) if base is not None else None
         return aside, Model(spec, cfg, b"").rules(aside.hf_format if aside is not None and hf_format is None
@@ -434,4 +435,4 @@ def family_config(hf_dir: str | os.PathLike, family: str):
     it (a whole VLM's config for a whole-VLM family, a tower's for a tower family)."""
 
     path = Path(hf_dir)
-    return configs.family_config(lookup(family), path / configs.HF_CONFIG, path)[0]
+    return configs.family_config(registry.resolve(family), path / configs.HF_CONFIG, path)[0]

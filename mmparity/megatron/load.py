@@ -47,9 +47,9 @@ from mmparity.io.unpickle import RefusedPickle
 from mmparity.mapping.tables import padded_tables
 from mmparity.megatron import torch_dist
 from mmparity.megatron.torch_dist import copy_containers
+from mmparity.models import registry
 from mmparity.models.core import megatron_classes as models
 from mmparity.models.core.megatron_side import MegatronClass, NoMegatron, default_refusal
-from mmparity.models.registry import megatron_class as megatron_class_for
 from mmparity.parallel import pp as pp_mod
 from mmparity.parallel import runtime
 from mmparity.parallel.axes import Grid
@@ -429,7 +429,7 @@ def plan_parts(spec, megatron_class: Optional[str] = None, cfg=None) -> tuple[tu
     when the first class cannot be imported, :class:`~mmparity.models.spec.NoMegatronClass` when the
     class asked for cannot be built for ``cfg``."""
     hooks = spec.hooks
-    name, record = megatron_class_for(spec.name, megatron_class, cfg)
+    name, record = spec.megatron_class(megatron_class, cfg)
     models.require(record.build)
     parts, taken, unavailable = [_part(name, record)], list(record.holds), []
     fallback = default_refusal(hooks, cfg) if megatron_class is None else None
@@ -579,7 +579,8 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         if asked is not None and fmt.stores_grid and asked != recorded:
             raise CheckpointError(f"{root}: a legacy checkpoint loads at its own {axis} size "
                                   f"({recorded}), not {asked}")
-    megatron_class_for(family, megatron_class)  # an unknown family or class, before the files
+    spec = registry.resolve(family)
+    spec.megatron_class(megatron_class)  # an unknown family or class, before the files
     tp = tp or recorded_tp
     pp = pp or recorded_pp
     try:
@@ -587,7 +588,8 @@ def load_job(directory: str | os.PathLike, megatron_class: Optional[str] = None,
         # or spawned: the config bounded by the weights, the recorded TP, PP, layer split and
         # vocabulary divisor by what is present, every stored shape against the config. Missing and
         # foreign tensors are left to the strict load, which names them per rank.
-        source = open_source(root, family, complete=False, model_config=model_config, iteration=iteration)
+        source = open_source(root, family, complete=False, model_config=model_config, iteration=iteration,
+                             spec=spec)
         check_shapes(source)
         if args_divisor is not None:
             _check_args_divisor(source, args_divisor, tp, root, fmt.stores_grid)

@@ -16,6 +16,7 @@ naming the family).
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import importlib
 from dataclasses import dataclass
@@ -99,15 +100,11 @@ class Family(FamilyRecord):
             # A whole VLM is composed of registered parts: its tower and its language model.
             hooks = (module.hooks(tower_of, language_of) if self.composed or self.with_language
                      else module.hooks(tower_of))
-        except TypeError as exc:  # a required hook left out of the record
+        except TypeError as exc:  # a hook left out of the record, or one that does not fit
             raise FamilyError(f"family {self.name!r}: {exc}") from None
         if not isinstance(hooks, FamilyHooks):
             raise FamilyError(f"family {self.name!r}: {module.__name__}.hooks() returned "
                               f"{type(hooks).__name__}, not FamilyHooks")
-        try:
-            hooks.check(self.name)
-        except TypeError as exc:
-            raise FamilyError(str(exc)) from None
         return hooks
 
     # --- what conversion reads, without the models ------------------------------------------------
@@ -161,7 +158,7 @@ class Family(FamilyRecord):
 
     def build_reference(self, cfg):
         """The HF transformers module for ``cfg``, fp32, in eval mode."""
-        return self.hooks.build_reference(cfg)
+        return self.hooks.reference.build(cfg)
 
     def build_native(self, cfg, params_dtype: torch.dtype | None = None):
         """The native mcore module for ``cfg`` in eval mode (``params_dtype`` default float32).
@@ -176,7 +173,7 @@ class Family(FamilyRecord):
         if runtime.current_layout() is None:
             runtime.init_parallel(1, 1)
         dtype = torch.float32 if params_dtype is None else params_dtype
-        return self.hooks.build_native(cfg, params_dtype=dtype).eval()
+        return self.hooks.native.build(cfg, params_dtype=dtype).eval()
 
     # --- Megatron's own classes -----------------------------------------------------------------
 
@@ -599,3 +596,43 @@ def tower_of(cfg) -> FamilyHooks:
         raise FamilyError(f"family {family.name!r}: its converter serves as a LLaVA tower of "
                           f"{family.converter.tower.model_type!r}, but its hooks have no llava_tower")
     return family.hooks
+
+
+def config_modules() -> list[ModuleType]:
+    """The ``config`` module of every registered family and language-model part that has one, in
+    registry order: what a command reads a checkpoint's config with before it knows the family
+    (``HF_CONFIGS``: the HF configuration classes as tables; ``MISTRAL_NATIVE``: what a release in
+    Mistral's own layout of the model is). Those modules import no model code."""
+    packages = [record.package or f"mmparity.models.{record.name}" for record in _families().values()]
+    packages += [part.package or f"mmparity.models.parts.{part.name}" for part in _parts().values()]
+    found = []
+    for package in packages:
+        try:
+            found.append(importlib.import_module(f"{package}.config"))
+        except ModuleNotFoundError as exc:
+            if exc.name not in (package, f"{package}.config"):  # a module it imports is missing
+                raise
+    return found
+
+
+# --- the records, for commands -----------------------------------------------------------------
+
+def families() -> list[Family]:
+    """Every registered family's record, in registry order: what a command iterates."""
+    return list(_families().values())
+
+
+def resolve(family: str | Family) -> Family:
+    """The record of ``family`` (a name, or a record passed through): the one lookup a command or
+    public entry point makes before handing the record down. :class:`UnknownFamilyError` lists the
+    families there are."""
+    return family if isinstance(family, Family) else get(family)
+
+
+def _by_name(family: Family):
+    return resolve, (family.name,)
+
+
+# A record crosses to spawned ranks by name: its loaded hooks hold closures that do not pickle,
+# and the rank's registry holds the same record.
+copyreg.pickle(Family, _by_name)

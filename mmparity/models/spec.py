@@ -6,7 +6,7 @@ Framework-free: plain tensors, dataclasses and callables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from mmparity.mapping.rules import VOCAB_MULTIPLE, ConverterSpec
@@ -86,14 +86,39 @@ def no_problems(*unused) -> list:
     return []
 
 
+def _refuse(hook: str, value) -> None:
+    raise TypeError(f"hook {hook!r} is {value!r}, which does not fit")
+
+
+def _callables(record, *names: str, optional: tuple = ()) -> None:
+    """TypeError naming the first of ``names`` (or of ``optional``, which may be None) that is not
+    callable: a family's hooks fail where they are built, naming the hook."""
+    for name in names + optional:
+        value = getattr(record, name)
+        if not (callable(value) or (value is None and name in optional)):
+            _refuse(name, value)
+
+
+def _names(hook: str, value) -> None:
+    if not (isinstance(value, tuple) and all(isinstance(n, str) for n in value)):
+        _refuse(hook, value)
+
+
 @dataclass(frozen=True)
 class Side:
     """How the harness drives one side's model: ``run(model, case) -> {output: tensor}``,
-    ``pairs(model, cfg) -> [Pair]`` and ``component(name, model, cfg, seed) -> tensor``."""
+    ``pairs(model, cfg) -> [Pair]`` and ``component(name, model, cfg, seed) -> tensor``; ``build``
+    makes the model for a config (the reference: ``build(cfg)``, fp32 in eval mode; the native
+    side: ``build(cfg, params_dtype=float32)``). A side without ``build`` is a template a family
+    shares (SigLIP drives its native model as CLIP's); the family's record names the builder."""
 
     run: Callable
     pairs: Callable
     component: Callable
+    build: Optional[Callable[..., Any]] = None
+
+    def __post_init__(self):
+        _callables(self, "run", "pairs", "component", optional=("build",))
 
 
 @dataclass(frozen=True)
@@ -277,59 +302,90 @@ Pick = Callable[[Sequence], Any]
 
 
 @dataclass(frozen=True)
-class FamilyHooks:
-    """Every hook of one family. The first block is required; the rest default to "none"."""
+class ConfigHooks:
+    """A family's configs: ``tiny()`` (the built-in one, deliberately awkward sizes),
+    ``family_config(cfg)`` (the family's config inside a possibly whole-VLM one), ``random(pick)``
+    (one drawn from ``pick``'s choices), and what of a config the native model refuses, each a list
+    of problems (empty: none): ``problems(cfg)`` (said before any model is built or rank started),
+    ``image_size_problems(cfg, sizes)`` and ``pipeline_problems(cfg, pp)``.
+    ``image_size_multiple(cfg)``: image sides must be multiples of it (None: the patch size, times
+    the merge size if any)."""
 
-    tiny_config: Callable[[], Any]
-    family_config: Callable[[Any], Any]  # the family's config inside a (possibly whole-VLM) config
-    build_reference: Callable[[Any], Any]
-    build_native: Callable[..., Any]  # (cfg, params_dtype=float32) -> mcore module
-    converter: ConverterSpec
-    cases: Callable[..., list]  # (cfg, seed, image_sizes=None) -> [Case]
-    reference: Side
-    native: Side
-    random_config: Callable[[Pick], Any]
-    # Megatron's own classes the converted weights load into, or NoMegatron saying why none.
-    megatron: MegatronClasses
-
-    components: tuple = ()
-    # Components the native side computes on the last pipeline stage (the rest on the first).
-    last_stage_components: tuple = ()
-    prepare_case: Callable[[Case, Any], Case] = keep_case
-    # Image sides must be multiples of this; None: the patch size, times the merge size if any.
+    tiny: Callable[[], Any]
+    family_config: Callable[[Any], Any]
+    random: Callable[[Pick], Any]
+    problems: Callable[[Any], list] = no_problems
     image_size_multiple: Optional[Callable[[Any], int]] = None
     image_size_problems: Callable[[Any, Sequence], list] = no_problems
     pipeline_problems: Callable[[Any, int], list] = no_problems
-    # What of a config the native model cannot reproduce: refused before any model is built or
-    # any rank is started.
-    config_problems: Callable[[Any], list] = no_problems
-    # The bench: a FLOP formula (``shape(cfg, base) -> TowerShape``) and a released size.
+
+    def __post_init__(self):
+        _callables(self, "tiny", "family_config", "random", "problems", "image_size_problems",
+                   "pipeline_problems", optional=("image_size_multiple",))
+
+
+@dataclass(frozen=True)
+class Parity:
+    """What the harness checks: ``cases(cfg, seed, image_sizes=None) -> [Case]``, each passed
+    through ``prepare_case(case, cfg)``; ``components``: the family's named components compared on
+    their own, ``last_stage_components`` those of them the native side computes on the last
+    pipeline stage (the rest on the first)."""
+
+    cases: Callable[..., list]
+    prepare_case: Callable[[Case, Any], Case] = keep_case
+    components: tuple = ()
+    last_stage_components: tuple = ()
+
+    def __post_init__(self):
+        _callables(self, "cases", "prepare_case")
+        _names("components", self.components)
+        _names("last_stage_components", self.last_stage_components)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """The bench's view of a family: ``flop_shape(cfg, base) -> TowerShape``, its FLOP formula
+    (None: FLOPs not counted), and ``published``, its released size (None: tiny only)."""
+
     flop_shape: Optional[Callable[[Any, TowerShape], TowerShape]] = None
     published: Optional[Published] = None
+
+    def __post_init__(self):
+        _callables(self, optional=("flop_shape",))
+        if not (self.published is None or isinstance(self.published, Published)):
+            _refuse("published", self.published)
+
+
+@dataclass(frozen=True)
+class FamilyHooks:
+    """Every hook of one family, grouped by who reads it. Each group checks its own hooks where it
+    is built, so a missing or mistyped hook fails naming it (and the registry names the family)."""
+
+    config: ConfigHooks
+    reference: Side
+    native: Side
+    converter: ConverterSpec
+    parity: Parity
+    # Megatron's own classes the converted weights load into, or NoMegatron saying why none.
+    megatron: MegatronClasses
+    bench: Bench = field(default_factory=Bench)
     llava_tower: Optional[LlavaTower] = None
 
-    def check(self, family: str) -> None:
-        """Raise naming ``family`` and the hook when a required hook is missing or mistyped."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "converter":
-                ok = isinstance(value, ConverterSpec)
-            elif f.name in ("reference", "native"):
-                ok = isinstance(value, Side)
-            elif f.name == "published":
-                ok = value is None or isinstance(value, Published)
-            elif f.name == "llava_tower":
-                ok = value is None or isinstance(value, LlavaTower)
-            elif f.name == "megatron":
-                ok = isinstance(value, NoMegatron) or (
-                    isinstance(value, Mapping) and len(value) > 0
-                    and all(isinstance(k, str) and isinstance(v, MegatronClass) for k, v in value.items()))
-            elif f.name in ("components", "last_stage_components"):
-                ok = isinstance(value, tuple) and all(isinstance(n, str) for n in value)
-            else:
-                ok = callable(value) or (value is None and f.default is None)
-            if not ok:
-                raise TypeError(f"family {family!r}: hook {f.name!r} is {value!r}, which does not fit")
+    def __post_init__(self):
+        for name, kind in (("config", ConfigHooks), ("reference", Side), ("native", Side),
+                           ("converter", ConverterSpec), ("parity", Parity), ("bench", Bench)):
+            if not isinstance(getattr(self, name), kind):
+                _refuse(name, getattr(self, name))
+        for name in ("reference", "native"):
+            if getattr(self, name).build is None:
+                _refuse(f"{name}.build", None)
+        if not (self.llava_tower is None or isinstance(self.llava_tower, LlavaTower)):
+            _refuse("llava_tower", self.llava_tower)
+        options = self.megatron
+        if not (isinstance(options, NoMegatron) or (
+                isinstance(options, Mapping) and len(options) > 0
+                and all(isinstance(k, str) and isinstance(v, MegatronClass) for k, v in options.items()))):
+            _refuse("megatron", options)
 
 
 def megatron_class(hooks: FamilyHooks, family: str, name: Optional[str] = None,
@@ -363,13 +419,18 @@ def default_refusal(hooks: FamilyHooks, cfg) -> Optional[str]:
     return None if isinstance(options, NoMegatron) else next(iter(options.values())).refusal(cfg)
 
 
-def module_hooks(reference_module, native_module, converter: ConverterSpec, /, **hooks) -> FamilyHooks:
-    """The usual record: the config, builders and converter from the family's reference module
-    (``tiny_config``, ``vision_config``, ``build``), native module (``build_native``) and
-    converter spec; every other hook as given."""
-    return FamilyHooks(tiny_config=reference_module.tiny_config, family_config=reference_module.vision_config,
-                       build_reference=reference_module.build, build_native=native_module.build_native,
-                       converter=converter, **hooks)
+def module_hooks(reference_module, native_module, converter: ConverterSpec, /, *, reference: Side,
+                 native: Side, random_config: Callable[[Pick], Any], image_size_multiple=None,
+                 image_size_problems=no_problems, **groups) -> FamilyHooks:
+    """The usual record: the configs and builders from the family's reference module
+    (``tiny_config``, ``vision_config``, ``build``) and native module (``build_native``), the
+    sides' drivers, the converter spec; the other groups (``parity``, ``megatron``, ``bench``,
+    ``llava_tower``) as given."""
+    config = ConfigHooks(tiny=reference_module.tiny_config, family_config=reference_module.vision_config,
+                         random=random_config, image_size_multiple=image_size_multiple,
+                         image_size_problems=image_size_problems)
+    return FamilyHooks(config=config, reference=replace(reference, build=reference_module.build),
+                       native=replace(native, build=native_module.build_native), converter=converter, **groups)
 
 
 # How a composite family (LLaVA) finds the registered family of a vision tower: given the whole

@@ -55,16 +55,16 @@ class BenchError(ValueError):
 
 def published_families() -> list[str]:
     """The registered families whose record names a released size."""
-    return [name for name in families.names() if families.get(name).hooks.published is not None]
+    return [fam.name for fam in families.families() if fam.hooks.bench.published is not None]
 
 
-def published_config(family: str):
+def published_config(fam: families.Family):
     """The family's config at its released size, of the same classes as its tiny config."""
-    spec = families.get(family).hooks.published
+    family, spec = fam.name, fam.hooks.bench.published
     if spec is None:
         raise BenchError(f"family {family!r} has no published config in the bench; "
                          f"published: {', '.join(published_families())}")
-    tiny = families.get(family).tiny_config()
+    tiny = fam.tiny_config()
     vision = type(vision_sub_config(tiny))(**spec.vision)
     if getattr(tiny, "vision_config", None) is None:
         return vision
@@ -82,22 +82,22 @@ def published_config(family: str):
     return cfg
 
 
-def bench_config(family: str, size: str):
+def bench_config(fam: families.Family, size: str):
     if size not in SIZES:
         raise BenchError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if size == "published":
-        cfg = published_config(family)
-        spec = families.get(family).hooks.published
+        cfg = published_config(fam)
+        spec = fam.hooks.bench.published
         return cfg, spec.source + (f"; {spec.note}" if spec.note else "")
-    return families.get(family).tiny_config(), "tiny config (mmparity.reference)"
+    return fam.tiny_config(), "tiny config (mmparity.reference)"
 
 
-def default_batch(family: str, size: str, cfg) -> tuple[int, tuple[int, int]]:
+def default_batch(fam: families.Family, size: str, cfg) -> tuple[int, tuple[int, int]]:
     """(images, (H, W)) when the caller gives none: the published batch, or a small tiny one."""
     if size == "published":
-        spec = families.get(family).hooks.published
+        spec = fam.hooks.bench.published
         return spec.images, tuple(spec.image_size)
-    multiple = size_multiple(family, cfg)
+    multiple = size_multiple(fam, cfg)
     side = getattr(vision_sub_config(cfg), "image_size", None)
     side = side if isinstance(side, int) else 8 * multiple
     side = max(multiple, -(-side // multiple) * multiple)
@@ -109,34 +109,34 @@ def default_batch(family: str, size: str, cfg) -> tuple[int, tuple[int, int]]:
 TINY_MIXED_UNITS = ((4, 4), (2, 6), (6, 2), (3, 3), (4, 2), (2, 4), (5, 5), (2, 2))
 
 
-def mixed_batch(family: str, size: str, cfg) -> tuple[int, list]:
+def mixed_batch(fam: families.Family, size: str, cfg) -> tuple[int, list]:
     """(images, sizes) of the family's packed mixed-size batch at ``size`` (``--mixed``);
     ``BenchError`` when the family has none or refuses it (e.g. LLaVA's fixed-size towers)."""
     if size == "published":
-        spec = families.get(family).hooks.published
+        spec = fam.hooks.bench.published
         if not spec.mixed:
-            raise BenchError(f"family {family!r} has no mixed-size set in its published config")
+            raise BenchError(f"family {fam.name!r} has no mixed-size set in its published config")
         sizes, images = [tuple(s) for s in spec.mixed], spec.mixed_images or len(spec.mixed)
     else:
-        multiple = size_multiple(family, cfg)
+        multiple = size_multiple(fam, cfg)
         sizes = [(h * multiple, w * multiple) for h, w in TINY_MIXED_UNITS]
         images = len(sizes)
     try:
-        validate_image_sizes(family, cfg, sizes)
+        validate_image_sizes(fam, cfg, sizes)
     except InputError as exc:
         raise BenchError(f"mixed sizes: {exc}") from None
     return images, sizes
 
 
-def with_mixed_sets(names: Sequence[str], size: str) -> tuple[list, list]:
+def with_mixed_sets(records: Sequence[families.Family], size: str) -> tuple[list, list]:
     """(families that have a mixed set at ``size`` they accept, [{family, reason}] for the rest)."""
     accepted, refused = [], []
-    for name in names:
+    for fam in records:
         try:
-            mixed_batch(name, size, bench_config(name, size)[0])
-            accepted.append(name)
+            mixed_batch(fam, size, bench_config(fam, size)[0])
+            accepted.append(fam)
         except BenchError as exc:
-            refused.append({"family": name, "reason": str(exc)})
+            refused.append({"family": fam.name, "reason": str(exc)})
     return accepted, refused
 
 
@@ -154,11 +154,11 @@ def _base_shape(cfg) -> TowerShape:
         temporal=first_int(getattr(vc, "temporal_patch_size", None) or 1))
 
 
-def tower_shape(family: str, cfg) -> Optional[TowerShape]:
+def tower_shape(fam: families.Family, cfg) -> Optional[TowerShape]:
     """The family's shape for :func:`count_flops`; ``None`` for a family whose record has no FLOP
     formula (e.g. a whole VLM): its FLOPs and TFLOP/s are then reported as not counted, never
     guessed."""
-    shape_fn = families.get(family).hooks.flop_shape
+    shape_fn = fam.hooks.bench.flop_shape
     return None if shape_fn is None else shape_fn(cfg, _base_shape(cfg))
 
 
@@ -335,12 +335,12 @@ def _resize_static(case, sizes: list, seed: int):
     return replace(case, data=data, description=f"static batch of {want} images {sizes[0][0]}x{sizes[0][1]}")
 
 
-def bench_case(family: str, cfg, sizes: list, seed: int, case_name: str = "auto"):
+def bench_case(fam: families.Family, cfg, sizes: list, seed: int, case_name: str = "auto"):
     """The family's case for ``sizes``: ``static`` (one batch tensor) when every image has one
     size and the family has a static case, else ``packed``; ``case_name`` forces one."""
-    hooks = families.get(family).hooks
+    family, hooks = fam.name, fam.hooks
     try:
-        by_name = {case.name: case for case in hooks.cases(cfg, seed, sizes)}
+        by_name = {case.name: case for case in hooks.parity.cases(cfg, seed, sizes)}
     except ValueError as exc:  # the family refuses these sizes
         raise BenchError(f"{family}: {exc}") from None
     if case_name == "auto":
@@ -354,7 +354,7 @@ def bench_case(family: str, cfg, sizes: list, seed: int, case_name: str = "auto"
         if len(set(map(tuple, sizes))) != 1:
             raise BenchError("the static case needs every image of one size")
         case = _resize_static(case, sizes, seed)
-    return hooks.prepare_case(case, cfg)
+    return hooks.parity.prepare_case(case, cfg)
 
 
 def _case_sizes(case) -> list:
@@ -380,13 +380,12 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _build_models(family: str, cfg, dtype: torch.dtype, device: torch.device, seed: int,
+def _build_models(fam: families.Family, cfg, dtype: torch.dtype, device: torch.device, seed: int,
                   mutate_native: Optional[Callable[[dict], None]] = None):
     """(HF model in float32 on the host, native model on ``device`` in ``dtype``), sharing seeded
     random weights. The HF model stays float32 so that the caller can keep an exact copy as the
     parity reference before casting it. ``mutate_native`` edits the converted state before it is
     loaded (negative controls), as in :func:`mmparity.parity.harness.check`."""
-    fam = families.get(family)
     torch.manual_seed(seed)
     ref = fam.build_reference(cfg)
     # The harness's seeded weights: never zeros (METHOD: zeros can time faster than real data).
@@ -403,9 +402,9 @@ def _build_models(family: str, cfg, dtype: torch.dtype, device: torch.device, se
     return ref.eval(), native.to(device=device, dtype=dtype).eval()
 
 
-def _build_pair(family: str, cfg, dtype: torch.dtype, device: torch.device, seed: int):
+def _build_pair(fam: families.Family, cfg, dtype: torch.dtype, device: torch.device, seed: int):
     """(HF model, native model) on ``device`` in ``dtype``, sharing seeded random weights."""
-    ref, native = _build_models(family, cfg, dtype, device, seed)
+    ref, native = _build_models(fam, cfg, dtype, device, seed)
     return ref.to(device=device, dtype=dtype).eval(), native
 
 
@@ -461,35 +460,36 @@ def _reference_outputs(ref32, run: Callable, case, device: torch.device) -> dict
 class Prepared:
     """Everything about one family's measurement that can be decided (and refused) before timing."""
 
-    family: str
+    family: families.Family
     cfg: object
     case: object
     result: BenchResult
 
 
-def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = None,
+def prepare_family(fam: families.Family, *, size: str = "tiny", images: Optional[int] = None,
                    image_sizes: Optional[Sequence[tuple[int, int]]] = None, seed: int = 0,
                    case_name: str = "auto", mixed: bool = False) -> Prepared:
     """Config, inputs and FLOP count of one family; ``BenchError`` for a request it cannot take.
     ``mixed``: the family's packed mixed-size batch (:func:`mixed_batch`), sizes cycled over
     ``images`` when given."""
-    cfg, source = bench_config(family, size)
+    family = fam.name
+    cfg, source = bench_config(fam, size)
     if mixed:
         if image_sizes:
             raise BenchError("--mixed takes its sizes from the family's mixed set; drop --image-size")
-        default_n, pattern = mixed_batch(family, size, cfg)
+        default_n, pattern = mixed_batch(fam, size, cfg)
     else:
-        default_n, default_size = default_batch(family, size, cfg)
+        default_n, default_size = default_batch(fam, size, cfg)
         pattern = [tuple(s) for s in (image_sizes or [default_size])]
     n = images or default_n
     sizes = [pattern[i % len(pattern)] for i in range(n)]
     try:
-        validate_image_sizes(family, cfg, list(dict.fromkeys(sizes)))
+        validate_image_sizes(fam, cfg, list(dict.fromkeys(sizes)))
     except InputError as exc:
         raise BenchError(str(exc)) from None
-    case = bench_case(family, cfg, sizes, seed, case_name)
+    case = bench_case(fam, cfg, sizes, seed, case_name)
     used = _case_sizes(case)
-    shape = tower_shape(family, cfg)
+    shape = tower_shape(fam, cfg)
     if shape is None:
         flops = {"total": None, "parts": {},
                  "note": f"not counted: the record of family {family!r} has no FLOP formula"}
@@ -503,7 +503,7 @@ def prepare_family(family: str, *, size: str = "tiny", images: Optional[int] = N
     tokens = None if patch is None else sum((h // patch) * (w // patch) + extra for h, w in used)
     result = BenchResult(family=family, size=size, config=source, case=case.name, images=len(used),
                          image_sizes=[list(s) for s in used], tokens=tokens, flops=flops)
-    return Prepared(family, cfg, case, result)
+    return Prepared(fam, cfg, case, result)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -518,14 +518,13 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
     or running are recorded in the result, not raised: one family's failure must not hide the
     others' numbers; a failed float32 reference forward is recorded in ``parity`` only, so that
     the timings survive it."""
-    result, case, family = prepared.result, prepared.case, prepared.family
+    result, case, fam = prepared.result, prepared.case, prepared.family
     dev = torch.device(device)
     torch_dtype = DTYPES[dtype]
     needs_reference = parity and torch_dtype != torch.float32
-    fam = families.get(family)
     ref = native = ref32 = None
     try:
-        ref32, native = _build_models(family, prepared.cfg, torch_dtype, dev, seed, mutate_native)
+        ref32, native = _build_models(fam, prepared.cfg, torch_dtype, dev, seed, mutate_native)
         # A separate copy: HF modules may cache tensors (RoPE tables) in the dtype of their first call.
         ref = (copy.deepcopy(ref32) if needs_reference else ref32).to(device=dev, dtype=torch_dtype)
         if not needs_reference:
@@ -570,13 +569,13 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
     return result
 
 
-def bench_family(family: str, *, size: str = "tiny", images: Optional[int] = None,
+def bench_family(fam: families.Family, *, size: str = "tiny", images: Optional[int] = None,
                  image_sizes: Optional[Sequence[tuple[int, int]]] = None, dtype: str = "float32",
                  device: str = "cpu", warmup: int = 1, repeats: int = 3, seed: int = 0,
                  case_name: str = "auto", mixed: bool = False, parity: bool = True,
                  mutate_native: Optional[Callable[[dict], None]] = None) -> BenchResult:
     """:func:`prepare_family` then :func:`time_family`."""
-    prepared = prepare_family(family, size=size, images=images, image_sizes=image_sizes, seed=seed,
+    prepared = prepare_family(fam, size=size, images=images, image_sizes=image_sizes, seed=seed,
                               case_name=case_name, mixed=mixed)
     return time_family(prepared, dtype=dtype, device=device, warmup=warmup, repeats=repeats, seed=seed,
                        parity=parity, mutate_native=mutate_native)
@@ -603,7 +602,7 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
         raise BenchError("--device cuda: CUDA is not available on this machine")
     warmup = warmup if warmup is not None else (3 if dev.type == "cuda" else 1)
     repeats = repeats if repeats is not None else (10 if dev.type == "cuda" else 3)
-    registered = families.names()
+    registered = {fam.name: fam for fam in families.families()}
     requested = list(family_names or [])
     unknown = [n for n in requested if n not in registered]
     if unknown:
@@ -620,11 +619,12 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
         skipped = [{"family": n, "reason": "no published config in its family record"}
                    for n in registered if n not in published and not requested]
     else:
-        names = requested or registered
+        names = requested or list(registered)
+    chosen = [registered[n] for n in names]
     if mixed and not requested:
         # A family without a mixed set it accepts is skipped, as one without a published config;
         # asked for by name it is a usage error (raised by prepare_family below).
-        names, refused = with_mixed_sets(names, size)
+        chosen, refused = with_mixed_sets(chosen, size)
         skipped += refused
     report = BenchReport(
         device=str(dev), device_name=(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
@@ -633,11 +633,11 @@ def bench(family_names: Optional[Sequence[str]] = None, *, size: str = "tiny",
         versions=versions(), settings=_settings(dev), skipped=skipped, mixed=mixed,
         parity_checked=parity)
     # Every request is checked before anything is built or timed: a usage error costs nothing.
-    prepared = [prepare_family(name, size=size, images=images, image_sizes=image_sizes, seed=seed,
-                               case_name=case_name, mixed=mixed) for name in names]
+    prepared = [prepare_family(fam, size=size, images=images, image_sizes=image_sizes, seed=seed,
+                               case_name=case_name, mixed=mixed) for fam in chosen]
     for item in prepared:
         if progress:
-            progress(item.family)
+            progress(item.family.name)
         report.results.append(time_family(item, dtype=dtype, device=device, warmup=warmup,
                                           repeats=repeats, seed=seed, parity=parity,
                                           mutate_native=mutate_native))

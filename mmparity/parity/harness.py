@@ -114,16 +114,18 @@ def load_reference_weights(ref, hf_state: Optional[dict], seed: int) -> dict:
     return {k: v for k, v in ref.state_dict().items()}
 
 
-def check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
-          device: str = "cpu", **kwargs) -> Report:
-    """Parity of one family; see :func:`_check` for the arguments. Never prints."""
+def check(family: "str | families.Family", cfg=None, hf_state: Optional[dict] = None, *,
+          dtype: str = "float32", device: str = "cpu", **kwargs) -> Report:
+    """Parity of one family (its name or its registry record); see :func:`_check` for the
+    arguments. Never prints."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    fam = families.resolve(family)
     with exact_float32(device, DTYPES[dtype]):
-        return _check(family, cfg, hf_state, dtype=dtype, device=device, **kwargs)
+        return _check(fam, cfg, hf_state, dtype=dtype, device=device, **kwargs)
 
 
-def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
+def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, dtype: str = "float32",
           device: str = "cpu", seed: int = 0, image_sizes=None, components: bool = True,
           mutate_native: Optional[Callable[[dict], None]] = None, hf_format: Optional[str] = None,
           native_shards: Optional[list] = None, tp: int = 1, pp: int = 1,
@@ -158,13 +160,12 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     torch_dtype = DTYPES[dtype]
     if impl not in IMPLS:
         raise InputError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    fam = families.get(family)
-    hooks = fam.hooks
+    family, hooks = fam.name, fam.hooks
     runs_native, runs_megatron = impl in ("native", "both"), impl in ("megatron", "both")
     mclass_name, mclass = None, None
     if runs_megatron:
         try:
-            mclass_name, mclass = families.megatron_class(family, megatron_class, cfg)
+            mclass_name, mclass = fam.megatron_class(megatron_class, cfg)
         except megatron_cases.NoMegatronClass as exc:
             raise InputError(str(exc)) from None
         if pp != 1 and mclass.stage_module is None:
@@ -178,7 +179,7 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         if cfg is None and mclass.default_config is not None:
             cfg = mclass.default_config()
     cfg = cfg if cfg is not None else fam.tiny_config()
-    refuse_config(family, cfg)  # before any model is built or rank started
+    refuse_config(fam, cfg)  # before any model is built or rank started
     torch.manual_seed(seed)
 
     ref = fam.build_reference(cfg)
@@ -191,24 +192,24 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
     if mutate_native is not None:
         for shard in native_shards:
             mutate_native(shard)
-    stage_shards, counts = split_stages(family, cfg, native_shards, pp, layer_counts)
+    stage_shards, counts = split_stages(fam, cfg, native_shards, pp, layer_counts)
 
     # Megatron's class takes fewer inputs than the native model (fixed sizes, no video ...): under
     # --impl megatron / both every side runs the cases Megatron's class accepts.
     try:
         raw_cases = (mclass.cases(hooks, cfg, seed, image_sizes) if runs_megatron
-                     else hooks.cases(cfg, seed, image_sizes))
+                     else hooks.parity.cases(cfg, seed, image_sizes))
     except megatron_cases.UnsupportedInput as exc:
         raise InputError(f"{family}: {exc}") from None
-    refuse_case_sizes(family, cfg, raw_cases)
-    cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
-    component_names = hooks.components if components and runs_native else ()
+    refuse_case_sizes(fam, cfg, raw_cases)
+    cases = [hooks.parity.prepare_case(case, cfg) for case in raw_cases]
+    component_names = hooks.parity.components if components and runs_native else ()
     if ep != 1:
         stage_shards = _split_experts(family, stage_shards, ep, runs_megatron)
     world = tp * pp * ep
     native_cases, native_components = [], {}
     if runs_native:
-        job = NativeJob(family, cfg, cases, component_names, dtype, str(device), seed, counts, ep)
+        job = NativeJob(fam, cfg, cases, component_names, dtype, str(device), seed, counts, ep)
         if world == 1 or runtime.launched_world_size() == world:
             # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
             native_cases, native_components = job.run(stage_shards, layout=(tp, pp))
@@ -220,8 +221,8 @@ def _check(family: str, cfg=None, hf_state: Optional[dict] = None, *, dtype: str
         # tensors are what it has no place for.
         megatron_shards = [{k: v for k, v in shard.items() if k not in extra}
                            for shard, extra in zip(native_shards, side)]
-        megatron_stages, _ = split_stages(family, cfg, megatron_shards, pp, layer_counts)
-        mjob = MegatronJob(family, mclass_name, cfg, cases, dtype, str(device), counts, vocab_divisor)
+        megatron_stages, _ = split_stages(fam, cfg, megatron_shards, pp, layer_counts)
+        mjob = MegatronJob(fam, mclass_name, cfg, cases, dtype, str(device), counts, vocab_divisor)
         if world == 1 or runtime.launched_world_size() == world:
             megatron_cases_run = mjob.run(megatron_stages, layout=(tp, pp))
         else:
@@ -300,7 +301,7 @@ class MegatronJob:
         with exact_float32(self.device, DTYPES[self.dtype]):
             if layout is not None:
                 runtime.init_parallel(*layout, device=self.device, layer_counts=self.layer_counts)
-            _name, mclass = families.megatron_class(self.family, self.class_name)
+            _name, mclass = self.family.megatron_class(self.class_name)
             torch_dtype = DTYPES[self.dtype]
             model = models.build(mclass.build, self.cfg, torch_dtype, divisible_by=self.divisible_by)
             shards = stage_shards[runtime.pipeline_rank()]
@@ -395,7 +396,7 @@ def _split_experts(family: str, stage_shards: list, ep: int, runs_megatron: bool
         raise InputError(f"{family}: {exc}") from None
 
 
-def split_stages(family: str, cfg, shards: list, pp: int,
+def split_stages(fam: families.Family, cfg, shards: list, pp: int,
                  layer_counts: Optional[list] = None) -> tuple[list, Optional[list]]:
     """Per-TP-rank, globally numbered mcore states -> ``(states[stage][tp_rank], layer counts)``.
 
@@ -404,6 +405,7 @@ def split_stages(family: str, cfg, shards: list, pp: int,
     a legacy checkpoint holds. Counts are None at ``pp == 1``. Raises :class:`InputError` when the
     model cannot be pipelined that way.
     """
+    family = fam.name
     if pp < 1:
         raise InputError(f"--pp must be >= 1, got {pp}")
     if pp == 1:
@@ -422,7 +424,7 @@ def split_stages(family: str, cfg, shards: list, pp: int,
         runtime.uneven_stage_fields(counts)
     except ValueError as exc:
         problems.append(f"--pp {pp} on {layout.num_layers} layers: {exc}")
-    problems += families.get(family).hooks.pipeline_problems(cfg, pp)
+    problems += fam.hooks.config.pipeline_problems(cfg, pp)
     if problems:
         raise InputError(f"{family}: {'; '.join(problems)}")
     per_rank = [pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
@@ -460,7 +462,7 @@ class NativeJob:
 
             state = state[parallel_state.get_expert_model_parallel_rank()]
         torch_dtype = DTYPES[self.dtype]
-        fam = families.get(self.family)
+        fam = self.family
         hooks = fam.hooks
         native = fam.build_native(self.cfg, params_dtype=torch_dtype)
         native.load_state_dict({k: v.to(torch_dtype) if torch.is_tensor(v) else v
@@ -469,7 +471,7 @@ class NativeJob:
         side = Side(native, hooks.native.run, hooks.native.pairs(native, self.cfg))
         with pipeline.StageLink(native) if pp > 1 else contextlib.nullcontext():
             case_results = [side.run(case) for case in self.cases]
-        last_stage_components = set(hooks.last_stage_components)
+        last_stage_components = set(hooks.parity.last_stage_components)
         mine = [name for name in self.components
                 if (name in last_stage_components and stage == pp - 1)
                 or (name not in last_stage_components and stage == 0)]
@@ -587,9 +589,9 @@ def _compare_component(family, name, actual, expected, low_precision, dtype) -> 
                   None if passed else Divergence(name, m.as_dict(), tol.as_dict()))
 
 
-def size_multiple(family: str, cfg) -> int:
+def size_multiple(fam: families.Family, cfg) -> int:
     """Image sides must be a multiple of this: the patch size, times the merge size if any."""
-    custom = families.get(family).hooks.image_size_multiple
+    custom = fam.hooks.config.image_size_multiple
     if custom is not None:
         return custom(cfg)
     merge = getattr(vision_sub_config(cfg), "spatial_merge_size", None) or 1
@@ -600,35 +602,36 @@ class InputError(ValueError):
     """The caller's input cannot be checked (bad image size …); the CLI maps it to exit code 2."""
 
 
-def validate_image_sizes(family: str, cfg, sizes) -> None:
-    cfg = cfg if cfg is not None else families.get(family).tiny_config()
-    multiple = size_multiple(family, cfg)
+def validate_image_sizes(fam: families.Family, cfg, sizes) -> None:
+    family = fam.name
+    cfg = cfg if cfg is not None else fam.tiny_config()
+    multiple = size_multiple(fam, cfg)
     bad = [f"{h}x{w}" for h, w in sizes if h <= 0 or w <= 0 or h % multiple or w % multiple]
     if bad:
         raise InputError(f"image size {', '.join(bad)} is not a positive multiple of {multiple} "
                          f"(the patch size{', times the merge size,' if multiple != _patch(cfg) else ''} "
                          f"of family {family!r})")
     # Family-specific limits beyond divisibility (e.g. a 2x2 merger needs at least a 2x2 grid).
-    problems = families.get(family).hooks.image_size_problems(cfg, sizes)
+    problems = fam.hooks.config.image_size_problems(cfg, sizes)
     if problems:
         raise InputError(f"family {family!r}: {'; '.join(problems)}")
 
 
-def refuse_config(family: str, cfg) -> None:
+def refuse_config(fam: families.Family, cfg) -> None:
     """:class:`InputError` for what of ``cfg`` the native model cannot reproduce (the family's
     ``config_problems``): said before anything is built, not by a rank that fails building it."""
-    problems = families.get(family).hooks.config_problems(cfg)
+    problems = fam.hooks.config.problems(cfg)
     if problems:
-        raise InputError(f"{family}: the native model cannot reproduce this config: {'; '.join(problems)}")
+        raise InputError(f"{fam.name}: the native model cannot reproduce this config: {'; '.join(problems)}")
 
 
-def refuse_case_sizes(family: str, cfg, cases) -> None:
+def refuse_case_sizes(fam: families.Family, cfg, cases) -> None:
     """:class:`InputError` when a case's images are beyond what ``cfg`` allows (the family's
     ``image_size_problems``): the family's own inputs, where a config takes none of them."""
-    problems = families.get(family).hooks.image_size_problems
+    problems = fam.hooks.config.image_size_problems
     outside = [p for case in cases if "sizes" in case.data for p in problems(cfg, case.data["sizes"])]
     if outside:
-        raise InputError(f"{family}: the config takes none of the images this check runs: {outside[0]}"
+        raise InputError(f"{fam.name}: the config takes none of the images this check runs: {outside[0]}"
                          + (f" (+{len(outside) - 1} more)" if len(outside) > 1 else ""))
 
 

@@ -61,7 +61,7 @@ from mmparity.parity.report import Report, versions
 def supported() -> list[str]:
     """The families whose report this path reproduces, as their registry entries say
     (tests/cli/test_check_low_memory.py checks each on its tiny checkpoint)."""
-    return [name for name in families.names() if families.get(name).low_memory]
+    return [fam.name for fam in families.families() if fam.low_memory]
 
 
 # Experts of a stacked HF experts tensor resident at once: a DeepSeek-V3 expert (three 7168 x 2048
@@ -379,8 +379,8 @@ def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str, 
     return streamed
 
 
-def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
-          image_sizes=None, components: bool = True, hf_format: Optional[str] = None,
+def check(family: "str | families.Family", cfg, reader, *, dtype: str = "float32", device: str = "cpu",
+          seed: int = 0, image_sizes=None, components: bool = True, hf_format: Optional[str] = None,
           usage: Optional[Usage] = None, mutate_native: Optional[Callable[[dict], None]] = None,
           expert_group: int = DEFAULT_EXPERT_GROUP) -> Report:
     """:func:`mmparity.parity.harness.check` of the HF weights ``reader`` holds (``infos()`` and
@@ -391,18 +391,20 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
     ``expert_group``: how many experts of a stacked experts tensor are resident at once. Raises
     :class:`LowMemoryError` for what this path cannot check, and the converter's
     ``ConversionError`` for weights that do not convert."""
-    if family not in supported():
-        raise LowMemoryError(f"--low-memory does not support family {family!r} yet; it supports "
+    name = family if isinstance(family, str) else family.name
+    if name not in supported():
+        raise LowMemoryError(f"--low-memory does not support family {name!r} yet; it supports "
                              f"{', '.join(supported())}")
+    fam = families.resolve(family)
+    family = fam.name
     if isinstance(expert_group, bool) or not isinstance(expert_group, int) or expert_group < 1:
         raise LowMemoryError(f"--expert-group must be a positive integer, got {expert_group!r}")
     if dtype not in harness.DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(harness.DTYPES)}")
     torch_dtype = harness.DTYPES[dtype]
     usage = usage if usage is not None else Usage()
-    fam = families.get(family)
     hooks = fam.hooks
-    harness.refuse_config(family, cfg)
+    harness.refuse_config(fam, cfg)
     infos = reader.infos()
     rules = fam.rule_set(cfg, hf_format, keys=infos.keys())
     prefix = detect_prefix(rules, infos.keys())
@@ -482,10 +484,10 @@ def check(family: str, cfg, reader, *, dtype: str = "float32", device: str = "cp
             ref_lp = _streamed(lp_model, hf_tensors, torch_dtype, device, usage, "reference_lp", rows,
                                expert_group)
 
-        raw_cases = hooks.cases(cfg, seed, image_sizes)
-        harness.refuse_case_sizes(family, cfg, raw_cases)
-        cases = [hooks.prepare_case(case, cfg) for case in raw_cases]
-        component_names = hooks.components if components else ()
+        raw_cases = hooks.parity.cases(cfg, seed, image_sizes)
+        harness.refuse_case_sizes(fam, cfg, raw_cases)
+        cases = [hooks.parity.prepare_case(case, cfg) for case in raw_cases]
+        component_names = hooks.parity.components if components else ()
 
         runtime.init_parallel(1, 1, device=device, seed=seed)
         with _parameters_on_meta():

@@ -40,7 +40,7 @@ def small_tower(family: str, image_size: int):
 
 def case_sizes(family: str, cfg) -> list:
     hooks = families.get(family).hooks
-    return [size for case in hooks.cases(cfg, 0) for size in case.data.get("sizes", ())]
+    return [size for case in hooks.parity.cases(cfg, 0) for size in case.data.get("sizes", ())]
 
 
 @pytest.mark.parametrize("family", families.names())
@@ -48,7 +48,7 @@ def test_every_family_checks_images_its_config_allows(family):
     fam = families.get(family)
     cfg = fam.tiny_config()
     sizes = case_sizes(family, cfg)
-    assert fam.hooks.image_size_problems(cfg, sizes) == []
+    assert fam.hooks.config.image_size_problems(cfg, sizes) == []
 
 
 @pytest.mark.parametrize("image_size", [32, 48, 64])
@@ -60,7 +60,7 @@ def test_a_small_pixtral_image_size_bounds_the_default_images(family, image_size
     most = image_size // 8
     assert sizes and max(max(h, w) // 8 for h, w in sizes) <= most
     assert len(set(sizes)) > 1
-    assert families.get(family).hooks.image_size_problems(cfg, sizes) == []
+    assert families.get(family).hooks.config.image_size_problems(cfg, sizes) == []
 
 
 def save(model, cfg, path: Path) -> Path:

@@ -18,6 +18,7 @@ from mmparity.io.fsio.safetensors_pread import RangeReader
 from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 from mmparity.cli.check import _load_hf
 from mmparity.cli.main import main
+from mmparity.models import registry as families
 from mmparity.parity import harness, low_memory
 from tests.mapping.test_convert_roundtrips import save_hf
 
@@ -296,7 +297,7 @@ def _scaling(key: str):
 ])
 def test_negative_control_fails_at_the_same_first_divergence(tmp_path, family, key, where):
     src = save_hf(family, tmp_path / "hf", seed=11)
-    cfg, state, _ = _load_hf(str(src), family, None)
+    cfg, state, _ = _load_hf(str(src), families.get(family), None)
     expected = harness.check(family, cfg, state, mutate_native=_scaling(key))
     with RangeReader(src) as reader:
         got = low_memory.check(family, cfg, reader, mutate_native=_scaling(key))
@@ -343,6 +344,7 @@ import json, resource, sys
 import torch
 torch.set_num_threads(1)
 from mmparity.cli.main import main
+from mmparity.models import registry as families
 
 small, big, out, mode, headroom = sys.argv[1:6]
 
@@ -422,7 +424,7 @@ def test_experts_are_read_a_group_at_a_time_with_the_same_report(tmp_path):
 
     cfg = tiny_config(n_routed_experts=16, n_group=4, topk_group=2, moe_intermediate_size=96)
     src = save_hf("kimi_k25_vl", tmp_path / "hf", seed=5, cfg=cfg, module_names=True)
-    cfg, state, _ = _load_hf(str(src), "kimi_k25_vl", None)
+    cfg, state, _ = _load_hf(str(src), families.get("kimi_k25_vl"), None)
     expected = _results(harness.check("kimi_k25_vl", cfg, state))
     peaks = {}
     for group in (2, 16):

@@ -226,7 +226,7 @@ def _native_outputs(rank: int, world_size: int, jobs: list) -> list | None:
         fam = families.get(family)
         cfg = fam.tiny_config()
         hooks = fam.hooks
-        cases = [hooks.prepare_case(c, cfg) for c in hooks.cases(cfg, 3)]
+        cases = [hooks.parity.prepare_case(c, cfg) for c in hooks.parity.cases(cfg, 3)]
         per_tp = {}
         for tp in (4, 1):
             runtime.init_parallel(tp, 1)

@@ -36,16 +36,16 @@ def test_flop_formula_by_hand():
 def _counted_native_flops(family: str, case_name: str, sizes):
     fam = families.get(family)
     cfg = fam.tiny_config()
-    case = bench.bench_case(family, cfg, sizes, seed=0, case_name=case_name)
+    case = bench.bench_case(families.get(family), cfg, sizes, seed=0, case_name=case_name)
     native = fam.build_native(cfg).requires_grad_(False)
     # The math backend computes attention as two matmuls, which torch's counter sees.
     with attention.use_backend("math"), torch.no_grad(), FlopCounterMode(display=False) as counter:
         fam.hooks.native.run(native, case)
-    return counter.get_total_flops(), bench.count_flops(bench.tower_shape(family, cfg),
+    return counter.get_total_flops(), bench.count_flops(bench.tower_shape(families.get(family), cfg),
                                                         bench._case_sizes(case))
 
 
-COUNTED = [name for name in families.names() if families.get(name).hooks.flop_shape is not None]
+COUNTED = [name for name in families.names() if families.get(name).hooks.bench.flop_shape is not None]
 
 
 @pytest.mark.parametrize("family", COUNTED)
@@ -54,8 +54,8 @@ def test_flop_count_equals_torch_counter_on_the_native_model(family):
     image's Conv3d folded over identical frames (Qwen), and a packed pooling head that runs on
     padded segments."""
     cfg = families.get(family).tiny_config()
-    m = size_multiple(family, cfg)
-    shape = bench.tower_shape(family, cfg)
+    m = size_multiple(families.get(family), cfg)
+    shape = bench.tower_shape(families.get(family), cfg)
     fold = shape.temporal > 1
     checks = [("static", [(2 * m, 3 * m)] * 3)]
     if shape.head is None:
@@ -70,46 +70,46 @@ def test_flop_count_equals_torch_counter_on_the_native_model(family):
 
 @pytest.mark.parametrize("family", sorted(set(families.names()) - set(COUNTED)))
 def test_families_without_a_formula_report_flops_as_not_counted(family):
-    prepared = bench.prepare_family(family)
+    prepared = bench.prepare_family(families.get(family))
     assert prepared.result.flops["total"] is None
     assert "no FLOP formula" in prepared.result.flops["note"]
 
 
 # Towers: their FLOP formula counts the whole forward. Whole VLMs (a language model too) have none.
-PUBLISHED_TOWERS = [f for f in bench.published_families() if families.get(f).hooks.flop_shape is not None]
+PUBLISHED_TOWERS = [f for f in bench.published_families() if families.get(f).hooks.bench.flop_shape is not None]
 PUBLISHED_WHOLE = [f for f in bench.published_families() if f not in PUBLISHED_TOWERS]
 
 
 @pytest.mark.parametrize("family", PUBLISHED_WHOLE)
 def test_published_whole_vlm_configs_carry_the_released_language_model(family):
-    cfg = bench.published_config(family)
+    cfg = bench.published_config(families.get(family))
     text = cfg.text_config
     assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
             text.head_dim, text.vocab_size) == (40, 5120, 32, 8, 128, 131072)
     assert (cfg.vision_config.num_hidden_layers, cfg.vision_config.hidden_size) == (24, 1024)
-    images, size = bench.default_batch(family, "published", cfg)
-    m = size_multiple(family, cfg)
+    images, size = bench.default_batch(families.get(family), "published", cfg)
+    m = size_multiple(families.get(family), cfg)
     assert size[0] % m == 0 and size[1] % m == 0 and images >= 1
 
 
 @pytest.mark.parametrize("family", PUBLISHED_TOWERS)
 def test_published_configs_build(family):
-    cfg = bench.published_config(family)
-    shape = bench.tower_shape(family, cfg)
+    cfg = bench.published_config(families.get(family))
+    shape = bench.tower_shape(families.get(family), cfg)
     expected = {"qwen3_5": (27, 1152), "kimi_k25": (27, 1152), "pixtral": (24, 1024),
                 "siglip": (27, 1152), "clip": (24, 1024)}[family]
     assert (shape.layers, shape.hidden) == expected
     tiny = families.get(family).tiny_config()
     assert type(vision_sub_config(cfg)) is type(vision_sub_config(tiny))
-    images, size = bench.default_batch(family, "published", cfg)
-    m = size_multiple(family, cfg)
+    images, size = bench.default_batch(families.get(family), "published", cfg)
+    m = size_multiple(families.get(family), cfg)
     assert size[0] % m == 0 and size[1] % m == 0 and images >= 8
     assert bench.count_flops(shape, [size] * images)["total"] > 1e12
 
 
 def test_published_config_refuses_unknown_families():
     with pytest.raises(bench.BenchError, match="no published config"):
-        bench.published_config("pixtral_large")
+        bench.published_config(families.get("pixtral_large"))
 
 
 def test_time_call_warms_up_and_repeats():
@@ -122,14 +122,14 @@ def test_time_call_warms_up_and_repeats():
 
 def test_static_case_grows_to_the_requested_batch():
     cfg = families.get("pixtral").tiny_config()
-    case = bench.bench_case("pixtral", cfg, [(16, 24)] * 5, seed=0)
+    case = bench.bench_case(families.get("pixtral"), cfg, [(16, 24)] * 5, seed=0)
     assert case.name == "static" and len(case.data["images"]) == 5
     assert bench._case_sizes(case) == [(16, 24)] * 5
     assert not torch.equal(case.data["images"][0], case.data["images"][1])
-    mixed = bench.bench_case("pixtral", cfg, [(16, 24), (8, 8)], seed=0)
+    mixed = bench.bench_case(families.get("pixtral"), cfg, [(16, 24), (8, 8)], seed=0)
     assert mixed.name == "packed"
     with pytest.raises(bench.BenchError, match="no case 'video'"):
-        bench.bench_case("pixtral", cfg, [(16, 24)], seed=0, case_name="video")
+        bench.bench_case(families.get("pixtral"), cfg, [(16, 24)], seed=0, case_name="video")
 
 
 def test_bench_cli_every_family_tiny(tmp_path, capsys):
@@ -283,13 +283,13 @@ def test_published_mixed_sets_are_valid_and_comparable(family):
     uniform batch's token count (so the two timings compare)."""
     if family not in families.names():
         pytest.skip(f"family {family!r} is not registered")
-    cfg = bench.published_config(family)
-    images, sizes = bench.mixed_batch(family, "published", cfg)
+    cfg = bench.published_config(families.get(family))
+    images, sizes = bench.mixed_batch(families.get(family), "published", cfg)
     assert len(set(sizes)) >= 6 and images >= 8
-    shape = bench.tower_shape(family, cfg)
+    shape = bench.tower_shape(families.get(family), cfg)
     tokens = lambda batch: sum((h // shape.patch) * (w // shape.patch) + shape.class_tokens  # noqa: E731
                                for h, w in batch)
-    uniform_n, uniform_size = bench.default_batch(family, "published", cfg)
+    uniform_n, uniform_size = bench.default_batch(families.get(family), "published", cfg)
     mixed = [sizes[i % len(sizes)] for i in range(images)]
     assert 0.9 < tokens(mixed) / tokens([uniform_size] * uniform_n) < 1.1
 
@@ -297,8 +297,8 @@ def test_published_mixed_sets_are_valid_and_comparable(family):
 def test_mixed_sets_refused_are_skipped_or_usage_errors(monkeypatch):
     # One patch a side is below pixtral_large's 2x2 merge block.
     monkeypatch.setattr(bench, "TINY_MIXED_UNITS", ((1, 1), (2, 2)))
-    accepted, refused = bench.with_mixed_sets(["pixtral", "pixtral_large"], "tiny")
-    assert accepted == ["pixtral"]
+    accepted, refused = bench.with_mixed_sets([families.get("pixtral"), families.get("pixtral_large")], "tiny")
+    assert [fam.name for fam in accepted] == ["pixtral"]
     assert refused[0]["family"] == "pixtral_large" and "merge block" in refused[0]["reason"]
     with pytest.raises(bench.BenchError, match="mixed sizes"):
         bench.bench(["pixtral_large"], mixed=True)
@@ -316,7 +316,7 @@ def test_mixed_tiny_runs_packed_with_parity(tmp_path):
     assert rc == 0, [(r["family"], r["error"], r["parity"]) for r in report["results"]]
     assert report["mixed"] is True
     for r in report["results"]:
-        m = size_multiple(r["family"], families.get(r["family"]).tiny_config())
+        m = size_multiple(families.get(r["family"]), families.get(r["family"]).tiny_config())
         assert r["case"] == "packed" and r["images"] == len(bench.TINY_MIXED_UNITS)
         assert r["image_sizes"] == [[h * m, w * m] for h, w in bench.TINY_MIXED_UNITS]
         assert r["parity"]["passed"], (r["family"], r["parity"])

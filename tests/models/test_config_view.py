@@ -23,7 +23,15 @@ from transformers import AutoConfig
 
 from mmparity.models import registry as families
 from mmparity import config as hfconfig
-from mmparity.config import ConfigView, config_view, known_model_types
+from mmparity.config import ConfigView
+from mmparity.convert.configs import hf_config_tables
+
+# The tables of every registered package, as conversion reads config.json with them.
+TABLES = hf_config_tables()
+
+
+def config_view(data: dict) -> ConfigView:
+    return hfconfig.config_view(data, TABLES)
 
 IGNORED = {"transformers_version", "_name_or_path"}
 MISSING = object()
@@ -40,9 +48,9 @@ def _configs() -> dict[str, object]:
         found[f"{name}.tiny"] = fam.tiny_config()
         rng = random.Random(name)
         for i in range(3):
-            found[f"{name}.random{i}"] = fam.hooks.random_config(lambda options: rng.choice(list(options)))
-        if fam.hooks.published is not None:
-            found[f"{name}.published"] = bench.published_config(name)
+            found[f"{name}.random{i}"] = fam.hooks.config.random(lambda options: rng.choice(list(options)))
+        if fam.hooks.bench.published is not None:
+            found[f"{name}.published"] = bench.published_config(fam)
     for name in ("mistral3", "pixtral_12b"):
         found[f"{name}.params_json"] = config_from_params(params_from_config(families.get(name).tiny_config()))
     return found
@@ -78,7 +86,7 @@ def _cases() -> list:
         cases += [pytest.param(_saved(cfg), id=f"{name}.saved"), pytest.param(_full(cfg), id=f"{name}.full")]
         if name.endswith(".tiny") or name.endswith(".params_json"):
             cases += [pytest.param(d, id=f"{name}.saved-{k}") for k, d in _without(_saved(cfg))]
-    cases += [pytest.param({"model_type": t}, id=f"{t}.bare") for t in known_model_types()]
+    cases += [pytest.param({"model_type": t}, id=f"{t}.bare") for t in TABLES]
     return cases
 
 
@@ -197,12 +205,12 @@ def test_the_comparison_can_fail(tmp_path, monkeypatch):
     """A default the table gets wrong, a derived field it forgets, and an alias it lacks are each
     caught."""
     data = {"model_type": "clip_vision_model", "hidden_size": 96}
-    monkeypatch.setitem(hfconfig._TYPES["clip_vision_model"].fields, "patch_size", 33)
+    monkeypatch.setitem(TABLES["clip_vision_model"].fields, "patch_size", 33)
     assert _differences(config_view(data).to_dict(), _transformers(tmp_path, data).to_dict())
-    monkeypatch.delitem(hfconfig._BEFORE, "mistral")
+    monkeypatch.setattr(TABLES["mistral"], "before", None)
     data = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4}
     assert _differences(config_view(data).to_dict(), _transformers(tmp_path, data).to_dict())
-    monkeypatch.setattr(hfconfig._TYPES["qwen3_5_moe_vision"], "aliases", {})
+    monkeypatch.setattr(TABLES["qwen3_5_moe_vision"], "aliases", {})
     data = {"model_type": "qwen3_5_moe_vision", "hidden_size": 64, "num_attention_heads": 4}
     assert _differences(config_view(data).to_dict(), _transformers(tmp_path, data).to_dict())
 

@@ -27,7 +27,7 @@ def test_unknown_family_lists_valid_names():
 def test_registry_entry_is_complete(family):
     hooks = families.get(family).hooks  # loading checks every hook's presence and type
     assert hooks.converter.formats
-    assert set(hooks.last_stage_components) <= set(hooks.components)
+    assert set(hooks.parity.last_stage_components) <= set(hooks.parity.components)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -153,8 +153,8 @@ def test_conversion_and_the_hooks_read_one_config_and_one_table(family):
     """convert reads the config and tables without the hooks; the hooks must hold the same."""
     fam = families.get(family)
     cfg = fam.tiny_config()
-    assert fam.hooks.tiny_config().to_dict() == cfg.to_dict()
-    assert fam.hooks.family_config(cfg).to_dict() == fam.family_config(cfg).to_dict()
+    assert fam.hooks.config.tiny().to_dict() == cfg.to_dict()
+    assert fam.hooks.config.family_config(cfg).to_dict() == fam.family_config(cfg).to_dict()
     # The registry adds the layout transformers' own mapping gives to the family's tables.
     assert fam.converter.formats == fam.hooks.converter.formats + (families.TRANSFORMERS_LAYOUT,)
     for fmt in fam.hooks.converter.formats:

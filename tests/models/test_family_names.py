@@ -19,16 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Modules that still write family names (as HF ``model_type`` values that happen to equal them,
 # or in builders of Megatron's classes not yet moved into their family's package), and the names.
 PENDING = {
-    # The HF config classes config.json is read with (``known_model_types``), which convert reads
-    # before it knows the family; they move to the packages once convert/configs.py is handed them.
-    "mmparity/config.py": {"clip", "siglip", "pixtral", "llava", "mistral3", "kimi_k25"},
-    # Detection facts read off a Mistral-native params.json (convert's family detection).
-    "mmparity/convert/configs.py": {"mistral3", "llava", "pixtral"},
     # Megatron's class builders of the Pixtral-based towers, shared by the whole VLMs' vision
     # parts, not yet moved into their families' megatron.py as the other towers' are.
     "mmparity/models/core/megatron_classes.py": {"pixtral", "mistral3"},
-    # Mistral's params.json -> HF config translation, which the disk layer calls.
-    "mmparity/models/parts/mistral_params.py": {"mistral3"},
 }
 
 

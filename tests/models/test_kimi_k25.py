@@ -141,7 +141,7 @@ def test_cases_cover_the_resampling_identity_and_video_paths():
     vc = cfg.vision_config
     table = (vc.pos_emb_height, vc.pos_emb_width)
     p = vc.patch_size
-    by_name = {c.name: c for c in _fam().hooks.cases(cfg, 0)}
+    by_name = {c.name: c for c in _fam().hooks.parity.cases(cfg, 0)}
     grids = lambda case: [(h // p, w // p) for h, w in case.data["sizes"]]  # noqa: E731
     static = grids(by_name["static"])
     assert static[0][0] != static[0][1] and all(a != b for a, b in zip(static[0], table))
@@ -153,7 +153,7 @@ def test_cases_cover_the_resampling_identity_and_video_paths():
 
 
 def test_user_image_sizes_and_low_precision_pass():
-    assert _fam().hooks.image_size_multiple(_fam().tiny_config()) == 10
+    assert _fam().hooks.config.image_size_multiple(_fam().tiny_config()) == 10
     sized = harness.check(FAMILY, image_sizes=[(20, 30), (40, 10)], components=False)
     assert sized.passed, [(r.check, r.metrics) for r in sized.failures()]
     bf16 = harness.check(FAMILY, dtype="bfloat16")

@@ -194,7 +194,7 @@ def test_whole_checkpoint_is_detected_as_the_whole_family(fam, tmp_path):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_round_trip_over_tensor_pipeline_and_expert_ranks_is_bit_exact(fam, data):
-    cfg = fam.hooks.random_config(lambda options: data.draw(st.sampled_from(list(options))))
+    cfg = fam.hooks.config.random(lambda options: data.draw(st.sampled_from(list(options))))
     text = cfg.text_config
     model_state = random_like_state(fam.build_reference(cfg).state_dict(), seed=data.draw(st.integers(0, 99)))
     tp = data.draw(st.sampled_from([t for t in (1, 2) if not fam.converter.rules(cfg, "hf").validate_tp(t)]))

@@ -259,7 +259,7 @@ def test_mixed_size_case_places_images_in_reading_order():
     are the images' token counts in order, and the native expansion of the compact ids puts its
     image slots exactly where HF's are."""
     cfg = families.get("llava").tiny_config()
-    (case,) = families.get("llava").hooks.cases(cfg, seed=3, image_sizes=MIXED_SIZES)
+    (case,) = families.get("llava").hooks.parity.cases(cfg, seed=3, image_sizes=MIXED_SIZES)
     data = case.data
     hf_ids = data["hf_input_ids"]
     runs = [n for row in hf_ids.tolist() for n in _image_runs(row, cfg.image_token_index)]
@@ -314,7 +314,7 @@ def test_native_loss_equals_transformers_causal_lm_loss():
     training what mcore masks: each last image slot and each row's final token."""
     cfg = families.get("llava").tiny_config()
     ref, native = _pair(cfg, seed=4)
-    (case,) = families.get("llava").hooks.cases(cfg, seed=4)
+    (case,) = families.get("llava").hooks.parity.cases(cfg, seed=4)
     data = case.data
     images, sizes = llava_cases.vision_input(native, case, torch.float32, "cpu")
     loss, mask = native(images, data["input_ids"], None, None, labels=data["labels"],
@@ -447,7 +447,7 @@ def test_frozen_parts_get_no_gradient(native_model):
     model.zero_grad(set_to_none=True)
     model.freeze(freeze_language_model=False, freeze_vision_model=True, freeze_vision_projection=False)
     cfg = families.get("llava").tiny_config()
-    (case,) = families.get("llava").hooks.cases(cfg, seed=1)
+    (case,) = families.get("llava").hooks.parity.cases(cfg, seed=1)
     images, sizes = llava_cases.vision_input(model, case, torch.float32, "cpu")
     loss, mask = model(images, case.data["input_ids"], None, None, labels=case.data["labels"],
                        loss_mask=case.data["loss_mask"], num_image_tiles=case.data["num_image_tiles"],

@@ -10,6 +10,7 @@ own cases module, and ``check --impl megatron`` and ``verify --load`` take it fr
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from hypothesis import strategies as st
 from mmparity.models import registry as families
 from mmparity.models.clip import cases as clip_cases
 from mmparity.models.core import megatron_side
-from mmparity.models.spec import Case, FamilyHooks, NoMegatron, NoMegatronClass, Pair, Side, tokens_2d
+from mmparity.models.spec import (
+    Case, ConfigHooks, FamilyHooks, NoMegatron, NoMegatronClass, Pair, Parity, Side, tokens_2d)
 from mmparity.cli.main import main
 from mmparity.mapping.ops import fuse_gate_up
 from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, rename
@@ -143,11 +145,12 @@ def random_config(pick) -> ToyConfig:
 
 def hooks(towers) -> FamilyHooks:
     return FamilyHooks(
-        tiny_config=ToyConfig, family_config=family_config, build_reference=build_reference,
-        build_native=lambda cfg, params_dtype=torch.float32: NativeToy(cfg).to(params_dtype),
-        converter=SPEC, cases=cases,
-        reference=Side(run, reference_pairs, no_component), native=Side(run, native_pairs, no_component),
-        random_config=random_config, image_size_multiple=lambda cfg: 1, megatron=NO_MEGATRON)
+        config=ConfigHooks(tiny=ToyConfig, family_config=family_config, random=random_config,
+                           image_size_multiple=lambda cfg: 1),
+        reference=Side(run, reference_pairs, no_component, build_reference),
+        native=Side(run, native_pairs, no_component,
+                    lambda cfg, params_dtype=torch.float32: NativeToy(cfg).to(params_dtype)),
+        converter=SPEC, parity=Parity(cases), megatron=NO_MEGATRON)
 
 
 NO_MEGATRON = NoMegatron("Megatron has no class for a stack of bare gated MLP blocks (a test toy)")
@@ -221,35 +224,45 @@ def test_strategies_draw_from_its_record(toy):
 
 
 def test_the_bench_leaves_its_flops_uncounted_and_unpublished(toy):
-    assert bench.tower_shape("toy", toy.tiny_config()) is None
+    assert bench.tower_shape(toy, toy.tiny_config()) is None
     assert "toy" not in bench.published_families()
 
 
 def test_a_missing_required_hook_fails_naming_the_family(monkeypatch):
     def incomplete(towers):
-        complete = hooks(towers)
-        return FamilyHooks(**{**complete.__dict__, "converter": None})
+        return dataclasses.replace(hooks(towers), converter=None)
 
     def missing(towers):
-        fields = dict(hooks(towers).__dict__)
-        del fields["cases"]
+        fields = {f.name: getattr(hooks(towers), f.name) for f in dataclasses.fields(FamilyHooks)}
+        del fields["parity"]
         return FamilyHooks(**fields)
 
+    def missing_cases(towers):  # a group left without one of its own required hooks
+        return dataclasses.replace(hooks(towers), parity=Parity())
+
+    def mistyped_in_a_group(towers):
+        return dataclasses.replace(hooks(towers), config=dataclasses.replace(hooks(towers).config, random=3))
+
+    def no_builder(towers):  # a side's template, without the family's builder
+        return dataclasses.replace(hooks(towers), native=Side(run, native_pairs, no_component))
+
     def silent_on_megatron(towers):  # neither a Megatron class nor the reason it has none
-        fields = dict(hooks(towers).__dict__)
+        fields = {f.name: getattr(hooks(towers), f.name) for f in dataclasses.fields(FamilyHooks)}
         del fields["megatron"]
         return FamilyHooks(**fields)
 
     def empty_megatron(towers):
-        return FamilyHooks(**{**hooks(towers).__dict__, "megatron": {}})
+        return dataclasses.replace(hooks(towers), megatron={})
 
-    for name, make in (("toy_bad", incomplete), ("toy_missing", missing), ("toy_silent", silent_on_megatron),
-                       ("toy_empty", empty_megatron)):
+    for name, make, hook in (("toy_bad", incomplete, "converter"), ("toy_missing", missing, "parity"),
+                             ("toy_no_cases", missing_cases, "cases"), ("toy_typo", mistyped_in_a_group, "random"),
+                             ("toy_unbuilt", no_builder, "native.build"),
+                             ("toy_silent", silent_on_megatron, "megatron"), ("toy_empty", empty_megatron, "megatron")):
         module = types.ModuleType(f"mmparity.models.{name}.cases")
         module.hooks = make
         monkeypatch.setitem(sys.modules, f"mmparity.models.{name}.cases", module)
         monkeypatch.setitem(families._REGISTRY, name, families.Family(name=name, summary="", reference_classes=()))
-        with pytest.raises(families.FamilyError, match=name):
+        with pytest.raises(families.FamilyError, match=f"{name}.*{hook}"):
             families.get(name).hooks
 
 
@@ -276,7 +289,7 @@ def clip_like_hooks(towers) -> FamilyHooks:
     megatron = {"CLIPViTModel": megatron_side.MegatronClass(
         build_clip, megatron_side.configured_size(lambda cfg: cfg), clip_cases.megatron_run,
         clip_cases.megatron_pairs)}
-    return FamilyHooks(**{**clip_cases.hooks(towers).__dict__, "megatron": megatron, "llava_tower": None})
+    return dataclasses.replace(clip_cases.hooks(towers), megatron=megatron, llava_tower=None)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ tests/models/throwaway/ and one registry line, driven through every generic path
 - ``toy_tower``: a tower on CLIP's architecture at its own sizes (5 files), with stock
   ``CLIPViTModel`` as its Megatron class;
 - ``toy_moe``: a language-model part with routed experts, DeepSeek-V3's architecture under a text
-  model type of its own that transformers learns from the package (4 files);
+  model type of its own, its config table and transformers classes in the package (5 files);
 - ``toy_vlm``: a whole VLM, LLaVA composed of a registered tower (CLIP) and ``toy_moe`` (3 files).
 
 The line is ``registry.register(package)`` in this process, ``MMPARITY_FAMILIES`` for a command
@@ -35,7 +35,7 @@ PACKAGES = {name: f"tests.models.throwaway.{name}" for name in ("toy_tower", "to
 ENV = {"MMPARITY_FAMILIES": ",".join(PACKAGES.values())}
 # What each package holds, and so what each kind of family costs.
 FILES = {"toy_tower": {"__init__.py", "reference.py", "native.py", "mapping.py", "cases.py"},
-         "toy_moe": {"__init__.py", "reference.py", "native.py", "mapping.py"},
+         "toy_moe": {"__init__.py", "config.py", "reference.py", "native.py", "mapping.py"},
          "toy_vlm": {"__init__.py", "reference.py", "cases.py"}}
 
 

@@ -58,7 +58,7 @@ def test_processor_layout_is_hf_processors_token_for_token(real_pixtral_processo
 @pytest.mark.parametrize("family", WHOLE_ROWS)
 def test_cases_carry_break_and_end_tokens_as_text(family):
     cfg = families.get(family).tiny_config()
-    case = families.get(family).hooks.cases(cfg, 3)[0]
+    case = families.get(family).hooks.parity.cases(cfg, 3)[0]
     ids = processor.special_ids(cfg)
     hf = case.data["hf_input_ids"]
     assert (hf == ids.image_end).sum() == len(case.data["images"]) == 3
@@ -102,7 +102,7 @@ def test_negative_control_wrong_image_layout_fails(family):
     ref.load_state_dict(state)
     native = fam.build_native(cfg)
     native.load_state_dict(with_side(fam.hf_to_mcore(state, cfg))[0])
-    case = fam.hooks.prepare_case(fam.hooks.cases(cfg, 5)[0], cfg)
+    case = fam.hooks.parity.prepare_case(fam.hooks.parity.cases(cfg, 5)[0], cfg)
     with torch.no_grad():
         expected = fam.hooks.reference.run(ref, case)["logits"]
         right = fam.hooks.native.run(native, case)["logits"]

@@ -58,7 +58,7 @@ def test_check_pp2_passes_for_every_family(pp2_reports, family):
     assert report.passed, _failures(report)
     # Module pairs and components came from both stages.
     checks = {r.check for r in report.results}
-    assert {f"component:{name}" for name in families.get(family).hooks.components} <= checks
+    assert {f"component:{name}" for name in families.get(family).hooks.parity.components} <= checks
     modules = {row["module"] for row in report.results[0].modules}
     assert {"layer.0", "layer.1"} <= modules or {
         "language_model.decoder.layers.0", "language_model.decoder.layers.1"} <= modules, modules

@@ -12,8 +12,8 @@ from transformers import CLIPVisionConfig
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
-    Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, first_tensor, module_hooks, recording_patch,
-    sbh_tokens_2d, tokens_2d)
+    Bench, Case, FamilyHooks, LlavaTower, Pair, Parity, Published, Side, TowerShape, first_tensor, module_hooks,
+    recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.models.clip import mapping as converter
 from mmparity.models.clip import megatron as clip_megatron
 from mmparity.models.clip import native
@@ -260,9 +260,9 @@ MEGATRON = {
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
-                        prepare_case=prepare_case, flop_shape=flop_shape, published=PUBLISHED,
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                        random_config=random_config, parity=Parity(cases, prepare_case, COMPONENTS),
+                        megatron=MEGATRON, bench=Bench(flop_shape, PUBLISHED),
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type=clip_megatron.SUBTYPE,
                                                megatron_config=clip_megatron.transformer_config,
                                                class_token_len=CLASS_TOKEN_LEN,

@@ -36,7 +36,7 @@ class UnsupportedInput(ValueError):
 
 
 def same_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
-    return hooks.cases(cfg, seed, image_sizes)
+    return hooks.parity.cases(cfg, seed, image_sizes)
 
 
 def configured_size(vision_cfg: Callable):
@@ -47,7 +47,7 @@ def configured_size(vision_cfg: Callable):
         if other:
             raise UnsupportedInput(f"Megatron's class takes only the configured image size "
                                    f"{side}x{side} (fixed position table), not {', '.join(other)}")
-        return hooks.cases(cfg, seed, image_sizes or [(side, side)] * 2)
+        return hooks.parity.cases(cfg, seed, image_sizes or [(side, side)] * 2)
     return cases
 
 

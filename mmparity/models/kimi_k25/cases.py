@@ -16,7 +16,8 @@ from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
-    Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
+    Bench, Case, FamilyHooks, Pair, Parity, Published, Side, TowerShape, module_hooks, recording_patch,
+    sbh_tokens_2d, tokens_2d)
 from mmparity.models.kimi_k25 import mapping as converter
 from mmparity.models.kimi_k25 import megatron as kimi_megatron
 from mmparity.mapping.ops import RopeInterleave
@@ -325,7 +326,7 @@ def flop_shape(cfg, base: TowerShape) -> TowerShape:
 
 def megatron_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
     """Every case but the clip: ``KimiViTModel`` has no temporal axis."""
-    return [c for c in hooks.cases(cfg, seed, image_sizes) if c.name != "video"]
+    return [c for c in hooks.parity.cases(cfg, seed, image_sizes) if c.name != "video"]
 
 
 def megatron_run(model, case: Case, cfg) -> dict:
@@ -362,6 +363,7 @@ MEGATRON = {"KimiViTModel+MultimodalProjector": megatron_side.MegatronClass(
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=prepare_case,
-                        image_size_multiple=image_size_multiple, flop_shape=flop_shape, published=PUBLISHED)
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                        random_config=random_config, image_size_multiple=image_size_multiple,
+                        parity=Parity(cases, prepare_case, COMPONENTS), megatron=MEGATRON,
+                        bench=Bench(flop_shape, PUBLISHED))

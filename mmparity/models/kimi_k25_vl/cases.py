@@ -23,7 +23,7 @@ from mmparity.models.core import megatron_side
 from mmparity.models.kimi_k25 import cases as tower_cases
 from mmparity.models.kimi_k25.megatron import build_kimi_k25
 from mmparity.models.spec import (
-    Case, FamilyHooks, Pair, Side, first_tensor, routing_tensor, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, first_tensor, routing_tensor, sbh_tokens_2d, tokens_2d)
 from mmparity.models.kimi_k25_vl import mapping as converter
 from mmparity.config import moe_layer_range, tied_embeddings
 from mmparity.models.kimi_k25_vl import native
@@ -263,12 +263,10 @@ def hooks(towers, languages) -> FamilyHooks:
         return [f"text_config: {p}" for p in problems]
 
     return FamilyHooks(
-        tiny_config=reference.tiny_config, family_config=reference.vision_config,
-        build_reference=reference.build, build_native=build_native, converter=converter.SPEC,
-        cases=cases, reference=Side(reference_run, reference_pairs, no_component),
-        native=Side(native_run, native_pairs, no_component), random_config=random_config,
-        megatron=llava.bind_language(MEGATRON, languages),
-        prepare_case=tower_cases.prepare_case, image_size_multiple=tower_cases.image_size_multiple,
-        image_size_problems=image_size_problems, pipeline_problems=pipeline_problems,
-        config_problems=config_problems)
+        config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
+                           problems=config_problems, image_size_multiple=tower_cases.image_size_multiple,
+                           image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
+        reference=Side(reference_run, reference_pairs, no_component, reference.build),
+        native=Side(native_run, native_pairs, no_component, build_native), converter=converter.SPEC,
+        parity=Parity(cases, tower_cases.prepare_case), megatron=llava.bind_language(MEGATRON, languages))
 

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlavaConfig
 
 from mmparity.models.core import inputs, processor
 from mmparity.models.spec import (
-    Case, FamilyHooks, MegatronClasses, Pair, Published, Side, TowerLookup, tokens_2d)
+    Bench, Case, ConfigHooks, FamilyHooks, MegatronClasses, Pair, Parity, Published, Side, TowerLookup, tokens_2d)
 from mmparity.models.llava import mapping as converter
 from mmparity.config import (
     first_int, has_patch_merger, image_hw, select_strategy, tied_embeddings, vision_layers_run)
@@ -66,7 +66,7 @@ def image_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
     own size works; a tower that takes several sizes takes what its own family allows."""
     vision = cfg.vision_config
     if towers(cfg).llava_tower.variable_size:
-        return towers(cfg).image_size_problems(vision, sizes)
+        return towers(cfg).config.image_size_problems(vision, sizes)
     side = vision.image_size
     return [f"image size {h}x{w}: a LLaVA {vision.model_type} tower only takes {side}x{side} "
             f"(HF does not interpolate its position embeddings here)" for h, w in sizes
@@ -260,7 +260,7 @@ def _mcore_side(cfg, compact: list[list[int]], seed: int) -> dict:
 
 
 def prepare_case(case: Case, cfg, towers: TowerLookup) -> Case:
-    return towers(cfg).prepare_case(case, cfg.vision_config)
+    return towers(cfg).parity.prepare_case(case, cfg.vision_config)
 
 
 def _pixel_values(cfg, case: Case, dtype, device, towers: TowerLookup) -> dict:
@@ -559,7 +559,7 @@ def row_layout_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
     px = processor.token_pixels(cfg)
     return [f"image size {h}x{w}: the Pixtral processor's tokens are {px} pixels, so both sides "
             f"must be multiples of {px}" for h, w in sizes if h % px or w % px] + \
-        towers(cfg).image_size_problems(cfg.vision_config, sizes)
+        towers(cfg).config.image_size_problems(cfg.vision_config, sizes)
 
 
 # LLaVA itself: the placeholder layout, the tower family's tower, stock LLaVAModel first.
@@ -572,7 +572,7 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
     family's hooks) and a registered language model (``languages(cfg)``: the part's record)."""
     def build_native(cfg, params_dtype=torch.float32):
         tower = towers(cfg)
-        build_tower = (tower.build_native if composition.build_tower is None
+        build_tower = (tower.native.build if composition.build_tower is None
                        else partial(composition.build_tower, cfg))
         return native.build_native(cfg, params_dtype, build_tower=build_tower,
                                    tower_packs_images=tower.llava_tower.variable_size,
@@ -585,18 +585,19 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
 
     rows = composition.image_layout == ROWS
     return FamilyHooks(
-        tiny_config=reference_module.tiny_config, family_config=reference_module.vision_config,
-        build_reference=reference_module.build, build_native=build_native,  # the tower comes from towers
-        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
-        cases=partial(cases, towers=towers, composition=composition),
+        config=ConfigHooks(
+            tiny=reference_module.tiny_config, family_config=reference_module.vision_config,
+            random=composition.random_config or random_config,
+            image_size_multiple=processor.token_pixels if rows else None,
+            image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers),
+            pipeline_problems=pipeline_problems),
         reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
-                       reference_component),
-        native=Side(native_run, partial(native_pairs, towers=towers), native_component),
-        random_config=composition.random_config or random_config,
+                       reference_component, reference_module.build),
+        native=Side(native_run, partial(native_pairs, towers=towers), native_component,
+                    build_native),  # the tower comes from towers
+        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
+        parity=Parity(partial(cases, towers=towers, composition=composition),
+                      partial(prepare_case, towers=towers), COMPONENTS),
         megatron=bind_towers(bind_language(composition.megatron if composition.megatron is not None
                                            else whole_vlm_parts(why=WHY_NO_WHOLE), languages), towers),
-        components=COMPONENTS,
-        prepare_case=partial(prepare_case, towers=towers),
-        image_size_multiple=processor.token_pixels if rows else None,
-        image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers),
-        pipeline_problems=pipeline_problems, published=composition.published)
+        bench=Bench(published=composition.published))

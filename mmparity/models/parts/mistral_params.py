@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
-from transformers import LlavaConfig, Mistral3Config, MistralConfig, PixtralVisionConfig
+from mmparity.config import has_patch_merger
 
 # Top-level fields: params.json name -> MistralConfig name.
 TEXT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "head_dim": "head_dim",
@@ -39,6 +40,31 @@ MERGER_IDS = (None, "patch_merge")
 
 class ParamsError(ValueError):
     """params.json states something this translation cannot express."""
+
+
+@dataclass(frozen=True)
+class NativeRelease:
+    """What a release in Mistral's layout is in HF terms, as the package of a model that takes
+    such releases declares it (its ``config.MISTRAL_NATIVE``): the model types of the HF config
+    (whole, ``vision_config``, ``text_config``) a params.json whose ``vision_encoder`` merges
+    patches or not (:func:`merges_patches`) translates to. Family detection reads it without
+    translating (and so without transformers)."""
+
+    merges_patches: bool
+    model_type: str
+    vision_model_type: str
+    text_model_type: str
+
+
+def merges_patches(encoder: dict) -> bool:
+    """Whether a params.json ``vision_encoder`` merges patches before its projector (Mistral3's
+    patch merger): it states a ``spatial_merge_size``."""
+    return encoder.get("spatial_merge_size") is not None
+
+
+def release_of(encoder: dict, releases) -> NativeRelease | None:
+    """The one of ``releases`` a params.json with this ``vision_encoder`` is, or None."""
+    return next((r for r in releases if r.merges_patches == merges_patches(encoder)), None)
 
 
 # What each number of params.json may be, by field: (kind, lowest, highest). Far beyond any
@@ -134,6 +160,10 @@ def _unknown(section: dict, known: set, where: str) -> None:
 
 def config_from_params(params: dict):
     """The HF config of a Mistral-native release from its ``params.json`` mapping."""
+    # Imported here: only a translation builds transformers' configuration classes; detection
+    # reads this module's records without them.
+    from transformers import LlavaConfig, Mistral3Config, MistralConfig, PixtralVisionConfig
+
     if not isinstance(params, dict):
         raise ParamsError("not a JSON object")
     _unknown(params, set(TEXT_FIELDS) | TEXT_OTHER, "top level")
@@ -247,7 +277,7 @@ def params_from_config(cfg) -> dict:
                "num_attention_heads": vision.num_attention_heads, "head_dim": vision.head_dim,
                "rope_theta": vision.rope_parameters["rope_theta"],
                "image_token_id": cfg.image_token_index, "adapter_bias": bool(cfg.multimodal_projector_bias)}
-    if cfg.model_type == "mistral3":
+    if has_patch_merger(cfg):
         encoder.update(spatial_merge_size=cfg.spatial_merge_size, mm_projector_id="patch_merge")
     params["vision_encoder"] = encoder
     return params

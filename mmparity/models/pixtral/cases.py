@@ -12,8 +12,8 @@ from transformers import PixtralVisionConfig
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
-    Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, first_tensor, module_hooks, recording_patch,
-    sbh_tokens_2d, tokens_2d)
+    Bench, Case, FamilyHooks, LlavaTower, Pair, Parity, Published, Side, TowerShape, first_tensor, module_hooks,
+    recording_patch, sbh_tokens_2d, tokens_2d)
 from mmparity.config import head_dim, image_hw
 from mmparity.models.pixtral import mapping as converter
 from mmparity.mapping.ops import RopeInterleave
@@ -209,9 +209,10 @@ MEGATRON = {"ViTModel": megatron_side.MegatronClass(upstream.build_pixtral, mega
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=prepare_case,
-                        flop_shape=flop_shape, published=PUBLISHED, image_size_problems=size_limit_problems,
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                        random_config=random_config, image_size_problems=size_limit_problems,
+                        parity=Parity(cases, prepare_case, COMPONENTS), megatron=MEGATRON,
+                        bench=Bench(flop_shape, PUBLISHED),
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, variable_size=True,
                                                megatron_type="pixtral-vit", vit_model=True,
                                                max_patches=max_patches_per_side))

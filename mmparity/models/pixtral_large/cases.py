@@ -12,7 +12,7 @@ from mmparity.models.core import inputs
 from mmparity.models.pixtral import cases as pixtral
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
-    Case, FamilyHooks, Pair, Side, TowerShape, module_hooks, recording_patch, tokens_2d)
+    Bench, Case, FamilyHooks, Pair, Parity, Side, TowerShape, module_hooks, recording_patch, tokens_2d)
 from mmparity.models.pixtral_large import mapping as converter
 from mmparity.models.pixtral_large import native
 from mmparity.models.pixtral_large import reference
@@ -175,10 +175,10 @@ def megatron_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case
     """Even grids (4x6, 6x2 patches, which Megatron's merger takes) for the numbers, and odd ones
     (5x7, 3x5: HF drops the last row / column, Megatron's merger raises) as ``odd_*`` cases."""
     if image_sizes:
-        return hooks.cases(cfg, seed, image_sizes)
+        return hooks.parity.cases(cfg, seed, image_sizes)
     p = cfg.vision_config.patch_size
-    even = hooks.cases(cfg, seed, [(4 * p, 6 * p), (6 * p, 2 * p)])
-    odd = [replace(c, name=f"odd_{c.name}") for c in hooks.cases(cfg, seed, [(5 * p, 7 * p), (3 * p, 5 * p)])]
+    even = hooks.parity.cases(cfg, seed, [(4 * p, 6 * p), (6 * p, 2 * p)])
+    odd = [replace(c, name=f"odd_{c.name}") for c in hooks.parity.cases(cfg, seed, [(5 * p, 7 * p), (3 * p, 5 * p)])]
     return even + odd
 
 
@@ -202,7 +202,7 @@ MEGATRON = {"ViTModel+MultimodalProjector": megatron_side.MegatronClass(
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
-                        last_stage_components=LAST_STAGE_COMPONENTS, prepare_case=prepare_case,
-                        image_size_problems=image_size_problems, flop_shape=flop_shape)
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                        random_config=random_config, image_size_problems=image_size_problems,
+                        parity=Parity(cases, prepare_case, COMPONENTS, LAST_STAGE_COMPONENTS),
+                        megatron=MEGATRON, bench=Bench(flop_shape))

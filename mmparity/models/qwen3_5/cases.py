@@ -19,7 +19,7 @@ from transformers.vision_utils import (get_vision_interpolation_indices_and_weig
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
-    Case, FamilyHooks, Pair, Published, Side, TowerShape, module_hooks, sbh_tokens_2d, tokens_2d)
+    Bench, Case, FamilyHooks, Pair, Parity, Published, Side, TowerShape, module_hooks, sbh_tokens_2d, tokens_2d)
 from mmparity.models.qwen3_5 import mapping as converter
 from mmparity.config import first_int as _int
 from mmparity.config import head_dim, vision_sub_config
@@ -319,6 +319,7 @@ MEGATRON = {"QwenVLViTModel": megatron_side.MegatronClass(build_qwen3_5, megatro
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE, cases=cases,
-                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS,
-                        last_stage_components=LAST_STAGE_COMPONENTS, flop_shape=flop_shape, published=PUBLISHED)
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                        random_config=random_config,
+                        parity=Parity(cases, components=COMPONENTS, last_stage_components=LAST_STAGE_COMPONENTS),
+                        megatron=MEGATRON, bench=Bench(flop_shape, PUBLISHED))

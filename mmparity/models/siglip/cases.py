@@ -13,7 +13,7 @@ from mmparity.models.clip import megatron as clip_megatron
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
-    Case, FamilyHooks, LlavaTower, Pair, Published, Side, TowerShape, module_hooks, tokens_2d)
+    Bench, Case, FamilyHooks, LlavaTower, Pair, Parity, Published, Side, TowerShape, module_hooks, tokens_2d)
 from mmparity.models.siglip import megatron as siglip_megatron
 from mmparity.models.siglip import mapping as converter
 from mmparity.config import vision_sub_config
@@ -95,9 +95,9 @@ MEGATRON = {"CLIPViTModel": megatron_side.MegatronClass(
 
 
 def hooks(towers) -> FamilyHooks:
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=clip.NATIVE, cases=cases,
-                        random_config=random_config, megatron=MEGATRON, components=COMPONENTS, prepare_case=clip.prepare_case,
-                        flop_shape=flop_shape, published=PUBLISHED,
+    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=clip.NATIVE,
+                        random_config=random_config, parity=Parity(cases, clip.prepare_case, COMPONENTS),
+                        megatron=MEGATRON, bench=Bench(flop_shape, PUBLISHED),
                         llava_tower=LlavaTower(model_type=converter.SPEC.tower.model_type, megatron_type=siglip_megatron.SUBTYPE,
                                                megatron_config=clip_megatron.transformer_config,
                                                v4_checkpoint_root=converter.SPEC.tower.v4_checkpoint_root))

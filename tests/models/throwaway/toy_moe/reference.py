@@ -17,9 +17,13 @@ class ToyMoeModel(DeepseekV3Model):
 
 
 def register_with_transformers() -> None:
-    if "toy_moe" not in AutoConfig.for_model.__globals__["CONFIG_MAPPING"]:
+    """What ``AutoConfig`` and ``AutoModel`` build for ``toy_moe``: LLaVA's HF class makes its text
+    model from ``text_config`` through them."""
+    try:
         AutoConfig.register("toy_moe", ToyMoeConfig)
-        AutoModel.register(ToyMoeConfig, ToyMoeModel)
+    except ValueError:  # this process has them already
+        return
+    AutoModel.register(ToyMoeConfig, ToyMoeModel)
 
 
 def tiny_text(**overrides) -> ToyMoeConfig:
