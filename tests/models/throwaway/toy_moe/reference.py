@@ -29,7 +29,8 @@ def register_with_transformers() -> None:
 def tiny_text(**overrides) -> ToyMoeConfig:
     """3 layers (1 dense, then MoE), 6 experts in 3 groups of which 2 are kept, top-4 (HF's
     top-2-per-group ranking is then mcore's), one shared expert, a q LoRA rank, rope/nope/v head
-    widths 4/6/5, YaRN past its original 64 positions (a LLaVA row is longer); TP 2 divides the heads, EP 2 the experts."""
+    widths 4/6/5, YaRN past its original 64 positions (a LLaVA row is longer); TP 2 divides the
+    heads, EP 2 the experts."""
     values = dict(hidden_size=40, num_hidden_layers=3, vocab_size=97, intermediate_size=36, moe_intermediate_size=12,
                   num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1, q_lora_rank=12,
                   kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, n_routed_experts=6,
