@@ -37,7 +37,7 @@ from mmparity.models.core.layers import (
     BiasInGemmRowParallelLinear, NormedColumnParallelLinear, get_bias_dropout_add)
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MLA and MoE
 # modules below read.
-from mmparity.models.core.mla_moe import TEXT_MODEL_TYPES, config_problems, host_placement, transformer_config
+from mmparity.models.core.mla_moe import config_problems, host_placement, transformer_config
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention
 
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear  # noqa: E402
