@@ -11,7 +11,10 @@ The line is ``registry.register(package)`` in this process, ``MMPARITY_FAMILIES`
 that starts ranks; nothing under mmparity/ names them. The paths: ``tiny``, ``check`` (with a
 perturbed weight located by its module), ``convert --to mcore`` at TP 2, PP 2 and EP 2 in both
 formats and back ``--to hf`` bit for bit, ``verify`` (and a flipped byte named by its file),
-``check --impl megatron``, ``verify --load``, ``check --hf DIR --low-memory`` and ``bench``.
+``check --impl megatron`` (a perturbed weight located there too), ``verify --load``, ``check --hf DIR
+--low-memory`` and ``bench``. Megatron has no class for the whole ``toy_vlm`` (stock LLaVAModel
+builds a dense decoder, and the vision part LLaVA lists is Pixtral's), so ``verify --load`` takes
+its language model converted alone (``--part language_model``), in the part's own class.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import struct
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,8 +116,13 @@ def test_a_whole_vlm_is_found_by_its_text_model_and_reads_its_part(registered):
     facts = registry.ConfigFacts("config.json", ("LlavaForConditionalGeneration",), "llava", "clip_vision_model",
                                  text_model_type="toy_moe")
     assert registry.detect(facts).family == "toy_vlm"
+    # Its shapes, read off the config without the model, are the model's.
     shapes = registered["toy_vlm"].state_shapes(cfg)
+    model = registered["toy_vlm"].build_reference(cfg)
+    assert shapes == {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes["model.language_model.layers.2.mlp.experts.gate_up_proj"] == (6, 24, 40)
+    with pytest.raises(ValueError, match="registered language models take: .*toy_moe"):
+        registry.language_of(SimpleNamespace(text_config=SimpleNamespace(model_type="gpt2")))
 
 
 # --- check ---------------------------------------------------------------------------------------
@@ -184,6 +193,25 @@ def test_check_impl_megatron_takes_the_classes_the_packages_name(registered, cap
     assert main(["check", "toy_vlm", "--impl", "megatron", "--megatron-class", "GPTModel",
                  "--no-components"]) == 0, capsys.readouterr()
     assert "GPTModel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family, megatron_class, key, module", [
+    ("toy_tower", "CLIPViTModel", "decoder.layers.1.mlp.linear_fc1.weight", "layer.1"),
+    ("toy_vlm", "GPTModel", "language_model.decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
+     "language_model.decoder.layers.2"),
+])
+def test_a_perturbed_weight_in_megatrons_class_is_located(registered, family, megatron_class, key, module):
+    def perturb(state):
+        state[key] = state[key].clone()
+        state[key][0, 1] -= 0.25
+
+    report = harness.check(family, seed=6, impl="megatron", megatron_class=megatron_class, components=False,
+                           mutate_native=perturb)
+    failed = [r for r in report.results if r.impl == "megatron" and not r.passed]
+    located = {r.first_divergence.module for r in failed}
+    # A case Megatron's class runs without module pairs (stock CLIPViTModel's packed one) names
+    # the output instead.
+    assert module in located and located <= {module} | {r.check.partition(":")[2] for r in failed}, located
 
 
 def test_low_memory_check_of_the_tiny_checkpoints(tiny, capsys):
