@@ -174,15 +174,25 @@ class LanguageModelBuilder:
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False) -> GPTModel:
         with host_placement(torch.get_default_device()):
-            model = GPTModel(config=self.config, transformer_layer_spec=block_spec(self.text),
-                            vocab_size=vocab_size, max_sequence_length=self.max_sequence_length,
-                            pre_process=pre_process, post_process=post_process,
-                            parallel_output=parallel_output,
-                            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                            position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
+            model = HostPlacedGPTModel(config=self.config, transformer_layer_spec=block_spec(self.text),
+                                      vocab_size=vocab_size, max_sequence_length=self.max_sequence_length,
+                                      pre_process=pre_process, post_process=post_process,
+                                      parallel_output=parallel_output,
+                                      share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                      position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
         for layer in model.decoder.layers:
             accept_te_extra_states(layer.self_attention)
             if isinstance(layer.mlp, MoELayer):
                 add_routed_experts_probe(layer.mlp)
         return model
+
+
+class HostPlacedGPTModel(GPTModel):
+    """``GPTModel`` whose forward runs under :func:`host_placement`: a whole VLM that runs it
+    (LLaVA's composition) places nothing itself, and mcore's rotary tables ask for the current
+    CUDA device on the first forward."""
+
+    def forward(self, *args, **kwargs):
+        with host_placement(next(self.parameters()).device):
+            return super().forward(*args, **kwargs)
 
