@@ -1,12 +1,8 @@
-"""A family written here, in the test, and registered for its duration: the generic machinery (hook
-validation, conversion both ways, the parity harness with its localisation, the test strategies,
-the bench, ``--impl megatron``) picks it up with nothing else edited. docs/families.md walks
-through the same steps for a real family; the fixture stands in its modules (reference,
-converters, cases).
-
-The toy has no Megatron class (Megatron has none for a stack of bare MLP blocks) and its record
-says so; a second throwaway tower, on CLIP's architecture, declares stock ``CLIPViTModel`` in its
-own cases module, and ``check --impl megatron`` and ``verify --load`` take it from there."""
+"""A family written here, in the test, and registered for its duration: hook validation, the test
+strategies and the bench pick it up with nothing else edited. The toy has no Megatron class
+(Megatron has none for a stack of bare MLP blocks) and its record says so, which ``check --impl
+megatron`` reports. The throwaway packages of tests/models/throwaway, driven through every command
+by test_throwaway_families.py, show the rest."""
 
 from __future__ import annotations
 
@@ -21,16 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmparity.models import registry as families
-from mmparity.models.clip import cases as clip_cases
-from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
     Case, ConfigHooks, FamilyHooks, NoMegatron, NoMegatronClass, Pair, Parity, Side, tokens_2d)
 from mmparity.cli.main import main
 from mmparity.mapping.ops import fuse_gate_up
 from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, rename
 from mmparity.parity import bench, harness
-from mmparity.parity.metrics import FP32_REL_L2
-from mmparity.models.clip.megatron import build_clip
 from tests.strategies import config_and_tp, family_configs
 
 
@@ -191,27 +183,6 @@ def test_the_registry_lists_and_validates_it(toy):
     assert toy.state_shapes(toy.tiny_config())["layers.1.down_proj.weight"] == (6, 4)
 
 
-def test_conversion_both_ways_is_exact(toy):
-    cfg = toy.tiny_config()
-    state = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
-             for k, v in toy.build_reference(cfg).state_dict().items()}
-    shards = toy.hf_to_mcore(state, cfg, tp_size=2)
-    assert shards[0]["decoder.layers.0.linear_fc1.weight"].shape == (4, 6)
-    back = toy.mcore_to_hf(shards, cfg)
-    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-
-
-def test_parity_harness_checks_it_and_locates_a_fault(toy):
-    assert harness.check("toy", seed=3).passed
-
-    def perturb(state):
-        state["decoder.layers.1.linear_fc2.weight"] = state["decoder.layers.1.linear_fc2.weight"] + 0.5
-
-    report = harness.check("toy", seed=3, mutate_native=perturb)
-    assert not report.passed
-    assert {r.first_divergence.module for r in report.failures()} == {"layer.1"}
-
-
 def test_strategies_draw_from_its_record(toy):
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
@@ -278,62 +249,3 @@ def test_no_megatron_class_is_reported_with_the_records_reason(toy, capsys):
     assert "toy" in err and "bare gated MLP blocks" in err and "Traceback" not in err
     with pytest.raises(TypeError, match="reason"):
         NoMegatron(" ")
-
-
-# --- a throwaway tower with a Megatron class ------------------------------------------------------
-# A tower on CLIP's architecture (as another release of it would be): CLIP's reference, native and
-# converter modules under a new name, and its own cases module, whose record names stock
-# CLIPViTModel. Nothing else knows the name.
-
-def clip_like_hooks(towers) -> FamilyHooks:
-    megatron = {"CLIPViTModel": megatron_side.MegatronClass(
-        build_clip, megatron_side.configured_size(lambda cfg: cfg), clip_cases.megatron_run,
-        clip_cases.megatron_pairs)}
-    return dataclasses.replace(clip_cases.hooks(towers), megatron=megatron, llava_tower=None)
-
-
-@pytest.fixture
-def clip_like(monkeypatch):
-    from mmparity.models.clip import mapping as clip_converter
-    from mmparity.models.clip import reference as clip_reference
-
-    for layer, module in (("reference", clip_reference), ("mapping", clip_converter)):
-        monkeypatch.setitem(sys.modules, f"mmparity.models.toy_clip.{layer}", module)
-    cases_module = types.ModuleType("mmparity.models.toy_clip.cases")
-    cases_module.hooks = clip_like_hooks
-    monkeypatch.setitem(sys.modules, cases_module.__name__, cases_module)
-    monkeypatch.setitem(families._REGISTRY, "toy_clip", families.Family(
-        name="toy_clip", summary="a throwaway tower on CLIP's architecture",
-        reference_classes=("CLIPVisionModel",)))
-    return families.get("toy_clip")
-
-
-def test_impl_megatron_takes_the_class_its_record_names(clip_like):
-    assert clip_like.megatron_class() == ("CLIPViTModel", clip_like.hooks.megatron["CLIPViTModel"])
-    report = harness.check("toy_clip", impl="megatron")
-    results = [r for r in report.results if r.impl == "megatron"]
-    assert report.passed and results and report.megatron["classes"] == {"toy_clip": "CLIPViTModel"}
-    assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results)
-
-    def corrupt(shard):  # negative control: located in Megatron's class
-        shard["decoder.layers.1.mlp.linear_fc1.weight"] = shard["decoder.layers.1.mlp.linear_fc1.weight"].flip(0)
-
-    failed = harness.check("toy_clip", impl="megatron", mutate_native=corrupt)
-    static = next(r for r in failed.results if r.check == "static:last_hidden_state")
-    assert not static.passed and static.first_divergence.module == "layer.1"
-
-
-def test_cli_check_and_verify_load_take_it(clip_like, tmp_path, capsys):
-    capsys.readouterr()
-    assert main(["check", "toy_clip", "--impl", "megatron", "--no-components"]) == 0, capsys.readouterr()
-    assert "CLIPViTModel" in capsys.readouterr().out
-    cfg = clip_like.tiny_config()
-    ref = clip_like.build_reference(cfg)
-    hf = tmp_path / "hf"
-    ref.save_pretrained(hf)
-    assert main(["convert", "--src", str(hf), "--dst", str(tmp_path / "mcore"), "--to", "mcore",
-                 "--family", "toy_clip"]) == 0, capsys.readouterr()
-    capsys.readouterr()
-    code = main(["verify", "--load", str(tmp_path / "mcore")])
-    out, err = capsys.readouterr()
-    assert code == 0 and "CLIPViTModel" in out, out + err

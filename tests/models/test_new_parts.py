@@ -1,18 +1,14 @@
-"""A language-model part and a whole VLM written here, in the test, and registered for its
-duration: one registry entry and its modules each, nothing else edited. The whole VLM composes a
-registered tower (CLIP) with the throwaway language model, and the generic machinery (conversion
-both ways, shapes without the model, detection, the parity harness with its localisation,
-``--impl megatron``) takes it. The language model names its Megatron class in its registry entry
-(a builder in its own native module: stock ``GPTModel``); the whole VLM lists its Megatron classes
-in its own cases module (stock ``LLaVAModel`` for the whole model, and the parts), and ``check
---impl megatron`` runs both with nothing else edited. tests/models/test_new_family.py does the same for a
-tower family; docs/families.md walks through all three.
+"""A dense language-model part and a whole VLM on it, written here, in the test, and registered for
+its duration: the whole VLM composes a registered tower (CLIP) with the throwaway decoder, and
+``check --impl megatron`` runs it in stock ``LLaVAModel`` (which holds a dense decoder whole) and
+part by part, with nothing else edited. The throwaway packages of tests/models/throwaway, driven
+through every command by test_throwaway_families.py, show the rest (conversion, detection, parity
+with its localisation, a part with experts).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import types
 
@@ -23,9 +19,8 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel, LlavaCo
 from mmparity.models import registry as families
 from mmparity.models.llava import cases as llava_cases
 from mmparity.models.llava import megatron as llava_megatron
-from mmparity.models.core.inputs import random_like_state
 from mmparity.models.parts.dense_decoder import mapping as dense_rules
-from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, with_side
+from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys
 from mmparity.models.parts.dense_decoder import native as dense_native
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
 from mmparity.cli.main import main
@@ -140,50 +135,6 @@ def parts(monkeypatch):
     return families.get("toy_vlm")
 
 
-def test_its_language_model_is_found_by_the_text_model_type(parts):
-    assert families.language_of(parts.tiny_config()).name == "toy_decoder"
-    taken = ", ".join(t for name in families.language_models()
-                      for t in families._LANGUAGE_MODELS[name].text_model_types)
-    assert taken.endswith("toy_decoder")
-    with pytest.raises(ValueError, match=f"registered language models take: {re.escape(taken)}"):
-        families.language_of(types.SimpleNamespace(text_config=types.SimpleNamespace(model_type="gpt2")))
-
-
-def test_conversion_both_ways_and_shapes_without_the_model(parts):
-    cfg = parts.tiny_config()
-    model = parts.build_reference(cfg)
-    state = random_like_state(model.state_dict(), seed=4)
-    assert parts.state_shapes(cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    shards = parts.hf_to_mcore(state, cfg, tp_size=2)
-    assert "language_model.decoder.layers.1.self_attention.linear_qkv.weight" in shards[0]
-    back = parts.mcore_to_hf(shards, cfg, hf_format="hf")
-    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-
-
-def test_the_native_model_loads_its_weights_strictly(parts):
-    cfg = parts.tiny_config()
-    state = random_like_state(parts.build_reference(cfg).state_dict(), seed=5)
-    parts.build_native(cfg).load_state_dict(with_side(parts.hf_to_mcore(state, cfg))[0], strict=True)
-
-
-def test_detection_takes_it_by_its_text_model(parts):
-    facts = families.ConfigFacts("config.json", ("LlavaForConditionalGeneration",), "llava", "clip_vision_model",
-                                 text_model_type="toy_decoder")
-    assert families.detect(facts).family == "toy_vlm"
-
-
-def test_parity_passes_and_a_fault_is_named_by_its_part(parts):
-    assert harness.check("toy_vlm", seed=3).passed
-
-    def perturb(state):
-        key = "language_model.decoder.layers.1.mlp.linear_fc2.weight"
-        state[key] = state[key].clone()
-        state[key][0, 0] += 0.5
-
-    report = harness.check("toy_vlm", seed=3, mutate_native=perturb, components=False)
-    assert {r.first_divergence.module for r in report.failures()} == {"language_model.decoder.layers.1"}
-
-
 def _megatron_results(report):
     return [r for r in report.results if r.impl == "megatron"]
 
@@ -196,21 +147,6 @@ def test_impl_megatron_runs_its_whole_vlm_in_stock_llava_model(parts):
     assert report.megatron["classes"] == {"toy_vlm": "LLaVAModel"}
     logits = next(r for r in results if r.check.endswith("logits"))
     assert logits.metrics["rel_l2"] <= FP32_REL_L2
-
-
-def test_impl_megatron_runs_its_language_model_in_the_class_its_entry_names(parts):
-    BUILT.clear()
-    report = harness.check("toy_vlm", seed=3, impl="megatron", megatron_class="GPTModel")
-    assert report.passed and _megatron_results(report) and BUILT == ["toy_decoder"]
-
-    def perturb(state):
-        key = "language_model.decoder.layers.1.mlp.linear_fc2.weight"
-        state[key] = state[key].clone()
-        state[key][0, 0] += 0.5
-
-    failed = harness.check("toy_vlm", seed=3, impl="megatron", megatron_class="GPTModel", mutate_native=perturb)
-    assert {r.first_divergence.module for r in _megatron_results(failed) if not r.passed} == \
-        {"language_model.decoder.layers.1"}
 
 
 def test_cli_check_impl_megatron_takes_it(parts, capsys):
