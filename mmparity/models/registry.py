@@ -572,7 +572,12 @@ def _tower_family(cfg) -> Family:
     towers = {}
     for family in _families().values():
         if not family.composed and family.converter.tower is not None:
-            towers[family.converter.tower.model_type] = family
+            taken = towers.setdefault(family.converter.tower.model_type, family)
+            if taken is not family:
+                # Which one LLaVA would use would depend on the registry's order: refuse to guess.
+                raise RegistryError(f"families {taken.name!r} and {family.name!r} both serve as the LLaVA vision "
+                                  f"tower of model_type {family.converter.tower.model_type!r}; one of them "
+                                  "must leave its SPEC.tower unset")
     if model_type not in towers:
         raise ValueError(f"LLaVA vision tower of model_type {model_type!r} is not supported; "
                          f"registered vision towers: {', '.join(towers)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 
 import pytest
 
@@ -40,6 +41,9 @@ def outside(tmp_path, monkeypatch):
     (tmp_path / "twin" / "__init__.py").write_text("")
     (tmp_path / "twin" / "outside_family" / "__init__.py").write_text(RECORD)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # Each test's package is its own: nothing of another test's import is kept.
+    for name in [m for m in sys.modules if m.split(".")[0] in ("outside_family", "twin")]:
+        monkeypatch.delitem(sys.modules, name)
     return tmp_path
 
 
@@ -77,3 +81,16 @@ def registry_root() -> str:
     from pathlib import Path
 
     return str(Path(registry.__file__).resolve().parents[2])
+
+
+def test_two_towers_of_one_model_type_are_refused_not_chosen_by_order(outside, monkeypatch):
+    """A second family whose table serves as the LLaVA tower of CLIP's model type: which one a LLaVA
+    used would depend on the registry's order, so the lookup refuses, naming both."""
+    (outside / "outside_family" / "mapping.py").write_text("from mmparity.models.clip.mapping import SPEC  # noqa: F401\n")
+    registry.register("outside_family")
+    try:
+        llava = registry.get("llava")
+        with pytest.raises(registry.RegistryError, match="'clip' and 'outside_family' both serve"):
+            llava.state_shapes(llava.tiny_config())
+    finally:
+        registry.unregister("outside_family")
