@@ -198,3 +198,13 @@ def test_native_and_reference_modules_keep_to_their_framework(last):
                 if name.split(".")[0] in FORBIDDEN_BY_NAME[last]:
                     bad.append(f"{module}:{line} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+# A module longer than this is several modules: split it where its parts stop sharing state.
+LONGEST_MODULE = 800
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > LONGEST_MODULE}
+    assert not long, f"modules over {LONGEST_MODULE} lines: {long}"
