@@ -94,7 +94,8 @@ example: a tiny LLaVA to Megatron-LM's rank files at TP 2 and back
   mmparity convert --src mcore/ --dst hf2/ --to hf
 
 Each command's options: mmparity COMMAND --help. Exit codes: 0 success,
-1 a parity failure or problems found, 2 a usage or input error.
+1 a parity failure or problems found, 2 a usage or input error, 128 + the
+signal's number when stopped by one (130 for Ctrl-C), after cleaning up.
 Guides: README.md and docs/ in the mmparity repository (convert.md, check.md,
 megatron.md for Megatron-LM users, live.md, gpu.md)."""
 
@@ -153,9 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
 class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP, raised where the program is so that every cleanup runs, as for SIGINT."""
 
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
 
 def _interrupt(signum, frame):
-    raise Interrupted(signal.Signals(signum).name)
+    raise Interrupted(signum)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """One line, and the exit code a shell gives a command its signal ended, 128 + the signal's
+    number (130 for Ctrl-C): a script or scheduler tells a stopped run from a refused one (2)."""
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    print(f"mmparity: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
 
 
 class _StderrNotes(logging.Handler):
@@ -197,7 +210,7 @@ def main(argv=None) -> int:
             except KeyboardInterrupt as exc:  # also while parsing and importing
                 if argv is None:
                     _only_exit()
-                return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+                return _interrupted(exc)
         finally:
             if argv is None:
                 # The command is done (or was stopped): what is left is the interpreter's shutdown
