@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import logging
 import shutil
@@ -128,9 +129,65 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, **kwargs)
 
 
+def _closest(word: str, candidates) -> str | None:
+    found = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 class _Parser(argparse.ArgumentParser):
+    commands: dict = {}  # on the top-level parser: each subcommand's parser, by name
+    _given: list = []  # the arguments this parser was last given, for the hints of its errors
+
     def error(self, message):  # argparse's own usage errors: one line, exit 2
+        # An error met before argparse reports unknown options (a required option missing because
+        # its name was mistyped: `convert --srcc`) still names them, with the closest known option.
+        if "did you mean" not in message and not message.startswith("unrecognized"):
+            parsers = [self, *self.commands.values()]
+            hints = [(word, guess) for word, guess in self._unknown(self._given, parsers) if guess]
+            if hints:
+                message += " (" + ", ".join(f"unrecognized {word}; did you mean {guess}?"
+                                            for word, guess in hints) + ")"
         self.exit(EXIT_USAGE, f"mmparity: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _check_value(self, action, value):
+        # A mistyped subcommand or choice (`mmparity chek`, `--dtype bfloat61`) names the closest.
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            guess = _closest(str(value), map(str, action.choices))
+            if guess is None:
+                raise
+            raise argparse.ArgumentError(action, f"{exc.message}; did you mean {guess}?") from None
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse's own check, but naming for each unknown option the closest of the subcommand's.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            parsers = [self] + ([self.commands[command]] if command in self.commands else [])
+            guesses = dict(self._unknown(extras, parsers))
+            if len(extras) == 1:
+                guess = guesses.get(extras[0])
+                self.error(f"unrecognized argument {extras[0]}" + (f"; did you mean {guess}?" if guess else ""))
+            self.error("unrecognized arguments " + ", ".join(
+                word + (f" (did you mean {guesses[word]}?)" if guesses.get(word) else "") for word in extras))
+        return parsed
+
+    def _unknown(self, words, parsers) -> list:
+        """(word, the closest option or None) for each of ``words`` spelt as an option that is no
+        option of ``parsers``, nor an abbreviation of one."""
+        options = {option for parser in parsers for action in parser._actions for option in action.option_strings}
+        found = []
+        for word in words:
+            head = word.split("=", 1)[0]
+            if (head.startswith("-") and head not in ("-", "--") and not self._negative_number_matcher.match(head)
+                    and not any(option.startswith(head) for option in options)):
+                found.append((word, _closest(head, options)))
+        return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mmparity {__version__}")
     parser.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, title="commands", metavar="COMMAND")
+    parser.commands = {}
     for name, command in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=command.summary, description=command.description,
                                     epilog=command.epilog(), formatter_class=_Formatter)
+        parser.commands[name] = sub_parser
         importlib.import_module(f"mmparity.cli.{command.module}").add_arguments(sub_parser)
         # A global option, also taken after the subcommand; SUPPRESS keeps one given before it.
         sub_parser.add_argument("--timeout", type=_seconds, metavar="S", default=argparse.SUPPRESS,
