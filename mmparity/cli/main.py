@@ -129,6 +129,15 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, **kwargs)
 
 
+class _ParseError(SystemExit):
+    """argparse refused the command line (its line already on stderr): exit 2, as ``parser.exit``
+    would, with the message kept for the reports a refused command still writes."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+
 def _closest(word: str, candidates) -> str | None:
     found = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
     return found[0] if found else None
@@ -147,7 +156,8 @@ class _Parser(argparse.ArgumentParser):
             if hints:
                 message += " (" + ", ".join(f"unrecognized {word}; did you mean {guess}?"
                                             for word, guess in hints) + ")"
-        self.exit(EXIT_USAGE, f"mmparity: error: {message}\n")
+        self._print_message(f"mmparity: error: {message}\n", sys.stderr)
+        raise _ParseError(message)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)
@@ -265,7 +275,7 @@ def main(argv=None) -> int:
             try:
                 return _main(argv)
             except RegistryError as exc:  # MMPARITY_FAMILIES names no family's package
-                return fail_usage(str(exc))
+                return _refused(str(exc), argv=sys.argv[1:] if argv is None else argv)
             except KeyboardInterrupt as exc:  # also while parsing and importing
                 if argv is None:
                     _only_exit()
@@ -291,7 +301,11 @@ def _main(argv) -> int:
     if not any(isinstance(h, _StderrNotes) for h in notes.handlers):
         notes.addHandler(_StderrNotes())
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _ParseError as exc:
+        _usage_error_reports(exc.message, argv=sys.argv[1:] if argv is None else argv)
+        raise
     args.argv = list(sys.argv[1:] if argv is None else argv)  # convert --workers runs it again per rank
     if not args.command:
         # A usage error like any other: on stderr, so a script capturing stdout sees nothing.
@@ -306,15 +320,60 @@ def _main(argv) -> int:
     try:
         return module.run(args)
     except UsageError as exc:
-        return fail_usage(str(exc))
+        return _refused(str(exc), args=args)
     except Exception as exc:
         message = _launch_failure(exc)
         if message is None:
             raise
-        return fail_usage(message)
+        return _refused(message, args=args)
     finally:
         if runtime is not None:
             runtime.set_timeout(None)  # an embedding program's next call starts from the default
+
+
+def _refused(message: str, args=None, argv=()) -> int:
+    """A usage error: its one line, exit 2, and the reports the command was asked for."""
+    _usage_error_reports(message, args, argv)
+    return fail_usage(message)
+
+
+def _usage_error_reports(message: str, args=None, argv=()) -> None:
+    """A subcommand that writes reports for CI (``REPORT_OPTIONS``, ``write_usage_error_reports``:
+    ``check``) writes them for a refused command line too, with the error. The paths are the
+    parsed ones, or read from the words of a command line argparse refused."""
+    if args is not None:
+        command, words = getattr(args, "command", None), ()
+    else:
+        command, words = _command_words([str(word) for word in argv])
+    module = sys.modules.get(f"mmparity.cli.{SUBCOMMANDS[command].module}") if command in SUBCOMMANDS else None
+    write = getattr(module, "write_usage_error_reports", None)
+    if write is None:
+        return
+    if args is not None:
+        paths = {option: getattr(args, option[2:].replace("-", "_"), None) for option in module.REPORT_OPTIONS}
+    else:
+        paths = {}
+        for at, word in enumerate(words):
+            for option in module.REPORT_OPTIONS:
+                if word == option and at + 1 < len(words) and not words[at + 1].startswith("-"):
+                    paths[option] = words[at + 1]
+                elif word.startswith(option + "="):
+                    paths[option] = word[len(option) + 1:]
+    write(paths, message)
+
+
+def _command_words(words: list) -> tuple:
+    """(the subcommand, the words after it) of a command line: the first word that is no option
+    (nor --timeout's value)."""
+    at = 0
+    while at < len(words):
+        if words[at] == "--timeout":
+            at += 2
+        elif words[at].startswith("-"):
+            at += 1
+        else:
+            return words[at], words[at + 1:]
+    return None, []
 
 
 def _launch_failure(exc: Exception) -> str | None:
