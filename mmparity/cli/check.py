@@ -72,6 +72,44 @@ def add_arguments(parser) -> None:
     report.add_argument("--quiet", action="store_true", help="only the summary line")
 
 
+# The reports a CI job reads: written even when the command is refused (exit 2), saying why.
+REPORT_OPTIONS = ("--json", "--junit")
+
+
+def write_usage_error_reports(paths: dict, message: str) -> None:
+    """For a refused ``check`` (``paths``: each of :data:`REPORT_OPTIONS` given, to its path): the
+    JSON report with the error and no results, JUnit XML with one errored testcase, so that CI
+    shows a failed test rather than no report. A path that cannot be written is passed over: the
+    one stderr line already says what went wrong."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # under torchrun, rank 0 reports
+    from mmparity.cli.common import one_line
+    from mmparity.parity.report import strict_json
+
+    line = one_line(message)
+    texts = {"--json": lambda: strict_json({"passed": False, "error": line, "results": []}) + "\n",
+             "--junit": lambda: _usage_error_junit(line)}
+    for option, path in paths.items():
+        if path and option in texts:
+            try:
+                write_text_atomic(str(path), texts[option](), option)
+            except UsageError:
+                pass
+
+
+def _usage_error_junit(line: str) -> str:
+    from xml.sax.saxutils import escape
+
+    from mmparity.cli.render import _attr, _xml_safe
+
+    return ('<?xml version="1.0" encoding="utf-8"?>\n'
+            '<testsuite name="mmparity" tests="1" failures="0" errors="1" time="0.000">\n'
+            '  <testcase classname="mmparity.check" name="usage">\n'
+            f'    <error type="usage" message={_attr(line)}>{escape(_xml_safe(line))}</error>\n'
+            '  </testcase>\n'
+            '</testsuite>\n').encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
 def _resolve_families(requested: list[str]) -> list:
     """The registry records of the families named (default: every registered family)."""
     from mmparity.models import registry as families

@@ -10,14 +10,18 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
-    """A user error: printed as one line, exit code 2, no traceback, nothing written."""
+    """A user error: printed as one line, exit code 2, no traceback, nothing written (but the
+    reports ``check`` was asked for, holding the error: see ``check.write_usage_error_reports``)."""
+
+
+def one_line(message: str) -> str:
+    # One line whatever the message is: an exception text that spans lines (a list of problems,
+    # a tool's own multi-line error) still reaches a user, and a script reading stderr, as one.
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 def fail_usage(message: str) -> int:
-    # One line whatever the message is: an exception text that spans lines (a list of problems,
-    # a tool's own multi-line error) still reaches a user, and a script reading stderr, as one.
-    line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
-    print(f"mmparity: error: {line}", file=sys.stderr)
+    print(f"mmparity: error: {one_line(message)}", file=sys.stderr)
     return EXIT_USAGE
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import logging
 import shutil
@@ -94,7 +95,8 @@ example: a tiny LLaVA to Megatron-LM's rank files at TP 2 and back
   mmparity convert --src mcore/ --dst hf2/ --to hf
 
 Each command's options: mmparity COMMAND --help. Exit codes: 0 success,
-1 a parity failure or problems found, 2 a usage or input error.
+1 a parity failure or problems found, 2 a usage or input error, 128 + the
+signal's number when stopped by one (130 for Ctrl-C), after cleaning up.
 Guides: README.md and docs/ in the mmparity repository (convert.md, check.md,
 megatron.md for Megatron-LM users, live.md, gpu.md)."""
 
@@ -127,9 +129,75 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, **kwargs)
 
 
+class _ParseError(SystemExit):
+    """argparse refused the command line (its line already on stderr): exit 2, as ``parser.exit``
+    would, with the message kept for the reports a refused command still writes."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+
+def _closest(word: str, candidates) -> str | None:
+    found = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 class _Parser(argparse.ArgumentParser):
+    commands: dict = {}  # on the top-level parser: each subcommand's parser, by name
+    _given: list = []  # the arguments this parser was last given, for the hints of its errors
+
     def error(self, message):  # argparse's own usage errors: one line, exit 2
-        self.exit(EXIT_USAGE, f"mmparity: error: {message}\n")
+        # An error met before argparse reports unknown options (a required option missing because
+        # its name was mistyped: `convert --srcc`) still names them, with the closest known option.
+        if "did you mean" not in message and not message.startswith("unrecognized"):
+            parsers = [self, *self.commands.values()]
+            hints = [(word, guess) for word, guess in self._unknown(self._given, parsers) if guess]
+            if hints:
+                message += " (" + ", ".join(f"unrecognized {word}; did you mean {guess}?"
+                                            for word, guess in hints) + ")"
+        self._print_message(f"mmparity: error: {message}\n", sys.stderr)
+        raise _ParseError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _check_value(self, action, value):
+        # A mistyped subcommand or choice (`mmparity chek`, `--dtype bfloat61`) names the closest.
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            guess = _closest(str(value), map(str, action.choices))
+            if guess is None:
+                raise
+            raise argparse.ArgumentError(action, f"{exc.message}; did you mean {guess}?") from None
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse's own check, but naming for each unknown option the closest of the subcommand's.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            parsers = [self] + ([self.commands[command]] if command in self.commands else [])
+            guesses = dict(self._unknown(extras, parsers))
+            if len(extras) == 1:
+                guess = guesses.get(extras[0])
+                self.error(f"unrecognized argument {extras[0]}" + (f"; did you mean {guess}?" if guess else ""))
+            self.error("unrecognized arguments " + ", ".join(
+                word + (f" (did you mean {guesses[word]}?)" if guesses.get(word) else "") for word in extras))
+        return parsed
+
+    def _unknown(self, words, parsers) -> list:
+        """(word, the closest option or None) for each of ``words`` spelt as an option that is no
+        option of ``parsers``, nor an abbreviation of one."""
+        options = {option for parser in parsers for action in parser._actions for option in action.option_strings}
+        found = []
+        for word in words:
+            head = word.split("=", 1)[0]
+            if (head.startswith("-") and head not in ("-", "--") and not self._negative_number_matcher.match(head)
+                    and not any(option.startswith(head) for option in options)):
+                found.append((word, _closest(head, options)))
+        return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mmparity {__version__}")
     parser.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, title="commands", metavar="COMMAND")
+    parser.commands = {}
     for name, command in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=command.summary, description=command.description,
                                     epilog=command.epilog(), formatter_class=_Formatter)
+        parser.commands[name] = sub_parser
         importlib.import_module(f"mmparity.cli.{command.module}").add_arguments(sub_parser)
         # A global option, also taken after the subcommand; SUPPRESS keeps one given before it.
         sub_parser.add_argument("--timeout", type=_seconds, metavar="S", default=argparse.SUPPRESS,
@@ -153,9 +223,21 @@ def build_parser() -> argparse.ArgumentParser:
 class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP, raised where the program is so that every cleanup runs, as for SIGINT."""
 
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
 
 def _interrupt(signum, frame):
-    raise Interrupted(signal.Signals(signum).name)
+    raise Interrupted(signum)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """One line, and the exit code a shell gives a command its signal ended, 128 + the signal's
+    number (130 for Ctrl-C): a script or scheduler tells a stopped run from a refused one (2)."""
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    print(f"mmparity: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
 
 
 class _StderrNotes(logging.Handler):
@@ -193,11 +275,11 @@ def main(argv=None) -> int:
             try:
                 return _main(argv)
             except RegistryError as exc:  # MMPARITY_FAMILIES names no family's package
-                return fail_usage(str(exc))
+                return _refused(str(exc), argv=sys.argv[1:] if argv is None else argv)
             except KeyboardInterrupt as exc:  # also while parsing and importing
                 if argv is None:
                     _only_exit()
-                return fail_usage(f"interrupted{f' by {exc}' if isinstance(exc, Interrupted) else ''}")
+                return _interrupted(exc)
         finally:
             if argv is None:
                 # The command is done (or was stopped): what is left is the interpreter's shutdown
@@ -219,7 +301,11 @@ def _main(argv) -> int:
     if not any(isinstance(h, _StderrNotes) for h in notes.handlers):
         notes.addHandler(_StderrNotes())
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _ParseError as exc:
+        _usage_error_reports(exc.message, argv=sys.argv[1:] if argv is None else argv)
+        raise
     args.argv = list(sys.argv[1:] if argv is None else argv)  # convert --workers runs it again per rank
     if not args.command:
         # A usage error like any other: on stderr, so a script capturing stdout sees nothing.
@@ -234,15 +320,60 @@ def _main(argv) -> int:
     try:
         return module.run(args)
     except UsageError as exc:
-        return fail_usage(str(exc))
+        return _refused(str(exc), args=args)
     except Exception as exc:
         message = _launch_failure(exc)
         if message is None:
             raise
-        return fail_usage(message)
+        return _refused(message, args=args)
     finally:
         if runtime is not None:
             runtime.set_timeout(None)  # an embedding program's next call starts from the default
+
+
+def _refused(message: str, args=None, argv=()) -> int:
+    """A usage error: its one line, exit 2, and the reports the command was asked for."""
+    _usage_error_reports(message, args, argv)
+    return fail_usage(message)
+
+
+def _usage_error_reports(message: str, args=None, argv=()) -> None:
+    """A subcommand that writes reports for CI (``REPORT_OPTIONS``, ``write_usage_error_reports``:
+    ``check``) writes them for a refused command line too, with the error. The paths are the
+    parsed ones, or read from the words of a command line argparse refused."""
+    if args is not None:
+        command, words = getattr(args, "command", None), ()
+    else:
+        command, words = _command_words([str(word) for word in argv])
+    module = sys.modules.get(f"mmparity.cli.{SUBCOMMANDS[command].module}") if command in SUBCOMMANDS else None
+    write = getattr(module, "write_usage_error_reports", None)
+    if write is None:
+        return
+    if args is not None:
+        paths = {option: getattr(args, option[2:].replace("-", "_"), None) for option in module.REPORT_OPTIONS}
+    else:
+        paths = {}
+        for at, word in enumerate(words):
+            for option in module.REPORT_OPTIONS:
+                if word == option and at + 1 < len(words) and not words[at + 1].startswith("-"):
+                    paths[option] = words[at + 1]
+                elif word.startswith(option + "="):
+                    paths[option] = word[len(option) + 1:]
+    write(paths, message)
+
+
+def _command_words(words: list) -> tuple:
+    """(the subcommand, the words after it) of a command line: the first word that is no option
+    (nor --timeout's value)."""
+    at = 0
+    while at < len(words):
+        if words[at] == "--timeout":
+            at += 2
+        elif words[at].startswith("-"):
+            at += 1
+        else:
+            return words[at], words[at + 1:]
+    return None, []
 
 
 def _launch_failure(exc: Exception) -> str | None:

@@ -4,8 +4,8 @@ The window: a signal raised between the ``mkdir`` of the staging directory and t
 records it for the ``except`` clause that removes it, or halfway through that removal (a second
 Ctrl-C). Made deterministic here by raising SIGINT from inside the steps themselves; and tried as a
 user does: SIGINT sent the moment the directory shows up, once or again and again until the
-command exits, over several runs. Every run: exit 2, one line, no staging directory, no
-destination.
+command exits, over several runs. Every run: exit 130 (128 + SIGINT, as a shell reports it), one
+line, no staging directory, no destination.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from mmparity.io.fsio import interrupts, publish
 
-from tests.faults.test_faults import FAMILY, REPO, one_line_error, sources  # noqa: F401
+from tests.faults.test_faults import FAMILY, REPO, sources  # noqa: F401
 
 pytestmark = pytest.mark.fault
 
@@ -142,5 +142,6 @@ def test_sigint_the_moment_the_staging_directory_appears(sources, tmp_path, how,
         if proc.returncode == 0:  # done before the signal landed: a complete conversion is a correct result
             assert os.listdir(parent) == ["dst"]
             continue
-        one_line_error(proc.returncode, out, err, "interrupted")
+        assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err)
+        assert err.splitlines() == ["mmparity: interrupted by SIGINT"], err
         assert os.listdir(parent) == [], (run, os.listdir(parent))
