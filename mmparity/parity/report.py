@@ -69,6 +69,9 @@ class Result:
     description: str = ""
     modules: list = field(default_factory=list)  # per paired module: {"module", "metrics", "passed"}
     impl: str = "native"  # whose model produced it: "native" (mmparity's) or "megatron" (Megatron's own)
+    # Wall seconds of this result's share of its case in the reporting process (the reference's
+    # runs and the comparison; a case's outputs share it equally), None where not measured.
+    seconds: Optional[float] = None
 
     def as_dict(self) -> dict:
         return {
@@ -81,6 +84,7 @@ class Result:
             "description": self.description,
             "modules": self.modules,
             "impl": self.impl,
+            "seconds": self.seconds,
         }
 
 
@@ -94,6 +98,7 @@ class Report:
     versions: dict = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     impl: str = "native"
     # With Megatron's class under test: its version, which TE modules ran, the class.
     megatron: Optional[dict] = None
@@ -113,6 +118,7 @@ class Report:
             "seed": self.seed,
             "tp": self.tp,
             "pp": self.pp,
+            "ep": self.ep,
             "attention_backend": self.attention_backend,
             "passed": self.passed,
             "impl": self.impl,
