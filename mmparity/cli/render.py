@@ -142,14 +142,17 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
     # Off a terminal rich would wrap at 80 columns: a file or pipe gets long lines instead.
     is_tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
     console = Console(file=stream, highlight=False, width=None if is_tty else 200)
+    # A line under the table wraps at a terminal's edge (a long name folds, never cut); in a file
+    # or pipe it stays one line, whole, for grep.
+    whole = {"overflow": "fold"} if is_tty else {"soft_wrap": True}
     if not quiet:
         header = (f"mmparity check · {report.device} · {report.dtype} · TP {report.tp} · PP {report.pp} "
                   f"· EP {getattr(report, 'ep', 1)} · attention {report.attention_backend} · seed {report.seed}")
-        console.print(_console_text(header), overflow="fold")
+        console.print(_console_text(header), **whole)
         if report.megatron is not None:
             classes = ", ".join(f"{family}: {name}" for family, name in report.megatron["classes"].items())
             console.print(_console_text(f"Megatron {report.megatron['version']} ({report.megatron['te']}) "
-                                        f"· {classes}"), overflow="fold")
+                                        f"· {classes}"), **whole)
         # Each family heads its own rows (not a column): the check names get the width.
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
         with_impl = report.impl != "native"
@@ -182,22 +185,32 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
             table.add_row(Text("  ") + _console_text(check), *((_console_text(impl),) if with_impl else ()),
                           "[green]pass[/]" if passed else "[red]FAIL[/]", *cells)
         console.print(table)
-        details = []
+        # Under the table, per failing check (those failing at the same place together): where it
+        # first departs, on a line of its own, then by how much, beside it where the width allows.
+        entries = []
         for r in report.results:
-            if not r.passed:
-                where, why = _where_and_why(r)
-                details.append(f"FAIL {r.family}{'' if not with_impl else ' ' + r.impl} {r.check}: "
-                               f"first divergence at {where} ({why})")
+            if r.passed:
+                continue
+            where, why = _where_and_why(r)
+            key = (r.family, r.impl, where, why)
+            if entries and entries[-1][0] == key:
+                entries[-1][1].append(r.check)
+            else:
+                entries.append((key, [r.check]))
+        lines = []
+        for (family, impl, where, why), checks in entries:
+            lines.append(f"FAIL {family}{' ' + impl if with_impl else ''} {', '.join(checks)}: first divergence at")
+            both = f"  {where}  {why}"
+            lines += [both] if len(both) <= console.width else [f"  {where}", f"  {why}"]
         for summary in routers.values():
-            details.append(f"{'pass' if summary['passed'] else 'FAIL'} {summary['family']}"
-                           f"{'' if not with_impl else ' ' + summary['impl']} {summary['check']}: "
-                           f"{_router_line(summary)}")
-        for line in details:
-            console.print(_console_text(line), overflow="fold")
+            lines.append(f"{'pass' if summary['passed'] else 'FAIL'} {summary['family']}"
+                         f"{' ' + summary['impl'] if with_impl else ''} {summary['check']}: {_router_line(summary)}")
+        for line in lines:
+            console.print(_console_text(line), **whole)
         if report.megatron is not None:
             for family, note in report.megatron.get("notes", {}).items():
                 console.print(_console_text(f"note: {family}: {report.megatron['classes'][family]}: {note}"),
-                              overflow="fold")
+                              **whole)
     failed = report.failures()
     status = "passed" if report.passed else "FAILED"
     console.print(Text(f"{len(report.results) - len(failed)} passed, {len(failed)} failed "
