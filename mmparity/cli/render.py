@@ -51,13 +51,15 @@ def _fmt(value) -> str:
 def _fmt_cosine(value) -> str:
     """A cosine that differs from 1 never reads as ``1``: up to six digits (0.99996), and beyond
     them its distance from 1 with its exponent (``1-4.2e-09``), as narrow as the other numbers."""
-    if not isinstance(value, float) or value != value or value in (float("inf"), float("-inf")) or value == 1.0:
+    if not isinstance(value, float) or value != value or value in (float("inf"), float("-inf")):
         return _fmt(value)
+    if value >= 1.0:  # above 1 only by rounding: nothing to tell
+        return "1"
     for digits in range(3, 7):
         text = f"{value:.{digits}g}"
         if float(text) != 1.0:
             return text
-    return f"1-{1.0 - value:.2g}" if value < 1.0 else f"1+{value - 1.0:.2g}"
+    return f"1-{1.0 - value:.2g}"
 
 
 def _where_and_why(result) -> tuple[str, str]:
@@ -153,37 +155,36 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
             classes = ", ".join(f"{family}: {name}" for family, name in report.megatron["classes"].items())
             console.print(_console_text(f"Megatron {report.megatron['version']} ({report.megatron['te']}) "
                                         f"· {classes}"), **whole)
-        # Each family heads its own rows (not a column): the check names get the width.
+        # Each family (and, beside Megatron's class, whose model) heads its own rows rather than
+        # filling a column: the check names get the width.
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
         with_impl = report.impl != "native"
         table.add_column("check", overflow="fold")
-        if with_impl:
-            table.add_column("impl", overflow="fold")
         table.add_column("result", no_wrap=True)
         # Numbers are never wrapped, folded or cut: a column is as wide as its widest number.
         numbers = ("rel_l2", "max_abs", "cosine", "tolerance\n(rel_l2)")
-        rows = []
+        groups: dict = {}
         routers = {s["after"]: s for s in router_summaries(report)}
         for index, r in enumerate(report.results):
-            rows.append((r.family, r.check, r.impl, r.passed,
-                         (_fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
-                          _fmt_cosine(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")))))
+            rows = groups.setdefault((r.family, r.impl if with_impl else None), [])
+            rows.append((r.check, r.passed, (_fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
+                                             _fmt_cosine(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")))))
             summary = routers.get(index)
             if summary is not None:
                 worst = summary["worst"]
-                rows.append((summary["family"], summary["check"], summary["impl"], summary["passed"],
+                rows.append((summary["check"], summary["passed"],
                              (_fmt(worst.get("rel_l2")), _fmt(worst.get("max_abs")),
                               _fmt_cosine(worst.get("cosine")), _fmt(worst.get("tolerance")))))
+        every = [row for rows in groups.values() for row in rows]
         for i, name in enumerate(numbers):
-            widest = max([len(row[4][i]) for row in rows] + [max(map(len, name.split("\n")))])
+            widest = max([len(row[2][i]) for row in every] + [max(map(len, name.split("\n")))])
             table.add_column(name, justify="right", no_wrap=True, width=widest)
-        family = None
-        for name, check, impl, passed, cells in rows:
-            if name != family:
-                family = name
-                table.add_row(Text(_console_text(name).plain, style="bold"))
-            table.add_row(Text("  ") + _console_text(check), *((_console_text(impl),) if with_impl else ()),
-                          "[green]pass[/]" if passed else "[red]FAIL[/]", *cells)
+        for (family, impl), rows in groups.items():
+            head = str(family) if impl is None else f"{family} · {impl}"
+            table.add_row(Text(_console_text(head).plain, style="bold"))
+            for check, passed, cells in rows:
+                table.add_row(Text("  ") + _console_text(check), "[green]pass[/]" if passed else "[red]FAIL[/]",
+                              *cells)
         console.print(table)
         # Under the table, per failing check (those failing at the same place together): where it
         # first departs, on a line of its own, then by how much, beside it where the width allows.
@@ -199,12 +200,12 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
                 entries.append((key, [r.check]))
         lines = []
         for (family, impl, where, why), checks in entries:
-            lines.append(f"FAIL {family}{' ' + impl if with_impl else ''} {', '.join(checks)}: first divergence at")
+            lines.append(f"FAIL {family}{' · ' + impl if with_impl else ''} {', '.join(checks)}: first divergence at")
             both = f"  {where}  {why}"
             lines += [both] if len(both) <= console.width else [f"  {where}", f"  {why}"]
         for summary in routers.values():
             lines.append(f"{'pass' if summary['passed'] else 'FAIL'} {summary['family']}"
-                         f"{' ' + summary['impl'] if with_impl else ''} {summary['check']}: {_router_line(summary)}")
+                         f"{' · ' + summary['impl'] if with_impl else ''} {summary['check']}: {_router_line(summary)}")
         for line in lines:
             console.print(_console_text(line), **whole)
         if report.megatron is not None:
