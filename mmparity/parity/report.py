@@ -70,7 +70,9 @@ class Result:
     modules: list = field(default_factory=list)  # per paired module: {"module", "metrics", "passed"}
     impl: str = "native"  # whose model produced it: "native" (mmparity's) or "megatron" (Megatron's own)
     # Wall seconds of this result's share of its case in the reporting process (the reference's
-    # runs and the comparison; a case's outputs share it equally), None where not measured.
+    # runs and the comparison; a case's outputs share it equally), None where not measured. Not in
+    # as_dict(): a result is the same data run after run, its time is not (the report lists times
+    # beside the results).
     seconds: Optional[float] = None
 
     def as_dict(self) -> dict:
@@ -84,7 +86,6 @@ class Result:
             "description": self.description,
             "modules": self.modules,
             "impl": self.impl,
-            "seconds": self.seconds,
         }
 
 
@@ -124,6 +125,7 @@ class Report:
             "impl": self.impl,
             **({"megatron": self.megatron} if self.megatron is not None else {}),
             "results": [r.as_dict() for r in self.results],
+            "result_seconds": [r.seconds for r in self.results],
         }
 
     def to_json(self, indent: int = 2) -> str:

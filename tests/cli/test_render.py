@@ -241,11 +241,13 @@ def test_junit_and_json_time_each_case_and_json_names_ep(capsys, tmp_path):
     assert cases and all(float(case.get("time")) >= 0 for case in cases)
     data = json.loads(report.read_text())
     assert data["ep"] == 1 and data["tp"] == 1 and data["pp"] == 1
-    assert all(isinstance(r["seconds"], float) and r["seconds"] >= 0 for r in data["results"])
+    seconds = data["result_seconds"]
+    assert len(seconds) == len(data["results"]) and all(isinstance(t, float) and t >= 0 for t in seconds)
+    assert [float(case.get("time")) for case in cases] == [round(t, 3) for t in seconds]
     # A case's outputs share its time: its results read the same seconds.
     by_case = {}
-    for r in data["results"]:
-        by_case.setdefault(r["check"].split(":")[0], set()).add(r["seconds"])
+    for r, t in zip(data["results"], seconds):
+        by_case.setdefault(r["check"].split(":")[0], set()).add(t)
     assert all(len(times) == 1 for case, times in by_case.items() if case != "component"), by_case
 
 
