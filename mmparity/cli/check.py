@@ -485,7 +485,7 @@ def run(args) -> int:
             report = _check_low_memory(args, fam, sizes, notes, detection)
             combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
                               attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp, impl=report.impl, megatron=report.megatron)
+                              tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl, megatron=report.megatron)
             combined.results.extend(report.results)
             continue
         if args.hf:
@@ -513,7 +513,7 @@ def run(args) -> int:
         if combined is None:
             combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
                               attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp, impl=report.impl,
+                              tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl,
                               megatron=report.megatron)
         elif report.megatron is not None:
             combined.megatron["classes"].update(report.megatron["classes"])

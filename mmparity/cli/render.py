@@ -48,53 +48,191 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    # Off a terminal rich would wrap at 80 columns and truncate the numbers people came for.
-    is_tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
-    console = Console(file=stream, highlight=False, width=None if is_tty else 200)
-    if not quiet:
-        title = (f"mmparity check · {report.device} · {report.dtype} · seed {report.seed} "
-                 f"· attention {report.attention_backend}")
-        if report.megatron is not None:
-            classes = ", ".join(f"{family}: {name}" for family, name in report.megatron["classes"].items())
-            title += f" · Megatron {report.megatron['version']} ({report.megatron['te']}) · {classes}"
-        table = Table(title=title)
-        with_impl = report.impl != "native"
-        columns = ("family",) + (("impl",) if with_impl else ()) + (
-            "check", "result", "rel_l2", "max_abs", "cosine", "tolerance", "first divergence")
-        for column in columns:
-            table.add_column(column)
-        for r in report.results:
-            div = r.first_divergence
-            where = "-" if div is None else f"{div.module} ({_divergence_detail(div.metrics)})"
-            table.add_row(_console_text(r.family), *((_console_text(r.impl),) if with_impl else ()),
-                          _console_text(r.check),
-                          "[green]pass[/]" if r.passed else "[red]FAIL[/]",
-                          _fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
-                          _fmt(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")), _console_text(where))
-        table.title = _console_text(title)
-        console.print(table)
-        if report.megatron is not None:
-            for family, note in report.megatron.get("notes", {}).items():
-                console.print(_console_text(f"note: {family}: {report.megatron['classes'][family]}: {note}"),
-                              soft_wrap=True)
-    failed = report.failures()
-    status = "passed" if report.passed else "FAILED"
-    console.print(f"{len(report.results) - len(failed)} passed, {len(failed)} failed "
-                  f"({status}, {elapsed:.1f}s)")
+def _fmt_cosine(value) -> str:
+    """A cosine that differs from 1 never reads as ``1``: up to six digits (0.99996), and beyond
+    them its distance from 1 with its exponent (``1-4.2e-09``), as narrow as the other numbers."""
+    if not isinstance(value, float) or value != value or value in (float("inf"), float("-inf")):
+        return _fmt(value)
+    if value >= 1.0:  # above 1 only by rounding: nothing to tell
+        return "1"
+    for digits in range(3, 7):
+        text = f"{value:.{digits}g}"
+        if float(text) != 1.0:
+            return text
+    return f"1-{1.0 - value:.2g}"
 
 
-def _divergence_detail(metrics: dict) -> str:
+def _where_and_why(result) -> tuple[str, str]:
+    """(where a failing result first departs, why: the metric against its bound, or the error)."""
+    div = result.first_divergence
+    if div is None:  # failed with no module or output named: its own numbers
+        return result.check, _over_bound(result.metrics, result.tolerance)
+    return div.module, _divergence_detail(div.metrics, div.tolerance)
+
+
+def _over_bound(metrics: dict, tolerance: dict) -> str:
+    bound = (tolerance or {}).get("rel_l2")
+    return f"rel_l2 {_fmt(metrics.get('rel_l2'))}" + ("" if bound is None else f" > tolerance {_fmt(bound)}")
+
+
+def _divergence_detail(metrics: dict, tolerance: dict | None = None) -> str:
     if "error" in metrics:
-        return metrics["error"]
+        return str(metrics["error"])
     verdict = metrics.get("router")
     if verdict is not None and verdict["disagreements"]:
         return (f"{verdict['disagreements']} of {verdict['tokens']} tokens routed to other experts, "
                 f"score gap up to {_fmt(verdict['worst_gap'])} (a tie is <= {_fmt(verdict['tie_tolerance'])})")
-    return f"rel_l2 {_fmt(metrics.get('rel_l2'))}"
+    return _over_bound(metrics, tolerance)
+
+
+def router_summaries(report) -> list:
+    """One summary per (family, impl, case) whose paired modules hold routers: the MoE layers'
+    verdicts added up, the worst layer's weight metrics, and where the table puts it (after the
+    case's last result). Every output of a case carries the same module rows: read them once."""
+    from mmparity.parity.router import is_router
+
+    groups: dict = {}
+    for index, r in enumerate(report.results):
+        rows = [row for row in r.modules if is_router(str(row.get("module", "")))]
+        if not rows:
+            continue
+        key = (r.family, r.impl, r.check.split(":", 1)[0])
+        if key in groups:
+            groups[key]["after"] = index
+            continue
+        tokens = same = ties = 0
+        worst, worst_ratio, errors, failing = {}, -1.0, [], []
+        for row in rows:
+            if "error" in row:
+                errors.append(f"{row['module']}: {row['error']}")
+            verdict = (row.get("metrics") or {}).get("router") or {}
+            tokens += verdict.get("tokens", 0)
+            same += verdict.get("same_experts", 0)
+            ties += verdict.get("ties", 0)
+            if not row.get("passed"):
+                failing.append(row["module"])
+            rel, bound = (row.get("metrics") or {}).get("rel_l2"), row.get("tolerance")
+            ratio = rel / bound if isinstance(rel, float) and isinstance(bound, float) and bound > 0 else -1.0
+            if ratio > worst_ratio or not worst:
+                worst_ratio, worst = ratio, {**(row.get("metrics") or {}), "tolerance": bound}
+        groups[key] = {"family": r.family, "impl": r.impl, "check": f"{key[2]}:router", "after": index,
+                       "layers": len(rows), "tokens": tokens, "same_experts": same, "ties": ties,
+                       "passed": not failing, "failing": failing, "errors": errors, "worst": worst}
+    return list(groups.values())
+
+
+def _router_line(summary: dict) -> str:
+    moved = summary["tokens"] - summary["same_experts"] - summary["ties"]
+    line = (f"{summary['layers']} MoE layer(s): {summary['same_experts']} of {summary['tokens']} token routings "
+            f"to HF's experts, {summary['ties']} tie(s), {moved} to other experts")
+    if summary["failing"]:
+        line += f"; first failing {summary['failing'][0]}"
+    if summary["errors"]:
+        line += f"; {summary['errors'][0]}"
+    return line
+
+
+def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> None:
+    """The table people read. Nothing in it is cut at any width: names and numbers fold rather
+    than end in an ellipsis, and where a check fails, the module where it first departs and by
+    how much are on a line of their own under the table, as wide as the terminal."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    # Off a terminal rich would wrap at 80 columns: a file or pipe gets long lines instead.
+    is_tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+    console = Console(file=stream, highlight=False, width=None if is_tty else 200)
+    # A line under the table wraps at a terminal's edge (a long name folds, never cut); in a file
+    # or pipe it stays one line, whole, for grep.
+    whole = {"overflow": "fold"} if is_tty else {"soft_wrap": True}
+    if not quiet:
+        header = (f"mmparity check · {report.device} · {report.dtype} · TP {report.tp} · PP {report.pp} "
+                  f"· EP {getattr(report, 'ep', 1)} · attention {report.attention_backend} · seed {report.seed}")
+        console.print(_console_text(header), **whole)
+        if report.megatron is not None:
+            classes = ", ".join(f"{family}: {name}" for family, name in report.megatron["classes"].items())
+            console.print(_console_text(f"Megatron {report.megatron['version']} ({report.megatron['te']}) "
+                                        f"· {classes}"), **whole)
+        # Each family (and, beside Megatron's class, whose model) heads its own rows rather than
+        # filling a column: the check names get the width.
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+        with_impl = report.impl != "native"
+        table.add_column("check", overflow="fold")
+        table.add_column("result", no_wrap=True)
+        # Numbers are never wrapped, folded or cut: a column is as wide as its widest number.
+        numbers = ("rel_l2", "max_abs", "cosine", "tolerance\n(rel_l2)")
+        groups: dict = {}
+        routers = {s["after"]: s for s in router_summaries(report)}
+        for index, r in enumerate(report.results):
+            rows = groups.setdefault((r.family, r.impl if with_impl else None), [])
+            rows.append((r.check, r.passed, (_fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
+                                             _fmt_cosine(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")))))
+            summary = routers.get(index)
+            if summary is not None:
+                worst = summary["worst"]
+                rows.append((summary["check"], summary["passed"],
+                             (_fmt(worst.get("rel_l2")), _fmt(worst.get("max_abs")),
+                              _fmt_cosine(worst.get("cosine")), _fmt(worst.get("tolerance")))))
+        every = [row for rows in groups.values() for row in rows]
+        for i, name in enumerate(numbers):
+            widest = max([len(row[2][i]) for row in every] + [max(map(len, name.split("\n")))])
+            table.add_column(name, justify="right", no_wrap=True, width=widest)
+        for (family, impl), rows in groups.items():
+            head = str(family) if impl is None else f"{family} · {impl}"
+            table.add_row(Text(_console_text(head).plain, style="bold"))
+            for check, passed, cells in rows:
+                table.add_row(Text("  ") + _console_text(check), "[green]pass[/]" if passed else "[red]FAIL[/]",
+                              *cells)
+        console.print(table)
+        # Under the table, per failing check (those failing at the same place together): where it
+        # first departs, on a line of its own, then by how much, beside it where the width allows.
+        entries = []
+        for r in report.results:
+            if r.passed:
+                continue
+            where, why = _where_and_why(r)
+            key = (r.family, r.impl, where, why)
+            if entries and entries[-1][0] == key:
+                entries[-1][1].append(r.check)
+            else:
+                entries.append((key, [r.check]))
+        lines = []
+        for (family, impl, where, why), checks in entries:
+            lines.append(f"FAIL {family}{' · ' + impl if with_impl else ''} {', '.join(checks)}: first divergence at")
+            both = f"  {where}  {why}"
+            lines += [both] if len(both) <= console.width else [f"  {where}", f"  {why}"]
+        for summary in routers.values():
+            lines.append(f"{'pass' if summary['passed'] else 'FAIL'} {summary['family']}"
+                         f"{' · ' + summary['impl'] if with_impl else ''} {summary['check']}: {_router_line(summary)}")
+        for line in lines:
+            console.print(_console_text(line), **whole)
+        if report.megatron is not None:
+            for family, note in report.megatron.get("notes", {}).items():
+                console.print(_console_text(f"note: {family}: {report.megatron['classes'][family]}: {note}"),
+                              **whole)
+    failed = report.failures()
+    status = "passed" if report.passed else "FAILED"
+    console.print(Text(f"{len(report.results) - len(failed)} passed, {len(failed)} failed "
+                       f"({status}, {elapsed:.1f}s)"))
+
+
+def _pairs(values: dict) -> str:
+    return ", ".join(f"{key} ({_pairs(value)})" if isinstance(value, dict)
+                     else f"{key} {_fmt_cosine(value) if key == 'cosine' else _fmt(value)}"
+                     for key, value in (values or {}).items())
+
+
+def _failure_body(result) -> str:
+    """The failure's numbers, a line each: the check's own, its bound, and those of the module
+    where it first departs."""
+    lines = [f"{result.family} {result.check}: {_pairs(result.metrics) or 'no metrics'}",
+             f"tolerance: {_pairs(result.tolerance)}"]
+    div = result.first_divergence
+    if div is not None:
+        lines.append(f"first divergence at {div.module}: {_pairs(div.metrics)}")
+    return "\n".join(lines)
 
 
 def junit_xml(report, elapsed: float) -> str:
@@ -107,12 +245,12 @@ def junit_xml(report, elapsed: float) -> str:
         # escaped for XML, with what XML cannot hold written as its escape (_xml_safe).
         name = _attr(r.check)
         classname = "mmparity." + str(r.family) + ("" if r.impl == "native" else "." + str(r.impl))
-        lines.append(f'  <testcase classname={_attr(classname)} name={name}>')
+        time = "" if r.seconds is None else f' time="{r.seconds:.3f}"'
+        lines.append(f'  <testcase classname={_attr(classname)} name={name}{time}>')
         if not r.passed:
-            div = r.first_divergence
-            where = div.module if div else r.check
-            message = f"first divergence at {where}: {div.metrics if div and not r.metrics else r.metrics}"
-            lines.append(f"    <failure message={_attr(message)}>{escape(_xml_safe(r.tolerance))}</failure>")
+            where, why = _where_and_why(r)
+            message = f"first divergence at {where}: {why}"
+            lines.append(f"    <failure message={_attr(message)}>{escape(_xml_safe(_failure_body(r)))}</failure>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")
     # ASCII with character references: the file reads back the same whatever the locale's encoding.

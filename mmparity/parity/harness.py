@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Optional
 
@@ -229,7 +230,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
             megatron_cases_run = runtime.spawn(_megatron_rank, world, mjob, megatron_stages)[0]
 
     ref32 = _move(ref, device, torch.float32)
-    report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp,
+    report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp, ep=ep,
                     attention_backend=attention.describe_backend(device, torch_dtype), impl=impl)
     if runs_megatron:
         report.megatron = {"version": models.megatron_version(), "te": models.describe_te(),
@@ -259,12 +260,14 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
     divisor = vocab_divisor if vocab_divisor is not None else VOCAB_MULTIPLE
     for index, case in enumerate(cases):
         if runs_native:
+            started = time.perf_counter()
             reference = ref32_side.run(case)
             low_precision = ref_lp_side.run(case) if ref_lp_side else ({}, {})
-            report.results.extend(_compare_case(fam.name, case, [p.name for p in ref32_side.pairs],
-                                                reference, native_cases[index], low_precision,
-                                                torch_dtype))
+            report.results.extend(_timed(_compare_case(fam.name, case, [p.name for p in ref32_side.pairs],
+                                                       reference, native_cases[index], low_precision,
+                                                       torch_dtype), started))
         if runs_megatron:
+            started = time.perf_counter()
             mreference, mlow = ref32_for_megatron.run(case), ({}, {})
             if ref_lp_for_megatron:
                 mlow = ref_lp_for_megatron.run(case)
@@ -274,16 +277,26 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
             if mclass.notes:
                 case = dataclasses.replace(case, description="; ".join(
                     d for d in (case.description, mclass.notes) if d))
-            report.results.extend(_compare_megatron_case(
-                fam.name, case, megatron_cases_run[index], mreference, mlow, torch_dtype))
+            report.results.extend(_timed(_compare_megatron_case(
+                fam.name, case, megatron_cases_run[index], mreference, mlow, torch_dtype), started))
     with torch.no_grad():
         for name in component_names:
+            started = time.perf_counter()
             expected = hooks.reference.component(name, ref32, cfg, seed).float().cpu()
             lp = (hooks.reference.component(name, ref_lp_side.model, cfg, seed).float().cpu()
                   if ref_lp_side else None)
-            report.results.append(_compare_component(fam.name, name, native_components[name],
-                                                     expected, lp, torch_dtype))
+            report.results.extend(_timed([_compare_component(fam.name, name, native_components[name],
+                                                             expected, lp, torch_dtype)], started))
     return report
+
+
+def _timed(results: list, started: float) -> list:
+    """``results`` of one case (or component), each given an equal share of the seconds since
+    ``started``: the case's outputs are judged together, and their shares add up to its time."""
+    seconds = (time.perf_counter() - started) / max(len(results), 1)
+    for result in results:
+        result.seconds = seconds
+    return results
 
 
 class MegatronJob:

@@ -69,6 +69,11 @@ class Result:
     description: str = ""
     modules: list = field(default_factory=list)  # per paired module: {"module", "metrics", "passed"}
     impl: str = "native"  # whose model produced it: "native" (mmparity's) or "megatron" (Megatron's own)
+    # Wall seconds of this result's share of its case in the reporting process (the reference's
+    # runs and the comparison; a case's outputs share it equally), None where not measured. Not in
+    # as_dict(): a result is the same data run after run, its time is not (the report lists times
+    # beside the results).
+    seconds: Optional[float] = None
 
     def as_dict(self) -> dict:
         return {
@@ -94,6 +99,7 @@ class Report:
     versions: dict = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     impl: str = "native"
     # With Megatron's class under test: its version, which TE modules ran, the class.
     megatron: Optional[dict] = None
@@ -113,11 +119,13 @@ class Report:
             "seed": self.seed,
             "tp": self.tp,
             "pp": self.pp,
+            "ep": self.ep,
             "attention_backend": self.attention_backend,
             "passed": self.passed,
             "impl": self.impl,
             **({"megatron": self.megatron} if self.megatron is not None else {}),
             "results": [r.as_dict() for r in self.results],
+            "result_seconds": [r.seconds for r in self.results],
         }
 
     def to_json(self, indent: int = 2) -> str:
