@@ -84,30 +84,18 @@ def write_usage_error_reports(paths: dict, message: str) -> None:
     if int(os.environ.get("RANK", "0") or 0) != 0:
         return  # under torchrun, rank 0 reports
     from mmparity.cli.common import one_line
+    from mmparity.cli.render import usage_error_junit
     from mmparity.parity.report import strict_json
 
     line = one_line(message)
     texts = {"--json": lambda: strict_json({"passed": False, "error": line, "results": []}) + "\n",
-             "--junit": lambda: _usage_error_junit(line)}
+             "--junit": lambda: usage_error_junit(line)}
     for option, path in paths.items():
         if path and option in texts:
             try:
                 write_text_atomic(str(path), texts[option](), option)
             except UsageError:
                 pass
-
-
-def _usage_error_junit(line: str) -> str:
-    from xml.sax.saxutils import escape
-
-    from mmparity.cli.render import _attr, _xml_safe
-
-    return ('<?xml version="1.0" encoding="utf-8"?>\n'
-            '<testsuite name="mmparity" tests="1" failures="0" errors="1" time="0.000">\n'
-            '  <testcase classname="mmparity.check" name="usage">\n'
-            f'    <error type="usage" message={_attr(line)}>{escape(_xml_safe(line))}</error>\n'
-            '  </testcase>\n'
-            '</testsuite>\n').encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
 def _resolve_families(requested: list[str]) -> list:

@@ -255,3 +255,14 @@ def junit_xml(report, elapsed: float) -> str:
     lines.append("</testsuite>")
     # ASCII with character references: the file reads back the same whatever the locale's encoding.
     return ("\n".join(lines) + "\n").encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
+def usage_error_junit(line: str) -> str:
+    """JUnit XML of a refused command: one errored testcase carrying its one-line error, so CI shows
+    a failed test rather than no report."""
+    return ('<?xml version="1.0" encoding="utf-8"?>\n'
+            '<testsuite name="mmparity" tests="1" failures="0" errors="1" time="0.000">\n'
+            '  <testcase classname="mmparity.check" name="usage">\n'
+            f'    <error type="usage" message={_attr(line)}>{escape(_xml_safe(line))}</error>\n'
+            '  </testcase>\n'
+            '</testsuite>\n').encode("ascii", "xmlcharrefreplace").decode("ascii")
