@@ -19,6 +19,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import importlib
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
@@ -376,8 +377,6 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True  # first: a package's import may ask for the registry
-    import os
-
     plugins = [p.strip() for p in os.environ.get(PLUGINS, "").split(",") if p.strip()]
     try:
         for package in (*FAMILIES, *LANGUAGE_MODELS, *plugins):
