@@ -89,7 +89,7 @@ def router_summaries(report) -> list:
     """One summary per (family, impl, case) whose paired modules hold routers: the MoE layers'
     verdicts added up, the worst layer's weight metrics, and where the table puts it (after the
     case's last result). Every output of a case carries the same module rows: read them once."""
-    from mmparity.parity.router import is_router
+    from mmparity.parity.report import is_router
 
     groups: dict = {}
     for index, r in enumerate(report.results):
