@@ -62,6 +62,10 @@ def _fmt_cosine(value) -> str:
     return f"1-{1.0 - value:.2g}"
 
 
+# The table's spelling of numbers, for the other renderings of a report (the HTML page).
+number_text, cosine_text = _fmt, _fmt_cosine
+
+
 def _where_and_why(result) -> tuple[str, str]:
     """(where a failing result first departs, why: the metric against its bound, or the error)."""
     div = result.first_divergence
