@@ -312,7 +312,7 @@ def _facts(data: dict) -> list:
                         f"{_h(_fact(data.get('ep', 1)))}</td></tr>")
         else:
             rows.append(f"<tr><th>{_h(key)}</th><td>{_h(_fact(data[key]))}</td></tr>")
-    return ["<h2>What ran</h2>", '<table class="facts">', *rows, "</table>"]
+    return ["<h2>What ran</h2>", '<table class="facts">', *rows, "</table>"] if rows else []
 
 
 def _router_table(rows: list) -> list:
