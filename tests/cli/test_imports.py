@@ -7,8 +7,9 @@ code at all; ``convert`` imports no transformers (it reads config.json through
 torch_dist included (its layout comes from the rule tables, tests/io/test_torch_dist_layout.py), and
 beyond what ``import torch`` itself loads, nothing but mmparity, the standard library, safetensors
 and xxhash; ``report`` reads a saved report with no framework, and only a page (``--html``, of
-``check`` too) imports matplotlib. A regression here is an import that crept up a module's top, so the test names the
-modules. What these imports cost in CPU time is benchmarks/cli_startup.py's to measure.
+``check`` too) imports matplotlib. A regression here is an import that crept up a module's top, so
+the test names the modules. What these imports cost in CPU time is benchmarks/cli_startup.py's to
+measure.
 """
 
 from __future__ import annotations
