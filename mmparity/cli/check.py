@@ -524,18 +524,23 @@ def run(args) -> int:
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
         return EXIT_OK if combined.passed else EXIT_FAIL  # under torchrun only rank 0 reports
 
+    page = None
+    # The page is drawn from the JSON form, as `mmparity report` draws a saved one, and before any
+    # report is written: one that cannot be drawn refuses the command, and every report says why.
+    if args.html:
+        import json
+
+        from mmparity.cli.report_html import render
+
+        page = render(json.loads(combined.to_json()))
     if args.json:
         write_text_atomic(args.json, combined.to_json(), "--json")
     if args.junit:
         from mmparity.cli.render import junit_xml
 
         write_text_atomic(args.junit, junit_xml(combined, elapsed), "--junit")
-    if args.html:  # drawn from the JSON form, as `mmparity report` draws a saved one
-        import json
-
-        from mmparity.cli.report_html import write_html
-
-        write_html(args.html, json.loads(combined.to_json()))
+    if page is not None:
+        write_text_atomic(args.html, page, "--html")
     from mmparity.cli.render import print_report
 
     if not args.quiet:

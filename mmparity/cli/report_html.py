@@ -40,19 +40,23 @@ def require_matplotlib() -> None:
         raise UsageError(f"--html needs matplotlib, which is not installed: {INSTALL_HINT}")
 
 
-def _private_config_dir() -> None:
-    """matplotlib writes a font cache into its config directory and warns when that cannot be
-    written (a read-only home, a CI user without one): give it a private temporary one then."""
-    if os.environ.get("MPLCONFIGDIR"):
-        return
+def _writable(xdg: str, default: str) -> bool:
     try:
-        base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+        base = os.environ.get(xdg) or os.path.join(os.path.expanduser("~"), default)
         target = os.path.join(base, "matplotlib")
         os.makedirs(target, exist_ok=True)
-        if os.access(target, os.W_OK | os.X_OK):
-            return
+        return os.access(target, os.W_OK | os.X_OK)
     except (OSError, RuntimeError):
-        pass
+        return False
+
+
+def _private_config_dir() -> None:
+    """matplotlib writes its font cache under its config and cache directories and warns when it
+    cannot (a read-only home, a CI user without one): give it a private temporary one then."""
+    if os.environ.get("MPLCONFIGDIR"):
+        return
+    if _writable("XDG_CONFIG_HOME", ".config") and _writable("XDG_CACHE_HOME", ".cache"):
+        return
     import atexit
     import shutil
     import tempfile

@@ -336,3 +336,23 @@ def test_a_browser_draws_the_page_and_names_the_first_divergence(failing, tmp_pa
     named = re.findall(r'class="first-divergence"[^>]*>([^<]*)<', proc.stdout)
     assert named and named[0] == module, named
     assert "First divergence:" in proc.stdout
+
+
+def test_exact_zeros_and_non_finite_errors_are_drawn_and_named(tmp_path):
+    """A strict JSON report's NaN (null, named in ``non_finite``) is a divergence the page names
+    with what it was; exact zeros, which a log scale cannot place, are drawn at its bottom."""
+    rows = [{"module": "vision_model.layer.0", "metrics": {"rel_l2": 0.0}, "tolerance": 1e-5, "passed": True},
+            {"module": "vision_projection", "metrics": {"rel_l2": 3e-7}, "tolerance": 1e-5, "passed": True},
+            {"module": "language_model.decoder.layers.0", "metrics": {"rel_l2": None, "non_finite": {"rel_l2": "NaN"}},
+             "tolerance": 1e-5, "passed": False}]
+    data = {"device": "cpu", "dtype": "float32", "seed": 7, "tp": 1, "pp": 1, "ep": 1, "passed": False,
+            "attention_backend": "sdpa", "results": [_result(
+                passed=False, metrics={"rel_l2": None, "non_finite": {"rel_l2": "NaN"}}, modules=rows,
+                first_divergence={"module": rows[2]["module"], "metrics": rows[2]["metrics"], "tolerance": {}})]}
+    source, out = tmp_path / "nan.json", tmp_path / "nan.html"
+    source.write_text(json.dumps(data))
+    assert main(["report", str(source), "--html", str(out), "--quiet"]) == 0
+    page = out.read_text()
+    assert ('<code class="first-divergence" data-module="language_model.decoder.layers.0">'
+            'language_model.decoder.layers.0</code> (rel_l2 NaN &gt; tolerance 1e-05)') in page
+    assert "exactly 0 (drawn at the bottom)" in page and "not finite or failed to compare" in page
