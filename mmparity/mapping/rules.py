@@ -57,8 +57,10 @@ class Rule:
         if len(self.tp) != len(self.mcore):
             raise ValueError(f"rule {self.mcore}: one TP kind per mcore key")
         for kind in self.tp:
-            if kind not in tp_mod.KINDS:
-                raise ValueError(f"rule {self.mcore}: unknown TP kind {kind!r}")
+            try:
+                tp_mod.split_of(kind)
+            except ShardError:
+                raise ValueError(f"rule {self.mcore}: unknown TP kind {kind!r}") from None
         if self.side not in SIDE_KINDS:
             raise ValueError(f"rule {self.mcore}: side must be one of {SIDE_KINDS}, got {self.side!r}")
 

@@ -341,6 +341,7 @@ FAMILIES = (
 LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",
     "mmparity.models.parts.deepseek_v3",
+    "mmparity.models.parts.qwen3_5_text",
 )
 
 # Packages outside the tree, by their dotted paths (comma-separated), registered after the built-in
