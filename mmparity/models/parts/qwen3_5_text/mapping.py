@@ -122,7 +122,8 @@ class ShiftByOne(Op):
         if w.device.type != "meta" and not torch.equal(shifted + 1, w):  # meta: a plan's shapes
             bad = int((shifted + 1 != w).sum())
             raise LayoutError(f"{self!r}: {bad} of {w.numel()} weights do not survive w - 1 + 1 exactly "
-                              "(outside [0.5, 2]); a zero-centred copy of them would not convert back")
+                              "(only weights in [0.5, 2] are sure to); a zero-centred copy of them would not "
+                              "convert back")
         return [shifted]
 
     def invert(self, mcore):
