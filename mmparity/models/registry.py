@@ -337,6 +337,7 @@ FAMILIES = (
     "mmparity.models.llava",
     "mmparity.models.mistral3",
     "mmparity.models.pixtral_12b",
+    "mmparity.models.qwen3_5_lm",
 )
 LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",
