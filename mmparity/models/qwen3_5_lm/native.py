@@ -15,6 +15,7 @@ class Qwen35LanguageModel(torch.nn.Module):
     def __init__(self, language_model, vocab_size: int):
         super().__init__()
         self.language_model = language_model
+        self.config = language_model.config
         self.vocab_size = vocab_size
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
 

@@ -11,14 +11,14 @@ MODEL_TYPES = decoder.MODEL_TYPES
 
 
 def tiny_config(moe: bool = True, **overrides):
-    """Awkward tiny sizes: 4 layers (DeltaNet, attention, DeltaNet, DeltaNet), 2 key heads serving
+    """Awkward tiny sizes: 4 layers (attention, DeltaNet, DeltaNet, attention), 2 key heads serving
     4 value heads, head widths 6 / 10 / 12, half-width RoPE, 6 experts of which 2 are chosen."""
     import transformers
 
     fields = dict(vocab_size=101, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=12, linear_conv_kernel_dim=3, linear_key_head_dim=6, linear_value_head_dim=10,
                   linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=256,
-                  layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                  layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                   architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"])
     if moe:
