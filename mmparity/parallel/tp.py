@@ -147,6 +147,7 @@ class Split:
     whole_below: int = 0
     paired: bool = False
     sections: tuple = ()
+    section_names: tuple = ()
 
     def _blocks(self, size: int) -> list[int] | None:
         """The sizes of the blocks cut separately along the cut dim (None: cut as one)."""
@@ -245,19 +246,23 @@ KINDS: dict[str, Split] = {s.name: s for s in (
 SECTIONS = "sections:"
 
 
-def sections_kind(sizes) -> str:
+def sections_kind(sizes, names=()) -> str:
     """The kind of a tensor whose dim-0 blocks of ``sizes`` are each cut into ``tp`` chunks, rank r
-    holding the r-th chunk of every block in order."""
-    return SECTIONS + ",".join(str(int(s)) for s in sizes)
+    holding the r-th chunk of every block in order. ``names``: mcore's dist checkpoint stores each
+    block as a tensor of its own, ``<key>.<name>`` (Gated DeltaNet's ``in_proj.weight.query`` …)."""
+    return SECTIONS + ",".join(f"{n}={int(s)}" if n else str(int(s)) for s, n in
+                               zip(sizes, tuple(names) or ("",) * len(sizes)))
 
 
 def split_of(kind: str) -> Split:
     if kind.startswith(SECTIONS):
+        items = [item.rpartition("=") for item in kind[len(SECTIONS):].split(",")]
         try:
-            sizes = tuple(int(s) for s in kind[len(SECTIONS):].split(","))
+            sizes = tuple(int(size) for _, _, size in items)
         except ValueError:
             raise ShardError(f"TP kind {kind!r}: sections must be integers") from None
-        return Split(kind, sections=sizes)
+        names = tuple(name for name, _, _ in items)
+        return Split(kind, sections=sizes, section_names=names if all(names) else ())
     try:
         return KINDS[kind]
     except KeyError:

@@ -22,6 +22,10 @@ class Qwen35LanguageModel(torch.nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """mcore's dist-checkpoint view of the model, under the root the converter writes."""
+        return self.language_model.sharded_state_dict(prefix + "language_model.", sharded_offsets, metadata)
+
     def pipelined_module(self) -> torch.nn.Module:
         return self.language_model
 

@@ -138,8 +138,9 @@ def _delta_net_rules(text, hf: str, mc: str) -> tuple:
     return (
         rename(mc_att + "in_proj.layer_norm_weight", hf + "input_layernorm.weight"),
         Rule(mc_att + "in_proj.weight", tuple(att + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
-             StackRows((2 * qk + v, v, heads, heads)), sections_kind((qk, qk, v, v, heads, heads))),
-        Rule(mc_att + "conv1d.weight", att + "conv1d.weight", tp=sections_kind((qk, qk, v))),
+             StackRows((2 * qk + v, v, heads, heads)),
+             sections_kind((qk, qk, v, v, heads, heads), ("query", "key", "value", "z", "beta", "alpha"))),
+        Rule(mc_att + "conv1d.weight", att + "conv1d.weight", tp=sections_kind((qk, qk, v), ("query", "key", "value"))),
         rename(mc_att + "dt_bias", att + "dt_bias", "column"),
         rename(mc_att + "A_log", att + "A_log", "column"),
         Rule(mc_att + "out_norm.weight", att + "norm.weight", ShiftByOne()),
