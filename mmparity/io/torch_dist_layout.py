@@ -155,6 +155,18 @@ def plan(order: Sequence[str], kinds: Mapping[str, str], shapes: Mapping[str, Se
         shape = shared.shape(shapes[key])
         name, axes = _placement(key, layers, per_layer, experts)
         name = shared.name(name)
+        split = split_of(kinds[key])
+        if split.section_names and shape:
+            # mcore's factory stores each named block of such a tensor as a tensor of its own.
+            start, offsets, ones = 0, tuple(o for _, o in axes), (1,) * len(axes)
+            for section, size in zip(split.section_names, split.sections):
+                block = building.setdefault(shared.name(f"{name}.{section}"), {
+                    "shape": shared.shape(tuple(s for s, _ in axes) + (size,) + shape[1:]), "dtype": dtypes[key],
+                    "chunks": [], "first": key})
+                block["chunks"].append(Chunk(offsets + (0,) * len(shape), shared.shape(ones + (size,) + shape[1:]),
+                                             key, (start, start + size), len(axes)))
+                start += size
+            continue
         entry = building.setdefault(name, {"shape": shared.shape(tuple(s for s, _ in axes) + shape), "dtype": dtypes[key],
                                            "chunks": [], "first": key})
         if entry["shape"] != tuple(s for s, _ in axes) + shape or entry["dtype"] != dtypes[key]:
@@ -162,7 +174,7 @@ def plan(order: Sequence[str], kinds: Mapping[str, str], shapes: Mapping[str, Se
                             f"{list(entry['shape'][len(axes):])} {entry['dtype']}")
             continue
         offsets, ones = tuple(o for _, o in axes), (1,) * len(axes)
-        if split_of(kinds[key]).paired and shape:
+        if split.paired and shape:
             if shape[0] % 2:
                 problems.append(f"{key} {list(shape)}: a gated tensor of an odd row count")
                 continue

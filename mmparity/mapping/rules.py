@@ -57,8 +57,10 @@ class Rule:
         if len(self.tp) != len(self.mcore):
             raise ValueError(f"rule {self.mcore}: one TP kind per mcore key")
         for kind in self.tp:
-            if kind not in tp_mod.KINDS:
-                raise ValueError(f"rule {self.mcore}: unknown TP kind {kind!r}")
+            try:
+                tp_mod.split_of(kind)
+            except ShardError:
+                raise ValueError(f"rule {self.mcore}: unknown TP kind {kind!r}") from None
         if self.side not in SIDE_KINDS:
             raise ValueError(f"rule {self.mcore}: side must be one of {SIDE_KINDS}, got {self.side!r}")
 
@@ -596,8 +598,13 @@ class StepRunner:
             return self._waiting.pop(key)
         index = self.plan.producer[key]
         step = self.plan.steps[index]
-        inputs = [self.read(k) for k in self.plan.source_keys(key)]
-        outputs = dict(zip(step.mcore_keys, self.plan.op(index).apply_pieces(inputs)))
+        sources = self.plan.source_keys(key)
+        inputs = [self.read(k) for k in sources]
+        try:
+            produced = self.plan.op(index).apply_pieces(inputs)
+        except LayoutError as exc:  # a value the op refuses (the plan checked the shapes): name it
+            raise LayoutError(f"{', '.join(sources)}: {exc}") from None
+        outputs = dict(zip(step.mcore_keys, produced))
         for other, pieces in outputs.items():
             if other != key:
                 self._waiting[other] = (pieces, inputs)

@@ -337,10 +337,12 @@ FAMILIES = (
     "mmparity.models.llava",
     "mmparity.models.mistral3",
     "mmparity.models.pixtral_12b",
+    "mmparity.models.qwen3_5_lm",
 )
 LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",
     "mmparity.models.parts.deepseek_v3",
+    "mmparity.models.parts.qwen3_5_text",
 )
 
 # Packages outside the tree, by their dotted paths (comma-separated), registered after the built-in

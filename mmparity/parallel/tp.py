@@ -137,13 +137,25 @@ class Split:
     ``dim`` None: every rank holds the whole tensor. ``whole_below``: tensors of fewer dims than
     this are held whole too (a row-parallel layer cuts its weight's columns, but a 1-D tensor has
     none to cut). ``paired``: the tensor is two dim-0 halves (``[gate; up]``) cut separately, so
-    that rank r holds ``[gate_r; up_r]`` and each rank's GLU halves still pair up.
+    that rank r holds ``[gate_r; up_r]`` and each rank's GLU halves still pair up. ``sections``:
+    the same for dim-0 blocks of these sizes (Gated DeltaNet's ``in_proj``, ``[q; k; v; z; b; a]``),
+    a kind of its own per list of sizes (:func:`sections_kind`).
     """
 
     name: str
     dim: int | None = 0
     whole_below: int = 0
     paired: bool = False
+    sections: tuple = ()
+    section_names: tuple = ()
+
+    def _blocks(self, size: int) -> list[int] | None:
+        """The sizes of the blocks cut separately along the cut dim (None: cut as one)."""
+        if self.sections:
+            if sum(self.sections) != size:
+                raise ShardError(f"{self.name}: sections {list(self.sections)} do not add up to {size}")
+            return list(self.sections)
+        return [size // 2, size // 2] if self.paired else None
 
     def cut_dim(self, ndim: int) -> int | None:
         """The dim a tensor of ``ndim`` dims is cut along, None when every rank holds it whole."""
@@ -156,6 +168,9 @@ class Split:
             # A replicated tensor's rank 0 is the tensor itself; a row kind's vector was always
             # copied for every rank, and stays so.
             return [t if r == 0 and self.dim is None else t.clone() for r in range(tp)]
+        if self.sections:
+            cuts = [_chunks(b, tp, dim, self.name) for b in torch.split(t, self._blocks(t.shape[dim]), dim=dim)]
+            return [cat([c[r] for c in cuts], dim=dim) for r in range(tp)]
         if self.paired:
             gate, up = _chunks(t, 2, dim, self.name)
             gates, ups = _chunks(gate, tp, dim, self.name), _chunks(up, tp, dim, self.name)
@@ -173,6 +188,12 @@ class Split:
         return cat(self._ordered(parts, dim), dim=dim)
 
     def _ordered(self, parts: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
+        if self.sections:
+            tp = len(parts)
+            if any(s % tp for s in self.sections):
+                raise ShardError(f"{self.name}: sections {list(self.sections)} do not divide by tp={tp}")
+            blocks = [torch.split(p, [s // tp for s in self.sections], dim=dim) for p in parts]
+            return [b[i] for i in range(len(self.sections)) for b in blocks]
         if not self.paired:
             return list(parts)
         halves = [torch.chunk(p, 2, dim=dim) for p in parts]
@@ -196,10 +217,10 @@ class Split:
         dim = self.cut_dim(len(shape))
         if dim is None:
             return []
-        halves = 2 if self.paired else 1
-        half = shape[dim] // halves
-        step = half // tp
-        return [(dim, h * half + rank * step, h * half + (rank + 1) * step) for h in range(halves)]
+        blocks = self._blocks(shape[dim]) or [shape[dim]]
+        starts = [sum(blocks[:i]) for i in range(len(blocks))]
+        return [(dim, start + rank * (size // tp), start + (rank + 1) * (size // tp))
+                for start, size in zip(starts, blocks)]
 
     def merged_shape(self, shape: tuple, tp: int) -> tuple:
         """The whole tensor's shape, from one rank's part's."""
@@ -222,7 +243,26 @@ KINDS: dict[str, Split] = {s.name: s for s in (
 )}
 
 
+SECTIONS = "sections:"
+
+
+def sections_kind(sizes, names=()) -> str:
+    """The kind of a tensor whose dim-0 blocks of ``sizes`` are each cut into ``tp`` chunks, rank r
+    holding the r-th chunk of every block in order. ``names``: mcore's dist checkpoint stores each
+    block as a tensor of its own, ``<key>.<name>`` (Gated DeltaNet's ``in_proj.weight.query`` …)."""
+    return SECTIONS + ",".join(f"{n}={int(s)}" if n else str(int(s)) for s, n in
+                               zip(sizes, tuple(names) or ("",) * len(sizes)))
+
+
 def split_of(kind: str) -> Split:
+    if kind.startswith(SECTIONS):
+        items = [item.rpartition("=") for item in kind[len(SECTIONS):].split(",")]
+        try:
+            sizes = tuple(int(size) for _, _, size in items)
+        except ValueError:
+            raise ShardError(f"TP kind {kind!r}: sections must be integers") from None
+        names = tuple(name for name, _, _ in items)
+        return Split(kind, sections=sizes, section_names=names if all(names) else ())
     try:
         return KINDS[kind]
     except KeyError:

@@ -33,6 +33,7 @@ from mmparity.io.torch_dist_files import TorchDistFiles, is_torch_dist_dir
 from mmparity.mapping import rules as R
 from mmparity.parallel import ep as ep_mod
 from mmparity.parallel import pp as pp_mod
+from mmparity.parallel import tp as tp_mod
 from mmparity.parallel.axes import Grid
 
 __all__ = ["FORMAT", "TorchDistSource", "torch_dist_index"]
@@ -64,7 +65,8 @@ def probe(path: Path, iteration: int | str | None = None) -> Stored:
                   (iteration_dir, files))
 
 
-def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, tuple]:
+def torch_dist_index(files: TorchDistFiles, order: Sequence[str],
+                     kinds: Mapping[str, str] | None = None) -> dict[str, tuple]:
     """Where each mcore tensor of a torch_dist checkpoint is: TE-spelled, globally numbered local
     key -> (checkpoint key, its position along the stacked axes (layer, expert, or both) or None,
     Meta of the tensor there). Only the positions the saved chunks cover: a stack of MoE layers
@@ -93,7 +95,20 @@ def torch_dist_index(files: TorchDistFiles, order: Sequence[str]) -> dict[str, t
                                                                              R.shared_meta(dtype, shape[1:]))
         else:
             raw[ckpt_key] = (ckpt_key, None, R.shared_meta(dtype, shape))
-    return {key: raw[name] for key, name in R.to_te_spelling({name: name for name in raw}).items()}
+    index = {key: raw[name] for key, name in R.to_te_spelling({name: name for name in raw}).items()}
+    for key, kind in (kinds or {}).items():
+        names = tp_mod.split_of(kind).section_names
+        parts = [index.get(f"{key}.{name}") for name in names]
+        if key in index or not names or None in parts or any(p[1] is not None for p in parts):
+            continue
+        # mcore's factory stored the named blocks of this tensor (Gated DeltaNet's in_proj) apart:
+        # read back as one tensor, the blocks in order.
+        for name in names:
+            del index[f"{key}.{name}"]
+        first = parts[0][2]
+        rows = sum(p[2].shape[0] for p in parts)
+        index[key] = (tuple(p[0] for p in parts), None, R.shared_meta(first.dtype, (rows, *first.shape[1:])))
+    return index
 
 
 class TorchDistSource(McoreSource):
@@ -104,14 +119,17 @@ class TorchDistSource(McoreSource):
         iteration_dir, self.files = stored.handle
         self._init_common(stored, model, filt, complete, model_config)
         self._check_recorded_parallelism(None)
-        self.index = torch_dist_index(self.files, self.order)
+        self.index = torch_dist_index(self.files, self.order, self.kinds)
         self._check_keys(self.index, "torch_dist")
-        check_source_dtypes(iteration_dir, {ckpt_key: meta.dtype for ckpt_key, _, meta in self.index.values()})
+        check_source_dtypes(iteration_dir, {k: meta.dtype for ckpt_key, _, meta in self.index.values()
+                                            for k in (ckpt_key if isinstance(ckpt_key, tuple) else (ckpt_key,))})
         self.metas = {key: filt.meta(self.index[key][2]) for key in self.order if key in self.index} | self._side_metas()
 
     def _stored_pieces(self, key: str) -> list[torch.Tensor]:
         if key not in self.side:
             ckpt_key, position, meta = self.index[key]
+            if isinstance(ckpt_key, tuple):  # named blocks stored apart
+                return [self._filter(key, self.files.read(k), self.root) for k in ckpt_key]
             lead = len(position) if position is not None else 0
             region = (((position or ()) + (0,) * len(meta.shape)), (1,) * lead + tuple(meta.shape))
             pieces = self.files.region_pieces(ckpt_key, *region)
@@ -125,7 +143,9 @@ class TorchDistSource(McoreSource):
         if key in self.side:
             return self._side_tensor(key)
         ckpt_key, position, meta = self.index[key]
-        if position is None:
+        if isinstance(ckpt_key, tuple):
+            t = torch.cat([self.files.read(k) for k in ckpt_key])
+        elif position is None:
             t = self.files.read(ckpt_key)
         else:
             # One layer's (one expert's) chunk of the stacked tensor: reading it never touches the

@@ -1,0 +1,36 @@
+"""qwen3_5_lm: ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` <-> Megatron's ``GPTModel`` under
+``language_model.``, the ``qwen3_5_text`` part's table over the whole checkpoint (``model.`` body,
+``lm_head``). Layouts: ``hf`` (transformers' module names, experts stacked per layer) and
+``hf_checkpoint`` (what ``save_pretrained`` writes and the releases ship: one tensor per expert)."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+from mmparity.config import tied_embeddings
+from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet
+from mmparity.models.parts.qwen3_5_text import mapping as language
+
+FORMATS = language.LAYOUTS
+HEAD = "lm_head.weight"
+
+
+def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
+    if hf_format not in FORMATS:
+        raise ConversionError("unknown HF layout for family 'qwen3_5_lm'",
+                              [f"got {hf_format!r}; this family knows {', '.join(FORMATS)}"])
+    tied = tied_embeddings(cfg)
+    return RuleSet(rules=language.language_rules(cfg, "model.", HEAD, tied=tied, layout=hf_format),
+                   variables=language.variables(cfg), hf_prefixes=("",), hf_format=hf_format,
+                   # the release's multi-token-prediction layers: no model here builds them
+                   drop_hf=(r"^mtp\.",) + ((f"^{re.escape(HEAD)}$",) if tied else ()),
+                   validate_tp=lambda tp: language.tp_problems(cfg, tp) if tp >= 1 else [],
+                   part_tp={"language_model.": lambda tp: language.tp_problems(cfg, tp) if tp >= 1 else []})
+
+
+def detect_format(keys: Iterable[str]) -> str:
+    return "hf_checkpoint" if any(re.search(r"\.mlp\.experts\.\d+\.", k) for k in keys) else "hf"
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format)

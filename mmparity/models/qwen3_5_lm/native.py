@@ -1,0 +1,51 @@
+"""qwen3_5_lm on mcore: the ``qwen3_5_text`` part's ``GPTModel`` under ``language_model``, the root
+the converter writes it under, with a forward that takes token ids."""
+
+from __future__ import annotations
+
+import torch
+
+from mmparity.config import padded_vocab_size, tied_embeddings
+from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.models.core.mla_moe import host_placement
+from mmparity.parallel import runtime
+
+
+class Qwen35LanguageModel(torch.nn.Module):
+    def __init__(self, language_model, vocab_size: int):
+        super().__init__()
+        self.language_model = language_model
+        self.config = language_model.config
+        self.vocab_size = vocab_size
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """mcore's dist-checkpoint view of the model, under the root the converter writes."""
+        return self.language_model.sharded_state_dict(prefix + "language_model.", sharded_offsets, metadata)
+
+    def pipelined_module(self) -> torch.nn.Module:
+        return self.language_model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[b, s, vocab]`` over the real vocabulary (gathered over TP), or on a stage
+        before the last the hidden states it hands on."""
+        with host_placement(input_ids.device):
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            out = self.language_model(input_ids, positions, None, runtime_gather_output=True)
+        return out[..., :self.vocab_size] if self.post_process else out
+
+
+def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) -> Qwen35LanguageModel:
+    """The model for a Qwen3.5 text config at this pipeline stage; ``language``: the part's native
+    module (its ``LanguageModelBuilder``)."""
+    first, last = runtime.is_first_stage(), runtime.is_last_stage()
+    if tied_embeddings(cfg) and not (first and last):
+        raise ValueError("tied embeddings under pipeline parallelism are not supported")
+    vocab = padded_vocab_size(cfg.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
+    model = language.LanguageModelBuilder(cfg, params_dtype)(
+        vocab, pre_process=first, post_process=last, parallel_output=True,
+        share_embeddings_and_output_weights=tied_embeddings(cfg))
+    return Qwen35LanguageModel(model, cfg.vocab_size).to(params_dtype)
