@@ -332,6 +332,7 @@ FAMILIES = (
     "mmparity.models.siglip",
     "mmparity.models.pixtral_large",
     "mmparity.models.qwen3_5",
+    "mmparity.models.qwen3_vl",
     "mmparity.models.kimi_k25",
     "mmparity.models.kimi_k25_vl",
     "mmparity.models.llava",
