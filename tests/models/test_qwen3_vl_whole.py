@@ -78,11 +78,6 @@ def test_interleaved_mrope_angles_are_transformers(section):
     assert torch.allclose(angles.cos(), cos, atol=1e-6) and torch.allclose(angles.sin(), sin, atol=1e-6)
 
 
-def test_check_under_pipeline_parallelism_is_refused_in_one_line():
-    problems = whole_cases.pipeline_problems(fam().tiny_config(), 2)
-    assert len(problems) == 1 and "\n" not in problems[0]
-
-
 def _bump(key, index=(0, 0), by=0.5):
     def mutate(state):
         state[key] = state[key].clone()
@@ -124,3 +119,23 @@ def test_convert_tp2_pp2_round_trip_of_what_save_pretrained_wrote_is_bit_exact(s
     expected, got = load_safetensors_state_dict(saved), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_pipeline_parallel_check_is_refused_only_where_the_features_leave_the_first_stage():
+    cfg = fam().tiny_config()  # 3 decoder layers, 2 DeepStack features
+    assert whole_cases.pipeline_problems(cfg, 2) == []  # [2, 1]: layers 0 and 1 on the first stage
+    problems = whole_cases.pipeline_problems(cfg, 3)  # [1, 1, 1]
+    assert len(problems) == 1 and "--pp 3" in problems[0] and "\n" not in problems[0]
+
+
+@pytest.mark.slow
+def test_check_pp2_passes():
+    from mmparity.parallel import runtime
+
+    report = runtime.spawn(_pp2, 2, None)[0]
+    assert report.passed and (report.tp, report.pp) == (1, 2)
+
+
+def _pp2(rank: int, world_size: int, _):
+    report = harness.check(FAMILY, pp=2, seed=5)
+    return report if rank == 0 else None

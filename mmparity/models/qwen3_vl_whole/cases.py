@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mmparity.models.core import inputs
 from mmparity.models.core.layers import numbered_layers
+from mmparity.parallel.pp import buildable_layer_counts
 from mmparity.models.qwen3_5 import cases as frames
 from mmparity.models.qwen3_vl import cases as tower_cases
 from mmparity.models.qwen3_vl_whole import mapping as converter
@@ -167,10 +168,17 @@ def config_problems(cfg) -> list[str]:
 
 
 def pipeline_problems(cfg, pp: int) -> list[str]:
-    if pp > 1:
-        return [f"--pp {pp}: the DeepStack features are added after decoder layers of every stage "
-                f"but made on the first; check at --pp 1 (convert takes any --pp)"]
-    return []
+    """The DeepStack features are made on the first stage (the tower's) and are not sent on: the
+    decoder layers they are added after must all be there."""
+    if pp <= 1:
+        return []
+    first = buildable_layer_counts(cfg.text_config.num_hidden_layers, pp)[0]
+    taps = len(cfg.vision_config.deepstack_visual_indexes)
+    if taps <= first:
+        return []
+    return [f"--pp {pp}: the first stage holds {first} decoder layers but the {taps} DeepStack features "
+            f"are added after the first {taps}; check at a --pp that leaves {taps} layers on the first "
+            f"stage (convert takes any --pp)"]
 
 
 def image_size_problems(cfg, sizes) -> list[str]:

@@ -12,7 +12,9 @@ h = start + row, w = start + column of its merged grid, and the text after it co
 the larger side), computed here from the ids and the grids.
 
 DeepStack: feature ``k`` of the tower is added to the hidden states after decoder layer ``k`` at
-the image tokens. Images are laid out as Qwen's processor lays them out: one image token per
+the image tokens. The features are made on the first pipeline stage with the tower and are not
+sent on, so under pipeline parallelism the first ``len(deepstack_visual_indexes)`` decoder layers
+must be on that stage. Images are laid out as Qwen's processor lays them out: one image token per
 merged patch, between vision start / end tokens.
 """
 
@@ -182,8 +184,13 @@ class Qwen3VLModel(MegatronModule):
 
     def _inject(self, features: List[torch.Tensor], image: torch.Tensor):
         """Forward hooks adding DeepStack feature ``k`` after decoder layer ``k`` at the image tokens."""
+        layers = numbered_layers(self.language_model.decoder)
+        missing = sorted(set(range(len(features))) - {index for index, _ in layers})
+        if missing:
+            raise ValueError(f"DeepStack features for decoder layers {missing}, which are not on the "
+                             f"first pipeline stage (the features are not sent on)")
         handles = []
-        for index, layer in numbered_layers(self.language_model.decoder):
+        for index, layer in layers:
             if index < len(features):
                 def add(_m, _i, out, feature=features[index]):
                     hidden = out[0].transpose(0, 1).clone()  # [b, s, h], a new tensor
