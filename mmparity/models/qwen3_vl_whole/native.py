@@ -31,6 +31,7 @@ from mmparity.config import padded_vocab_size, rope_theta, tied_embeddings
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core.layers import (
     activation_from_hf, numbered_layers, tolerate_missing_extra_state, vision_transformer_config)
+from mmparity.models.core.mla_moe import host_placement
 from mmparity.models.llava.native import LLaVAModel
 from mmparity.models.parts.dense_decoder.config import transformer_fields
 from mmparity.models.parts.dense_decoder.native import language_layer_spec
@@ -201,6 +202,11 @@ class Qwen3VLModel(MegatronModule):
 
     def forward(self, rows: Optional[torch.Tensor], input_ids: torch.Tensor, *, imgs_sizes,
                 labels: Optional[torch.Tensor] = None):
+        # mcore's TP gather of the logits allocates on torch.cuda.current_device(): the host's here.
+        with host_placement(input_ids.device):
+            return self._forward(rows, input_ids, imgs_sizes, labels)
+
+    def _forward(self, rows, input_ids, imgs_sizes, labels):
         grids = [(h // self.patch_dim, w // self.patch_dim) for h, w in imgs_sizes]
         positions = mrope_position_ids(input_ids, self.image_token_id, grids, self.merge)
         image = input_ids == self.image_token_id
