@@ -268,8 +268,8 @@ def test_convert_round_trips_are_bit_exact(tower_dir, tmp_path, fmt, tp, pp):
 
 
 def test_whole_model_saved_by_transformers_converts_its_tower_and_says_what_it_left_out(tmp_path, capsys):
-    """No registered family takes the whole model yet: detection gives it this tower family,
-    which converts the tower, names the language model it leaves out, and exports the tower."""
+    """Asked for the tower family, a whole checkpoint converts its tower, names the language model
+    it leaves out, and exports the tower (detection alone gives it the whole family)."""
     from transformers import Qwen3VLForConditionalGeneration
 
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
@@ -277,8 +277,8 @@ def test_whole_model_saved_by_transformers_converts_its_tower_and_says_what_it_l
     model = Qwen3VLForConditionalGeneration(_whole_config(tiny()))
     model.load_state_dict(random_like_state(model.state_dict(), seed=8))
     model.save_pretrained(tmp_path / "hf")
-    assert _run("convert", "--src", tmp_path / "hf", "--dst", tmp_path / "mcore", "--to", "mcore",
-                "--tp", 2, "--pp", 2, "--format", "legacy") == 0
+    assert _run("convert", "--family", FAMILY, "--src", tmp_path / "hf", "--dst", tmp_path / "mcore",
+                "--to", "mcore", "--tp", 2, "--pp", 2, "--format", "legacy") == 0
     said = capsys.readouterr()
     assert "left out 14 of 71 source tensors" in said.out + said.err
     assert _run("convert", "--src", tmp_path / "mcore", "--dst", tmp_path / "back", "--to", "hf",
