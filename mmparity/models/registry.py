@@ -332,6 +332,8 @@ FAMILIES = (
     "mmparity.models.siglip",
     "mmparity.models.pixtral_large",
     "mmparity.models.qwen3_5",
+    "mmparity.models.qwen3_vl",
+    "mmparity.models.qwen3_vl_whole",
     "mmparity.models.kimi_k25",
     "mmparity.models.kimi_k25_vl",
     "mmparity.models.llava",

@@ -36,9 +36,16 @@ def _pp2_checks(rank: int, world_size: int, plan: list) -> dict | None:
     return out if rank == 0 else None
 
 
+def _refuses_pp2(name: str) -> list:
+    """What the family's record says against ``check --pp 2`` on its tiny config (a tower whose
+    taps feed mergers on another stage, say): such a family is not checked at PP 2 here."""
+    fam = families.get(name)
+    return fam.hooks.config.pipeline_problems(fam.tiny_config(), 2)
+
+
 @pytest.fixture(scope="module")
 def pp2_reports():
-    plan = [(name, name, {}) for name in families.names()]
+    plan = [(name, name, {}) for name in families.names() if not _refuses_pp2(name)]
     # 3 layers over 2 stages: [2, 1], the first stage takes the remainder, as convert splits it.
     plan += [("pixtral 3 layers", "pixtral", {"cfg": _with_layers("pixtral", 3), "components": False}),
              ("llava 3 layers", "llava", {"cfg": _with_layers("llava", 3), "components": False}),
@@ -53,6 +60,8 @@ def _failures(report):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", families.names())
 def test_check_pp2_passes_for_every_family(pp2_reports, family):
+    if family not in pp2_reports:
+        pytest.skip(f"{family} refuses --pp 2: {_refuses_pp2(family)}")
     report = pp2_reports[family]
     assert (report.tp, report.pp) == (1, 2)
     assert report.passed, _failures(report)

@@ -1,0 +1,201 @@
+"""Qwen3-VL whole parity: two rows of text with three images of different sizes between vision
+start / end tokens (one image token per merged patch, as Qwen's processor lays them out), logits
+at every position and the per-token loss, and the paired modules named by Megatron's tree: the
+tower's (``vision_model.layer.N``, ``vision_model.deepstack_merger_list.J.…``,
+``vision_model.merger.…``), then per decoder layer its attention and the layer itself (before the
+DeepStack feature is added, on both sides), and the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmparity.models.core import inputs
+from mmparity.models.core.layers import numbered_layers
+from mmparity.parallel.pp import buildable_layer_counts
+from mmparity.models.qwen3_5 import cases as frames
+from mmparity.models.qwen3_vl import cases as tower_cases
+from mmparity.models.qwen3_vl_whole import mapping as converter
+from mmparity.models.qwen3_vl_whole import native, reference
+from mmparity.models.spec import (
+    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
+
+OUTPUTS = ("logits", "token_loss")
+LANGUAGE_LAYER = "language_model.decoder.layers.{}"
+
+
+def image_size_multiple(cfg) -> int:
+    vc = cfg.vision_config
+    return int(vc.patch_size) * vc.spatial_merge_size
+
+
+def default_image_sizes(cfg) -> list[tuple[int, int]]:
+    step = image_size_multiple(cfg)
+    # Around the 5×5 position table of the tiny tower: inside it, wide, and tall beyond it.
+    return [(step, 2 * step), (3 * step, step), (2 * step, 4 * step)]
+
+
+def _text(cfg, count: int, gen) -> list[int]:
+    special = sorted({cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id})
+    allowed = [t for t in range(cfg.text_config.vocab_size) if t not in special]
+    picks = torch.randint(0, len(allowed), (count,), generator=gen).tolist()
+    return [allowed[p] for p in picks]
+
+
+def _merged(cfg, size) -> int:
+    step = image_size_multiple(cfg)
+    return (size[0] // step) * (size[1] // step)
+
+
+def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+    sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
+    gen = inputs.generator(seed + 4099)
+    first = (len(sizes) + 1) // 2
+    rows = []
+    for chunk in (sizes[:first], sizes[first:]):
+        row = _text(cfg, 3, gen)
+        for size in chunk:
+            row += ([cfg.vision_start_token_id] + [cfg.image_token_id] * _merged(cfg, size)
+                    + [cfg.vision_end_token_id] + _text(cfg, 2, gen))
+        rows.append(row)
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + _text(cfg, width - len(r), gen) for r in rows])
+    vc = cfg.vision_config
+    data = {"layout": "frame_rows", "images": inputs.images(sizes, vc.in_channels, seed), "sizes": sizes,
+            "patch": int(vc.patch_size), "merge": vc.spatial_merge_size, "input_ids": ids}
+    described = ", ".join(f"{h}x{w}" for h, w in sizes)
+    return [Case("sample", data, OUTPUTS,
+                 description=f"2 rows of {width} tokens, images {described} between the text")]
+
+
+def token_mask(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """Positions whose next token is text: the ones a language-model loss trains."""
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    mask[:, :-1] = ids[:, 1:] != image_token_id
+    return mask
+
+
+def next_tokens(ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+
+
+# --- the reference side ----------------------------------------------------------------------------
+
+def reference_run(model, case: Case) -> dict:
+    cfg = model.config
+    param = next(model.parameters())
+    rows, grid_thw = frames.processor_rows(case, cfg.vision_config)
+    ids = case.data["input_ids"].to(param.device)
+    types = (ids == cfg.image_token_id).int()
+    logits = model(input_ids=ids, pixel_values=rows.to(param.device, param.dtype),
+                   image_grid_thw=grid_thw.to(param.device), mm_token_type_ids=types).logits.float()
+    vocab = logits.shape[-1]
+    mask = token_mask(case.data["input_ids"], cfg.image_token_id).to(param.device)
+    loss = F.cross_entropy(logits.reshape(-1, vocab), next_tokens(ids).reshape(-1), reduction="none")
+    return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
+
+
+def language_pairs(layers, *, hf: bool) -> list[Pair]:
+    out = []
+    for i, layer in layers:
+        name = LANGUAGE_LAYER.format(i)
+        if hf:
+            out += [Pair(name + ".self_attention", layer.self_attn, tokens_2d), Pair(name, layer, tokens_2d)]
+        else:
+            out += [Pair(name + ".self_attention", layer.self_attention, sbh_tokens_2d, snapshot=True),
+                    Pair(name, layer, sbh_tokens_2d, snapshot=True)]
+    return out
+
+
+def reference_pairs(model, cfg) -> list[Pair]:
+    out = [Pair("vision_model." + p.name, p.module, p.extract)
+           for p in tower_cases.reference_pairs(model.model.visual, cfg.vision_config)]
+    out += language_pairs(enumerate(model.model.language_model.layers), hf=True)
+    out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
+    return out
+
+
+# --- the native side ---------------------------------------------------------------------------------
+
+def native_run(model, case) -> dict:
+    param = next(model.parameters())
+    rows = (frames.patch_rows(model.vision_model, case).to(param.device, param.dtype)
+            if model.pre_process else None)
+    ids = case.data["input_ids"].to(param.device)
+    logits = model(rows, ids, imgs_sizes=case.data["sizes"])
+    loss = model(rows, ids, imgs_sizes=case.data["sizes"], labels=next_tokens(ids))
+    if not model.post_process:
+        return {}
+    logits = logits[..., :model.vocab_size].float()
+    mask = token_mask(case.data["input_ids"], model.image_token_id).to(param.device)
+    return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
+
+
+def native_pairs(model, cfg) -> list[Pair]:
+    out = []
+    if model.vision_model is not None:
+        out += [Pair("vision_model." + p.name, p.module, p.extract)
+                for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
+    out += language_pairs(numbered_layers(model.language_model.decoder), hf=False)
+    if model.post_process:
+        out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
+                        sbh_tokens_2d))
+    return out
+
+
+def no_component(name, model, cfg, seed):
+    raise KeyError(name)
+
+
+def random_config(pick):
+    heads = pick([2, 4])
+    groups = pick([g for g in (1, 2) if heads % g == 0])
+    head_dim = pick([8, 12])
+    half = head_dim // 2
+    h_sec = pick([1, 2])
+    layers = pick([1, 2, 3])
+    return reference.tiny_config(
+        num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
+        hidden_size=pick([24, 40]), num_hidden_layers=layers,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                         "mrope_section": [half - 2 * h_sec, h_sec, h_sec], "mrope_interleaved": True})
+
+
+def config_problems(cfg) -> list[str]:
+    problems = [f"text_config: {p}" for p in native.text_config_problems(cfg.text_config)]
+    return problems + tower_cases.config_problems(cfg.vision_config)
+
+
+def pipeline_problems(cfg, pp: int) -> list[str]:
+    """The DeepStack features are made on the first stage (the tower's) and are not sent on: the
+    decoder layers they are added after must all be there."""
+    if pp <= 1:
+        return []
+    first = buildable_layer_counts(cfg.text_config.num_hidden_layers, pp)[0]
+    taps = len(cfg.vision_config.deepstack_visual_indexes)
+    if taps <= first:
+        return []
+    return [f"--pp {pp}: the first stage holds {first} decoder layers but the {taps} DeepStack features "
+            f"are added after the first {taps}; check at a --pp that leaves {taps} layers on the first "
+            f"stage (convert takes any --pp)"]
+
+
+def image_size_problems(cfg, sizes) -> list[str]:
+    step = image_size_multiple(cfg)
+    bad = [s for s in sizes if s[0] % step or s[1] % step or min(s) <= 0]
+    return [f"image sizes {bad} are not positive multiples of patch_size*spatial_merge_size = {step}"] if bad else []
+
+
+MEGATRON = NoMegatron("megatron-core and Megatron-LM main have no Qwen3-VL class (no DeepStack, no "
+                      "interleaved M-RoPE); Megatron-Bridge has one, outside this project's scope")
+
+
+def hooks(towers) -> FamilyHooks:
+    return FamilyHooks(
+        config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
+                           problems=config_problems, image_size_multiple=image_size_multiple,
+                           image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
+        reference=Side(reference_run, reference_pairs, no_component, reference.build),
+        native=Side(native_run, native_pairs, no_component, native.build_native), converter=converter.SPEC,
+        parity=Parity(cases), megatron=MEGATRON)
