@@ -9,7 +9,7 @@ import time
 
 from mmparity.cli.common import (
     EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed, config_facts, left_out_line, parse_image_size,
-    quiet_third_party_warnings, select_device_and_backend, write_text_atomic)
+    progress_line, quiet_third_party_warnings, select_device_and_backend, write_text_atomic)
 
 
 def add_arguments(parser) -> None:
@@ -69,7 +69,8 @@ def add_arguments(parser) -> None:
     report = parser.add_argument_group("report")
     report.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     report.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
-    report.add_argument("--quiet", action="store_true", help="only the summary line")
+    report.add_argument("--quiet", action="store_true",
+                        help="only the summary line; no progress line (drawn on stderr when it is a terminal)")
 
 
 # The reports a CI job reads: written even when the command is refused (exit 2), saying why.
@@ -465,49 +466,52 @@ def run(args) -> int:
     from mmparity.parity import harness
     from mmparity.parity.report import Report
 
-    started = time.perf_counter()
-    combined = None
-    for fam in records:
-        name, cfg, hf_state = fam.name, None, None
-        if args.low_memory:
-            report = _check_low_memory(args, fam, sizes, notes, detection)
-            combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
-                              attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl, megatron=report.megatron)
+    with progress_line(args.quiet) as line:
+        started = time.perf_counter()
+        combined = None
+        for number, fam in enumerate(records, 1):
+            name, cfg, hf_state = fam.name, None, None
+            line.start(f"check {name}" + (f" ({number}/{len(records)})" if len(records) > 1 else ""),
+                       "loading the weights" if args.hf else "")
+            if args.low_memory:
+                report = _check_low_memory(args, fam, sizes, notes, detection)
+                combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
+                                  attention_backend=report.attention_backend, versions=report.versions,
+                                  tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl, megatron=report.megatron)
+                combined.results.extend(report.results)
+                continue
+            if args.hf:
+                cfg, hf_state, use = _load_hf(args.hf, fam, args.hf_format)
+                _note_left_out(fam, use, detection, args.hf, notes)
+            _check_image_sizes(fam, cfg, sizes)
+            try:
+                report = harness.check(fam, cfg, hf_state, dtype=args.dtype, device=args.device,
+                                       seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
+                                       layer_counts=layer_counts, components=not args.no_components,
+                                       native_shards=native_shards, impl=args.impl, vocab_divisor=divisor,
+                                       megatron_class=args.megatron_class)
+            except ConversionError as exc:  # e.g. a TP size that does not divide the heads
+                raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
+            except harness.InputError as exc:  # e.g. more pipeline stages than layers
+                raise UsageError(str(exc)) from None
+            except UpstreamUnavailable as exc:
+                raise UsageError(f"{name} --impl {args.impl}: {exc}") from None
+            except StrictLoadError as exc:  # weights that are not the layout of Megatron's class
+                raise UsageError(f"{name}: the weights do not load strictly into Megatron's class: "
+                                 f"{exc}") from None
+            except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
+                raise UsageError(f"{name} --impl {args.impl}: Megatron cannot build this model: "
+                                 f"{exc}") from None
+            if combined is None:
+                combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
+                                  attention_backend=report.attention_backend, versions=report.versions,
+                                  tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl,
+                                  megatron=report.megatron)
+            elif report.megatron is not None:
+                combined.megatron["classes"].update(report.megatron["classes"])
+                if "notes" in report.megatron:
+                    combined.megatron.setdefault("notes", {}).update(report.megatron["notes"])
             combined.results.extend(report.results)
-            continue
-        if args.hf:
-            cfg, hf_state, use = _load_hf(args.hf, fam, args.hf_format)
-            _note_left_out(fam, use, detection, args.hf, notes)
-        _check_image_sizes(fam, cfg, sizes)
-        try:
-            report = harness.check(fam, cfg, hf_state, dtype=args.dtype, device=args.device,
-                                   seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
-                                   layer_counts=layer_counts, components=not args.no_components,
-                                   native_shards=native_shards, impl=args.impl, vocab_divisor=divisor,
-                                   megatron_class=args.megatron_class)
-        except ConversionError as exc:  # e.g. a TP size that does not divide the heads
-            raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
-        except harness.InputError as exc:  # e.g. more pipeline stages than layers
-            raise UsageError(str(exc)) from None
-        except UpstreamUnavailable as exc:
-            raise UsageError(f"{name} --impl {args.impl}: {exc}") from None
-        except StrictLoadError as exc:  # weights that are not the layout of Megatron's class
-            raise UsageError(f"{name}: the weights do not load strictly into Megatron's class: "
-                             f"{exc}") from None
-        except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
-            raise UsageError(f"{name} --impl {args.impl}: Megatron cannot build this model: "
-                             f"{exc}") from None
-        if combined is None:
-            combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
-                              attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl,
-                              megatron=report.megatron)
-        elif report.megatron is not None:
-            combined.megatron["classes"].update(report.megatron["classes"])
-            if "notes" in report.megatron:
-                combined.megatron.setdefault("notes", {}).update(report.megatron["notes"])
-        combined.results.extend(report.results)
     elapsed = time.perf_counter() - started
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
         return EXIT_OK if combined.passed else EXIT_FAIL  # under torchrun only rank 0 reports

@@ -10,7 +10,8 @@ import dataclasses
 
 from mmparity import errors
 from mmparity.cli.common import (
-    EXIT_OK, UsageError, config_facts, human_bytes, left_out_line, parse_iteration, quiet_third_party_warnings)
+    EXIT_OK, UsageError, config_facts, human_bytes, left_out_line, parse_iteration, quiet_third_party_warnings,
+    shows_progress)
 
 
 def add_arguments(parser) -> None:
@@ -236,7 +237,7 @@ def _run(args, options, team) -> int:
             refuse_link_destination(options.dst)
         except CheckpointError as exc:
             raise UsageError(f"--dst {exc}") from None
-    interactive = not args.quiet and sys.stderr.isatty()
+    interactive = shows_progress(args.quiet)
     progress = _RichProgress() if interactive else _NoProgress()
     # Every file of the source is watched (stat only) while it is read: a publish checks none changed.
     watched = checkpoint_extent(options.src) if options.src.is_dir() else options.src
