@@ -58,8 +58,6 @@ MAX_BATCH_PIXELS = 2**32
 
 def run(args) -> int:
     quiet_third_party_warnings()
-    from mmparity.parity import bench
-
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     if args.images is not None and args.images < 1:
         raise UsageError(f"--images must be >= 1, got {args.images}")
@@ -73,6 +71,13 @@ def run(args) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup is not None and args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if json_dir is not None and not os.path.isdir(json_dir):
+        # Before any timing: the first partial report would otherwise fail after one family.
+        raise UsageError(f"cannot write {args.json}: directory {json_dir} does not exist")
+    # The flags above are checked before this import (megatron's and transformers': seconds).
+    from mmparity.parity import bench
+
     select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
 
@@ -81,10 +86,6 @@ def run(args) -> int:
         if args.json:
             write_text_atomic(args.json, report.to_json())
 
-    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
-    if json_dir is not None and not os.path.isdir(json_dir):
-        # Before any timing: the first partial report would otherwise fail after one family.
-        raise UsageError(f"cannot write {args.json}: directory {json_dir} does not exist")
     with progress_line(args.quiet) as line:
         def progress(name: str) -> None:
             line.start(f"bench {name} ({args.size}, {args.device}, {args.dtype})")

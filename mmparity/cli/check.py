@@ -413,8 +413,36 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:
     return family, hf_dir, copies, pp, counts, divisor
 
 
+def _refuse_early(args) -> None:
+    """What the command line and config.json alone show to be wrong, said before torch,
+    transformers or megatron is imported (those cost seconds; a typo in a path should not)."""
+    for option, path in (("--hf", args.hf), ("--mcore", args.mcore)):
+        if path and not os.path.isdir(path):
+            raise UsageError(f"{option} {path}: no such directory")
+    if args.hf and not args.mcore and not args.low_memory and args.tp > 1 and len(args.families) <= 1:
+        _refuse_tp_from_config(args.hf, args.families[0] if args.families else None, args.tp)
+
+
+def _refuse_tp_from_config(directory: str, family, tp: int) -> None:
+    """A TP size that does not divide the model's heads (or other split sizes), read off config.json
+    as convert reads it: the rule tables and torch, no model code. Anything this cannot tell is left
+    to the check itself, which refuses it all the same, later."""
+    try:
+        from mmparity.convert.configs import detect_family, read_hf_config
+        from mmparity.models import registry
+
+        fam = registry.get(family if family is not None else detect_family(directory).family)
+        rules = fam.rule_set(fam.family_config(read_hf_config(directory)[0]))
+        problems = list(rules.validate_tp(tp)) if rules.validate_tp else []
+    except Exception:  # noqa: BLE001 — not this check's to report
+        return
+    if problems:
+        raise UsageError(f"{fam.name}: tensor-parallel size does not fit this model: {'; '.join(problems[:5])}")
+
+
 def run(args) -> int:
     quiet_third_party_warnings()
+    _refuse_early(args)
     if args.pp is not None and args.pp < 1:
         raise UsageError(f"--pp must be >= 1, got {args.pp}")
     check_seed(args.seed)

@@ -45,6 +45,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    for directory in args.dirs:  # before torch is imported: a mistyped path costs no seconds
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory}: no such directory")
     from mmparity.io.fsio.errors import CheckpointError
     from mmparity.io.manifest import read_manifest
     from mmparity.io.verify import verify

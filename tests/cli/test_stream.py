@@ -159,3 +159,29 @@ def test_spawned_ranks_do_not_repeat_import_warnings():
     assert code == 0, err
     assert err.splitlines() == [], err  # not one line: no warning, no progress into a pipe
     assert "passed" in out and "Apex" not in out
+
+
+def test_torch_dist_says_its_tensors_are_global_where_tp_and_pp_were_asked(tmp_path, capsys):
+    """torch_dist holds global tensors: convert --tp/--pp says so in one line, verify says so in
+    place of the sizes recorded (which would read as flags lost), and the manifest in a field."""
+    import json
+
+    hf = tmp_path / "hf"
+    assert main(["tiny", "llava", str(hf)]) == 0
+    runs = {"torch_dist": ["--tp", "2", "--pp", "2"], "legacy": ["--tp", "2"]}
+    for fmt, sizes in runs.items():
+        capsys.readouterr()
+        assert main(["convert", "--src", str(hf), "--dst", str(tmp_path / fmt), "--to", "mcore", "--format", fmt,
+                     *sizes]) == 0
+        said = [line for line in capsys.readouterr().out.splitlines() if "global tensors" in line]
+        assert said == (["llava: torch_dist stores global tensors, not --tp 2 --pp 2 slices: Megatron-LM loads it "
+                         "at any TP/PP"] if fmt == "torch_dist" else []), said
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "torch_dist"), str(tmp_path / "legacy")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{tmp_path / 'torch_dist'} (mcore_torch_dist global (loads at any TP/PP), for "), out
+    assert "tp=" not in out[0] and out[1].startswith(f"{tmp_path / 'legacy'} (mcore_legacy tp=2 pp=1 ep=1, "), out
+    for fmt, stored in (("torch_dist", "global"), ("legacy", "per_rank")):
+        manifest = json.loads((tmp_path / fmt / "mmparity.json").read_text())
+        # The sizes' keys stay as they were; the new field says what they bind.
+        assert manifest["tensors_stored"] == stored and "tensor_parallel_size" in manifest, manifest
