@@ -82,8 +82,8 @@ def write_usage_error_reports(paths: dict, message: str) -> None:
     JSON report with the error and no results, JUnit XML with one errored testcase, so that CI
     shows a failed test rather than no report. A path that cannot be written is passed over: the
     one stderr line already says what went wrong."""
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        return  # under torchrun, rank 0 reports
+    if int(os.environ.get("RANK", "0") or 0) != 0 or not any(paths.values()):
+        return  # under torchrun, rank 0 reports; and none asked for, nothing to import
     from mmparity.cli.common import one_line
     from mmparity.cli.render import usage_error_junit
     from mmparity.parity.report import strict_json
