@@ -79,6 +79,10 @@ def quiet_third_party_warnings() -> None:
     # A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
     # megatron imports torch.utils.cpp_extension; a user error must still be one line.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # Some of megatron's optional imports pull in absl, whose Python logger warns on first use.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    # Spawned ranks (parallel.runtime.spawn) take these filters and levels before they import
+    # anything: each rank would otherwise repeat every line above once more.
 
 
 def parse_iteration(text: str | None) -> int | str | None:
