@@ -84,6 +84,15 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+_TIMED_CPU = [0.0]  # this process's CPU seconds when its timed region began
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process so far (every thread: the writers' pwrite and hashing too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
     import warnings
 
@@ -92,6 +101,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
     phases = {}
     if job == "copy":
         ready = _rss_anon_kb()
+        _TIMED_CPU[0] = _cpu_seconds()
         started = time.perf_counter()
         Path(dst).mkdir()
         for path in sorted(Path(src).iterdir()):
@@ -102,6 +112,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         from mmparity.io.fsio.syscalls import copy_file_range_all, start_writeback
 
         ready = _rss_anon_kb()
+        _TIMED_CPU[0] = _cpu_seconds()
         started = time.perf_counter()
         Path(dst).mkdir()
         chunk = 64 << 20
@@ -122,6 +133,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
         ready = _rss_anon_kb()
+        _TIMED_CPU[0] = _cpu_seconds()
         started = time.perf_counter()
         model = Qwen3_5MoeVisionModel.from_pretrained(src, dtype=torch.bfloat16)
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -133,8 +145,8 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         workers = options.pop("workers", 1)
         if workers > 1:  # this process only starts and times the ranks: it imports nothing
             ready = _rss_anon_kb()
-            seconds, phases = _run_ranks(workers, src, dst, options)
-            return {"seconds": seconds, "ready_anon_kb": ready, "phases": phases}
+            seconds, phases, cpu = _run_ranks(workers, src, dst, options)
+            return {"seconds": seconds, "ready_anon_kb": ready, "phases": phases, "cpu_s": cpu}
         import torch  # noqa: F401  (import cost outside the timed region, as for the others)
 
         from mmparity.convert import ConvertOptions, convert
@@ -143,6 +155,7 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         _import_for(options)
         ready = _rss_anon_kb()
         progress = _PhaseMemory(ready) if by_phase else None
+        _TIMED_CPU[0] = _cpu_seconds()
         started = time.perf_counter()
         try:
             convert(ConvertOptions(src=Path(src), dst=Path(dst), **options), progress)
@@ -151,7 +164,9 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
                 phases = progress.stop()
     else:
         raise SystemExit(f"unknown job {job}")
-    return {"seconds": time.perf_counter() - started, "ready_anon_kb": ready, "phases": phases}
+    seconds = time.perf_counter() - started
+    # The CPU of the timed region, every thread included (the plain copy runs in this process too).
+    return {"seconds": seconds, "ready_anon_kb": ready, "phases": phases, "cpu_s": _cpu_seconds() - _TIMED_CPU[0]}
 
 
 class _PhaseMemory:
@@ -206,7 +221,7 @@ def _import_for(options: dict) -> None:
         import mmparity.io.torch_dist_write  # noqa: F401  (imports no megatron)
 
 
-def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, dict]:  # (seconds, phases)
+def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, dict, float]:  # (seconds, phases, CPU s)
     """One conversion by ``workers`` ranks as torchrun starts them (RANK, WORLD_SIZE, MASTER_*),
     each a fresh interpreter. Timed as the one-process job is: from when every rank has its imports
     done (interpreter start-up is per process, not per byte) until the last rank has finished, so the
@@ -238,7 +253,8 @@ def _run_ranks(workers: int, src: str, dst: str, options: dict) -> tuple[float, 
                 rank.wait()
     if codes != [0] * workers or None in reports:
         raise SystemExit(f"ranks exited {codes}")
-    return finished - started, {f"rank{r}_convert": report["seconds"] for r, report in enumerate(reports)}
+    return (finished - started, {f"rank{r}_convert": report["seconds"] for r, report in enumerate(reports)},
+            sum(report["cpu_s"] for report in reports))
 
 
 def _rank(src: str, dst: str, options: dict) -> None:
@@ -251,13 +267,14 @@ def _rank(src: str, dst: str, options: dict) -> None:
     _import_for(options)
     print("ready", flush=True)
     sys.stdin.readline()
+    cpu = _cpu_seconds()
     started = time.perf_counter()
     team = team_mod.join()
     try:
         convert(ConvertOptions(src=Path(src), dst=Path(dst), team=team, **options))
     finally:
         team.close()
-    print(json.dumps({"seconds": time.perf_counter() - started}), flush=True)
+    print(json.dumps({"seconds": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu}), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -521,10 +538,17 @@ def main() -> None:
               f"{os.cpu_count()} CPUs, round trips bit-exact: {exact}")
         print()
         paired_column = args.paired
-        print("| job | wall s (runs) | GB/s | x copy | x floor |" + (" x the copy just before (runs) |" if paired_column else "")
-              + " peak RssAnon MB | of which imports MB |")
-        print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if paired_column else "") + " ---: | ---: |")
         fastest_copy = _fastest_copy(runs, against_runs)
+        copies = sorted(_copy_seconds(runs))
+        print(f"plain copy (shutil.copyfile + fsync) of the {source_bytes / 1e9:.3f} GB: fastest "
+              f"{source_bytes / fastest_copy / 1e9:.2f} GB/s, median {source_bytes / copies[len(copies) // 2] / 1e9:.2f} GB/s "
+              f"over {len(copies)} copies\n")
+        # CPU s/GB: user + system CPU of the job's timed region (every thread and rank) per GB of
+        # source, the median over the runs: near the copy's, a job waits on the disk; far above
+        # it, on the CPU, and a faster disk will not make it faster.
+        print("| job | wall s (runs) | GB/s | x copy | x floor |" + (" x the copy just before (runs) |" if paired_column else "")
+              + " CPU s/GB | peak RssAnon MB | of which imports MB |")
+        print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if paired_column else "") + " ---: | ---: | ---: |")
         stalls = False
         for row in rows:
             listed = ", ".join(f"{s:.2f}" for s in row["all_seconds"])
@@ -533,8 +557,10 @@ def main() -> None:
                 best, shown, stalled = _paired_ratios(runs[row["label"]], fastest_copy)
                 stalls = stalls or stalled
                 pairs = f" {best:.2f} ({shown}) |" if shown else " 1.00 |"
+            cpus = sorted(r["cpu_s"] for r in runs[row["label"]] if r.get("cpu_s") is not None)
+            cpu = f"{cpus[len(cpus) // 2] / (source_bytes / 1e9):.2f}" if cpus else "-"
             print(f"| {row['label']} | {row['seconds']:.2f} ({listed}) | {source_bytes / row['seconds'] / 1e9:.2f} | "
-                  f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} |{pairs} "
+                  f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} |{pairs} {cpu} | "
                   f"{row['peak_anon_kb'] / 1024:.0f} | "
                   f"{(row['ready_anon_kb'] or 0) / 1024:.0f} |")
         if stalls:
@@ -561,6 +587,12 @@ def _fastest_copy(runs: dict, against_runs: dict) -> float:
     copies += [r["paired_copy_seconds"] for group in (runs, against_runs) for rs in group.values() for r in rs
                if r.get("paired_copy_seconds")]
     return min(copies)
+
+
+def _copy_seconds(runs: dict) -> list[float]:
+    """Every plain copy of this run: the baseline's runs and each run's paired copy."""
+    return [r["seconds"] for r in runs.get("copy (baseline)", [])] + [
+        r["paired_copy_seconds"] for rs in runs.values() for r in rs if r.get("paired_copy_seconds")]
 
 
 def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, str, bool]:

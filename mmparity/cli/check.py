@@ -69,12 +69,15 @@ def add_arguments(parser) -> None:
     report = parser.add_argument_group("report")
     report.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     report.add_argument("--junit", metavar="PATH", help="also write JUnit XML for CI runners")
+    report.add_argument("--html", metavar="PATH",
+                        help="also write one self-contained HTML page: the relative error of each paired "
+                             "module along the model, plotted (needs pip install 'mmparity[report]')")
     report.add_argument("--quiet", action="store_true",
                         help="only the summary line; no progress line (drawn on stderr when it is a terminal)")
 
 
 # The reports a CI job reads: written even when the command is refused (exit 2), saying why.
-REPORT_OPTIONS = ("--json", "--junit")
+REPORT_OPTIONS = ("--json", "--junit", "--html")
 
 
 def write_usage_error_reports(paths: dict, message: str) -> None:
@@ -86,13 +89,16 @@ def write_usage_error_reports(paths: dict, message: str) -> None:
         return  # under torchrun, rank 0 reports; and none asked for, nothing to import
     from mmparity.cli.common import one_line
     from mmparity.cli.render import usage_error_junit
+    from mmparity.cli.report_html import error_page
     from mmparity.parity.report import strict_json
 
     line = one_line(message)
     texts = {"--json": lambda: strict_json({"passed": False, "error": line, "results": []}) + "\n",
-             "--junit": lambda: usage_error_junit(line)}
+             "--junit": lambda: usage_error_junit(line), "--html": lambda: error_page(line)}
+    written = set()
     for option, path in paths.items():
-        if path and option in texts:
+        if path and option in texts and os.path.realpath(str(path)) not in written:  # one file named twice
+            written.add(os.path.realpath(str(path)))
             try:
                 write_text_atomic(str(path), texts[option](), option)
             except UsageError:
@@ -446,9 +452,15 @@ def run(args) -> int:
     if args.pp is not None and args.pp < 1:
         raise UsageError(f"--pp must be >= 1, got {args.pp}")
     check_seed(args.seed)
-    for option, path in (("--json", args.json), ("--junit", args.junit)):
+    for option, path in (("--json", args.json), ("--junit", args.junit), ("--html", args.html)):
         if path:
             check_output_path(option, path)
+    if args.html:
+        from mmparity.cli.report import refuse_same_paths
+        from mmparity.cli.report_html import require_matplotlib
+
+        refuse_same_paths({"--json": args.json, "--junit": args.junit, "--html": args.html})
+        require_matplotlib()
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     native_shards, layer_counts, divisor = None, None, None
     if args.mcore:
@@ -544,12 +556,23 @@ def run(args) -> int:
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
         return EXIT_OK if combined.passed else EXIT_FAIL  # under torchrun only rank 0 reports
 
+    page = None
+    # The page is drawn from the JSON form, as `mmparity report` draws a saved one, and before any
+    # report is written: one that cannot be drawn refuses the command, and every report says why.
+    if args.html:
+        import json
+
+        from mmparity.cli.report_html import render
+
+        page = render(json.loads(combined.to_json()))
     if args.json:
         write_text_atomic(args.json, combined.to_json(), "--json")
     if args.junit:
         from mmparity.cli.render import junit_xml
 
         write_text_atomic(args.junit, junit_xml(combined, elapsed), "--junit")
+    if page is not None:
+        write_text_atomic(args.html, page, "--html")
     from mmparity.cli.render import print_report
 
     if not args.quiet:

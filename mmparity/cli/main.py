@@ -47,6 +47,14 @@ SUBCOMMANDS = {
         "module where they depart. Weights are seeded random ones, an HF directory's\n"
         "(--hf), or a converted checkpoint's (--mcore).",
         "mmparity check --hf hf/", "`mmparity tiny llava hf/`"),
+    "report": Command(
+        "report", "a saved check report (check --json) as the table, or as an HTML page with the "
+                  "error plotted along the model (--html)",
+        "Print a report that `mmparity check --json` wrote (a CI artifact) as the table\n"
+        "check prints; with --html, also write it as one self-contained HTML page: the\n"
+        "relative error of each paired module along the model, the tolerance, the first\n"
+        "divergence marked, router agreement, what ran.",
+        "mmparity report r.json --html r.html", "`mmparity check --json r.json`"),
     "convert": Command(
         "convert", "HF safetensors <-> Megatron-LM checkpoints (torch_dist, legacy), TP/PP/EP, bit-exact",
         "Convert an HF save_pretrained directory to a Megatron-LM checkpoint\n"

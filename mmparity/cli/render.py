@@ -62,6 +62,10 @@ def _fmt_cosine(value) -> str:
     return f"1-{1.0 - value:.2g}"
 
 
+# The table's spelling of numbers, for the other renderings of a report (the HTML page).
+number_text, cosine_text = _fmt, _fmt_cosine
+
+
 def _where_and_why(result) -> tuple[str, str]:
     """(where a failing result first departs, why: the metric against its bound, or the error)."""
     div = result.first_divergence
@@ -89,7 +93,7 @@ def router_summaries(report) -> list:
     """One summary per (family, impl, case) whose paired modules hold routers: the MoE layers'
     verdicts added up, the worst layer's weight metrics, and where the table puts it (after the
     case's last result). Every output of a case carries the same module rows: read them once."""
-    from mmparity.parity.router import is_router
+    from mmparity.parity.report import is_router
 
     groups: dict = {}
     for index, r in enumerate(report.results):

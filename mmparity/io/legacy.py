@@ -504,7 +504,34 @@ class LegacyCheckpoint:
                 f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} / EP rank {ep_rank} in a "
                 f"TP={self.tp_size} PP={self.pp_size} EP={self.ep_size} checkpoint"
             )
-        return load_rank_file(self.files[tp_rank, pp_rank, ep_rank], mmap=mmap, file_ranges=file_ranges, chunk=chunk)
+        path = self.files[tp_rank, pp_rank, ep_rank]
+        model = load_rank_file(path, mmap=mmap, file_ranges=file_ranges, chunk=chunk)
+        if chunk == "model":
+            self._check_identity(path, model)
+        return model
+
+    def _check_identity(self, path: Path, model: Mapping) -> None:
+        """Refuses a rank file that is not the one the manifest recorded at its place.
+
+        Rank files of one checkpoint hold the same key names (layers and experts are numbered
+        locally), so a file copied over another (a hand repair, a botched sync) reads as a valid
+        rank and converts to a silently wrong model. Where the manifest describes this iteration
+        and grid, one tensor per file that differs from every other file's tensor of that name (the
+        smallest such) is hashed and compared: a cost of one small tensor per file."""
+        probes = _identity_probes(self)
+        try:
+            relative = path.relative_to(self.root).as_posix()
+        except ValueError:
+            return
+        probe = probes.get(relative)
+        if probe is None or probe.key not in model or not isinstance(model[probe.key], torch.Tensor):
+            return
+        if tensor_checksum(model[probe.key], probe.checksum.algorithm) != probe.checksum:
+            raise CheckpointError(
+                f"{path}: not the rank file {MANIFEST_FILE} recorded here ({probe.key} holds other bytes): "
+                "a rank file copied over another, or changed after conversion; run `mmparity verify "
+                f"{self.root}` to see what differs, and convert from the right files (or, where the change is "
+                f"intended, without {MANIFEST_FILE}, naming --family or --base)")
 
     def stage_state(self, tp_rank: int, pp_rank: int = 0, *, num_experts: int | None = None, mmap: bool = False,
                     file_ranges=None, chunk: str = "model") -> dict:
@@ -542,6 +569,36 @@ class LegacyCheckpoint:
             except pp.PipelineError as exc:
                 raise CheckpointError(str(exc)) from None
         return shards
+
+
+_PROBES: dict[int, tuple[LegacyCheckpoint, dict]] = {}
+
+
+def _identity_probes(ckpt: LegacyCheckpoint) -> dict:
+    """File (relative to the root) -> the manifest record that tells that file from the others,
+    for a manifest that describes ``ckpt``'s iteration and grid; {} for any other."""
+    cached = _PROBES.get(id(ckpt))
+    if cached is not None and cached[0] is ckpt:
+        return cached[1]
+    manifest, probes = ckpt.manifest, {}
+    if manifest is not None and manifest.iteration in (None, ckpt.iteration) and (
+            manifest.tensor_parallel_size, manifest.pipeline_parallel_size, manifest.expert_parallel_size) == (
+            ckpt.tp_size, ckpt.pp_size, ckpt.ep_size) and len(ckpt.files) > 1:
+        by_key: dict[str, list] = {}
+        for record in manifest.tensors:
+            if record.file.endswith(LEGACY_FILE) and record.offset is None:
+                by_key.setdefault(record.key, []).append(record)
+        for key, records in by_key.items():
+            for record in records:
+                digest = record.checksum.digest
+                if sum(other.checksum.digest == digest for other in records) != 1:
+                    continue  # equal on another rank (a replicated tensor): it tells nothing apart
+                best = probes.get(record.file)
+                if best is None or math.prod(record.checksum.shape) < math.prod(best.checksum.shape):
+                    probes[record.file] = record
+    _PROBES.clear()  # one checkpoint at a time is read; the cache only spares re-deriving per file
+    _PROBES[id(ckpt)] = (ckpt, probes)
+    return probes
 
 
 def open_legacy(path: str | os.PathLike, *, iteration: int | str | None = None) -> LegacyCheckpoint:

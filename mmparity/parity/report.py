@@ -13,6 +13,15 @@ from typing import Optional
 NON_FINITE = "non_finite"
 
 
+# Paired modules of this name are routers (judged by :mod:`mmparity.parity.router`): their rows
+# carry a ``router`` verdict among their metrics.
+ROUTER_SUFFIX = ".mlp.router"
+
+
+def is_router(name: str) -> bool:
+    return name.endswith(ROUTER_SUFFIX)
+
+
 def _spelled(value: float) -> str:
     return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
 

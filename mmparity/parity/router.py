@@ -18,18 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from mmparity.models.spec import routing_tensor  # noqa: F401  (what router pairs' extractors return)
+# Paired modules named so are routers, compared by :func:`agreement`, not as one tensor. The name
+# rule lives with the report's schema, which a reader of a saved report uses without torch.
+from mmparity.parity.report import ROUTER_SUFFIX, is_router  # noqa: F401
 
 # Choice scores are sigmoid outputs plus a bias, of order one; a tie is a difference the model's
 # arithmetic could have made (a few units in the last place of its dtype).
 _TIE_ULPS = 8
-
-
-# Paired modules of this name are routers: compared by :func:`agreement`, not as one tensor.
-ROUTER_SUFFIX = ".mlp.router"
-
-
-def is_router(name: str) -> bool:
-    return name.endswith(ROUTER_SUFFIX)
 
 
 def tie_tolerance(dtype: torch.dtype) -> float:

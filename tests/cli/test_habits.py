@@ -47,8 +47,8 @@ def test_an_interrupt_exits_128_plus_the_signal_in_one_line(capsys, monkeypatch,
     (["check", "--tp2", "--jsn"], "unrecognized arguments --tp2 (did you mean --tp?), --jsn (did you mean --json?)"),
     (["list", "extra"], "unrecognized argument extra"),
     (["check", "--zzzz"], "unrecognized argument --zzzz"),
-    (["chek"], "argument COMMAND: invalid choice: 'chek' (choose from 'list', 'check', 'convert', "
-               "'verify', 'bench', 'tiny'); did you mean check?"),
+    (["chek"], "argument COMMAND: invalid choice: 'chek' (choose from 'list', 'check', 'report', "
+               "'convert', 'verify', 'bench', 'tiny'); did you mean check?"),
     (["convrt", "--src", "a"], "did you mean convert?"),
     (["check", "--dtype", "bfloat61"], "did you mean bfloat16?"),
     # A required option missing because its name was mistyped: the typo is named all the same.

@@ -6,8 +6,10 @@ code at all; ``convert`` imports no transformers (it reads config.json through
 ``mmparity.config.ConfigView``, tests/models/test_config_view.py), no model code and no megatron,
 torch_dist included (its layout comes from the rule tables, tests/io/test_torch_dist_layout.py), and
 beyond what ``import torch`` itself loads, nothing but mmparity, the standard library, safetensors
-and xxhash. A regression here is an import that crept up a module's top, so the test names the
-modules. What these imports cost in CPU time is benchmarks/cli_startup.py's to measure.
+and xxhash; ``report`` reads a saved report with no framework, and only a page (``--html``, of
+``check`` too) imports matplotlib. A regression here is an import that crept up a module's top, so
+the test names the modules. What these imports cost in CPU time is benchmarks/cli_startup.py's to
+measure.
 """
 
 from __future__ import annotations
@@ -232,3 +234,24 @@ def test_a_tp_size_config_json_refuses_is_answered_without_model_code(tmp_path):
     assert not models(result["modules"]), models(result["modules"])[:10]
     assert not [m for m in result["modules"] if m.split(".")[0] == "transformers"], "transformers imported"
     assert not mmparity_models(result["modules"]), mmparity_models(result["modules"])[:10]
+
+
+# --------------------------------------------------------------------------------------------------
+# check and report: matplotlib only for a page, and a saved report read without any framework
+
+
+def test_matplotlib_only_where_an_html_page_is_asked_for(tmp_path):
+    saved = tmp_path / "r.json"
+    checked = run_child(tmp_path, "check", "clip", "--no-components", "--quiet", "--json", saved)
+    assert "matplotlib" not in third_party(checked["modules"])
+    # A saved report is data: no framework, no model code, nothing of mmparity's past the CLI but
+    # the report's own schema; matplotlib only when it draws the page.
+    schema = {"mmparity.parity", "mmparity.parity.report"}
+    for argv, plots in (([saved, "--quiet"], False), ([saved, "--quiet", "--html", tmp_path / "r.html"], True)):
+        result = run_child(tmp_path, "report", *argv)
+        modules = result["modules"]
+        assert not frameworks(modules), frameworks(modules)[:10]
+        assert set(family_code(modules)) <= schema, family_code(modules)[:10]
+        assert ("matplotlib" in third_party(modules)) == plots
+        assert plots or third_party(modules) <= {"rich"}, third_party(modules)
+    assert (tmp_path / "r.html").exists()
