@@ -6,8 +6,8 @@ import os
 import sys
 
 from mmparity.cli.common import (
-    EXIT_FAIL, EXIT_OK, UsageError, parse_image_size, quiet_third_party_warnings, select_device_and_backend,
-    write_text_atomic)
+    EXIT_FAIL, EXIT_OK, UsageError, parse_image_size, progress_line, quiet_third_party_warnings,
+    select_device_and_backend, write_text_atomic)
 
 
 def add_arguments(parser) -> None:
@@ -46,7 +46,8 @@ def add_arguments(parser) -> None:
     timing.add_argument("--warmup", type=int, metavar="N", default=None,
                         help="untimed forwards first (default: 3 on CUDA, 1 on CPU)")
     timing.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    timing.add_argument("--quiet", action="store_true", help="only the summary line")
+    timing.add_argument("--quiet", action="store_true",
+                        help="only the summary line; no progress line (drawn on stderr when it is a terminal)")
 
 
 # A benchmarked batch: far above any published batch (tens of images), far below what fails to
@@ -57,8 +58,6 @@ MAX_BATCH_PIXELS = 2**32
 
 def run(args) -> int:
     quiet_third_party_warnings()
-    from mmparity.parity import bench
-
     sizes = [parse_image_size(s) for s in args.image_size] if args.image_size else None
     if args.images is not None and args.images < 1:
         raise UsageError(f"--images must be >= 1, got {args.images}")
@@ -72,30 +71,33 @@ def run(args) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup is not None and args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if json_dir is not None and not os.path.isdir(json_dir):
+        # Before any timing: the first partial report would otherwise fail after one family.
+        raise UsageError(f"cannot write {args.json}: directory {json_dir} does not exist")
+    # The flags above are checked before this import (megatron's and transformers': seconds).
+    from mmparity.parity import bench
+
     select_device_and_backend(args.device, args.dtype, args.attention_backend)
 
-    def progress(name: str) -> None:
-        if not args.quiet:
-            print(f"mmparity bench: {name} ({args.size}, {args.device}, {args.dtype}) ...",
-                  file=sys.stderr, flush=True)
 
     def write_partial(report) -> None:
         # After every family: a run killed by a time limit still leaves what it measured.
         if args.json:
             write_text_atomic(args.json, report.to_json())
 
-    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
-    if json_dir is not None and not os.path.isdir(json_dir):
-        # Before any timing: the first partial report would otherwise fail after one family.
-        raise UsageError(f"cannot write {args.json}: directory {json_dir} does not exist")
-    try:
-        report = bench.bench(args.families, size=args.size, images=args.images, image_sizes=sizes,
-                             dtype=args.dtype, device=args.device, warmup=args.warmup,
-                             repeats=args.repeats, seed=args.seed, case_name=args.case,
-                             mixed=args.mixed, parity=args.parity, progress=progress,
-                             on_result=write_partial)
-    except bench.BenchError as exc:
-        raise UsageError(str(exc)) from None
+    with progress_line(args.quiet) as line:
+        def progress(name: str) -> None:
+            line.start(f"bench {name} ({args.size}, {args.device}, {args.dtype})")
+
+        try:
+            report = bench.bench(args.families, size=args.size, images=args.images, image_sizes=sizes,
+                                 dtype=args.dtype, device=args.device, warmup=args.warmup,
+                                 repeats=args.repeats, seed=args.seed, case_name=args.case,
+                                 mixed=args.mixed, parity=args.parity, progress=progress,
+                                 on_result=write_partial)
+        except bench.BenchError as exc:
+            raise UsageError(str(exc)) from None
     if args.json:
         write_text_atomic(args.json, report.to_json())
     print_bench(report, quiet=args.quiet, stream=sys.stdout)

@@ -9,7 +9,7 @@ import time
 
 from mmparity.cli.common import (
     EXIT_FAIL, EXIT_OK, UsageError, check_output_path, check_seed, config_facts, left_out_line, parse_image_size,
-    quiet_third_party_warnings, select_device_and_backend, write_text_atomic)
+    progress_line, quiet_third_party_warnings, select_device_and_backend, write_text_atomic)
 
 
 def add_arguments(parser) -> None:
@@ -72,7 +72,8 @@ def add_arguments(parser) -> None:
     report.add_argument("--html", metavar="PATH",
                         help="also write one self-contained HTML page: the relative error of each paired "
                              "module along the model, plotted (needs pip install 'mmparity[report]')")
-    report.add_argument("--quiet", action="store_true", help="only the summary line")
+    report.add_argument("--quiet", action="store_true",
+                        help="only the summary line; no progress line (drawn on stderr when it is a terminal)")
 
 
 # The reports a CI job reads: written even when the command is refused (exit 2), saying why.
@@ -84,8 +85,8 @@ def write_usage_error_reports(paths: dict, message: str) -> None:
     JSON report with the error and no results, JUnit XML with one errored testcase, so that CI
     shows a failed test rather than no report. A path that cannot be written is passed over: the
     one stderr line already says what went wrong."""
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        return  # under torchrun, rank 0 reports
+    if int(os.environ.get("RANK", "0") or 0) != 0 or not any(paths.values()):
+        return  # under torchrun, rank 0 reports; and none asked for, nothing to import
     from mmparity.cli.common import one_line
     from mmparity.cli.render import usage_error_junit
     from mmparity.cli.report_html import error_page
@@ -418,8 +419,36 @@ def _load_mcore(args) -> tuple[str, str, list, int, list | None, int | None]:
     return family, hf_dir, copies, pp, counts, divisor
 
 
+def _refuse_early(args) -> None:
+    """What the command line and config.json alone show to be wrong, said before torch,
+    transformers or megatron is imported (those cost seconds; a typo in a path should not)."""
+    for option, path in (("--hf", args.hf), ("--mcore", args.mcore)):
+        if path and not os.path.isdir(path):
+            raise UsageError(f"{option} {path}: no such directory")
+    if args.hf and not args.mcore and not args.low_memory and args.tp > 1 and len(args.families) <= 1:
+        _refuse_tp_from_config(args.hf, args.families[0] if args.families else None, args.tp)
+
+
+def _refuse_tp_from_config(directory: str, family, tp: int) -> None:
+    """A TP size that does not divide the model's heads (or other split sizes), read off config.json
+    as convert reads it: the rule tables and torch, no model code. Anything this cannot tell is left
+    to the check itself, which refuses it all the same, later."""
+    try:
+        from mmparity.convert.configs import detect_family, read_hf_config
+        from mmparity.models import registry
+
+        fam = registry.get(family if family is not None else detect_family(directory).family)
+        rules = fam.rule_set(fam.family_config(read_hf_config(directory)[0]))
+        problems = list(rules.validate_tp(tp)) if rules.validate_tp else []
+    except Exception:  # noqa: BLE001 — not this check's to report
+        return
+    if problems:
+        raise UsageError(f"{fam.name}: tensor-parallel size does not fit this model: {'; '.join(problems[:5])}")
+
+
 def run(args) -> int:
     quiet_third_party_warnings()
+    _refuse_early(args)
     if args.pp is not None and args.pp < 1:
         raise UsageError(f"--pp must be >= 1, got {args.pp}")
     check_seed(args.seed)
@@ -477,49 +506,52 @@ def run(args) -> int:
     from mmparity.parity import harness
     from mmparity.parity.report import Report
 
-    started = time.perf_counter()
-    combined = None
-    for fam in records:
-        name, cfg, hf_state = fam.name, None, None
-        if args.low_memory:
-            report = _check_low_memory(args, fam, sizes, notes, detection)
-            combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
-                              attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl, megatron=report.megatron)
+    with progress_line(args.quiet) as line:
+        started = time.perf_counter()
+        combined = None
+        for number, fam in enumerate(records, 1):
+            name, cfg, hf_state = fam.name, None, None
+            line.start(f"check {name}" + (f" ({number}/{len(records)})" if len(records) > 1 else ""),
+                       "loading the weights" if args.hf else "")
+            if args.low_memory:
+                report = _check_low_memory(args, fam, sizes, notes, detection)
+                combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
+                                  attention_backend=report.attention_backend, versions=report.versions,
+                                  tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl, megatron=report.megatron)
+                combined.results.extend(report.results)
+                continue
+            if args.hf:
+                cfg, hf_state, use = _load_hf(args.hf, fam, args.hf_format)
+                _note_left_out(fam, use, detection, args.hf, notes)
+            _check_image_sizes(fam, cfg, sizes)
+            try:
+                report = harness.check(fam, cfg, hf_state, dtype=args.dtype, device=args.device,
+                                       seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
+                                       layer_counts=layer_counts, components=not args.no_components,
+                                       native_shards=native_shards, impl=args.impl, vocab_divisor=divisor,
+                                       megatron_class=args.megatron_class)
+            except ConversionError as exc:  # e.g. a TP size that does not divide the heads
+                raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
+            except harness.InputError as exc:  # e.g. more pipeline stages than layers
+                raise UsageError(str(exc)) from None
+            except UpstreamUnavailable as exc:
+                raise UsageError(f"{name} --impl {args.impl}: {exc}") from None
+            except StrictLoadError as exc:  # weights that are not the layout of Megatron's class
+                raise UsageError(f"{name}: the weights do not load strictly into Megatron's class: "
+                                 f"{exc}") from None
+            except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
+                raise UsageError(f"{name} --impl {args.impl}: Megatron cannot build this model: "
+                                 f"{exc}") from None
+            if combined is None:
+                combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
+                                  attention_backend=report.attention_backend, versions=report.versions,
+                                  tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl,
+                                  megatron=report.megatron)
+            elif report.megatron is not None:
+                combined.megatron["classes"].update(report.megatron["classes"])
+                if "notes" in report.megatron:
+                    combined.megatron.setdefault("notes", {}).update(report.megatron["notes"])
             combined.results.extend(report.results)
-            continue
-        if args.hf:
-            cfg, hf_state, use = _load_hf(args.hf, fam, args.hf_format)
-            _note_left_out(fam, use, detection, args.hf, notes)
-        _check_image_sizes(fam, cfg, sizes)
-        try:
-            report = harness.check(fam, cfg, hf_state, dtype=args.dtype, device=args.device,
-                                   seed=args.seed, image_sizes=sizes, tp=args.tp, pp=pp, ep=args.ep,
-                                   layer_counts=layer_counts, components=not args.no_components,
-                                   native_shards=native_shards, impl=args.impl, vocab_divisor=divisor,
-                                   megatron_class=args.megatron_class)
-        except ConversionError as exc:  # e.g. a TP size that does not divide the heads
-            raise UsageError(f"{name}: {exc.title}: {'; '.join(exc.problems[:5])}") from None
-        except harness.InputError as exc:  # e.g. more pipeline stages than layers
-            raise UsageError(str(exc)) from None
-        except UpstreamUnavailable as exc:
-            raise UsageError(f"{name} --impl {args.impl}: {exc}") from None
-        except StrictLoadError as exc:  # weights that are not the layout of Megatron's class
-            raise UsageError(f"{name}: the weights do not load strictly into Megatron's class: "
-                             f"{exc}") from None
-        except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
-            raise UsageError(f"{name} --impl {args.impl}: Megatron cannot build this model: "
-                             f"{exc}") from None
-        if combined is None:
-            combined = Report(device=report.device, dtype=report.dtype, seed=report.seed,
-                              attention_backend=report.attention_backend, versions=report.versions,
-                              tp=report.tp, pp=report.pp, ep=report.ep, impl=report.impl,
-                              megatron=report.megatron)
-        elif report.megatron is not None:
-            combined.megatron["classes"].update(report.megatron["classes"])
-            if "notes" in report.megatron:
-                combined.megatron.setdefault("notes", {}).update(report.megatron["notes"])
-        combined.results.extend(report.results)
     elapsed = time.perf_counter() - started
     if runtime.launched_world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
         return EXIT_OK if combined.passed else EXIT_FAIL  # under torchrun only rank 0 reports

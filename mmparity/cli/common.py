@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -78,6 +79,10 @@ def quiet_third_party_warnings() -> None:
     # A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
     # megatron imports torch.utils.cpp_extension; a user error must still be one line.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # Some of megatron's optional imports pull in absl, whose Python logger warns on first use.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    # Spawned ranks (parallel.runtime.spawn) take these filters and levels before they import
+    # anything: each rank would otherwise repeat every line above once more.
 
 
 def parse_iteration(text: str | None) -> int | str | None:
@@ -160,3 +165,69 @@ def left_out_line(family, use, facts, lead: str = "") -> str:
     if facts is not None and fam.takes(facts)[0] != 2:
         line += f"; {families.whole_clause(facts)}"
     return line
+
+
+def shows_progress(quiet: bool) -> bool:
+    """Progress is for a person watching: drawn on stderr when it is a terminal, never into a pipe
+    or a file (a log, CI), nor with --quiet."""
+    return not quiet and sys.stderr.isatty()
+
+
+class ProgressLine:
+    """One line on stderr, redrawn in place at each :mod:`mmparity.progress` step:
+    ``check llava: case 2/4 images-3: reference``, and where ranks run, each rank's own step."""
+
+    def __init__(self, stream):
+        self.stream, self.lead, self.text, self.ranks, self.drawn = stream, "", "", {}, False
+
+    def __call__(self, text: str, where: str = "") -> None:
+        if where:
+            self.ranks[where] = text
+        else:  # this process moved on: what its ranks said is over
+            self.text, self.ranks = text, {}
+        self.draw()
+
+    def start(self, lead: str, text: str = "") -> None:
+        """A new piece of work (a family, a checkpoint): ``lead`` heads the line from now on."""
+        self.lead = lead
+        self(text)
+
+    def draw(self) -> None:
+        line = ": ".join(part for part in (self.lead, self.text) if part)
+        if self.ranks:
+            ranks = sorted(self.ranks.items(), key=lambda item: int(item[0].rpartition(" ")[2] or 0))
+            line += " [" + "; ".join(f"{where}: {text}" for where, text in ranks) + "]"
+        try:
+            width = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            width = 80
+        if len(line) > width - 1:  # a line that wrapped could not be redrawn in place
+            line = line[:max(width - 2, 1)] + "…"
+        self.stream.write(f"\r{line}\x1b[K")
+        self.stream.flush()
+        self.drawn = True
+
+    def clear(self) -> None:
+        """Before anything else is printed, and at the end: the line leaves no trace."""
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.drawn = False
+
+
+@contextlib.contextmanager
+def progress_line(quiet: bool):
+    """A :class:`ProgressLine` listening to :mod:`mmparity.progress` for the block when
+    :func:`shows_progress`; otherwise one that is never drawn."""
+    line = ProgressLine(sys.stderr)
+    if not shows_progress(quiet):
+        line.draw = lambda: None
+        yield line
+        return
+    from mmparity import progress
+
+    try:
+        with progress.listen(line):
+            yield line
+    finally:
+        line.clear()

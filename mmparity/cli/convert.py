@@ -10,7 +10,8 @@ import dataclasses
 
 from mmparity import errors
 from mmparity.cli.common import (
-    EXIT_OK, UsageError, config_facts, human_bytes, left_out_line, parse_iteration, quiet_third_party_warnings)
+    EXIT_OK, UsageError, config_facts, human_bytes, left_out_line, parse_iteration, quiet_third_party_warnings,
+    shows_progress)
 
 
 def add_arguments(parser) -> None:
@@ -161,8 +162,17 @@ def _join_team(workers: int):
         raise UsageError(str(exc)) from None
 
 
+def _refuse_paths_early(args) -> None:
+    """A source that is not there, said before torch is imported (seconds a typo should not cost).
+    --dst's checks (an existing one, one overlapping the source) come with the conversion: they
+    first recover what a killed run to it left."""
+    if not os.path.exists(args.src):
+        raise UsageError(f"{args.src}: no such file or directory")
+
+
 def run(args) -> int:
     quiet_third_party_warnings()
+    _refuse_paths_early(args)
     from mmparity.convert import ConvertOptions
     from mmparity.io import formats
 
@@ -236,7 +246,7 @@ def _run(args, options, team) -> int:
             refuse_link_destination(options.dst)
         except CheckpointError as exc:
             raise UsageError(f"--dst {exc}") from None
-    interactive = not args.quiet and sys.stderr.isatty()
+    interactive = shows_progress(args.quiet)
     progress = _RichProgress() if interactive else _NoProgress()
     # Every file of the source is watched (stat only) while it is read: a publish checks none changed.
     watched = checkpoint_extent(options.src) if options.src.is_dir() else options.src
@@ -270,6 +280,9 @@ def _run(args, options, team) -> int:
         print(f"{result.family}: {options.src} -> {result.dst} ({result.layout}{parallel}), "
               f"{result.tensors} tensors, {human_bytes(result.nbytes)} in {result.seconds:.1f}s ({human_bytes(rate)}/s)"
               + (f" by {team.size} processes" if team.size > 1 else ""))
+        if not formats.by_layout(result.layout).stores_grid and (options.tp, options.pp) != (1, 1):
+            print(f"{result.family}: torch_dist stores global tensors, not --tp {options.tp} --pp {options.pp} "
+                  "slices: Megatron-LM loads it at any TP/PP")
         if result.megatron_class:
             what = f"the {result.part} alone" if result.part else "the whole model"
             print(f"{result.family}: laid out for Megatron's {result.megatron_class} ({what})")

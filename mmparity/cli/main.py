@@ -229,15 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised where the program is so that every cleanup runs, as for SIGINT."""
+    """SIGTERM or SIGHUP (and, embedded, SIGINT), raised where the program is so that every cleanup
+    runs, as for SIGINT. ``delivered``: a signal arrived (not an exception raised by hand)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, delivered: bool = False):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.delivered = delivered
 
 
 def _interrupt(signum, frame):
-    raise Interrupted(signum)
+    raise Interrupted(signum, delivered=True)
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:
@@ -257,14 +259,21 @@ class _StderrNotes(logging.Handler):
 
 
 @contextlib.contextmanager
-def _terminating_signals_interrupt():
+def _terminating_signals_interrupt(embedded: bool):
     """A kill from a scheduler (SIGTERM) or a closed terminal (SIGHUP) must clean up like Ctrl-C:
-    staging directories removed, nothing half-written left. Restored on exit, so that an embedding
-    program (or a test runner) keeps its own handlers."""
+    staging directories removed, nothing half-written left. A signal the process was started
+    ignoring (``nohup``) stays ignored. Embedded, Ctrl-C is caught the same way, so that it too can
+    be handed on (see main). Restored on exit, so that an embedding program (or a test runner)
+    keeps its own handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, _interrupt)
+    if embedded and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
     try:
         yield
     finally:
@@ -277,8 +286,15 @@ def main(argv=None) -> int:
     """The CLI. Called without ``argv`` it is the program itself (``python -m mmparity``, the
     ``mmparity`` script): once an interrupt has been handled (everything cleaned up on its way
     here), the process only exits, and further interrupts are ignored rather than cut that short
-    with a traceback. Called with ``argv`` (embedded, tests) the handlers stay as they were."""
-    with _terminating_signals_interrupt():
+    with a traceback. Called with ``argv`` (embedded, tests) the handlers stay as they were.
+
+    A SIGTERM or SIGHUP that arrived is, after the cleanup, handed on as Unix programs do: the
+    handler that was in place before gets the same signal, so that the program dies of it (a shell
+    sees 128 + its number) and an embedding program (a test runner) stops as it would have without
+    mmparity in between, instead of reading an exit code. Ctrl-C does the same embedded; the
+    program itself exits 130."""
+    handed_on = None
+    with _terminating_signals_interrupt(embedded=argv is not None):
         try:
             try:
                 return _main(argv)
@@ -287,12 +303,28 @@ def main(argv=None) -> int:
             except KeyboardInterrupt as exc:  # also while parsing and importing
                 if argv is None:
                     _only_exit()
-                return _interrupted(exc)
+                code = _interrupted(exc)
+                if not getattr(exc, "delivered", False) or (argv is None and exc.signum == signal.SIGINT):
+                    return code
+                handed_on = exc.signum
         finally:
             if argv is None:
                 # The command is done (or was stopped): what is left is the interpreter's shutdown
                 # (library finalizers), which an interrupt would cut short with a traceback.
                 _only_exit()
+    _hand_on(handed_on, program=argv is None)
+    return code  # the handler in place ignores the signal
+
+
+def _hand_on(signum: int, program: bool) -> None:
+    """Delivers ``signum`` again, now to the handler that was in place before ``main`` (the
+    program's: the default action, death by that signal)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if program:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 def _only_exit() -> None:

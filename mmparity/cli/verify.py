@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mmparity.cli.common import EXIT_FAIL, EXIT_OK, UsageError, parse_iteration
+from mmparity.cli.common import EXIT_FAIL, EXIT_OK, UsageError, parse_iteration, progress_line
 
 
 def add_arguments(parser) -> None:
@@ -17,7 +17,9 @@ def add_arguments(parser) -> None:
                            help="also compare the tensors that were never trained (an HF export's 'from the base', "
                                 "an mcore checkpoint's side file) with the HF release they came from; with --load "
                                 "of a checkpoint Megatron-LM wrote (no mmparity.json): the model it holds")
-    checksums.add_argument("--quiet", action="store_true", help="print only problems")
+    checksums.add_argument("--quiet", action="store_true",
+                           help="print only problems; no progress line (drawn on stderr, with --load, when it is a "
+                                "terminal)")
     load = parser.add_argument_group("loading into Megatron's class (--load)")
     load.add_argument("--load", action="store_true",
                       help="build Megatron's own class for each mcore checkpoint's family at its TP "
@@ -43,6 +45,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    for directory in args.dirs:  # before torch is imported: a mistyped path costs no seconds
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory}: no such directory")
     from mmparity.io.fsio.errors import CheckpointError
     from mmparity.io.manifest import read_manifest
     from mmparity.io.verify import verify
@@ -136,26 +141,33 @@ def _run_megatron_written(args, directories) -> int:
 
 
 def _run_load(args, iteration=None, megatron_written: bool = False) -> int:
+    ok = True
+    with progress_line(args.quiet) as line:
+        for directory in args.dirs:
+            line.start(f"verify --load {directory}")
+            ok = _load_one(args, directory, iteration, megatron_written, line) and ok
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def _load_one(args, directory, iteration, megatron_written: bool, line) -> bool:
     from mmparity.models.core.megatron_side import NoMegatronClass
     from mmparity.io.fsio.errors import CheckpointError
     from mmparity.megatron.load import load_into_megatron
     from mmparity.models.core.megatron_classes import UpstreamUnavailable
 
-    ok = True
-    for directory in args.dirs:
-        try:
-            if megatron_written:
-                report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp, base=args.base,
-                                            hf_config=args.hf_config, family=args.family, iteration=iteration)
-            else:
-                report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp)
-        except CheckpointError as exc:  # names the checkpoint (or the option) itself
-            raise UsageError(str(exc)) from None
-        except (NoMegatronClass, UpstreamUnavailable) as exc:
-            raise UsageError(f"{directory}: {exc}") from None
-        except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
-            raise UsageError(f"{directory}: Megatron cannot build this model: {exc}") from None
-        ok = ok and report.ok
-        if not report.ok or not args.quiet:
-            print(report)
-    return EXIT_OK if ok else EXIT_FAIL
+    try:
+        if megatron_written:
+            report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp, base=args.base,
+                                        hf_config=args.hf_config, family=args.family, iteration=iteration)
+        else:
+            report = load_into_megatron(directory, args.megatron_class, args.tp, args.pp)
+    except CheckpointError as exc:  # names the checkpoint (or the option) itself
+        raise UsageError(str(exc)) from None
+    except (NoMegatronClass, UpstreamUnavailable) as exc:
+        raise UsageError(f"{directory}: {exc}") from None
+    except NotImplementedError as exc:  # Megatron's class refuses the config (e.g. its tower)
+        raise UsageError(f"{directory}: Megatron cannot build this model: {exc}") from None
+    if not report.ok or not args.quiet:
+        line.clear()
+        print(report)
+    return report.ok

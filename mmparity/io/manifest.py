@@ -53,6 +53,8 @@ MAX_MANIFEST_BYTES = 2**30
 LAYOUT_HF = "hf_safetensors"
 LAYOUT_LEGACY = "mcore_legacy"
 LAYOUT_TORCH_DIST = "mcore_torch_dist"
+# The manifest's "tensors_stored", by mcore layout.
+TENSORS_STORED = {LAYOUT_TORCH_DIST: "global", LAYOUT_LEGACY: "per_rank"}
 LAYOUTS = (LAYOUT_HF, LAYOUT_LEGACY, LAYOUT_TORCH_DIST)
 # What a manifest may name: the built-in formats' layouts, and those of formats added at run time
 # (``mmparity.io.formats.register`` adds theirs here, ``unregister`` takes it away).
@@ -146,6 +148,10 @@ class Manifest:
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "pipeline_layer_counts": list(self.pipeline_layer_counts) if self.pipeline_layer_counts else None,
             "expert_parallel_size": self.expert_parallel_size,
+            # How its tensors are stored, so that a reader of the sizes above knows what they bind:
+            # torch_dist's are global (any TP/PP loads them; the sizes are only how it was saved),
+            # legacy rank files hold each rank's slices (the sizes are the checkpoint's own).
+            **({"tensors_stored": TENSORS_STORED[self.layout]} if self.layout in TENSORS_STORED else {}),
             "iteration": self.iteration,
             "extra": dict(p.extra or {}),
             "tensors": [r.to_json() for r in self.sorted_tensors()] if tensors else [],

@@ -31,6 +31,15 @@ def _held(extra) -> str:
                                                  else "")
 
 
+def _global(manifest) -> str:
+    """Global tensors: the recorded TP/PP sizes bind nothing (``tp=1 pp=1`` would read as flags
+    lost); how experts were spread is still what was asked."""
+    saved = (f", saved at tp={manifest.tensor_parallel_size} pp={manifest.pipeline_parallel_size}"
+             if (manifest.tensor_parallel_size, manifest.pipeline_parallel_size) != (1, 1) else "")
+    ep = f" ep={manifest.expert_parallel_size}" if manifest.expert_parallel_size != 1 else ""
+    return f"global (loads at any TP/PP{saved}){ep}"
+
+
 def _left_out(record) -> str:
     """The manifest's record of what the conversion left out (``SourceUse.to_json``) in
     words; nothing for a record of another shape (it certifies no tensor, so it is not a problem)."""
@@ -89,7 +98,7 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
         raise CheckpointError(f"{root / MANIFEST_FILE}: unknown layout {manifest.layout!r}")
     parallel = ("" if fmt.kind == HF else
                 f"tp={manifest.tensor_parallel_size} pp={manifest.pipeline_parallel_size} "
-                f"ep={manifest.expert_parallel_size}")
+                f"ep={manifest.expert_parallel_size}" if fmt.stores_grid else _global(manifest))
     extra = manifest.provenance.extra or {}
     report = VerifyReport(root, manifest.layout, partial=_left_out(extra.get("left_out")), parallel=parallel,
                           held=_held(extra))

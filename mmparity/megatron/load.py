@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from mmparity import errors
+from mmparity import errors, progress
 from mmparity.convert.checks import check_shapes
 from mmparity.convert.sources import model_config_for, open_source
 from mmparity.errors import ConvertError
@@ -283,8 +283,11 @@ def _build(rank: int, job: LoadJob) -> tuple[torch.nn.Module, list]:
 
 def _load(rank: int, job: LoadJob) -> tuple[torch.nn.Module, dict, dict]:
     """``(model, {class: entries loaded}, {prefix: entries not loaded})`` for this rank."""
+    progress.step(f"building {' + '.join(part.name for part in job.parts)}")
     model, built = _build(rank, job)
+    progress.step("reading its state")
     state, not_loaded, filled = _LOAD_STATE[job.layout](rank, job, model, built)
+    progress.step("loading it strictly")
     load_state_dict_strictly(model, state)
     loaded = {part.name: sum(1 for key in state if part.holds_key(key)) for part, _ in built}
     return model, loaded, not_loaded, filled
@@ -349,6 +352,8 @@ def load_state_dict_strictly(model: torch.nn.Module, state: dict) -> None:
 
 
 def _load_rank(rank: int, world_size: int, job: LoadJob) -> RankLoad:
+    if world_size > 1:
+        progress.step("joining the other ranks")
     job.init_parallel()
     try:
         _model, loaded, not_loaded, filled = _load(rank, job)
@@ -643,6 +648,7 @@ def load_into_megatron(directory: str | os.PathLike, megatron_class: Optional[st
     if world_size == 1:
         ranks = [_load_rank(0, 1, job)]
     else:
+        progress.step(f"{name} on {world_size} ranks")
         ranks = runtime.spawn(_load_rank, world_size, job)
     refused = [r for r in ranks if r.refused]
     if refused:  # not a checkpoint that fails to fit the class: one that must not be loaded at all

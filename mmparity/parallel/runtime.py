@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from mmparity import errors
+from mmparity import errors, progress
 from mmparity.parallel.axes import Grid
 
 
@@ -641,9 +641,21 @@ _RESULT_PICKUP_TIMEOUT_S = 300.0
 one_line_cause = errors.one_line
 
 
-def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-                 warning_filters: list, picked_up, timeout: float, environ: dict, cwd: str) -> None:
+def _logger_levels() -> dict:
+    """The levels set on this process's loggers (e.g. the CLI's, quieting megatron's import chatter)."""
+    import logging
+
+    return {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+            if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET}
+
+
+def _spawn_entry(rank: int, world_size: int, port: int, work: bytes, queue, warning_filters: list,
+                 logger_levels: dict, picked_up, timeout: float, environ: dict, cwd: str,
+                 forward_progress: bool = False) -> None:
+    import logging
     import warnings
+
+    from multiprocessing.reduction import ForkingPickler
 
     global _spawned_rank
     # A rank forked from the shared server (share_rank_imports) starts in the server's environment
@@ -653,9 +665,12 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
         os.environ.update(environ)
     if os.getcwd() != cwd:
         os.chdir(cwd)
-    # A fresh interpreter starts with default filters; keep the parent's (the CLI silences the
-    # optional-kernel warnings megatron prints on import, once per rank otherwise).
+    # A fresh interpreter starts with default filters and logger levels; take the parent's before
+    # the work is unpickled, which imports megatron (the CLI silences the optional-kernel warnings
+    # it prints on import, once per rank otherwise).
     warnings.filters[:] = warning_filters
+    for name, level in logger_levels.items():
+        logging.getLogger(name).setLevel(level)
     # Our own launcher variables, whatever the parent's environment held (a torchrun agent's
     # store is not where these ranks meet).
     for name in _LAUNCHER_ONLY:
@@ -666,7 +681,11 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
     set_timeout(timeout)
     torch.set_num_threads(1)
     try:
-        result = fn(rank, world_size, *args)
+        fn, args = ForkingPickler.loads(work)
+        # The parent shows where its ranks are (mmparity.progress): a rank's steps go to it.
+        with (progress.listen(lambda text, where: queue.put((rank, "progress", text))) if forward_progress
+              else contextlib.nullcontext()):
+            result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
         # Tensors in the result travel as handles to this process's memory (shared-memory file
         # descriptors, CUDA IPC), served by this process: it must outlive the parent's unpickling.
@@ -700,6 +719,7 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
     otherwise wait forever for activations the failed rank will never send.
     """
     import warnings
+    from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as mp
 
@@ -712,9 +732,12 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
     picked_up = ctx.Event()
     port = free_port()
     timeout = timeout_s()
+    # The work travels pickled apart (once per rank: a shared tensor's handle is taken once), so
+    # that a rank unpickles it, and imports what it needs, only once quieted like this process.
     procs = [ctx.Process(target=_spawn_entry,
-                         args=(r, world_size, port, fn, args, results_queue, list(warnings.filters), picked_up,
-                               timeout, dict(os.environ), os.getcwd()))
+                         args=(r, world_size, port, bytes(ForkingPickler.dumps((fn, args))), results_queue,
+                               list(warnings.filters), _logger_levels(), picked_up, timeout, dict(os.environ),
+                               os.getcwd(), progress.listening()))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -733,7 +756,9 @@ def spawn(fn: Callable, world_size: int, *args) -> list:
                                   for r in silent)
                     break
                 continue
-            if status == "ok":
+            if status == "progress":
+                progress.step(payload, f"rank {rank}")
+            elif status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}: {payload}")

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from mmparity import progress
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.models.core import inputs
@@ -524,6 +525,7 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
     needs_reference = parity and torch_dtype != torch.float32
     ref = native = ref32 = None
     try:
+        progress.step(f"case {case.name}: building both models")
         ref32, native = _build_models(fam, prepared.cfg, torch_dtype, dev, seed, mutate_native)
         # A separate copy: HF modules may cache tensors (RoPE tables) in the dtype of their first call.
         ref = (copy.deepcopy(ref32) if needs_reference else ref32).to(device=dev, dtype=torch_dtype)
@@ -543,7 +545,9 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
         if parity and not needs_reference:
             result.parity = parity_verdict(torch_dtype, nat_out, ref_out)
         with torch.no_grad():
+            progress.step(f"case {case.name}: timing native, {warmup} + {repeats} forwards")
             nat_times = time_call(lambda: nat_run(native, case), dev, warmup, repeats)
+            progress.step(f"case {case.name}: timing HF, {warmup} + {repeats} forwards")
             ref_times = time_call(lambda: ref_run(ref, case), dev, warmup, repeats)
         total = result.flops["total"]
         result.native = _side(nat_times, result.images, total, {"attention_kernels": dict(kernels_used)})
@@ -556,6 +560,7 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
         ref = native = None  # freed before the float32 reference takes the device
         _release(dev)
     if ref32 is not None:
+        progress.step(f"case {case.name}: float32 reference")
         try:
             result.parity = parity_verdict(torch_dtype, nat_out, ref_out,
                                            _reference_outputs(ref32, fam.hooks.reference.run, case, dev))

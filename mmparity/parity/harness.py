@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from mmparity import progress
 from mmparity.models import registry as families
 from mmparity.parallel import runtime
 from mmparity.parallel import pp as pp_mod
@@ -186,6 +187,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
     ref = fam.build_reference(cfg)
     used_state = load_reference_weights(ref, hf_state, seed)
     if native_shards is None:
+        progress.step("converting the weights")
         native_shards = fam.hf_to_mcore(used_state, cfg, tp_size=tp, hf_format=hf_format)
     tp = len(native_shards)
     side = getattr(native_shards, "side", None) or [{} for _ in native_shards]
@@ -215,6 +217,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
             # In-process: one rank, or every rank of a ``torchrun --nproc-per-node tp*pp`` launch.
             native_cases, native_components = job.run(stage_shards, layout=(tp, pp))
         else:
+            progress.step(f"native model on {world} ranks")
             native_cases, native_components = runtime.spawn(_native_rank, world, job, stage_shards)[0]
     megatron_cases_run = []
     if runs_megatron:
@@ -227,6 +230,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
         if world == 1 or runtime.launched_world_size() == world:
             megatron_cases_run = mjob.run(megatron_stages, layout=(tp, pp))
         else:
+            progress.step(f"Megatron's {mclass_name} on {world} ranks")
             megatron_cases_run = runtime.spawn(_megatron_rank, world, mjob, megatron_stages)[0]
 
     ref32 = _move(ref, device, torch.float32)
@@ -259,6 +263,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
 
     divisor = vocab_divisor if vocab_divisor is not None else VOCAB_MULTIPLE
     for index, case in enumerate(cases):
+        progress.step(f"case {index + 1}/{len(cases)} {case.name}: reference")
         if runs_native:
             started = time.perf_counter()
             reference = ref32_side.run(case)
@@ -281,6 +286,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
                 fam.name, case, megatron_cases_run[index], mreference, mlow, torch_dtype), started))
     with torch.no_grad():
         for name in component_names:
+            progress.step(f"component {name}")
             started = time.perf_counter()
             expected = hooks.reference.component(name, ref32, cfg, seed).float().cpu()
             lp = (hooks.reference.component(name, ref_lp_side.model, cfg, seed).float().cpu()
@@ -288,6 +294,13 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
             report.results.extend(_timed([_compare_component(fam.name, name, native_components[name],
                                                              expected, lp, torch_dtype)], started))
     return report
+
+
+def _stepped(cases: list, side: str):
+    """``cases``, each said as a progress step as it starts."""
+    for index, case in enumerate(cases):
+        progress.step(f"{side} case {index + 1}/{len(cases)} {case.name}")
+        yield case
 
 
 def _timed(results: list, started: float) -> list:
@@ -327,7 +340,7 @@ class MegatronJob:
             with pipeline.StageLink(model, mclass.stage_module(model)) if pp > 1 else contextlib.nullcontext():
                 results = [_run_megatron_case(mclass, model, pairs, case, self.cfg,
                                               compare_modules=case.name in mclass.module_cases)
-                           for case in self.cases]
+                           for case in _stepped(self.cases, "Megatron's class")]
             if pp == 1:
                 return results
             return _merge_stages(pipeline.gather_stage_results((results, {})), pp)[0]
@@ -483,7 +496,7 @@ class NativeJob:
         native = _move(native, self.device, torch_dtype)
         side = Side(native, hooks.native.run, hooks.native.pairs(native, self.cfg))
         with pipeline.StageLink(native) if pp > 1 else contextlib.nullcontext():
-            case_results = [side.run(case) for case in self.cases]
+            case_results = [side.run(case) for case in _stepped(self.cases, "native")]
         last_stage_components = set(hooks.parity.last_stage_components)
         mine = [name for name in self.components
                 if (name in last_stage_components and stage == pp - 1)

@@ -192,6 +192,51 @@ def test_every_family_converts_without_its_models(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# refused before the frameworks are imported
+
+
+def run_refused(tmp_path: Path, *argv) -> dict:
+    """``mmparity ARGV`` in a fresh interpreter that must refuse it: exit 2, one stderr line."""
+    report = tmp_path / f"modules-{len(list(tmp_path.glob('modules-*')))}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(report), *map(str, argv)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    result = json.loads(report.read_text())
+    assert result["code"] == 2 and len(proc.stderr.splitlines()) == 1, (argv, proc.stderr[-2000:])
+    result["stderr"] = proc.stderr.strip()
+    return result
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["check", "--hf", "{missing}"], "--hf {missing}: no such directory"),
+    (["check", "llava", "--hf", "{missing}", "--tp", "2"], "--hf {missing}: no such directory"),
+    (["check", "--mcore", "{missing}"], "--mcore {missing}: no such directory"),
+    (["convert", "--src", "{missing}", "--dst", "{missing}2", "--to", "mcore"], "{missing}: no such file or directory"),
+    (["verify", "{missing}"], "{missing}: no such directory"),
+    (["verify", "--load", "{missing}"], "{missing}: no such directory"),
+    (["bench", "clip", "--image-size", "48x"], "image size '48x' is not of the form HxW"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_a_wrong_path_or_flag_is_answered_before_any_framework_is_imported(tmp_path, argv, said):
+    missing = str(tmp_path / "not-there")
+    result = run_refused(tmp_path, *(word.format(missing=missing) for word in argv))
+    assert said.format(missing=missing) in result["stderr"], result["stderr"]
+    assert not frameworks(result["modules"]), frameworks(result["modules"])[:10]
+    assert not family_code(result["modules"]), family_code(result["modules"])[:10]
+
+
+def test_a_tp_size_config_json_refuses_is_answered_without_model_code(tmp_path):
+    """`check --hf DIR --tp 3` for a model whose heads 3 does not divide: told from config.json
+    through the rule tables, as convert tells it, before transformers or megatron is imported."""
+    hf = save_hf("llava", tmp_path / "hf", seed=2)
+    result = run_refused(tmp_path, "check", "--hf", hf, "--tp", "3")
+    assert result["stderr"].startswith("mmparity: error: llava: tensor-parallel size does not fit this model: "
+                                       "tp=3 does not divide num_attention_heads="), result["stderr"]
+    assert not models(result["modules"]), models(result["modules"])[:10]
+    assert not [m for m in result["modules"] if m.split(".")[0] == "transformers"], "transformers imported"
+    assert not mmparity_models(result["modules"]), mmparity_models(result["modules"])[:10]
+
+
+# --------------------------------------------------------------------------------------------------
 # check and report: matplotlib only for a page, and a saved report read without any framework
 
 

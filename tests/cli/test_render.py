@@ -61,7 +61,9 @@ def run_in_pty(*argv, columns: int = 80, timeout: int = 600) -> tuple[int, str]:
         if proc.poll() is None:
             proc.kill()
     text = ANSI.sub("", b"".join(chunks).decode("utf-8", "replace")).replace("\r\n", "\n")
-    return code, text
+    # A line redrawn in place (the progress line: carriage return, then erase to its end) shows
+    # what was drawn last.
+    return code, "\n".join(line.rpartition("\r")[2] for line in text.split("\n"))
 
 
 def widest(text: str) -> int:

@@ -145,3 +145,45 @@ def test_sigint_the_moment_the_staging_directory_appears(sources, tmp_path, how,
         assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err)
         assert err.splitlines() == ["mmparity: interrupted by SIGINT"], err
         assert os.listdir(parent) == [], (run, os.listdir(parent))
+
+
+_GENERATED_TESTS = '''
+from mmparity.cli.main import main
+
+
+def test_a_conversion_stopped_by_sigterm():
+    main(["convert", "--family", {family!r}, "--src", {src!r}, "--dst", {dst!r}, "--to", "mcore",
+          "--format", "legacy", "--quiet"])
+
+
+def test_the_next_one():
+    open({marker!r}, "w").write("ran")
+'''
+
+
+def test_sigterm_to_a_test_runner_stops_the_suite_not_just_the_test(sources, tmp_path):
+    """A CLI run in-process by a test (as pytest runs ours) cleans up on SIGTERM and then hands the
+    signal on: the runner dies of it, rather than recording one failed test and going on."""
+    work = tmp_path / "suite"
+    work.mkdir()
+    marker = tmp_path / "the-next-test-ran"
+    (work / "test_generated.py").write_text(_GENERATED_TESTS.format(
+        family=FAMILY, src=str(sources["hf"]), dst=str(work / "dst"), marker=str(marker)))
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_generated.py"],
+                            cwd=work, env={**os.environ, "PYTHONPATH": str(REPO), "MMPARITY_FAULT": "pause@3"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not _staging_appeared(work) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _staging_appeared(work), "the conversion never paused inside its staging directory"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)  # a suite that went on would pause no more: it ends either way
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, out)
+    assert not marker.exists(), out
+    assert " passed" not in out and " failed" not in out, out  # no summary: the runner died
+    assert sorted(os.listdir(work)) == ["test_generated.py"], os.listdir(work)  # the staging directory went
