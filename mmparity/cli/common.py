@@ -44,6 +44,11 @@ def write_text_atomic(path: str, text: str, option: str = "") -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".mmparity-", dir=os.path.dirname(os.path.abspath(path)))
+        # mkstemp makes the file private (0600); a report is an artifact others read (a CI page,
+        # a JUnit file a service picks up): the mode a plain open would give, by the umask.
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)

@@ -99,6 +99,17 @@ def test_a_refused_check_still_writes_its_json_and_junit_reports(capsys, tmp_pat
     assert error.tag == "error" and error.get("message") == said and error.text == said
 
 
+def test_reports_get_the_mode_a_plain_open_gives(capsys, tmp_path):
+    """A report is an artifact others read: not the private mode of a temporary file."""
+    previous = os.umask(0o022)
+    try:
+        paths = [tmp_path / "r.json", tmp_path / "r.xml"]
+        _run(capsys, "check", "pixtral", "--pp", "0", "--json", str(paths[0]), "--junit", str(paths[1]))
+    finally:
+        os.umask(previous)
+    assert [oct(p.stat().st_mode & 0o777) for p in paths] == [oct(0o644)] * 2
+
+
 def test_a_refused_report_path_is_passed_over_and_the_other_report_written(capsys, tmp_path):
     junit = tmp_path / "r.xml"
     code, _, err = _run(capsys, "check", "pixtral", "--json", str(tmp_path / "no" / "r.json"), "--junit", str(junit))
