@@ -28,6 +28,7 @@ from mmparity.models.kimi_k25_vl import mapping as converter
 from mmparity.config import moe_layer_range, tied_embeddings
 from mmparity.models.kimi_k25_vl import native
 from mmparity.models.core.layers import numbered_layers
+from mmparity.models.core import sublayers
 from mmparity.models.kimi_k25_vl import reference
 
 OUTPUTS = ("logits", "token_loss")
@@ -113,30 +114,32 @@ LANGUAGE_LAYER = "language_model.decoder.layers.{}"
 
 
 def language_pairs(layers, cfg, *, hf: bool) -> list[Pair]:
-    """The decoder's paired modules, by Megatron's names, on one side."""
+    """The decoder's paired modules, by Megatron's names, on one side: each layer's norms,
+    attention and MLP (:func:`~mmparity.models.core.sublayers.layer_pairs`), and inside an MoE
+    layer's MLP its router, shared experts and routed experts."""
     moe = moe_layer_range(cfg.text_config)
     out = []
     for i, layer in layers:
-        name = LANGUAGE_LAYER.format(i)
-        if hf:
-            out.append(Pair(name + ".self_attention", layer.self_attn, tokens_2d))
-            if i in moe:
-                out += [Pair(name + ".mlp.router", layer.mlp.gate, partial(_hf_routing, router=layer.mlp.gate)),
-                        Pair(name + ".mlp.shared_experts", layer.mlp.shared_experts, tokens_2d),
-                        Pair(name + ".mlp.experts", layer.mlp.experts, _hf_rows)]
-            out.append(Pair(name, layer, tokens_2d))
-        else:
-            out.append(Pair(name + ".self_attention", layer.self_attention, sbh_tokens_2d, snapshot=True))
-            if i in moe:
-                out += [Pair(name + ".mlp.router", layer.mlp.router, _mcore_routing),
-                        Pair(name + ".mlp.shared_experts", layer.mlp.shared_experts, sbh_tokens_2d),
-                        Pair(name + ".mlp.experts", getattr(layer.mlp, "routed_experts", None), _mcore_rows)]
-            out.append(Pair(name, layer, sbh_tokens_2d))
+        inner = (_hf_moe_pairs if hf else _mcore_moe_pairs) if i in moe else sublayers.no_inner_pairs
+        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, tokens_2d if hf else sbh_tokens_2d,
+                                     sublayers.HF_DECODER if hf else None, inner=inner)
     return out
 
 
+def _hf_moe_pairs(name: str, mlp) -> list[Pair]:
+    return [Pair(name + ".router", mlp.gate, partial(_hf_routing, router=mlp.gate)),
+            Pair(name + ".shared_experts", mlp.shared_experts, tokens_2d),
+            Pair(name + ".experts", mlp.experts, _hf_rows)]
+
+
+def _mcore_moe_pairs(name: str, mlp) -> list[Pair]:
+    return [Pair(name + ".router", mlp.router, _mcore_routing),
+            Pair(name + ".shared_experts", mlp.shared_experts, sbh_tokens_2d),
+            Pair(name + ".experts", getattr(mlp, "routed_experts", None), _mcore_rows)]
+
+
 def reference_pairs(model, cfg) -> list[Pair]:
-    out = [Pair("vision_model." + p.name, p.module, p.extract)
+    out = [p.under("vision_model.")
            for p in tower_cases.reference_pairs(model.model.vision_tower, cfg.vision_config)]
     out.append(Pair("vision_projection", model.model.mm_projector, tokens_2d))
     out += language_pairs(enumerate(model.model.language_model.layers), cfg, hf=True)
@@ -180,7 +183,7 @@ def native_run(model, case) -> dict:
 def native_pairs(model, cfg) -> list[Pair]:
     out = []
     if model.vision_model is not None:  # the first pipeline stage
-        out += [Pair("vision_model." + p.name, p.module, p.extract)
+        out += [p.under("vision_model.")
                 for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
         out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
     out += language_pairs(numbered_layers(model.language_model.decoder), cfg, hf=False)
