@@ -133,7 +133,10 @@ def test_check_passes_every_case_and_component(report):
     # Every paired module was compared in every image case.
     static = next(r for r in report.results if r.check == "static:pooler_output")
     assert [m["module"] for m in static.modules] == [
-        "patch_embed", "pos_embed", "layer.0", "layer.1", "final_layernorm", "projector"]
+        "patch_embed", "pos_embed",
+        *[f"layer.{i}{sub}" for i in (0, 1)
+          for sub in (".input_layernorm", ".self_attention", ".pre_mlp_layernorm", ".mlp", "")],
+        "final_layernorm", "projector"]
 
 
 def test_cases_cover_the_resampling_identity_and_video_paths():

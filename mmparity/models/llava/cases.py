@@ -306,7 +306,7 @@ def reference_run(model, case: Case, towers: TowerLookup) -> dict:
             "token_loss": (per_token * mask).reshape(-1)}
 
 
-def reference_pairs(model, cfg, towers: TowerLookup) -> list[Pair]:
+def reference_pairs(model, cfg, towers: TowerLookup, languages: Callable) -> list[Pair]:
     run_names = vision_pair_names(cfg)
     out = [p.under(VISION)
            for p in towers(cfg).reference.pairs(model.model.vision_tower, cfg.vision_config)
@@ -316,7 +316,8 @@ def reference_pairs(model, cfg, towers: TowerLookup) -> list[Pair]:
         out.append(Pair(MERGER, projector.patch_merger, tokens_2d))
     out.append(Pair(PROJECTOR, projector, tokens_2d))
     for i, layer in enumerate(model.model.language_model.layers):
-        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, tokens_2d, sublayers.HF_DECODER)
+        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, tokens_2d, sublayers.HF_DECODER,
+                                     inner=partial(languages(cfg).reference.mlp_pairs, extract=tokens_2d))
     out.append(Pair(FINAL_NORM, model.model.language_model.norm, tokens_2d))
     return out
 
@@ -415,7 +416,7 @@ def native_run(model, case) -> dict:
             "token_loss": (loss[:, :keep] * mask).reshape(-1)}
 
 
-def native_pairs(model, cfg, towers: TowerLookup) -> list:
+def native_pairs(model, cfg, towers: TowerLookup, languages: Callable) -> list:
     out = []
     if model.vision_model is not None:
         run_names = vision_pair_names(cfg)
@@ -426,7 +427,7 @@ def native_pairs(model, cfg, towers: TowerLookup) -> list:
             out.append(Pair(MERGER, model.vision_model.merger, tokens_2d))
     if model.vision_projection is not None:
         out.append(Pair(PROJECTOR, model.vision_projection, tokens_2d))
-    out += language_pairs(model.language_model)
+    out += language_pairs(model.language_model, languages(cfg).native.mlp_pairs)
     return out
 
 
@@ -594,9 +595,9 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
             image_size_multiple=processor.token_pixels if rows else None,
             image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers),
             pipeline_problems=pipeline_problems),
-        reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
+        reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers, languages=languages),
                        reference_component, reference_module.build),
-        native=Side(native_run, partial(native_pairs, towers=towers), native_component,
+        native=Side(native_run, partial(native_pairs, towers=towers, languages=languages), native_component,
                     build_native),  # the tower comes from towers
         converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
         parity=Parity(partial(cases, towers=towers, composition=composition),

@@ -116,11 +116,15 @@ def _run_language_model(model, case: Case, cfg) -> dict:
             "token_loss": (loss * case.data["loss_mask"].to(device)).reshape(-1)}
 
 
-def language_pairs(model) -> list[Pair]:
+def language_pairs(model, mlp_pairs: Optional[Callable] = None) -> list[Pair]:
     """A ``GPTModel``'s layers (their norms, attention and MLP first) by their place in the whole
-    model, and its final norm (last stage): the native language model's and Megatron's alike."""
+    model, and its final norm (last stage): the native language model's and Megatron's alike.
+    ``mlp_pairs``: the language part's pairs inside a layer's MLP (its native side's
+    ``mlp_pairs``); Megatron's own classes pair the MLP whole (TE's grouped experts have no
+    routed-experts probe)."""
+    inner = sublayers.no_inner_pairs if mlp_pairs is None else partial(mlp_pairs, extract=language_tokens)
     out = [pair for i, layer in numbered_layers(model.decoder)
-           for pair in sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, language_tokens)]
+           for pair in sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, language_tokens, inner=inner)]
     if model.post_process:
         out.append(Pair(FINAL_NORM, model.decoder.final_layernorm, language_tokens))
     return out
