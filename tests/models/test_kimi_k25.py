@@ -181,8 +181,8 @@ def _swap_q_heads(state):
 @pytest.mark.parametrize("mutate, module", [
     (_perturb("vision_model.patch_embed.proj.weight"), "patch_embed"),
     (_perturb("vision_model.pos_embed.weight"), "pos_embed"),
-    (_swap_q_heads, "layer.0"),
-    (_perturb("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), "layer.1"),
+    (_swap_q_heads, "layer.0.self_attention"),
+    (_perturb("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), "layer.1.mlp"),
     (_perturb("vision_model.final_ln.bias"), "final_layernorm"),
     (_perturb("vision_projection.encoder.linear_fc1.weight"), "projector"),
     # Kimi's pre-norm, tiled into the fused norm of Megatron's linear_fc1: the native model reads it.
