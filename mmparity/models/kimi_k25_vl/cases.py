@@ -103,12 +103,11 @@ def language_pairs(layers, part, *, hf: bool) -> list[Pair]:
     """The decoder's paired modules, by Megatron's names, on one side: each layer's norms,
     attention and MLP (:func:`~mmparity.models.core.sublayers.layer_pairs`), and inside an MoE
     layer's MLP what the language ``part`` pairs there (router, shared and routed experts)."""
-    side = part.reference if hf else part.native
     extract = tokens_2d if hf else sbh_tokens_2d
     out = []
     for i, layer in layers:
         out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, extract, sublayers.HF_DECODER if hf else None,
-                                     inner=partial(side.mlp_pairs, extract=extract))
+                                     inner=partial(part.mlp_pairs(hf=hf), extract=extract))
     return out
 
 

@@ -317,7 +317,7 @@ def reference_pairs(model, cfg, towers: TowerLookup, languages: Callable) -> lis
     out.append(Pair(PROJECTOR, projector, tokens_2d))
     for i, layer in enumerate(model.model.language_model.layers):
         out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, tokens_2d, sublayers.HF_DECODER,
-                                     inner=partial(languages(cfg).reference.mlp_pairs, extract=tokens_2d))
+                                     inner=partial(languages(cfg).mlp_pairs(hf=True), extract=tokens_2d))
     out.append(Pair(FINAL_NORM, model.model.language_model.norm, tokens_2d))
     return out
 
@@ -427,7 +427,7 @@ def native_pairs(model, cfg, towers: TowerLookup, languages: Callable) -> list:
             out.append(Pair(MERGER, model.vision_model.merger, tokens_2d))
     if model.vision_projection is not None:
         out.append(Pair(PROJECTOR, model.vision_projection, tokens_2d))
-    out += language_pairs(model.language_model, languages(cfg).native.mlp_pairs)
+    out += language_pairs(model.language_model, languages(cfg).mlp_pairs(hf=False))
     return out
 
 

@@ -154,8 +154,3 @@ class LanguageModelBuilder:
             rotary_interleaved=self.config.rotary_interleaved, rotary_base=self.rotary_base,
             use_cpu_initialization=True)
         return model
-
-
-def mlp_pairs(name: str, mlp, extract) -> list:
-    """Pairs inside a layer's MLP (mcore side): none, a dense MLP is paired whole."""
-    return []

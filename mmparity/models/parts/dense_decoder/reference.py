@@ -31,8 +31,3 @@ def decoder_shapes(text) -> dict[str, tuple]:
     return {"embed_tokens.weight": (text.vocab_size, h),
             **{f"layers.{i}.{k}": s for i in range(text.num_hidden_layers) for k, s in layer.items()},
             "norm.weight": (h,)}
-
-
-def mlp_pairs(name: str, mlp, extract) -> list:
-    """Pairs inside a layer's MLP (HF side): none, a dense MLP is paired whole."""
-    return []
