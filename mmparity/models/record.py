@@ -83,7 +83,8 @@ class PartRecord:
     """A language-model part of whole VLMs (``PART`` in its package's ``__init__``): the HF text
     model types it takes; its package's modules are ``mapping`` (``SPEC``, a ``LanguageKeys``: rules
     per layout), ``native`` (``transformer_config``, ``LanguageModelBuilder``) and ``reference``
-    (``decoder_shapes``). A composed family finds its language model here by
+    (``decoder_shapes``); either side may add ``mlp_pairs(name, mlp, extract)``, the pairs inside a
+    layer's MLP (an MoE's router and experts; without it the MLP is paired whole). A composed family finds its language model here by
     ``text_config.model_type``, as it finds its tower among the families.
 
     ``megatron``: where Megatron's class for the part is built, ``"module:function"`` (a builder

@@ -466,7 +466,17 @@ class LanguageModel(PartRecord):
     def reference(self) -> ModuleType:
         return self._module("reference")
 
+    def mlp_pairs(self, *, hf: bool):
+        """``mlp_pairs(name, mlp, extract)`` of the part's reference (``hf``) or native module: the
+        pairs inside a layer's MLP (an MoE's router and experts). A part that declares none pairs
+        its MLP whole."""
+        return getattr(self.reference if hf else self.native, "mlp_pairs", _no_mlp_pairs)
 
+
+
+
+def _no_mlp_pairs(name: str, mlp, extract) -> list:
+    return []
 
 
 def language_models() -> list[str]:

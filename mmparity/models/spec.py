@@ -37,6 +37,10 @@ class Pair:
     # bias-dropout-add on an attention output), so the tensor read after the run is not it.
     snapshot: bool = False
 
+    def under(self, prefix: str) -> "Pair":
+        """This pair named inside a bigger model (``vision_model.`` + its name), all else kept."""
+        return replace(self, name=prefix + self.name)
+
 
 def first_tensor(output):
     while isinstance(output, (tuple, list)):

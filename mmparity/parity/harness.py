@@ -362,9 +362,11 @@ def _run_megatron_case(mclass, model, pairs, case: Case, cfg, compare_modules: b
         def before(module, args, _name=pair.name):
             running.append(_name)
 
-        def after(module, args, output, _name=pair.name):
-            # Megatron's packed paths call some modules more than once: keep the first call.
-            seen.setdefault(_name, output)
+        def after(module, args, output, _name=pair.name, _copy=pair.snapshot):
+            # Megatron's packed paths call some modules more than once: keep the first call
+            # (copied when the pair asks, as ``capture`` copies it).
+            if _name not in seen:
+                seen[_name] = _snapshot(output) if _copy else output
             running.remove(_name)
         handles += [pair.module.register_forward_pre_hook(before),
                     pair.module.register_forward_hook(after)]

@@ -293,7 +293,7 @@ def _scaling(key: str):
      "language_model.decoder.layers.1.self_attention"),
     ("kimi_k25_vl", "language_model.decoder.layers.2.mlp.experts.linear_fc2.weight3",
      "language_model.decoder.layers.2.mlp.experts"),
-    ("clip", "decoder.layers.1.mlp.linear_fc1.weight", "layer.1"),
+    ("clip", "decoder.layers.1.mlp.linear_fc1.weight", "layer.1.mlp"),
 ])
 def test_negative_control_fails_at_the_same_first_divergence(tmp_path, family, key, where):
     src = save_hf(family, tmp_path / "hf", seed=11)

@@ -57,14 +57,14 @@ def test_clip_compares_every_paired_module_with_hf():
 
 def test_a_corrupted_weight_is_located_in_megatrons_class():
     """Negative control: the weights go through the converter and the key map into Megatron's
-    class, so a wrong layer-1 tensor makes layer.1 the first divergence."""
+    class, so a wrong layer-1 MLP tensor makes layer 1's MLP the first divergence."""
     def corrupt(shard):
         key = next(k for k in shard if k.startswith("decoder.layers.1.") and k.endswith("linear_fc1.weight"))
         shard[key] = shard[key].flip(0)
 
     report = harness.check("clip", impl="megatron", mutate_native=corrupt)
     static = by_check(report)["static:last_hidden_state"]
-    assert not static.passed and static.first_divergence.module == "layer.1"
+    assert not static.passed and static.first_divergence.module == "layer.1.mlp"
 
 
 def test_both_puts_native_and_megatron_side_by_side(capsys, tmp_path):

@@ -139,7 +139,8 @@ def _perturb(key):
 
 @pytest.mark.parametrize("key, module", [("class_token", "ln_pre"),
                                          ("position_embeddings.weight", "ln_pre"),
-                                         ("decoder.layers.0.mlp.linear_fc1.layer_norm_bias", "layer.0")])
+                                         ("decoder.layers.0.mlp.linear_fc1.layer_norm_bias",
+                                          "layer.0.pre_mlp_layernorm")])
 def test_negative_controls_locate_the_embedding_stage(key, module):
     report = harness.check("clip", seed=1, components=False, mutate_native=_perturb(key))
     assert not report.passed

@@ -133,7 +133,10 @@ def test_check_passes_every_case_and_component(report):
     # Every paired module was compared in every image case.
     static = next(r for r in report.results if r.check == "static:pooler_output")
     assert [m["module"] for m in static.modules] == [
-        "patch_embed", "pos_embed", "layer.0", "layer.1", "final_layernorm", "projector"]
+        "patch_embed", "pos_embed",
+        *[f"layer.{i}{sub}" for i in (0, 1)
+          for sub in (".input_layernorm", ".self_attention", ".pre_mlp_layernorm", ".mlp", "")],
+        "final_layernorm", "projector"]
 
 
 def test_cases_cover_the_resampling_identity_and_video_paths():
@@ -178,8 +181,8 @@ def _swap_q_heads(state):
 @pytest.mark.parametrize("mutate, module", [
     (_perturb("vision_model.patch_embed.proj.weight"), "patch_embed"),
     (_perturb("vision_model.pos_embed.weight"), "pos_embed"),
-    (_swap_q_heads, "layer.0"),
-    (_perturb("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), "layer.1"),
+    (_swap_q_heads, "layer.0.self_attention"),
+    (_perturb("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), "layer.1.mlp"),
     (_perturb("vision_model.final_ln.bias"), "final_layernorm"),
     (_perturb("vision_projection.encoder.linear_fc1.weight"), "projector"),
     # Kimi's pre-norm, tiled into the fused norm of Megatron's linear_fc1: the native model reads it.

@@ -236,9 +236,12 @@ def test_default_parity_compares_every_stage():
     for check in ("sample:logits", "sample:token_loss", "sample:loss_mask"):
         assert by_check[check].metrics["rel_l2"] <= 1e-5
     # feature layer -2 of 3: vision layers 0 and 1 run, layer 2 does not
+    layers = ["vision_model.layer.0", "vision_model.layer.1", "language_model.decoder.layers.0",
+              "language_model.decoder.layers.1"]
     assert _compared_modules(report) == {
-        "vision_model.patch_embed", "vision_model.ln_pre", "vision_model.layer.0", "vision_model.layer.1", "vision_projection",
-        "language_model.decoder.layers.0", "language_model.decoder.layers.1", "language_model.decoder.final_layernorm"}
+        "vision_model.patch_embed", "vision_model.ln_pre", "vision_projection", "language_model.decoder.final_layernorm",
+        *layers, *(f"{layer}.{sub}" for layer in layers
+                   for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"))}
     assert {"component:pixel_shuffle", "component:loss_weights", "component:expansion"} <= set(by_check)
 
 
@@ -363,7 +366,7 @@ def test_row_placeholders_with_media_token_counts_match_break_tokens():
 
 
 @pytest.mark.parametrize("key,module", [
-    ("vision_model.decoder.layers.0.mlp.linear_fc2.weight", "vision_model.layer.0"),
+    ("vision_model.decoder.layers.0.mlp.linear_fc2.weight", "vision_model.layer.0.mlp"),
     ("vision_projection.encoder.linear_fc1.weight", "vision_projection"),
 ])
 def test_negative_controls_locate_vision_and_projector(key, module):

@@ -59,7 +59,11 @@ def test_language_model_part_passes_in_stock_gpt_model(family):
         [(r.check, r.metrics, r.first_divergence) for r in results.values()]
     assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results.values())
     modules = [row["module"] for row in results["text:logits"].modules]
-    assert modules == ["language_model.decoder.layers.0", LAYER_1, "language_model.decoder.final_layernorm"]
+    # Megatron's fused norms (TE's LayerNormLinear) expose no output of their own: attention and
+    # MLP are its layers' paired sub-modules.
+    layer_0 = "language_model.decoder.layers.0"
+    assert modules == [f"{layer_0}.self_attention", f"{layer_0}.mlp", layer_0, f"{LAYER_1}.self_attention",
+                       f"{LAYER_1}.mlp", LAYER_1, "language_model.decoder.final_layernorm"]
     assert all(row["passed"] for row in results["text:logits"].modules)
     assert report.megatron["classes"] == {family: "GPTModel"}
     assert "discrepancy 5" in report.megatron["notes"][family]
@@ -85,7 +89,7 @@ def test_a_pixtral_towered_llava_is_checked_in_gpt_model_and_a_perturbed_layer_i
         shard[key] = shard[key].flip(0)
 
     bad = megatron_results(harness.check("llava", cfg, impl="megatron", mutate_native=perturb))["text:logits"]
-    assert not bad.passed and bad.first_divergence.module == LAYER_1, bad.first_divergence
+    assert not bad.passed and bad.first_divergence.module == f"{LAYER_1}.mlp", bad.first_divergence
     with pytest.raises(harness.InputError, match="--megatron-class LLaVAModel: .*discrepancy 5"):
         harness.check("llava", cfg, impl="megatron", megatron_class="LLaVAModel")
 
@@ -108,7 +112,7 @@ def test_a_perturbed_language_layer_is_located_by_name(family):
 
     results = megatron_results(harness.check(family, impl="megatron", mutate_native=perturb))
     for check in ("text:logits", "text:token_loss"):
-        assert not results[check].passed and results[check].first_divergence.module == LAYER_1
+        assert not results[check].passed and results[check].first_divergence.module == f"{LAYER_1}.mlp"
 
 
 @pytest.mark.parametrize("family", WHOLE)
@@ -169,8 +173,8 @@ def test_language_model_part_on_spawned_ranks(family, tp, pp):
     results = megatron_results(report)
     assert (report.tp, report.pp) == (tp, pp) and report.passed and len(results) == 2
     assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results.values())
-    assert [row["module"] for row in results["text:logits"].modules][:2] == \
-        ["language_model.decoder.layers.0", LAYER_1]
+    layers = [row["module"] for row in results["text:logits"].modules if row["module"].count(".") == 3]
+    assert layers[:2] == ["language_model.decoder.layers.0", LAYER_1]
 
 
 # --- verify --load ---------------------------------------------------------------------------------

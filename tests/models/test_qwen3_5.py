@@ -338,8 +338,8 @@ def _swap_q_heads(state):
 
 
 @pytest.mark.parametrize("mutate, module", [
-    (_swap_q_heads, "layer.0"),
-    (_bump("decoder.layers.1.mlp.linear_fc1.bias", (3,)), "layer.1"),
+    (_swap_q_heads, "layer.0.self_attention"),
+    (_bump("decoder.layers.1.mlp.linear_fc1.bias", (3,)), "layer.1.mlp"),
     (_bump("patch_embed.proj.weight", (1, 0, 1, 2, 3)), "patch_embed"),
     (_bump("merger.linear_fc2.weight"), "merger.linear_fc2"),
 ])
@@ -356,4 +356,4 @@ def test_perturbed_position_table_fails_its_component():
     failed = {r.check for r in report.failures()}
     assert "component:pos_embed" in failed and "component:rope2d" not in failed
     assert {r.first_divergence.module for r in report.failures() if ":" in r.check
-            and not r.check.startswith("component")} == {"layer.0"}
+            and not r.check.startswith("component")} == {"layer.0.input_layernorm"}

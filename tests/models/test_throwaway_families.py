@@ -137,9 +137,10 @@ def test_check_of_the_tiny_checkpoints_passes(tiny, capsys):
 
 
 @pytest.mark.parametrize("family, key, module", [
-    ("toy_tower", "decoder.layers.1.mlp.linear_fc2.weight", "layer.1"),
+    ("toy_tower", "decoder.layers.1.mlp.linear_fc2.weight", "layer.1.mlp"),
+    # The part's own pairs inside an MoE layer's MLP, through the composition that names no part.
     ("toy_vlm", "language_model.decoder.layers.2.mlp.shared_experts.linear_fc2.weight",
-     "language_model.decoder.layers.2"),
+     "language_model.decoder.layers.2.mlp.shared_experts"),
 ])
 def test_a_perturbed_weight_is_located_by_its_module(registered, family, key, module):
     assert harness.check(family, seed=5, components=False).passed
@@ -196,9 +197,9 @@ def test_check_impl_megatron_takes_the_classes_the_packages_name(registered, cap
 
 
 @pytest.mark.parametrize("family, megatron_class, key, module", [
-    ("toy_tower", "CLIPViTModel", "decoder.layers.1.mlp.linear_fc1.weight", "layer.1"),
+    ("toy_tower", "CLIPViTModel", "decoder.layers.1.mlp.linear_fc1.weight", "layer.1.mlp"),
     ("toy_vlm", "GPTModel", "language_model.decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
-     "language_model.decoder.layers.2"),
+     "language_model.decoder.layers.2.mlp"),
 ])
 def test_a_perturbed_weight_in_megatrons_class_is_located(registered, family, megatron_class, key, module):
     def perturb(state):

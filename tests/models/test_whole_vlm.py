@@ -112,10 +112,11 @@ def test_negative_control_wrong_image_layout_fails(family):
 
 
 @pytest.mark.parametrize("family,key,part", [
-    ("mistral3", "language_model.decoder.layers.1.mlp.linear_fc2.weight", "language_model.decoder.layers.1"),
+    ("mistral3", "language_model.decoder.layers.1.mlp.linear_fc2.weight", "language_model.decoder.layers.1.mlp"),
     ("mistral3", "vision_model.merger.linear_fc1.weight", "vision_model.merger"),
     ("mistral3", "vision_projection.encoder.linear_fc2.weight", "vision_projection"),
-    ("pixtral_12b", "vision_model.decoder.layers.0.self_attention.linear_proj.weight", "vision_model.layer.0"),
+    ("pixtral_12b", "vision_model.decoder.layers.0.self_attention.linear_proj.weight",
+     "vision_model.layer.0.self_attention"),
     ("pixtral_12b", "language_model.decoder.final_layernorm.weight", "language_model.decoder.final_layernorm"),
 ])
 def test_negative_control_names_the_part(family, key, part):

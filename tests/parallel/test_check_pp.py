@@ -87,7 +87,7 @@ def test_uneven_split_passes(pp2_reports):
 def test_negative_control_on_the_second_stage_is_located(pp2_reports):
     report = pp2_reports["pixtral perturbed"]
     assert not report.passed
-    assert {r.first_divergence.module for r in report.failures()} == {"layer.1"}
+    assert {r.first_divergence.module for r in report.failures()} == {"layer.1.mlp"}
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from transformers import CLIPVisionConfig
 
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
+from mmparity.models.core import sublayers
 from mmparity.models.spec import (
     Bench, Case, FamilyHooks, LlavaTower, Pair, Parity, Published, Side, TowerShape, first_tensor, module_hooks,
     recording_patch, sbh_tokens_2d, tokens_2d)
@@ -84,7 +85,8 @@ def conv_tokens(output, case: Case):
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [Pair("patch_embed", model.embeddings.patch_embedding, conv_tokens),
            Pair("ln_pre", model.pre_layrnorm, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(model.encoder.layers)]
+    for i, layer in enumerate(model.encoder.layers):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, tokens_2d, sublayers.HF_ENCODER)
     out.append(Pair("ln_post", model.post_layernorm, tokens_2d))
     return out
 
@@ -152,8 +154,8 @@ def native_pairs(model, cfg) -> list:
     out = [Pair("patch_embed", model.patch_embedding, last_image("patch", model, tokens_2d))]
     if model.ln_pre is not None:
         out.append(Pair("ln_pre", model.ln_pre, last_image("tokens", model, tokens_2d)))
-    out += [Pair(f"layer.{i}", layer, last_image("tokens", model, sbh_tokens_2d))
-            for i, layer in numbered_layers(model.decoder)]
+    out += [pair for i, layer in numbered_layers(model.decoder)
+            for pair in sublayers.layer_pairs(f"layer.{i}", layer, last_image("tokens", model, sbh_tokens_2d))]
     if model.ln_post is not None:
         kind = "pooled" if model.ln_post_scope == "pooled" else "tokens"
         out.append(Pair("ln_post", model.ln_post, last_image(kind, model, tokens_2d)))
@@ -226,7 +228,8 @@ def megatron_pairs(model, cfg) -> list[Pair]:
     out = [Pair("patch_embed", model.conv1, conv_tokens)]
     if model.ln_pre is not None:
         out.append(Pair("ln_pre", model.ln_pre, tokens_2d))
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(model.decoder.layers)]
+    for i, layer in enumerate(model.decoder.layers):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)
     if model.ln_post is not None:
         out.append(Pair("ln_post", model.ln_post, tokens_2d))
     return out
@@ -241,7 +244,7 @@ def patch_rows_of_reference_ln_pre(pairs: list, cfg) -> list:
         def extract(output, case):
             t = pair.extract(output, case)
             return t.view(-1, 1 + tokens, t.shape[-1])[:, 1:].reshape(-1, t.shape[-1])
-        return Pair(pair.name, pair.module, extract)
+        return replace(pair, extract=extract)
 
     return [patch_rows_only(p) if p.name == "ln_pre" else p for p in pairs]
 

@@ -79,13 +79,16 @@ class NormedColumnParallelLinear(ColumnParallelLinear):
                 torch.zeros(input_size, dtype=config.params_dtype))
         else:
             self.register_parameter("layer_norm_bias", None)
+        # The fused norm's output, as a module of its own (no parameters: the state dict is
+        # unchanged) so that parity can hook it and pair it with HF's separate norm.
+        self.normed = torch.nn.Identity()
 
     def norm(self, input_: torch.Tensor) -> torch.Tensor:
         return layer_norm(input_, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps,
                           self.norm_kind)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        normed = self.norm(input_)
+        normed = self.normed(self.norm(input_))
         if weight is not None or runtime_gather_output or self.gather_output or self.sequence_parallel:
             return super().forward(normed, weight, runtime_gather_output)
         # mcore adds the bias as a separate broadcast add (or hands it back with skip_bias_add),

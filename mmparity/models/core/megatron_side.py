@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+from mmparity.models.core import sublayers
 from mmparity.models.spec import (
     Case, FamilyHooks, MegatronClass, NoMegatron, NoMegatronClass, Pair, default_refusal, keep_reference_outputs,
     keep_reference_pairs, sbh_tokens_2d, tokens_2d)
@@ -59,7 +60,8 @@ def tower_and_projection(model, case: Case) -> tuple:
 
 
 def layer_pairs(tower) -> list[Pair]:
-    return [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in enumerate(tower.decoder.layers)]
+    return [pair for i, layer in enumerate(tower.decoder.layers)
+            for pair in sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)]
 
 
 def vit_pairs(tower) -> list[Pair]:

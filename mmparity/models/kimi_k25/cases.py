@@ -13,6 +13,7 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as mcore_apply_rope
 from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
+from mmparity.models.core import sublayers
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
@@ -133,7 +134,8 @@ def reference_pairs(model, cfg) -> list[Pair]:
     tower = vision_tower(model)
     out = [Pair("patch_embed", tower.patch_embed.proj, _conv_tokens),
            Pair("pos_embed", tower.patch_embed.pos_emb, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(tower.layers)]
+    for i, layer in enumerate(tower.layers):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, tokens_2d, sublayers.HF_VISION_BLOCK)
     out.append(Pair("final_layernorm", tower.final_layernorm, tokens_2d))
     if isinstance(model, KimiK25VisionReference):
         out.append(Pair("projector", model.mm_projector, tokens_2d))
@@ -222,7 +224,8 @@ def native_pairs(model, cfg) -> list:
     vit = tower(model)
     out = [Pair("patch_embed", getattr(vit.patch_embed, "proj", None), tokens_2d),
            Pair("pos_embed", vit.pos_embed, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(vit.decoder)]
+    for i, layer in numbered_layers(vit.decoder):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)
     out.append(Pair("final_layernorm", vit.final_ln, sbh_tokens_2d))
     if isinstance(model, KimiViTWithProjector):
         out.append(Pair("projector", model.vision_projection, tokens_2d))

@@ -1,9 +1,9 @@
 """Kimi-K2.5 whole parity: two rows of text with three images of different sizes between the words
 (one image token per merged patch, as Kimi's processor lays them out), logits at every position
 and the per-token loss, and the paired modules of every part named by Megatron's tree:
-``vision_model.layer.N`` …, ``vision_projection``, and for each decoder layer its attention, its
-MoE router (the dense routing weights), the shared expert, the routed experts' combined output and
-the layer itself.
+``vision_model.layer.N`` …, ``vision_projection``, and for each decoder layer its norms, its
+attention, its MoE router (the dense routing weights), the shared expert, the routed experts'
+combined output, the whole MLP and the layer itself.
 
 The router also gets its own verdict (:func:`mmparity.parity.router.agreement`): per MoE layer, the
 fraction of tokens whose top-k expert set is HF's, and whether a different set is a tie.
@@ -23,11 +23,12 @@ from mmparity.models.core import megatron_side
 from mmparity.models.kimi_k25 import cases as tower_cases
 from mmparity.models.kimi_k25.megatron import build_kimi_k25
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, first_tensor, routing_tensor, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
 from mmparity.models.kimi_k25_vl import mapping as converter
-from mmparity.config import moe_layer_range, tied_embeddings
+from mmparity.config import tied_embeddings
 from mmparity.models.kimi_k25_vl import native
 from mmparity.models.core.layers import numbered_layers
+from mmparity.models.core import sublayers
 from mmparity.models.kimi_k25_vl import reference
 
 OUTPUTS = ("logits", "token_loss")
@@ -95,72 +96,31 @@ def reference_run(model, case: Case) -> dict:
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
 
-def _hf_routing(output, case: Case, *, router):
-    """HF's router output ``(logits, top-k weights, top-k indices)`` -> the dense routing weights
-    and the scores the choice was made on (sigmoid plus the correction bias), tokens batch-major:
-    :func:`mmparity.parity.router.routing_tensor`."""
-    logits, weights, indices = output
-    dense = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, indices, weights)
-    return routing_tensor(dense, logits.float().sigmoid() + router.e_score_correction_bias.float())
-
-
-def _hf_rows(output, case: Case):
-    """``[tokens, h]`` of a module that HF runs on the batch-major flattened tokens."""
-    return first_tensor(output).reshape(-1, first_tensor(output).shape[-1])
-
-
 LANGUAGE_LAYER = "language_model.decoder.layers.{}"
 
 
-def language_pairs(layers, cfg, *, hf: bool) -> list[Pair]:
-    """The decoder's paired modules, by Megatron's names, on one side."""
-    moe = moe_layer_range(cfg.text_config)
+def language_pairs(layers, part, *, hf: bool) -> list[Pair]:
+    """The decoder's paired modules, by Megatron's names, on one side: each layer's norms,
+    attention and MLP (:func:`~mmparity.models.core.sublayers.layer_pairs`), and inside an MoE
+    layer's MLP what the language ``part`` pairs there (router, shared and routed experts)."""
+    extract = tokens_2d if hf else sbh_tokens_2d
     out = []
     for i, layer in layers:
-        name = LANGUAGE_LAYER.format(i)
-        if hf:
-            out.append(Pair(name + ".self_attention", layer.self_attn, tokens_2d))
-            if i in moe:
-                out += [Pair(name + ".mlp.router", layer.mlp.gate, partial(_hf_routing, router=layer.mlp.gate)),
-                        Pair(name + ".mlp.shared_experts", layer.mlp.shared_experts, tokens_2d),
-                        Pair(name + ".mlp.experts", layer.mlp.experts, _hf_rows)]
-            out.append(Pair(name, layer, tokens_2d))
-        else:
-            out.append(Pair(name + ".self_attention", layer.self_attention, sbh_tokens_2d, snapshot=True))
-            if i in moe:
-                out += [Pair(name + ".mlp.router", layer.mlp.router, _mcore_routing),
-                        Pair(name + ".mlp.shared_experts", layer.mlp.shared_experts, sbh_tokens_2d),
-                        Pair(name + ".mlp.experts", getattr(layer.mlp, "routed_experts", None), _mcore_rows)]
-            out.append(Pair(name, layer, sbh_tokens_2d))
+        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, extract, sublayers.HF_DECODER if hf else None,
+                                     inner=partial(part.mlp_pairs(hf=hf), extract=extract))
     return out
 
 
-def reference_pairs(model, cfg) -> list[Pair]:
-    out = [Pair("vision_model." + p.name, p.module, p.extract)
+def reference_pairs(model, cfg, languages) -> list[Pair]:
+    out = [p.under("vision_model.")
            for p in tower_cases.reference_pairs(model.model.vision_tower, cfg.vision_config)]
     out.append(Pair("vision_projection", model.model.mm_projector, tokens_2d))
-    out += language_pairs(enumerate(model.model.language_model.layers), cfg, hf=True)
+    out += language_pairs(enumerate(model.model.language_model.layers), languages(cfg), hf=True)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
     return out
 
 
 # --- the native side ---------------------------------------------------------------------------------
-
-def _sequence_major_to_batch_major(t: torch.Tensor, case: Case) -> torch.Tensor:
-    batch = case.data["input_ids"].shape[0]
-    return t.reshape(-1, batch, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
-
-
-def _mcore_routing(output, case: Case):
-    """mcore's router output ``(probs, routing_map)`` over sequence-major tokens -> the dense
-    routing weights, batch-major."""
-    probs, _ = output
-    return routing_tensor(_sequence_major_to_batch_major(probs, case))
-
-
-def _mcore_rows(output, case: Case):
-    return _sequence_major_to_batch_major(first_tensor(output), case)
-
 
 def native_run(model, case) -> dict:
     param = next(model.parameters())
@@ -177,13 +137,13 @@ def native_run(model, case) -> dict:
     return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
 
 
-def native_pairs(model, cfg) -> list[Pair]:
+def native_pairs(model, cfg, languages) -> list[Pair]:
     out = []
     if model.vision_model is not None:  # the first pipeline stage
-        out += [Pair("vision_model." + p.name, p.module, p.extract)
+        out += [p.under("vision_model.")
                 for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
         out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
-    out += language_pairs(numbered_layers(model.language_model.decoder), cfg, hf=False)
+    out += language_pairs(numbered_layers(model.language_model.decoder), languages(cfg), hf=False)
     if model.post_process:
         out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
                         sbh_tokens_2d))
@@ -266,7 +226,7 @@ def hooks(towers, languages) -> FamilyHooks:
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_multiple=tower_cases.image_size_multiple,
                            image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
-        reference=Side(reference_run, reference_pairs, no_component, reference.build),
-        native=Side(native_run, native_pairs, no_component, build_native), converter=converter.SPEC,
+        reference=Side(reference_run, partial(reference_pairs, languages=languages), no_component, reference.build),
+        native=Side(native_run, partial(native_pairs, languages=languages), no_component, build_native), converter=converter.SPEC,
         parity=Parity(cases, tower_cases.prepare_case), megatron=llava.bind_language(MEGATRON, languages))
 

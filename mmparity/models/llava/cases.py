@@ -31,7 +31,8 @@ from mmparity.config import (
 from mmparity.models.llava import native
 from mmparity.models.llava.megatron import (
     FINAL_NORM, LANGUAGE_LAYER, MEGATRON, MERGER, PROJECTOR, VISION, WHY_NO_WHOLE, bind_language, bind_towers,
-    language_tokens, whole_vlm_parts)
+    language_pairs, language_tokens, whole_vlm_parts)
+from mmparity.models.core import sublayers
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.llava.preprocess import (
     DEFAULT_IMAGE_TOKEN_INDEX, _precalculate_loss_weights, _preprocess_data, pixel_shuffle)
@@ -42,8 +43,13 @@ COMPONENTS = ("pixel_shuffle", "loss_weights", "expansion")
 
 
 def vision_pair_names(cfg) -> set[str]:
-    """The vision family's paired modules that a LLaVA forward actually runs."""
+    """The vision family's paired modules that a LLaVA forward actually runs (a layer's name
+    stands for its sub-modules' too)."""
     return {"patch_embed", "ln_pre"} | {f"layer.{i}" for i in range(vision_layers_run(cfg))}
+
+
+def _runs(pair: Pair, run_names: set[str]) -> bool:
+    return pair.name in run_names or sublayers.layer_of(pair.name, 2) in run_names
 
 
 # --- the reference side (transformers) -----------------------------------------------------------
@@ -300,17 +306,18 @@ def reference_run(model, case: Case, towers: TowerLookup) -> dict:
             "token_loss": (per_token * mask).reshape(-1)}
 
 
-def reference_pairs(model, cfg, towers: TowerLookup) -> list[Pair]:
+def reference_pairs(model, cfg, towers: TowerLookup, languages: Callable) -> list[Pair]:
     run_names = vision_pair_names(cfg)
-    out = [Pair(VISION + p.name, p.module, p.extract)
+    out = [p.under(VISION)
            for p in towers(cfg).reference.pairs(model.model.vision_tower, cfg.vision_config)
-           if p.name in run_names]
+           if _runs(p, run_names)]
     projector = model.model.multi_modal_projector
     if has_patch_merger(cfg):
         out.append(Pair(MERGER, projector.patch_merger, tokens_2d))
     out.append(Pair(PROJECTOR, projector, tokens_2d))
-    out += [Pair(LANGUAGE_LAYER.format(i), layer, tokens_2d)
-            for i, layer in enumerate(model.model.language_model.layers)]
+    for i, layer in enumerate(model.model.language_model.layers):
+        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, tokens_2d, sublayers.HF_DECODER,
+                                     inner=partial(languages(cfg).mlp_pairs(hf=True), extract=tokens_2d))
     out.append(Pair(FINAL_NORM, model.model.language_model.norm, tokens_2d))
     return out
 
@@ -409,21 +416,18 @@ def native_run(model, case) -> dict:
             "token_loss": (loss[:, :keep] * mask).reshape(-1)}
 
 
-def native_pairs(model, cfg, towers: TowerLookup) -> list:
+def native_pairs(model, cfg, towers: TowerLookup, languages: Callable) -> list:
     out = []
     if model.vision_model is not None:
         run_names = vision_pair_names(cfg)
-        out += [Pair(VISION + p.name, p.module, p.extract)
+        out += [p.under(VISION)
                 for p in towers(cfg).native.pairs(model.vision_model, cfg.vision_config)
-                if p.name in run_names]
+                if _runs(p, run_names)]
         if model.vision_model.merger is not None:
             out.append(Pair(MERGER, model.vision_model.merger, tokens_2d))
     if model.vision_projection is not None:
         out.append(Pair(PROJECTOR, model.vision_projection, tokens_2d))
-    out += [Pair(LANGUAGE_LAYER.format(i), layer, language_tokens)
-            for i, layer in numbered_layers(model.language_model.decoder)]
-    if model.post_process:
-        out.append(Pair(FINAL_NORM, model.language_model.decoder.final_layernorm, language_tokens))
+    out += language_pairs(model.language_model, languages(cfg).mlp_pairs(hf=False))
     return out
 
 
@@ -591,9 +595,9 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
             image_size_multiple=processor.token_pixels if rows else None,
             image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers),
             pipeline_problems=pipeline_problems),
-        reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers),
+        reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers, languages=languages),
                        reference_component, reference_module.build),
-        native=Side(native_run, partial(native_pairs, towers=towers), native_component,
+        native=Side(native_run, partial(native_pairs, towers=towers, languages=languages), native_component,
                     build_native),  # the tower comes from towers
         converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
         parity=Parity(partial(cases, towers=towers, composition=composition),

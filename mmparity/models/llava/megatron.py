@@ -22,7 +22,7 @@ from mmparity.config import (
     tower_depth, vision_of)
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.clip import reference as clip_reference
-from mmparity.models.core import inputs, megatron_side, te_stand_ins
+from mmparity.models.core import inputs, megatron_side, sublayers, te_stand_ins
 from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.core.te_stand_ins import buildable_without_te, cuda_calls_on_host
@@ -116,12 +116,22 @@ def _run_language_model(model, case: Case, cfg) -> dict:
             "token_loss": (loss * case.data["loss_mask"].to(device)).reshape(-1)}
 
 
-def _language_pairs(model, cfg) -> list[Pair]:
-    """``GPTModel``'s layers by their place in the whole model, and its final norm (last stage)."""
-    out = [Pair(LANGUAGE_LAYER.format(i), layer, language_tokens) for i, layer in numbered_layers(model.decoder)]
+def language_pairs(model, mlp_pairs: Optional[Callable] = None) -> list[Pair]:
+    """A ``GPTModel``'s layers (their norms, attention and MLP first) by their place in the whole
+    model, and its final norm (last stage): the native language model's and Megatron's alike.
+    ``mlp_pairs``: the language part's pairs inside a layer's MLP (its native side's
+    ``mlp_pairs``); Megatron's own classes pair the MLP whole (TE's grouped experts have no
+    routed-experts probe)."""
+    inner = sublayers.no_inner_pairs if mlp_pairs is None else partial(mlp_pairs, extract=language_tokens)
+    out = [pair for i, layer in numbered_layers(model.decoder)
+           for pair in sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, language_tokens, inner=inner)]
     if model.post_process:
         out.append(Pair(FINAL_NORM, model.decoder.final_layernorm, language_tokens))
     return out
+
+
+def _language_pairs(model, cfg) -> list[Pair]:
+    return language_pairs(model)
 
 
 def _feature_width(cfg) -> int:
@@ -201,7 +211,7 @@ def _vision_part_pairs(model, cfg) -> list[Pair]:
     """The tower's pairs under ``vision_model.``, its merger and the projector, as the whole
     model's reference names them."""
     tower = model.vision_model
-    out = [Pair(VISION + p.name, p.module, p.extract) for p in megatron_side.vit_pairs(tower)]
+    out = [p.under(VISION) for p in megatron_side.vit_pairs(tower)]
     if tower.merger is not None:
         out.append(Pair(MERGER, tower.merger, tokens_2d))
     return out + [Pair(PROJECTOR, model.vision_projection, tokens_2d)]

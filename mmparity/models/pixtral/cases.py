@@ -9,6 +9,7 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as mcore_apply_rope
 from transformers import PixtralVisionConfig
 
+from mmparity.models.core import sublayers
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
@@ -92,7 +93,8 @@ def _cropped_patch_grid(output, case: Case):
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [Pair("patch_embed", model.patch_conv, _cropped_patch_grid),
            Pair("ln_pre", model.ln_pre, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(model.transformer.layers)]
+    for i, layer in enumerate(model.transformer.layers):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, tokens_2d, sublayers.HF_PIXTRAL)
     return out
 
 
@@ -139,7 +141,8 @@ def native_run(model, case) -> dict:
 
 def native_pairs(model, cfg) -> list:
     out = [Pair("patch_embed", model.patch_embedding, tokens_2d), Pair("ln_pre", model.ln_pre, tokens_2d)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
+    for i, layer in numbered_layers(model.decoder):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)
     return out
 
 

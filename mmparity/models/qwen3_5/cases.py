@@ -16,6 +16,7 @@ from transformers import Qwen3_5MoeVisionConfig
 from transformers.vision_utils import (get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids)
 
+from mmparity.models.core import sublayers
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.spec import (
@@ -116,7 +117,8 @@ def reference_run(model, case: Case) -> dict:
 
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [Pair("patch_embed", model.patch_embed, tokens_2d)]
-    out += [Pair(f"layer.{i}", block, tokens_2d) for i, block in enumerate(model.blocks)]
+    for i, block in enumerate(model.blocks):
+        out += sublayers.layer_pairs(f"layer.{i}", block, tokens_2d, sublayers.HF_VISION_BLOCK)
     out += [Pair("merger.norm", model.merger.norm, tokens_2d),
             Pair("merger.linear_fc1", model.merger.linear_fc1, tokens_2d),
             Pair("merger.linear_fc2", model.merger.linear_fc2, tokens_2d)]
@@ -208,7 +210,8 @@ def _patch_embed_tokens(output, case):
 
 def native_pairs(model, cfg) -> list:
     out = [Pair("patch_embed", model.patch_embed, _patch_embed_tokens)]
-    out += [Pair(f"layer.{i}", layer, sbh_tokens_2d) for i, layer in numbered_layers(model.decoder)]
+    for i, layer in numbered_layers(model.decoder):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)
     if model.merger is None:
         return out
     out.append(Pair("merger.norm", model.merger.patch_norm, tokens_2d))

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 from transformers import SiglipVisionConfig
 
+from mmparity.models.core import sublayers
 from mmparity.models.clip import cases as clip
 from mmparity.models.clip import megatron as clip_megatron
 from mmparity.models.core import inputs
@@ -37,7 +38,8 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
 
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [Pair("patch_embed", model.embeddings.patch_embedding, clip.conv_tokens)]
-    out += [Pair(f"layer.{i}", layer, tokens_2d) for i, layer in enumerate(model.encoder.layers)]
+    for i, layer in enumerate(model.encoder.layers):
+        out += sublayers.layer_pairs(f"layer.{i}", layer, tokens_2d, sublayers.HF_ENCODER)
     out.append(Pair("ln_post", model.post_layernorm, tokens_2d))
     if getattr(model, "head", None) is not None:
         out.append(Pair("head", model.head, tokens_2d))

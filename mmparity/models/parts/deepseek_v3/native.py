@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from mmparity.parallel import runtime
 from mmparity.config import moe_layer_range
+from mmparity.models.spec import Case, Extractor, Pair, first_tensor, routing_tensor
 from mmparity.models.core.layers import (
     BiasInGemmRowParallelLinear, NormedColumnParallelLinear, get_bias_dropout_add)
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MLA and MoE
@@ -196,3 +197,28 @@ class HostPlacedGPTModel(GPTModel):
         with host_placement(next(self.parameters()).device):
             return super().forward(*args, **kwargs)
 
+
+
+# --- parity: the pairs inside an MoE layer's MLP ---------------------------------------------------
+
+def mlp_pairs(name: str, mlp, extract: Extractor) -> list[Pair]:
+    """mcore's ``MoELayer``: its router (the dense routing weights), shared experts and the routed
+    experts' combined output (the ``routed_experts`` probe), under ``name`` (the layer's ``mlp``);
+    none in a dense layer. ``extract``: the layer's own extractor, on ``[s, b, h]``."""
+    if not isinstance(mlp, MoELayer):
+        return []
+    rows = _sequence_rows(extract)
+    return [Pair(name + ".router", mlp.router, lambda output, case: routing_tensor(rows(output[0], case))),
+            Pair(name + ".shared_experts", mlp.shared_experts, extract),
+            Pair(name + ".experts", getattr(mlp, "routed_experts", None), rows)]
+
+
+def _sequence_rows(extract: Extractor) -> Extractor:
+    """The router and the routed experts see the tokens flattened sequence-major (``[s·b, x]``):
+    back to ``[s, b, x]`` (the case's ``input_ids`` give the batch), then the layer's extractor."""
+
+    def rows(output, case: Case):
+        t = first_tensor(output)
+        return extract(t.reshape(-1, case.data["input_ids"].shape[0], t.shape[-1]), case)
+
+    return rows

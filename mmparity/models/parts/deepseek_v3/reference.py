@@ -5,7 +5,10 @@ as two stacked tensors)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from mmparity.config import dense_layer_range, moe_layer_range, routed_experts, shared_expert_size
+from mmparity.models.spec import Case, Extractor, Pair, routing_tensor
 
 MODEL_TYPES = ("deepseek_v3",)
 
@@ -48,3 +51,26 @@ def decoder_shapes(text) -> dict[str, tuple]:
 def _layer_order(item) -> tuple:
     number = int(item[0].split(".")[1])
     return (number, item[0])
+
+
+# --- parity: the pairs inside an MoE layer's MLP ---------------------------------------------------
+
+def mlp_pairs(name: str, mlp, extract: Extractor) -> list[Pair]:
+    """HF's ``DeepseekV3MoE``: its router (the dense routing weights), shared experts and routed
+    experts, named as Megatron's ``MoELayer`` names them under ``name`` (the layer's ``mlp``);
+    none in a dense layer. ``extract``: the layer's own token layout."""
+    if not (hasattr(mlp, "gate") and hasattr(mlp, "experts")):
+        return []
+    return [Pair(name + ".router", mlp.gate, partial(_routing, router=mlp.gate)),
+            Pair(name + ".shared_experts", getattr(mlp, "shared_experts", None), extract),
+            # HF runs the routed experts on the batch-major flattened tokens.
+            Pair(name + ".experts", mlp.experts, extract)]
+
+
+def _routing(output, case: Case, *, router):
+    """HF's router output ``(logits, top-k weights, top-k indices)`` -> the dense routing weights
+    and the scores the choice was made on (sigmoid plus the correction bias), tokens batch-major:
+    :func:`mmparity.models.spec.routing_tensor`."""
+    logits, weights, indices = output
+    dense = logits.new_zeros(logits.shape, dtype=weights.dtype).scatter(1, indices, weights)
+    return routing_tensor(dense, logits.float().sigmoid() + router.e_score_correction_bias.float())

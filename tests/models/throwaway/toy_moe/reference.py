@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, AutoModel, DeepseekV3Config, DeepseekV3Model
 
-from mmparity.models.parts.deepseek_v3.reference import decoder_shapes  # noqa: F401
+from mmparity.models.parts.deepseek_v3.reference import decoder_shapes, mlp_pairs  # noqa: F401
 
 
 class ToyMoeConfig(DeepseekV3Config):
