@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mmparity.models.core import inputs
+from mmparity.models.core import sublayers
 from mmparity.models.core.layers import numbered_layers
 from mmparity.parallel.pp import buildable_layer_counts
 from mmparity.models.qwen3_5 import cases as frames
@@ -97,14 +98,17 @@ def reference_run(model, case: Case) -> dict:
 
 
 def language_pairs(layers, *, hf: bool) -> list[Pair]:
+    """Each decoder layer's norms, attention and MLP, then the layer (``core.sublayers``); the
+    layer's own pair is a snapshot on the mcore side, where the next layer's residual add would
+    change its output in place."""
     out = []
     for i, layer in layers:
         name = LANGUAGE_LAYER.format(i)
         if hf:
-            out += [Pair(name + ".self_attention", layer.self_attn, tokens_2d), Pair(name, layer, tokens_2d)]
+            out += sublayers.layer_pairs(name, layer, tokens_2d, sublayers.HF_DECODER)
         else:
-            out += [Pair(name + ".self_attention", layer.self_attention, sbh_tokens_2d, snapshot=True),
-                    Pair(name, layer, sbh_tokens_2d, snapshot=True)]
+            pairs = sublayers.layer_pairs(name, layer, sbh_tokens_2d)
+            out += pairs[:-1] + [Pair(name, layer, sbh_tokens_2d, snapshot=True)]
     return out
 
 
