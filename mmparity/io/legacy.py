@@ -511,27 +511,35 @@ class LegacyCheckpoint:
         return model
 
     def _check_identity(self, path: Path, model: Mapping) -> None:
-        """Refuses a rank file that is not the one the manifest recorded at its place.
+        """Refuses a rank file that holds another rank's tensors: a file copied over another.
 
         Rank files of one checkpoint hold the same key names (layers and experts are numbered
         locally), so a file copied over another (a hand repair, a botched sync) reads as a valid
         rank and converts to a silently wrong model. Where the manifest describes this iteration
         and grid, one tensor per file that differs from every other file's tensor of that name (the
-        smallest such) is hashed and compared: a cost of one small tensor per file."""
-        probes = _identity_probes(self)
+        smallest such) is hashed: bytes the manifest records for another file are refused. Bytes
+        it records for no file are a changed tensor, which is data (``check --mcore`` locates it,
+        ``verify`` lists it), not a misplaced file. A cost of one small tensor per file."""
         try:
             relative = path.relative_to(self.root).as_posix()
         except ValueError:
             return
-        probe = probes.get(relative)
-        if probe is None or probe.key not in model or not isinstance(model[probe.key], torch.Tensor):
+        probe = _identity_probes(self).get(relative)
+        if probe is None:
             return
-        if tensor_checksum(model[probe.key], probe.checksum.algorithm) != probe.checksum:
+        record, others = probe
+        tensor = model.get(record.key)
+        if not isinstance(tensor, torch.Tensor):
+            return
+        found = tensor_checksum(tensor, record.checksum.algorithm)
+        if found == record.checksum:
+            return
+        origin = others.get(found.digest)
+        if origin is not None:
             raise CheckpointError(
-                f"{path}: not the rank file {MANIFEST_FILE} recorded here ({probe.key} holds other bytes): "
-                "a rank file copied over another, or changed after conversion; run `mmparity verify "
-                f"{self.root}` to see what differs, and convert from the right files (or, where the change is "
-                f"intended, without {MANIFEST_FILE}, naming --family or --base)")
+                f"{path}: holds the tensors of {origin} ({record.key} has the bytes {MANIFEST_FILE} records "
+                f"there): a rank file copied over another; put the right file back (`mmparity verify "
+                f"{self.root}` lists what differs)")
 
     def stage_state(self, tp_rank: int, pp_rank: int = 0, *, num_experts: int | None = None, mmap: bool = False,
                     file_ranges=None, chunk: str = "model") -> dict:
@@ -575,8 +583,9 @@ _PROBES: dict[int, tuple[LegacyCheckpoint, dict]] = {}
 
 
 def _identity_probes(ckpt: LegacyCheckpoint) -> dict:
-    """File (relative to the root) -> the manifest record that tells that file from the others,
-    for a manifest that describes ``ckpt``'s iteration and grid; {} for any other."""
+    """File (relative to the root) -> (the manifest record that tells that file from the others,
+    {the digest the manifest records for that key in another file: that file}), for a manifest
+    that describes ``ckpt``'s iteration and grid; {} for any other."""
     cached = _PROBES.get(id(ckpt))
     if cached is not None and cached[0] is ckpt:
         return cached[1]
@@ -594,8 +603,9 @@ def _identity_probes(ckpt: LegacyCheckpoint) -> dict:
                 if sum(other.checksum.digest == digest for other in records) != 1:
                     continue  # equal on another rank (a replicated tensor): it tells nothing apart
                 best = probes.get(record.file)
-                if best is None or math.prod(record.checksum.shape) < math.prod(best.checksum.shape):
-                    probes[record.file] = record
+                if best is None or math.prod(record.checksum.shape) < math.prod(best[0].checksum.shape):
+                    probes[record.file] = (record, {other.checksum.digest: other.file for other in records
+                                                    if other is not record})
     _PROBES.clear()  # one checkpoint at a time is read; the cache only spares re-deriving per file
     _PROBES[id(ckpt)] = (ckpt, probes)
     return probes

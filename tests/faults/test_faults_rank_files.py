@@ -3,7 +3,8 @@
 Rank files of one checkpoint hold the same key names (layers and experts numbered locally), so a
 file in the wrong place decodes as a valid rank; where the checkpoint's manifest records the
 files, convert tells each file by one tensor that differs from every other file's, and refuses a
-file that is not the one recorded at its place, naming it, before writing anything.
+file holding another file's recorded bytes, naming both, before writing anything. A tensor changed
+in place is data, not a misplaced file: tests/cli/test_convert_cli.py has check --mcore locate one.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_a_rank_file_in_another_ranks_place_is_refused(hf, tmp_path, capsys, gri
     out = tmp_path / "back"
     line = one_line_error(*run_cli(capsys, "convert", "--src", ckpt, "--dst", out, "--to", "hf"),
                           f"{onto}/model_optim_rng.pt", "mmparity verify")
-    assert "copied over another" in line
+    assert "copied over another" in line and f"holds the tensors of iter_0000001/{moved}/" in line
     assert not out.exists()
 
 
