@@ -176,3 +176,16 @@ def compact_llava_batch(vocab_size: int, seed: int, placeholder: int) -> tuple[t
                 ids[b, t] = placeholder
     after = torch.randint(0, vocab_size, (len(EXPANSION_ROWS), 1), generator=gen)
     return ids, torch.cat([ids[:, 1:], after], dim=1)
+
+
+def token_mask(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """Positions whose next token is text: the ones a language-model loss trains (a whole VLM's
+    per-token loss is compared there)."""
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    mask[:, :-1] = ids[:, 1:] != image_token_id
+    return mask
+
+
+def next_tokens(ids: torch.Tensor) -> torch.Tensor:
+    """Each position's label: the token after it (the last position's is 0, masked out)."""
+    return torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)

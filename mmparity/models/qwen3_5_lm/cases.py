@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mmparity.models.core import inputs
+from mmparity.models.core.inputs import next_tokens
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.parts.qwen3_5_text.config import LINEAR, config_problems, is_moe
 from mmparity.models.qwen3_5_lm import mapping as converter
@@ -34,16 +35,12 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
                              f"{delta_rule.kernel_for('cuda')} on a GPU")]
 
 
-def _next_tokens(ids: torch.Tensor) -> torch.Tensor:
-    return torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-
-
 def _outputs(logits: torch.Tensor, ids: torch.Tensor) -> dict:
     logits = logits.float()
     vocab = logits.shape[-1]
     mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
     mask[:, -1] = False  # the last position predicts no token of the row
-    loss = F.cross_entropy(logits.reshape(-1, vocab), _next_tokens(ids).reshape(-1), reduction="none")
+    loss = F.cross_entropy(logits.reshape(-1, vocab), next_tokens(ids).reshape(-1), reduction="none")
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mmparity.models.core import inputs
+from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.core import sublayers
 from mmparity.models.core.layers import numbered_layers
 from mmparity.parallel.pp import buildable_layer_counts
@@ -68,17 +69,6 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     described = ", ".join(f"{h}x{w}" for h, w in sizes)
     return [Case("sample", data, OUTPUTS,
                  description=f"2 rows of {width} tokens, images {described} between the text")]
-
-
-def token_mask(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """Positions whose next token is text: the ones a language-model loss trains."""
-    mask = torch.zeros(ids.shape, dtype=torch.bool)
-    mask[:, :-1] = ids[:, 1:] != image_token_id
-    return mask
-
-
-def next_tokens(ids: torch.Tensor) -> torch.Tensor:
-    return torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
 
 
 # --- the reference side ----------------------------------------------------------------------------
