@@ -71,8 +71,8 @@ def _first_divergence(data: dict) -> str:
 def test_the_page_names_the_perturbed_module_as_first_divergence(failing):
     data = json.loads(failing["json"].read_text())
     module = _first_divergence(data)
-    # The perturbed layer (or, where pairs go below the layer, a module inside it) departs first.
-    prefix = f"language_model.decoder.layers.{failing['layer']}"
+    # The perturbed weight is the MLP's: its layer's MLP departs first, named below the layer.
+    prefix = f"language_model.decoder.layers.{failing['layer']}.mlp"
     assert module == prefix or module.startswith(prefix + "."), module
     page = failing["html"].read_text()
     named = re.findall(r'<code class="first-divergence" data-module="([^"]*)">([^<]*)</code>', page)
