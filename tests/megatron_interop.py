@@ -22,6 +22,7 @@ from mmparity.models.core import inputs
 from mmparity.models.spec import Case, MegatronClass, NoMegatron
 from mmparity.models.llava.megatron import llava_clip_config
 from mmparity.parity.metrics import compare, fp32_tolerance
+from mmparity.parity import harness
 from mmparity.models.core import megatron_classes as models
 
 TOLERANCE = fp32_tolerance().rel_l2
@@ -119,7 +120,10 @@ def _capture(pairs, first: bool) -> tuple[dict, list]:
     seen: dict = {}
     handles = []
     for pair in pairs:
-        def hook(m, a, out, name=pair.name):
+        # A snapshot pair's output is changed in place later (mcore's bias-dropout-add adds the
+        # residual into the attention and MLP outputs): it is copied when produced, as the harness does.
+        def hook(m, a, out, name=pair.name, copy=pair.snapshot):
+            out = harness._snapshot(out) if copy else out
             if first:
                 seen.setdefault(name, out)
             else:
