@@ -138,13 +138,33 @@ MEGATRON = NoMegatron("megatron-core's GatedDeltaNet runs only with the fla kern
                       "(mmparity.models.parts.qwen3_5_text.megatron) and runs the rule in torch")
 
 
+def _build_problems() -> list[str]:
+    """megatron-core 0.16 builds its ``GatedDeltaNet`` on any machine (the forward here is our own);
+    later releases (the ``ssm/gated_delta_net/`` package) build it only with fla installed and set
+    the kernel up in the constructor, so the native model cannot be made there without fla."""
+    import importlib.util
+    import os
+
+    import megatron.core.ssm as ssm
+
+    package = os.path.isdir(os.path.join(os.path.dirname(ssm.__file__), "gated_delta_net"))
+    if package and importlib.util.find_spec("fla") is None:
+        return ["this megatron-core builds its GatedDeltaNet only with fla installed (pip install "
+                "flash-linear-attention), which this machine lacks; megatron-core 0.16 builds it without"]
+    return []
+
+
+def _problems(cfg) -> list[str]:
+    return config_problems(cfg) + _build_problems()
+
+
 def hooks(towers, languages) -> FamilyHooks:
     def build_native(cfg, params_dtype=torch.float32):
         return native.build_native(cfg, params_dtype, language=languages(_as_whole(cfg)).native)
 
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
-                           problems=config_problems),
+                           problems=_problems),
         reference=Side(reference_run, reference_pairs, no_component, reference.build),
         native=Side(native_run, native_pairs, no_component, build_native), converter=converter.SPEC,
         parity=Parity(cases), megatron=MEGATRON)
