@@ -434,10 +434,10 @@ def _refuse_tp_from_config(directory: str, family, tp: int) -> None:
     as convert reads it: the rule tables and torch, no model code. Anything this cannot tell is left
     to the check itself, which refuses it all the same, later."""
     try:
-        from mmparity.convert.configs import detect_family, read_hf_config
-        from mmparity.models import registry
+        from mmparity.convert.configs import read_hf_config
+        from mmparity.convert.sources import family_for
 
-        fam = registry.get(family if family is not None else detect_family(directory).family)
+        fam = family_for(directory, family)
         rules = fam.rule_set(fam.family_config(read_hf_config(directory)[0]))
         problems = list(rules.validate_tp(tp)) if rules.validate_tp else []
     except Exception:  # noqa: BLE001 — not this check's to report

@@ -136,6 +136,13 @@ def _told(spec, family: str | None, directory: Path | None, where: str):
     return registry.resolve(family), detection
 
 
+def family_for(directory, family: str | None):
+    """The registry record of ``family``, or of the family told from ``directory``'s config: what a
+    command that reads an HF checkpoint before converting it (``check``'s early refusals) looks up,
+    the same way convert does."""
+    return _told(None, family, Path(directory), str(directory))[0]
+
+
 def _manifest_spec(manifest: Manifest | None, family: str | None, where: Path, spec=None):
     """The spec of the family an mcore checkpoint holds: the one given, which its manifest must
     record where it records one, else the one it records."""
