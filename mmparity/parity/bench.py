@@ -359,7 +359,8 @@ def bench_case(fam: families.Family, cfg, sizes: list, seed: int, case_name: str
 
 
 def _case_sizes(case) -> list:
-    return [tuple(int(v) for v in s) for s in case.data["sizes"]]
+    """The image sizes of ``case``; none for a language model alone (text cases)."""
+    return [tuple(int(v) for v in s) for s in case.data.get("sizes", ())]
 
 
 def _tflops(flops: Optional[int], ms: float) -> Optional[float]:

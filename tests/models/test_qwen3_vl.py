@@ -219,7 +219,7 @@ def _bump(key, index=(0, 0), by=0.5):
     (_bump("deepstack_merger_list.1.linear_fc2.weight"), "deepstack_merger_list.1.linear_fc2", {"deepstack_0"}),
     (_bump("deepstack_merger_list.0.patch_norm.weight", (5,)), "deepstack_merger_list.0.norm", {"deepstack_1"}),
     # The last layer is tapped by neither merger: only the main outputs move.
-    (_bump("decoder.layers.2.mlp.linear_fc1.bias", (3,)), "layer.2", {"last_hidden_state", "pooler_output"}),
+    (_bump("decoder.layers.2.mlp.linear_fc1.bias", (3,)), "layer.2.mlp", {"last_hidden_state", "pooler_output"}),
 ])
 def test_negative_controls_fail_and_name_the_module(mutate, module, failing):
     report = harness.check(FAMILY, seed=2, mutate_native=mutate, components=False)

@@ -89,7 +89,7 @@ def _bump(key, index=(0, 0), by=0.5):
     (_bump("vision_model.deepstack_merger_list.1.linear_fc2.weight"), "vision_model.deepstack_merger_list.1.linear_fc2"),
     (_bump("language_model.decoder.layers.1.self_attention.q_layernorm.weight", (3,)),
      "language_model.decoder.layers.1.self_attention"),
-    (_bump("language_model.decoder.layers.2.mlp.linear_fc2.weight"), "language_model.decoder.layers.2"),
+    (_bump("language_model.decoder.layers.2.mlp.linear_fc2.weight"), "language_model.decoder.layers.2.mlp"),
 ])
 def test_negative_controls_fail_and_name_the_part(mutate, module):
     report = harness.check(FAMILY, seed=2, mutate_native=mutate)
@@ -99,11 +99,11 @@ def test_negative_controls_fail_and_name_the_part(mutate, module):
 
 def test_deepstack_features_reach_the_decoder(monkeypatch):
     """Without the injection the native model is another function: the check fails, first at the
-    decoder layer whose output the first feature is added to (the layer after it)."""
+    first module that reads the output the first feature is added to (the next layer's input norm)."""
     monkeypatch.setattr(whole_native.Qwen3VLModel, "_inject", lambda self, features, image: [])
     report = harness.check(FAMILY, seed=2)
     assert not report.passed
-    assert {r.first_divergence.module for r in report.failures()} == {"language_model.decoder.layers.1.self_attention"}
+    assert {r.first_divergence.module for r in report.failures()} == {"language_model.decoder.layers.1.input_layernorm"}
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])

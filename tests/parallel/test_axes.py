@@ -72,6 +72,6 @@ def test_an_incomplete_expert_parallel_grid_names_the_missing_rank(tmp_path):
 def test_convert_refuses_ep_below_one(tmp_path, capsys):
     from mmparity.cli.main import main
 
-    assert main(["convert", "--src", str(tmp_path / "a"), "--dst", str(tmp_path / "b"), "--to", "mcore",
+    assert main(["convert", "--src", str(tmp_path), "--dst", str(tmp_path / "b"), "--to", "mcore",
                  "--ep", "0"]) == 2
     assert "--ep must be >= 1, got 0" in capsys.readouterr().err

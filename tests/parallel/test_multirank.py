@@ -66,8 +66,9 @@ def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
         # Every whole VLM has a language model, so a padded vocabulary: re-padded where TP 2's
         # multiple of 256 differs from TP 1's of 128 (101 -> 128 / 256; 131 -> 256 either way).
         family = families.get(name)
-        whole = family.composed or family.with_language
-        words = family.tiny_config().text_config.vocab_size if whole else 0
+        whole = bool(vocab & set(at_tp1[name]))  # the model holds a language model's vocabulary
+        cfg = family.tiny_config()
+        words = getattr(cfg, "text_config", cfg).vocab_size if whole else 0  # a language model alone is its own
         repads = whole and padded_vocab_size(words, VOCAB_MULTIPLE, tp=1) != padded_vocab_size(words, VOCAB_MULTIPLE, tp=2)
         assert repadded == (vocab if repads else set()), (name, mismatched)
         assert set(mismatched) == repadded, (name, mismatched)

@@ -103,7 +103,7 @@ def language_pairs(layers, *, hf: bool) -> list[Pair]:
 
 
 def reference_pairs(model, cfg) -> list[Pair]:
-    out = [Pair("vision_model." + p.name, p.module, p.extract)
+    out = [p.under("vision_model.")
            for p in tower_cases.reference_pairs(model.model.visual, cfg.vision_config)]
     out += language_pairs(enumerate(model.model.language_model.layers), hf=True)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
@@ -129,7 +129,7 @@ def native_run(model, case) -> dict:
 def native_pairs(model, cfg) -> list[Pair]:
     out = []
     if model.vision_model is not None:
-        out += [Pair("vision_model." + p.name, p.module, p.extract)
+        out += [p.under("vision_model.")
                 for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
     out += language_pairs(numbered_layers(model.language_model.decoder), hf=False)
     if model.post_process:
