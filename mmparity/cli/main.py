@@ -302,7 +302,14 @@ def main(argv=None) -> int:
                 return _refused(str(exc), argv=sys.argv[1:] if argv is None else argv)
             except KeyboardInterrupt as exc:  # also while parsing and importing
                 if argv is None:
-                    _only_exit()
+                    # Ctrl-C pressed again and again: one landing before the ignore takes hold
+                    # (raised on entering the call) is the same request, not a traceback.
+                    for _ in range(100):
+                        try:
+                            _only_exit()
+                            break
+                        except KeyboardInterrupt:
+                            pass
                 code = _interrupted(exc)
                 if not getattr(exc, "delivered", False) or (argv is None and exc.signum == signal.SIGINT):
                     return code
