@@ -136,6 +136,21 @@ def _router_line(summary: dict) -> str:
     return line
 
 
+def _fact_lines(facts: list, width) -> list:
+    """Facts joined by `` · `` into lines no wider than a terminal's ``width``, broken between
+    facts rather than inside one (a fact wider than the terminal still folds on its own line);
+    off a terminal (``width`` None), one line for grep."""
+    if width is None:
+        return [" · ".join(facts)]
+    lines: list = []
+    for fact in facts:
+        if lines and len(lines[-1]) + 3 + len(fact) <= width:
+            lines[-1] += " · " + fact
+        else:
+            lines.append(fact if not lines else "  " + fact)
+    return lines
+
+
 def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> None:
     """The table people read. Nothing in it is cut at any width: names and numbers fold rather
     than end in an ellipsis, and where a check fails, the module where it first departs and by
@@ -152,13 +167,15 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
     # or pipe it stays one line, whole, for grep.
     whole = {"overflow": "fold"} if is_tty else {"soft_wrap": True}
     if not quiet:
-        header = (f"mmparity check · {report.device} · {report.dtype} · TP {report.tp} · PP {report.pp} "
-                  f"· EP {getattr(report, 'ep', 1)} · attention {report.attention_backend} · seed {report.seed}")
-        console.print(_console_text(header), **whole)
+        facts = ["mmparity check", str(report.device), str(report.dtype), f"TP {report.tp}", f"PP {report.pp}",
+                 f"EP {getattr(report, 'ep', 1)}", f"attention {report.attention_backend}", f"seed {report.seed}"]
+        for line in _fact_lines(facts, console.width if is_tty else None):
+            console.print(_console_text(line), **whole)
         if report.megatron is not None:
-            classes = ", ".join(f"{family}: {name}" for family, name in report.megatron["classes"].items())
-            console.print(_console_text(f"Megatron {report.megatron['version']} ({report.megatron['te']}) "
-                                        f"· {classes}"), **whole)
+            classes = [f"{family}: {name}" for family, name in report.megatron["classes"].items()]
+            for line in _fact_lines([f"Megatron {report.megatron['version']} ({report.megatron['te']})", *classes],
+                                    console.width if is_tty else None):
+                console.print(_console_text(line), **whole)
         # Each family (and, beside Megatron's class, whose model) heads its own rows rather than
         # filling a column: the check names get the width.
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))

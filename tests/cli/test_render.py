@@ -193,6 +193,20 @@ def test_the_table_cuts_nothing_at_a_terminals_width(monkeypatch, columns):
     assert "(rel_l2)" in shown and "tolerance" in shown
 
 
+def test_the_header_breaks_between_facts_at_80_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    report = _report()
+    report.attention_backend = "sdpa (torch.nn.functional.scaled_dot_product_attention, math kernel)"
+    stream = Terminal()
+    render.print_report(report, 1.0, stream=stream)
+    head = stream.text().split("result")[0].splitlines()
+    assert len([line for line in head if line.strip()]) >= 2 and max(map(len, head)) <= 80, head
+    facts = ("mmparity check", "cpu", "float32", "TP 2", "PP 3", "EP 4", f"attention {report.attention_backend}",
+             "seed 5")
+    for fact in facts:  # each fact whole on one line: the header is broken only between them
+        assert any(fact in line for line in head), (fact, head)
+
+
 def test_a_router_summary_row_passes_and_fails():
     stream = Terminal()
     passing = [_router_row(1, 24, 23, 1, True), _router_row(3, 24, 24, 0, True)]
