@@ -40,7 +40,8 @@ from mmparity.config import first_int, head_dim, query_groups, vision_sub_config
 from mmparity.models.core import attention
 from mmparity.parity import metrics
 from mmparity.parity.harness import (
-    InputError, exact_float32, load_reference_weights, size_multiple, validate_image_sizes)
+    InputError, exact_float32, load_reference_weights, refuse_long_sequences, size_multiple,
+    validate_image_sizes)
 from mmparity.parity.report import strict_json, versions
 
 SIZES = ("tiny", "published")
@@ -490,6 +491,10 @@ def prepare_family(fam: families.Family, *, size: str = "tiny", images: Optional
     except InputError as exc:
         raise BenchError(str(exc)) from None
     case = bench_case(fam, cfg, sizes, seed, case_name)
+    try:
+        refuse_long_sequences(fam, cfg, [case])
+    except InputError as exc:
+        raise BenchError(str(exc)) from None
     used = _case_sizes(case)
     shape = tower_shape(fam, cfg)
     if shape is None:

@@ -206,6 +206,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
         raise InputError(f"{family}: {exc}") from None
     refuse_case_sizes(fam, cfg, raw_cases)
     cases = [hooks.parity.prepare_case(case, cfg) for case in raw_cases]
+    refuse_long_sequences(fam, cfg, cases)
     component_names = hooks.parity.components if components and runs_native else ()
     if ep != 1:
         stage_shards = _split_experts(family, stage_shards, ep, runs_megatron)
@@ -661,6 +662,34 @@ def refuse_case_sizes(fam: families.Family, cfg, cases) -> None:
     if outside:
         raise InputError(f"{fam.name}: the config takes none of the images this check runs: {outside[0]}"
                          + (f" (+{len(outside) - 1} more)" if len(outside) > 1 else ""))
+
+
+def longest_sequence(case: Case) -> int:
+    """The most tokens a sequence of ``case`` has (0 for a tower's case: no token ids)."""
+    lengths = [int(v.shape[-1]) for k, v in case.data.items()
+               if k.endswith("input_ids") and isinstance(v, torch.Tensor) and v.dim() >= 1]
+    return max(lengths, default=0)
+
+
+def refuse_long_sequences(fam: families.Family, cfg, cases) -> None:
+    """:class:`InputError` when a case's token sequence (text and image tokens together) is longer
+    than the language model's ``max_position_embeddings``, for a VLM composed as Megatron's
+    ``LLaVAModel``: it cuts the combined sequence there while transformers runs on, so the two
+    would compare different lengths. (A language model alone, or Kimi-K2.5's whole model, runs
+    its rotary positions past that number as transformers does.)"""
+    if not fam.composed:
+        return
+    text = getattr(cfg, "text_config", None) or cfg
+    most = getattr(text, "max_position_embeddings", None)
+    if not isinstance(most, int):
+        return
+    for case in cases:
+        tokens = longest_sequence(case)
+        if tokens > most:
+            images = len(case.data.get("sizes", ()))
+            made = f"{images} image(s) and their text make" if images else "the text makes"
+            raise InputError(f"{fam.name}: case {case.name!r}: {made} a sequence of {tokens} tokens, beyond the "
+                             f"language model's max_position_embeddings {most}: take fewer or smaller images")
 
 
 def _patch(cfg) -> int:

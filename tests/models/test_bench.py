@@ -181,6 +181,11 @@ def test_bench_mixed_sizes_use_the_packed_path(tmp_path):
     (["bench", "pixtral", "--image-size", "13x13"], "not a positive multiple of 8"),
     (["bench", "pixtral", "--images", "0"], "--images must be >= 1"),
     (["bench", "pixtral", "--attention-backend", "varlen"], "'varlen' cannot run"),
+    # More image tokens than the language model has positions: Megatron's LLaVAModel would cut
+    # the sequence where transformers runs on.
+    (["bench", "mistral3", "--images", "64", "--image-size", "96x96"],
+     "64 image(s) and their text make a sequence of 1414 tokens, beyond the language model's "
+     "max_position_embeddings 512"),
 ])
 def test_bench_cli_usage_errors(argv, message, capsys):
     from mmparity.cli.main import main
