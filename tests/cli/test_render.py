@@ -6,68 +6,20 @@ The terminal tests run the real CLI in a pseudo-terminal of 80 columns, as a use
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import os
-import pty
 import re
-import struct
-import subprocess
-import sys
-import termios
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
-import torch
 
 from mmparity.cli import render
 from mmparity.cli.main import main
 from mmparity.models import registry as families
 from mmparity.parity.report import Divergence, Report, Result
+from tests.cli import terminal
+from tests.cli.terminal import ANSI, run_in_pty, widest
 
-ROOT = Path(__file__).resolve().parents[2]
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 DEEP = "language_model.decoder.layers.1.mlp.linear_fc1"
-
-
-def run_in_pty(*argv, columns: int = 80, timeout: int = 600) -> tuple[int, str]:
-    """``python -m mmparity ARGV`` on a pseudo-terminal ``columns`` wide: (exit code, what the
-    terminal showed, escapes stripped)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, columns, 0, 0))
-    env = {**os.environ, "COLUMNS": str(columns), "LINES": "60", "TERM": "xterm-256color",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NO_COLOR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "mmparity", *map(str, argv)], cwd=ROOT, env=env,
-                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
-    os.close(slave)
-    chunks = []
-    try:
-        while True:
-            try:
-                data = os.read(master, 65536)
-            except OSError as exc:  # the child closed its end
-                if exc.errno != errno.EIO:
-                    raise
-                break
-            if not data:
-                break
-            chunks.append(data)
-        code = proc.wait(timeout=timeout)
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-    text = ANSI.sub("", b"".join(chunks).decode("utf-8", "replace")).replace("\r\n", "\n")
-    # A line redrawn in place (the progress line: carriage return, then erase to its end) shows
-    # what was drawn last.
-    return code, "\n".join(line.rpartition("\r")[2] for line in text.split("\n"))
-
-
-def widest(text: str) -> int:
-    return max(len(line.rstrip()) for line in text.splitlines())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,24 +27,9 @@ def widest(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def perturbed_mistral3(tmp_path_factory):
-    """(mcore checkpoint converted from a tiny Mistral3, an HF copy whose layer-1 MLP weight is
-    perturbed): the native model runs the checkpoint, the reference the perturbed copy."""
-    from safetensors.torch import load_file, save_file
-
-    root = tmp_path_factory.mktemp("mistral3")
-    hf, mcore, perturbed = root / "hf", root / "mcore", root / "perturbed"
-    assert main(["tiny", "mistral3", str(hf), "--seed", "3"]) == 0
-    assert main(["convert", "--src", str(hf), "--dst", str(mcore), "--to", "mcore", "--format", "legacy",
-                 "--quiet"]) == 0
-    perturbed.mkdir()
-    for name in os.listdir(hf):
-        (perturbed / name).write_bytes((hf / name).read_bytes())
-    state = load_file(hf / "model.safetensors")
-    key = "language_model.model.layers.1.mlp.down_proj.weight"
-    noise = torch.randn(state[key].shape, generator=torch.Generator().manual_seed(7), dtype=state[key].dtype)
-    state[key] = state[key] + 0.05 * noise
-    save_file(state, perturbed / "model.safetensors", metadata={"format": "pt"})
-    return mcore, perturbed
+    """A tiny Mistral3's conversion and an HF copy whose layer-1 MLP weight is perturbed."""
+    return terminal.perturbed_mistral3(tmp_path_factory.mktemp("mistral3"),
+                                       "language_model.model.layers.1.mlp.down_proj.weight", seed=3, noise_seed=7)
 
 
 def test_a_failing_check_at_80_columns_shows_the_first_divergence_and_numbers_whole(perturbed_mistral3, tmp_path):

@@ -3,15 +3,9 @@ pipe, nor with --quiet), and no import chatter repeated by spawned ranks."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import io
-import os
-import pty
-import struct
 import subprocess
 import sys
-import termios
 from pathlib import Path
 
 import pytest
@@ -19,44 +13,20 @@ import pytest
 from mmparity import progress
 from mmparity.cli.common import ProgressLine
 from mmparity.cli.main import main
+from tests.cli import terminal as pty_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "clip"  # the cheapest family to run
 
 
 def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "TERM": "xterm-256color"}
-    env.pop("COLUMNS", None)
-    return env
+    return pty_cli.cli_env(None)
 
 
 def run_stderr_on_a_terminal(*argv, columns: int = 100, timeout: int = 600) -> tuple[int, str, str]:
     """``python -m mmparity ARGV`` with stderr on a pseudo-terminal and stdout a pipe: (exit code,
     stdout, everything written to the terminal, raw)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "mmparity", *map(str, argv)], cwd=ROOT, env=_env(),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, close_fds=True)
-    os.close(slave)
-    chunks = []
-    try:
-        while True:
-            try:
-                data = os.read(master, 65536)
-            except OSError as exc:  # the child closed its end
-                if exc.errno != errno.EIO:
-                    raise
-                break
-            if not data:
-                break
-            chunks.append(data)
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, out.decode(), b"".join(chunks).decode("utf-8", "replace")
+    return pty_cli.run_on_pty(argv, columns, False, timeout)
 
 
 def run_piped(*argv, timeout: int = 600) -> tuple[int, str, str]:

@@ -5,12 +5,8 @@ whole. The real CLI runs in a pseudo-terminal, as a user's shell runs it."""
 from __future__ import annotations
 
 import json
-import os
 
-import torch
-
-from mmparity.cli.main import main
-from tests.cli.test_render import run_in_pty, widest
+from tests.cli.terminal import perturbed_mistral3, run_in_pty, widest
 
 LAYER = 0
 HF_KEY = f"language_model.model.layers.{LAYER}.mlp.up_proj.weight"
@@ -18,21 +14,9 @@ MODULE = f"language_model.decoder.layers.{LAYER}.mlp"
 
 
 def test_a_perturbed_mlp_weight_is_named_by_its_mlp_whole_at_80_columns(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    hf, mcore, perturbed = tmp_path / "hf", tmp_path / "mcore", tmp_path / "perturbed"
-    assert main(["tiny", "mistral3", str(hf), "--seed", "5"]) == 0
-    assert main(["convert", "--src", str(hf), "--dst", str(mcore), "--to", "mcore", "--format", "legacy",
-                 "--quiet"]) == 0
     # The reference reads a copy of the HF checkpoint with the MLP's up projection perturbed; the
     # native model reads the untouched conversion.
-    perturbed.mkdir()
-    for name in os.listdir(hf):
-        (perturbed / name).write_bytes((hf / name).read_bytes())
-    state = load_file(hf / "model.safetensors")
-    noise = torch.randn(state[HF_KEY].shape, generator=torch.Generator().manual_seed(11), dtype=state[HF_KEY].dtype)
-    state[HF_KEY] = state[HF_KEY] + 0.05 * noise
-    save_file(state, perturbed / "model.safetensors", metadata={"format": "pt"})
+    mcore, perturbed = perturbed_mistral3(tmp_path, HF_KEY, seed=5, noise_seed=11)
 
     report_path = tmp_path / "report.json"
     code, shown = run_in_pty("check", "mistral3", "--mcore", mcore, "--hf", perturbed, "--no-components",
