@@ -559,17 +559,23 @@ def test_stale_staging_of_a_dead_writer_is_removed_and_reported(sources, tmp_pat
     assert ".dst.tmp-dead1234" in err and "removed" in err
 
 
+def as_from_a_terminal() -> None:
+    """A child's signals as a terminal's shell starts it. A suite run as a shell's background job
+    (`.ci/run &`) passes SIGINT on ignored, and one run under ``nohup`` SIGHUP; an interpreter keeps
+    what it was started ignoring (as mmparity does on purpose), so the child would never see the
+    signal a test sends."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_signals_clean_up_like_sigint(sources, tmp_path, signum):
     dst = tmp_path / "dst"
     env = {**os.environ, "PYTHONPATH": str(REPO), "MMPARITY_FAULT": "pause@3"}
-    # As from a terminal: a suite run as a shell's background job (`.ci/run &`) passes SIGINT on
-    # ignored, which an interpreter keeps (POSIX: a background job is not Ctrl-C's to stop), and
-    # the child would never see the signal this test sends.
     proc = subprocess.Popen([sys.executable, "-m", "mmparity", "convert", "--family", FAMILY, "--src",
                              str(sources["hf"]), "--dst", str(dst), "--to", "mcore", "--format", "legacy"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=as_from_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while not _litter(tmp_path, "dst") and proc.poll() is None and time.monotonic() < deadline:

@@ -23,7 +23,7 @@ import pytest
 
 from mmparity.io.fsio import interrupts, publish
 
-from tests.faults.test_faults import FAMILY, REPO, sources  # noqa: F401
+from tests.faults.test_faults import FAMILY, REPO, as_from_a_terminal, sources  # noqa: F401
 
 pytestmark = pytest.mark.fault
 
@@ -117,13 +117,12 @@ def test_sigint_the_moment_the_staging_directory_appears(sources, tmp_path, how,
     for run in range(runs):
         parent = tmp_path / f"run{run}"
         parent.mkdir()
-        # As from a terminal: SIGINT not inherited as ignored (see test_faults.test_signals_clean_up_like_sigint).
         proc = subprocess.Popen([sys.executable, "-m", "mmparity", "convert", "--family", FAMILY, "--src",
                                  str(sources["hf"]), "--dst", str(parent / "dst"), "--to", "mcore", "--format",
                                  "legacy", "--workers", str(workers)],
                                 env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                preexec_fn=as_from_a_terminal)
         try:
             deadline = time.monotonic() + 120
             while proc.poll() is None and not _staging_appeared(parent) and time.monotonic() < deadline:
@@ -171,7 +170,8 @@ def test_sigterm_to_a_test_runner_stops_the_suite_not_just_the_test(sources, tmp
         family=FAMILY, src=str(sources["hf"]), dst=str(work / "dst"), marker=str(marker)))
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_generated.py"],
                             cwd=work, env={**os.environ, "PYTHONPATH": str(REPO), "MMPARITY_FAULT": "pause@3"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=as_from_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and not _staging_appeared(work) and time.monotonic() < deadline:
