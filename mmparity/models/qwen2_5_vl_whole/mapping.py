@@ -15,7 +15,7 @@ from mmparity.config import tied_embeddings
 from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet, nested_rules
 from mmparity.models.parts.dense_decoder import mapping as language
 from mmparity.models.qwen2_5_vl import mapping as tower
-from mmparity.models.qwen2_5_vl_whole.reference import Qwen2Text
+from mmparity.models.qwen2_5_vl_whole.config import Qwen2Text
 
 FORMATS = ("hf",)
 LM_ROOT, HEAD = "model.language_model.", "lm_head.weight"

@@ -25,7 +25,7 @@ from mmparity.models.core.layers import activation_from_hf, vision_transformer_c
 from mmparity.models.parts.dense_decoder.config import transformer_fields
 from mmparity.models.parts.dense_decoder.native import language_layer_spec
 from mmparity.models.qwen2_5_vl import native as tower
-from mmparity.models.qwen2_5_vl_whole.reference import Qwen2Text
+from mmparity.models.qwen2_5_vl_whole.config import Qwen2Text
 from mmparity.models.qwen3_vl_whole.native import InterleavedMRoPE, Qwen3VLModel
 from mmparity.parallel import runtime
 

@@ -8,28 +8,12 @@ from typing import TYPE_CHECKING
 from mmparity.config import tied_embeddings
 from mmparity.models.parts.dense_decoder.reference import decoder_shapes
 from mmparity.models.qwen2_5_vl import reference as tower
+from mmparity.models.qwen2_5_vl_whole.config import Qwen2Text
 
 if TYPE_CHECKING:
     from transformers import Qwen2_5_VLConfig
 
 MODEL_TYPES = ("qwen2_5_vl",)
-# The decoder is Qwen2's: the dense decoder part reads its text config as such (q/k/v biases).
-DECODER_MODEL_TYPE = "qwen2"
-
-
-class Qwen2Text:
-    """The text config seen as Qwen2's: every field its own, the model type the dense decoder part
-    knows (its Qwen2 decoder has q/k/v biases and no other)."""
-
-    model_type = DECODER_MODEL_TYPE
-
-    def __init__(self, text):
-        self._text = text
-
-    def __getattr__(self, name):
-        return getattr(self._text, name)
-
-
 def tiny_text(**overrides) -> dict:
     """Awkward tiny Qwen2 sizes: hidden 40 with 4 heads of 10 (no explicit head_dim in Qwen2), 2
     key/value groups, FFN 36, 3 layers, and an M-RoPE split [1, 2, 2] of the 5 frequencies, t h w
