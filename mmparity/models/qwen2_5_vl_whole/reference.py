@@ -22,7 +22,10 @@ def tiny_text(**overrides) -> dict:
             "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 256,
             "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [1, 2, 2]},
             "bos_token_id": None, "eos_token_id": None}
-    return text | overrides
+    text |= overrides
+    # Qwen2's sliding-window layer bound (unused: no sliding window), kept within the model.
+    text.setdefault("max_window_layers", text["num_hidden_layers"])
+    return text
 
 
 def tiny_config(**text_overrides) -> Qwen2_5_VLConfig:
