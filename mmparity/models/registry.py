@@ -334,6 +334,7 @@ FAMILIES = (
     "mmparity.models.qwen3_5",
     "mmparity.models.qwen3_vl",
     "mmparity.models.qwen3_vl_whole",
+    "mmparity.models.qwen3_vl_moe",
     "mmparity.models.kimi_k25",
     "mmparity.models.kimi_k25_vl",
     "mmparity.models.llava",
