@@ -7,6 +7,7 @@ that a fault is named by the part of the layer it is in.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from mmparity.models.core import sublayers
@@ -39,10 +40,13 @@ def _hf_routing(output, case: Case):
 
 def native_mlp_pairs(name: str, mlp, extract) -> list[Pair]:
     """mcore's ``MoELayer``: the DeepSeek-V3 part's router and routed-experts pairs (it has no
-    shared expert to pair here)."""
+    shared expert to pair here). With no shared output added to it, the routed experts' output is
+    the MLP's own, into which the layer's bias-dropout-add adds the residual in place: copied when
+    produced."""
     from mmparity.models.parts.deepseek_v3.native import mlp_pairs
 
-    return [p for p in mlp_pairs(name, mlp, extract) if not p.name.endswith(".shared_experts")]
+    pairs = [p for p in mlp_pairs(name, mlp, extract) if not p.name.endswith(".shared_experts")]
+    return [replace(p, snapshot=True) if p.name.endswith(".experts") else p for p in pairs]
 
 
 def language_pairs(layers, *, hf: bool) -> list[Pair]:
