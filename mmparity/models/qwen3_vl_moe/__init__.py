@@ -15,4 +15,6 @@ FAMILY = FamilyRecord(
                     "mlp.experts.gate_up_proj / down_proj, lm_head) as Megatron's LLaVAModel tree; "
                     "experts as TEGroupedMLP names them",
     takes_whole=(Takes(architecture="Qwen3VLMoeForConditionalGeneration"), Takes(model_type="qwen3_vl_moe")),
+    # A whole VLM with its own decoder: its modules are named vision_model.* / language_model.*.
+    with_language=True,
 )

@@ -67,7 +67,7 @@ def language_pairs(layers, *, hf: bool) -> list[Pair]:
 
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [p.under("vision_model.")
-           for p in tower_cases.reference_pairs(model.model.visual, dense_tower(cfg.vision_config))]
+           for p in tower_cases.reference_pairs(model.model.visual, cfg.vision_config)]
     out += language_pairs(enumerate(model.model.language_model.layers), hf=True)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
     return out
@@ -77,7 +77,7 @@ def native_pairs(model, cfg) -> list[Pair]:
     out = []
     if model.vision_model is not None:
         out += [p.under("vision_model.")
-                for p in tower_cases.native_pairs(model.vision_model, dense_tower(cfg.vision_config))]
+                for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
     out += language_pairs(numbered_layers(model.language_model.decoder), hf=False)
     if model.post_process:
         out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
@@ -111,7 +111,8 @@ MEGATRON = NoMegatron("megatron-core and Megatron-LM main have no Qwen3-VL class
                       "interleaved M-RoPE); Megatron-Bridge has one, outside this project's scope")
 
 
-def hooks(towers) -> FamilyHooks:
+def hooks(towers, languages) -> FamilyHooks:
+    """The decoder is this package's own (no registered part takes Qwen3-VL-MoE's text model)."""
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_multiple=whole.image_size_multiple,

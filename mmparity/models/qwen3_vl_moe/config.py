@@ -60,7 +60,8 @@ HF_CONFIGS = {
 
 def dense_tower(vision):
     """The tower config seen as the ``qwen3_vl`` family's: Qwen3-VL-MoE's vision class is Qwen3-VL's
-    under another model type (same fields, same module), and that family's checks ask for its own."""
+    under another model type (same fields, same module), and that family's checks ask for its own.
+    A copy: only the checks read it, never a conversion."""
     import copy
 
     if getattr(vision, "model_type", None) != "qwen3_vl_moe_vision":

@@ -34,7 +34,7 @@ from mmparity.models.parts.deepseek_v3.native import (
     GroupedNamesSequentialMLP, HostPlacedGPTModel, add_routed_experts_probe)
 from mmparity.models.parts.dense_decoder.config import transformer_fields
 from mmparity.models.qwen3_vl import native as tower
-from mmparity.models.qwen3_vl_moe.config import dense_tower, experts, moe_layers
+from mmparity.models.qwen3_vl_moe.config import experts, moe_layers
 from mmparity.models.qwen3_vl_whole import native as whole
 from mmparity.parallel import runtime
 
@@ -120,7 +120,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> whole.Qwen3V
     vision = None
     if first:
         with runtime.single_stage():
-            vision = tower.build_native(dense_tower(vc), params_dtype)
+            vision = tower.build_native(vc, params_dtype)
     vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
     language_model = build_language_model(text, params_dtype, vocab, pre_process=first, post_process=last,
                                           share_embeddings_and_output_weights=tied_embeddings(cfg))

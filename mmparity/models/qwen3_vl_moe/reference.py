@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from mmparity.config import head_dim, tied_embeddings
 from mmparity.models.qwen3_vl import reference as tower
-from mmparity.models.qwen3_vl_moe.config import dense_tower, moe_layers
+from mmparity.models.qwen3_vl_moe.config import moe_layers
 from mmparity.models.qwen3_vl_whole import reference as dense
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def state_shapes(cfg) -> dict[str, tuple]:
     sparse = {"mlp.gate.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * f, h),
               "mlp.experts.down_proj": (e, h, f)}
     moe = set(moe_layers(text))
-    out = {f"model.visual.{k}": s for k, s in tower.state_shapes(dense_tower(cfg.vision_config)).items()}
+    out = {f"model.visual.{k}": s for k, s in tower.state_shapes(cfg.vision_config).items()}
     out["model.language_model.embed_tokens.weight"] = (text.vocab_size, h)
     for i in range(text.num_hidden_layers):
         layer = {**attention, **(sparse if i in moe else mlp)}
