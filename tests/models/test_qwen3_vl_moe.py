@@ -189,3 +189,31 @@ def test_language_model_alone_reports_the_tower_left_out(saved, tmp_path, capsys
                 "--ep", 2, "--format", "legacy") == 0
     out = capsys.readouterr()
     assert "left out" in out.out + out.err
+
+
+def test_the_transposed_expert_layout_is_refused_by_shape_in_one_line(saved, tmp_path, capsys):
+    """Qwen's release stores the stacked experts transposed (``[E, H, 2F]``), which transformers
+    turns by shape on load; convert reads the module's layout only, and says so, not half-way."""
+    from safetensors.torch import save_file
+
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text((saved / "config.json").read_text())
+    state = load_safetensors_state_dict(saved)
+    turned = {k: (v.transpose(1, 2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v).contiguous()
+              for k, v in state.items()}
+    save_file(turned, str(src / "model.safetensors"))
+    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert "experts.gate_up_proj" in err and "shape" in err and "\n" not in err
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp, ep", [(2, 2, 2), (1, 1, 4)])
+def test_parity_across_tensor_pipeline_and_expert_ranks(tp, pp, ep):
+    report = harness.check(FAMILY, seed=1, tp=tp, pp=pp, ep=ep, components=False)
+    assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
+    assert all(r.metrics["rel_l2"] <= 1e-5 for r in report.results)
