@@ -193,7 +193,8 @@ def test_language_model_alone_reports_the_tower_left_out(saved, tmp_path, capsys
 
 def test_the_transposed_expert_layout_is_refused_by_shape_in_one_line(saved, tmp_path, capsys):
     """Qwen's release stores the stacked experts transposed (``[E, H, 2F]``), which transformers
-    turns by shape on load; convert reads the module's layout only, and says so, not half-way."""
+    turns by shape on load; the family's own table is the module's layout, and says so by shape,
+    not half-way."""
     from safetensors.torch import save_file
 
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
@@ -209,6 +210,30 @@ def test_the_transposed_expert_layout_is_refused_by_shape_in_one_line(saved, tmp
     err = capsys.readouterr().err.strip()
     assert "experts.gate_up_proj" in err and "shape" in err and "\n" not in err
     assert not (tmp_path / "m").exists()
+
+
+def test_the_transposed_expert_layout_reads_through_transformers_mapping_as_the_module_layout(saved, tmp_path):
+    """With ``--hf-format transformers`` the release's transposed experts are read as transformers
+    reads them (turned by shape): the same Megatron checkpoint, tensor for tensor."""
+    from safetensors.torch import save_file
+
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text((saved / "config.json").read_text())
+    state = load_safetensors_state_dict(saved)
+    save_file({k: (v.transpose(1, 2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v).contiguous()
+               for k, v in state.items()}, str(src / "model.safetensors"))
+    for name, source, extra in (("a", saved, ()), ("b", src, ("--hf-format", "transformers"))):
+        assert _run("convert", "--src", source, "--dst", tmp_path / name, "--to", "mcore", "--format", "legacy",
+                    "--quiet", *extra) == 0
+    a, b = (torch.load(next((tmp_path / n).glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
+            for n in "ab")
+    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+    assert any(".mlp.experts.linear_fc1.weight" in k for k in tensors)
+    assert all(torch.equal(a[k], b[k]) for k in tensors) and sorted(tensors) == sorted(
+        k for k, v in b.items() if isinstance(v, torch.Tensor))
 
 
 @pytest.mark.slow
