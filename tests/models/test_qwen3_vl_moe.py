@@ -242,3 +242,16 @@ def test_parity_across_tensor_pipeline_and_expert_ranks(tp, pp, ep):
     report = harness.check(FAMILY, seed=1, tp=tp, pp=pp, ep=ep, components=False)
     assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
     assert all(r.metrics["rel_l2"] <= 1e-5 for r in report.results)
+
+
+def test_megatron_args_say_the_layer_kinds_and_the_softmax_router(saved, tmp_path):
+    """What Megatron-LM's --use-checkpoint-args restores must build this model: MoE where the
+    routers are (layer 1 dense), softmax routing (no expert bias), q/k norms."""
+    from mmparity.io.megatron_args import read_legacy_args
+
+    assert _run("convert", "--src", saved, "--dst", tmp_path / "m", "--to", "mcore", "--format", "legacy",
+                "--ep", 2, "--quiet") == 0
+    args = read_legacy_args(next((tmp_path / "m").glob("iter_*/mp_rank_00_000/model_optim_rng.pt")))
+    assert args.moe_layer_freq == [1, 0, 1] and args.num_experts == 8
+    assert args.moe_router_score_function == "softmax" and not args.moe_router_enable_expert_bias
+    assert args.qk_layernorm and args.moe_router_topk == 3
