@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -49,6 +50,8 @@ __all__ = ["ARGS_KEY", "args_parallelism", "checkpoint_args", "content_metadata"
 ARGS_KEY = "args"
 # The embedding table whose rows are Megatron's padded vocabulary (``padded_vocab_size``).
 _EMBEDDING_SUFFIX = "embedding.word_embeddings.weight"
+# A MoE layer's router: the layer's global number.
+_ROUTER_KEY = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.mlp\.router\.weight$")
 
 
 def content_metadata() -> dict:
@@ -134,8 +137,9 @@ def _decoder_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     }
     if getattr(model, "kv_lora_rank", None) is None:
         qkv_bias, linear_bias = hfconfig.decoder_biases(model)
+        # Qwen3's per-head q/k norms are there where the keys hold them.
         fields.update(add_qkv_bias=qkv_bias, add_bias_linear=linear_bias, rotary_interleaved=False,
-                      qk_layernorm=False)
+                      qk_layernorm=any(k.endswith("self_attention.q_layernorm.weight") for k in shapes))
         return fields
     # Multi-latent attention (DeepSeek-V3): no biases, q/kv up-projection norms, interleaved rope
     # dimensions (mcore's MLA reads them so), YaRN as the release has it.
@@ -156,18 +160,23 @@ def _decoder_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
 
 
 def _moe_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
-    """A MoE language model's experts and router (DeepSeek-V3's: sigmoid scores with a
-    score-correction bias, group-limited top-k) under Megatron-LM's argument names."""
-    moe = hfconfig.moe_layer_range(model)
+    """A MoE language model's experts and router under Megatron-LM's argument names: DeepSeek-V3's
+    (sigmoid scores with a score-correction bias, group-limited top-k) or a softmax top-k router's
+    (Qwen3-MoE's: no bias). Which layers are MoE layers is read off the keys (a layer with a
+    router), so that any set of them (``mlp_only_layers``, a sparse step) is said as it is."""
+    routed = {int(m.group(1)) for k in shapes for m in [_ROUTER_KEY.match(k)] if m}
+    moe = routed or set(hfconfig.moe_layer_range(model))
     groups = int(getattr(model, "n_group", None) or 1)
     layout = ep_mod.expert_key_layout(list(shapes))
+    expert_bias = any(k.endswith("mlp.router.expert_bias") for k in shapes)
     return {
         "moe_ffn_hidden_size": getattr(model, "moe_intermediate_size", None),
         "moe_shared_expert_intermediate_size": hfconfig.shared_expert_size(model) or None,
         "moe_layer_freq": [int(i in moe) for i in range(model.num_hidden_layers)],
         "moe_router_topk": getattr(model, "num_experts_per_tok", None),
-        "moe_router_score_function": getattr(model, "scoring_func", None) or "sigmoid",
-        "moe_router_enable_expert_bias": any(k.endswith("mlp.router.expert_bias") for k in shapes),
+        # DeepSeek-V3's config names no scoring function: its router is the one with a bias.
+        "moe_router_score_function": getattr(model, "scoring_func", None) or ("sigmoid" if expert_bias else "softmax"),
+        "moe_router_enable_expert_bias": expert_bias,
         "moe_router_num_groups": groups if groups > 1 else None,
         "moe_router_group_topk": int(model.topk_group) if groups > 1 else None,
         "moe_router_topk_scaling_factor": float(getattr(model, "routed_scaling_factor", 1.0) or 1.0),
