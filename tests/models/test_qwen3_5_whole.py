@@ -70,6 +70,20 @@ def test_check_without_family_passes_on_save_pretrained_output(capsys, saved, ki
         assert "sample:router" in out and "0 to other experts" in out
 
 
+@pytest.mark.parametrize("arch, model_type, vision", [
+    ("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5_vision"),
+    ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "qwen3_5_moe_vision")])
+def test_both_model_types_are_taken_whole_and_the_tower_family_still_takes_part(arch, model_type, vision):
+    from mmparity.models.registry import ConfigFacts
+
+    facts = ConfigFacts("config.json", (arch,), model_type, vision)
+    detection = registry.detect(facts)
+    assert (detection.family, detection.whole) == (FAMILY, True)
+    assert registry.whole_takers(facts) == [FAMILY]
+    if model_type == "qwen3_5_moe":
+        assert registry.get("qwen3_5").takes(facts)[0] == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_within_policy(kind):
     cfg, model = _model(kind, seed=7)
@@ -173,6 +187,7 @@ def test_tp_not_dividing_the_delta_net_key_heads_is_one_line(capsys, tmp_path, s
 def test_multi_token_prediction_layers_are_left_out_with_counts_and_bytes(capsys, tmp_path, saved):
     """A release that stores an MTP layer beside the model (as Qwen3.5's do, ``mtp.*``): the
     conversion says how many tensors and bytes it left out, and converts the rest exactly."""
+    from mmparity.cli.common import human_bytes
     from mmparity.io.fsio.safetensors_write import save_safetensors_checkpoint
 
     src = saved["moe"]
@@ -189,7 +204,7 @@ def test_multi_token_prediction_layers_are_left_out_with_counts_and_bytes(capsys
     size = sum(t.numel() * t.element_size() for t in mtp.values())
     line = next(line for line in (out + err).splitlines() if "left out" in line)
     assert f"left out {len(mtp)} of {len(state) + len(mtp)} source tensors" in line, line
-    assert "mtp" in line and f"{size}" in line.replace(",", "") or "kB" in line, line
+    assert f"mtp ({len(mtp)} tensors, {human_bytes(size)})" in line, line
     code, out, err = run_cli(capsys, "convert", "--src", tmp_path / "mcore", "--dst", tmp_path / "back", "--to",
                              "hf", "--base", src)
     assert code == 0, err
