@@ -343,6 +343,7 @@ FAMILIES = (
     "mmparity.models.mistral3",
     "mmparity.models.pixtral_12b",
     "mmparity.models.qwen3_5_lm",
+    "mmparity.models.qwen3_5_whole",
 )
 LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",
