@@ -11,7 +11,8 @@ mcore's both take as "nothing"), and Megatron's class then loads strictly with n
 Which modules have one is a property of Megatron's TE spec, read here from the mcore key names and
 their TP kinds (the checkpoint holds nothing else to read it from): the TP-split
 ``linear_qkv`` / ``linear_proj`` / ``linear_fc1`` / ``linear_fc2`` (decoder layers, the
-``MultimodalProjector``) and ``output_layer``, and the ``core_attention`` beside each
+``MultimodalProjector``) and ``output_layer``, a Gated DeltaNet's ``in_proj`` / ``out_proj``,
+and the ``core_attention`` beside each
 ``linear_qkv``; multi-latent attention's projections and core attention; ``TEGroupedMLP``'s two
 grouped linears (one slot each in a plain state dict, one per expert in a sharded one). Plain ``nn.Linear``s that Megatron keeps whole (Qwen's merger, Pixtral-Large's
 merging layer) have none. ``tests/io/test_extra_state.py`` checks the rule against every family's
@@ -33,6 +34,10 @@ _TE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_
 # Megatron's multi-latent attention's TE linears (see extra_state_keys).
 _MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                 "linear_kv_up_proj")
+# megatron-core's GatedDeltaNet (the hybrid spec's linear-attention layer, at
+# ``<layer>.self_attention``): its input projection is TE's LayerNormColumnParallelLinear, its
+# output projection TE's RowParallelLinear.
+_DELTA_NET_LINEARS = ("in_proj", "out_proj")
 # GPTModel leaves its output layer's slot out of its sharded state dict (old checkpoints lacked it).
 _NOT_SHARDED = ("output_layer",)
 
@@ -85,7 +90,9 @@ def extra_state_keys(kinds: Mapping[str, str]) -> list[str]:
             if _module_name(module) == "linear_kv_down_proj":  # every MLA has one
                 modules.add(module.rpartition(".")[0] + ".core_attention")
             continue
-        if split_of(kind).dim is None or _module_name(module) not in _TE_LINEARS:
+        delta_net = (_module_name(module) in _DELTA_NET_LINEARS
+                     and module.rpartition(".")[0].endswith("self_attention"))
+        if split_of(kind).dim is None or not (_module_name(module) in _TE_LINEARS or delta_net):
             continue
         modules.add(module)
         if _module_name(module) == "linear_qkv":

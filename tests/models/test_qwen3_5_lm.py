@@ -59,7 +59,7 @@ def test_the_report_passes_and_names_the_delta_rule_it_ran():
 
 def test_a_perturbed_a_log_fails_and_is_located_at_that_layer():
     def perturb(state):
-        key = "language_model.decoder.layers.2.self_attention.A_log"
+        key = "decoder.layers.2.self_attention.A_log"
         state[key] = state[key] + 0.5
 
     report = _report("dense", perturb)
@@ -70,7 +70,7 @@ def test_a_perturbed_a_log_fails_and_is_located_at_that_layer():
 
 def test_a_swapped_expert_pair_fails_and_is_located_at_that_layers_experts():
     def swap(state):
-        at = "language_model.decoder.layers.1.mlp.experts."
+        at = "decoder.layers.1.mlp.experts."
         for fc in ("linear_fc1.weight", "linear_fc2.weight"):
             state[f"{at}{fc}0"], state[f"{at}{fc}1"] = state[f"{at}{fc}1"], state[f"{at}{fc}0"]
 

@@ -133,9 +133,13 @@ def random_config(pick):
                                  linear_num_value_heads=pick([2, 4]), linear_value_head_dim=pick([6, 10]))
 
 
-MEGATRON = NoMegatron("megatron-core's GatedDeltaNet runs only with the fla kernels, and its hybrid block "
-                      "spec builds only with Transformer Engine; the native model holds its exact layout "
-                      "(mmparity.models.parts.qwen3_5_text.megatron) and runs the rule in torch")
+# What the refusal names: megatron-core's constructor checks for fla, and its forward calls fla's
+# l2norm on q/k whatever the mode (deterministic_mode swaps only the delta rule for its torch one);
+# fla's kernels are triton, which has no CPU driver. mmparity does not patch megatron-core to get
+# past either; its native model holds the same layout and runs the rule in torch.
+MEGATRON = NoMegatron("megatron-core's GatedDeltaNet needs fla (pip install flash-linear-attention) to be built, "
+                      "and its forward runs fla's triton kernels (the q/k l2norm even in deterministic mode), "
+                      "which need a GPU; the native model holds its exact layout and runs the rule in torch")
 
 
 def _build_problems() -> list[str]:

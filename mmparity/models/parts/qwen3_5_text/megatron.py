@@ -22,7 +22,7 @@ from mmparity.models.parts.qwen3_5_text.config import rotary_fraction, transform
 
 
 @contextlib.contextmanager
-def _hybrid_spec_without_te():
+def hybrid_spec_without_te():
     """The hybrid spec module asks for ``TESpecProvider``, which it imports only beside TE, and
     the provider asks TE's version for the q/k norms' class (the stand-in's, whatever it says)."""
     from megatron.core.extensions import transformer_engine_spec_provider as provider
@@ -47,7 +47,7 @@ def megatron_block_spec(config):
     """megatron-core's own hybrid block spec for ``config`` (this pipeline stage's layers)."""
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as hybrid
 
-    with _hybrid_spec_without_te():
+    with hybrid_spec_without_te():
         return megatron_te_spec(hybrid.get_transformer_block_with_experimental_attention_variant_spec, config)
 
 
