@@ -8,6 +8,7 @@ PART = PartRecord(
             "gated full-attention layers with zero-centred q/k norms and partial RoPE; a dense MLP or "
             "routed experts with a gated shared expert; GPTModel with mcore's GatedDeltaNet",
     text_model_types=("qwen3_5_text", "qwen3_5_moe_text"),
-    why_no_megatron="megatron-core builds its hybrid Gated DeltaNet block only with Transformer Engine "
-                    "and runs the layer only with the fla kernels; neither is installed here",
+    why_no_megatron="megatron-core's GatedDeltaNet needs fla (flash-linear-attention) to be built, and "
+                    "its forward runs fla's triton kernels, which need a GPU; Megatron-LM's own loop "
+                    "loads and saves this layout (tests/megatron/test_qwen3_5_megatron_lm.py)",
 )
