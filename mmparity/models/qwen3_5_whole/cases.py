@@ -74,9 +74,9 @@ def config_problems(cfg) -> list[str]:
     return text + vision + _build_problems()
 
 
-MEGATRON = NoMegatron("megatron-core's GatedDeltaNet runs only with the fla kernels and its hybrid block spec "
-                      "builds only with Transformer Engine; Megatron-LM main has no Qwen3.5 VLM class (its "
-                      "QwenVLViTModel is the tower alone, checked under family qwen3_5)")
+MEGATRON = NoMegatron("megatron-core's GatedDeltaNet needs fla to be built and fla's triton kernels (a GPU) "
+                      "to run; Megatron-LM main has no Qwen3.5 VLM class (its QwenVLViTModel is the tower "
+                      "alone, checked under family qwen3_5)")
 
 
 def hooks(towers, languages) -> FamilyHooks:
