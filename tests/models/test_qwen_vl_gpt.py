@@ -2,7 +2,8 @@
 
 Megatron has no class for a whole Qwen3-VL or Qwen2.5-VL (DeepStack, M-RoPE, window attention), but
 on text the three M-RoPE axes are equal, i.e. plain RoPE, so stock megatron-core ``GPTModel``
-computes their language models: Qwen3's with ``qk_layernorm``, Qwen2's with q/k/v biases.
+computes their language models: Qwen3's with ``qk_layernorm``, Qwen2's with q/k/v biases, Qwen3-MoE's
+on mcore's TE block spec (softmax top-k router, grouped-GEMM experts, no shared expert).
 ``check --impl megatron`` runs it on seeded text ids against HF's text model and head (a perturbed
 decoder weight is located in its layer); ``verify --load`` loads ``convert --part language_model``
 output strictly (legacy and torch_dist; TP 2 spawns ranks: ``slow``), and a whole checkpoint loads
@@ -27,7 +28,7 @@ from mmparity.parity.metrics import FP32_REL_L2
 from tests.faults.test_faults import one_line_error, run_cli
 from tests.mapping.test_convert_roundtrips import save_hf
 
-FAMILIES = ["qwen3_vl_whole", "qwen2_5_vl_whole"]
+FAMILIES = ["qwen3_vl_whole", "qwen2_5_vl_whole", "qwen3_vl_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,16 @@ def test_qwen3_has_per_head_qk_norm_and_no_biases():
     assert not [k for k in model.state_dict() if k.endswith(".bias")]
     assert model.rotary_pos_emb.inv_freq[1].item() == pytest.approx(
         text.rope_parameters["rope_theta"] ** (-2 / text.head_dim), rel=1e-6)
+
+
+def test_qwen3_moe_is_mcores_block_spec_with_grouped_experts():
+    model = _build("qwen3_vl_moe")
+    text = families.get("qwen3_vl_moe").tiny_config().text_config
+    moe = [layer.mlp for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    assert moe and len(moe) < len(model.decoder.layers) and model.config.qk_layernorm
+    assert type(moe[0].experts).__name__ == "TEGroupedMLP" and moe[0].shared_experts is None
+    assert model.config.moe_router_score_function == "softmax" and model.config.moe_router_topk == \
+        text.num_experts_per_tok
 
 
 def test_qwen2_5_has_qkv_biases_and_no_qk_norm():
@@ -95,8 +106,11 @@ def test_a_perturbed_decoder_weight_is_located_in_its_layer(family):
     layer = families.get(family).tiny_config().text_config.num_hidden_layers - 1
 
     def perturb(shard):
-        key = next(k for k in shard if f"decoder.layers.{layer}." in k and k.endswith("linear_fc2.weight"))
-        shard[key] = shard[key].flip(0)
+        # Every expert's down projection (an expert no token is routed to changes nothing).
+        keys = [k for k in shard if f"decoder.layers.{layer}." in k and "linear_fc2.weight" in k]
+        assert keys
+        for key in keys:
+            shard[key] = shard[key].flip(0)
 
     report = harness.check(family, impl="megatron", mutate_native=perturb)
     logits = next(r for r in report.results if r.impl == "megatron" and r.check == "text:logits")
