@@ -458,6 +458,10 @@ def plan_parts(spec, megatron_class: Optional[str] = None, cfg=None) -> tuple[tu
         if left:
             not_loaded.append(NotLoaded(left, f"{other_name} holds it: {reason}"))
             taken += left
+    if record.holds and len(hooks.megatron) == 1:
+        # The family's one class holds a part (its language model): the rest of a whole
+        # checkpoint has no Megatron class to load into; counted, not unexpected.
+        not_loaded.append(NotLoaded((), f"family {spec.name!r} has no Megatron class for it"))
     return tuple(parts), tuple(not_loaded), tuple(notes)
 
 

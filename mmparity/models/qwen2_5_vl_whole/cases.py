@@ -11,10 +11,11 @@ from __future__ import annotations
 from mmparity.models.qwen2_5_vl import cases as tower_cases
 from mmparity.models.qwen2_5_vl_whole import mapping as converter
 from mmparity.models.qwen2_5_vl_whole import native, reference
+from mmparity.models.qwen2_5_vl_whole.megatron import MEGATRON
 from mmparity.models.qwen3_vl_whole import cases as whole
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.spec import (
-    ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
+    ConfigHooks, FamilyHooks, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
 
 
 def cases(cfg, seed: int, image_sizes=None):
@@ -56,10 +57,6 @@ def random_config(pick):
 def config_problems(cfg) -> list[str]:
     problems = [f"text_config: {p}" for p in native.text_config_problems(cfg.text_config)]
     return problems + [f"vision_config: {p}" for p in tower_cases.config_problems(cfg.vision_config)]
-
-
-MEGATRON = NoMegatron("megatron-core and Megatron-LM main have no Qwen2.5-VL class (no window attention "
-                      "in a tower, no M-RoPE model); Megatron-Bridge has one, outside this project's scope")
 
 
 def hooks(towers) -> FamilyHooks:

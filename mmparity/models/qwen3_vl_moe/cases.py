@@ -16,9 +16,10 @@ from mmparity.models.qwen3_vl import cases as tower_cases
 from mmparity.models.qwen3_vl_moe import mapping as converter
 from mmparity.models.qwen3_vl_moe.config import dense_tower
 from mmparity.models.qwen3_vl_moe import native, reference
+from mmparity.models.qwen3_vl_moe.megatron import MEGATRON
 from mmparity.models.qwen3_vl_whole import cases as whole
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, routing_tensor, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, routing_tensor, sbh_tokens_2d, tokens_2d)
 
 
 # --- the pairs inside an MoE layer's MLP ------------------------------------------------------------
@@ -105,10 +106,6 @@ def random_config(pick):
 def config_problems(cfg) -> list[str]:
     problems = [f"text_config: {p}" for p in native.text_config_problems(cfg.text_config)]
     return problems + tower_cases.config_problems(dense_tower(cfg.vision_config))
-
-
-MEGATRON = NoMegatron("megatron-core and Megatron-LM main have no Qwen3-VL class (no DeepStack, no "
-                      "interleaved M-RoPE); Megatron-Bridge has one, outside this project's scope")
 
 
 def hooks(towers, languages) -> FamilyHooks:

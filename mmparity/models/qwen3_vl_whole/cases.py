@@ -20,8 +20,9 @@ from mmparity.models.qwen3_5 import cases as frames
 from mmparity.models.qwen3_vl import cases as tower_cases
 from mmparity.models.qwen3_vl_whole import mapping as converter
 from mmparity.models.qwen3_vl_whole import native, reference
+from mmparity.models.qwen3_vl_whole.megatron import MEGATRON
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
 
 OUTPUTS = ("logits", "token_loss")
 LANGUAGE_LAYER = "language_model.decoder.layers.{}"
@@ -179,10 +180,6 @@ def image_size_problems(cfg, sizes) -> list[str]:
     step = image_size_multiple(cfg)
     bad = [s for s in sizes if s[0] % step or s[1] % step or min(s) <= 0]
     return [f"image sizes {bad} are not positive multiples of patch_size*spatial_merge_size = {step}"] if bad else []
-
-
-MEGATRON = NoMegatron("megatron-core and Megatron-LM main have no Qwen3-VL class (no DeepStack, no "
-                      "interleaved M-RoPE); Megatron-Bridge has one, outside this project's scope")
 
 
 def hooks(towers) -> FamilyHooks:
