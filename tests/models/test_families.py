@@ -63,9 +63,11 @@ def _layer_key(state: dict, layer: int, suffix: str) -> str:
 def layer_pair(key: str, layer: int, family: str) -> str:
     """The paired module a perturbed layer key must be reported as: named by its part in a whole
     model (the language model's decoder, the vision model), plainly in a tower."""
-    if key.startswith("language_model."):
-        return f"language_model.decoder.layers.{layer}"
     fam = families.get(family)
+    # A language model alone stores GPTModel's keys at the root (as Megatron-LM's pretrain_gpt.py
+    # builds it) and is reported, as in a whole model, under ``language_model.``.
+    if key.startswith("language_model.") or (key.startswith("decoder.") and fam.with_language):
+        return f"language_model.decoder.layers.{layer}"
     if key.startswith("vision_model.") and (fam.composed or fam.with_language):
         return f"vision_model.layer.{layer}"
     return f"layer.{layer}"

@@ -58,7 +58,10 @@ def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
     names = families.names()
     at_tp2 = runtime.spawn(_sharded_global_shapes, 2, names)[0]
     at_tp1 = _sharded_global_shapes(0, 1, names)
-    vocab = {"language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"}
+    # A whole VLM's language model sits under ``language_model.``; a language model alone is
+    # GPTModel's keys at the root.
+    vocab_names = {f"{root}{key}" for root in ("language_model.", "")
+                   for key in ("embedding.word_embeddings.weight", "output_layer.weight")}
     for name in names:
         mismatched = {k: (at_tp1[name].get(k), v) for k, v in at_tp2[name].items() if at_tp1[name].get(k) != v}
         repadded = {k for k, (one, two) in mismatched.items()
@@ -66,7 +69,8 @@ def test_sharded_state_dicts_declare_the_same_global_shapes_at_every_tp():
         # Every whole VLM has a language model, so a padded vocabulary: re-padded where TP 2's
         # multiple of 256 differs from TP 1's of 128 (101 -> 128 / 256; 131 -> 256 either way).
         family = families.get(name)
-        whole = bool(vocab & set(at_tp1[name]))  # the model holds a language model's vocabulary
+        vocab = vocab_names & set(at_tp1[name])
+        whole = bool(vocab)  # the model holds a language model's vocabulary
         cfg = family.tiny_config()
         words = getattr(cfg, "text_config", cfg).vocab_size if whole else 0  # a language model alone is its own
         repads = whole and padded_vocab_size(words, VOCAB_MULTIPLE, tp=1) != padded_vocab_size(words, VOCAB_MULTIPLE, tp=2)
