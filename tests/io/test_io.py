@@ -374,6 +374,24 @@ def test_atomic_directory_cleans_up_on_any_exception(tmp_path, error):
     assert entries(tmp_path) == ["out"] and entries(tmp_path / "out") == ["old.txt"]
 
 
+def test_a_parent_another_writer_makes_first_is_used_and_left_to_them(tmp_path, monkeypatch):
+    """Two writers (ranks on two nodes of one shared filesystem) making the same missing parent:
+    the one whose mkdir loses the race uses the directory and does not count it as its own."""
+    real_mkdir = Path.mkdir
+
+    def beaten_to_it(self, *args, **kwargs):
+        if self == tmp_path / "shared":
+            os.mkdir(self)  # the other writer's mkdir lands between our look and ours
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", beaten_to_it)
+    from mmparity.io.fsio.publish import discard_staging_directory, make_staging_directory
+    staging, created = make_staging_directory(tmp_path / "shared" / "deeper" / "out")
+    assert created == [tmp_path / "shared" / "deeper"] and staging.parent == tmp_path / "shared" / "deeper"
+    discard_staging_directory(staging, created)
+    assert entries(tmp_path) == ["shared"] and entries(tmp_path / "shared") == []
+
+
 def test_failed_streaming_save_leaves_nothing(tmp_path):
     def tensors():
         for i in range(5):

@@ -173,6 +173,13 @@ def make_staging_directory(destination: str | os.PathLike, *, force: bool = Fals
     for directory in reversed(missing):
         try:
             directory.mkdir()
+        except FileExistsError:
+            # Another writer (a rank on another node of a shared filesystem, a second conversion)
+            # made it between our look and our mkdir: it is theirs to remove, not ours.
+            if directory.is_dir() and not directory.is_symlink():
+                continue
+            remove_created_directories(created)
+            raise _unwritable(directory.parent, destination, FileExistsError(17, "File exists")) from None
         except OSError as exc:
             remove_created_directories(created)
             raise _unwritable(directory.parent, destination, exc) from None
