@@ -90,45 +90,31 @@ def _divergence_detail(metrics: dict, tolerance: dict | None = None) -> str:
 
 
 def router_summaries(report) -> list:
-    """One summary per (family, impl, case) whose paired modules hold routers: the MoE layers'
-    verdicts added up, the worst layer's weight metrics, and where the table puts it (after the
-    case's last result). Every output of a case carries the same module rows: read them once."""
+    """One summary per router check (``CASE:router``, a result of its own): the MoE layers'
+    verdicts added up, which layers fail, and the index of its result."""
     from mmparity.parity.report import is_router
 
-    groups: dict = {}
+    summaries = []
     for index, r in enumerate(report.results):
+        totals = r.metrics.get("router") if isinstance(r.metrics, dict) else None
+        if not isinstance(totals, dict):
+            continue
         rows = [row for row in r.modules if is_router(str(row.get("module", "")))]
-        if not rows:
-            continue
-        key = (r.family, r.impl, r.check.split(":", 1)[0])
-        if key in groups:
-            groups[key]["after"] = index
-            continue
-        tokens = same = ties = 0
-        worst, worst_ratio, errors, failing = {}, -1.0, [], []
-        for row in rows:
-            if "error" in row:
-                errors.append(f"{row['module']}: {row['error']}")
-            verdict = (row.get("metrics") or {}).get("router") or {}
-            tokens += verdict.get("tokens", 0)
-            same += verdict.get("same_experts", 0)
-            ties += verdict.get("ties", 0)
-            if not row.get("passed"):
-                failing.append(row["module"])
-            rel, bound = (row.get("metrics") or {}).get("rel_l2"), row.get("tolerance")
-            ratio = rel / bound if isinstance(rel, float) and isinstance(bound, float) and bound > 0 else -1.0
-            if ratio > worst_ratio or not worst:
-                worst_ratio, worst = ratio, {**(row.get("metrics") or {}), "tolerance": bound}
-        groups[key] = {"family": r.family, "impl": r.impl, "check": f"{key[2]}:router", "after": index,
-                       "layers": len(rows), "tokens": tokens, "same_experts": same, "ties": ties,
-                       "passed": not failing, "failing": failing, "errors": errors, "worst": worst}
-    return list(groups.values())
+        summaries.append({"family": r.family, "impl": r.impl, "check": r.check, "index": index,
+                          "layers": totals.get("layers", len(rows)), "tokens": totals.get("tokens", 0),
+                          "same_experts": totals.get("same_experts", 0), "ties": totals.get("ties", 0),
+                          "allowed": totals.get("allowed", 0), "passed": r.passed,
+                          "failing": [row["module"] for row in rows if not row.get("passed")],
+                          "errors": [f"{row['module']}: {row['error']}" for row in rows if "error" in row]})
+    return summaries
 
 
 def _router_line(summary: dict) -> str:
     moved = summary["tokens"] - summary["same_experts"] - summary["ties"]
     line = (f"{summary['layers']} MoE layer(s): {summary['same_experts']} of {summary['tokens']} token routings "
             f"to HF's experts, {summary['ties']} tie(s), {moved} to other experts")
+    if summary.get("allowed"):
+        line += f" (up to {summary['allowed']} allowed: twice HF's own at this dtype)"
     if summary["failing"]:
         line += f"; first failing {summary['failing'][0]}"
     if summary["errors"]:
@@ -185,17 +171,11 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
         # Numbers are never wrapped, folded or cut: a column is as wide as its widest number.
         numbers = ("rel_l2", "max_abs", "cosine", "tolerance\n(rel_l2)")
         groups: dict = {}
-        routers = {s["after"]: s for s in router_summaries(report)}
-        for index, r in enumerate(report.results):
+        routers = {s["index"]: s for s in router_summaries(report)}
+        for r in report.results:
             rows = groups.setdefault((r.family, r.impl if with_impl else None), [])
             rows.append((r.check, r.passed, (_fmt(r.metrics.get("rel_l2")), _fmt(r.metrics.get("max_abs")),
                                              _fmt_cosine(r.metrics.get("cosine")), _fmt(r.tolerance.get("rel_l2")))))
-            summary = routers.get(index)
-            if summary is not None:
-                worst = summary["worst"]
-                rows.append((summary["check"], summary["passed"],
-                             (_fmt(worst.get("rel_l2")), _fmt(worst.get("max_abs")),
-                              _fmt_cosine(worst.get("cosine")), _fmt(worst.get("tolerance")))))
         every = [row for rows in groups.values() for row in rows]
         for i, name in enumerate(numbers):
             widest = max([len(row[2][i]) for row in every] + [max(map(len, name.split("\n")))])
@@ -210,8 +190,8 @@ def print_report(report, elapsed: float, quiet: bool = False, stream=None) -> No
         # Under the table, per failing check (those failing at the same place together): where it
         # first departs, on a line of its own, then by how much, beside it where the width allows.
         entries = []
-        for r in report.results:
-            if r.passed:
+        for index, r in enumerate(report.results):
+            if r.passed or index in routers:  # a router check's line below says where and how
                 continue
             where, why = _where_and_why(r)
             key = (r.family, r.impl, where, why)

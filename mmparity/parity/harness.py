@@ -587,7 +587,40 @@ def _compare_case(family, case, pair_names, reference, native, low_precision, dt
                               metrics=m.as_dict(), tolerance=tol.as_dict(),
                               first_divergence=div if not passed else None,
                               description=case.description, modules=module_rows, impl=impl))
+    routers = [row for row in module_rows if router.is_router(row["module"])]
+    if routers:
+        results.append(router_result(family, case, routers, module_rows, impl, divergence))
     return results
+
+
+def router_result(family, case, routers: list, module_rows: list, impl: str,
+                  first: Optional[Divergence] = None) -> Result:
+    """A case's router agreement as a check of its own, ``CASE:router``: it passes when every MoE
+    layer sends its tokens to HF's experts (ties and the dtype's noise floor aside) and the agreeing
+    tokens' weights are within the bound; its numbers are the worst layer's, its totals under
+    ``metrics.router``. A failing layer fails the check (and the command) like a failing output;
+    its first divergence is the case's (``first``: a router downstream of a changed expert routes
+    differently because its input changed, so the cause is where the model first departs)."""
+    totals = {"layers": len(routers), "tokens": 0, "same_experts": 0, "ties": 0, "disagreements": 0, "allowed": 0}
+    worst, worst_ratio, divergence = routers[0], -1.0, None
+    for row in routers:
+        verdict = (row.get("metrics") or {}).get("router") or {}
+        for key in ("tokens", "same_experts", "ties", "disagreements", "allowed"):
+            totals[key] += verdict.get(key, 0)
+        rel, bound = (row.get("metrics") or {}).get("rel_l2"), row.get("tolerance")
+        ratio = rel / bound if isinstance(rel, float) and isinstance(bound, float) and bound > 0 else -1.0
+        if ratio > worst_ratio:
+            worst_ratio, worst = ratio, row
+        if not row.get("passed") and divergence is None:
+            metrics = row.get("metrics") or {"error": row.get("error", "")}
+            divergence = Divergence(row["module"], metrics,
+                                    {"rel_l2": bound} if isinstance(bound, float) else {})
+    numbers = {k: v for k, v in (worst.get("metrics") or {}).items() if k != "router"}
+    bound = worst.get("tolerance")
+    return Result(family=family, check=f"{case.name}:router", passed=divergence is None,
+                  metrics={**numbers, "router": totals},
+                  tolerance={"rel_l2": bound} if isinstance(bound, float) else {},
+                  first_divergence=None if divergence is None else (first or divergence), description=case.description, modules=module_rows, impl=impl)
 
 
 def _compare_router(name, actual, expected, low_precision, dtype):
@@ -595,6 +628,9 @@ def _compare_router(name, actual, expected, low_precision, dtype):
     the routing weights of the tokens that agree within the usual tolerance."""
     try:
         verdict, same = router.agreement(actual, expected, dtype)
+        if low_precision is not None:
+            floor, _ = router.agreement(low_precision, expected, dtype)
+            verdict.allowed = 2 * floor.disagreements
     except ValueError as exc:
         return {"module": name, "error": str(exc), "passed": False}, Divergence(name, {"error": str(exc)}, {})
     weights = lambda t: t[same][..., 0]  # noqa: E731
