@@ -17,6 +17,8 @@ as the DeepSeek-V3 part runs them; the fused-norm linears are the local stand-in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -24,12 +26,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from mmparity.config import padded_vocab_size, rope_theta, tied_embeddings
-from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.config import rope_theta
 from mmparity.models.core.layers import (
     BiasInGemmRowParallelLinear, activation_from_hf, vision_transformer_config)
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MoE modules read.
 from mmparity.models.core.mla_moe import host_placement
+from mmparity.models.core.stages import build_stage, stage_layers
 from mmparity.models.parts.deepseek_v3.native import (
     GroupedNamesSequentialMLP, HostPlacedGPTModel, add_routed_experts_probe)
 from mmparity.models.parts.dense_decoder.config import transformer_fields
@@ -83,12 +85,7 @@ def layer_spec(sparse: bool) -> ModuleSpec:
 def block_spec(text) -> TransformerBlockSubmodules:
     """One spec per layer of this pipeline stage, by its kind."""
     moe = set(moe_layers(text))
-    specs = [layer_spec(i in moe) for i in range(text.num_hidden_layers)]
-    counts = runtime.stage_layer_counts()
-    if counts is not None and runtime.pipeline_size() > 1:
-        stage = runtime.pipeline_rank()
-        start = sum(counts[:stage])
-        specs = specs[start:start + counts[stage]]
+    specs = stage_layers([layer_spec(i in moe) for i in range(text.num_hidden_layers)])
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
 
 
@@ -114,16 +111,8 @@ def build_language_model(text, params_dtype, vocab_size: int, *, pre_process: bo
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> whole.Qwen3VLModel:
     text, vc = cfg.text_config, cfg.vision_config
-    first, last = runtime.is_first_stage(), runtime.is_last_stage()
-    if tied_embeddings(cfg) and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
-    vision = None
-    if first:
-        with runtime.single_stage():
-            vision = tower.build_native(vc, params_dtype)
-    vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    language_model = build_language_model(text, params_dtype, vocab, pre_process=first, post_process=last,
-                                          share_embeddings_and_output_weights=tied_embeddings(cfg))
+    vision, language_model = build_stage(cfg, text, functools.partial(build_language_model, text, params_dtype),
+                                         tower=lambda: tower.build_native(vc, params_dtype))
     model = whole.Qwen3VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                                vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
                                patch_dim=int(vc.patch_size))
