@@ -15,13 +15,12 @@ from transformers import Qwen2_5_VLVisionConfig
 
 from mmparity.config import first_int
 from mmparity.models.core import sublayers
-from mmparity.models.core.layers import numbered_layers
 from mmparity.models.qwen2_5_vl import mapping as converter
 from mmparity.models.qwen2_5_vl import native, reference
 from mmparity.models.qwen2_5_vl.reference import OUTPUTS
 from mmparity.models.qwen3_5 import cases as frames
 from mmparity.models.spec import (
-    Case, FamilyHooks, NoMegatron, Pair, Parity, Side, module_hooks, sbh_tokens_2d, tokens_2d)
+    Case, FamilyHooks, NoMegatron, Pair, Parity, Side, module_hooks, tokens_2d)
 
 COMPONENTS = ("window_order",)
 
@@ -119,16 +118,8 @@ def native_run(model, case) -> dict:
             "pooler_output": pooled.reshape(-1, pooled.shape[-1])}
 
 
-def native_pairs(model, cfg) -> list[Pair]:
-    out = [Pair("patch_embed", model.patch_embed, frames._patch_embed_tokens)]
-    for i, layer in numbered_layers(model.decoder):
-        out += sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)
-    if model.merger is None:
-        return out
-    out.append(Pair("merger.norm", model.merger.patch_norm, tokens_2d))
-    if model.merger.linear_fc1.weight.shape[0] == model.out_hidden_size:
-        out.append(Pair("merger.linear_fc1", model.merger.linear_fc1, tokens_2d))
-    return out + [Pair("merger.linear_fc2", model.merger.linear_fc2, tokens_2d)]
+# The native tower is a QwenVLViTModel as the Qwen3.5 one is: the same modules, the same names.
+native_pairs = frames.native_pairs
 
 
 @torch.no_grad()
