@@ -12,6 +12,7 @@ SigLIP (:mod:`mmparity.models.siglip.mapping`) is this table plus overrides.
 
 from __future__ import annotations
 
+from mmparity.mapping.blocks import fused_layer_norm_rules, linear_rules, normed_mlp_rules
 from mmparity.mapping.ops import FuseQKV, Reshape
 from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, TowerKeys, aside, rename
 from mmparity.config import head_dim, tower_config_or_self
@@ -41,20 +42,13 @@ def encoder_layer_rules(cfg) -> tuple:
     mc = "decoder.layers.{i}."
     attn = hf + "self_attn."
     return (
-        rename(mc + "self_attention.linear_qkv.layer_norm_weight", hf + "layer_norm1.weight"),
-        rename(mc + "self_attention.linear_qkv.layer_norm_bias", hf + "layer_norm1.bias"),
+        *fused_layer_norm_rules(mc + "self_attention.linear_qkv.", hf + "layer_norm1"),
         Rule(mc + "self_attention.linear_qkv.weight",
              (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), fuse, "qkv"),
         Rule(mc + "self_attention.linear_qkv.bias",
              (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), fuse, "qkv"),
-        rename(mc + "self_attention.linear_proj.weight", attn + "out_proj.weight", "row"),
-        rename(mc + "self_attention.linear_proj.bias", attn + "out_proj.bias"),
-        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "layer_norm2.weight"),
-        rename(mc + "mlp.linear_fc1.layer_norm_bias", hf + "layer_norm2.bias"),
-        rename(mc + "mlp.linear_fc1.weight", hf + "mlp.fc1.weight", "column"),
-        rename(mc + "mlp.linear_fc1.bias", hf + "mlp.fc1.bias", "column"),
-        rename(mc + "mlp.linear_fc2.weight", hf + "mlp.fc2.weight", "row"),
-        rename(mc + "mlp.linear_fc2.bias", hf + "mlp.fc2.bias"),
+        *linear_rules(mc + "self_attention.linear_proj", attn + "out_proj", "row"),
+        *normed_mlp_rules(mc + "mlp.", hf + "layer_norm2", hf + "mlp.fc1", hf + "mlp.fc2"),
     )
 
 

@@ -146,6 +146,62 @@ def layer_spec(core_attention: type, attn_mask_type: AttnMaskType) -> ModuleSpec
     )
 
 
+def run_fields(params_dtype: torch.dtype) -> dict:
+    """The ``TransformerConfig`` fields every config here sets alike: no fused kernels and no
+    dropout (the runs are compared against transformers on any device), weights made on the host
+    as Megatron-LM's CPU initialisation makes them, and the dtype."""
+    return dict(
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        # A model built on the meta device only describes shapes and sharding (the converter's
+        # torch_dist planning); running the init kernels on it was most of the build (Qwen3.5's
+        # tower: 0.05 s with them, 0.014 s without).
+        perform_initialization=performs_initialization(),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+    )
+
+
+def moe_fields(**fields) -> dict:
+    """A MoE language model's own ``fields`` (experts, widths, router) with what every MoE here
+    runs with: routing in fp32, no load-balancing loss (forward only), the all-gather dispatcher,
+    the experts one after another (grouped GEMM needs Transformer Engine), spread over the
+    current layout's EP ranks."""
+    fields.update(moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+    layout = runtime.current_layout()
+    if layout is not None:
+        fields["expert_model_parallel_size"] = getattr(layout, "ep", 1)
+    return fields
+
+
+def add_stage_fields(fields: dict, *, pipelined_stack: bool = True) -> dict:
+    """``fields`` with the current layout's TP and PP sizes where they name none, and, for a layer
+    stack split over the pipeline stages (``pipelined_stack``), the fields under which mcore builds
+    the parallel state's ``layer_counts`` (mcore's even split when it has none)."""
+    layout = runtime.current_layout()
+    if layout is not None:
+        fields.setdefault("tensor_model_parallel_size", layout.tp)
+        fields.setdefault("pipeline_model_parallel_size", runtime.pipeline_size())
+    counts = runtime.stage_layer_counts()
+    if pipelined_stack and counts is not None and fields["pipeline_model_parallel_size"] > 1:
+        if sum(counts) != fields["num_layers"]:
+            raise ValueError(f"the pipeline split {list(counts)} covers {sum(counts)} layers; this "
+                             f"stack has {fields['num_layers']}")
+        for key, value in runtime.uneven_stage_fields(counts).items():
+            fields.setdefault(key, value)
+    return fields
+
+
 def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attention_heads: int,
                               ffn_hidden_size: int, normalization: str, norm_eps: float,
                               activation: Callable, gated: bool, bias: bool,
@@ -174,37 +230,10 @@ def vision_transformer_config(*, num_layers: int, hidden_size: int, num_attentio
         add_bias_linear=bias,
         add_qkv_bias=bias,
         rotary_interleaved=rotary_interleaved,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        use_cpu_initialization=True,
-        # A model built on the meta device only describes shapes and sharding (the converter's
-        # torch_dist planning); running the init kernels on it was most of the build (Qwen3.5's
-        # tower: 0.05 s with them, 0.014 s without).
-        perform_initialization=performs_initialization(),
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
+        **run_fields(params_dtype),
     )
     fields.update(overrides)
-    layout = runtime.current_layout()
-    if layout is not None:
-        fields.setdefault("tensor_model_parallel_size", layout.tp)
-        fields.setdefault("pipeline_model_parallel_size", runtime.pipeline_size())
-    counts = runtime.stage_layer_counts()
-    if pipelined_stack and counts is not None and fields["pipeline_model_parallel_size"] > 1:
-        if sum(counts) != num_layers:
-            raise ValueError(f"the pipeline split {list(counts)} covers {sum(counts)} layers; this "
-                             f"stack has {num_layers}")
-        for key, value in runtime.uneven_stage_fields(counts).items():
-            fields.setdefault(key, value)
-    return TransformerConfig(**fields)
+    return TransformerConfig(**add_stage_fields(fields, pipelined_stack=pipelined_stack))
 
 
 def numbered_layers(block) -> list:

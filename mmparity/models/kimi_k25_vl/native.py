@@ -15,12 +15,10 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from mmparity.mapping.rules import VOCAB_MULTIPLE
-from mmparity.parallel import runtime
-from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.models.kimi_k25 import native as tower
 from mmparity.models.core.layers import tolerate_missing_extra_state
 from mmparity.models.core.mla_moe import host_placement
+from mmparity.models.core.stages import build_stage
 from mmparity.models.llava.native import LLaVAModel
 
 
@@ -88,18 +86,10 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) ->
     """The whole model for a ``Kimi_K25Config`` at this pipeline stage; ``language``: the
     language-model part's native module (its ``LanguageModelBuilder``)."""
     text = cfg.text_config
-    first, last = runtime.is_first_stage(), runtime.is_last_stage()
-    if tied_embeddings(cfg) and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
     # The tower is never split; later stages only need its patch size, read off the config.
-    vision = None
-    if first:
-        with runtime.single_stage():
-            vision = tower.build_native(cfg, params_dtype)
-    vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    language_model = language.LanguageModelBuilder(text, params_dtype)(
-        vocab, pre_process=first, post_process=last, parallel_output=True,
-        share_embeddings_and_output_weights=tied_embeddings(cfg))
+    vision, language_model = build_stage(
+        cfg, text, language.LanguageModelBuilder(text, params_dtype),
+        tower=lambda: tower.build_native(cfg, params_dtype))
     model = KimiK25VLModel(vision, language_model, patch_dim=tower._patch(cfg.vision_config),
                            image_token_id=cfg.image_token_id, vocab_size=text.vocab_size)
     return model.to(params_dtype)

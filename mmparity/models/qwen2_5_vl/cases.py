@@ -14,14 +14,13 @@ import torch
 from transformers import Qwen2_5_VLVisionConfig
 
 from mmparity.config import first_int
-from mmparity.models.core import inputs, sublayers
-from mmparity.models.core.layers import numbered_layers
+from mmparity.models.core import sublayers
 from mmparity.models.qwen2_5_vl import mapping as converter
 from mmparity.models.qwen2_5_vl import native, reference
 from mmparity.models.qwen2_5_vl.reference import OUTPUTS
 from mmparity.models.qwen3_5 import cases as frames
 from mmparity.models.spec import (
-    Case, FamilyHooks, NoMegatron, Pair, Parity, Side, module_hooks, sbh_tokens_2d, tokens_2d)
+    Case, FamilyHooks, NoMegatron, Pair, Parity, Side, module_hooks, tokens_2d)
 
 COMPONENTS = ("window_order",)
 
@@ -38,18 +37,11 @@ def default_image_sizes(cfg) -> list[tuple[int, int]]:
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     """A static batch of two images, then the packed sizes as single-frame rows and as T-frame
     processor rows."""
-    p, m = first_int(cfg.patch_size), cfg.spatial_merge_size
+    p = first_int(cfg.patch_size)
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
-    common = {"patch": p, "merge": m}
     static_sizes = [sizes[0]] * 2
-    static = {"layout": "pixels", "images": inputs.images(static_sizes, cfg.in_channels, seed + 1),
-              "sizes": static_sizes, **common}
-    packed = {"layout": "frame_rows", "images": inputs.images(sizes, cfg.in_channels, seed),
-              "sizes": sizes, **common}
+    static, packed, tubelets = frames.case_inputs(cfg, seed, static_sizes, sizes)
     t = first_int(cfg.temporal_patch_size)
-    frame_list = inputs.images([s for s in sizes for _ in range(t)], cfg.in_channels, seed + 2)
-    clips = [torch.stack(frame_list[i * t:(i + 1) * t]) for i in range(len(sizes))]
-    tubelets = {"layout": "processor_rows", "clips": clips, "sizes": sizes, **common}
     described = ", ".join(f"{h // p}x{w // p}" for h, w in sizes)
     window = f"windows of {cfg.window_size // p}x{cfg.window_size // p} patches"
     return [Case("static", static, OUTPUTS, f"static batch of 2 images, grid {static_sizes[0][0] // p}x"
@@ -126,16 +118,8 @@ def native_run(model, case) -> dict:
             "pooler_output": pooled.reshape(-1, pooled.shape[-1])}
 
 
-def native_pairs(model, cfg) -> list[Pair]:
-    out = [Pair("patch_embed", model.patch_embed, frames._patch_embed_tokens)]
-    for i, layer in numbered_layers(model.decoder):
-        out += sublayers.layer_pairs(f"layer.{i}", layer, sbh_tokens_2d)
-    if model.merger is None:
-        return out
-    out.append(Pair("merger.norm", model.merger.patch_norm, tokens_2d))
-    if model.merger.linear_fc1.weight.shape[0] == model.out_hidden_size:
-        out.append(Pair("merger.linear_fc1", model.merger.linear_fc1, tokens_2d))
-    return out + [Pair("merger.linear_fc2", model.merger.linear_fc2, tokens_2d)]
+# The native tower is a QwenVLViTModel as the Qwen3.5 one is: the same modules, the same names.
+native_pairs = frames.native_pairs
 
 
 @torch.no_grad()

@@ -38,10 +38,10 @@ from mmparity.models.core.attention import make_packed_seq_params
 from mmparity.models.core.layers import (
     activation_from_hf, numbered_layers, tolerate_missing_extra_state, vision_layer_spec,
     vision_transformer_config)
-from mmparity.models.core.vit import ImageSizes, _dynamic_patch_grid_lists, check_image_size
+from mmparity.models.core.vit import ImageSizes
 from mmparity.models.qwen2_5_vl.config import NORM_EPS, transformer_fields
 from mmparity.models.qwen3_5.native import (
-    QwenPatchMerger, QwenVLViTModel, block_first, block_first_ids, check_grid)
+    QwenPatchMerger, QwenVLViTModel, block_first, block_first_ids)
 
 Grid = Tuple[int, int]
 
@@ -117,33 +117,17 @@ class Qwen25VLViTModel(QwenVLViTModel):
         """-> (tokens (1, ΣN, H) block-first or None off the first stage, rotary (ΣN, 1, 1, d),
         grids, static batch size or None)."""
         m = self.spatial_merge_size
-        tokens, batch = None, None
-        if imgs_sizes is None:
-            if pixel_values.dim() != 4:
-                raise ValueError("pre-patchified rows need imgs_sizes (pixel (H, W) per image); "
-                                 f"got shape {tuple(pixel_values.shape)} without it")
-            check_image_size(pixel_values.shape[-2], pixel_values.shape[-1], self.patch_dim)
-            h, w = pixel_values.shape[-2] // self.patch_dim, pixel_values.shape[-1] // self.patch_dim
-            check_grid(h, w, m)
-            batch = pixel_values.shape[0]
-            if self.pre_process:
-                tokens = block_first(self.patch_embed(pixel_values)[0], h, w, m)
+        pixel_values, grids, seqlens = self.patch_grids(pixel_values, imgs_sizes)
+        # A static batch runs as B packed images of one size.
+        batch = None if seqlens is not None else pixel_values.shape[0]
+        tokens = None
+        if self.pre_process:
+            tokens = self.patch_embed(pixel_values)
+            if batch is not None:
+                tokens = block_first(tokens[0], *grids[0], m)
                 tokens = tokens.reshape(1, -1, tokens.shape[-1])
-            grids = [(h, w)] * batch
-        else:
-            if pixel_values.dim() == 2:
-                pixel_values = pixel_values.unsqueeze(0)
-            if pixel_values.dim() != 3 or pixel_values.shape[0] != 1:
-                raise ValueError("dynamic input must be pre-patchified rows (1, ΣN, D) or (ΣN, D); "
-                                 f"got shape {tuple(pixel_values.shape)}")
-            grids, seqlens = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
-            for h, w in grids:
-                check_grid(h, w, m)
-            if pixel_values.shape[1] != sum(seqlens):
-                raise ValueError(f"imgs_sizes describe {sum(seqlens)} patches but the input has "
-                                 f"{pixel_values.shape[1]} rows")
-            if self.pre_process:
-                tokens = self.patch_embed(pixel_values)
+        if batch is not None:
+            grids = grids * batch
         device = pixel_values.device
         rope = torch.cat([self.rotary_pos_emb(*block_first_ids(h, w, m, device)) for h, w in grids])
         return tokens, rope, grids, batch

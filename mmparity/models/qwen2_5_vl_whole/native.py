@@ -14,20 +14,20 @@ decoder layers).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Sequence
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from mmparity.config import padded_vocab_size, rope_theta, tied_embeddings
-from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.config import rope_theta
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
+from mmparity.models.core.stages import build_stage
 from mmparity.models.parts.dense_decoder.config import transformer_fields
 from mmparity.models.parts.dense_decoder.native import language_layer_spec
 from mmparity.models.qwen2_5_vl import native as tower
 from mmparity.models.qwen2_5_vl_whole.config import Qwen2Text
 from mmparity.models.qwen3_vl_whole.native import InterleavedMRoPE, Qwen3VLModel
-from mmparity.parallel import runtime
 
 
 def mrope_section(text) -> list[int]:
@@ -99,16 +99,8 @@ class Qwen25VLModel(Qwen3VLModel):
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> Qwen25VLModel:
     text, vc = cfg.text_config, cfg.vision_config
-    first, last = runtime.is_first_stage(), runtime.is_last_stage()
-    if tied_embeddings(cfg) and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
-    vision: Optional[tower.Qwen25VLViTModel] = None
-    if first:
-        with runtime.single_stage():
-            vision = tower.build_native(vc, params_dtype)
-    vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    language_model = build_language_model(text, params_dtype, vocab, pre_process=first, post_process=last,
-                                          share_embeddings_and_output_weights=tied_embeddings(cfg))
+    vision, language_model = build_stage(cfg, text, functools.partial(build_language_model, text, params_dtype),
+                                         tower=lambda: tower.build_native(vc, params_dtype))
     model = Qwen25VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                           vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
                           patch_dim=int(vc.patch_size))

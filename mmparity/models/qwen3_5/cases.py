@@ -54,18 +54,10 @@ def _check_sizes(sizes, cfg) -> None:
                          f"spatial_merge_size = {step}")
 
 
-def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
-    """Static pixels, packed single-frame rows, packed HF-processor rows (T distinct frames)."""
-    p, m = _int(cfg.patch_size), cfg.spatial_merge_size
-    sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
-    _check_sizes(sizes, cfg)
-    common = {"patch": p, "merge": m}
-
-    def grids(ss):
-        return ", ".join(f"{h // p}x{w // p}" for h, w in ss)
-
-    # A static batch shares one size: a non-square one, distinct from the packed sizes by default.
-    static_sizes = [sizes[0]] * 2 if image_sizes else [(3 * m * p, 2 * m * p)] * 2
+def case_inputs(cfg, seed: int, static_sizes, sizes) -> tuple[dict, dict, dict]:
+    """The data of the three cases: a static batch of pixels at ``static_sizes`` (one size), the
+    images at ``sizes`` as packed single-frame rows, and as packed HF-processor rows of T frames."""
+    common = {"patch": _int(cfg.patch_size), "merge": cfg.spatial_merge_size}
     static = {"layout": "pixels", "images": inputs.images(static_sizes, cfg.in_channels, seed + 1),
               "sizes": static_sizes, **common}
     packed = {"layout": "frame_rows", "images": inputs.images(sizes, cfg.in_channels, seed),
@@ -75,6 +67,22 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     frames = inputs.images([s for s in sizes for _ in range(t)], cfg.in_channels, seed + 2)
     clips = [torch.stack(frames[i * t:(i + 1) * t]) for i in range(len(sizes))]
     tubelets = {"layout": "processor_rows", "clips": clips, "sizes": sizes, **common}
+    return static, packed, tubelets
+
+
+def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+    """Static pixels, packed single-frame rows, packed HF-processor rows (T distinct frames)."""
+    p, m = _int(cfg.patch_size), cfg.spatial_merge_size
+    sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
+    _check_sizes(sizes, cfg)
+
+    def grids(ss):
+        return ", ".join(f"{h // p}x{w // p}" for h, w in ss)
+
+    # A static batch shares one size: a non-square one, distinct from the packed sizes by default.
+    static_sizes = [sizes[0]] * 2 if image_sizes else [(3 * m * p, 2 * m * p)] * 2
+    static, packed, tubelets = case_inputs(cfg, seed, static_sizes, sizes)
+    t = _int(cfg.temporal_patch_size)
     g = table_side(cfg)
     return [
         Case("static", static, OUTPUTS, f"static batch of 2 images, grid {grids(static_sizes[:1])}"),

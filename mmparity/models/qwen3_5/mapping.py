@@ -11,6 +11,7 @@ permutation. The Conv3d kernel and the position table keep their shapes.
 
 from __future__ import annotations
 
+from mmparity.mapping.blocks import fused_layer_norm_rules, linear_rules, normed_mlp_rules
 from mmparity.mapping.ops import RegroupQKV
 from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, rename
 from mmparity.config import head_dim
@@ -41,24 +42,16 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     heads, d = cfg.num_attention_heads, head_dim(cfg)
     regroup = RegroupQKV(heads, heads, d)
     hf, native = "blocks.{i}.", "decoder.layers.{i}."
-    qkv, fc1 = native + "self_attention.linear_qkv.", native + "mlp.linear_fc1."
+    qkv = native + "self_attention.linear_qkv."
     rules = (
         rename("patch_embed.proj.weight", "patch_embed.proj.weight"),
         rename("patch_embed.proj.bias", "patch_embed.proj.bias"),
         rename("pos_embed.weight", "pos_embed.weight"),
-        rename(qkv + "layer_norm_weight", hf + "norm1.weight"),
-        rename(qkv + "layer_norm_bias", hf + "norm1.bias"),
+        *fused_layer_norm_rules(qkv, hf + "norm1"),
         Rule(qkv + "weight", hf + "attn.qkv.weight", regroup, "qkv"),
         Rule(qkv + "bias", hf + "attn.qkv.bias", regroup, "qkv"),
-        rename(native + "self_attention.linear_proj.weight", hf + "attn.proj.weight", "row"),
-        # Row-parallel biases are added after the all-reduce: every rank holds all of it.
-        rename(native + "self_attention.linear_proj.bias", hf + "attn.proj.bias"),
-        rename(fc1 + "layer_norm_weight", hf + "norm2.weight"),
-        rename(fc1 + "layer_norm_bias", hf + "norm2.bias"),
-        rename(fc1 + "weight", hf + "mlp.linear_fc1.weight", "column"),
-        rename(fc1 + "bias", hf + "mlp.linear_fc1.bias", "column"),
-        rename(native + "mlp.linear_fc2.weight", hf + "mlp.linear_fc2.weight", "row"),
-        rename(native + "mlp.linear_fc2.bias", hf + "mlp.linear_fc2.bias"),
+        *linear_rules(native + "self_attention.linear_proj", hf + "attn.proj", "row"),
+        *normed_mlp_rules(native + "mlp.", hf + "norm2", hf + "mlp.linear_fc1", hf + "mlp.linear_fc2"),
         rename("merger.patch_norm.weight", "merger.norm.weight"),
         rename("merger.patch_norm.bias", "merger.norm.bias"),
         # Megatron's QwenPatchMerger keeps its linears whole (plain nn.Linear) on every TP rank.

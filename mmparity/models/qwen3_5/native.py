@@ -298,12 +298,11 @@ class QwenVLViTModel(VisionTower):
                        if self.post_process else None)
         tolerate_missing_extra_state(self)
 
-    def embed(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):
-        """-> (tokens (B, N, H) block-first with position embedding, rotary (N, 1, 1, d), grids,
-        seqlens or None). Off the first pipeline stage ``tokens`` is None: grids and RoPE follow
-        from the input's shape, the embedding weights live on the first stage."""
+    def patch_grids(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):
+        """The input checked against the patch and merge sizes -> (input, grids, seqlens): a static
+        batch of pixels ``(B, C, H, W)`` has one grid and no seqlens; pre-patchified rows
+        (``(1, ΣN, D)``, or ``(ΣN, D)``, returned 3-D) a grid and a patch count per image."""
         m = self.spatial_merge_size
-        tokens = None
         if imgs_sizes is None:
             if pixel_values.dim() != 4:
                 raise ValueError("pre-patchified rows need imgs_sizes (pixel (H, W) per image); "
@@ -311,23 +310,31 @@ class QwenVLViTModel(VisionTower):
             check_image_size(pixel_values.shape[-2], pixel_values.shape[-1], self.patch_dim)
             h, w = pixel_values.shape[-2] // self.patch_dim, pixel_values.shape[-1] // self.patch_dim
             check_grid(h, w, m)
-            if self.pre_process:
-                tokens = block_first(self.patch_embed(pixel_values)[0], h, w, m)
-            grids, seqlens = [(h, w)], None
-        else:
-            if pixel_values.dim() == 2:
-                pixel_values = pixel_values.unsqueeze(0)
-            if pixel_values.dim() != 3 or pixel_values.shape[0] != 1:
-                raise ValueError("dynamic input must be pre-patchified rows (1, ΣN, D) or (ΣN, D); "
-                                 f"got shape {tuple(pixel_values.shape)}")
-            grids, seqlens = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
-            for h, w in grids:
-                check_grid(h, w, m)
-            if pixel_values.shape[1] != sum(seqlens):
-                raise ValueError(f"imgs_sizes describe {sum(seqlens)} patches but the input has "
-                                 f"{pixel_values.shape[1]} rows")
-            if self.pre_process:
-                tokens = self.patch_embed(pixel_values)
+            return pixel_values, [(h, w)], None
+        if pixel_values.dim() == 2:
+            pixel_values = pixel_values.unsqueeze(0)
+        if pixel_values.dim() != 3 or pixel_values.shape[0] != 1:
+            raise ValueError("dynamic input must be pre-patchified rows (1, ΣN, D) or (ΣN, D); "
+                             f"got shape {tuple(pixel_values.shape)}")
+        grids, seqlens = _dynamic_patch_grid_lists(imgs_sizes, self.patch_dim)
+        for h, w in grids:
+            check_grid(h, w, m)
+        if pixel_values.shape[1] != sum(seqlens):
+            raise ValueError(f"imgs_sizes describe {sum(seqlens)} patches but the input has "
+                             f"{pixel_values.shape[1]} rows")
+        return pixel_values, grids, seqlens
+
+    def embed(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):
+        """-> (tokens (B, N, H) block-first with position embedding, rotary (N, 1, 1, d), grids,
+        seqlens or None). Off the first pipeline stage ``tokens`` is None: grids and RoPE follow
+        from the input's shape, the embedding weights live on the first stage."""
+        m = self.spatial_merge_size
+        pixel_values, grids, seqlens = self.patch_grids(pixel_values, imgs_sizes)
+        tokens = None
+        if self.pre_process:
+            tokens = self.patch_embed(pixel_values)
+            if seqlens is None:
+                tokens = block_first(tokens[0], *grids[0], m)
         device = pixel_values.device
         pos, rope = [], []
         for h, w in grids:

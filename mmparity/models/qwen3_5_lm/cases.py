@@ -107,30 +107,48 @@ def _pairs(layers, cfg, *, hf: bool) -> list[Pair]:
     return out
 
 
-def reference_pairs(model, cfg) -> list[Pair]:
-    out = _pairs(enumerate(model.model.layers), cfg, hf=True)
-    out.append(Pair("language_model.decoder.final_layernorm", model.model.norm, tokens_2d))
+FINAL_NORM = "language_model.decoder.final_layernorm"
+
+
+def reference_language_pairs(text_model, cfg) -> list[Pair]:
+    """HF's text model (its ``layers`` and ``norm``): each layer's pairs, then the final norm's."""
+    return [*_pairs(enumerate(text_model.layers), cfg, hf=True), Pair(FINAL_NORM, text_model.norm, tokens_2d)]
+
+
+def native_language_pairs(gpt, cfg) -> list[Pair]:
+    """The ``GPTModel`` of this pipeline stage: its layers' pairs, then on the last stage the final
+    norm's."""
+    decoder = gpt.decoder
+    out = _pairs(numbered_layers(decoder), cfg, hf=False)
+    if gpt.post_process:
+        out.append(Pair(FINAL_NORM, decoder.final_layernorm, sbh_tokens_2d))
     return out
+
+
+def reference_pairs(model, cfg) -> list[Pair]:
+    return reference_language_pairs(model.model, cfg)
 
 
 def native_pairs(model, cfg) -> list[Pair]:
-    decoder = model.language_model.decoder
-    out = _pairs(numbered_layers(decoder), cfg, hf=False)
-    if model.post_process:
-        out.append(Pair("language_model.decoder.final_layernorm", decoder.final_layernorm, sbh_tokens_2d))
-    return out
+    return native_language_pairs(model.language_model, cfg)
 
 
 def no_component(name, model, cfg, seed):
     raise KeyError(name)
 
 
-def random_config(pick):
+def random_text_options(pick) -> dict:
+    """``tiny_config`` arguments of a random text model: dense or MoE, 2 to 4 layers of both
+    kinds, odd Gated DeltaNet value widths."""
     kinds = ["linear_attention", "full_attention"]
     layers = pick([2, 3, 4])
     types = [kinds[0], kinds[1]] + [pick(kinds) for _ in range(layers - 2)]
-    return reference.tiny_config(moe=pick([True, False]), num_hidden_layers=layers, layer_types=types,
-                                 linear_num_value_heads=pick([2, 4]), linear_value_head_dim=pick([6, 10]))
+    return dict(moe=pick([True, False]), num_hidden_layers=layers, layer_types=types,
+                linear_num_value_heads=pick([2, 4]), linear_value_head_dim=pick([6, 10]))
+
+
+def random_config(pick):
+    return reference.tiny_config(**random_text_options(pick))
 
 
 # What the refusal names: megatron-core's constructor checks for fla, and its forward calls fla's

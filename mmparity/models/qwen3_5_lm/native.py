@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from mmparity.config import padded_vocab_size, tied_embeddings
-from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core.mla_moe import host_placement
-from mmparity.parallel import runtime
+from mmparity.models.core.stages import build_stage
 
 
 class Qwen35LanguageModel(torch.nn.Module):
@@ -60,11 +58,5 @@ def _under_language_model(module, state_dict, prefix, local_metadata, strict, mi
 def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) -> Qwen35LanguageModel:
     """The model for a Qwen3.5 text config at this pipeline stage; ``language``: the part's native
     module (its ``LanguageModelBuilder``)."""
-    first, last = runtime.is_first_stage(), runtime.is_last_stage()
-    if tied_embeddings(cfg) and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
-    vocab = padded_vocab_size(cfg.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    model = language.LanguageModelBuilder(cfg, params_dtype)(
-        vocab, pre_process=first, post_process=last, parallel_output=True,
-        share_embeddings_and_output_weights=tied_embeddings(cfg))
+    _, model = build_stage(cfg, cfg, language.LanguageModelBuilder(cfg, params_dtype))
     return Qwen35LanguageModel(model, cfg.vocab_size).to(params_dtype)

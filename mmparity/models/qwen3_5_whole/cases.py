@@ -12,13 +12,12 @@ import torch
 
 from mmparity.models.parts.qwen3_5_text.config import config_problems as text_problems
 from mmparity.models.qwen3_5 import cases as tower_cases
+from mmparity.models.qwen3_5_lm import cases as language
 from mmparity.models.qwen3_5_lm.cases import _build_problems
-from mmparity.models.qwen3_5_lm.cases import _pairs as language_pairs
 from mmparity.models.qwen3_5_whole import mapping as converter
 from mmparity.models.qwen3_5_whole import native, reference
 from mmparity.models.qwen3_vl_whole import cases as whole
-from mmparity.models.spec import ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d
-from mmparity.models.core.layers import numbered_layers
+from mmparity.models.spec import ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side
 
 image_size_multiple = whole.image_size_multiple
 image_size_problems = whole.image_size_problems
@@ -38,32 +37,21 @@ def cases(cfg, seed: int, image_sizes=None) -> list:
 
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [p.under("vision_model.") for p in tower_cases.reference_pairs(model.model.visual, cfg.vision_config)]
-    out += language_pairs(enumerate(model.model.language_model.layers), cfg.text_config, hf=True)
-    out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
-    return out
+    return out + language.reference_language_pairs(model.model.language_model, cfg.text_config)
 
 
 def native_pairs(model, cfg) -> list[Pair]:
     out = []
     if model.vision_model is not None:
         out += [p.under("vision_model.") for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
-    decoder = model.language_model.decoder
-    out += language_pairs(numbered_layers(decoder), cfg.text_config, hf=False)
-    if model.post_process:
-        out.append(Pair("language_model.decoder.final_layernorm", decoder.final_layernorm, sbh_tokens_2d))
-    return out
+    return out + language.native_language_pairs(model.language_model, cfg.text_config)
 
 
-def no_component(name, model, cfg, seed):
-    raise KeyError(name)
+no_component = language.no_component
 
 
 def random_config(pick):
-    kinds = ["linear_attention", "full_attention"]
-    layers = pick([2, 3, 4])
-    types = [kinds[0], kinds[1]] + [pick(kinds) for _ in range(layers - 2)]
-    return reference.tiny_config(moe=pick([True, False]), num_hidden_layers=layers, layer_types=types,
-                                 linear_num_value_heads=pick([2, 4]), linear_value_head_dim=pick([6, 10]))
+    return reference.tiny_config(**language.random_text_options(pick))
 
 
 def config_problems(cfg) -> list[str]:

@@ -16,11 +16,10 @@ from typing import List
 
 import torch
 
-from mmparity.config import padded_vocab_size, rope_parameters, tied_embeddings
-from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.config import rope_parameters
+from mmparity.models.core.stages import build_stage
 from mmparity.models.qwen3_5 import native as tower
 from mmparity.models.qwen3_vl_whole.native import InterleavedMRoPE, Qwen3VLModel
-from mmparity.parallel import runtime
 
 # transformers' Qwen3.5 text RoPE where the config names no sections.
 DEFAULT_MROPE_SECTION = [11, 11, 10]
@@ -66,17 +65,9 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) ->
     problems = text_config_problems(text)
     if problems:
         raise ValueError("unsupported language model: " + "; ".join(problems))
-    first, last = runtime.is_first_stage(), runtime.is_last_stage()
-    if tied_embeddings(cfg) and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
-    vision = None
-    if first:
-        with runtime.single_stage():
-            vision = tower.build_native(vc, params_dtype)
-    vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    language_model = language.LanguageModelBuilder(text, params_dtype)(
-        vocab, pre_process=first, post_process=last, parallel_output=True,
-        share_embeddings_and_output_weights=tied_embeddings(cfg))
+    vision, language_model = build_stage(
+        cfg, text, language.LanguageModelBuilder(text, params_dtype),
+        tower=lambda: tower.build_native(vc, params_dtype))
     use_mrope(language_model, text)
     model = Qwen35VLModel(vision, language_model, image_token_id=cfg.image_token_id, vocab_size=text.vocab_size,
                           merge=vc.spatial_merge_size, patch_dim=tower._int(vc.patch_size))

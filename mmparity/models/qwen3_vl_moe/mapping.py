@@ -18,8 +18,8 @@ name their layers.
 
 from __future__ import annotations
 
-from mmparity.mapping.ops import Unstack, fuse_gate_up
-from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet, Rule, rename
+from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet, rename
+from mmparity.models.parts.deepseek_v3.mapping import gated_mlp_rules, routed_expert_rules
 from mmparity.models.qwen3_vl_moe.config import experts, moe_layers
 from mmparity.models.qwen3_vl_whole import mapping as whole
 
@@ -43,20 +43,12 @@ def tp_problems(cfg, tp: int) -> list[str]:
 
 def _dense_mlp(hf: str, mc: str) -> tuple:
     return (rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
-            Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                 fuse_gate_up(), "gated"),
-            rename(mc + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", "row"))
+            *gated_mlp_rules(hf + "mlp.", mc + "mlp."))
 
 
 def _sparse_mlp(hf: str, mc: str, count: int) -> tuple:
-    routed = mc + "mlp.experts."
-    # One stacked HF tensor feeds every expert's mcore tensor: the rule lists them all.
     return (rename(mc + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
-            rename(mc + "mlp.router.weight", hf + "mlp.gate.weight"),
-            Rule(tuple(routed + f"linear_fc1.weight{e}" for e in range(count)), hf + "mlp.experts.gate_up_proj",
-                 Unstack(count), "gated"),
-            Rule(tuple(routed + f"linear_fc2.weight{e}" for e in range(count)), hf + "mlp.experts.down_proj",
-                 Unstack(count), "row"))
+            rename(mc + "mlp.router.weight", hf + "mlp.gate.weight"), *routed_expert_rules(hf, mc, count))
 
 
 def mlp_rules(text, lm_root: str = LM_ROOT) -> tuple:

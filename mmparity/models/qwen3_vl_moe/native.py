@@ -17,29 +17,21 @@ as the DeepSeek-V3 part runs them; the fused-norm linears are the local stand-in
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from mmparity.config import padded_vocab_size, rope_theta, tied_embeddings
-from mmparity.mapping.rules import VOCAB_MULTIPLE
-from mmparity.models.core.layers import (
-    BiasInGemmRowParallelLinear, activation_from_hf, vision_transformer_config)
-# Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MoE modules read.
-from mmparity.models.core.mla_moe import host_placement
-from mmparity.models.parts.deepseek_v3.native import (
-    GroupedNamesSequentialMLP, HostPlacedGPTModel, add_routed_experts_probe)
+from mmparity.config import rope_theta
+from mmparity.models.core.layers import activation_from_hf, moe_fields, vision_transformer_config
+from mmparity.models.core.stages import build_stage, stage_layers
+from mmparity.models.parts.deepseek_v3.native import build_gpt_model, moe_spec
 from mmparity.models.parts.dense_decoder.config import transformer_fields
 from mmparity.models.qwen3_vl import native as tower
 from mmparity.models.qwen3_vl_moe.config import experts, moe_layers
 from mmparity.models.qwen3_vl_whole import native as whole
-from mmparity.parallel import runtime
-
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
-
 
 def text_config_problems(text) -> list[str]:
     problems = whole.text_config_problems(text)
@@ -56,15 +48,10 @@ def transformer_config(text, params_dtype: torch.dtype = torch.float32):
     fields["activation"] = activation_from_hf(fields["activation"])
     moe = set(moe_layers(text))
     if moe:
-        fields.update(
+        fields.update(moe_fields(
             num_moe_experts=experts(text), moe_layer_freq=[int(i in moe) for i in range(text.num_hidden_layers)],
             moe_ffn_hidden_size=text.moe_intermediate_size, moe_router_topk=text.num_experts_per_tok,
-            moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_dtype="fp32",
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
-        layout = runtime.current_layout()
-        if layout is not None:
-            fields["expert_model_parallel_size"] = getattr(layout, "ep", 1)
+            moe_router_score_function="softmax", moe_router_pre_softmax=False))
     return vision_transformer_config(params_dtype=params_dtype, qk_layernorm=True,
                                      mrope_section=whole.mrope_section(text), **fields)
 
@@ -73,57 +60,36 @@ def layer_spec(sparse: bool) -> ModuleSpec:
     """Qwen3-VL's dense layer; with ``sparse``, its MLP is the MoE layer, whose norm is its own."""
     spec = whole.language_spec()
     if sparse:
-        expert = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=BiasInGemmRowParallelLinear)
         spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
-        spec.submodules.mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-            experts=ModuleSpec(module=GroupedNamesSequentialMLP, submodules=expert), shared_experts=None))
+        spec.submodules.mlp = moe_spec(shared_experts=False)
     return spec
 
 
 def block_spec(text) -> TransformerBlockSubmodules:
     """One spec per layer of this pipeline stage, by its kind."""
     moe = set(moe_layers(text))
-    specs = [layer_spec(i in moe) for i in range(text.num_hidden_layers)]
-    counts = runtime.stage_layer_counts()
-    if counts is not None and runtime.pipeline_size() > 1:
-        stage = runtime.pipeline_rank()
-        start = sum(counts[:stage])
-        specs = specs[start:start + counts[stage]]
+    specs = stage_layers([layer_spec(i in moe) for i in range(text.num_hidden_layers)])
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
 
 
 def build_language_model(text, params_dtype, vocab_size: int, *, pre_process: bool, post_process: bool,
                          share_embeddings_and_output_weights: bool):
     config = transformer_config(text, params_dtype)
-    with host_placement(torch.get_default_device()):
-        model = HostPlacedGPTModel(config=config, transformer_layer_spec=block_spec(text), vocab_size=vocab_size,
-                                   max_sequence_length=text.max_position_embeddings, pre_process=pre_process,
-                                   post_process=post_process, parallel_output=True,
-                                   share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                                   position_embedding_type="rope", rotary_base=rope_theta(text),
-                                   scatter_embedding_sequence_parallel=False)
+    model = build_gpt_model(config, block_spec(text), vocab_size, text.max_position_embeddings,
+                            pre_process=pre_process, post_process=post_process, parallel_output=True,
+                            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                            rotary_base=rope_theta(text))
     # Qwen3-VL's interleaved M-RoPE, switched in as Qwen3-VL whole's decoder does.
     model.position_embedding_type = "mrope"
     model.mrope_section = whole.mrope_section(text)
     model.rotary_pos_emb = whole.InterleavedMRoPE(config.kv_channels, rope_theta(text))
-    for layer in model.decoder.layers:
-        if isinstance(layer.mlp, MoELayer):
-            add_routed_experts_probe(layer.mlp)
     return model
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> whole.Qwen3VLModel:
     text, vc = cfg.text_config, cfg.vision_config
-    first, last = runtime.is_first_stage(), runtime.is_last_stage()
-    if tied_embeddings(cfg) and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
-    vision = None
-    if first:
-        with runtime.single_stage():
-            vision = tower.build_native(vc, params_dtype)
-    vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    language_model = build_language_model(text, params_dtype, vocab, pre_process=first, post_process=last,
-                                          share_embeddings_and_output_weights=tied_embeddings(cfg))
+    vision, language_model = build_stage(cfg, text, functools.partial(build_language_model, text, params_dtype),
+                                         tower=lambda: tower.build_native(vc, params_dtype))
     model = whole.Qwen3VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                                vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
                                patch_dim=int(vc.patch_size))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mmparity.models.clip import mapping as clip
+from mmparity.mapping.blocks import linear_rules, normed_mlp_rules
 from mmparity.mapping.ops import LayoutError, Op
 from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, TowerKeys, aside, rename
 from mmparity.parallel.tp import cat
@@ -76,14 +77,8 @@ def head_rules(cfg) -> tuple:
              hf + "attention.in_proj_weight", split, "column"),
         Rule((mc + "attention.linear_q.bias", mc + "attention.linear_kv.bias"),
              hf + "attention.in_proj_bias", split, "column"),
-        rename(mc + "attention.linear_proj.weight", hf + "attention.out_proj.weight", "row"),
-        rename(mc + "attention.linear_proj.bias", hf + "attention.out_proj.bias"),
-        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "layernorm.weight"),
-        rename(mc + "mlp.linear_fc1.layer_norm_bias", hf + "layernorm.bias"),
-        rename(mc + "mlp.linear_fc1.weight", hf + "mlp.fc1.weight", "column"),
-        rename(mc + "mlp.linear_fc1.bias", hf + "mlp.fc1.bias", "column"),
-        rename(mc + "mlp.linear_fc2.weight", hf + "mlp.fc2.weight", "row"),
-        rename(mc + "mlp.linear_fc2.bias", hf + "mlp.fc2.bias"),
+        *linear_rules(mc + "attention.linear_proj", hf + "attention.out_proj", "row"),
+        *normed_mlp_rules(mc + "mlp.", hf + "layernorm", hf + "mlp.fc1", hf + "mlp.fc2"),
     )
 
 

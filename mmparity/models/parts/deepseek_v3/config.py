@@ -52,8 +52,7 @@ def transformer_config(text, params_dtype=None):
     import torch
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from mmparity.models.core.layers import activation_from_hf, performs_initialization
-    from mmparity.parallel import runtime
+    from mmparity.models.core.layers import activation_from_hf, add_stage_fields, moe_fields, run_fields
 
     params_dtype = torch.float32 if params_dtype is None else params_dtype
     problems = config_problems(text)
@@ -68,14 +67,7 @@ def transformer_config(text, params_dtype=None):
         qk_pos_emb_head_dim=text.qk_rope_head_dim, v_head_dim=text.v_head_dim, qk_layernorm=True,
         normalization="RMSNorm", layernorm_epsilon=text.rms_norm_eps,
         activation_func=activation_from_hf(text.hidden_act), gated_linear_unit=True, add_bias_linear=False,
-        rope_type="yarn" if yarn else "rope", rotary_base=rope["rope_theta"],
-        apply_rope_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        perform_initialization=performs_initialization(),
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-    )
+        rope_type="yarn" if yarn else "rope", rotary_base=rope["rope_theta"], **run_fields(params_dtype))
     if yarn:
         fields.update(rotary_scaling_factor=float(rope["factor"]),
                       original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
@@ -84,7 +76,7 @@ def transformer_config(text, params_dtype=None):
     experts = routed_experts(text)
     if experts:
         groups = int(text.n_group or 1)
-        fields.update(
+        fields.update(moe_fields(
             num_moe_experts=experts, moe_layer_freq=_moe_layer_freq(text),
             moe_ffn_hidden_size=text.moe_intermediate_size,
             moe_shared_expert_intermediate_size=shared_expert_size(text) or None,
@@ -92,19 +84,8 @@ def transformer_config(text, params_dtype=None):
             moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(text.routed_scaling_factor),
             moe_router_num_groups=groups if groups > 1 else None,
             moe_router_group_topk=int(text.topk_group) if groups > 1 else None,
-            moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-            moe_router_bias_update_rate=0.0)
-    layout = runtime.current_layout()
-    if layout is not None:
-        fields["tensor_model_parallel_size"] = layout.tp
-        fields["pipeline_model_parallel_size"] = runtime.pipeline_size()
-        fields["expert_model_parallel_size"] = getattr(layout, "ep", 1)
-        counts = runtime.stage_layer_counts()
-        if counts is not None and fields["pipeline_model_parallel_size"] > 1:
-            for key, value in runtime.uneven_stage_fields(counts).items():
-                fields.setdefault(key, value)
-    return MLATransformerConfig(**fields)
+            moe_router_bias_update_rate=0.0))
+    return MLATransformerConfig(**add_stage_fields(fields))
 
 
 # --- HF config tables ---

@@ -62,7 +62,7 @@ def _attention_rules(text, hf: str, mc: str) -> tuple:
     )
 
 
-def _mlp_rules(hf: str, mc: str) -> tuple:
+def gated_mlp_rules(hf: str, mc: str) -> tuple:
     """A gated MLP (``gate_proj``/``up_proj``/``down_proj`` under ``hf``) as mcore's ``linear_fc1``
     / ``linear_fc2`` under ``mc``."""
     return (Rule(mc + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), fuse_gate_up(),
@@ -70,15 +70,17 @@ def _mlp_rules(hf: str, mc: str) -> tuple:
             rename(mc + "linear_fc2.weight", hf + "down_proj.weight", "row"))
 
 
-def _expert_rules(text, hf: str, mc: str, layout: str) -> tuple:
+def routed_expert_rules(hf: str, mc: str, count: int, *, stacked: bool = True) -> tuple:
+    """The ``count`` routed experts of the MoE layer under ``hf`` / ``mc`` in TEGroupedMLP's names,
+    from HF's two stacked tensors (``stacked``: transformers 5's modules) or from one set of
+    tensors per expert (what ``save_pretrained`` writes and the releases ship)."""
     experts = mc + "mlp.experts."
-    if layout == "hf_checkpoint":
+    if not stacked:
         return (
             Rule(experts + "linear_fc1.weight{e}",
                  (hf + "mlp.experts.{e}.gate_proj.weight", hf + "mlp.experts.{e}.up_proj.weight"),
                  fuse_gate_up(), "gated"),
             rename(experts + "linear_fc2.weight{e}", hf + "mlp.experts.{e}.down_proj.weight", "row"))
-    count = routed_experts(text)
     # One stacked HF tensor feeds every expert's mcore tensor: the rule lists them all.
     return (Rule(tuple(experts + f"linear_fc1.weight{e}" for e in range(count)),
                  hf + "mlp.experts.gate_up_proj", Unstack(count), "gated"),
@@ -97,13 +99,13 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
     rules = (Rule(MCORE_ROOT + "embedding.word_embeddings.weight", lm_root + "embed_tokens.weight", vocab, "vocab"),)
     rules += _attention_rules(text, every, mc_every)
     rules += (rename(mc_dense + "mlp.linear_fc1.layer_norm_weight", dense + "post_attention_layernorm.weight"),
-              *_mlp_rules(dense + "mlp.", mc_dense + "mlp."))
+              *gated_mlp_rules(dense + "mlp.", mc_dense + "mlp."))
     rules += (rename(mc_moe + "pre_mlp_layernorm.weight", moe + "post_attention_layernorm.weight"),
               rename(mc_moe + "mlp.router.weight", moe + "mlp.gate.weight"),
               rename(mc_moe + "mlp.router.expert_bias", moe + "mlp.gate.e_score_correction_bias"))
     if text.n_shared_experts:
-        rules += _mlp_rules(moe + "mlp.shared_experts.", mc_moe + "mlp.shared_experts.")
-    rules += _expert_rules(text, moe, mc_moe, layout)
+        rules += gated_mlp_rules(moe + "mlp.shared_experts.", mc_moe + "mlp.shared_experts.")
+    rules += routed_expert_rules(moe, mc_moe, routed_experts(text), stacked=layout != "hf_checkpoint")
     rules += (rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + "norm.weight"),)
     if not tied:
         rules += (Rule(MCORE_ROOT + "output_layer.weight", head_key, vocab, "vocab"),)

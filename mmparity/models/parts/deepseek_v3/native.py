@@ -31,7 +31,6 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from mmparity.parallel import runtime
 from mmparity.config import moe_layer_range
 from mmparity.models.spec import Case, Extractor, Pair, first_tensor, routing_tensor
 from mmparity.models.core.layers import (
@@ -39,6 +38,7 @@ from mmparity.models.core.layers import (
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MLA and MoE
 # modules below read.
 from mmparity.models.core.mla_moe import host_placement
+from mmparity.models.core.stages import stage_layers
 # The part's native module is where its callers read the recipe and its refusals.
 from mmparity.models.parts.deepseek_v3.config import config_problems, transformer_config  # noqa: F401
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention
@@ -133,11 +133,17 @@ def _expert_mlp() -> MLPSubmodules:
     return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=BiasInGemmRowParallelLinear)
 
 
+def moe_spec(shared_experts: bool) -> ModuleSpec:
+    """mcore's ``MoELayer`` with the routed experts run one by one under TEGroupedMLP's names and,
+    with ``shared_experts``, a shared expert MLP beside them."""
+    shared = ModuleSpec(module=SharedExpertMLP, submodules=_expert_mlp()) if shared_experts else None
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=GroupedNamesSequentialMLP, submodules=_expert_mlp()), shared_experts=shared))
+
+
 def layer_spec(moe: bool) -> ModuleSpec:
     if moe:
-        mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-            experts=ModuleSpec(module=GroupedNamesSequentialMLP, submodules=_expert_mlp()),
-            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_expert_mlp())))
+        mlp = moe_spec(shared_experts=True)
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=NormedColumnParallelLinear,
                                                               linear_fc2=BiasInGemmRowParallelLinear))
@@ -149,12 +155,7 @@ def layer_spec(moe: bool) -> ModuleSpec:
 def block_spec(text) -> TransformerBlockSubmodules:
     """One spec per layer of this pipeline stage: dense first, then MoE."""
     moe = moe_layer_range(text)
-    specs = [layer_spec(i in moe) for i in range(text.num_hidden_layers)]
-    counts = runtime.stage_layer_counts()
-    if counts is not None and runtime.pipeline_size() > 1:
-        stage = runtime.pipeline_rank()
-        start = sum(counts[:stage])
-        specs = specs[start:start + counts[stage]]
+    specs = stage_layers([layer_spec(i in moe) for i in range(text.num_hidden_layers)])
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
 
 
@@ -174,18 +175,27 @@ class LanguageModelBuilder:
 
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False) -> GPTModel:
-        with host_placement(torch.get_default_device()):
-            model = HostPlacedGPTModel(config=self.config, transformer_layer_spec=block_spec(self.text),
-                                      vocab_size=vocab_size, max_sequence_length=self.max_sequence_length,
-                                      pre_process=pre_process, post_process=post_process,
-                                      parallel_output=parallel_output,
-                                      share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                                      position_embedding_type="rope", scatter_embedding_sequence_parallel=False)
+        model = build_gpt_model(self.config, block_spec(self.text), vocab_size, self.max_sequence_length,
+                                pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+                                share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         for layer in model.decoder.layers:
             accept_te_extra_states(layer.self_attention)
-            if isinstance(layer.mlp, MoELayer):
-                add_routed_experts_probe(layer.mlp)
         return model
+
+
+def build_gpt_model(config, block: TransformerBlockSubmodules, vocab_size: int, max_sequence_length: int,
+                    **options) -> GPTModel:
+    """A :class:`HostPlacedGPTModel` of ``block``'s layers with RoPE, built on the host (mcore's
+    MoE router asks for a CUDA device when built), each MoE layer with its routed-experts probe.
+    ``options``: GPTModel's stage, output and rotary arguments."""
+    with host_placement(torch.get_default_device()):
+        model = HostPlacedGPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab_size,
+                                   max_sequence_length=max_sequence_length, position_embedding_type="rope",
+                                   scatter_embedding_sequence_parallel=False, **options)
+    for layer in model.decoder.layers:
+        if isinstance(layer.mlp, MoELayer):
+            add_routed_experts_probe(layer.mlp)
+    return model
 
 
 class HostPlacedGPTModel(GPTModel):

@@ -69,8 +69,7 @@ def transformer_config(text, params_dtype=None):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mmparity.models.core.layers import activation_from_hf, performs_initialization
-    from mmparity.parallel import runtime
+    from mmparity.models.core.layers import activation_from_hf, add_stage_fields, moe_fields, run_fields
 
     params_dtype = torch.float32 if params_dtype is None else params_dtype
     problems = config_problems(text)
@@ -91,33 +90,15 @@ def transformer_config(text, params_dtype=None):
         experimental_attention_variant="gated_delta_net", linear_attention_freq=linear_pattern(text),
         linear_conv_kernel_dim=text.linear_conv_kernel_dim, linear_key_head_dim=text.linear_key_head_dim,
         linear_value_head_dim=text.linear_value_head_dim, linear_num_key_heads=text.linear_num_key_heads,
-        linear_num_value_heads=text.linear_num_value_heads,
-        apply_rope_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
-        perform_initialization=performs_initialization(),
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-    )
+        linear_num_value_heads=text.linear_num_value_heads, **run_fields(params_dtype))
     if moe:
-        fields.update(
+        fields.update(moe_fields(
             num_moe_experts=text.num_experts, moe_layer_freq=[1] * text.num_hidden_layers,
             moe_ffn_hidden_size=text.moe_intermediate_size,
             moe_shared_expert_intermediate_size=text.shared_expert_intermediate_size,
             moe_shared_expert_gate=True, moe_router_topk=text.num_experts_per_tok,
-            moe_router_score_function="softmax", moe_router_dtype="fp32",
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
-    layout = runtime.current_layout()
-    if layout is not None:
-        fields["tensor_model_parallel_size"] = layout.tp
-        fields["pipeline_model_parallel_size"] = runtime.pipeline_size()
-        fields["expert_model_parallel_size"] = getattr(layout, "ep", 1)
-        counts = runtime.stage_layer_counts()
-        if counts is not None and fields["pipeline_model_parallel_size"] > 1:
-            for key, value in runtime.uneven_stage_fields(counts).items():
-                fields.setdefault(key, value)
-    return TransformerConfig(**fields)
+            moe_router_score_function="softmax"))
+    return TransformerConfig(**add_stage_fields(fields))
 
 
 # --- HF config tables ---

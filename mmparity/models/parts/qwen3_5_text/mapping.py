@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from mmparity.config import padded_vocab_size
-from mmparity.mapping.ops import LayoutError, Op, PadRows, Unstack, _own, fuse_gate_up
+from mmparity.mapping.ops import LayoutError, Op, PadRows, _own
 from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, Rule, rename
+from mmparity.models.parts.deepseek_v3.mapping import gated_mlp_rules, routed_expert_rules
 from mmparity.models.parts.qwen3_5_text.config import LINEAR, is_moe, tp_problems
 from mmparity.parallel.tp import cat, sections_kind
 
@@ -160,30 +161,12 @@ def _attention_rules(text, hf: str, mc: str) -> tuple:
     )
 
 
-def _mlp_rules(hf: str, mc: str) -> tuple:
-    return (Rule(mc + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), fuse_gate_up(),
-                 "gated"),
-            rename(mc + "linear_fc2.weight", hf + "down_proj.weight", "row"))
-
-
 def _moe_rules(text, hf: str, mc: str, layout: str) -> tuple:
-    experts = mc + "mlp.experts."
-    rules = (rename(mc + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
-             rename(mc + "mlp.router.weight", hf + "mlp.gate.weight"),
-             *_mlp_rules(hf + "mlp.shared_expert.", mc + "mlp.shared_experts."),
-             rename(mc + "mlp.shared_experts.gate_weight", hf + "mlp.shared_expert_gate.weight"))
-    if layout == "hf_checkpoint":
-        return rules + (
-            Rule(experts + "linear_fc1.weight{e}",
-                 (hf + "mlp.experts.{e}.gate_proj.weight", hf + "mlp.experts.{e}.up_proj.weight"),
-                 fuse_gate_up(), "gated"),
-            rename(experts + "linear_fc2.weight{e}", hf + "mlp.experts.{e}.down_proj.weight", "row"))
-    count = text.num_experts
-    # One stacked HF tensor feeds every expert's mcore tensor: the rule lists them all.
-    return rules + (Rule(tuple(experts + f"linear_fc1.weight{e}" for e in range(count)),
-                         hf + "mlp.experts.gate_up_proj", Unstack(count), "gated"),
-                    Rule(tuple(experts + f"linear_fc2.weight{e}" for e in range(count)),
-                         hf + "mlp.experts.down_proj", Unstack(count), "row"))
+    return (rename(mc + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
+            rename(mc + "mlp.router.weight", hf + "mlp.gate.weight"),
+            *gated_mlp_rules(hf + "mlp.shared_expert.", mc + "mlp.shared_experts."),
+            rename(mc + "mlp.shared_experts.gate_weight", hf + "mlp.shared_expert_gate.weight"),
+            *routed_expert_rules(hf, mc, text.num_experts, stacked=layout != "hf_checkpoint"))
 
 
 def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str = "hf") -> tuple:
@@ -202,7 +185,7 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
         rules += _moe_rules(text, every, mc_every, layout)
     else:
         rules += (rename(mc_every + "mlp.linear_fc1.layer_norm_weight", every + "post_attention_layernorm.weight"),
-                  *_mlp_rules(every + "mlp.", mc_every + "mlp."))
+                  *gated_mlp_rules(every + "mlp.", mc_every + "mlp."))
     rules += (rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + "norm.weight"),)
     if not tied:
         rules += (Rule(MCORE_ROOT + "output_layer.weight", head_key, vocab, "vocab"),)

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.ssm import gated_delta_net
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -42,17 +41,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mmparity.models.core.layers import BiasInGemmRowParallelLinear, NormedColumnParallelLinear, get_bias_dropout_add
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MoE modules read.
 from mmparity.models.core.mla_moe import host_placement
-from mmparity.models.parts.deepseek_v3.native import (
-    GroupedNamesSequentialMLP, HostPlacedGPTModel, add_routed_experts_probe)
+from mmparity.models.core.stages import stage_layers
+from mmparity.models.parts.deepseek_v3.native import build_gpt_model, moe_spec
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
 from mmparity.models.parts.qwen3_5_text import delta_rule
 # The part's native module is where its callers read the recipe and its refusals.
 from mmparity.models.parts.qwen3_5_text.config import (  # noqa: F401
     config_problems, is_moe, linear_pattern, rotary_fraction, transformer_config)
-from mmparity.parallel import runtime
-
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
-from megatron.core.transformer.moe.shared_experts import SharedExpertMLP  # noqa: E402
 
 
 def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,10 +172,7 @@ def _mlp_spec(moe: bool) -> ModuleSpec:
     if not moe:
         return ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=ZeroCentredNormedColumnParallelLinear, linear_fc2=BiasInGemmRowParallelLinear))
-    experts = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=BiasInGemmRowParallelLinear)
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=GroupedNamesSequentialMLP, submodules=experts),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=experts)))
+    return moe_spec(shared_experts=True)
 
 
 def layer_spec(linear: bool, moe: bool) -> ModuleSpec:
@@ -193,12 +185,7 @@ def layer_spec(linear: bool, moe: bool) -> ModuleSpec:
 def block_spec(text) -> TransformerBlockSubmodules:
     """One spec per layer of this pipeline stage, in ``layer_types`` order."""
     moe = is_moe(text)
-    specs = [layer_spec(bool(linear), moe) for linear in linear_pattern(text)]
-    counts = runtime.stage_layer_counts()
-    if counts is not None and runtime.pipeline_size() > 1:
-        stage = runtime.pipeline_rank()
-        start = sum(counts[:stage])
-        specs = specs[start:start + counts[stage]]
+    specs = stage_layers([layer_spec(bool(linear), moe) for linear in linear_pattern(text)])
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCentredRMSNorm)
 
 
@@ -224,18 +211,11 @@ class LanguageModelBuilder:
 
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False) -> GPTModel:
-        with host_placement(torch.get_default_device()):
-            model = HostPlacedGPTModel(config=self.config, transformer_layer_spec=block_spec(self.text),
-                                       vocab_size=vocab_size, max_sequence_length=self.max_sequence_length,
-                                       pre_process=pre_process, post_process=post_process,
-                                       parallel_output=parallel_output,
-                                       share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                                       position_embedding_type="rope", rotary_percent=self.rotary_percent,
-                                       rotary_base=self.rotary_base, scatter_embedding_sequence_parallel=False)
+        model = build_gpt_model(self.config, block_spec(self.text), vocab_size, self.max_sequence_length,
+                                pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+                                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                rotary_percent=self.rotary_percent, rotary_base=self.rotary_base)
         model.rotary_pos_emb = LanguageRotaryEmbedding(
             kv_channels=self.config.kv_channels, rotary_percent=self.rotary_percent,
             rotary_interleaved=False, rotary_base=self.rotary_base, use_cpu_initialization=True)
-        for layer in model.decoder.layers:
-            if isinstance(layer.mlp, MoELayer):
-                add_routed_experts_probe(layer.mlp)
         return model
