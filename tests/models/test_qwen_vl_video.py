@@ -14,7 +14,7 @@ from mmparity.models.qwen3_vl_whole import cases as whole_cases
 from mmparity.models.qwen3_vl_whole import native as whole_native
 from mmparity.parity import harness
 
-FAMILIES = ["qwen2_5_vl_whole"]
+FAMILIES = ["qwen2_5_vl_whole", "qwen3_vl_whole"]
 
 
 def _video_case(family: str, seed: int = 4):
@@ -138,3 +138,21 @@ def test_temporal_step_perturbed_fails_at_the_first_attention(family, monkeypatc
     report = harness.check(family, seed=2)
     assert _failing(report) == {"video:logits": "language_model.decoder.layers.0.self_attention",
                                 "video:token_loss": "language_model.decoder.layers.0.self_attention"}
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen2_5_vl_whole"])
+def test_deepstack_features_left_off_the_video_tokens_fail_after_the_first_layer(family, monkeypatch):
+    """The DeepStack features added at the image tokens only, in the native model: the image case
+    agrees; the video case departs where the first feature is read (layer 1's input norm), the
+    tower and layer 0 agreeing."""
+    owner = _native_class(family)
+    joint = owner._joint
+
+    def images_only(deep_images, deep_videos, image, video):
+        dropped = [torch.zeros_like(feature) for feature in deep_videos]
+        return joint(deep_images, dropped, image, video)
+
+    monkeypatch.setattr(owner, "_joint", staticmethod(images_only))
+    report = harness.check(family, seed=2)
+    assert _failing(report) == {"video:logits": "language_model.decoder.layers.1.input_layernorm",
+                                "video:token_loss": "language_model.decoder.layers.1.input_layernorm"}

@@ -1,6 +1,8 @@
 """Qwen3-VL whole parity: two rows of text with three images of different sizes between vision
-start / end tokens (one image token per merged patch, as Qwen's processor lays them out), logits
-at every position and the per-token loss, and the paired modules named by Megatron's tree: the
+start / end tokens (one image token per merged patch, as Qwen's processor lays them out); then a
+batch with a short clip (each temporal patch its own run of video tokens after timestamp text)
+and images; logits at every position and the per-token loss, and the paired modules named by
+Megatron's tree (the tower's as it ran last: on the clip in the video case): the
 tower's (``vision_model.layer.N``, ``vision_model.deepstack_merger_list.J.…``,
 ``vision_model.merger.…``), then per decoder layer its attention and the layer itself (before the
 DeepStack feature is added, on both sides), and the final norm.
@@ -9,6 +11,7 @@ DeepStack feature is added, on both sides), and the final norm.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -295,4 +298,4 @@ def hooks(towers) -> FamilyHooks:
                            image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
         reference=Side(reference_run, reference_pairs, no_component, reference.build),
         native=Side(native_run, native_pairs, no_component, native.build_native), converter=converter.SPEC,
-        parity=Parity(cases), megatron=MEGATRON)
+        parity=Parity(partial(cases, video=FRAMES_APART)), megatron=MEGATRON)

@@ -9,10 +9,12 @@ position ids per token (t, h, w) and the rotary frequencies dealt out t h w t h 
 ``3·mrope_section[1]`` / ``3·mrope_section[2]`` frequencies, t for the rest; laid out rotate-half.
 Position ids follow the processor's rule (text counts up by one; an image's tokens get t = start,
 h = start + row, w = start + column of its merged grid, and the text after it continues at start +
-the larger side), computed here from the ids and the grids.
+the larger side), computed here from the ids and the grids. Video: the processor writes each
+temporal patch of a clip as its own run of video tokens after timestamp text, so each gets one
+frame's positions as an image does (the timestamps, not the positions, carry time).
 
 DeepStack: feature ``k`` of the tower is added to the hidden states after decoder layer ``k`` at
-the image tokens. The features are made on the first pipeline stage with the tower and are not
+the vision tokens (the images' and the clips', each modality's features at its own tokens). The features are made on the first pipeline stage with the tower and are not
 sent on, so under pipeline parallelism the first ``len(deepstack_visual_indexes)`` decoder layers
 must be on that stage. Images are laid out as Qwen's processor lays them out: one image token per
 merged patch, between vision start / end tokens.
