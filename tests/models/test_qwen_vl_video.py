@@ -14,7 +14,7 @@ from mmparity.models.qwen3_vl_whole import cases as whole_cases
 from mmparity.models.qwen3_vl_whole import native as whole_native
 from mmparity.parity import harness
 
-FAMILIES = ["qwen2_5_vl_whole", "qwen3_vl_whole"]
+FAMILIES = ["qwen2_5_vl_whole", "qwen3_vl_whole", "qwen3_vl_moe"]
 
 
 def _video_case(family: str, seed: int = 4):
@@ -93,6 +93,10 @@ def test_fp32_video_case_passes_with_the_tower_compared_on_the_clip(family):
     assert report.passed and {r.check for r in video} == {"video:logits", "video:token_loss"}
     compared = {row["module"] for row in video[0].modules}
     assert "vision_model.patch_embed" in compared and "language_model.decoder.layers.0.self_attention" in compared
+    if family == "qwen3_vl_moe":
+        # Router agreement per MoE layer on the video batch's tokens too.
+        routers = [row for row in video[0].modules if row["module"].endswith(".router")]
+        assert routers and all(row["passed"] for row in routers)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

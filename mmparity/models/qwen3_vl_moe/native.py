@@ -126,5 +126,5 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> whole.Qwen3V
                                           share_embeddings_and_output_weights=tied_embeddings(cfg))
     model = whole.Qwen3VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                                vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
-                               patch_dim=int(vc.patch_size))
+                               patch_dim=int(vc.patch_size), video_token_id=cfg.video_token_id)
     return model.to(params_dtype)
