@@ -14,7 +14,7 @@ from mmparity.models.qwen3_vl_whole import cases as whole_cases
 from mmparity.models.qwen3_vl_whole import native as whole_native
 from mmparity.parity import harness
 
-FAMILIES = ["qwen2_5_vl_whole", "qwen3_vl_whole", "qwen3_vl_moe"]
+FAMILIES = ["qwen2_5_vl_whole", "qwen3_vl_whole", "qwen3_vl_moe", "qwen3_5_whole"]
 
 
 def _video_case(family: str, seed: int = 4):
@@ -93,7 +93,7 @@ def test_fp32_video_case_passes_with_the_tower_compared_on_the_clip(family):
     assert report.passed and {r.check for r in video} == {"video:logits", "video:token_loss"}
     compared = {row["module"] for row in video[0].modules}
     assert "vision_model.patch_embed" in compared and "language_model.decoder.layers.0.self_attention" in compared
-    if family == "qwen3_vl_moe":
+    if family in ("qwen3_vl_moe", "qwen3_5_whole"):
         # Router agreement per MoE layer on the video batch's tokens too.
         routers = [row for row in video[0].modules if row["module"].endswith(".router")]
         assert routers and all(row["passed"] for row in routers)
@@ -144,7 +144,7 @@ def test_temporal_step_perturbed_fails_at_the_first_attention(family, monkeypatc
                                 "video:token_loss": "language_model.decoder.layers.0.self_attention"}
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen2_5_vl_whole"])
+@pytest.mark.parametrize("family", ["qwen3_vl_whole", "qwen3_vl_moe"])
 def test_deepstack_features_left_off_the_video_tokens_fail_after_the_first_layer(family, monkeypatch):
     """The DeepStack features added at the image tokens only, in the native model: the image case
     agrees; the video case departs where the first feature is read (layer 1's input norm), the
