@@ -160,3 +160,60 @@ def test_deepstack_features_left_off_the_video_tokens_fail_after_the_first_layer
     report = harness.check(family, seed=2)
     assert _failing(report) == {"video:logits": "language_model.decoder.layers.1.input_layernorm",
                                 "video:token_loss": "language_model.decoder.layers.1.input_layernorm"}
+
+
+def _layout_ids(cfg, script, frames_apart: bool, gen):
+    """Rows of ids from ``script``: per row, items ``("text", n)``, ``("image", gh, gw)`` or
+    ``("video", t, gh, gw)`` in merged patches; with ``frames_apart`` a clip's temporal patches are
+    each a run after two timestamp tokens. -> (ids, image grids, video grids), grids in patches."""
+    m = cfg.vision_config.spatial_merge_size
+    text = lambda n: torch.randint(0, 90, (n,), generator=gen).tolist()  # noqa: E731 (below 93: no special ids)
+    rows, images, videos = [], [], []
+    for items in script:
+        row = []
+        for kind, *shape in items:
+            if kind == "text":
+                row += text(shape[0])
+            elif kind == "image":
+                gh, gw = shape
+                images.append([1, gh * m, gw * m])
+                row += [cfg.vision_start_token_id] + [cfg.image_token_id] * (gh * gw) + [cfg.vision_end_token_id]
+            else:
+                t, gh, gw = shape
+                videos.append([t, gh * m, gw * m])
+                if frames_apart:
+                    for _ in range(t):
+                        row += text(2) + [cfg.vision_start_token_id] + [cfg.video_token_id] * (gh * gw) + [cfg.vision_end_token_id]
+                else:
+                    row += [cfg.vision_start_token_id] + [cfg.video_token_id] * (t * gh * gw) + [cfg.vision_end_token_id]
+        rows.append(row)
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + text(width - len(r)) for r in rows]), images, videos
+
+
+@pytest.mark.parametrize("family, tokens_per_second, seconds", [
+    ("qwen2_5_vl_whole", 4, [0.35, 1.3, 0.9]), ("qwen2_5_vl_whole", 7, [0.5, 0.25, 2.0]),
+    ("qwen2_5_vl_whole", 3, [1.4, 1.8, 0.9]), ("qwen2_5_vl_whole", 3, None), ("qwen3_vl_whole", 4, None)])
+def test_several_clips_of_several_lengths_are_positioned_as_transformers_does(family, tokens_per_second, seconds):
+    """Three clips (6, 1 and 3 temporal patches, awkward grids) and images in two rows, against
+    transformers' ``get_rope_index`` with its own clip spacing. At 3 tokens per second, 1.4 s per
+    temporal patch puts the sixth at 21 in fp32 (transformers' precision) but 20 in fp64."""
+    fam = families.get(family)
+    cfg = fam.tiny_config()
+    model = fam.build_reference(cfg)
+    if hasattr(cfg.vision_config, "tokens_per_second"):
+        model.config.vision_config.tokens_per_second = tokens_per_second
+    owner = _native_class(family)
+    script = [[("text", 2), ("video", 6, 2, 3), ("text", 1), ("image", 1, 2), ("video", 1, 3, 1), ("text", 2)],
+              [("image", 2, 2), ("text", 3), ("video", 3, 1, 1), ("text", 1)]]
+    ids, images, videos = _layout_ids(cfg, script, owner.frames_apart, torch.Generator().manual_seed(len(script[0])))
+    types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    extra = {} if seconds is None else {"second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}
+    expected, _ = model.model.get_rope_index(ids, types, image_grid_thw=torch.tensor(images),
+                                             video_grid_thw=torch.tensor(videos), **extra)
+    runs, steps = whole_native.video_runs([tuple(v) for v in videos], seconds, frames_apart=owner.frames_apart,
+                                          tokens_per_second=tokens_per_second)
+    got = whole_native.mrope_position_ids(ids, cfg.image_token_id, [(h, w) for _, h, w in images],
+                                          cfg.vision_config.spatial_merge_size, video_token_id=cfg.video_token_id,
+                                          video_grids=runs, intervals=steps)
+    assert torch.equal(got, expected)

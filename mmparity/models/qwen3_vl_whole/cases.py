@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mmparity.config import first_int
 from mmparity.models.core import inputs
 from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.core import sublayers
@@ -88,6 +89,8 @@ FRAMES_APART = VideoLayout(frames_apart=True)
 
 
 def default_video_size(cfg) -> tuple[int, int]:
+    """Wide, 2×3 merged patches a frame: past the tiny towers' position tables on one axis, and a
+    partial window on the other for Qwen2.5-VL's."""
     step = image_size_multiple(cfg)
     return (2 * step, 3 * step)
 
@@ -117,8 +120,7 @@ def video_case(cfg, seed: int, sizes, layout: VideoLayout) -> Case:
     awkward size, text, the first image, text. Row 2: text and the other images between text. The
     images are single frames, the clip's temporal patches real pairs (triples …) of frames."""
     vc = cfg.vision_config
-    frames_per_patch = int(vc.temporal_patch_size if isinstance(vc.temporal_patch_size, int)
-                           else vc.temporal_patch_size[0])
+    frames_per_patch = first_int(vc.temporal_patch_size)
     t, (height, width) = layout.temporal_patches, default_video_size(cfg)
     gen = inputs.generator(seed + 8191)
     per_patch = _merged(cfg, (height, width))
