@@ -84,6 +84,10 @@ def test_video_positions_are_transformers_get_rope_index(family):
         # 4 x 0.7 = 2.8 -> 0, 2, 5 past the start, unequal steps.
         steps_seen = (temporal - temporal[0]).tolist()
         assert steps_seen == [int(k * 2.8) for k in range(video_thw[0, 0])] and len(set(torch.diff(temporal).tolist())) > 1
+        # transformers continues the text after the clip at its start + the larger merged side,
+        # not past its temporal extent: the vision end token sits below the clip's last frame.
+        end = int(video.nonzero().max()) + 1
+        assert got[0, 0, end] < temporal.max()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
