@@ -54,7 +54,8 @@ def test_logits_at_every_position_and_the_loss_are_compared_with_sub_layer_pairs
         assert f"language_model.decoder.layers.2.{sub}" in names
     assert "vision_model.layer.1.self_attention" in names and "vision_model.merger.linear_fc2" in names
     report = harness.check(FAMILY, seed=0)
-    assert report.passed and {r.check for r in report.results} == {"sample:logits", "sample:token_loss"}
+    assert report.passed and {r.check for r in report.results} == {
+        f"{case}:{output}" for case in ("sample", "video") for output in ("logits", "token_loss")}
     assert all(r.metrics["rel_l2"] <= 1e-5 for r in report.results)
 
 

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL whole parity: Qwen3-VL whole's batch (two rows of text with images of different
-sizes between vision start / end tokens, one image token per merged patch), here at the tower's
-sizes whose windows are partial; logits at every position and the per-token loss; the paired
+"""Qwen2.5-VL whole parity: Qwen3-VL whole's batches (two rows of text with images of different
+sizes between vision start / end tokens, one image token per merged patch; then a short clip and
+images, the clip one run of video tokens), here at the tower's sizes whose windows are partial;
+logits at every position and the per-token loss; the paired
 modules named by Megatron's tree: the tower's (``vision_model.layer.N.…``,
 ``vision_model.merger.…``), then per decoder layer its norms, attention, MLP and the layer, and
 the final norm.
@@ -18,8 +19,14 @@ from mmparity.models.spec import (
     ConfigHooks, FamilyHooks, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
 
 
+# A clip is one run of video tokens; 0.7 s per temporal patch at the tiny tower's 4 tokens per
+# second steps its temporal position by 2.8, truncated to 0, 2, 5: unequal steps, so a rounding or
+# a step taken in another precision shows.
+VIDEO = whole.VideoLayout(frames_apart=False, seconds=0.7)
+
+
 def cases(cfg, seed: int, image_sizes=None):
-    return whole.cases(cfg, seed, image_sizes or tower_cases.default_image_sizes(cfg.vision_config))
+    return whole.cases(cfg, seed, image_sizes or tower_cases.default_image_sizes(cfg.vision_config), video=VIDEO)
 
 
 def reference_pairs(model, cfg) -> list[Pair]:

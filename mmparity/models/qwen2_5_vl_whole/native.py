@@ -6,10 +6,11 @@ The decoder is the dense decoder part's layer (its causal core attention, its TE
 q/k/v biases) with M-RoPE: three position ids per token (t, h, w), the rotary frequencies taken
 in contiguous sections, the first ``mrope_section[0]`` from t, the next ``mrope_section[1]``
 from h, the last ``mrope_section[2]`` from w (Qwen2-VL's split, not Qwen3-VL's interleaving);
-laid out rotate-half. Positions follow transformers' ``get_rope_index`` for images, which is
-Qwen3-VL whole's rule (:func:`~mmparity.models.qwen3_vl_whole.native.mrope_position_ids`), and
-the whole model's forward is Qwen3-VL whole's without DeepStack (no features to add after the
-decoder layers).
+laid out rotate-half. Positions follow transformers' ``get_rope_index``, which is Qwen3-VL whole's
+rule (:func:`~mmparity.models.qwen3_vl_whole.native.mrope_position_ids`) for images; a video clip
+is one run whose temporal position steps by ``tokens_per_second`` × seconds per temporal patch
+(truncated to an integer, fp32, as transformers computes it). The whole model's forward is
+Qwen3-VL whole's without DeepStack (no features to add after the decoder layers).
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ def build_language_model(text, params_dtype, vocab_size: int, *, pre_process: bo
 
 
 class Qwen25VLModel(Qwen3VLModel):
-    """Qwen3-VL whole's model (ids and images -> logits or per-token loss, positions by the
-    processor's rule) over the Qwen2.5-VL tower: its features, and no DeepStack."""
+    """Qwen3-VL whole's model (ids, images and clips -> logits or per-token loss, positions by the
+    processor's rule) over the Qwen2.5-VL tower: its features, and no DeepStack. A clip is one run
+    of video tokens whose temporal position steps by ``tokens_per_second`` × its seconds per
+    temporal patch (no timestamp text between its temporal patches)."""
+
+    frames_apart = False
 
     def image_features(self, rows: torch.Tensor, imgs_sizes):
         _, pooled = self.vision_model.features(rows, imgs_sizes=imgs_sizes)
@@ -103,5 +108,6 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> Qwen25VLMode
                                          tower=lambda: tower.build_native(vc, params_dtype))
     model = Qwen25VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                           vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
-                          patch_dim=int(vc.patch_size))
+                          patch_dim=int(vc.patch_size), video_token_id=cfg.video_token_id,
+                          tokens_per_second=vc.tokens_per_second)
     return model.to(params_dtype)

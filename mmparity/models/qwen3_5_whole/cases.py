@@ -1,6 +1,7 @@
 """Qwen3.5 whole parity: two rows of text with three images of different sizes between vision
 start / end tokens (Qwen3-VL whole's cases: one image token per merged patch, as Qwen's processor
-lays them out), logits at every position and the per-token loss, and the paired modules named by
+lays them out), then a short clip (its temporal patches apart after timestamp text) beside
+images; logits at every position and the per-token loss, and the paired modules named by
 Megatron's tree: the tower's (``vision_model.layer.N``, ``vision_model.merger.…``), then per
 decoder layer its ``self_attention`` (Gated DeltaNet or gated attention), for MoE the router (its
 own agreement verdict), shared and routed experts, the ``mlp``, the layer, and the final norm
@@ -28,7 +29,7 @@ native_run = whole.native_run
 def cases(cfg, seed: int, image_sizes=None) -> list:
     from mmparity.models.parts.qwen3_5_text import delta_rule
 
-    out = whole.cases(cfg, seed, image_sizes)
+    out = whole.cases(cfg, seed, image_sizes, video=whole.FRAMES_APART)
     kernels = f"; gated delta rule: {delta_rule.kernel_for('cpu')} on CPU, {delta_rule.kernel_for('cuda')} on a GPU"
     for case in out:
         case.description += kernels

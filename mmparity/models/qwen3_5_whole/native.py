@@ -2,8 +2,9 @@
 its merger (Qwen3.5 has no separate projector) as ``vision_model`` and the ``qwen3_5_text`` part's
 hybrid decoder (Gated DeltaNet + gated attention, dense or MoE) as ``language_model``.
 
-What the whole adds to its parts, and no more: the merged image features take the place of the
-image tokens' embeddings, and the decoder's RoPE is the interleaved M-RoPE of Qwen3-VL (three
+What the whole adds to its parts, and no more: the merged image and video features take the
+place of the image and video tokens' embeddings (a clip's temporal patches apart, after timestamp
+text, as Qwen3-VL's), and the decoder's RoPE is the interleaved M-RoPE of Qwen3-VL (three
 position ids per token by transformers' ``get_rope_index`` rule; frequencies dealt t h w t h w …),
 over the rotated part of each head only (Qwen3.5 rotates a fraction of the head). Both come from
 :mod:`mmparity.models.qwen3_vl_whole.native`; the composition is its ``Qwen3VLModel`` with no
@@ -70,5 +71,6 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) ->
         tower=lambda: tower.build_native(vc, params_dtype))
     use_mrope(language_model, text)
     model = Qwen35VLModel(vision, language_model, image_token_id=cfg.image_token_id, vocab_size=text.vocab_size,
-                          merge=vc.spatial_merge_size, patch_dim=tower._int(vc.patch_size))
+                          merge=vc.spatial_merge_size, patch_dim=tower._int(vc.patch_size),
+                          video_token_id=cfg.video_token_id)
     return model.to(params_dtype)

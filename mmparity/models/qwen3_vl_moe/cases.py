@@ -1,6 +1,7 @@
 """Qwen3-VL-MoE whole parity: Qwen3-VL whole's cases (two rows of text with three images of
-different sizes between vision start / end tokens; logits at every position and the per-token
-loss) and its runs, which take either model; the pairs are Qwen3-VL whole's, plus inside each MoE
+different sizes between vision start / end tokens; then a short clip, its temporal patches apart
+after timestamp text, beside images; logits at every position and the per-token loss) and its
+runs, which take either model; the pairs are Qwen3-VL whole's, plus inside each MoE
 layer's MLP its router (judged by router agreement) and the routed experts' combined output, so
 that a fault is named by the part of the layer it is in.
 """
@@ -116,4 +117,5 @@ def hooks(towers, languages) -> FamilyHooks:
                            image_size_problems=whole.image_size_problems, pipeline_problems=whole.pipeline_problems),
         reference=Side(whole.reference_run, reference_pairs, whole.no_component, reference.build),
         native=Side(whole.native_run, native_pairs, whole.no_component, native.build_native),
-        converter=converter.SPEC, parity=Parity(whole.cases), megatron=MEGATRON)
+        converter=converter.SPEC, parity=Parity(partial(whole.cases, video=whole.FRAMES_APART)),
+        megatron=MEGATRON)

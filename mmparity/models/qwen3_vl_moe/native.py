@@ -92,5 +92,5 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> whole.Qwen3V
                                          tower=lambda: tower.build_native(vc, params_dtype))
     model = whole.Qwen3VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                                vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
-                               patch_dim=int(vc.patch_size))
+                               patch_dim=int(vc.patch_size), video_token_id=cfg.video_token_id)
     return model.to(params_dtype)

@@ -1,6 +1,8 @@
 """Qwen3-VL whole parity: two rows of text with three images of different sizes between vision
-start / end tokens (one image token per merged patch, as Qwen's processor lays them out), logits
-at every position and the per-token loss, and the paired modules named by Megatron's tree: the
+start / end tokens (one image token per merged patch, as Qwen's processor lays them out); then a
+batch with a short clip (each temporal patch its own run of video tokens after timestamp text)
+and images; logits at every position and the per-token loss, and the paired modules named by
+Megatron's tree (the tower's as it ran last: on the clip in the video case): the
 tower's (``vision_model.layer.N``, ``vision_model.deepstack_merger_list.J.…``,
 ``vision_model.merger.…``), then per decoder layer its attention and the layer itself (before the
 DeepStack feature is added, on both sides), and the final norm.
@@ -8,9 +10,14 @@ DeepStack feature is added, on both sides), and the final norm.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+from mmparity.config import first_int
 from mmparity.models.core import inputs
 from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.core import sublayers
@@ -51,7 +58,45 @@ def _merged(cfg, size) -> int:
     return (size[0] // step) * (size[1] // step)
 
 
-def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
+def _image_run(cfg, size) -> list[int]:
+    return [cfg.vision_start_token_id] + [cfg.image_token_id] * _merged(cfg, size) + [cfg.vision_end_token_id]
+
+
+def _vision_data(cfg, sizes, seed: int, ids: torch.Tensor) -> dict:
+    vc = cfg.vision_config
+    return {"layout": "frame_rows", "images": inputs.images(sizes, vc.in_channels, seed), "sizes": sizes,
+            "patch": int(vc.patch_size), "merge": vc.spatial_merge_size, "input_ids": ids}
+
+
+def _padded(cfg, rows, gen) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + _text(cfg, width - len(r), gen) for r in rows])
+
+
+@dataclass(frozen=True)
+class VideoLayout:
+    """How a family's processor writes a clip into the text: with ``frames_apart`` (Qwen3-VL) each
+    temporal patch is its own run of video tokens between vision start / end, after timestamp text
+    (random text tokens stand for "<1.5 seconds>"); otherwise (Qwen2.5-VL) the clip is one run, and
+    ``seconds`` per temporal patch set its temporal position step."""
+
+    frames_apart: bool
+    seconds: Optional[float] = None
+    temporal_patches: int = 3
+
+
+FRAMES_APART = VideoLayout(frames_apart=True)
+
+
+def default_video_size(cfg) -> tuple[int, int]:
+    """Wide, 2×3 merged patches a frame: past the tiny towers' position tables on one axis, and a
+    partial window on the other for Qwen2.5-VL's."""
+    step = image_size_multiple(cfg)
+    return (2 * step, 3 * step)
+
+
+def cases(cfg, seed: int, image_sizes=None, *, video: Optional[VideoLayout] = None) -> list[Case]:
+    """The image batch; with ``video``, also the video batch (:func:`video_case`)."""
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
     gen = inputs.generator(seed + 4099)
     first = (len(sizes) + 1) // 2
@@ -59,17 +104,66 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     for chunk in (sizes[:first], sizes[first:]):
         row = _text(cfg, 3, gen)
         for size in chunk:
-            row += ([cfg.vision_start_token_id] + [cfg.image_token_id] * _merged(cfg, size)
-                    + [cfg.vision_end_token_id] + _text(cfg, 2, gen))
+            row += _image_run(cfg, size) + _text(cfg, 2, gen)
         rows.append(row)
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + _text(cfg, width - len(r), gen) for r in rows])
-    vc = cfg.vision_config
-    data = {"layout": "frame_rows", "images": inputs.images(sizes, vc.in_channels, seed), "sizes": sizes,
-            "patch": int(vc.patch_size), "merge": vc.spatial_merge_size, "input_ids": ids}
+    ids = _padded(cfg, rows, gen)
     described = ", ".join(f"{h}x{w}" for h, w in sizes)
-    return [Case("sample", data, OUTPUTS,
-                 description=f"2 rows of {width} tokens, images {described} between the text")]
+    out = [Case("sample", _vision_data(cfg, sizes, seed, ids), OUTPUTS,
+                description=f"2 rows of {ids.shape[1]} tokens, images {described} between the text")]
+    if video is not None:
+        out.append(video_case(cfg, seed, sizes, video))
+    return out
+
+
+def video_case(cfg, seed: int, sizes, layout: VideoLayout) -> Case:
+    """Row 1: text, a clip of ``temporal_patches`` × temporal_patch_size distinct frames of an
+    awkward size, text, the first image, text. Row 2: text and the other images between text. The
+    images are single frames, the clip's temporal patches real pairs (triples …) of frames."""
+    vc = cfg.vision_config
+    frames_per_patch = first_int(vc.temporal_patch_size)
+    t, (height, width) = layout.temporal_patches, default_video_size(cfg)
+    gen = inputs.generator(seed + 8191)
+    per_patch = _merged(cfg, (height, width))
+    clip_ids: list[int] = []
+    if layout.frames_apart:
+        for _ in range(t):
+            clip_ids += (_text(cfg, 2, gen) + [cfg.vision_start_token_id] + [cfg.video_token_id] * per_patch
+                         + [cfg.vision_end_token_id])
+    else:
+        clip_ids = [cfg.vision_start_token_id] + [cfg.video_token_id] * (t * per_patch) + [cfg.vision_end_token_id]
+    rows = [_text(cfg, 3, gen) + clip_ids + _text(cfg, 2, gen), _text(cfg, 2, gen)]
+    for index, size in enumerate(sizes):
+        rows[0 if index == 0 else 1] += _image_run(cfg, size) + _text(cfg, 2, gen)
+    ids = _padded(cfg, rows, gen)
+    data = _vision_data(cfg, sizes, seed + 5, ids)
+    frames = inputs.images([(height, width)] * (t * frames_per_patch), vc.in_channels, seed + 6)
+    data.update(videos=[torch.stack(frames)], video_sizes=[(t, height, width)], temporal=frames_per_patch)
+    how = "timestamps between its temporal patches"
+    if not layout.frames_apart:
+        seconds = 1.0 if layout.seconds is None else layout.seconds
+        data["video_seconds"] = [seconds]
+        how = f"one run, {seconds} s per temporal patch"
+    described = ", ".join(f"{h}x{w}" for h, w in sizes)
+    return Case("video", data, OUTPUTS,
+                description=f"2 rows of {ids.shape[1]} tokens: a {t * frames_per_patch}-frame {height}x{width} "
+                            f"clip ({t} temporal patches; {how}) and images {described} between the text")
+
+
+def video_rows(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clips as the processor emits them: (ΣN, C·T·P·P) rows, temporal patch after temporal
+    patch, each block-first, and ``video_grid_thw`` (clips, 3) in patches."""
+    p, m, frames = case.data["patch"], case.data["merge"], case.data["temporal"]
+    rows = []
+    for clip, (t, _, _) in zip(case.data["videos"], case.data["video_sizes"]):
+        rows += [inputs.block_first_patch_rows(clip[k * frames:(k + 1) * frames], p, m) for k in range(t)]
+    grid_thw = torch.tensor([[t, h // p, w // p] for t, h, w in case.data["video_sizes"]])
+    return torch.cat(rows), grid_thw
+
+
+def loss_mask(case: Case, cfg) -> torch.Tensor:
+    """Positions whose next token is text (neither an image's nor a clip's)."""
+    ids = case.data["input_ids"]
+    return token_mask(ids, cfg.image_token_id) & token_mask(ids, cfg.video_token_id)
 
 
 # --- the reference side ----------------------------------------------------------------------------
@@ -80,10 +174,19 @@ def reference_run(model, case: Case) -> dict:
     rows, grid_thw = frames.processor_rows(case, cfg.vision_config)
     ids = case.data["input_ids"].to(param.device)
     types = (ids == cfg.image_token_id).int()
+    videos = {}
+    if "videos" in case.data:
+        clips, clip_thw = video_rows(case)
+        types = types + 2 * (ids == cfg.video_token_id).int()
+        videos = {"pixel_values_videos": clips.to(param.device, param.dtype),
+                  "video_grid_thw": clip_thw.to(param.device)}
+        if "video_seconds" in case.data:
+            videos["second_per_grid_ts"] = torch.tensor(case.data["video_seconds"], dtype=torch.float32,
+                                                        device=param.device)
     logits = model(input_ids=ids, pixel_values=rows.to(param.device, param.dtype),
-                   image_grid_thw=grid_thw.to(param.device), mm_token_type_ids=types).logits.float()
+                   image_grid_thw=grid_thw.to(param.device), mm_token_type_ids=types, **videos).logits.float()
     vocab = logits.shape[-1]
-    mask = token_mask(case.data["input_ids"], cfg.image_token_id).to(param.device)
+    mask = loss_mask(case, cfg).to(param.device)
     loss = F.cross_entropy(logits.reshape(-1, vocab), next_tokens(ids).reshape(-1), reduction="none")
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
@@ -118,12 +221,20 @@ def native_run(model, case) -> dict:
     rows = (frames.patch_rows(model.vision_model, case).to(param.device, param.dtype)
             if model.pre_process else None)
     ids = case.data["input_ids"].to(param.device)
-    logits = model(rows, ids, imgs_sizes=case.data["sizes"])
-    loss = model(rows, ids, imgs_sizes=case.data["sizes"], labels=next_tokens(ids))
+    videos = {}
+    if "videos" in case.data:
+        videos = {"video_sizes": case.data["video_sizes"], "video_seconds": case.data.get("video_seconds")}
+        if model.pre_process:
+            videos["video_rows"] = video_rows(case)[0].to(param.device, param.dtype)
+    logits = model(rows, ids, imgs_sizes=case.data["sizes"], **videos)
+    loss = model(rows, ids, imgs_sizes=case.data["sizes"], labels=next_tokens(ids), **videos)
     if not model.post_process:
         return {}
     logits = logits[..., :model.vocab_size].float()
-    mask = token_mask(case.data["input_ids"], model.image_token_id).to(param.device)
+    mask = token_mask(case.data["input_ids"], model.image_token_id)
+    if model.video_token_id is not None:
+        mask &= token_mask(case.data["input_ids"], model.video_token_id)
+    mask = mask.to(param.device)
     return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
 
 
@@ -189,4 +300,4 @@ def hooks(towers) -> FamilyHooks:
                            image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
         reference=Side(reference_run, reference_pairs, no_component, reference.build),
         native=Side(native_run, native_pairs, no_component, native.build_native), converter=converter.SPEC,
-        parity=Parity(cases), megatron=MEGATRON)
+        parity=Parity(partial(cases, video=FRAMES_APART)), megatron=MEGATRON)

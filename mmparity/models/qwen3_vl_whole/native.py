@@ -9,10 +9,12 @@ position ids per token (t, h, w) and the rotary frequencies dealt out t h w t h 
 ``3·mrope_section[1]`` / ``3·mrope_section[2]`` frequencies, t for the rest; laid out rotate-half.
 Position ids follow the processor's rule (text counts up by one; an image's tokens get t = start,
 h = start + row, w = start + column of its merged grid, and the text after it continues at start +
-the larger side), computed here from the ids and the grids.
+the larger side), computed here from the ids and the grids. Video: the processor writes each
+temporal patch of a clip as its own run of video tokens after timestamp text, so each gets one
+frame's positions as an image does (the timestamps, not the positions, carry time).
 
 DeepStack: feature ``k`` of the tower is added to the hidden states after decoder layer ``k`` at
-the image tokens. The features are made on the first pipeline stage with the tower and are not
+the vision tokens (the images' and the clips', each modality's features at its own tokens). The features are made on the first pipeline stage with the tower and are not
 sent on, so under pipeline parallelism the first ``len(deepstack_visual_indexes)`` decoder layers
 must be on that stage. Images are laid out as Qwen's processor lays them out: one image token per
 merged patch, between vision start / end tokens.
@@ -88,37 +90,77 @@ class InterleavedMRoPE(torch.nn.Module):
         return torch.cat([picked, picked], dim=-1).transpose(0, 1)[:, :, None, :].contiguous()
 
 
+def vision_positions(start: int, t: int, gh: int, gw: int, interval=1, device=None) -> torch.Tensor:
+    """``[3, t·gh·gw]`` positions of one vision run, its tokens listed temporal patch by temporal
+    patch, each in raster order of its merged grid: t = start + ⌊k·interval⌋ for temporal patch
+    ``k`` (the product taken in the interval's own type: an fp32 tensor rounds as transformers'
+    does), h = start + row, w = start + column."""
+    temporal = (torch.arange(t, device=device) * interval).long()
+    per_frame = gh * gw
+    return torch.stack([temporal.repeat_interleave(per_frame),
+                        torch.arange(gh, device=device).repeat_interleave(gw).repeat(t),
+                        torch.arange(gw, device=device).repeat(gh * t)]) + start
+
+
 def mrope_position_ids(input_ids: torch.Tensor, image_token_id: int, grids: Sequence[Tuple[int, int]],
-                       merge: int) -> torch.Tensor:
-    """``[3, b, s]`` (t, h, w) positions: each run of image tokens is the next image (one frame,
-    ``grids`` its patch grid) and holds exactly its merged patches."""
+                       merge: int, *, video_token_id: Optional[int] = None,
+                       video_grids: Sequence[Tuple[int, int, int]] = (), intervals=None) -> torch.Tensor:
+    """``[3, b, s]`` (t, h, w) positions by transformers' ``get_rope_index`` rule: text counts up by
+    one; each run of image tokens is the next image (``grids``: its (h, w) patch grid, one frame);
+    each run of video tokens the next entry of ``video_grids`` ((t, h, w): t temporal patches of an
+    h×w patch grid) with its temporal step from ``intervals`` (one per entry, default 1); each run
+    holds exactly its merged patches (:func:`vision_positions`), and the text after a run continues
+    at start + the larger merged side, whatever its temporal extent (as transformers counts)."""
     b, s = input_ids.shape
     out = torch.zeros(3, b, s, dtype=torch.long, device=input_ids.device)
-    images = iter(grids)
+    kinds = (input_ids == image_token_id).long()
+    if video_token_id is not None:
+        kinds = kinds + 2 * (input_ids == video_token_id).long()
+    sources = {1: iter([(1, h, w) for h, w in grids]), 2: iter(list(video_grids))}
+    steps = iter(list(intervals) if intervals is not None else [])
+    names = {1: "image", 2: "video"}
     for row in range(b):
-        is_image = (input_ids[row] == image_token_id).tolist()
+        marks = kinds[row].tolist()
         pos, i = 0, 0
         while i < s:
             j = i
-            while j < s and is_image[j] == is_image[i]:
+            while j < s and marks[j] == marks[i]:
                 j += 1
-            if not is_image[i]:
+            kind = marks[i]
+            if kind == 0:
                 out[:, row, i:j] = torch.arange(pos, pos + j - i, device=out.device)
                 pos += j - i
             else:
                 try:
-                    h, w = next(images)
+                    t, h, w = next(sources[kind])
                 except StopIteration:
-                    raise ValueError("more runs of image tokens in the ids than images") from None
+                    raise ValueError(f"more runs of {names[kind]} tokens in the ids than {names[kind]} "
+                                     f"grids") from None
+                step = next(steps, 1) if kind == 2 else 1
                 gh, gw = h // merge, w // merge
-                if j - i != gh * gw:
-                    raise ValueError(f"a run of {j - i} image tokens for an image of {gh}x{gw} merged patches")
-                out[0, row, i:j] = pos
-                out[1, row, i:j] = torch.arange(gh, device=out.device).repeat_interleave(gw) + pos
-                out[2, row, i:j] = torch.arange(gw, device=out.device).repeat(gh) + pos
+                if j - i != t * gh * gw:
+                    raise ValueError(f"a run of {j - i} {names[kind]} tokens for a {t}x{gh}x{gw} grid of "
+                                     f"merged patches")
+                out[:, row, i:j] = vision_positions(pos, t, gh, gw, step, out.device)
                 pos += max(gh, gw)
             i = j
     return out
+
+
+def video_runs(video_grids: Sequence[Tuple[int, int, int]], seconds=None, *, frames_apart: bool,
+               tokens_per_second: float = 1) -> Tuple[list, Optional[list]]:
+    """(the clips' (t, h, w) patch grids as runs of video tokens, one temporal step per run): with
+    ``frames_apart`` (timestamp text between a clip's temporal patches) each temporal patch is a
+    one-frame run (its step unused); else each clip is one run stepping ``tokens_per_second`` times
+    its ``seconds`` per temporal patch, those fp32 as transformers holds them (1 where none given)."""
+    if frames_apart:
+        return [(1, h, w) for t, h, w in video_grids for _ in range(t)], None
+    if seconds is None:
+        return list(video_grids), [tokens_per_second] * len(video_grids)
+    times = torch.as_tensor(seconds, dtype=torch.float32)
+    if times.numel() != len(video_grids):
+        raise ValueError(f"{times.numel()} seconds per temporal patch for {len(video_grids)} videos")
+    return list(video_grids), [tokens_per_second * times[i] for i in range(len(video_grids))]
 
 
 def language_spec():
@@ -158,13 +200,30 @@ def build_language_model(text, params_dtype, vocab_size: int, *, pre_process: bo
 
 
 class Qwen3VLModel(MegatronModule):
+    """ids, images and video clips -> logits or the per-token loss.
+
+    Images: packed single-frame rows and their pixel sizes. Videos: packed processor rows (C·T·P·P,
+    real frames in each temporal patch) and per clip ``(t, H, W)``: t temporal patches of H×W
+    pixels. The tower runs the images, then the clips, as transformers does (a clip's temporal
+    patches attend each within itself, so they run as t frames of one size); the merged features
+    take the places of the image and the video tokens, and DeepStack features are added at both.
+
+    Video positions: Qwen3-VL separates a clip's temporal patches by timestamp text, so each is its
+    own run of video tokens with one frame's positions (:attr:`frames_apart`); Qwen2.5-VL keeps a
+    clip one run whose temporal position steps by ``tokens_per_second`` times its seconds per
+    temporal patch."""
+
+    frames_apart = True
+
     def __init__(self, vision: Optional[tower.Qwen3VLViTModel], language_model: GPTModel, *,
-                 image_token_id: int, vocab_size: int, merge: int, patch_dim: int):
+                 image_token_id: int, vocab_size: int, merge: int, patch_dim: int,
+                 video_token_id: Optional[int] = None, tokens_per_second: float = 1):
         super().__init__(config=language_model.config)
         self.vision_model = vision
         self.language_model = language_model
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
         self.image_token_id, self.vocab_size = image_token_id, vocab_size
+        self.video_token_id, self.tokens_per_second = video_token_id, tokens_per_second
         self.merge, self.patch_dim = merge, patch_dim
         tolerate_missing_extra_state(self)
 
@@ -183,8 +242,13 @@ class Qwen3VLModel(MegatronModule):
         deep = self.vision_model.deepstack(taps, h, w)
         return pooled.reshape(-1, pooled.shape[-1]), [d.reshape(-1, d.shape[-1]) for d in deep]
 
+    def video_positions(self, video_grids, seconds) -> Tuple[list, Optional[list]]:
+        return video_runs(video_grids, seconds, frames_apart=self.frames_apart,
+                          tokens_per_second=self.tokens_per_second)
+
     def _inject(self, features: List[torch.Tensor], image: torch.Tensor):
-        """Forward hooks adding DeepStack feature ``k`` after decoder layer ``k`` at the image tokens."""
+        """Forward hooks adding DeepStack feature ``k`` after decoder layer ``k`` at the vision
+        tokens ``image`` (images' and videos')."""
         layers = numbered_layers(self.language_model.decoder)
         missing = sorted(set(range(len(features))) - {index for index, _ in layers})
         if missing:
@@ -201,28 +265,45 @@ class Qwen3VLModel(MegatronModule):
         return handles
 
     def forward(self, rows: Optional[torch.Tensor], input_ids: torch.Tensor, *, imgs_sizes,
-                labels: Optional[torch.Tensor] = None):
+                labels: Optional[torch.Tensor] = None, video_rows: Optional[torch.Tensor] = None,
+                video_sizes: Sequence[Tuple[int, int, int]] = (), video_seconds=None):
         # mcore's TP gather of the logits allocates on torch.cuda.current_device(): the host's here.
         with host_placement(input_ids.device):
-            return self._forward(rows, input_ids, imgs_sizes, labels)
+            return self._forward(rows, input_ids, imgs_sizes, labels, video_rows, video_sizes, video_seconds)
 
-    def _forward(self, rows, input_ids, imgs_sizes, labels):
-        grids = [(h // self.patch_dim, w // self.patch_dim) for h, w in imgs_sizes]
-        positions = mrope_position_ids(input_ids, self.image_token_id, grids, self.merge)
+    def _vision(self, batch_major, mask, rows, sizes, what: str):
+        """Place the merged features of ``rows`` at ``mask``; -> the DeepStack features."""
+        merged, deep = self.image_features(rows, sizes)
+        if int(mask.sum()) != merged.shape[0]:
+            raise ValueError(f"{int(mask.sum())} {what} tokens in the ids for {merged.shape[0]} {what} embeddings")
+        batch_major[mask] = merged.to(batch_major.dtype)
+        return deep
+
+    def _forward(self, rows, input_ids, imgs_sizes, labels, video_rows, video_sizes, video_seconds):
+        p = self.patch_dim
+        grids = [(h // p, w // p) for h, w in imgs_sizes]
+        video_grids = [(int(t), h // p, w // p) for t, h, w in video_sizes]
+        runs, steps = self.video_positions(video_grids, video_seconds)
+        positions = mrope_position_ids(input_ids, self.image_token_id, grids, self.merge,
+                                       video_token_id=self.video_token_id, video_grids=runs, intervals=steps)
         image = input_ids == self.image_token_id
+        video = (input_ids == self.video_token_id if self.video_token_id is not None
+                 else torch.zeros_like(image))
+        visual = image | video
         decoder_input, handles = None, []
         if self.pre_process:
-            ids = input_ids.masked_fill(image, 0)
+            ids = input_ids.masked_fill(visual, 0)
             flat = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             embedded = self.language_model.embedding(input_ids=ids, position_ids=flat)  # [s, b, h]
             batch_major = embedded.transpose(0, 1).clone()
+            deep_images = deep_videos = []
             if rows is not None:
-                merged, deep = self.image_features(rows, imgs_sizes)
-                if int(image.sum()) != merged.shape[0]:
-                    raise ValueError(f"{int(image.sum())} image tokens in the ids for {merged.shape[0]} "
-                                     f"image embeddings")
-                batch_major[image] = merged.to(batch_major.dtype)
-                handles = self._inject(deep, image)
+                deep_images = self._vision(batch_major, image, rows, imgs_sizes, "image")
+            if video_rows is not None:
+                # A clip's temporal patches run as frames of its size, one after the other.
+                frames = [(h, w) for t, h, w in video_sizes for _ in range(int(t))]
+                deep_videos = self._vision(batch_major, video, video_rows, frames, "video")
+            handles = self._inject(self._joint(deep_images, deep_videos, image, video), visual)
             decoder_input = batch_major.transpose(0, 1).contiguous()
         try:
             if labels is None or not self.post_process:
@@ -234,6 +315,24 @@ class Qwen3VLModel(MegatronModule):
             for handle in handles:
                 handle.remove()
 
+    @staticmethod
+    def _joint(deep_images: list, deep_videos: list, image: torch.Tensor, video: torch.Tensor) -> list:
+        """Per decoder layer, the DeepStack features of all vision tokens in token order: the
+        images' at the image tokens, the videos' at the video tokens."""
+        if not deep_videos:
+            return deep_images
+        if not deep_images:
+            return deep_videos
+        visual = image | video
+        at_image, at_video = image[visual], video[visual]
+        joint = []
+        for of_images, of_videos in zip(deep_images, deep_videos):
+            both = of_images.new_zeros(int(visual.sum()), of_images.shape[-1])
+            both[at_image] = of_images
+            both[at_video] = of_videos.to(both.dtype)
+            joint.append(both)
+        return joint
+
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> Qwen3VLModel:
     text, vc = cfg.text_config, cfg.vision_config
@@ -241,5 +340,5 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> Qwen3VLModel
                                          tower=lambda: tower.build_native(vc, params_dtype))
     model = Qwen3VLModel(vision, language_model, image_token_id=cfg.image_token_id,
                          vocab_size=text.vocab_size, merge=vc.spatial_merge_size,
-                         patch_dim=int(vc.patch_size))
+                         patch_dim=int(vc.patch_size), video_token_id=cfg.video_token_id)
     return model.to(params_dtype)
