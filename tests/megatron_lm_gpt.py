@@ -108,7 +108,8 @@ def model_flags(cfg) -> list[str]:
     flags += ["--rotary-base", _number(rope["rope_theta"])]
     if text.model_type != "deepseek_v3":
         return flags + ["--group-query-attention", "--num-query-groups", str(text.num_key_value_heads),
-                        "--kv-channels", str(text.head_dim)]
+                        "--kv-channels", str(getattr(text, "head_dim", None)  # Qwen2 has no head_dim field
+                                             or text.hidden_size // text.num_attention_heads)]
     flags += ["--multi-latent-attention", "--q-lora-rank", str(text.q_lora_rank),
               "--kv-lora-rank", str(text.kv_lora_rank), "--qk-head-dim", str(text.qk_nope_head_dim),
               "--qk-pos-emb-head-dim", str(text.qk_rope_head_dim), "--v-head-dim", str(text.v_head_dim),
@@ -258,6 +259,21 @@ def _cpu_float_parameters_pass_as_cuda():
 
 
 @contextlib.contextmanager
+def _te_version_passes():
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+
+    from mmparity.models.core import te_stand_ins
+
+    saved = provider.is_te_min_version
+    if not te_stand_ins.HAVE_TE:
+        provider.is_te_min_version = lambda *unused, **unused_kw: True
+    try:
+        yield
+    finally:
+        provider.is_te_min_version = saved
+
+
+@contextlib.contextmanager
 def _te_specs(gpt_builders):
     """``gpt_builders``' TE spec functions through the stand-ins (Megatron's own spec), the
     hybrid (experimental attention variant) block spec included."""
@@ -269,7 +285,12 @@ def _te_specs(gpt_builders):
     saved = {name: getattr(gpt_builders, name) for name in names + (hybrid, "core_transformer_config_from_args")}
 
     def through(original):
-        return lambda *a, **k: te_stand_ins.megatron_te_spec(original, *a, **k)
+        def spec(*a, **k):
+            # The provider picks the q/k norms' class (--qk-layernorm) by TE's version, which it
+            # cannot read without TE: the stand-in TENorm, as TE >= 1.9 gives.
+            with _te_version_passes():
+                return te_stand_ins.megatron_te_spec(original, *a, **k)
+        return spec
 
     def hybrid_through(original):
         def spec(*a, **k):

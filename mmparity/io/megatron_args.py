@@ -137,7 +137,11 @@ def _decoder_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     }
     if getattr(model, "kv_lora_rank", None) is None:
         qkv_bias, linear_bias = hfconfig.decoder_biases(model)
-        # Qwen3's per-head q/k norms are there where the keys hold them.
+        # What the tensors hold decides, where the config has no switch for it: Qwen2.5-VL's text
+        # config (model type ``qwen2_5_vl_text``) names no q/k/v bias, yet its attention has them.
+        # Qwen3's per-head q/k norms likewise are there where the keys hold them.
+        qkv_bias = qkv_bias or any(k.endswith("self_attention.linear_qkv.bias") for k in shapes)
+        linear_bias = linear_bias or any(k.endswith("self_attention.linear_proj.bias") for k in shapes)
         fields.update(add_qkv_bias=qkv_bias, add_bias_linear=linear_bias, rotary_interleaved=False,
                       qk_layernorm=any(k.endswith("self_attention.q_layernorm.weight") for k in shapes))
         return fields
