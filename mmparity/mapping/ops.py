@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from mmparity.errors import ConversionError
 from mmparity.parallel.tp import cat
 
 Tensors = list[torch.Tensor]
@@ -19,6 +20,11 @@ Tensors = list[torch.Tensor]
 
 class LayoutError(ValueError):
     """A tensor does not have the shape an op needs; the message names the op and the shapes."""
+
+
+class AmbiguousLayout(ConversionError):
+    """The stored tensors fit more than one layout of the family, and the reading transformers
+    would do is not the files' own: a refusal no other reading of the files may override."""
 
 
 def _own(t: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
@@ -344,6 +350,33 @@ class Unstack(Op):
 
     def __repr__(self):
         return f"Unstack(count={self.count})"
+
+
+@dataclass(frozen=True, repr=False)
+class UnstackTransposed(Op):
+    """One HF tensor holding a stack of ``count`` transposed matrices (``[experts, cols, rows]``,
+    as Qwen's MoE releases store fused experts) <-> ``count`` mcore tensors ``[rows, cols]``.
+    Not an :class:`Unstack`: an entry of the stack is not an mcore tensor's rows."""
+
+    count: int
+
+    @property
+    def n_mcore(self) -> int:
+        return self.count
+
+    def apply(self, hf):
+        t = hf[0]
+        if t.dim() != 3 or t.shape[0] != self.count:
+            raise LayoutError(f"{self!r}: expected a stack of {self.count} matrices, got {tuple(t.shape)}")
+        return [_own(t[j].transpose(0, 1), hf) for j in range(self.count)]
+
+    def invert(self, mcore):
+        if len(mcore) != self.count or len({tuple(t.shape) for t in mcore}) != 1 or mcore[0].dim() != 2:
+            raise LayoutError(f"{self!r}: expected {self.count} matrices of one shape, got {_shapes(mcore)}")
+        return [_own(cat([t.transpose(0, 1).unsqueeze(0) for t in mcore], dim=0), mcore)]
+
+    def __repr__(self):
+        return f"UnstackTransposed(count={self.count})"
 
 
 def fuse_gate_up() -> Concat:

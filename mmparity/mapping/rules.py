@@ -200,7 +200,10 @@ class ConverterSpec:
 
     def detect(self, keys) -> str:
         """Which HF-side layout (e.g. ``hf`` or ``mistral``) a key set is in, from the keys alone."""
-        return self.detect_format(list(keys)) if self.detect_format else self.formats[0]
+        if not self.detect_format:
+            return self.formats[0]
+        # Names with their shapes where the caller has them (a layout may differ by shape alone).
+        return self.detect_format(keys if isinstance(keys, Mapping) else list(keys))
 
     def rules(self, cfg, hf_format: str | None = None, keys=None, *, family: str = "") -> RuleSet:
         """The table for ``cfg`` in ``hf_format``; detected from ``keys`` when not given.

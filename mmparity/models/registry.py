@@ -205,8 +205,13 @@ class Family(FamilyRecord):
         if hf_format is not None or keys is None:
             return self.converter.rules(cfg, hf_format, keys, family=self.name)
         names = list(keys)
+        from mmparity.mapping.ops import AmbiguousLayout
+
         try:
-            table, refusal = self.converter.rules(cfg, None, names, family=self.name), None
+            table, refusal = self.converter.rules(cfg, None, stored if stored is not None else names,
+                                                  family=self.name), None
+        except AmbiguousLayout:
+            raise  # transformers' reading would be the misreading it names
         except ConversionError as exc:
             table, refusal = None, exc
         unknown = _not_taken(table, names) if table is not None else names

@@ -191,49 +191,74 @@ def test_language_model_alone_reports_the_tower_left_out(saved, tmp_path, capsys
     assert "left out" in out.out + out.err
 
 
-def test_the_transposed_expert_layout_is_refused_by_shape_in_one_line(saved, tmp_path, capsys):
-    """Qwen's release stores the stacked experts transposed (``[E, H, 2F]``), which transformers
-    turns by shape on load; the family's own table is the module's layout, and says so by shape,
-    not half-way."""
+def _transposed_release(src, dst):
+    """``src`` with its stacked experts stored as Qwen's releases store them (``[E, H, 2F]``,
+    ``[E, F, H]``): what transformers' ``from_pretrained`` turns back on load."""
     from safetensors.torch import save_file
 
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
-    src = tmp_path / "hf"
-    src.mkdir()
-    (src / "config.json").write_text((saved / "config.json").read_text())
-    state = load_safetensors_state_dict(saved)
-    turned = {k: (v.transpose(1, 2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v).contiguous()
-              for k, v in state.items()}
-    save_file(turned, str(src / "model.safetensors"))
-    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--quiet") == 2
-    err = capsys.readouterr().err.strip()
-    assert "experts.gate_up_proj" in err and "shape" in err and "\n" not in err
-    assert not (tmp_path / "m").exists()
-
-
-def test_the_transposed_expert_layout_reads_through_transformers_mapping_as_the_module_layout(saved, tmp_path):
-    """With ``--hf-format transformers`` the release's transposed experts are read as transformers
-    reads them (turned by shape): the same Megatron checkpoint, tensor for tensor."""
-    from safetensors.torch import save_file
-
-    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
-
-    src = tmp_path / "hf"
-    src.mkdir()
-    (src / "config.json").write_text((saved / "config.json").read_text())
-    state = load_safetensors_state_dict(saved)
+    dst.mkdir(parents=True)
+    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json"):
+        if (src / name).exists():
+            (dst / name).write_bytes((src / name).read_bytes())
+    state = load_safetensors_state_dict(src)
     save_file({k: (v.transpose(1, 2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v).contiguous()
-               for k, v in state.items()}, str(src / "model.safetensors"))
-    for name, source, extra in (("a", saved, ()), ("b", src, ("--hf-format", "transformers"))):
+               for k, v in state.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def _rank_tensors(path) -> dict:
+    state = torch.load(next(path.glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_the_transposed_expert_layout_is_read_by_shape_as_transformers_reads_it(saved, tmp_path):
+    """Qwen's release stores the stacked experts transposed; transformers' ``from_pretrained``
+    turns each whose shape is not the module's. ``convert`` tells the layout from the shapes, with
+    no flag: the same Megatron checkpoint as from the module's layout (and as through transformers'
+    own mapping, ``--hf-format transformers``), tensor for tensor; exported back, the experts are
+    stored transposed again, bit for bit."""
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+
+    src = _transposed_release(saved, tmp_path / "hf")
+    loaded = fam().build_reference(fam().tiny_config()).from_pretrained(src).state_dict()
+    own = load_safetensors_state_dict(saved)
+    assert all(torch.equal(loaded[k], v) for k, v in own.items())  # transformers reads it as the module's
+    for name, source, extra in (("a", saved, ()), ("b", src, ()), ("c", src, ("--hf-format", "transformers"))):
         assert _run("convert", "--src", source, "--dst", tmp_path / name, "--to", "mcore", "--format", "legacy",
                     "--quiet", *extra) == 0
-    a, b = (torch.load(next((tmp_path / n).glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
-            for n in "ab")
-    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
-    assert any(".mlp.experts.linear_fc1.weight" in k for k in tensors)
-    assert all(torch.equal(a[k], b[k]) for k in tensors) and sorted(tensors) == sorted(
-        k for k, v in b.items() if isinstance(v, torch.Tensor))
+    a, b, c = (_rank_tensors(tmp_path / n) for n in "abc")
+    assert any(".mlp.experts.linear_fc1.weight" in k for k in a)
+    assert sorted(a) == sorted(b) == sorted(c) and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert _run("convert", "--src", tmp_path / "b", "--dst", tmp_path / "back", "--to", "hf", "--quiet") == 0
+    back, stored = load_safetensors_state_dict(tmp_path / "back"), load_safetensors_state_dict(src)
+    assert sorted(back) == sorted(stored) and all(torch.equal(back[k], v) for k, v in stored.items())
+    assert back["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape != \
+        own["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape
+
+
+def test_the_transposed_expert_layout_is_refused_in_one_line_only_where_shapes_are_ambiguous(tmp_path, capsys):
+    """hidden = 2F: a ``gate_up_proj`` is ``[E, H, H]`` in both layouts, and transformers keeps it
+    unturned (it compares shapes only) while turning the ``down_proj`` beside it, which misreads
+    a transposed release: run here. mmparity refuses that in one line, writing nothing; the same
+    model stored in the module's layout converts."""
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+    from tests.io.test_megatron_written import save_hf_state
+
+    cfg = moe_reference.tiny_config(moe_intermediate_size=20)
+    assert cfg.text_config.hidden_size == 2 * cfg.text_config.moe_intermediate_size
+    model = fam().build_reference(cfg)
+    plain = save_hf_state(FAMILY, tmp_path / "plain", random_like_state(model.state_dict(), seed=4), cfg)
+    src = _transposed_release(plain, tmp_path / "hf")
+    key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    misread = type(model).from_pretrained(src).state_dict()[key]
+    assert not torch.equal(misread, load_safetensors_state_dict(plain)[key])  # transformers' own misreading
+    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert "gate_up_proj" in err and "transposed" in err and "--hf-format" in err and "\n" not in err, err
+    assert not (tmp_path / "m").exists()
+    assert _run("convert", "--src", plain, "--dst", tmp_path / "ok", "--to", "mcore", "--quiet") == 0
 
 
 @pytest.mark.slow
