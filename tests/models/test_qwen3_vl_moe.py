@@ -242,7 +242,7 @@ def test_the_transposed_expert_layout_is_refused_in_one_line_only_where_shapes_a
     """hidden = 2F: a ``gate_up_proj`` is ``[E, H, H]`` in both layouts, and transformers keeps it
     unturned (it compares shapes only) while turning the ``down_proj`` beside it, which misreads
     a transposed release: run here. mmparity refuses that in one line, writing nothing; the same
-    model stored in the module's layout converts."""
+    model stored in the module's layout converts, and so does the release with its layout said."""
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
     from tests.io.test_megatron_written import save_hf_state
 
@@ -258,7 +258,12 @@ def test_the_transposed_expert_layout_is_refused_in_one_line_only_where_shapes_a
     err = capsys.readouterr().err.strip()
     assert "gate_up_proj" in err and "transposed" in err and "--hf-format" in err and "\n" not in err, err
     assert not (tmp_path / "m").exists()
-    assert _run("convert", "--src", plain, "--dst", tmp_path / "ok", "--to", "mcore", "--quiet") == 0
+    # The fix it names: the layout said, the same checkpoint as from the module's layout.
+    for name, source, extra in (("ok", plain, ()), ("told", src, ("--hf-format", moe_mapping.TRANSPOSED))):
+        assert _run("convert", "--src", source, "--dst", tmp_path / name, "--to", "mcore", "--format", "legacy",
+                    "--quiet", *extra) == 0
+    ok, told = _rank_tensors(tmp_path / "ok"), _rank_tensors(tmp_path / "told")
+    assert sorted(ok) == sorted(told) and all(torch.equal(ok[k], told[k]) for k in ok)
 
 
 @pytest.mark.slow

@@ -106,17 +106,17 @@ def detect_format(keys) -> str:
         (_, a, b), (_, c, d) = pair["gate_up_proj"], pair["down_proj"]
         if b == 2 * c and a == d:
             transposed.append(prefix)
-        square += [prefix + name for name, (_, x, y) in sorted(pair.items()) if x == y]
+        square += [(prefix + name, shape) for name, shape in sorted(pair.items()) if shape[1] == shape[2]]
     if not transposed:
         return FORMATS[0]
     if square:
-        first = square[0]
+        key, shape = square[0]
         raise AmbiguousLayout(
             "the stacked experts' layout cannot be told from their shapes",
-            [f"{first} is {list(layers[first.rsplit('.', 1)[0] + '.'][first.rsplit('.', 1)[1]])}, the same in "
-             f"the module's layout and transposed, while {transposed[0]}* are stored transposed "
-             f"([E, H, 2F] / [E, F, H]); transformers keeps such a tensor unturned and would misread it: "
-             f"store the experts in one layout with --hf-format hf (the module's) or {TRANSPOSED}"])
+            [f"{key} is {list(shape)} in the module's layout and transposed alike, while {transposed[0]}* "
+             f"are stored transposed ([E, H, 2F] / [E, F, H]); transformers keeps such a tensor unturned, "
+             f"a misreading: say which layout the files are in with --hf-format {TRANSPOSED} (every stack "
+             f"transposed, as Qwen's releases) or --hf-format {FORMATS[0]} (the module's)"])
     return TRANSPOSED
 
 
