@@ -254,6 +254,7 @@ def test_the_transposed_expert_layout_is_refused_in_one_line_only_where_shapes_a
     key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
     misread = type(model).from_pretrained(src).state_dict()[key]
     assert not torch.equal(misread, load_safetensors_state_dict(plain)[key])  # transformers' own misreading
+    capsys.readouterr()  # transformers' progress bars
     assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--quiet") == 2
     err = capsys.readouterr().err.strip()
     assert "gate_up_proj" in err and "transposed" in err and "--hf-format" in err and "\n" not in err, err
