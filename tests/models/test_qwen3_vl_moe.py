@@ -218,7 +218,7 @@ def test_the_transposed_expert_layout_is_read_by_shape_as_transformers_reads_it(
     turns each whose shape is not the module's. ``convert`` tells the layout from the shapes, with
     no flag: the same Megatron checkpoint as from the module's layout (and as through transformers'
     own mapping, ``--hf-format transformers``), tensor for tensor; exported back, the experts are
-    stored transposed again, bit for bit."""
+    stored transposed again, bit for bit; and ``check --hf`` passes on it."""
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     src = _transposed_release(saved, tmp_path / "hf")
@@ -236,6 +236,7 @@ def test_the_transposed_expert_layout_is_read_by_shape_as_transformers_reads_it(
     assert sorted(back) == sorted(stored) and all(torch.equal(back[k], v) for k, v in stored.items())
     assert back["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape != \
         own["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape
+    assert _run("check", "--hf", src) == 0  # no --family, no --hf-format: the release as it is stored
 
 
 def test_the_transposed_expert_layout_is_refused_in_one_line_only_where_shapes_are_ambiguous(tmp_path, capsys):
