@@ -93,6 +93,7 @@ def assert_loaded_as_mmparity_loads(results: list[dict], iteration: int = 1) -> 
     for r in results:
         assert "load_error" not in r, r
         assert r["iteration"] == iteration and r["tensors"] > 0 and not r["unequal"], r
+        assert not r.get("strict_failed"), r  # a strict load Megatron-LM retried non-strict loaded nothing
     last = [r for r in results if "rel_l2" in r]
     assert last, results
     for r in last:

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import pytest
 
-from mmparity.parallel import runtime
 from tests import megatron_lm_gpt as lm
 from tests.cli.test_convert_cli import run_cli
 from tests.io.test_megatron_written import check_export, make_pair
+from tests.megatron.test_megatron_lm_gpt import report, run_ranks
 
 
 def _skip_reason() -> str | None:
@@ -122,15 +122,6 @@ def convert(capsys, src: Path, dst: Path, fmt: str, grid: tuple) -> Path:
                              "--tp", tp, "--pp", pp, "--ep", ep)
     assert code == 0, out + err
     return dst
-
-
-def report(capsys, line: str) -> None:
-    with capsys.disabled():
-        print(f"MEASURED {line}")
-
-
-def run_ranks(params: dict) -> list[dict]:
-    return runtime.spawn(lm.gpt_rank, params["tp"] * params["pp"] * params["ep"], params)
 
 
 @pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])

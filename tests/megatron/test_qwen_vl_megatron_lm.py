@@ -45,15 +45,13 @@ otherwise, as in CI. The CPU stand-ins are the harness's (``tests/megatron_lm_gp
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
 from mmparity.models import registry as families
-from mmparity.parallel import runtime
 from tests import megatron_lm_gpt as lm
-from tests.cli.test_convert_cli import run_cli
 from tests.io.test_megatron_written import check_export, make_pair
+from tests.megatron.test_megatron_lm_gpt import assert_loaded_as_mmparity_loads, convert_part, report, run_ranks
 
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
@@ -61,7 +59,6 @@ pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.ma
 # (TP, PP, EP): the dense decoders' layers over two stages, the experts over two ranks (more
 # ranks do not finish on a two-core machine).
 GRIDS = {"qwen3_vl_whole": (2, 2, 1), "qwen2_5_vl_whole": (2, 2, 1), "qwen3_vl_moe": (2, 1, 2)}
-HF_REL_L2 = 1e-5
 
 
 def model_flags(cfg) -> list[str]:
@@ -109,35 +106,6 @@ def releases(tmp_path_factory) -> dict:
         cfg = tiny(family)
         made[family] = (*make_pair(family, tmp_path_factory.mktemp(family), cfg), cfg)
     return made
-
-
-def convert_part(capsys, src: Path, dst: Path, fmt: str, grid: tuple) -> Path:
-    tp, pp, ep = grid
-    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", dst, "--to", "mcore", "--part", "language_model",
-                             "--format", fmt, "--tp", tp, "--pp", pp, "--ep", ep)
-    assert code == 0, out + err
-    assert "laid out for Megatron's GPTModel" in out
-    return dst
-
-
-def report(capsys, line: str) -> None:
-    with capsys.disabled():
-        print(f"MEASURED {line}")
-
-
-def run_ranks(params: dict) -> list[dict]:
-    return runtime.spawn(lm.gpt_rank, params["tp"] * params["pp"] * params["ep"], params)
-
-
-def assert_loaded_as_mmparity_loads(results: list[dict]) -> None:
-    for r in results:
-        assert "load_error" not in r, r
-        assert r["iteration"] == 1 and r["tensors"] > 0 and not r["unequal"] and not r["strict_failed"], r
-    last = [r for r in results if "rel_l2" in r]
-    assert last, results
-    for r in last:
-        assert r["equal"], r  # the same class and weights: the same logits, bit for bit
-        assert r["hf_rel_l2"] <= HF_REL_L2, r
 
 
 def test_the_flags_are_the_recorded_args(capsys, tmp_path, releases):
