@@ -28,6 +28,17 @@ from tests.faults.test_faults import FAMILY, REPO, as_from_a_terminal, sources  
 pytestmark = pytest.mark.fault
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises_as_at_a_terminal():
+    """These tests raise SIGINT in this process and expect Python's KeyboardInterrupt. A suite
+    started as a shell's background job (`.ci/run &` from a script) inherits SIGINT ignored, and the
+    interpreter keeps it so: the signal would vanish and each test fail for how it was launched."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_deferred_raises_what_arrived_when_the_block_ends():
     reached = []
     with pytest.raises(KeyboardInterrupt):
