@@ -92,7 +92,7 @@ def _divergence_detail(metrics: dict, tolerance: dict | None = None) -> str:
 def router_summaries(report) -> list:
     """One summary per router check (``CASE:router``, a result of its own): the MoE layers'
     verdicts added up, which layers fail, and the index of its result."""
-    from mmparity.parity.report import is_router
+    from mmparity.parity.report import is_router, routes_alike
 
     summaries = []
     for index, r in enumerate(report.results):
@@ -104,7 +104,7 @@ def router_summaries(report) -> list:
                           "layers": totals.get("layers", len(rows)), "tokens": totals.get("tokens", 0),
                           "same_experts": totals.get("same_experts", 0), "ties": totals.get("ties", 0),
                           "allowed": totals.get("allowed", 0), "passed": r.passed,
-                          "failing": [row["module"] for row in rows if not row.get("passed")],
+                          "failing": [row["module"] for row in rows if not routes_alike(row)],
                           "errors": [f"{row['module']}: {row['error']}" for row in rows if "error" in row]})
     return summaries
 

@@ -22,6 +22,15 @@ def is_router(name: str) -> bool:
     return name.endswith(ROUTER_SUFFIX)
 
 
+def routes_alike(row: dict) -> bool:
+    """Whether a router pair's row (the harness's) sends every token to HF's experts, ties and the
+    dtype's noise floor aside: what a router check gates on."""
+    verdict = (row.get("metrics") or {}).get("router")
+    if "error" in row or not isinstance(verdict, dict):
+        return False
+    return verdict.get("disagreements", 0) <= verdict.get("allowed", 0)
+
+
 def _spelled(value: float) -> str:
     return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
 

@@ -20,7 +20,7 @@ import torch
 from mmparity.models.spec import routing_tensor  # noqa: F401  (what router pairs' extractors return)
 # Paired modules named so are routers, compared by :func:`agreement`, not as one tensor. The name
 # rule lives with the report's schema, which a reader of a saved report uses without torch.
-from mmparity.parity.report import ROUTER_SUFFIX, is_router  # noqa: F401
+from mmparity.parity.report import ROUTER_SUFFIX, is_router, routes_alike  # noqa: F401
 
 # Choice scores are sigmoid outputs plus a bias, of order one; a tie is a difference the model's
 # arithmetic could have made (a few units in the last place of its dtype).
@@ -82,3 +82,4 @@ def agreement(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
         worst = max(worst, gap)
         ties += gap <= tolerance
     return RouterAgreement(int(same.numel()), int(same.sum()), ties, worst, tolerance), same
+

@@ -51,7 +51,8 @@ def test_fp32_parity_within_policy(family):
     failures = [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
     assert report.passed, failures
     for result in report.results:
-        assert result.metrics["rel_l2"] <= 1e-5
+        if "router" not in result.metrics:  # a router check's numbers are a deep module's, which locate
+            assert result.metrics["rel_l2"] <= 1e-5
 
 
 def _layer_key(state: dict, layer: int, suffix: str) -> str:
