@@ -621,7 +621,8 @@ def router_result(family, case, routers: list, module_rows: list, impl: str,
     return Result(family=family, check=f"{case.name}:router", passed=divergence is None,
                   metrics={**numbers, "router": totals},
                   tolerance={"rel_l2": bound} if isinstance(bound, float) else {},
-                  first_divergence=None if divergence is None else (first or divergence), description=case.description, modules=module_rows, impl=impl)
+                  first_divergence=None if divergence is None else (first or divergence),
+                  description=case.description, modules=module_rows, impl=impl)
 
 
 def _compare_router(name, actual, expected, low_precision, dtype):
