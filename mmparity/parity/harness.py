@@ -629,9 +629,9 @@ def _compare_router(name, actual, expected, low_precision, dtype):
     """A router pair's row and divergence: every token routed to HF's experts (or a tie), and
     the routing weights of the tokens that agree within the usual tolerance."""
     try:
-        verdict, same = router.agreement(actual, expected, dtype)
+        verdict, same = router.agreement(actual, expected, dtype, low_precision)
         if low_precision is not None:
-            floor, _ = router.agreement(low_precision, expected, dtype)
+            floor, _ = router.agreement(low_precision, expected, dtype, low_precision)
             verdict.allowed = 2 * floor.disagreements
     except ValueError as exc:
         return {"module": name, "error": str(exc), "passed": False}, Divergence(name, {"error": str(exc)}, {})

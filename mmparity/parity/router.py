@@ -31,6 +31,17 @@ def tie_tolerance(dtype: torch.dtype) -> float:
     return _TIE_ULPS * torch.finfo(dtype).eps
 
 
+def tie_scale(low_precision: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """What counts as a tie at a layer deep in a low-precision model. A router's scores there carry
+    the rounding of every layer before it, not only of its own arithmetic: HF's own model in that
+    dtype moves them by this much against its float32 run. Twice the largest such move (the
+    noise-floor policy of every other bound), and never less than :func:`tie_tolerance`."""
+    if low_precision.shape != expected.shape:
+        return tie_tolerance(dtype)
+    moved = (low_precision[..., 1].float() - expected[..., 1].float()).abs()
+    return max(tie_tolerance(dtype), 2 * float(moved.max()) if moved.numel() else 0.0)
+
+
 @dataclass
 class RouterAgreement:
     tokens: int
@@ -61,16 +72,19 @@ class RouterAgreement:
                 "worst_gap": self.worst_gap, "tie_tolerance": self.tie_tolerance}
 
 
-def agreement(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[RouterAgreement, torch.Tensor]:
+def agreement(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+              low_precision: torch.Tensor | None = None) -> tuple[RouterAgreement, torch.Tensor]:
     """The agreement of ``actual``'s routing with ``expected``'s (HF's), and the mask of tokens
-    that chose the same experts."""
+    that chose the same experts. ``low_precision``: HF's own model in ``dtype`` (when that is not
+    the reference's), whose score error at this layer widens what counts as a tie
+    (:func:`tie_scale`)."""
     if actual.shape != expected.shape or actual.dim() != 3 or actual.shape[-1] != 2:
         raise ValueError(f"router outputs of shapes {tuple(actual.shape)} and {tuple(expected.shape)}: "
                          "expected equal [tokens, experts, 2]")
     chosen, reference = actual[..., 0] != 0, expected[..., 0] != 0
     same = (chosen == reference).all(dim=-1)
     scores = expected[..., 1]
-    tolerance = tie_tolerance(dtype)
+    tolerance = tie_tolerance(dtype) if low_precision is None else tie_scale(low_precision, expected, dtype)
     ties, worst = 0, 0.0
     for token in (~same).nonzero().flatten().tolist():
         only_reference = scores[token][reference[token] & ~chosen[token]]

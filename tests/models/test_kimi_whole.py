@@ -111,6 +111,23 @@ def test_router_agreement_tells_a_tie_from_a_disagreement():
     assert tie_only.passed and tie_only.fraction == 0.0
 
 
+def test_a_tie_deep_in_a_low_precision_model_is_what_hfs_own_rounding_moves_there():
+    # Token 1's gap (0.2) is far beyond bf16's own 8 ulps, but HF's bf16 model moved that layer's
+    # scores by up to 0.15 against its float32 run: twice that closes the gap, so it is a tie.
+    scores = torch.tensor([[0.9, 0.6, 0.4, 0.1], [0.9, 0.6, 0.4, 0.1]])
+    hf = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0]])
+    other = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.6, 0.0, 0.4, 0.0]])
+    expected = router.routing_tensor(hf, scores)
+    alone, _ = router.agreement(router.routing_tensor(other), expected, torch.bfloat16)
+    assert (alone.ties, alone.disagreements) == (0, 1)
+    hf_bf16 = router.routing_tensor(hf, scores + torch.tensor([[0.0, 0.15, 0.0, 0.0], [0.0, -0.05, 0.0, 0.0]]))
+    deep, _ = router.agreement(router.routing_tensor(other), expected, torch.bfloat16, hf_bf16)
+    assert (deep.ties, deep.disagreements, deep.tie_tolerance) == (1, 0, pytest.approx(0.3))
+    # HF's own scores barely moving leaves the dtype's own rounding as the measure.
+    still, _ = router.agreement(router.routing_tensor(other), expected, torch.bfloat16, expected)
+    assert still.disagreements == 1 and still.tie_tolerance == router.tie_tolerance(torch.bfloat16)
+
+
 # --- layouts ---------------------------------------------------------------------------------------
 
 def test_release_layout_holds_each_expert_as_the_stacked_tensors_slice(fam):
