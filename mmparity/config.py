@@ -200,7 +200,12 @@ def dense_layer_range(text) -> range:
 
 
 def shared_expert_size(text) -> int:
-    """The shared experts' combined intermediate width (HF builds them as one MLP)."""
+    """The shared experts' combined intermediate width (HF builds them as one MLP): stated whole
+    (Qwen's ``shared_expert_intermediate_size``) or as a count of routed experts' widths
+    (DeepSeek's ``n_shared_experts``)."""
+    whole = getattr(text, "shared_expert_intermediate_size", None)
+    if whole:
+        return int(whole)
     return int(text.moe_intermediate_size) * int(getattr(text, "n_shared_experts", 0) or 0)
 
 

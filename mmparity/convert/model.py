@@ -40,6 +40,20 @@ class Model:
             self._rules.setdefault(table.hf_format, table)
         return table
 
+    @property
+    def recorded_args(self) -> dict:
+        """Megatron-LM arguments its family (and, for a whole VLM, its language model) declares
+        beyond what the config's common fields and the tensors tell."""
+        facts = dict(self.spec.megatron_args)
+        if self.spec.composed or self.spec.with_language:
+            from mmparity.models import registry
+
+            try:
+                facts.update(registry.language_of(self.cfg).megatron_args)
+            except ValueError:  # no registered language model: nothing more to say
+                pass
+        return facts
+
     def expected_shapes(self, tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE, part: str = "") -> dict | None:
         """mcore shapes the HF config implies: the reference model's state-dict shapes (read off the
         config, so no model is imported), converted by the default table (``part``: that part's

@@ -67,11 +67,13 @@ def _model_config(cfg):
 
 
 def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: str, grid: Grid,
-                    vocab_multiple: int | None = None) -> argparse.Namespace:
+                    vocab_multiple: int | None = None, declared: Mapping | None = None) -> argparse.Namespace:
     """The ``args`` subset Megatron-LM's loader reads, for a checkpoint of ``shapes`` (mcore key ->
     shape at TP 1, in plan order) converted from HF config ``cfg`` for a run on ``grid`` (TP x PP x EP).
 
-    ``ckpt_format`` is Megatron-LM's name (``torch`` for legacy, ``torch_dist``)."""
+    ``ckpt_format`` is Megatron-LM's name (``torch`` for legacy, ``torch_dist``). ``declared``: what
+    the model's family says of its language model beyond the config's common facts (zero-centred
+    norms, say), recorded where the checkpoint holds a language model."""
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
     model = _model_config(cfg)
@@ -110,6 +112,7 @@ def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: st
         if vocab_multiple is not None:
             fields["make_vocab_size_divisible_by"] = vocab_multiple
         fields.update(_decoder_fields(model, shapes))
+        fields.update(declared or {})
     experts = ep_mod.expert_count(list(shapes))
     if experts:
         fields["num_experts"] = experts
@@ -129,7 +132,10 @@ def _decoder_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     YaRN), so that the checkpoint says everything a run must be given (docs/megatron.md)."""
     rope = hfconfig.rope_parameters(model)
     fields: dict = {
-        "position_embedding_type": "rope", "rotary_base": _number(rope["rope_theta"]), "rotary_percent": 1.0,
+        # --use-checkpoint-args forces these on a run: a rotated fraction left at 1.0 would rotate
+        # every channel of a model that rotates a quarter (Qwen3.5).
+        "position_embedding_type": "rope", "rotary_base": _number(rope["rope_theta"]),
+        "rotary_percent": float(rope.get("partial_rotary_factor", 1.0) or 1.0),
         "normalization": "RMSNorm", "layernorm_epsilon": getattr(model, "rms_norm_eps", None),
         "squared_relu": False,
         "swiglu": getattr(model, "hidden_act", None) in ("silu", "swish"),
@@ -144,6 +150,7 @@ def _decoder_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
         linear_bias = linear_bias or any(k.endswith("self_attention.linear_proj.bias") for k in shapes)
         fields.update(add_qkv_bias=qkv_bias, add_bias_linear=linear_bias, rotary_interleaved=False,
                       qk_layernorm=any(k.endswith("self_attention.q_layernorm.weight") for k in shapes))
+        fields.update(_hybrid_fields(model, shapes))
         return fields
     # Multi-latent attention (DeepSeek-V3): no biases, q/kv up-projection norms, interleaved rope
     # dimensions (mcore's MLA reads them so), YaRN as the release has it.
@@ -163,6 +170,27 @@ def _decoder_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     return fields
 
 
+def _hybrid_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
+    """A hybrid decoder's linear-attention layers (Qwen3.5's Gated DeltaNet) under Megatron-LM's
+    names, which are the HF config's own for the sizes; and an attention output gate, read off
+    the fused q/k/v rows (queries twice over: their values and their gates)."""
+    fields: dict = {}
+    qkv = next((s for k, s in shapes.items() if k.endswith("self_attention.linear_qkv.weight")), None)
+    head = getattr(model, "head_dim", None)
+    if qkv is not None and isinstance(head, int):
+        heads, groups = hfconfig.num_heads(model), hfconfig.query_groups(model)
+        if int(qkv[0]) == (2 * heads + 2 * groups) * head:
+            fields["attention_output_gate"] = True
+    kinds = list(getattr(model, "layer_types", None) or ())
+    if "linear_attention" in kinds:
+        fields.update(experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=[int(kind == "linear_attention") for kind in kinds],
+                      **{name: getattr(model, name) for name in (
+                          "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                          "linear_num_key_heads", "linear_num_value_heads") if hasattr(model, name)})
+    return fields
+
+
 def _moe_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     """A MoE language model's experts and router under Megatron-LM's argument names: DeepSeek-V3's
     (sigmoid scores with a score-correction bias, group-limited top-k) or a softmax top-k router's
@@ -176,6 +204,7 @@ def _moe_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     return {
         "moe_ffn_hidden_size": getattr(model, "moe_intermediate_size", None),
         "moe_shared_expert_intermediate_size": hfconfig.shared_expert_size(model) or None,
+        "moe_shared_expert_gate": any(k.endswith("mlp.shared_experts.gate_weight") for k in shapes) or None,
         "moe_layer_freq": [int(i in moe) for i in range(model.num_hidden_layers)],
         "moe_router_topk": getattr(model, "num_experts_per_tok", None),
         # DeepSeek-V3's config names no scoring function: its router is the one with a bias.

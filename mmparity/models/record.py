@@ -65,6 +65,9 @@ class FamilyRecord:
     # ``check --low-memory`` reproduces its in-memory report (one module's weights resident at a
     # time); a family whose models that path cannot drive yet says False.
     low_memory: bool = True
+    # Megatron-LM arguments its model needs that neither the HF config's common fields nor the
+    # tensors tell, as ``(name, value)`` pairs: recorded in a converted checkpoint's ``args``.
+    megatron_args: tuple = ()
     name: str = ""
     package: str = ""
 
@@ -97,6 +100,8 @@ class PartRecord:
     text_model_types: tuple
     megatron: str = ""
     why_no_megatron: str = ""
+    # As a family's: the Megatron-LM arguments no common fact tells, recorded in ``args``.
+    megatron_args: tuple = ()
     # The registry's to fill in, as a family's.
     name: str = ""
     package: str = ""

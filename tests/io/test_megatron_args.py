@@ -21,7 +21,8 @@ from tests.mapping.test_convert_roundtrips import save_hf
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("args")
-    return {name: save_hf(name, root / name, seed=4) for name in ("kimi_k25_vl", "mistral3", "clip")}
+    return {name: save_hf(name, root / name, seed=4) for name in ("kimi_k25_vl", "mistral3", "clip",
+                                                                   "qwen3_5_whole")}
 
 
 def _args(capsys, src, dst, fmt: str, *extra):
@@ -60,6 +61,31 @@ def test_deepseek_v3_args_name_its_mla_yarn_and_experts(capsys, tmp_path, releas
         "RMSNorm", text.rms_norm_eps, True, False, False)
     assert not hasattr(args, "kv_channels")  # MLA has no single head width
     assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (2, 2)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_a_hybrid_decoder_records_its_linear_attention_rotated_fraction_and_gates(capsys, tmp_path, releases, fmt):
+    # --use-checkpoint-args forces rotary_percent on the run: a quarter-rotating model recorded as
+    # rotating every channel would train another model without a word.
+    text = families.get("qwen3_5_whole").tiny_config().text_config
+    args = _args(capsys, releases["qwen3_5_whole"], tmp_path / "qwen", fmt, "--part", "language_model")
+    assert args.rotary_percent == text.rope_parameters["partial_rotary_factor"] != 1.0
+    assert (args.experimental_attention_variant, args.linear_attention_freq) == (
+        "gated_delta_net", [int(kind == "linear_attention") for kind in text.layer_types])
+    assert 1 in args.linear_attention_freq and 0 in args.linear_attention_freq
+    assert (args.linear_conv_kernel_dim, args.linear_key_head_dim, args.linear_value_head_dim,
+            args.linear_num_key_heads, args.linear_num_value_heads) == (
+        text.linear_conv_kernel_dim, text.linear_key_head_dim, text.linear_value_head_dim,
+        text.linear_num_key_heads, text.linear_num_value_heads)
+    assert args.attention_output_gate is True and args.apply_layernorm_1p is True
+    assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate) == (
+        text.shared_expert_intermediate_size, True)
+
+
+def test_a_plain_decoder_records_no_gate_and_rotates_every_channel(capsys, tmp_path, releases):
+    args = _args(capsys, releases["mistral3"], tmp_path / "mistral", "legacy", "--part", "language_model")
+    assert args.rotary_percent == 1.0
+    assert not {"attention_output_gate", "experimental_attention_variant", "apply_layernorm_1p"} & set(vars(args))
 
 
 @pytest.mark.parametrize("fmt, rows", [("legacy", 256), ("torch_dist", 128)])
@@ -114,6 +140,6 @@ def test_every_name_is_a_megatron_lm_argument(capsys, tmp_path, releases):
         known = set(vars(arguments.parse_args()))
     finally:
         sys.argv = saved
-    for name in ("kimi_k25_vl", "mistral3"):
+    for name in ("kimi_k25_vl", "mistral3", "qwen3_5_whole"):
         args = _args(capsys, releases[name], tmp_path / name, "legacy", "--part", "language_model")
         assert sorted(set(vars(args)) - known) == [], name

@@ -130,6 +130,9 @@ class Model(Protocol):
     cfg: object
     config_bytes: bytes
 
+    # Megatron-LM arguments the family declares beyond the config's common facts (``args``).
+    recorded_args: dict
+
     def rules(self, hf_format: str | None = None, keys=None) -> R.RuleSet: ...
 
     def expected_shapes(self, tp: int = 1, vocab_multiple: int = R.VOCAB_MULTIPLE, part: str = "") -> dict | None:

@@ -214,7 +214,8 @@ def write(source: Source, out: Output, progress: Progress) -> Written:
     heap.begin_stream()
     iteration = RELEASE if out.release else 1
     args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch",
-                                         grid=grid, vocab_multiple=source.vocab_multiple)
+                                         grid=grid, vocab_multiple=source.vocab_multiple,
+                                         declared=getattr(source.model, "recorded_args", None))
     team = out.team or team_mod.solo()
     try:
         with team.staging(out.dst, force=out.force, inner=iteration_dirname(iteration)) as staging:

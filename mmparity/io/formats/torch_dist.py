@@ -190,7 +190,8 @@ def write(source: Source, out: Output, progress: Progress) -> Written:
         return pieces
 
     args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order},
-                                         ckpt_format="torch_dist", grid=out.grid, vocab_multiple=source.vocab_multiple)
+                                         ckpt_format="torch_dist", grid=out.grid, vocab_multiple=source.vocab_multiple,
+                                         declared=getattr(source.model, "recorded_args", None))
     try:
         torch_dist_write.write_torch_dist(
             out.dst, layout, produce, iteration=RELEASE if out.release else 1,
