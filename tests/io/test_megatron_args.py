@@ -77,7 +77,7 @@ def test_a_hybrid_decoder_records_its_linear_attention_rotated_fraction_and_gate
             args.linear_num_key_heads, args.linear_num_value_heads) == (
         text.linear_conv_kernel_dim, text.linear_key_head_dim, text.linear_value_head_dim,
         text.linear_num_key_heads, text.linear_num_value_heads)
-    assert args.attention_output_gate is True and args.apply_layernorm_1p is True
+    assert args.attention_output_gate is True and args.layernorm_zero_centered_gamma is True
     assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate) == (
         text.shared_expert_intermediate_size, True)
 
@@ -85,7 +85,7 @@ def test_a_hybrid_decoder_records_its_linear_attention_rotated_fraction_and_gate
 def test_a_plain_decoder_records_no_gate_and_rotates_every_channel(capsys, tmp_path, releases):
     args = _args(capsys, releases["mistral3"], tmp_path / "mistral", "legacy", "--part", "language_model")
     assert args.rotary_percent == 1.0
-    assert not {"attention_output_gate", "experimental_attention_variant", "apply_layernorm_1p"} & set(vars(args))
+    assert not {"attention_output_gate", "experimental_attention_variant", "layernorm_zero_centered_gamma"} & set(vars(args))
 
 
 @pytest.mark.parametrize("fmt, rows", [("legacy", 256), ("torch_dist", 128)])

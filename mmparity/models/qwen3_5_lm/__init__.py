@@ -14,6 +14,6 @@ FAMILY = FamilyRecord(
                  Takes(model_type="qwen3_5_text"), Takes(model_type="qwen3_5_moe_text")),
     with_language=True,
     low_memory=False,
-    # Every norm but the DeltaNet output norm scales by (1 + weight): Megatron-LM's flag for it.
-    megatron_args=(("apply_layernorm_1p", True),),
+    # Every norm but the DeltaNet output norm scales by (1 + weight): Megatron-LM main's flag for it.
+    megatron_args=(("layernorm_zero_centered_gamma", True),),
 )

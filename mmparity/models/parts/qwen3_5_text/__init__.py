@@ -11,6 +11,6 @@ PART = PartRecord(
     why_no_megatron="megatron-core's GatedDeltaNet needs fla (flash-linear-attention) to be built, and "
                     "its forward runs fla's triton kernels, which need a GPU; Megatron-LM's own loop "
                     "loads and saves this layout (tests/megatron/test_qwen3_5_megatron_lm.py)",
-    # Every norm but the DeltaNet output norm scales by (1 + weight): Megatron-LM's flag for it.
-    megatron_args=(("apply_layernorm_1p", True),),
+    # Every norm but the DeltaNet output norm scales by (1 + weight): Megatron-LM main's flag for it.
+    megatron_args=(("layernorm_zero_centered_gamma", True),),
 )
