@@ -204,8 +204,12 @@ def test_native_matches_transformers_in_fp32(pair):
     ids = torch.randint(0, VOCAB, (3, 29), generator=torch.Generator().manual_seed(11))  # odd length
     ours, theirs, seen = _sub_layers(cfg, model, native, ids)
     assert theirs.std() > 0.05
+    # The fp32 policy over every position, and no position far off it: one position's rounding
+    # varies with the CPU's kernels (1.5e-5 seen at one of 87 positions whose median was 7.5e-7),
+    # while a position-dependent fault (a rotary offset, a mask) costs orders of magnitude more.
+    assert _relative(ours, theirs) < 1e-5
     per_position = (ours - theirs).norm(dim=-1) / theirs.norm(dim=-1)
-    assert per_position.max() < 1e-5, per_position.max()
+    assert per_position.max() < 1e-4, per_position.max()
     loss = torch.nn.functional.cross_entropy
     labels = ids[:, 1:]
     ours_loss = loss(ours[:, :-1].transpose(1, 2), labels, reduction="none")
