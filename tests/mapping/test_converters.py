@@ -144,6 +144,16 @@ def test_tp_that_does_not_divide_heads_is_a_clear_error():
         families.get("pixtral").hf_to_mcore(sd, cfg, tp_size=3)
 
 
+def _scale_within_exact_shift(key: str, value: torch.Tensor) -> torch.Tensor:
+    """A norm scale kept in [0.5, 2): where HF stores a norm's scale and Megatron its offset from
+    one (Qwen3.5's DeltaNet output norm), only those offsets are exact in every dtype, and the
+    converter refuses the rest (tests/models/test_qwen3_5_text.py); the draws' 1 +- 0.2 leave the
+    range a few times in a thousand, which made this property fail by chance."""
+    if value.dim() == 1 and "norm" in key and key.endswith("weight"):
+        return value.clamp(0.5, 1.9)
+    return value
+
+
 @pytest.mark.parametrize("family", families.names())
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
@@ -154,7 +164,8 @@ def test_round_trip_bit_exact_for_random_configs_and_tp(family, data):
     dtype = data.draw(st.sampled_from(DTYPES))
     fam = families.get(family)
     reference = fam.build_reference(cfg)
-    sd = {k: v.to(dtype) for k, v in random_like_state(reference.state_dict(), data.draw(st.integers(0, 999))).items()}
+    sd = {k: _scale_within_exact_shift(k, v).to(dtype)
+          for k, v in random_like_state(reference.state_dict(), data.draw(st.integers(0, 999))).items()}
     shards = families.get(family).hf_to_mcore(sd, cfg, tp_size=tp_size)
     assert len(shards) == tp_size
     back = families.get(family).mcore_to_hf(shards, cfg)
@@ -177,7 +188,8 @@ def test_piece_forms_of_every_rule_join_to_the_op(family, data):
 
     cfg = data.draw(config_and_tp(family))[0]
     reference = families.get(family).build_reference(cfg)
-    sd = random_like_state(reference.state_dict(), data.draw(st.integers(0, 999)))
+    sd = {k: _scale_within_exact_shift(k, v)
+          for k, v in random_like_state(reference.state_dict(), data.draw(st.integers(0, 999))).items()}
     rule_set = families.get(family).rule_set(cfg, None)
     prefix = R.detect_prefix(rule_set, {k: None for k in sd})
     for step in R.plan_steps(rule_set):
