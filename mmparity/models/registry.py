@@ -335,6 +335,7 @@ FAMILIES = (
     "mmparity.models.pixtral",
     "mmparity.models.clip",
     "mmparity.models.siglip",
+    "mmparity.models.internvit",
     "mmparity.models.pixtral_large",
     "mmparity.models.qwen3_5",
     "mmparity.models.qwen3_vl",
