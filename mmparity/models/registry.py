@@ -348,6 +348,7 @@ FAMILIES = (
     "mmparity.models.llava",
     "mmparity.models.mistral3",
     "mmparity.models.pixtral_12b",
+    "mmparity.models.internvl",
     "mmparity.models.qwen3_5_lm",
     "mmparity.models.qwen3_5_whole",
 )

@@ -97,7 +97,7 @@ def test_published_configs_build(family):
     cfg = bench.published_config(families.get(family))
     shape = bench.tower_shape(families.get(family), cfg)
     expected = {"qwen3_5": (27, 1152), "kimi_k25": (27, 1152), "pixtral": (24, 1024),
-                "siglip": (27, 1152), "clip": (24, 1024)}[family]
+                "siglip": (27, 1152), "clip": (24, 1024), "internvit": (24, 1024)}[family]
     assert (shape.layers, shape.hidden) == expected
     tiny = families.get(family).tiny_config()
     assert type(vision_sub_config(cfg)) is type(vision_sub_config(tiny))

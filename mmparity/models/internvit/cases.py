@@ -95,8 +95,10 @@ PUBLISHED = Published(
                 image_size=448, patch_size=14, num_channels=3, hidden_act="gelu", norm_type="layer_norm",
                 attention_bias=True, use_qk_norm=False, layer_norm_eps=1e-6, use_mean_pooling=True),
     images=16, image_size=(448, 448),
-    note="InternVL feeds 448x448 tiles only; mixed sizes go through transformers' resampled positions",
-    mixed=((448, 448), (336, 336), (224, 448)), mixed_images=16)
+    # InternVL feeds 448x448 tiles; mixed sizes go through transformers' resampled positions, one
+    # call per image. 16 images, 16720 tokens (uniform: 16400).
+    mixed=((448, 448), (336, 336), (560, 560), (392, 532), (532, 392), (448, 336), (504, 504),
+           (420, 448)), mixed_images=16)
 
 
 MEGATRON = NoMegatron(

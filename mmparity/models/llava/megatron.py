@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import LlavaConfig
 
 from mmparity.config import (
-    feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size, select_strategy, spatial_merge,
+    feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size, pixel_shuffle_reduction, select_strategy, spatial_merge,
     tower_depth, vision_of)
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.clip import reference as clip_reference
@@ -135,7 +135,8 @@ def _language_pairs(model, cfg) -> list[Pair]:
 
 
 def _feature_width(cfg) -> int:
-    return cfg.vision_config.hidden_size * len(feature_layer_indices(cfg))
+    # InternVL's pixel shuffle widens each feature by the patches it merges.
+    return cfg.vision_config.hidden_size * len(feature_layer_indices(cfg)) * pixel_shuffle_reduction(cfg) ** 2
 
 
 def _feature_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
@@ -151,7 +152,10 @@ def _reference_projector(model, case: Case, cfg) -> dict:
     """HF's projector linears (``linear_1``, ``act``, ``linear_2``): all of LLaVA's projector, and
     Mistral3's after the norm and patch merger that Megatron holds in the tower."""
     proj = model.model.multi_modal_projector
-    return {"vision_projection": proj.linear_2(proj.act(proj.linear_1(inputs.like_model(case.data["features"], model))))}
+    features = inputs.like_model(case.data["features"], model)
+    if getattr(proj, "layer_norm", None) is not None:  # InternVL's, which Megatron's linear_fc1 holds
+        features = proj.layer_norm(features)
+    return {"vision_projection": proj.linear_2(proj.act(proj.linear_1(features)))}
 
 
 def _run_projector(model, case: Case, cfg) -> dict:
@@ -260,7 +264,8 @@ def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
 def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
     """A whole VLM's projector alone, as ``LLaVAModel`` builds its ``vision_projection``: its input
     is the tower's width times the feature layers HF concatenates (a merger keeps the width)."""
-    return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
+    return MultimodalProjector(vlm_projection_config(cfg, params_dtype),
+                               te_stand_ins.projector_spec(normed=pixel_shuffle_reduction(cfg) > 1),
                                "mlp", _feature_width(cfg)).eval()
 
 
