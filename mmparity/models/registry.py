@@ -124,7 +124,8 @@ class Family(FamilyRecord):
         if self.composed:
             from mmparity.models.llava import mapping as llava
 
-            spec = llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter)
+            spec = llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter,
+                                   getattr(self._reference, "HF_LAYOUTS", llava.FORMATS))
         else:
             mapping = self.module("mapping")
             spec = mapping.SPEC

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
 MODEL_TYPES = ("internvl",)
+# Of LLaVA's HF layouts, those InternVL has: module names and what transformers 5 saves (its
+# tower was never nested deeper, and Mistral never released it in its own layout).
+HF_LAYOUTS = ("hf", "hf_checkpoint")
 
 
 def tiny_config() -> InternVLConfig:

@@ -611,7 +611,8 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
                        reference_component, reference_module.build),
         native=Side(native_run, partial(native_pairs, towers=towers, languages=languages), native_component,
                     build_native),  # the tower comes from towers
-        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
+        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter,
+                                      getattr(reference_module, "HF_LAYOUTS", converter.FORMATS)),
         parity=Parity(partial(cases, towers=towers, composition=composition),
                       partial(prepare_case, towers=towers), COMPONENTS),
         megatron=bind_towers(bind_language(composition.megatron if composition.megatron is not None

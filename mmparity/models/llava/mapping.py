@@ -212,9 +212,10 @@ def detect_format(keys) -> str:
 
 
 def converter(tower_of: Callable[[object], Tower],
-              language_of: Callable[[object], LanguageKeys]) -> ConverterSpec:
+              language_of: Callable[[object], LanguageKeys], formats: tuple = FORMATS) -> ConverterSpec:
     """LLaVA's converter, given how to find the tower and the language model of a config (the
-    family registry knows: each is a registered part)."""
-    return ConverterSpec(formats=FORMATS,
+    family registry knows: each is a registered part); ``formats``: the HF layouts of
+    :data:`LAYOUTS` the composed VLM has (a reference module's ``HF_LAYOUTS``; all by default)."""
+    return ConverterSpec(formats=formats,
                          rule_set=lambda cfg, fmt: rule_set(cfg, fmt, tower_of(cfg), language_of(cfg)),
                          detect_format=detect_format)
