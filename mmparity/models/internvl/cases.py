@@ -40,6 +40,7 @@ def random_config(pick) -> InternVLConfig:
                           vision_feature_select_strategy="default", tie_word_embeddings=tied)
 
 
+# InternVL3-1B-hf's config (recalled from its release; the bench cannot reach the hub to read it).
 PUBLISHED = Published(
     source="InternVL3-1B (InternViT-300M 24 x 1024 tower, 448 tiles, pixel shuffle; Qwen2.5 decoder "
            "24 x 896, GQA 14/2, vocabulary 151674)",
@@ -47,9 +48,11 @@ PUBLISHED = Published(
                 image_size=448, patch_size=14, num_channels=3, hidden_act="gelu", norm_type="layer_norm",
                 attention_bias=True, use_qk_norm=False, layer_norm_eps=1e-6, use_mean_pooling=True),
     parent={"text_config.hidden_size": 896, "text_config.intermediate_size": 4864,
-            "text_config.num_hidden_layers": 24, "text_config.num_attention_heads": 14,
-            "text_config.num_key_value_heads": 2, "text_config.vocab_size": 151674,
-            "text_config.rms_norm_eps": 1e-6, "image_seq_length": 256},
+            "text_config.num_hidden_layers": 24, "text_config.layer_types": ["full_attention"] * 24,
+            "text_config.num_attention_heads": 14, "text_config.num_key_value_heads": 2,
+            "text_config.head_dim": 64, "text_config.vocab_size": 151674, "text_config.rms_norm_eps": 1e-6,
+            "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "text_config.max_position_embeddings": 32768, "image_token_id": 151667, "image_seq_length": 256},
     images=2, image_size=(448, 448), note="whole forward, language model included")
 
 # Megatron-LM's LLaVAModel builds InternViT only from its Transformer Engine layer specs: the
