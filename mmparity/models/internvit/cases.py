@@ -10,12 +10,13 @@ from transformers import InternVLVisionConfig
 from mmparity.models.clip import cases as clip
 from mmparity.models.core import inputs, sublayers
 from mmparity.models.core.sublayers import LayerNames
+from mmparity.models.core import megatron_side
 from mmparity.models.internvit import mapping as converter
+from mmparity.models.internvit import megatron as internvit_megatron
 from mmparity.models.internvit import native, reference
-from mmparity.models.internvit.config import subtype
 from mmparity.models.internvit.reference import CLASS_TOKEN_LEN, OUTPUTS, patch_size, vision_config
 from mmparity.models.spec import (
-    Bench, Case, FamilyHooks, LlavaTower, NoMegatron, Pair, Parity, Published, Side, TowerShape,
+    Bench, Case, FamilyHooks, LlavaTower, Pair, Parity, Published, Side, TowerShape,
     module_hooks, tokens_2d)
 
 COMPONENTS = ("patch_embed", "pos_embed")
@@ -101,9 +102,32 @@ PUBLISHED = Published(
            (420, 448)), mixed_images=16)
 
 
-MEGATRON = NoMegatron(
-    "Megatron-LM's InternViT layers (examples/multimodal/nvlm/internvit.py) are built on Transformer "
-    "Engine's modules, which need a GPU: its CLIPViTModel takes this layout, but is not built here")
+# --- Megatron's own class (check --impl megatron, verify --load) ---------------------------------
+
+def megatron_reference_run(model, case: Case, cfg) -> dict:
+    """transformers' tower output as Megatron's class computes it: the last layer's hidden state,
+    before the final LayerNorm its CLIPViTModel has no place for (Identity with
+    ``use_mean_pooling``, so then the same tensor)."""
+    parameter = next(model.parameters())
+    hidden = [model(img.unsqueeze(0) if img.dim() == 3 else img, output_hidden_states=True).hidden_states[-1]
+              for img in _calls(case, parameter)]
+    return {"last_hidden_state": torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden])}
+
+
+def _calls(case: Case, parameter) -> list:
+    images = [img.to(parameter.device, parameter.dtype) for img in case.data["images"]]
+    return images if case.data.get("per_image") else [torch.stack(images)]
+
+
+def without_ln_post(pairs: list, cfg) -> list:
+    return [pair for pair in pairs if pair.name != "ln_post"]
+
+
+MEGATRON = {"CLIPViTModel": megatron_side.MegatronClass(
+    internvit_megatron.build_internvit, megatron_side.configured_size(vision_config), clip.megatron_run,
+    clip.megatron_pairs, reference_pairs=without_ln_post, reference_run=megatron_reference_run,
+    note="transformers' output before its final LayerNorm (kept beside the checkpoint); Megatron-LM's "
+         "InternViT layer spec")}
 
 
 def hooks(towers) -> FamilyHooks:
@@ -111,4 +135,4 @@ def hooks(towers) -> FamilyHooks:
                         random_config=random_config, parity=Parity(cases, prepare_case, COMPONENTS),
                         megatron=MEGATRON, bench=Bench(flop_shape, PUBLISHED),
                         llava_tower=LlavaTower(model_type=converter.MODEL_TYPE, class_token_len=CLASS_TOKEN_LEN,
-                                               megatron_type=""))
+                                               megatron_config=internvit_megatron.transformer_config))

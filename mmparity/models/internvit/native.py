@@ -96,14 +96,21 @@ class WholeWidthQKNorm(MegatronModule):
         return rms_norm(flat, self.weight, self.eps, self.width, group).view_as(x)
 
 
-class QKVLinear(ColumnParallelLinear):
-    """``linear_qkv`` with a bias only where transformers has q/k/v biases: mcore biases it
-    whenever the other linears are (``add_bias_linear``), transformers' ``attention_bias`` is
-    separate (Megatron-LM's InternViT attention overrides it the same way)."""
+def qkv_linear(base: type) -> type:
+    """``base`` as ``linear_qkv``, with a bias only where transformers has q/k/v biases: mcore
+    biases it whenever the other linears are (``add_bias_linear``), transformers'
+    ``attention_bias`` is separate (Megatron-LM's InternViT attention overrides it the same way)."""
 
-    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, bias: bool = True,
-                 **kwargs):
-        super().__init__(input_size, output_size, config=config, bias=config.add_qkv_bias, **kwargs)
+    class QKVLinear(base):
+        def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, bias: bool = True,
+                     **kwargs):
+            super().__init__(input_size, output_size, config=config, bias=config.add_qkv_bias, **kwargs)
+
+    QKVLinear.__name__ = QKVLinear.__qualname__ = f"QKV{base.__name__}"
+    return QKVLinear
+
+
+QKVLinear = qkv_linear(ColumnParallelLinear)
 
 
 def _scaled_residual_add(scale: torch.Tensor, training: bool, fused: bool):
@@ -136,9 +143,11 @@ class LayerScaledTransformerLayer(TransformerLayer):
         self.mlp_bda = partial(_scaled_residual_add, self.ls2)
 
 
-def layer_spec(qk_norm: bool) -> ModuleSpec:
-    """Megatron-LM's InternViT layer (the 6B's with ``qk_norm``, the 300M's without) on local
-    modules: separate norms, bidirectional attention."""
+def layer_spec(qk_norm: bool, *, column: type = ColumnParallelLinear, row: type = BiasInGemmRowParallelLinear,
+               core_attention: type = BidirectionalCoreAttention) -> ModuleSpec:
+    """Megatron-LM's InternViT layer (the 6B's with ``qk_norm``, the 300M's without): separate
+    norms, bidirectional attention, on local modules, or on the linears and attention given
+    (Megatron's class takes Transformer Engine's)."""
     return ModuleSpec(
         module=LayerScaledTransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -147,14 +156,13 @@ def layer_spec(qk_norm: bool) -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=QKVLinear, core_attention=BidirectionalCoreAttention,
-                    linear_proj=BiasInGemmRowParallelLinear,
+                    linear_qkv=QKVLinear if column is ColumnParallelLinear else qkv_linear(column),
+                    core_attention=core_attention, linear_proj=row,
                     q_layernorm=WholeWidthQKNorm if qk_norm else None,
                     k_layernorm=WholeWidthQKNorm if qk_norm else None)),
             self_attn_bda=_unused_bda,
             pre_mlp_layernorm=InternViTNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=ColumnParallelLinear, linear_fc2=BiasInGemmRowParallelLinear)),
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
             mlp_bda=_unused_bda,
         ),
     )

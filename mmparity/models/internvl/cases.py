@@ -9,9 +9,9 @@ from transformers import InternVLConfig, Qwen2Config
 
 from mmparity.config import image_token_id
 from mmparity.models.internvit import cases as internvit
+from mmparity.models.internvl import megatron as internvl_megatron
 from mmparity.models.internvl import reference
 from mmparity.models.llava import cases as llava
-from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.spec import FamilyHooks, Published, TowerLookup
 
 
@@ -55,15 +55,8 @@ PUBLISHED = Published(
             "text_config.max_position_embeddings": 32768, "image_token_id": 151667, "image_seq_length": 256},
     images=2, image_size=(448, 448), note="whole forward, language model included")
 
-# Megatron-LM's LLaVAModel builds InternViT only from its Transformer Engine layer specs: the
-# language model and the projector are checked and loaded each alone.
-MEGATRON = llava_megatron.whole_vlm_parts(why=(
-    "Megatron-LM's LLaVAModel builds its InternViT tower from Transformer Engine layer specs "
-    "(examples/multimodal/nvlm/internvit.py), which need a GPU; the language model and the "
-    "projector are checked and loaded part by part"))
-
 
 def hooks(towers: TowerLookup, languages) -> FamilyHooks:
     return llava.hooks(towers, languages, llava.Composition(random_config=random_config, published=PUBLISHED,
-                                                            megatron=MEGATRON, image_wrap=image_wrap),
+                                                            megatron=internvl_megatron.MEGATRON, image_wrap=image_wrap),
                        reference)
