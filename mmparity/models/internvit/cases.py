@@ -20,6 +20,9 @@ from mmparity.models.spec import (
     module_hooks, tokens_2d)
 
 COMPONENTS = ("patch_embed", "pos_embed")
+# LLaVAModel's vision_model_type for the tower: Megatron's LLaVAModel and CLIPViTModel build both
+# InternViT subtypes alike (the layer spec, the tower's own, makes the difference).
+MEGATRON_SUBTYPE = "internvit"
 # transformers' InternVLVisionLayer.
 HF_LAYER = LayerNames("layernorm_before", "attention", "layernorm_after", "mlp")
 
@@ -123,6 +126,9 @@ def without_ln_post(pairs: list, cfg) -> list:
     return [pair for pair in pairs if pair.name != "ln_post"]
 
 
+# What Megatron's default class has no place for, kept beside its state dict (the side file), on
+# the config its layout is measured on: tests/models/test_upstream.py holds the converter to it.
+SIDE_TENSORS = frozenset({"ln_post.weight", "ln_post.bias"})
 MEGATRON = {"CLIPViTModel": megatron_side.MegatronClass(
     internvit_megatron.build_internvit, megatron_side.configured_size(vision_config), clip.megatron_run,
     clip.megatron_pairs, reference_pairs=without_ln_post, reference_run=megatron_reference_run,
@@ -135,4 +141,6 @@ def hooks(towers) -> FamilyHooks:
                         random_config=random_config, parity=Parity(cases, prepare_case, COMPONENTS),
                         megatron=MEGATRON, bench=Bench(flop_shape, PUBLISHED),
                         llava_tower=LlavaTower(model_type=converter.MODEL_TYPE, class_token_len=CLASS_TOKEN_LEN,
-                                               megatron_config=internvit_megatron.transformer_config))
+                                               megatron_type=MEGATRON_SUBTYPE,
+                                               megatron_config=internvit_megatron.transformer_config,
+                                               megatron_layer_spec=internvit_megatron.megatron_layer_spec))

@@ -33,6 +33,13 @@ def transformer_config(vc, params_dtype=torch.float32, num_layers: Optional[int]
     return upstream.transformer_config(params_dtype=params_dtype, **fields)
 
 
+def megatron_layer_spec(vc):
+    """Megatron-LM's InternViT layer for this tower, on Transformer Engine's linears and attention
+    (or their CPU stand-ins)."""
+    return layer_spec(bool(vc.use_qk_norm), column=te_class("TEColumnParallelLinear"),
+                      row=te_class("TERowParallelLinear"), core_attention=te_class("TEDotProductAttention"))
+
+
 def build_internvit(cfg, params_dtype=torch.float32, num_layers: Optional[int] = None):
     """Stock ``CLIPViTModel`` as InternViT: conv bias, one class token, no ``ln_pre`` or
     ``ln_post`` (transformers' final LayerNorm, where it has one, stays beside the checkpoint)."""
@@ -42,9 +49,7 @@ def build_internvit(cfg, params_dtype=torch.float32, num_layers: Optional[int] =
     img_h, img_w = image_hw(vc)
     with buildable_without_te(clip_vit_model):
         model = clip_vit_model.CLIPViTModel(
-            transformer_config(vc, params_dtype, num_layers),
-            layer_spec(bool(vc.use_qk_norm), column=te_class("TEColumnParallelLinear"),
-                       row=te_class("TERowParallelLinear"), core_attention=te_class("TEDotProductAttention")),
+            transformer_config(vc, params_dtype, num_layers), megatron_layer_spec(vc),
             add_class_token=True, class_token_len=1, patch_dim=first_int(vc.patch_size),
             img_h=img_h, img_w=img_w, model_subtype=subtype(vc))
     return model.eval()

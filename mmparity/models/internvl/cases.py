@@ -56,6 +56,11 @@ PUBLISHED = Published(
     images=2, image_size=(448, 448), note="whole forward, language model included")
 
 
+# What Megatron's default class has no place for: nothing on the tiny config (its tower has no
+# final norm, use_mean_pooling); tests/models/test_upstream.py holds the converter to it.
+SIDE_TENSORS = frozenset()
+
+
 def hooks(towers: TowerLookup, languages) -> FamilyHooks:
     return llava.hooks(towers, languages, llava.Composition(random_config=random_config, published=PUBLISHED,
                                                             megatron=internvl_megatron.MEGATRON, image_wrap=image_wrap),

@@ -1,7 +1,6 @@
-"""Megatron's classes for whole InternVL, part by part: Megatron-LM's ``LLaVAModel`` builds its
-InternViT tower only from Transformer Engine layer specs, so the vision part loads into stock
-megatron-core's ``CLIPViTModel`` (the internvit family's class) with the ``MultimodalProjector``
-beside it, and the language model into its part's ``GPTModel``."""
+"""Megatron's classes for whole InternVL: stock ``LLaVAModel`` (``vision_model_type`` internvit),
+and its parts alone: the language model in its part's ``GPTModel``, the vision part in stock
+``CLIPViTModel`` (the internvit family's class) with the ``MultimodalProjector``, the projector."""
 
 from __future__ import annotations
 
@@ -16,11 +15,6 @@ from mmparity.models.internvit import megatron as internvit_megatron
 from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.llava.preprocess import pixel_shuffle
 from mmparity.models.spec import Case, MegatronClass
-
-WHY = ("Megatron-LM's LLaVAModel builds its InternViT tower from Transformer Engine layer specs "
-       "(examples/multimodal/nvlm/internvit.py), which need a GPU: the vision part, the projector "
-       "and the language model are checked and loaded each alone")
-
 
 def build_vision(cfg, params_dtype=torch.float32):
     """The tower (stock ``CLIPViTModel`` as InternViT, as deep as the features read) and the
@@ -68,8 +62,10 @@ VISION = MegatronClass(build_vision, vision_cases, run_vision, megatron_side.no_
                        reference_run=reference_vision, module_cases=(),
                        note="the vision part (vision_model.*, vision_projection.*) on tiles; transformers' "
                             "features before the tower's final LayerNorm",
-                       holds=("vision_model.", "vision_projection."), why_part=WHY)
+                       holds=("vision_model.", "vision_projection."))
 
-_PARTS = llava_megatron.whole_vlm_parts(why=WHY)
-MEGATRON = {"GPTModel": _PARTS["GPTModel"], "CLIPViTModel+MultimodalProjector": VISION,
-            "MultimodalProjector": _PARTS["MultimodalProjector"]}
+# Stock LLaVAModel holds the whole model (its tower built on the internvit family's InternViT
+# layer spec, its own 2x2 pixel shuffle, the normed projector); the parts beside it.
+MEGATRON = {"LLaVAModel": replace(llava_megatron.LLAVA_MODEL, default_config=None),
+            "GPTModel": llava_megatron.LANGUAGE_MODEL, "CLIPViTModel+MultimodalProjector": VISION,
+            "MultimodalProjector": llava_megatron.PROJECTION}

@@ -294,18 +294,24 @@ def feature_layer_count(cfg) -> int:
 
 def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                 parallel_output: bool = True, *, vision_model_type: str = "",
-                tower_config: Optional[Callable] = None, vit_model: bool = False):
+                tower_config: Optional[Callable] = None, vit_model: bool = False,
+                tower_layer_spec: Optional[Callable] = None):
     """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
     family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` where
     ``vit_model``), ``MultimodalProjector``, ``GPTModel`` with the dense decoder.
-    ``tower_config(vc, params_dtype, num_layers)``: the tower family's recipe. The tower is built
-    ``feature_layer_count`` layers deep; the vocabulary is padded as Megatron-LM pads it."""
+    ``tower_config(vc, params_dtype, num_layers)``: the tower family's recipe, ``tower_layer_spec(vc)``
+    its layers' spec (Megatron-LM's ViT layer by default). The tower is built ``feature_layer_count``
+    layers deep; the vocabulary is padded as Megatron-LM pads it. InternVL's pixel shuffle is
+    ``LLaVAModel``'s own (2x2 only), its normed projector Megatron-LM's NVLM one."""
     vc = cfg.vision_config
     if not vision_model_type or tower_config is None:
         raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
     if select_strategy(cfg) not in ("default", "full"):
         raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
     layers = feature_layer_count(cfg)
+    shuffle = pixel_shuffle_reduction(cfg)
+    if shuffle not in (1, 2):
+        raise ValueError(f"Megatron's LLaVAModel shuffles 2x2 patches only, not {shuffle}x{shuffle}")
     modules = [llava_model, clip_vit_model]
     if vit_model:
         modules.append(upstream.vit_model_module())
@@ -320,11 +326,12 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTI
             language_vocab_size=language.vocab_size,
             language_max_sequence_length=language.max_sequence_length,
             vision_transformer_config=vision_config,
-            vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
+            vision_transformer_layer_spec=(te_stand_ins.vit_layer_spec() if tower_layer_spec is None
+                                           else tower_layer_spec(vc)),
             drop_vision_class_token=select_strategy(cfg) == "default",
             vision_projection_config=vlm_projection_config(cfg, params_dtype),
-            vision_projection_layer_spec=te_stand_ins.projector_spec(),
-            vision_projection_type="mlp",
+            vision_projection_layer_spec=te_stand_ins.projector_spec(normed=shuffle > 1),
+            vision_projection_type="mlp", pixel_shuffle=shuffle > 1,
             share_embeddings_and_output_weights=language.tied,
             language_position_embedding_type="rope", language_rotary_base=language.rotary_base,
             img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
@@ -406,7 +413,7 @@ def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, di
     tower = towers(cfg).llava_tower
     return build_llava(cfg, params_dtype, divisible_by=divisible_by, parallel_output=parallel_output,
                        vision_model_type=tower.megatron_type, tower_config=tower.megatron_config,
-                       vit_model=tower.vit_model)
+                       vit_model=tower.vit_model, tower_layer_spec=tower.megatron_layer_spec)
 
 
 def _refuse_a_vit_model_tower(towers: TowerLookup, cfg) -> str | None:
