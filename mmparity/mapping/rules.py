@@ -352,9 +352,8 @@ _LAYER_SCALED = re.compile(r"^(.*\.)ls[12]$")
 def _unfused_norms(key: str) -> tuple:
     if m := _UNFUSED_NORM_LAYERS.match(key):
         return (m.group(1) + ("input_layernorm." if "attention" in m.group(2) else "pre_mlp_layernorm."),)
-    if m := _LAYER_SCALED.match(key):
-        return (m.group(1) + "input_layernorm.", m.group(1) + "pre_mlp_layernorm.")
-    return ()
+    m = _LAYER_SCALED.match(key)
+    return (m.group(1) + "input_layernorm.", m.group(1) + "pre_mlp_layernorm.") if m else ()
 
 
 def to_te_spelling(state: Mapping[str, torch.Tensor]) -> dict:
