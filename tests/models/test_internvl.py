@@ -167,3 +167,16 @@ def test_final_layernorm_travels_beside_the_checkpoint(saved_tower, tmp_path):
     fam = families.get("internvit")
     shards = fam.hf_to_mcore(fam.build_reference(fam.tiny_config()).state_dict(), fam.tiny_config(), tp_size=1)
     assert "ln_post.weight" not in shards[0] and set(shards.side[0]) == {"ln_post.weight", "ln_post.bias"}
+
+
+@pytest.mark.parametrize("feature_layer", [-1, -2])
+def test_a_tower_with_its_final_norm_feeds_it_only_where_the_last_layer_is_read(feature_layer):
+    """use_mean_pooling off: transformers reads vision_feature_layer -1 as the tower's output, its
+    final LayerNorm included, and an earlier layer as that layer's hidden state; the native
+    model does the same (the norm comes from the side file)."""
+    fam = families.get("internvl")
+    cfg = fam.tiny_config()
+    cfg.vision_config.use_mean_pooling = False
+    cfg.vision_feature_layer = feature_layer
+    report = harness.check("internvl", cfg=cfg, seed=1, components=False)
+    assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
