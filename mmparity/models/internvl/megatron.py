@@ -66,6 +66,15 @@ VISION = MegatronClass(build_vision, vision_cases, run_vision, megatron_side.no_
 
 # Stock LLaVAModel holds the whole model (its tower built on the internvit family's InternViT
 # layer spec, its own 2x2 pixel shuffle, the normed projector); the parts beside it.
-MEGATRON = {"LLaVAModel": replace(llava_megatron.LLAVA_MODEL, default_config=None),
+def _refuse_the_tower_output(cfg):
+    """LLaVAModel reads its CLIPViTModel, which has no final norm: where transformers reads the
+    tower's output (``vision_feature_layer`` -1) through one, it computes another function."""
+    if cfg.vision_feature_layer == -1 and not cfg.vision_config.use_mean_pooling:
+        return ("Megatron's LLaVAModel has no place for the tower's final LayerNorm, which InternVL "
+                "applies to the features it reads (use_mean_pooling off, vision_feature_layer -1)")
+    return None
+
+
+MEGATRON = {"LLaVAModel": replace(llava_megatron.LLAVA_MODEL, default_config=None, refuses=_refuse_the_tower_output),
             "GPTModel": llava_megatron.LANGUAGE_MODEL, "CLIPViTModel+MultimodalProjector": VISION,
             "MultimodalProjector": llava_megatron.PROJECTION}
