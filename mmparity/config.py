@@ -149,6 +149,29 @@ def spatial_merge(cfg) -> int:
     return int(cfg.spatial_merge_size) if has_patch_merger(cfg) else 1
 
 
+def pixel_shuffle_reduction(cfg) -> int:
+    """Patches merged along each side by InternVL's pixel shuffle before its projector (1: none):
+    a whole-VLM config whose class has a ``downsample_ratio`` (InternVL's; 0.5 merges 2x2)."""
+    if not declares(cfg, "downsample_ratio"):
+        return 1
+    reduction = round(1 / cfg.downsample_ratio)
+    if reduction < 1 or abs(reduction * cfg.downsample_ratio - 1) > 1e-6:
+        raise ValueError(f"downsample_ratio {cfg.downsample_ratio} is not 1/n for a whole n")
+    return reduction
+
+
+def image_token_id(cfg) -> int:
+    """The id of one image slot in HF's ids (``image_token_index``; InternVL's class names it
+    ``image_token_id``)."""
+    value = getattr(cfg, "image_token_index", None)
+    return cfg.image_token_id if value is None else value
+
+
+def projector_bias(cfg) -> bool:
+    """Whether the projector's linears have biases (InternVL's always do; its config says nothing)."""
+    return bool(getattr(cfg, "multimodal_projector_bias", True))
+
+
 def tied_embeddings(cfg) -> bool:
     """Whether ``lm_head`` shares the input embedding (HF reads the top-level config flag)."""
     return bool(getattr(cfg, "tie_word_embeddings", False))

@@ -344,12 +344,21 @@ def _respell(key: str, table) -> str:
 # Layers whose norms are separate modules in Transformer Engine's spelling too: multi-latent
 # attention (its first projections take the normed input unfused) and MoE MLPs (the router reads it).
 _UNFUSED_NORM_LAYERS = re.compile(r"^(.*\.)(self_attention\.linear_kv_down_proj|mlp\.router)\.")
+# Layers with layer scales (``ls1`` / ``ls2``, Megatron-LM's layer-scaling transformer layer) are
+# built on plain linears after separate norms: both their norms stay as they are.
+_LAYER_SCALED = re.compile(r"^(.*\.)ls[12]$")
+
+
+def _unfused_norms(key: str) -> tuple:
+    if m := _UNFUSED_NORM_LAYERS.match(key):
+        return (m.group(1) + ("input_layernorm." if "attention" in m.group(2) else "pre_mlp_layernorm."),)
+    m = _LAYER_SCALED.match(key)
+    return (m.group(1) + "input_layernorm.", m.group(1) + "pre_mlp_layernorm.") if m else ()
 
 
 def to_te_spelling(state: Mapping[str, torch.Tensor]) -> dict:
     """Read either spelling: local-spec norm keys become TE fused-norm keys; ``_extra_state`` goes."""
-    unfused = {m.group(1) + ("input_layernorm." if "attention" in m.group(2) else "pre_mlp_layernorm.")
-               for key in state if (m := _UNFUSED_NORM_LAYERS.match(key))}
+    unfused = {prefix for key in state for prefix in _unfused_norms(key)}
     out = {}
     for key, value in state.items():
         if key.endswith("._extra_state") or key.endswith("_extra_state"):

@@ -124,7 +124,8 @@ class Family(FamilyRecord):
         if self.composed:
             from mmparity.models.llava import mapping as llava
 
-            spec = llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter)
+            spec = llava.converter(_tower_converter, lambda cfg: language_of(cfg).converter,
+                                   getattr(self._reference, "HF_LAYOUTS", llava.FORMATS))
         else:
             mapping = self.module("mapping")
             spec = mapping.SPEC
@@ -335,6 +336,7 @@ FAMILIES = (
     "mmparity.models.pixtral",
     "mmparity.models.clip",
     "mmparity.models.siglip",
+    "mmparity.models.internvit",
     "mmparity.models.pixtral_large",
     "mmparity.models.qwen3_5",
     "mmparity.models.qwen3_vl",
@@ -347,6 +349,7 @@ FAMILIES = (
     "mmparity.models.llava",
     "mmparity.models.mistral3",
     "mmparity.models.pixtral_12b",
+    "mmparity.models.internvl",
     "mmparity.models.qwen3_5_lm",
     "mmparity.models.qwen3_5_whole",
 )

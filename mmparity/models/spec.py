@@ -187,6 +187,9 @@ class LlavaTower:
     megatron_type: str = ""
     vit_model: bool = False
     megatron_config: Optional[Callable] = None
+    # (vision config) -> the layer spec Megatron's LLaVAModel builds the tower's layers with (None:
+    # Megatron-LM's ViT layer with TE, CLIP's and SigLIP's).
+    megatron_layer_spec: Optional[Callable] = None
     # Patches per image side the tower takes for its vision config (None: any number).
     max_patches: Optional[Callable[[Any], int]] = None
 

@@ -101,6 +101,8 @@ def default_batch(fam: families.Family, size: str, cfg) -> tuple[int, tuple[int,
         return spec.images, tuple(spec.image_size)
     multiple = size_multiple(fam, cfg)
     side = getattr(vision_sub_config(cfg), "image_size", None)
+    if isinstance(side, (list, tuple)) and len(set(side)) == 1:  # InternViT's (h, w) of a square
+        side = side[0]
     side = side if isinstance(side, int) else 8 * multiple
     side = max(multiple, -(-side // multiple) * multiple)
     return TINY_IMAGES, (side, side)

@@ -84,8 +84,10 @@ PUBLISHED_WHOLE = [f for f in bench.published_families() if f not in PUBLISHED_T
 def test_published_whole_vlm_configs_carry_the_released_language_model(family):
     cfg = bench.published_config(families.get(family))
     text = cfg.text_config
+    # InternVL3-1B's Qwen2.5 decoder; the others' the Mistral decoder Pixtral-12B and Mistral-Small-3.1 share.
+    released = {"internvl": (24, 896, 14, 2, 64, 151674)}.get(family, (40, 5120, 32, 8, 128, 131072))
     assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
-            text.head_dim, text.vocab_size) == (40, 5120, 32, 8, 128, 131072)
+            text.head_dim, text.vocab_size) == released
     assert (cfg.vision_config.num_hidden_layers, cfg.vision_config.hidden_size) == (24, 1024)
     images, size = bench.default_batch(families.get(family), "published", cfg)
     m = size_multiple(families.get(family), cfg)
@@ -97,7 +99,7 @@ def test_published_configs_build(family):
     cfg = bench.published_config(families.get(family))
     shape = bench.tower_shape(families.get(family), cfg)
     expected = {"qwen3_5": (27, 1152), "kimi_k25": (27, 1152), "pixtral": (24, 1024),
-                "siglip": (27, 1152), "clip": (24, 1024)}[family]
+                "siglip": (27, 1152), "clip": (24, 1024), "internvit": (24, 1024)}[family]
     assert (shape.layers, shape.hidden) == expected
     tiny = families.get(family).tiny_config()
     assert type(vision_sub_config(cfg)) is type(vision_sub_config(tiny))

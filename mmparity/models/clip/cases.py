@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 from transformers import CLIPVisionConfig
 
+from mmparity.config import first_int
 from mmparity.models.core import inputs
 from mmparity.models.core import megatron_side
 from mmparity.models.core import sublayers
@@ -29,7 +30,7 @@ COMPONENTS = ("patch_embed", "pos_embed")
 def default_image_sizes(cfg) -> list[tuple[int, int]]:
     """Odd, non-square grids, one down- and one up-sampling; the last is the table's own grid."""
     p = patch_size(cfg)
-    g = cfg.image_size // p
+    g = first_int(cfg.image_size) // p  # InternViT's config holds (h, w)
     return [(3 * p, 7 * p), (7 * p, 2 * p), (g * p, g * p)]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+from mmparity.config import image_hw
 from mmparity.models.core import sublayers
 from mmparity.models.spec import (
     Case, FamilyHooks, MegatronClass, NoMegatron, NoMegatronClass, Pair, default_refusal, keep_reference_outputs,
@@ -43,12 +44,12 @@ def same_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
 def configured_size(vision_cfg: Callable):
     """Cases at the tower's configured size only (its position table is fixed and not resampled)."""
     def cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
-        side = vision_cfg(cfg).image_size
-        other = sorted({f"{h}x{w}" for h, w in image_sizes or () if (h, w) != (side, side)})
+        side = image_hw(vision_cfg(cfg))
+        other = sorted({f"{h}x{w}" for h, w in image_sizes or () if (h, w) != side})
         if other:
             raise UnsupportedInput(f"Megatron's class takes only the configured image size "
-                                   f"{side}x{side} (fixed position table), not {', '.join(other)}")
-        return hooks.parity.cases(cfg, seed, image_sizes or [(side, side)] * 2)
+                                   f"{side[0]}x{side[1]} (fixed position table), not {', '.join(other)}")
+        return hooks.parity.cases(cfg, seed, image_sizes or [side] * 2)
     return cases
 
 

@@ -598,10 +598,11 @@ def megatron_te_spec(spec_function, *args, **kwargs):
     return _checked(substitute_te(spec))
 
 
-def projector_spec():
+def projector_spec(normed: bool = False):
     """The MLP submodules Megatron-LM gives ``MultimodalProjector`` with TE (column-parallel fc1,
-    row-parallel fc2, no fused norm), stand-ins when needed."""
-    return MLPSubmodules(linear_fc1=te_class("TEColumnParallelLinear"),
+    row-parallel fc2; the norm fused into fc1 where the projector has one, as its NVLM-style
+    projector's), stand-ins when needed."""
+    return MLPSubmodules(linear_fc1=te_class("TELayerNormColumnParallelLinear" if normed else "TEColumnParallelLinear"),
                          linear_fc2=te_class("TERowParallelLinear"))
 
 

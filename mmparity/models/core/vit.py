@@ -345,6 +345,8 @@ class ViTModel(VisionTower):
     * ``pooling``: ``"class_token"`` (CLIP ``pooler_output``) or ``"attention"`` (SigLIP's
       attention-pooling head); read it with ``forward(..., return_pooled=True)``.
     * ``merger_norm_eps``: the merger's RMSNorm epsilon (HF takes it from the text config).
+    * ``ln_post_kind``: the final norm's kind where it is not the layers' (InternViT's RMSNorm
+      layers end in a LayerNorm).
 
     Other deviations from upstream: ``imgs_sizes`` may also accompany an already-patchified input
     only (no padded pixel canvas), and the rope table size is validated rather than silently
@@ -359,7 +361,8 @@ class ViTModel(VisionTower):
                  use_merger: bool = False, spatial_merge_size: int = 2, pg_collection=None,
                  vp_stage: Optional[int] = None, *, ln_post: Optional[str] = None,
                  ln_post_eps: Optional[float] = None, pooling: Optional[str] = None,
-                 merger_norm_eps: Optional[float] = None, patch_embed_path: str = "patch_embed.proj"):
+                 merger_norm_eps: Optional[float] = None, patch_embed_path: str = "patch_embed.proj",
+                 ln_post_kind: Optional[str] = None):
         super().__init__(config=transformer_config)
         cfg = transformer_config
         problems = []
@@ -415,7 +418,8 @@ class ViTModel(VisionTower):
                                         post_layer_norm=False, pre_process=self.pre_process,
                                         post_process=self.post_process)
         self.ln_post = (VisionNorm(cfg.hidden_size, ln_post_eps or cfg.layernorm_epsilon,
-                                   cfg.normalization, cfg.params_dtype) if ln_post and post else None)
+                                   ln_post_kind or cfg.normalization, cfg.params_dtype)
+                        if ln_post and post else None)
         self.head = AttentionPoolingHead(cfg) if pooling == "attention" and post else None
         self.merger = (PixtralLargePatchMerger(cfg, spatial_merge_size, merger_norm_eps)
                        if use_merger and post else None)

@@ -27,7 +27,8 @@ from mmparity.models.spec import (
     Bench, Case, ConfigHooks, FamilyHooks, MegatronClasses, Pair, Parity, Published, Side, TowerLookup, tokens_2d)
 from mmparity.models.llava import mapping as converter
 from mmparity.config import (
-    first_int, has_patch_merger, image_hw, select_strategy, tied_embeddings, vision_layers_run)
+    first_int, has_patch_merger, image_hw, image_token_id, pixel_shuffle_reduction, select_strategy, tied_embeddings,
+    vision_layers_run)
 from mmparity.models.llava import native
 from mmparity.models.llava.megatron import (
     FINAL_NORM, LANGUAGE_LAYER, MEGATRON, MERGER, PROJECTOR, VISION, WHY_NO_WHOLE, bind_language, bind_towers,
@@ -73,16 +74,19 @@ def image_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
     vision = cfg.vision_config
     if towers(cfg).llava_tower.variable_size:
         return towers(cfg).config.image_size_problems(vision, sizes)
-    side = vision.image_size
-    return [f"image size {h}x{w}: a LLaVA {vision.model_type} tower only takes {side}x{side} "
+    side = image_hw(vision)
+    return [f"image size {h}x{w}: a LLaVA {vision.model_type} tower only takes {side[0]}x{side[1]} "
             f"(HF does not interpolate its position embeddings here)" for h, w in sizes
-            if (h, w) != (side, side)]
+            if (h, w) != side]
 
 
 def tokens_per_image(cfg, size, towers: TowerLookup) -> int:
     """Image embedding slots per image: its patches, plus the class token(s) the tower prepends,
     minus the first token when the select strategy is ``default``."""
     p = first_int(cfg.vision_config.patch_size)
+    r = pixel_shuffle_reduction(cfg)
+    if r > 1:  # InternVL: the class token dropped, the patch grid shuffled r x r
+        return (size[0] // p // r) * (size[1] // p // r)
     count = (size[0] // p) * (size[1] // p) + towers(cfg).llava_tower.class_token_len
     return count - (select_strategy(cfg) == "default")
 
@@ -111,7 +115,8 @@ def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup,
     imgs = inputs.images(sizes, cfg.vision_config.num_channels, seed)
     ends = torch.tensor(tiles).cumsum(0).tolist()
     slots = [sum(tokens_per_image(cfg, s, towers) for s in sizes[end - n:end]) for n, end in zip(tiles, ends)]
-    compact, hf_ids = _rows(cfg, slots, seed)
+    wrap = composition.image_wrap(cfg) if composition is not None and composition.image_wrap else None
+    compact, hf_ids = _rows(cfg, slots, seed, wrap)
     length = len(hf_ids[0])
     data = {
         "images": imgs, "sizes": sizes, "num_image_tiles": tiles, "length": length,
@@ -119,7 +124,7 @@ def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup,
         "hf_input_ids": torch.tensor(hf_ids),
     }
     data["hf_labels"] = data["hf_input_ids"].masked_fill(
-        data["hf_input_ids"] == cfg.image_token_index, IGNORE_INDEX)
+        data["hf_input_ids"] == image_token_id(cfg), IGNORE_INDEX)
     described = ", ".join(f"{h}x{w}" for h, w in sizes)
     return [Case("sample", data, OUTPUTS,
                  description=f"2 rows of {length} tokens, images {described} in tiles {tiles}")]
@@ -128,7 +133,7 @@ def cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup,
 def _text_tokens(cfg, count: int, gen, avoid=None) -> list[int]:
     """Seeded text ids, never the image token (HF would read it as an image slot) nor the other
     ids in ``avoid``."""
-    avoid = sorted({cfg.image_token_index, *(avoid or ())})
+    avoid = sorted({image_token_id(cfg), *(avoid or ())})
     ids = torch.randint(0, cfg.text_config.vocab_size - len(avoid), (count,), generator=gen)
     for skipped in avoid:
         ids = ids + (ids >= skipped).long()
@@ -172,7 +177,7 @@ def row_layout_cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup) -
     out = processor.process(cfg, texts, [[raw[k] for k in p] for p in placed],
                             longest_edge=max(max(s) for s in sizes))
     hf_ids, pixels, got_sizes = out["input_ids"], out["pixel_values"], out["image_sizes"].tolist()
-    compact, counts = collapse_image_runs(hf_ids.tolist(), cfg.image_token_index)
+    compact, counts = collapse_image_runs(hf_ids.tolist(), image_token_id(cfg))
     data = {
         "images": [pixels[k, :, :h, :w].contiguous() for k, (h, w) in enumerate(got_sizes)],
         "sizes": [tuple(size) for size in got_sizes], "num_image_tiles": None,
@@ -180,7 +185,7 @@ def row_layout_cases(cfg, seed: int, image_sizes=None, *, towers: TowerLookup) -
         **_mcore_side(cfg, compact, seed),
         "hf_input_ids": hf_ids, "hf_pixel_values": pixels, "hf_image_sizes": out["image_sizes"],
     }
-    data["hf_labels"] = hf_ids.masked_fill(hf_ids == cfg.image_token_index, IGNORE_INDEX)
+    data["hf_labels"] = hf_ids.masked_fill(hf_ids == image_token_id(cfg), IGNORE_INDEX)
     described = ", ".join(f"{h}x{w}" for h, w in data["sizes"])
     return [Case("sample", data, OUTPUTS,
                  description=f"2 rows of {hf_ids.shape[1]} tokens from the Pixtral processor, images "
@@ -211,7 +216,7 @@ def collapse_image_runs(rows: list[list[int]], image_token: int) -> tuple[list[l
     return compact, counts
 
 
-def _rows(cfg, slots: list[int], seed: int):
+def _rows(cfg, slots: list[int], seed: int, wrap: Optional[tuple[int, int]] = None):
     """Compact rows (placeholders in reading order: the first half, rounded up, in row 0, the
     rest in row 1; text around each) and their HF expansion; the shorter row gets extra trailing
     text so both rows have the same length.
@@ -223,24 +228,28 @@ def _rows(cfg, slots: list[int], seed: int):
     layout that puts image k anywhere else (e.g. round-robin over the rows) gives each side a
     different, equally wrong, input: the native rows expand to other lengths, and HF silently
     spreads one image's features over another image's slots.
+
+    ``wrap``: the ids of the text tokens that open and close every image's run (InternVL's
+    ``<img>`` / ``</img>``), text on both sides; none elsewhere.
     """
     gen = inputs.generator(seed + 4099)
     first = (len(slots) + 1) // 2
     placed = [list(range(first)), list(range(first, len(slots)))]
     segments = [[3 + b] + [2] * max(len(p) - 1, 0) + [4] for b, p in enumerate(placed)]
-    expanded = [sum(s) + sum(slots[k] for k in p) for s, p in zip(segments, placed)]
+    opening, closing = ([wrap[0]], [wrap[1]]) if wrap else ([], [])
+    expanded = [sum(s) + sum(slots[k] + len(opening) + len(closing) for k in p) for s, p in zip(segments, placed)]
     for b in range(2):
         segments[b][-1] += max(expanded) - expanded[b]
     compact, hf = [], []
     for b in range(2):
         row, hf_row = [], []
         for index, segment in enumerate(segments[b]):
-            words = _text_tokens(cfg, segment, gen)
+            words = _text_tokens(cfg, segment, gen, wrap)
             row += words
             hf_row += words
             if index < len(placed[b]):
-                row.append(PLACEHOLDER)
-                hf_row += [cfg.image_token_index] * slots[placed[b][index]]
+                row += [*opening, PLACEHOLDER, *closing]
+                hf_row += [*opening, *[image_token_id(cfg)] * slots[placed[b][index]], *closing]
         compact.append(row)
         hf.append(hf_row)
     return compact, hf
@@ -300,7 +309,7 @@ def reference_run(model, case: Case, towers: TowerLookup) -> dict:
                               case.data["hf_labels"][:, 1:].reshape(-1).to(device),
                               ignore_index=IGNORE_INDEX, reduction="none").view(hf_ids.shape[0], -1)
     per_token = torch.cat([shifted, shifted.new_zeros(hf_ids.shape[0], 1)], dim=1)
-    mask = expected_loss_mask(hf_ids, cfg.image_token_index)
+    mask = expected_loss_mask(hf_ids, image_token_id(cfg))
     return {"logits": logits.reshape(-1, vocab),
             "loss_mask": mask.reshape(-1).float(),
             "token_loss": (per_token * mask).reshape(-1)}
@@ -557,6 +566,9 @@ class Composition:
     # Megatron's classes for it (``check --impl megatron``, ``verify --load``); None: its language
     # model and projector parts (:func:`whole_vlm_parts`).
     megatron: Optional[MegatronClasses] = None
+    # (whole config) -> the ids of the text tokens around each image's run (InternVL's <img> and
+    # </img>); None: the runs stand alone.
+    image_wrap: Optional[Callable] = None
 
 
 def row_layout_size_problems(cfg, sizes, towers: TowerLookup) -> list[str]:
@@ -599,7 +611,8 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
                        reference_component, reference_module.build),
         native=Side(native_run, partial(native_pairs, towers=towers, languages=languages), native_component,
                     build_native),  # the tower comes from towers
-        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter),
+        converter=converter.converter(tower_of, lambda cfg: languages(cfg).converter,
+                                      getattr(reference_module, "HF_LAYOUTS", converter.FORMATS)),
         parity=Parity(partial(cases, towers=towers, composition=composition),
                       partial(prepare_case, towers=towers), COMPONENTS),
         megatron=bind_towers(bind_language(composition.megatron if composition.megatron is not None

@@ -7,18 +7,27 @@ configuration class as config.json is read without transformers."""
 
 from __future__ import annotations
 
-from mmparity.config import ConfigType
+from mmparity.config import ConfigType, pixel_shuffle_reduction, projector_bias
+
+# transformers' InternVL projector LayerNorm is built without an epsilon: torch's default.
+INTERNVL_PROJECTOR_EPS = 1e-5
 
 
 def projection_fields(cfg) -> dict:
     """The projector MLP's ``TransformerConfig`` fields from the whole VLM's config: two linears to
     the text width, HF's projector activation, biases as ``multimodal_projector_bias`` says, the
-    text config's RMSNorm epsilon. ``activation`` is the HF activation's name: each side turns it
+    text config's RMSNorm epsilon (InternVL's: a LayerNorm over the pixel-shuffled vector, which its
+    projector applies first). ``activation`` is the HF activation's name: each side turns it
     into its function. The attention fields, which an MLP never reads, are each side's."""
     text = cfg.text_config
-    return dict(hidden_size=text.hidden_size, ffn_hidden_size=text.hidden_size, normalization="RMSNorm",
-                norm_eps=text.rms_norm_eps, activation=cfg.projector_hidden_act, gated=False,
-                bias=bool(cfg.multimodal_projector_bias))
+    if pixel_shuffle_reduction(cfg) > 1:
+        # InternVL's projector starts with a LayerNorm over the shuffled vector (torch's default
+        # epsilon), held by linear_fc1 as Megatron-LM's normed projector holds it.
+        norm = dict(normalization="LayerNorm", norm_eps=INTERNVL_PROJECTOR_EPS)
+    else:
+        norm = dict(normalization="RMSNorm", norm_eps=text.rms_norm_eps)
+    return dict(hidden_size=text.hidden_size, ffn_hidden_size=text.hidden_size, **norm,
+                activation=cfg.projector_hidden_act, gated=False, bias=projector_bias(cfg))
 
 
 # --- HF config tables ---

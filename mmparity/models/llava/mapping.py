@@ -10,7 +10,8 @@ Three parts, each under its own root on both sides:
   ``vision_config.model_type``), moved under ``vision_model.`` / the tower's HF root with
   :func:`rules.nested_rules`, not restated here;
 * the projector: ``multi_modal_projector.linear_1`` / ``linear_2`` <-> mcore
-  ``MultimodalProjector`` ``vision_projection.encoder.linear_fc1`` / ``linear_fc2``;
+  ``MultimodalProjector`` ``vision_projection.encoder.linear_fc1`` / ``linear_fc2`` (InternVL's
+  ``layer_norm`` before them as ``linear_fc1.layer_norm_weight`` / ``_bias``);
 * the Llama-style language model <-> mcore ``GPTModel`` under ``language_model.``, with the
   embedding and the output layer padded as Megatron-LM pads them, to a multiple of
   ``make_vocab_size_divisible_by × TP`` (:func:`padded_vocab_size`; the table states TP 1's and the
@@ -43,7 +44,8 @@ from typing import Callable
 
 from mmparity.mapping.rules import (
     ConversionError, ConverterSpec, LanguageKeys, Rule, RuleSet, aside, nested_rules, rename)
-from mmparity.config import has_patch_merger, tied_embeddings, tower_depth
+from mmparity.config import has_patch_merger, pixel_shuffle_reduction, projector_bias, tied_embeddings, tower_depth
+from mmparity.mapping.blocks import fused_layer_norm_rules
 
 FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint", "mistral")
 
@@ -60,6 +62,8 @@ class Layout:
     head_key: str
     tower_format: str = "hf"
     decoder: str = "hf"
+    # InternVL's projector LayerNorm (before linear_1), where the layout has one.
+    projector_norm: str = ""
 
 
 def _hf_projector(root: str) -> tuple:
@@ -69,9 +73,11 @@ def _hf_projector(root: str) -> tuple:
 
 LAYOUTS = {
     "hf": Layout("model.vision_tower.", _hf_projector("model.multi_modal_projector."),
-                 "model.language_model.", "lm_head.weight"),
+                 "model.language_model.", "lm_head.weight",
+                 projector_norm="model.multi_modal_projector.layer_norm."),
     "hf_checkpoint": Layout("vision_tower.", _hf_projector("multi_modal_projector."),
-                            "language_model.model.", "language_model.lm_head.weight"),
+                            "language_model.model.", "language_model.lm_head.weight",
+                            projector_norm="multi_modal_projector.layer_norm."),
     # Mistral's own consolidated.safetensors (Pixtral-12B, Mistral-Small-3.1): everything at the
     # top level, the tower under vision_encoder. (the tower family's "mistral" table).
     "mistral": Layout("", ("pre_mm_projector_norm.weight", "patch_merger.merging_layer.weight",
@@ -124,11 +130,18 @@ def merger_rules(cfg, norm_key: str, merging_key: str) -> tuple:
             rename("vision_model.merger.linear_fc1.weight", merging_key))
 
 
-def projector_rules(cfg, linear_1: str, linear_2: str) -> tuple:
+def projector_rules(cfg, linear_1: str, linear_2: str, norm: str = "") -> tuple:
     mc = "vision_projection.encoder."
-    rules = (rename(mc + "linear_fc1.weight", linear_1 + "weight", "column"),
-             rename(mc + "linear_fc2.weight", linear_2 + "weight", "row"))
-    if cfg.multimodal_projector_bias:
+    rules = ()
+    if pixel_shuffle_reduction(cfg) > 1:
+        # InternVL's LayerNorm over the shuffled vector, fused into linear_fc1 as Megatron-LM's
+        # normed projector (TELayerNormColumnParallelLinear) holds it; every rank needs all of it.
+        if not norm:
+            raise ConversionError("this layout has no place for InternVL's projector LayerNorm", [])
+        rules = fused_layer_norm_rules(mc + "linear_fc1.", norm.rstrip("."))
+    rules += (rename(mc + "linear_fc1.weight", linear_1 + "weight", "column"),
+              rename(mc + "linear_fc2.weight", linear_2 + "weight", "row"))
+    if projector_bias(cfg):
         rules += (rename(mc + "linear_fc1.bias", linear_1 + "bias", "column"),
                   rename(mc + "linear_fc2.bias", linear_2 + "bias"))
     return rules
@@ -166,7 +179,8 @@ def rule_set(cfg, hf_format: str, tower: Tower, language: LanguageKeys) -> RuleS
                               [f"that language model's layouts: {', '.join(language.layouts)}"])
     rules = (language.rules(cfg.text_config, layout.lm_root, layout.head_key, tied=tied_embeddings(cfg),
                             layout=layout.decoder)
-             + vision + merger_rules(cfg, norm, merging) + projector_rules(cfg, linear_1, linear_2))
+             + vision + merger_rules(cfg, norm, merging)
+             + projector_rules(cfg, linear_1, linear_2, layout.projector_norm))
     head_key = layout.head_key
     drops = (_DROP_BUFFERS + ((f"^{re.escape(head_key)}$",) if tied_embeddings(cfg) else ())
              + language.drops_of(cfg.text_config, layout.lm_root))
@@ -198,9 +212,10 @@ def detect_format(keys) -> str:
 
 
 def converter(tower_of: Callable[[object], Tower],
-              language_of: Callable[[object], LanguageKeys]) -> ConverterSpec:
+              language_of: Callable[[object], LanguageKeys], formats: tuple = FORMATS) -> ConverterSpec:
     """LLaVA's converter, given how to find the tower and the language model of a config (the
-    family registry knows: each is a registered part)."""
-    return ConverterSpec(formats=FORMATS,
+    family registry knows: each is a registered part); ``formats``: the HF layouts of
+    :data:`LAYOUTS` the composed VLM has (a reference module's ``HF_LAYOUTS``; all by default)."""
+    return ConverterSpec(formats=formats,
                          rule_set=lambda cfg, fmt: rule_set(cfg, fmt, tower_of(cfg), language_of(cfg)),
                          detect_format=detect_format)

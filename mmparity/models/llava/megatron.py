@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import LlavaConfig
 
 from mmparity.config import (
-    feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size, select_strategy, spatial_merge,
+    feature_layer_indices, first_int, has_patch_merger, image_hw, padded_vocab_size, pixel_shuffle_reduction, select_strategy, spatial_merge,
     tower_depth, vision_of)
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.clip import reference as clip_reference
@@ -135,7 +135,8 @@ def _language_pairs(model, cfg) -> list[Pair]:
 
 
 def _feature_width(cfg) -> int:
-    return cfg.vision_config.hidden_size * len(feature_layer_indices(cfg))
+    # InternVL's pixel shuffle widens each feature by the patches it merges.
+    return cfg.vision_config.hidden_size * len(feature_layer_indices(cfg)) * pixel_shuffle_reduction(cfg) ** 2
 
 
 def _feature_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
@@ -151,7 +152,10 @@ def _reference_projector(model, case: Case, cfg) -> dict:
     """HF's projector linears (``linear_1``, ``act``, ``linear_2``): all of LLaVA's projector, and
     Mistral3's after the norm and patch merger that Megatron holds in the tower."""
     proj = model.model.multi_modal_projector
-    return {"vision_projection": proj.linear_2(proj.act(proj.linear_1(inputs.like_model(case.data["features"], model))))}
+    features = inputs.like_model(case.data["features"], model)
+    if getattr(proj, "layer_norm", None) is not None:  # InternVL's, which Megatron's linear_fc1 holds
+        features = proj.layer_norm(features)
+    return {"vision_projection": proj.linear_2(proj.act(proj.linear_1(features)))}
 
 
 def _run_projector(model, case: Case, cfg) -> dict:
@@ -260,7 +264,8 @@ def vlm_projection_config(cfg, params_dtype=torch.float32) -> TransformerConfig:
 def build_projector(cfg, params_dtype=torch.float32) -> MultimodalProjector:
     """A whole VLM's projector alone, as ``LLaVAModel`` builds its ``vision_projection``: its input
     is the tower's width times the feature layers HF concatenates (a merger keeps the width)."""
-    return MultimodalProjector(vlm_projection_config(cfg, params_dtype), te_stand_ins.projector_spec(),
+    return MultimodalProjector(vlm_projection_config(cfg, params_dtype),
+                               te_stand_ins.projector_spec(normed=pixel_shuffle_reduction(cfg) > 1),
                                "mlp", _feature_width(cfg)).eval()
 
 
@@ -289,18 +294,24 @@ def feature_layer_count(cfg) -> int:
 
 def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                 parallel_output: bool = True, *, vision_model_type: str = "",
-                tower_config: Optional[Callable] = None, vit_model: bool = False):
+                tower_config: Optional[Callable] = None, vit_model: bool = False,
+                tower_layer_spec: Optional[Callable] = None):
     """Stock ``LLaVAModel``: the tower Megatron's ``vision_model_type`` names (what the tower
     family's record states: stock CLIP/SigLIP, or Megatron-LM main's ``ViTModel`` where
     ``vit_model``), ``MultimodalProjector``, ``GPTModel`` with the dense decoder.
-    ``tower_config(vc, params_dtype, num_layers)``: the tower family's recipe. The tower is built
-    ``feature_layer_count`` layers deep; the vocabulary is padded as Megatron-LM pads it."""
+    ``tower_config(vc, params_dtype, num_layers)``: the tower family's recipe, ``tower_layer_spec(vc)``
+    its layers' spec (Megatron-LM's ViT layer by default). The tower is built ``feature_layer_count``
+    layers deep; the vocabulary is padded as Megatron-LM pads it. InternVL's pixel shuffle is
+    ``LLaVAModel``'s own (2x2 only), its normed projector Megatron-LM's NVLM one."""
     vc = cfg.vision_config
     if not vision_model_type or tower_config is None:
         raise ValueError(f"no Megatron LLaVA tower for {vc.model_type!r}")
     if select_strategy(cfg) not in ("default", "full"):
         raise ValueError(f"unknown select strategy {select_strategy(cfg)!r}")
     layers = feature_layer_count(cfg)
+    shuffle = pixel_shuffle_reduction(cfg)
+    if shuffle not in (1, 2):
+        raise ValueError(f"Megatron's LLaVAModel shuffles 2x2 patches only, not {shuffle}x{shuffle}")
     modules = [llava_model, clip_vit_model]
     if vit_model:
         modules.append(upstream.vit_model_module())
@@ -315,11 +326,12 @@ def build_llava(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTI
             language_vocab_size=language.vocab_size,
             language_max_sequence_length=language.max_sequence_length,
             vision_transformer_config=vision_config,
-            vision_transformer_layer_spec=te_stand_ins.vit_layer_spec(),
+            vision_transformer_layer_spec=(te_stand_ins.vit_layer_spec() if tower_layer_spec is None
+                                           else tower_layer_spec(vc)),
             drop_vision_class_token=select_strategy(cfg) == "default",
             vision_projection_config=vlm_projection_config(cfg, params_dtype),
-            vision_projection_layer_spec=te_stand_ins.projector_spec(),
-            vision_projection_type="mlp",
+            vision_projection_layer_spec=te_stand_ins.projector_spec(normed=shuffle > 1),
+            vision_projection_type="mlp", pixel_shuffle=shuffle > 1,
             share_embeddings_and_output_weights=language.tied,
             language_position_embedding_type="rope", language_rotary_base=language.rotary_base,
             img_h=img_h, img_w=img_w, patch_dim=first_int(vc.patch_size),
@@ -401,7 +413,7 @@ def llava_model_builder(towers: TowerLookup, cfg, params_dtype=torch.float32, di
     tower = towers(cfg).llava_tower
     return build_llava(cfg, params_dtype, divisible_by=divisible_by, parallel_output=parallel_output,
                        vision_model_type=tower.megatron_type, tower_config=tower.megatron_config,
-                       vit_model=tower.vit_model)
+                       vit_model=tower.vit_model, tower_layer_spec=tower.megatron_layer_spec)
 
 
 def _refuse_a_vit_model_tower(towers: TowerLookup, cfg) -> str | None:

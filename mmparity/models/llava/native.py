@@ -22,11 +22,13 @@ from megatron.core.transformer.module import MegatronModule
 
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.parallel import runtime
-from mmparity.config import feature_layer_indices, padded_vocab_size, select_strategy, tower_depth, tied_embeddings
+from mmparity.config import (
+    feature_layer_indices, padded_vocab_size, pixel_shuffle_reduction, select_strategy, tied_embeddings, tower_depth)
 from mmparity.models.llava.config import projection_fields
-from mmparity.models.llava.preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data
+from mmparity.models.llava.preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data, pixel_shuffle
 from mmparity.models.core.attention import make_packed_seq_params
-from mmparity.models.core.layers import activation_from_hf, tolerate_missing_extra_state, vision_transformer_config
+from mmparity.models.core.layers import (
+    NormedColumnParallelLinear, activation_from_hf, tolerate_missing_extra_state, vision_transformer_config)
 
 
 def projection_transformer_config(cfg, params_dtype: torch.dtype = torch.float32):
@@ -84,13 +86,17 @@ class LLaVAModel(MegatronModule):
       post-norm or pooling head) never receive gradients.
     * ``drop_vision_class_token`` drops the first token of every image, which is what HF's
       ``vision_feature_select_strategy="default"`` does, class token or not.
+    * ``pixel_shuffle`` (InternVL's, the reduction per side: 2 merges 2x2 patches) shuffles each
+      image's features on its own patch grid after the class token is dropped (upstream: a
+      flag for 2x2 only); ``normed_last_features`` applies the tower's final norm to its last
+      layer's features, as InternVL reads ``vision_feature_layer=-1`` (the tower's output).
     * The embedding and output tables are padded past the tokenizer's vocabulary
       (``vocab_size``) for tensor parallelism. The per-token loss is taken over the real
       vocabulary only (padded logits are masked out of the softmax), so it equals HF's; returned
       logits keep the padded width, as upstream.
     * ``forward`` also takes ``media_token_counts`` (slots per placeholder; see
       :func:`_preprocess_data`), e.g. to feed a prompt in which every image row is its own
-      placeholder. Tile tags, pixel shuffle, sound, virtual pipeline and context parallelism,
+      placeholder. Tile tags, sound, virtual pipeline and context parallelism,
       packed language sequences and KV-cache inference are not implemented.
     * Pipeline parallelism splits the language model's layers, as Megatron-LM does: the vision
       tower (whole, see ``runtime.single_stage``), the projector and the embedding live on the
@@ -106,7 +112,8 @@ class LLaVAModel(MegatronModule):
                  share_embeddings_and_output_weights: bool = False,
                  image_token_index: int = DEFAULT_IMAGE_TOKEN_INDEX, *,
                  vision_feature_layers: Sequence[int] = (-1,),
-                 drop_vision_class_token: bool = False, vocab_size: Optional[int] = None):
+                 drop_vision_class_token: bool = False, vocab_size: Optional[int] = None,
+                 pixel_shuffle: int = 1, normed_last_features: bool = False):
         super().__init__(config=language_transformer_config)
         vocab_size = language_vocab_size if vocab_size is None else vocab_size
         if not 0 < vocab_size <= language_vocab_size:
@@ -143,6 +150,11 @@ class LLaVAModel(MegatronModule):
         self.vocab_size = vocab_size
         self.vision_feature_layers = layers
         self.drop_vision_class_token = drop_vision_class_token
+        self.pixel_shuffle = pixel_shuffle
+        self.normed_last_features = normed_last_features
+        if pixel_shuffle > 1 and getattr(vision_model, "class_token_len", 0) and not drop_vision_class_token:
+            raise ValueError("pixel shuffle needs each image's tokens to be its patch grid: drop the "
+                             "class token (vision_feature_select_strategy='default')")
         self._language_max_sequence_length = language_model_builder.max_sequence_length
         tolerate_missing_extra_state(self)
         self.register_load_state_dict_pre_hook(_take_the_checkpoints_vocabulary_padding)
@@ -205,10 +217,18 @@ class LLaVAModel(MegatronModule):
             hidden, _ = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
                               packed_seq_params=packed)
             kept[depth] = hidden
+        last = len(vision.decoder.layers)
+        if self.normed_last_features and last in kept and getattr(vision, "ln_post", None) is not None:
+            # InternVL reads its last layer as the tower's output, final norm included.
+            kept[last] = vision.ln_post(kept[last])
         features = torch.cat([kept[i] for i in self.vision_feature_layers], dim=-1).transpose(0, 1)
         per_image = list(features.unbind(0)) if seqlens is None else list(features[0].split(seqlens))
         if self.drop_vision_class_token:
             per_image = [x[1:] for x in per_image]
+        if self.pixel_shuffle > 1:
+            # InternVL's pixel shuffle, each image (tile) on its own patch grid.
+            per_image = [pixel_shuffle(x.unsqueeze(0), 1 / self.pixel_shuffle, h=h, w=w)[0]
+                         for x, (h, w) in zip(per_image, self._patch_grids(images, imgs_sizes))]
         merger = getattr(vision, "merger", None)
         if merger is not None:
             # One call over every image, each merged on its own grid, as Mistral3's projector does.
@@ -230,6 +250,9 @@ class LLaVAModel(MegatronModule):
         m = self.vision_merge
         if m > 1:
             return [(h // m) * (w // m) for h, w in self._patch_grids(images, imgs_sizes)]
+        if self.pixel_shuffle > 1:
+            r = self.pixel_shuffle
+            return [(h // r) * (w // r) for h, w in self._patch_grids(images, imgs_sizes)]
         dropped = 1 if self.drop_vision_class_token else 0
         return [self.vision_class_token_len + h * w - dropped
                 for h, w in self._patch_grids(images, imgs_sizes)]
@@ -365,6 +388,7 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower:
     tower_config.num_hidden_layers = tower_depth(cfg)
     with runtime.single_stage(), placement:
         vision_model = build_tower(tower_config, params_dtype)
+    shuffle = pixel_shuffle_reduction(cfg)
     return LLaVAModel(
         language_transformer_config=language.transformer_config(text, params_dtype),
         language_model_builder=language.LanguageModelBuilder(text, params_dtype),
@@ -372,11 +396,15 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, build_tower:
         language_vocab_size=padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp),
         vision_model=vision_model,
         vision_projection_config=projection_transformer_config(cfg, params_dtype),
-        vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                   linear_fc2=RowParallelLinear),
-        vision_projection_input_size=cfg.vision_config.hidden_size * len(layers),
+        # InternVL's projector norms its input first: held by linear_fc1, as Megatron-LM's.
+        vision_projection_layer_spec=MLPSubmodules(
+            linear_fc1=NormedColumnParallelLinear if shuffle > 1 else ColumnParallelLinear,
+            linear_fc2=RowParallelLinear),
+        vision_projection_input_size=cfg.vision_config.hidden_size * len(layers) * shuffle ** 2,
         share_embeddings_and_output_weights=tied_embeddings(cfg),
         vision_feature_layers=layers,
         drop_vision_class_token=strategy == "default",
         vocab_size=text.vocab_size,
+        pixel_shuffle=shuffle,
+        normed_last_features=shuffle > 1 and cfg.vision_feature_layer == -1,
     )
