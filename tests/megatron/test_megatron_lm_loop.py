@@ -150,19 +150,30 @@ def _loop_rank(rank: int, world: int, params: dict) -> dict:
     return {"iteration": iteration, "unequal": unequal[:10], "keys": len(want)}
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
+def _llava_clip():
     # A CLIP tower: Megatron-LM main's LLaVAModel builds no vit_model tower (docs/megatron.md).
     from mmparity.models.llava.megatron import llava_clip_config
 
-    return save_hf("llava", tmp_path_factory.mktemp("mlm_loop") / "hf", seed=5, cfg=llava_clip_config())
+    return llava_clip_config()
+
+
+# The whole VLMs Megatron-LM's own LLaVAModel builds: LLaVA on a CLIP tower, InternVL on its
+# InternViT (the class token dropped, the 2x2 pixel shuffle, the normed projector).
+WHOLE = {"llava": _llava_clip, "internvl": lambda: families.get("internvl").tiny_config()}
+
+
+@pytest.fixture(scope="module", params=sorted(WHOLE))
+def whole(request, tmp_path_factory) -> tuple[str, Path]:
+    family = request.param
+    return family, save_hf(family, tmp_path_factory.mktemp("mlm_loop") / "hf", seed=5, cfg=WHOLE[family]())
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_into_megatron_lm_and_back(hf_dir, tmp_path, fmt, tp):
+def test_into_megatron_lm_and_back(whole, tmp_path, fmt, tp):
+    family, hf_dir = whole
     src = tmp_path / "mmparity"
-    assert main(["convert", "--family", "llava", "--src", str(hf_dir), "--dst", str(src), "--to", "mcore",
+    assert main(["convert", "--family", family, "--src", str(hf_dir), "--dst", str(src), "--to", "mcore",
                  "--format", fmt, "--tp", str(tp), "--quiet"]) == 0
     save, trained = tmp_path / "megatron_lm", tmp_path / "trained"
     trained.mkdir()
@@ -176,17 +187,17 @@ def test_into_megatron_lm_and_back(hf_dir, tmp_path, fmt, tp):
     out = tmp_path / "hf_again"
     code = main(["convert", "--src", str(save), "--dst", str(out), "--to", "hf", "--base", str(hf_dir), "--quiet"])
     assert code == 0
-    _assert_trained_weights_exported(hf_dir, out, trained, tp)
+    _assert_trained_weights_exported(family, hf_dir, out, trained, tp)
 
 
-def _assert_trained_weights_exported(hf_dir: Path, out: Path, trained: Path, tp: int) -> None:
+def _assert_trained_weights_exported(name: str, hf_dir: Path, out: Path, trained: Path, tp: int) -> None:
     """The HF export equals what mmparity's own engine makes of the trained per-rank weights, with
     the tensors Megatron has no place for taken from the base: bit for bit."""
     from safetensors.torch import load_file
 
     from mmparity.convert.configs import read_hf_config
 
-    family = families.get("llava")
+    family = families.get(name)
     cfg = read_hf_config(hf_dir)[0]
     base = {}
     for f in sorted(hf_dir.glob("*.safetensors")):

@@ -95,6 +95,20 @@ class WholeWidthQKNorm(MegatronModule):
         group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
         return rms_norm(flat, self.weight, self.eps, self.width, group).view_as(x)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The weight split over TP along its one axis, as the heads it scales are: a distributed
+        checkpoint holds the whole width once (MegatronModule's default would call it replicated,
+        and a TP 2 load would read the whole width into each rank's half)."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                     make_sharded_tensors_for_checkpoint)
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+            dp_cp_group=metadata["dp_cp_group"])
+
 
 def qkv_linear(base: type) -> type:
     """``base`` as ``linear_qkv``, with a bias only where transformers has q/k/v biases: mcore
