@@ -140,7 +140,8 @@ def write_with_mcore(source, out: Output, progress=None) -> tuple[int, int]:
                             iteration=RELEASE if out.release else 1,
                             common={megatron_args.ARGS_KEY: megatron_args.checkpoint_args(
                                 source.cfg, {k: source.metas[k].shape for k in order}, ckpt_format="torch_dist",
-                                grid=out.grid, vocab_multiple=source.vocab_multiple)},
+                                grid=out.grid, vocab_multiple=source.vocab_multiple,
+                                declared=getattr(source.model, "recorded_args", None))},
                             content_metadata=megatron_args.content_metadata())
         except CheckpointError as exc:
             raise (source_errors[0] if source_errors else ConvertError(str(exc))) from None

@@ -16,7 +16,6 @@ layer scales ``ls1`` / ``ls2`` applied to the attention and MLP outputs before t
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -153,8 +152,16 @@ class LayerScaledTransformerLayer(TransformerLayer):
         super().__init__(config, *args, **kwargs)
         self.ls1 = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
         self.ls2 = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
-        self.self_attn_bda = partial(_scaled_residual_add, self.ls1)
-        self.mlp_bda = partial(_scaled_residual_add, self.ls2)
+        # The bias-dropout-adds are this class's methods below, which read the scales when they
+        # run: a function holding the parameters made here would keep them after a load swaps
+        # them (check --low-memory streams each module's weights in that way).
+        del self.self_attn_bda, self.mlp_bda
+
+    def self_attn_bda(self, training: bool, fused: bool):
+        return _scaled_residual_add(self.ls1, training, fused)
+
+    def mlp_bda(self, training: bool, fused: bool):
+        return _scaled_residual_add(self.ls2, training, fused)
 
 
 def layer_spec(qk_norm: bool, *, column: type = ColumnParallelLinear, row: type = BiasInGemmRowParallelLinear,
