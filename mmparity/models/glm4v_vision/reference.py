@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     from transformers import Glm4vMoeVisionConfig
 
 MODEL_TYPES = ("glm4v_moe_vision",)
-# Whole-VLM configs that carry this tower as ``vision_config``.
-PARENT_MODEL_TYPES = ("glm4v_moe",)
 OUTPUTS = ("last_hidden_state", "pooler_output")
 
 
@@ -32,8 +30,12 @@ def tiny_config() -> Glm4vMoeVisionConfig:
 
 
 def vision_config(cfg):
-    """The vision config inside ``cfg`` (itself, or a whole ``Glm4vMoeConfig``'s ``vision_config``)."""
-    return tower_config(cfg, MODEL_TYPES, PARENT_MODEL_TYPES, "GLM-4.5V vision")
+    """The vision config inside ``cfg``: itself, or the ``vision_config`` of a whole model (whichever
+    whole model type carries this tower's)."""
+    sub = getattr(cfg, "vision_config", None)
+    if getattr(sub, "model_type", None) in MODEL_TYPES:
+        return sub
+    return tower_config(cfg, MODEL_TYPES, (), "GLM-4.5V vision")
 
 
 def build(cfg):
