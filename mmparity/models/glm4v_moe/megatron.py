@@ -40,7 +40,8 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
     config = transformer_config(text, params_dtype)
     if config.num_moe_experts:
         config = dataclasses.replace(config, moe_grouped_gemm=True)
-    spec = te_stand_ins.gpt_decoder_block_spec(config)
+    with te_stand_ins.qk_norm_without_te():
+        spec = te_stand_ins.gpt_decoder_block_spec(config)
     with buildable_without_te(gpt_model, transformer_engine_spec_provider), \
             mla_moe.host_placement(torch.get_default_device()):
         model = gpt_model.GPTModel(

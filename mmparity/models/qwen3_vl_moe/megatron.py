@@ -8,7 +8,6 @@ and the stock class computes HF's text model."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -21,23 +20,6 @@ from mmparity.models.core.te_stand_ins import buildable_without_te
 from mmparity.models.llava import megatron as llava
 from mmparity.models.qwen3_vl_moe.native import transformer_config
 from mmparity.parallel import runtime
-
-
-@contextlib.contextmanager
-def _qk_norm_without_te():
-    """megatron-core's TE spec provider picks the q/k norm by TE's version, which it cannot read
-    without TE; TE >= 1.9 gives ``TENorm`` (the stand-in here), which is what it is told."""
-    if te_stand_ins.HAVE_TE:
-        yield
-        return
-    from megatron.core.extensions import transformer_engine_spec_provider as provider
-
-    saved = provider.is_te_min_version
-    provider.is_te_min_version = lambda *unused, **unused_kw: True
-    try:
-        yield
-    finally:
-        provider.is_te_min_version = saved
 
 
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
@@ -54,7 +36,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
     config = transformer_config(text, params_dtype)
     if config.num_moe_experts:
         config = dataclasses.replace(config, moe_grouped_gemm=True)
-    with _qk_norm_without_te():
+    with te_stand_ins.qk_norm_without_te():
         spec = te_stand_ins.gpt_decoder_block_spec(config)
     with buildable_without_te(gpt_model, transformer_engine_spec_provider), \
             mla_moe.host_placement(torch.get_default_device()):
