@@ -14,45 +14,21 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from megatron.core.models.gpt import gpt_model
 
-from mmparity.config import padded_vocab_size, rope_theta, tied_embeddings
 from mmparity.mapping.rules import VOCAB_MULTIPLE
-from mmparity.models.core import mla_moe, te_stand_ins
-from mmparity.models.core.te_stand_ins import buildable_without_te
 from mmparity.models.glm4v_moe.config import rotary_fraction
 from mmparity.models.glm4v_moe.native import transformer_config
 from mmparity.models.llava import megatron as llava
-from mmparity.parallel import runtime
+from mmparity.models.qwen3_vl_moe.megatron import build_te_moe_gpt_model
 
 
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                          parallel_output: bool = True):
-    """The GLM-4.5 MoE decoder of a whole GLM-4.5V alone: mcore's own
-    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)`` (dense layers first, then
-    ``MoELayer`` with ``TEGroupedMLP`` experts and a shared expert), the experts as grouped GEMMs;
-    this pipeline stage of it."""
-    from megatron.core.extensions import transformer_engine_spec_provider
-
-    text = cfg.text_config
-    layout = runtime.current_layout()
-    tp = layout.tp if layout is not None else 1
-    config = transformer_config(text, params_dtype)
-    if config.num_moe_experts:
-        config = dataclasses.replace(config, moe_grouped_gemm=True)
-    with te_stand_ins.qk_norm_without_te():
-        spec = te_stand_ins.gpt_decoder_block_spec(config)
-    with buildable_without_te(gpt_model, transformer_engine_spec_provider), \
-            mla_moe.host_placement(torch.get_default_device()):
-        model = gpt_model.GPTModel(
-            config=config, transformer_layer_spec=spec,
-            vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
-            max_sequence_length=text.max_position_embeddings,
-            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
-            parallel_output=parallel_output, share_embeddings_and_output_weights=tied_embeddings(cfg),
-            position_embedding_type="rope", rotary_base=rope_theta(text), rotary_percent=rotary_fraction(text),
-            scatter_embedding_sequence_parallel=False)
-    return model.eval()
+    """The GLM-4.5 MoE decoder of a whole GLM-4.5V alone: mcore's own TE block spec (dense layers
+    first, then ``MoELayer`` with ``TEGroupedMLP`` experts and a shared expert), as Qwen3-VL-MoE's
+    is built, with half (``partial_rotary_factor``) of each head rotated; this pipeline stage of it."""
+    return build_te_moe_gpt_model(cfg, transformer_config(cfg.text_config, params_dtype), divisible_by=divisible_by,
+                                  parallel_output=parallel_output, rotary_percent=rotary_fraction(cfg.text_config))
 
 
 WHY_NO_WHOLE = ("megatron-core and Megatron-LM main have no GLM-4.5V class (no GLM vision tower, no "

@@ -26,19 +26,19 @@ from __future__ import annotations
 import functools
 
 import torch
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from mmparity.config import moe_layer_range, rope_parameters, rope_theta
 from mmparity.models.core.layers import activation_from_hf, vision_transformer_config
-from mmparity.models.core.stages import build_stage, stage_layers
+from mmparity.models.core.stages import build_stage
 from mmparity.models.glm4v_moe.config import rotary_dim, rotary_fraction
 from mmparity.models.glm4v_vision import native as tower
 from mmparity.models.parts.deepseek_v3.config import moe_problems, moe_transformer_fields
-from mmparity.models.parts.deepseek_v3.native import build_gpt_model, moe_spec
+from mmparity.models.parts.deepseek_v3.native import build_gpt_model
 from mmparity.models.parts.dense_decoder.config import transformer_fields
 from mmparity.models.parts.dense_decoder.native import language_layer_spec
 from mmparity.models.qwen2_5_vl_whole.native import SectionedMRoPE
+from mmparity.models.qwen3_vl_moe import native as moe_layers
 from mmparity.models.qwen3_vl_whole.native import Qwen3VLModel
 
 # transformers' GLM-4.5V text RoPE where the config names no sections.
@@ -76,20 +76,11 @@ def transformer_config(text, params_dtype: torch.dtype = torch.float32):
                                      mrope_section=mrope_section(text), **fields)
 
 
-def layer_spec(sparse: bool):
-    """The dense decoder's layer; with ``sparse``, its MLP is the MoE layer, whose norm is its own."""
-    spec = language_layer_spec()
-    if sparse:
-        spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
-        spec.submodules.mlp = moe_spec(shared_experts=True)
-    return spec
-
-
 def block_spec(text) -> TransformerBlockSubmodules:
-    """One spec per layer of this pipeline stage, by its kind."""
-    moe = set(moe_layer_range(text))
-    specs = stage_layers([layer_spec(i in moe) for i in range(text.num_hidden_layers)])
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
+    """One spec per layer of this pipeline stage: the dense decoder's layer, its MLP the MoE layer
+    with a shared expert after the ``first_k_dense_replace`` dense layers."""
+    layer = functools.partial(moe_layers.layer_spec, base=language_layer_spec, shared_experts=True)
+    return moe_layers.block_spec(text, moe_layer_range(text), layer)
 
 
 def build_language_model(text, params_dtype, vocab_size: int, *, pre_process: bool, post_process: bool,
