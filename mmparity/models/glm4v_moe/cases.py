@@ -12,7 +12,6 @@ from __future__ import annotations
 from functools import partial
 
 from mmparity.models.core import sublayers
-from mmparity.models.core.layers import numbered_layers
 from mmparity.models.glm4v_moe import mapping as converter
 from mmparity.models.glm4v_moe import native, reference
 from mmparity.models.glm4v_moe.megatron import MEGATRON
@@ -53,22 +52,9 @@ def language_pairs(layers, *, hf: bool) -> list[Pair]:
     return out
 
 
-def reference_pairs(model, cfg) -> list[Pair]:
-    out = [p.under("vision_model.") for p in tower_cases.reference_pairs(model.model.visual, cfg.vision_config)]
-    out += language_pairs(enumerate(model.model.language_model.layers), hf=True)
-    out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
-    return out
-
-
-def native_pairs(model, cfg) -> list[Pair]:
-    out = []
-    if model.vision_model is not None:
-        out += [p.under("vision_model.") for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
-    out += language_pairs(numbered_layers(model.language_model.decoder), hf=False)
-    if model.post_process:
-        out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
-                        sbh_tokens_2d))
-    return out
+# The tower's pairs and the layers' above, in Qwen-VL whole's order.
+reference_pairs = partial(whole.reference_pairs, tower_pairs=tower_cases.reference_pairs, layer_pairs=language_pairs)
+native_pairs = partial(whole.native_pairs, tower_pairs=tower_cases.native_pairs, layer_pairs=language_pairs)
 
 
 def random_config(pick):
