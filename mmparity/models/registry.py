@@ -344,6 +344,7 @@ FAMILIES = (
     "mmparity.models.qwen2_5_vl",
     "mmparity.models.qwen2_5_vl_whole",
     "mmparity.models.qwen3_vl_moe",
+    "mmparity.models.glm4v_vision",
     "mmparity.models.glm4v_moe",
     "mmparity.models.kimi_k25",
     "mmparity.models.kimi_k25_vl",

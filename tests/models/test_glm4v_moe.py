@@ -77,7 +77,7 @@ def test_whole_model_parity_and_router_agreement(dtype):
         names = {m["module"] for m in result.modules}
         assert {LAYER.format(2) + s for s in (".self_attention", ".mlp.router", ".mlp.experts",
                                               ".mlp.shared_experts")} <= names
-        assert {"vision_model.post_conv_layernorm", "vision_model.merger.downsample"} <= names
+        assert {"vision_model.pos_embed", "vision_model.merger.downsample"} <= names
         assert LAYER.format(0) + ".mlp" in names and LAYER.format(0) + ".mlp.router" not in names
         if dtype == "float32":
             assert all(m["passed"] for m in result.modules), [m["module"] for m in result.modules if not m["passed"]]
@@ -110,7 +110,7 @@ def test_position_table_is_resampled_to_each_grid_as_transformers_does_bit_for_b
         rows, cols = zip(*[tower_native.block_first_ids(h, w, cfg.spatial_merge_size) for h, w in grids])
         heights = torch.cat([torch.full((h * w,), h) for h, w in grids])
         widths = torch.cat([torch.full((h * w,), w) for h, w in grids])
-        got = native(torch.cat(rows), torch.cat(cols), heights, widths)
+        got = native(zeros, torch.cat(rows), torch.cat(cols), heights, widths)
     assert torch.equal(got, expected)
 
 
@@ -127,7 +127,9 @@ def test_config_json_read_without_transformers_gives_the_same_model(saved):
 
     from mmparity.config import config_view
 
-    view = config_view(json.loads((saved / "config.json").read_text()), glm_config.HF_CONFIGS)
+    from mmparity.convert.configs import hf_config_tables
+
+    view = config_view(json.loads((saved / "config.json").read_text()), hf_config_tables())
     assert view.text_config.num_local_experts == 4 and view.text_config.first_k_dense_replace == 1
     assert glm_config.rotary_dim(view.text_config) == 8
     assert view.vision_config.num_hidden_layers == 2 and view.image_start_token_id == 91
@@ -229,3 +231,20 @@ def test_parity_across_tensor_pipeline_and_expert_ranks():
     report = harness.check(FAMILY, seed=1, tp=2, pp=2, ep=2, components=False)
     assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
     assert all(r.metrics["rel_l2"] <= 1e-5 for r in report.results)
+
+
+# --- the tower family alone ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutate, part", [
+    (_bump("merger.downsample.weight"), "merger.downsample"),
+    (_bump("pos_embed.weight", 7), "pos_embed"),
+    (_bump("decoder.layers.1.mlp.linear_fc2.weight"), "layer.1.mlp"),
+])
+def test_tower_negative_controls_fail_and_name_the_module(mutate, part):
+    report = harness.check("glm4v_vision", seed=2, mutate_native=mutate, components=False)
+    assert not report.passed
+    assert {r.first_divergence.module for r in report.failures()} == {part}
+
+
+def test_tower_family_checks_the_tower_of_a_whole_checkpoint(saved, capsys):
+    assert _run("check", "glm4v_vision", "--hf", saved) == 0

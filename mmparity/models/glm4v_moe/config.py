@@ -1,12 +1,11 @@
 """GLM-4.5V's HF configuration classes as tables, so that config.json is read without transformers
-(``mmparity.config``'s ConfigView): transformers 5's defaults of ``Glm4vMoeConfig``,
-``Glm4vMoeTextConfig`` and (from the tower package) ``Glm4vMoeVisionConfig``; and the text
-model's rotary width. Imports no framework."""
+(``mmparity.config``'s ConfigView): transformers 5's defaults of ``Glm4vMoeConfig`` and
+``Glm4vMoeTextConfig`` (``Glm4vMoeVisionConfig``'s sits with the ``glm4v_vision`` tower family); and
+the text model's rotary width. Imports no framework."""
 
 from __future__ import annotations
 
 from mmparity.config import DECODER_FIELDS, ConfigType, head_dim, rope_parameters
-from mmparity.models.glm4v_vision.config import HF_CONFIGS as TOWER_CONFIGS
 
 
 def rotary_fraction(text) -> float:
@@ -39,5 +38,4 @@ HF_CONFIGS = {
                                   "first_k_dense_replace": 1, "norm_topk_prob": True, "bos_token_id": None,
                                   "eos_token_id": None, "router_aux_loss_coef": 0.0001},
                                  aliases={"num_local_experts": "n_routed_experts"}, rope_type="default", before=_text),
-    **TOWER_CONFIGS,
 }

@@ -62,10 +62,11 @@ class GlmPositionEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(num_positions, hidden_size, dtype=dtype))
         torch.nn.init.normal_(self.weight, std=0.02)
 
-    def forward(self, rows: torch.Tensor, cols: torch.Tensor, heights: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, heights: torch.Tensor,
                 widths: torch.Tensor) -> torch.Tensor:
-        """Embeddings (N, H) in the weights' dtype at patch (row, col) of grids (height, width),
-        one entry per patch."""
+        """``tokens`` (…, N, H) plus the embeddings at patch (row, col) of grids (height, width),
+        one entry per patch, cast to the weights' dtype and then to the tokens' (HF's
+        ``embeddings`` module, whose output parity pairs)."""
         g, hidden = self.side, self.weight.shape[1]
         table = self.weight.view(g, g, hidden).permute(2, 0, 1).unsqueeze(0).float()
         # The expressions in transformers' order, so that the coordinates round as its do.
@@ -73,7 +74,7 @@ class GlmPositionEmbedding(torch.nn.Module):
         y = ((rows + 0.5) / heights.float()) * 2 - 1
         grid = torch.stack((x, y), dim=-1).unsqueeze(0).unsqueeze(2)
         out = F.grid_sample(table, grid, mode="bicubic", align_corners=False, padding_mode="border")
-        return out.squeeze(0).squeeze(-1).permute(1, 0).to(self.weight.dtype)
+        return tokens + out.squeeze(0).squeeze(-1).permute(1, 0).to(self.weight.dtype).to(tokens.dtype)
 
 
 class GlmPatchMerger(MegatronModule):
@@ -149,11 +150,8 @@ class Glm4vViTModel(QwenVLViTModel):
             cols = torch.cat([c for _, c in ids])
             heights = torch.cat([torch.full((h * w,), h, device=device) for h, w in grids])
             widths = torch.cat([torch.full((h * w,), w, device=device) for h, w in grids])
-            pos = self.pos_embed(rows, cols, heights, widths)
-            if seqlens is None:  # a static batch: one grid, every image
-                tokens = tokens + pos.to(tokens.dtype)
-            else:
-                tokens = tokens + pos.to(tokens.dtype).unsqueeze(0)
+            # A static batch has one grid: its embeddings broadcast over the images.
+            tokens = self.pos_embed(tokens, rows, cols, heights, widths)
         return tokens, rope, grids, seqlens
 
     def features(self, pixel_values: torch.Tensor, imgs_sizes: Optional[ImageSizes] = None):
