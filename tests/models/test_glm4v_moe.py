@@ -248,3 +248,20 @@ def test_tower_negative_controls_fail_and_name_the_module(mutate, part):
 
 def test_tower_family_checks_the_tower_of_a_whole_checkpoint(saved, capsys):
     assert _run("check", "glm4v_vision", "--hf", saved) == 0
+
+
+def test_check_mcore_fails_on_a_perturbed_converted_weight_naming_the_part(saved, tmp_path, capsys):
+    """The CLI's negative control: a converted checkpoint passes ``check --mcore``; the same with one
+    shared-expert weight of decoder layer 2 changed fails (exit 1), naming that part."""
+    mcore = tmp_path / "mcore"
+    assert _run("convert", "--src", saved, "--dst", mcore, "--to", "mcore", "--format", "legacy", "--quiet") == 0
+    capsys.readouterr()
+    assert _run("check", "--mcore", mcore, "--hf", saved, "--no-components", "--quiet") == 0
+    rank_file = next(mcore.glob("iter_*/mp_rank_00/model_optim_rng.pt"))
+    payload = torch.load(rank_file, weights_only=False)
+    payload["model"][LAYER.format(2) + ".mlp.shared_experts.linear_fc2.weight"][0, 0] += 0.5
+    torch.save(payload, rank_file)
+    capsys.readouterr()
+    assert _run("check", "--mcore", mcore, "--hf", saved, "--no-components") == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and LAYER.format(2) + ".mlp.shared_experts" in out

@@ -118,6 +118,8 @@ class Glm4vViTModel(QwenVLViTModel):
 
     def __init__(self, transformer_config: TransformerConfig, transformer_layer_spec, *, num_positions: int,
                  intermediate_size: int, norm_eps: float, activation, **kwargs):
+        # The parent builds Qwen's position table, block and merger; GLM's replace them below (a
+        # build's cost, at build time only, for the parent's patch embedding, RoPE and input paths).
         super().__init__(transformer_config, transformer_layer_spec, num_pos_per_side=1, **kwargs)
         cfg = transformer_config
         self.pos_embed = self.post_conv_layernorm = None
