@@ -16,7 +16,6 @@ from mmparity.models.core import sublayers
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.glm4v_vision import mapping as converter
 from mmparity.models.glm4v_vision import native, reference
-from mmparity.models.glm4v_vision.reference import OUTPUTS
 from mmparity.models.qwen3_5 import cases as frames
 from mmparity.models.spec import (
     Case, FamilyHooks, NoMegatron, Pair, Parity, Side, first_tensor, module_hooks, sbh_tokens_2d, tokens_2d)
@@ -35,18 +34,8 @@ def default_image_sizes(cfg) -> list[tuple[int, int]]:
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     """A static batch of two images, then the sizes as packed single-frame rows and as T-frame
     processor rows."""
-    p = first_int(cfg.patch_size)
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
-    static_sizes = [sizes[0]] * 2
-    static, packed, tubelets = frames.case_inputs(cfg, seed, static_sizes, sizes)
-    t = first_int(cfg.temporal_patch_size)
-    described = ", ".join(f"{h // p}x{w // p}" for h, w in sizes)
-    return [Case("static", static, OUTPUTS, f"static batch of 2 images, grid {static_sizes[0][0] // p}x"
-                                            f"{static_sizes[0][1] // p}"),
-            Case("packed", packed, OUTPUTS, f"{len(sizes)} images (grids {described}) as C*P*P rows in one "
-                                            f"packed pass"),
-            Case("processor_rows", tubelets, OUTPUTS, f"{len(sizes)} {t}-frame tubelets (grids {described}) "
-                                                      f"as HF processor rows in one packed pass")]
+    return frames.packed_cases(cfg, seed, sizes, [sizes[0]] * 2)
 
 
 def reference_run(model, case: Case) -> dict:
