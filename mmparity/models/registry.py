@@ -346,6 +346,7 @@ FAMILIES = (
     "mmparity.models.qwen3_vl_moe",
     "mmparity.models.glm4v_vision",
     "mmparity.models.glm4v_moe",
+    "mmparity.models.glm46v",
     "mmparity.models.kimi_k25",
     "mmparity.models.kimi_k25_vl",
     "mmparity.models.llava",

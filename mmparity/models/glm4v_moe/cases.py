@@ -57,7 +57,7 @@ reference_pairs = partial(whole.reference_pairs, tower_pairs=tower_cases.referen
 native_pairs = partial(whole.native_pairs, tower_pairs=tower_cases.native_pairs, layer_pairs=language_pairs)
 
 
-def random_config(pick):
+def random_config(pick, tiny=reference.tiny_config):
     heads = pick([2, 4])
     groups = pick([g for g in (1, 2) if heads % g == 0])
     head_dim = pick([8, 16])
@@ -65,7 +65,7 @@ def random_config(pick):
     h_sec = pick(range(0, half))
     count, n_group = pick([(4, 2), (8, 2), (8, 4), (4, 1)])
     top_group = pick([g for g in range(1, n_group + 1) if 2 * g <= count])
-    return reference.tiny_config(
+    return tiny(
         num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
         hidden_size=pick([24, 40]), num_hidden_layers=pick([2, 3]), first_k_dense_replace=pick([0, 1]),
         n_routed_experts=count, n_group=n_group, topk_group=top_group, num_experts_per_tok=2 * top_group,
@@ -79,11 +79,18 @@ def config_problems(cfg) -> list[str]:
 
 
 def hooks(towers, languages) -> FamilyHooks:
-    """The tower and the decoder are composed here (no registered tower or part takes GLM's)."""
+    """The tower and the decoder are composed here (no registered part takes GLM's decoder)."""
+    return family_hooks(reference, config_problems)
+
+
+def family_hooks(ref, problems) -> FamilyHooks:
+    """This family's record over the reference module ``ref`` (its tiny config, family config and
+    HF class) and ``problems``: GLM-4.6V's class shares everything else."""
     return FamilyHooks(
-        config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
-                           problems=config_problems, image_size_multiple=whole.image_size_multiple,
+        config=ConfigHooks(tiny=ref.tiny_config, family_config=ref.vision_config,
+                           random=partial(random_config, tiny=ref.tiny_config),
+                           problems=problems, image_size_multiple=whole.image_size_multiple,
                            image_size_problems=whole.image_size_problems),
-        reference=Side(whole.reference_run, reference_pairs, whole.no_component, reference.build),
+        reference=Side(whole.reference_run, reference_pairs, whole.no_component, ref.build),
         native=Side(whole.native_run, native_pairs, whole.no_component, native.build_native),
         converter=converter.SPEC, parity=Parity(cases), megatron=MEGATRON)

@@ -19,12 +19,12 @@ def transformer_fields(vc) -> dict:
                 add_qkv_bias=bool(vc.attention_bias), rotary_interleaved=False)
 
 
-HF_CONFIGS = {
-    "glm4v_moe_vision": ConfigType({"depth": 24, "hidden_size": 1536, "hidden_act": "silu", "attention_bias": False,
-                                    "attention_dropout": 0.0, "num_heads": 12, "in_channels": 3, "image_size": 336,
-                                    "patch_size": 14, "rms_norm_eps": 1e-05, "spatial_merge_size": 2,
-                                    "temporal_patch_size": 2, "out_hidden_size": 4096, "intermediate_size": 13696,
-                                    "initializer_range": 0.02, "rope_parameters": None},
-                                   aliases={"num_attention_heads": "num_heads", "num_hidden_layers": "depth"},
-                                   rope_type="axial"),
-}
+_TOWER = ConfigType({"depth": 24, "hidden_size": 1536, "hidden_act": "silu", "attention_bias": False,
+                     "attention_dropout": 0.0, "num_heads": 12, "in_channels": 3, "image_size": 336, "patch_size": 14,
+                     "rms_norm_eps": 1e-05, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                     "out_hidden_size": 4096, "intermediate_size": 13696, "initializer_range": 0.02,
+                     "rope_parameters": None},
+                    aliases={"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}, rope_type="axial")
+
+# GLM-4.5V's tower class and GLM-4.1V's / GLM-4.6V's have the same fields and defaults.
+HF_CONFIGS = {"glm4v_moe_vision": _TOWER, "glm4v_vision": _TOWER}

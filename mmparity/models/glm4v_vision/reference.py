@@ -14,7 +14,9 @@ from mmparity.config import first_int, tower_config
 if TYPE_CHECKING:
     from transformers import Glm4vMoeVisionConfig
 
-MODEL_TYPES = ("glm4v_moe_vision",)
+# GLM-4.5V's tower, and GLM-4.1V's / GLM-4.6V's (``Glm4vVisionModel``: the same modules and names).
+MOE_MODEL_TYPE, DENSE_MODEL_TYPE = "glm4v_moe_vision", "glm4v_vision"
+MODEL_TYPES = (MOE_MODEL_TYPE, DENSE_MODEL_TYPE)
 OUTPUTS = ("last_hidden_state", "pooler_output")
 
 
@@ -39,9 +41,11 @@ def vision_config(cfg):
 
 
 def build(cfg):
+    from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
     from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeVisionModel
 
-    return Glm4vMoeVisionModel(cfg).float().eval()
+    tower = Glm4vVisionModel if cfg.model_type == DENSE_MODEL_TYPE else Glm4vMoeVisionModel
+    return tower(cfg).float().eval()
 
 
 def state_shapes(cfg) -> dict[str, tuple]:
