@@ -309,3 +309,33 @@ def test_glm46v_with_the_dense_glm4_text_model_is_refused_in_one_line(saved_46v,
     assert _run("check", "--hf", dense) == 2
     err = capsys.readouterr().err.strip()
     assert "glm4v_text" in err and "\n" not in err
+
+
+def test_a_release_shaped_checkpoint_drops_its_mtp_layer_and_reads_the_legacy_rope_spelling(saved, tmp_path, capsys):
+    """GLM-4.5V's release stores a multi-token-prediction layer after the decoder's
+    (``num_nextn_predict_layers``) and spells RoPE as ``rope_theta`` / ``partial_rotary_factor`` /
+    ``rope_scaling``: the layer is left out by name with its count, the RoPE read as transformers
+    reads it (half of each head rotated, the sections kept), and the check passes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+
+    src = tmp_path / "release"
+    src.mkdir()
+    config = json.loads((saved / "config.json").read_text())
+    text = config["text_config"]
+    rope = text.pop("rope_parameters")
+    text.update(num_nextn_predict_layers=1, rope_theta=rope["rope_theta"], partial_rotary_factor=0.5,
+                rope_scaling={"type": "default", "mrope_section": rope["mrope_section"]})
+    (src / "config.json").write_text(json.dumps(config))
+    state = load_safetensors_state_dict(saved)
+    mtp = {k.replace(".layers.2.", ".layers.3."): v.clone() for k, v in state.items()
+           if k.startswith("model.language_model.layers.2.")}
+    save_file({k: v.contiguous() for k, v in {**state, **mtp}.items()}, str(src / "model.safetensors"))
+    capsys.readouterr()
+    assert _run("convert", "--src", src, "--dst", tmp_path / "m", "--to", "mcore", "--format", "legacy") == 0
+    said = capsys.readouterr()
+    assert f"left out {len(mtp)} of" in said.out + said.err
+    assert _run("check", "--hf", src, "--quiet") == 0
