@@ -1,7 +1,7 @@
-"""GLM-4.5V's language model through Megatron-LM main's ``pretrain_gpt.py`` path and back.
+"""GLM-4.5V's and GLM-4.6V's language model through Megatron-LM main's ``pretrain_gpt.py`` path and back.
 
-Megatron-LM cannot build a whole GLM-4.5V (no class has its tower), so its users train the
-GLM-4.5 MoE decoder alone, as ``pretrain_gpt.py`` builds it from flags: stock ``GPTModel`` with
+Megatron-LM cannot build a whole GLM-4.5V or GLM-4.6V (no class has their tower), so their users
+train the GLM-4.5 MoE decoder alone, as ``pretrain_gpt.py`` builds it from flags: stock ``GPTModel`` with
 q/k/v biases, rotary embeddings over part of each head (``--rotary-percent``), a dense first layer,
 then MoE layers with a sigmoid group-limited router whose expert bias is the release's
 ``e_score_correction_bias``, a routed scale, shared experts and grouped-GEMM experts; TP 2 x EP 2.
@@ -12,7 +12,8 @@ own ``parse_args`` / ``validate_args`` / ``get_model(model_provider(gpt_builder)
 of HF's -> the weights changed as training changes them -> megatron-core's optimizer (plain or
 distributed, stepped) -> ``save_checkpoint`` -> that checkpoint loaded back and saved in the other
 format, as ``--ckpt-convert-format`` does -> ``mmparity convert --to hf --base RELEASE`` of both ->
-the whole release again, bit for bit (one tensor per expert, as ``save_pretrained`` wrote it): the
+the whole release again, bit for bit (the experts as each class's ``save_pretrained`` wrote them:
+one tensor per expert for GLM-4.5V, stacked for GLM-4.6V): the
 language model the trained weights, the tower and merger the base's.
 
 RoPE: GLM-4.5V rotates the first half of each head's dims with M-RoPE (t/h/w sections). On text
@@ -37,7 +38,7 @@ from tests.megatron.test_megatron_lm_gpt import assert_loaded_as_mmparity_loads,
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
 
-FAMILY = "glm4v_moe"
+FAMILIES = ("glm4v_moe", "glm46v")
 # (TP, PP, EP): the attention split over two ranks, the experts over two (more ranks do not finish
 # on a two-core machine).
 GRID = (2, 1, 2)
@@ -67,17 +68,21 @@ def model_flags(cfg) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    """(base release, its trained copy, config)."""
-    cfg = families.get(FAMILY).tiny_config()
-    return (*make_pair(FAMILY, tmp_path_factory.mktemp(FAMILY), cfg), cfg)
+def releases(tmp_path_factory) -> dict:
+    """family -> (base release, its trained copy, config)."""
+    made = {}
+    for family in FAMILIES:
+        cfg = families.get(family).tiny_config()
+        made[family] = (*make_pair(family, tmp_path_factory.mktemp(family), cfg), cfg)
+    return made
 
 
-def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_flags_are_the_recorded_args(capsys, tmp_path, releases, family):
     """What ``convert`` records says what the flags say: the two cannot drift apart unseen."""
     from mmparity.io.megatron_args import read_legacy_args
 
-    base, _trained, cfg = release
+    base, _trained, cfg = releases[family]
     part = convert_part(capsys, base, tmp_path / "part", "legacy", (1, 1, 1))
     args = read_legacy_args(next(part.rglob("model_optim_rng.pt")))
     flags = model_flags(cfg)
@@ -96,8 +101,9 @@ def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
 
 
 @pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])
-def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, release, fmt, optimizer):
-    base, trained, cfg = release
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, releases, family, fmt, optimizer):
+    base, trained, cfg = releases[family]
     tp, pp, ep = grid = GRID
     src = convert_part(capsys, base, tmp_path / "part", fmt, grid)
     changed = convert_part(capsys, trained, tmp_path / "trained_part", "legacy", grid)
@@ -107,18 +113,18 @@ def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, release, 
     vocab = cfg.text_config.vocab_size
     argv = model_flags(cfg) + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(save), vocab=vocab)
     argv += ["--no-load-optim", "--no-load-rng"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
-    results = run_ranks(dict(family=FAMILY, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
+    results = run_ranks(dict(family=family, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
                              reference=str(reference), vocab=vocab, save=str(save), trained=str(changed),
                              optimizer=optimizer, convert_to=other, convert_save=str(converted)))
     assert_loaded_as_mmparity_loads(results)
-    report(capsys, f"{FAMILY} {fmt} {optimizer} TP {tp} PP {pp} EP {ep}: "
+    report(capsys, f"{family} {fmt} {optimizer} TP {tp} PP {pp} EP {ep}: "
                    f"{sum(r['tensors'] for r in results)} tensors loaded strictly by Megatron-LM, logits vs HF "
                    f"rel_l2 {max(r['hf_rel_l2'] for r in results if 'hf_rel_l2' in r):.2g}")
     assert all(r["converted_iteration"] == lm.ITERATION and not r["moved_by_optimizer"] for r in results), results
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(lm.ITERATION)
     for ckpt, name in ((save, "hf_saved"), (converted / other, "hf_converted")):
         result = check_export(capsys, ckpt, tmp_path / name, base, trained)
-        report(capsys, f"{FAMILY} {fmt} {name}: bit-exact, {len(result['from_base'])} tensors from the base")
+        report(capsys, f"{family} {fmt} {name}: bit-exact, {len(result['from_base'])} tensors from the base")
         # The tower and merger, which the trained language model never held, are the base's;
         # every language-model tensor is the trained one.
         assert result["from_base"] and all(not k.startswith(("model.language_model.", "lm_head."))
