@@ -337,6 +337,7 @@ FAMILIES = (
     "mmparity.models.clip",
     "mmparity.models.siglip",
     "mmparity.models.internvit",
+    "mmparity.models.llama4_vision",
     "mmparity.models.pixtral_large",
     "mmparity.models.qwen3_5",
     "mmparity.models.qwen3_vl",

@@ -105,7 +105,20 @@ class Side:
 
 
 def _move(model, device, dtype):
-    return model.to(device=device, dtype=dtype)
+    """``model`` on ``device`` in ``dtype``, its complex buffers kept complex: ``Module.to(dtype)``
+    casts a complex tensor to a real dtype, dropping the imaginary part with only a warning
+    (transformers' Llama 4 vision tower keeps its RoPE table as a complex buffer)."""
+    complex_buffers = {name: buffer for name, buffer in model.named_buffers() if buffer.is_complex()}
+    model = model.to(device=device, dtype=dtype)
+    restore_complex_buffers(model, complex_buffers, device)
+    return model
+
+
+def restore_complex_buffers(model, buffers: dict, device) -> None:
+    """Put ``buffers`` (name -> complex tensor, taken before a cast) back into ``model`` on ``device``."""
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
 
 
 def load_reference_weights(ref, hf_state: Optional[dict], seed: int) -> dict:
