@@ -15,7 +15,7 @@ from __future__ import annotations
 from mmparity.config import first_int, tower_config_or_self
 from mmparity.mapping.blocks import fused_layer_norm_rules, linear_rules, normed_mlp_rules
 from mmparity.mapping.ops import FuseQKV, Reshape
-from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, TowerKeys, rename
+from mmparity.mapping.rules import ConverterSpec, Rule, RuleSet, rename
 
 FORMATS = ("hf",)
 MODEL_TYPE = "llama4_vision_model"
@@ -63,4 +63,5 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                    drop_hf=DROP_HF, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp))
 
 
-SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, tower=TowerKeys(MODEL_TYPE))
+# Not a LLaVA tower: transformers builds it only inside Llama 4, whose family reads this table.
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set)
