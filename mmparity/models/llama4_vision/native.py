@@ -112,7 +112,9 @@ class Llama4VisionTower(ViTModel):
             raise ValueError(f"Llama 4 tiles are {self.img_h}x{self.img_w} pixels; got a "
                              f"{h_patches * self.patch_dim}x{w_patches * self.patch_dim} image")
         cls = self.class_token.to(tokens.dtype).expand(tokens.shape[0], -1, -1)
-        return torch.cat([tokens, cls], dim=1) + self.position_embeddings.weight.to(tokens.dtype)
+        # Called, not read as ``.weight``: check --low-memory streams a module's weights in when it runs.
+        table = self.position_embeddings(h_patches, w_patches)
+        return torch.cat([tokens, cls], dim=1) + table.to(tokens.dtype)
 
     def forward(self, pixel_values: torch.Tensor, attention_mask=None, imgs_sizes=None,
                 packed_seq_params=None, return_pooled: bool = False):
