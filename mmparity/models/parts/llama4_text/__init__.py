@@ -1,0 +1,11 @@
+"""The llama4_text language-model part of whole VLMs: its record (the text model types it takes);
+its modules sit beside this file."""
+
+from mmparity.models.record import PartRecord
+
+PART = PartRecord(
+    summary="Llama 4 decoder: GQA with RoPE layers (chunked attention, weightless q/k L2 norms) and NoPE "
+            "layers (attention temperature tuning), dense MLP and sigmoid top-1 MoE layers (the score "
+            "scales the expert input, a shared expert beside); GPTModel with per-layer specs",
+    text_model_types=("llama4_text",),
+)
