@@ -8,4 +8,6 @@ PART = PartRecord(
             "layers (attention temperature tuning), dense MLP and sigmoid top-1 MoE layers (the score "
             "scales the expert input, a shared expert beside); GPTModel with per-layer specs",
     text_model_types=("llama4_text",),
+    why_no_megatron="megatron-core's GPT layer specs have no chunked attention, NoPE layers or attention "
+                    "temperature (the state dict is the stock MoE GPTModel's)",
 )

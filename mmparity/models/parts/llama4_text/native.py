@@ -42,7 +42,8 @@ from mmparity.models.core.layers import (
     BiasInGemmRowParallelLinear, NormedColumnParallelLinear, activation_from_hf, get_bias_dropout_add, moe_fields,
     vision_transformer_config)
 from mmparity.models.core.stages import stage_layers
-from mmparity.models.parts.deepseek_v3.native import build_gpt_model, moe_spec
+# mlp_pairs: the pairs inside an MoE layer, as every MoELayer here pairs them.
+from mmparity.models.parts.deepseek_v3.native import build_gpt_model, mlp_pairs, moe_spec  # noqa: F401
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
 from mmparity.models.parts.llama4_text.config import (
     chunked_layers, config_problems, moe_layers, rope_layers, transformer_fields)
