@@ -229,7 +229,7 @@ def shared_expert_size(text) -> int:
     whole = getattr(text, "shared_expert_intermediate_size", None)
     if whole:
         return int(whole)
-    return int(text.moe_intermediate_size) * int(getattr(text, "n_shared_experts", 0) or 0)
+    return int(getattr(text, "moe_intermediate_size", 0) or 0) * int(getattr(text, "n_shared_experts", 0) or 0)
 
 
 def rope_parameters(text) -> dict:
