@@ -128,3 +128,114 @@ def test_convert_tp2_pp2_verify_and_back_with_base_is_bit_exact(saved_tower, tmp
     expected, got = load_safetensors_state_dict(saved_tower), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+# --- the whole model -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_whole(tmp_path_factory):
+    """A tiny Llama4ForConditionalGeneration with seeded weights, as save_pretrained writes it."""
+    path = tmp_path_factory.mktemp("llama4") / "hf"
+    fam = families.get("llama4")
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
+    model.save_pretrained(path, max_shard_size="200KB")
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_check_without_family_tells_the_family_and_passes(saved_whole, capsys, dtype):
+    assert _run("check", "--hf", saved_whole, "--dtype", dtype) == 0
+    said = capsys.readouterr()
+    assert "family: llama4 " in said.out + said.err
+
+
+@pytest.mark.parametrize("mutate, module", [
+    (_bump("vision_model.decoder.layers.0.self_attention.linear_qkv.weight", (7, 3)),
+     "vision_model.layer.0.self_attention"),
+    (_bump("vision_model.adapter.linear_fc2.weight", (1, 4)), "vision_model.adapter"),
+    (_bump("vision_projection.encoder.linear_fc1.weight", (5, 2)), "vision_projection"),
+    (_bump("language_model.decoder.layers.3.self_attention.linear_qkv.weight", (20, 7)),
+     "language_model.decoder.layers.3.self_attention"),
+    (_bump("language_model.decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (3, 4)),
+     "language_model.decoder.layers.1.mlp.shared_experts"),
+    (_bump("language_model.decoder.layers.2.mlp.linear_fc1.weight", (0, 0), by=2.0),
+     "language_model.decoder.layers.2.mlp"),
+])
+def test_whole_negative_controls_fail_and_name_the_part(mutate, module):
+    report = harness.check("llama4", seed=2, mutate_native=mutate)
+    failures = report.failures()
+    assert failures and {r.first_divergence.module for r in failures} == {module}
+
+
+def test_the_tiny_model_exercises_every_layer_kind():
+    """Chunks shorter than the rows, a NoPE layer with a temperature that changes within them, MoE
+    on alternate layers, images of different tile counts."""
+    from mmparity.models.llama4 import cases as llama4_cases
+
+    fam = families.get("llama4")
+    cfg = fam.tiny_config()
+    text = cfg.text_config
+    (case,) = fam.hooks.parity.cases(cfg, 0)
+    width = case.data["input_ids"].shape[1]
+    assert text.attention_chunk_size < width and "chunked_attention" in text.layer_types
+    assert 0 in text.no_rope_layers and text.floor_scale < width
+    assert text.moe_layers == [1, 3] and text.num_local_experts == 4 and text.num_experts_per_tok == 1
+    assert len(set(llama4_cases.TILES)) == len(llama4_cases.TILES)
+    image = (case.data["input_ids"] == cfg.image_token_id).sum().item()
+    assert image == sum(llama4_cases.TILES) * llama4_cases.tokens_per_tile(cfg)
+
+
+def test_each_layer_kind_matters():
+    """The chunked mask, the NoPE temperature and the q/k norms each change the function: a native
+    model without one of them fails the check (so passing it is evidence for each)."""
+    from mmparity.models.parts.llama4_text import native as text_native
+
+    for attribute, value in (("chunk", None), ("floor_scale", None)):
+        original = text_native.Llama4CoreAttention.forward
+
+        def forward(self, *args, _original=original, _attribute=attribute, _value=value, **kwargs):
+            setattr(self, _attribute, _value)
+            return _original(self, *args, **kwargs)
+
+        text_native.Llama4CoreAttention.forward = forward
+        try:
+            report = harness.check("llama4", seed=1, components=False)
+        finally:
+            text_native.Llama4CoreAttention.forward = original
+        assert not report.passed, attribute
+
+
+def test_experts_are_read_and_written_as_saved(saved_whole):
+    """transformers 5.24 saves each MoE layer's experts as two stacks, gate_up_proj [E, H, 2I]
+    (gate first along the last axis) and down_proj [E, I, H]; mcore's expert e is their transpose."""
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+
+    fam = families.get("llama4")
+    cfg = fam.tiny_config()
+    text = cfg.text_config
+    saved = load_safetensors_state_dict(saved_whole)
+    gate_up = saved["language_model.model.layers.1.feed_forward.experts.gate_up_proj"]
+    down = saved["language_model.model.layers.1.feed_forward.experts.down_proj"]
+    e, h, i = text.num_local_experts, text.hidden_size, text.intermediate_size
+    assert tuple(gate_up.shape) == (e, h, 2 * i) and tuple(down.shape) == (e, i, h)
+    shards = fam.hf_to_mcore(saved, cfg)
+    root = "language_model.decoder.layers.1.mlp.experts."
+    assert torch.equal(shards[0][root + "linear_fc1.weight2"], gate_up[2].T)
+    assert torch.equal(shards[0][root + "linear_fc2.weight2"], down[2].T)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_whole_convert_tp2_pp2_ep2_verify_check_and_back_with_base_is_bit_exact(saved_whole, tmp_path, fmt):
+    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
+
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert _run("convert", "--src", saved_whole, "--dst", mcore, "--to", "mcore", "--tp", 2, "--pp", 2, "--ep", 2,
+                "--format", fmt, "--quiet") == 0
+    assert _run("verify", mcore) == 0
+    assert _run("check", "--hf", saved_whole, "--mcore", mcore) == 0
+    assert _run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved_whole, "--quiet") == 0
+    expected, got = load_safetensors_state_dict(saved_whole), load_safetensors_state_dict(back)
+    assert sorted(got) == sorted(expected)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
