@@ -17,4 +17,7 @@ FAMILY = FamilyRecord(
     takes_whole=(Takes(architecture="Llama4ForConditionalGeneration", text_model_type="llama4_text"),
                  Takes(model_type="llama4", text_model_type="llama4_text")),
     with_language=True,
+    # transformers runs a layer's experts as one batched matmul over the whole stacks, which the
+    # low-memory path's expert-by-expert reading cannot serve.
+    low_memory=False,
 )

@@ -81,4 +81,4 @@ TEXT_FIELDS = {**DECODER_FIELDS, "vocab_size": 202048, "hidden_size": 5120, "int
                "layer_types": None, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
                "attention_bias": False}
 
-HF_CONFIGS = {"llama4_text": ConfigType(TEXT_FIELDS, rope_type="default", before=_derived)}
+HF_CONFIGS = {"llama4_text": ConfigType(TEXT_FIELDS, rope_type="default", before=_derived, rope_theta=500000.0)}
