@@ -20,16 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from mmparity.config import first_int
-from mmparity.models.core import inputs, sublayers
+from mmparity.models.core import inputs
 from mmparity.models.core.inputs import next_tokens, token_mask
-from mmparity.models.core.layers import numbered_layers
+from mmparity.models.kimi_k25_vl import cases as whole
 from mmparity.models.llama4 import mapping as converter
 from mmparity.models.llama4 import native, reference
 from mmparity.models.llama4_vision import cases as tower_cases
 from mmparity.models.llama4_vision.native import merge_size
 from mmparity.models.parts.llama4_text.reference import HF_LAYER
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, recording_patch, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, recording_patch, tokens_2d)
 
 OUTPUTS = ("logits", "token_loss")
 CHANNELS = 3
@@ -106,20 +106,11 @@ def reference_run(model, case: Case) -> dict:
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
 
-LANGUAGE_LAYER = "language_model.decoder.layers.{}"
-
-
-def language_pairs(layers, part, *, hf: bool) -> list[Pair]:
-    extract = tokens_2d if hf else sbh_tokens_2d
-    return [pair for i, layer in layers
-            for pair in sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, extract, HF_LAYER if hf else None,
-                                              inner=partial(part.mlp_pairs(hf=hf), extract=extract))]
-
-
 def reference_pairs(model, cfg, languages) -> list[Pair]:
     out = [p.under("vision_model.") for p in tower_cases.reference_pairs(model.vision_model, cfg.vision_config)]
     out.append(Pair("vision_projection", model.multi_modal_projector, tokens_2d))
-    out += language_pairs(enumerate(model.language_model.model.layers), languages(cfg), hf=True)
+    out += whole.language_pairs(enumerate(model.language_model.model.layers), languages(cfg), hf=True,
+                                names=HF_LAYER)
     out.append(Pair("language_model.decoder.final_layernorm", model.language_model.model.norm, tokens_2d))
     return out
 
@@ -140,19 +131,7 @@ def native_run(model, case) -> dict:
 
 
 def native_pairs(model, cfg, languages) -> list[Pair]:
-    out = []
-    if model.vision_model is not None:  # the first pipeline stage
-        out += [p.under("vision_model.") for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
-        out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
-    out += language_pairs(numbered_layers(model.language_model.decoder), languages(cfg), hf=False)
-    if model.post_process:
-        out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
-                        sbh_tokens_2d))
-    return out
-
-
-def no_component(name, model, cfg, seed):
-    raise KeyError(name)
+    return whole.native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs)
 
 
 def random_config(pick):
@@ -161,14 +140,6 @@ def random_config(pick):
         num_hidden_layers=layers, num_key_value_heads=pick([1, 2, 4]), interleave_moe_layer_step=pick([1, 2]),
         no_rope_layers=[pick([0, 1]) for _ in range(layers)], attention_chunk_size=pick([None, 5, 8]),
         num_local_experts=pick([2, 4]), use_qk_norm=pick([False, True]))
-
-
-def pipeline_problems(cfg, pp: int) -> list[str]:
-    from mmparity.config import tied_embeddings
-
-    if pp > 1 and tied_embeddings(cfg):
-        return ["tied input and output embeddings are not supported under pipeline parallelism"]
-    return []
 
 
 def hooks(towers, languages) -> FamilyHooks:
@@ -181,7 +152,7 @@ def hooks(towers, languages) -> FamilyHooks:
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_problems=image_size_problems,
-                           pipeline_problems=pipeline_problems),
-        reference=Side(reference_run, partial(reference_pairs, languages=languages), no_component, reference.build),
-        native=Side(native_run, partial(native_pairs, languages=languages), no_component, build_native),
+                           pipeline_problems=whole.pipeline_problems),
+        reference=Side(reference_run, partial(reference_pairs, languages=languages), whole.no_component, reference.build),
+        native=Side(native_run, partial(native_pairs, languages=languages), whole.no_component, build_native),
         converter=converter.SPEC, parity=Parity(cases, prepare_case), megatron=NoMegatron(WHY_NO_MEGATRON))

@@ -12,17 +12,13 @@ first stage, as Megatron-LM keeps them.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.transformer.module import MegatronModule
 
 from mmparity.config import first_int
-from mmparity.models.core.layers import tolerate_missing_extra_state
-from mmparity.models.core.mla_moe import host_placement
 from mmparity.models.core.stages import build_stage
+from mmparity.models.kimi_k25_vl.native import KimiK25VLModel
 from mmparity.models.llama4_vision import native as tower
-from mmparity.models.llava.native import LLaVAModel
 
 
 class Projector(MegatronModule):
@@ -46,58 +42,15 @@ class Llama4VisionWithProjector(torch.nn.Module):
                                            cfg.text_config.hidden_size)
 
 
-class Llama4VLModel(MegatronModule):
-    def __init__(self, vision: Optional[Llama4VisionWithProjector], language_model, *, patch_dim: int,
-                 image_token_id: int, vocab_size: int):
-        super().__init__(config=language_model.config)
-        self.language_model = language_model
-        self.vision_model = vision.vision_model if vision is not None else None
-        self.vision_projection = vision.vision_projection if vision is not None else None
-        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
-        self.patch_dim, self.image_token_id, self.vocab_size = patch_dim, image_token_id, vocab_size
-        tolerate_missing_extra_state(self)
+class Llama4VLModel(KimiK25VLModel):
+    """Kimi-K2.5 whole's composition (the image tokens' embeddings replaced in order, the language
+    model's stages, its logits and loss) with Llama 4's image path: a batch of tiles through the
+    tower (its adapter included), every output token through the projector."""
 
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.language_model.set_input_tensor(input_tensor)
-
-    def pipelined_module(self) -> torch.nn.Module:
-        return self.language_model
-
-    def image_embeddings(self, tiles: torch.Tensor) -> torch.Tensor:
-        """(tiles, C, S, S) -> (tiles · tokens per tile, text hidden)."""
+    def image_embeddings(self, tiles: torch.Tensor, imgs_sizes=None, num_frames=None) -> torch.Tensor:
+        """(tiles, C, S, S) -> (tiles · tokens per tile, text hidden); tiles take no sizes or frames."""
         features = self.vision_model(tiles)
         return self.vision_projection(features.reshape(-1, features.shape[-1]))
-
-    def embed(self, input_ids: torch.Tensor, tiles: Optional[torch.Tensor]) -> torch.Tensor:
-        """``[s, b, h]`` decoder input: token embeddings with the image tokens' replaced."""
-        image = input_ids == self.image_token_id
-        ids = input_ids.masked_fill(image, 0)
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        embedded = self.language_model.embedding(input_ids=ids, position_ids=positions)  # [s, b, h]
-        if tiles is None:
-            return embedded
-        features = self.image_embeddings(tiles).to(embedded.dtype)
-        if int(image.sum()) != features.shape[0]:
-            raise ValueError(f"{int(image.sum())} image tokens in the ids for {features.shape[0]} image embeddings")
-        batch_major = embedded.transpose(0, 1).clone()
-        batch_major[image] = features
-        return batch_major.transpose(0, 1).contiguous()
-
-    def forward(self, tiles: Optional[torch.Tensor], input_ids: torch.Tensor, *,
-                labels: Optional[torch.Tensor] = None):
-        """Logits ``[b, s, padded vocab]``, or with ``labels`` (the next token at every position)
-        Megatron's per-token loss over the real vocabulary ``[b, s]``; on a stage before the last,
-        the hidden states it hands on."""
-        with host_placement(input_ids.device):
-            decoder_input = self.embed(input_ids, tiles) if self.pre_process else None
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            if labels is None or not self.post_process:
-                return self.language_model(None, positions, None, decoder_input=decoder_input,
-                                           runtime_gather_output=True)
-            logits = self.language_model(None, positions, None, decoder_input=decoder_input)
-            return LLaVAModel._token_loss(self, logits, labels.contiguous())
 
 
 def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) -> Llama4VLModel:
