@@ -21,15 +21,19 @@ def _run(*argv) -> int:
     return main([str(a) for a in argv])
 
 
-@pytest.fixture(scope="module")
-def saved_tower(tmp_path_factory):
-    """A tiny Llama4VisionModel with seeded weights, as save_pretrained writes it (sharded)."""
-    path = tmp_path_factory.mktemp("llama4_vision") / "hf"
-    fam = families.get("llama4_vision")
+def _saved(tmp_path_factory, family: str, shard: str):
+    """A tiny model of ``family`` with seeded weights, as save_pretrained writes it (sharded)."""
+    path = tmp_path_factory.mktemp(family) / "hf"
+    fam = families.get(family)
     model = fam.build_reference(fam.tiny_config())
     model.load_state_dict(random_like_state(model.state_dict(), seed=3))
-    model.save_pretrained(path, max_shard_size="60KB")
+    model.save_pretrained(path, max_shard_size=shard)
     return path
+
+
+@pytest.fixture(scope="module")
+def saved_tower(tmp_path_factory):
+    return _saved(tmp_path_factory, "llama4_vision", "60KB")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -134,13 +138,7 @@ def test_convert_tp2_pp2_verify_and_back_with_base_is_bit_exact(saved_tower, tmp
 
 @pytest.fixture(scope="module")
 def saved_whole(tmp_path_factory):
-    """A tiny Llama4ForConditionalGeneration with seeded weights, as save_pretrained writes it."""
-    path = tmp_path_factory.mktemp("llama4") / "hf"
-    fam = families.get("llama4")
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
-    model.save_pretrained(path, max_shard_size="200KB")
-    return path
+    return _saved(tmp_path_factory, "llama4", "200KB")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
