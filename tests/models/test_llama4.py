@@ -237,3 +237,22 @@ def test_whole_convert_tp2_pp2_ep2_verify_check_and_back_with_base_is_bit_exact(
     expected, got = load_safetensors_state_dict(saved_whole), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_llama3_scaled_rope_of_the_releases_is_computed_and_matters():
+    """The releases scale RoPE as Llama 3 does (``rope_type`` llama3, their own factors): the
+    native decoder takes mcore's scaling with the config's factors, and without it fails."""
+    from mmparity.models.llama4 import reference
+    from mmparity.models.parts.llama4_text import native as text_native
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 2.0, "original_max_position_embeddings": 16}
+    cfg = reference.tiny_config(rope_parameters=rope)
+    report = harness.check("llama4", cfg=cfg, seed=1, components=False)
+    assert report.passed, [(r.check, r.metrics, r.first_divergence) for r in report.failures()]
+    fields = text_native.LLAMA3_FIELDS
+    text_native.LLAMA3_FIELDS = ()  # the scaling's own defaults: Llama 3's, not these
+    try:
+        assert not harness.check("llama4", cfg=cfg, seed=1, components=False).passed
+    finally:
+        text_native.LLAMA3_FIELDS = fields

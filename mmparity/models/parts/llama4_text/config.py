@@ -7,6 +7,12 @@ from __future__ import annotations
 from mmparity.config import DECODER_FIELDS, ConfigType, head_dim, query_groups
 
 
+# Unscaled RoPE, and Llama 3's frequency scaling (the releases' rope_scaling).
+ROPE_TYPES = ("default", "llama3")
+# The fields of Llama 3's scaling, as mcore's RotaryEmbedding names its arguments.
+LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def rope_layers(text) -> list[bool]:
     """Per layer, whether it rotates q/k (transformers' ``no_rope_layers[i]`` is 1 on RoPE layers:
     the list names the layers that are *not* NoPE)."""
@@ -31,8 +37,8 @@ def config_problems(text) -> list[str]:
         problems.append(f"num_experts_per_tok={text.num_experts_per_tok} (mcore scales the expert input by "
                         "the router score only at top-1)")
     rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type != "default":
-        problems.append(f"rope_type {rope_type!r} (only unscaled RoPE)")
+    if rope_type not in ROPE_TYPES:
+        problems.append(f"rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     if text.attention_bias:
         problems.append("attention_bias=True")
     if text.hidden_act not in ("silu", "swish"):

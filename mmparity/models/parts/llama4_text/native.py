@@ -46,7 +46,7 @@ from mmparity.models.core.stages import stage_layers
 from mmparity.models.parts.deepseek_v3.native import build_gpt_model, mlp_pairs, moe_spec  # noqa: F401
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
 from mmparity.models.parts.llama4_text.config import (
-    chunked_layers, config_problems, moe_layers, rope_layers, transformer_fields)
+    LLAMA3_FIELDS, chunked_layers, config_problems, moe_layers, rope_layers, transformer_fields)
 
 
 def transformer_config(text, params_dtype: torch.dtype = torch.float32):
@@ -159,7 +159,12 @@ class LanguageModelBuilder:
                                 pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
                                 share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                                 rotary_base=self.rotary_base)
-        model.rotary_pos_emb = LanguageRotaryEmbedding(
+        rotary = model.rotary_pos_emb = LanguageRotaryEmbedding(
             kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_interleaved=True,
             rotary_base=self.rotary_base, use_cpu_initialization=True)
+        params = getattr(self.text, "rope_parameters", None) or {}
+        if params.get("rope_type") == "llama3":
+            # mcore's own Llama 3 scaling, with the config's factors (its constructor passes fixed
+            # ones: a high-frequency factor of 4, where Llama 4's releases say 1).
+            rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **{k: params[k] for k in LLAMA3_FIELDS})
         return model
