@@ -14,7 +14,7 @@ from mmparity.models.llama4_vision import mapping as converter
 from mmparity.models.llama4_vision import native, reference
 from mmparity.models.llama4_vision.reference import OUTPUTS, patch_size, vision_config
 from mmparity.models.spec import (
-    Bench, Case, NoMegatron, Parity, Side, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
+    Bench, Case, NoMegatron, Pair, Parity, Side, module_hooks, recording_patch, sbh_tokens_2d, tokens_2d)
 
 COMPONENTS = ()
 HF_LAYER = LayerNames("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -58,8 +58,6 @@ def reference_run(model, case: Case) -> dict:
 
 
 def reference_pairs(model, cfg) -> list:
-    from mmparity.models.spec import Pair
-
     out = [Pair("patch_embed", model.patch_embedding, tokens_2d), Pair("ln_pre", model.layernorm_pre, tokens_2d)]
     for i, layer in enumerate(model.model.layers):
         out += sublayers.layer_pairs(f"layer.{i}", layer, tokens_2d, HF_LAYER)
@@ -84,8 +82,6 @@ def native_run(model, case: Case) -> dict:
 
 
 def native_pairs(model, cfg) -> list:
-    from mmparity.models.spec import Pair
-
     out = []
     if model.pre_process:
         out += [Pair("patch_embed", model.patch_embedding, tokens_2d), Pair("ln_pre", model.ln_pre, tokens_2d)]
