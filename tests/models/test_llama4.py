@@ -239,9 +239,9 @@ def test_whole_convert_tp2_pp2_ep2_verify_check_and_back_with_base_is_bit_exact(
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
 
 
-def test_llama3_scaled_rope_of_the_releases_is_computed_and_matters():
-    """The releases scale RoPE as Llama 3 does (``rope_type`` llama3, their own factors): the
-    native decoder takes mcore's scaling with the config's factors, and without it fails."""
+def test_llama3_scaled_rope_is_computed_with_the_configs_factors():
+    """Llama 3's RoPE scaling (``rope_type`` llama3) with a config's own factors: the native
+    decoder takes mcore's scaling with the config's factors, and with mcore's fixed ones fails."""
     from mmparity.models.llama4 import reference
     from mmparity.models.parts.llama4_text import native as text_native
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from mmparity.config import DECODER_FIELDS, ConfigType, head_dim, query_groups
 
 
-# Unscaled RoPE, and Llama 3's frequency scaling (the releases' rope_scaling).
+# Unscaled RoPE, and Llama 3's frequency scaling.
 ROPE_TYPES = ("default", "llama3")
 # The fields of Llama 3's scaling, as mcore's RotaryEmbedding names its arguments.
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -165,6 +165,6 @@ class LanguageModelBuilder:
         params = getattr(self.text, "rope_parameters", None) or {}
         if params.get("rope_type") == "llama3":
             # mcore's own Llama 3 scaling, with the config's factors (its constructor passes fixed
-            # ones: a high-frequency factor of 4, where Llama 4's releases say 1).
+            # ones: a high-frequency factor of 4, whatever the config says).
             rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **{k: params[k] for k in LLAMA3_FIELDS})
         return model
