@@ -229,7 +229,7 @@ def shared_expert_size(text) -> int:
     whole = getattr(text, "shared_expert_intermediate_size", None)
     if whole:
         return int(whole)
-    return int(text.moe_intermediate_size) * int(getattr(text, "n_shared_experts", 0) or 0)
+    return int(getattr(text, "moe_intermediate_size", 0) or 0) * int(getattr(text, "n_shared_experts", 0) or 0)
 
 
 def rope_parameters(text) -> dict:
@@ -293,8 +293,10 @@ class ConfigType:
     part (sub-configs, RoPE, labels) runs, ``after(values, extra)`` once it has."""
 
     def __init__(self, fields: dict, aliases: dict | None = None, subs: dict | None = None,
-                 rope_type: str | None = None, before=None, after=None):
+                 rope_type: str | None = None, before=None, after=None, rope_theta: float = 10000.0):
         self.fields, self.aliases, self.subs, self.rope_type = fields, aliases or {}, subs or {}, rope_type
+        # The RoPE base the class takes where the file names none (transformers' ``default_theta``).
+        self.rope_theta = rope_theta
         self.before, self.after = before, after
 
 
@@ -411,7 +413,7 @@ def config_view(data: dict, tables: Mapping[str, ConfigType], model_type: str | 
     else:
         values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
     if kind.rope_type is not None:
-        _standardize_rope(values, extra, kind.rope_type)
+        _standardize_rope(values, extra, kind.rope_type, kind.rope_theta)
     values["_name_or_path"] = str(extra.pop("name_or_path", ""))
     values["output_attentions"] = extra.pop("output_attentions", False)
     extra.pop("per_layer_config", None)

@@ -87,7 +87,9 @@ def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: st
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "group_query_attention": groups != heads,
-        "ffn_hidden_size": getattr(model, "intermediate_size", None),
+        # A config that states its dense layers' width apart from its experts' (Llama 4's
+        # intermediate_size_mlp; its intermediate_size is the experts') gives that one.
+        "ffn_hidden_size": getattr(model, "intermediate_size_mlp", None) or getattr(model, "intermediate_size", None),
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
         "expert_model_parallel_size": ep,
@@ -112,11 +114,14 @@ def checkpoint_args(cfg, shapes: Mapping[str, Sequence[int]], *, ckpt_format: st
         if vocab_multiple is not None:
             fields["make_vocab_size_divisible_by"] = vocab_multiple
         fields.update(_decoder_fields(model, shapes))
-        fields.update(declared or {})
     experts = ep_mod.expert_count(list(shapes))
     if experts:
         fields["num_experts"] = experts
         fields.update(_moe_fields(model, shapes))
+    if embedding is not None:
+        # Last: what the family declares wins over what the common facts suggest (a sigmoid router
+        # without an expert bias, say).
+        fields.update(declared or {})
     return argparse.Namespace(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -191,6 +196,16 @@ def _hybrid_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     return fields
 
 
+# An expert's and the shared expert's output linear ``[H, width]``, where a config names no width
+# of its own for them (Llama 4's experts and shared expert are ``intermediate_size`` wide).
+_EXPERT_FC2 = re.compile(r"mlp\.experts\.(linear_fc2\.weight\d+|local_experts\.\d+\.linear_fc2\.weight)$")
+_SHARED_FC2 = re.compile(r"mlp\.shared_experts\.linear_fc2\.weight$")
+
+
+def _width(shapes: Mapping[str, Sequence[int]], pattern) -> int | None:
+    return next((int(shape[1]) for key, shape in shapes.items() if pattern.search(key) and len(shape) == 2), None)
+
+
 def _moe_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     """A MoE language model's experts and router under Megatron-LM's argument names: DeepSeek-V3's
     (sigmoid scores with a score-correction bias, group-limited top-k) or a softmax top-k router's
@@ -202,8 +217,9 @@ def _moe_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
     layout = ep_mod.expert_key_layout(list(shapes))
     expert_bias = any(k.endswith("mlp.router.expert_bias") for k in shapes)
     return {
-        "moe_ffn_hidden_size": getattr(model, "moe_intermediate_size", None),
-        "moe_shared_expert_intermediate_size": hfconfig.shared_expert_size(model) or None,
+        "moe_ffn_hidden_size": getattr(model, "moe_intermediate_size", None) or _width(shapes, _EXPERT_FC2),
+        "moe_shared_expert_intermediate_size": (hfconfig.shared_expert_size(model)
+                                                or _width(shapes, _SHARED_FC2)),
         "moe_shared_expert_gate": any(k.endswith("mlp.shared_experts.gate_weight") for k in shapes) or None,
         "moe_layer_freq": [int(i in moe) for i in range(model.num_hidden_layers)],
         "moe_router_topk": getattr(model, "num_experts_per_tok", None),

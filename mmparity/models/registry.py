@@ -337,6 +337,7 @@ FAMILIES = (
     "mmparity.models.clip",
     "mmparity.models.siglip",
     "mmparity.models.internvit",
+    "mmparity.models.llama4_vision",
     "mmparity.models.pixtral_large",
     "mmparity.models.qwen3_5",
     "mmparity.models.qwen3_vl",
@@ -353,6 +354,7 @@ FAMILIES = (
     "mmparity.models.mistral3",
     "mmparity.models.pixtral_12b",
     "mmparity.models.internvl",
+    "mmparity.models.llama4",
     "mmparity.models.qwen3_5_lm",
     "mmparity.models.qwen3_5_whole",
 )
@@ -360,6 +362,7 @@ LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",
     "mmparity.models.parts.deepseek_v3",
     "mmparity.models.parts.qwen3_5_text",
+    "mmparity.models.parts.llama4_text",
 )
 
 # Packages outside the tree, by their dotted paths (comma-separated), registered after the built-in

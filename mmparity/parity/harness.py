@@ -105,7 +105,29 @@ class Side:
 
 
 def _move(model, device, dtype):
-    return model.to(device=device, dtype=dtype)
+    """``model`` on ``device`` in ``dtype``, its complex buffers kept complex: ``Module.to(dtype)``
+    casts a complex tensor to a real dtype, dropping the imaginary part with only a warning
+    (transformers' Llama 4 vision tower keeps its RoPE table as a complex buffer)."""
+    complex_buffers = take_complex_buffers(model)
+    model = model.to(device=device, dtype=dtype)
+    restore_complex_buffers(model, complex_buffers, device)
+    return model
+
+
+def take_complex_buffers(model) -> dict:
+    """``model``'s complex buffers (name -> tensor), their slots emptied so that a cast skips them."""
+    taken = {name: buffer for name, buffer in model.named_buffers() if buffer.is_complex()}
+    for name in taken:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = None
+    return taken
+
+
+def restore_complex_buffers(model, buffers: dict, device) -> None:
+    """Put ``buffers`` (from :func:`take_complex_buffers`) back into ``model`` on ``device``."""
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
 
 
 def load_reference_weights(ref, hf_state: Optional[dict], seed: int) -> dict:

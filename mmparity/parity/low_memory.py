@@ -373,7 +373,9 @@ def _streamed(model: nn.Module, source, dtype, device, usage: Usage, side: str, 
     """``model`` (built by :func:`_parameters_on_meta`) with its buffers loaded and, like the
     in-memory check's ``model.to(device, dtype)``, cast and moved, streaming its parameters."""
     _load_buffers(model, source)
+    complex_buffers = harness.take_complex_buffers(model)
     model.to(dtype=dtype)  # the parameters are still meta here: only the buffers are cast
+    harness.restore_complex_buffers(model, complex_buffers, "cpu")
     streamed = Streamed(model, source, dtype, device, usage, side, rows, expert_group)
     model.to(device=device)  # the placeholders are there already
     return streamed

@@ -89,14 +89,15 @@ def reference_run(model, case: Case) -> dict:
 LANGUAGE_LAYER = "language_model.decoder.layers.{}"
 
 
-def language_pairs(layers, part, *, hf: bool) -> list[Pair]:
+def language_pairs(layers, part, *, hf: bool, names: sublayers.LayerNames = sublayers.HF_DECODER) -> list[Pair]:
     """The decoder's paired modules, by Megatron's names, on one side: each layer's norms,
-    attention and MLP (:func:`~mmparity.models.core.sublayers.layer_pairs`), and inside an MoE
-    layer's MLP what the language ``part`` pairs there (router, shared and routed experts)."""
+    attention and MLP (:func:`~mmparity.models.core.sublayers.layer_pairs`; ``names``: where the
+    HF layer class keeps them), and inside an MoE layer's MLP what the language ``part`` pairs
+    there (router, shared and routed experts)."""
     extract = tokens_2d if hf else sbh_tokens_2d
     out = []
     for i, layer in layers:
-        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, extract, sublayers.HF_DECODER if hf else None,
+        out += sublayers.layer_pairs(LANGUAGE_LAYER.format(i), layer, extract, names if hf else None,
                                      inner=partial(part.mlp_pairs(hf=hf), extract=extract))
     return out
 
@@ -127,11 +128,12 @@ def native_run(model, case) -> dict:
     return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
 
 
-def native_pairs(model, cfg, languages) -> list[Pair]:
+def native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs) -> list[Pair]:
+    """The native whole model's pairs: on the first stage the tower's (``tower_pairs``, the tower
+    family's) and the projector, then the decoder's and its final norm."""
     out = []
     if model.vision_model is not None:  # the first pipeline stage
-        out += [p.under("vision_model.")
-                for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
+        out += [p.under("vision_model.") for p in tower_pairs(model.vision_model, cfg.vision_config)]
         out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
     out += language_pairs(numbered_layers(model.language_model.decoder), languages(cfg), hf=False)
     if model.post_process:

@@ -1,0 +1,15 @@
+"""The llama4_text language-model part of whole VLMs: its record (the text model types it takes);
+its modules sit beside this file."""
+
+from mmparity.models.record import PartRecord
+
+PART = PartRecord(
+    summary="Llama 4 decoder: GQA with RoPE layers (chunked attention, weightless q/k L2 norms) and NoPE "
+            "layers (attention temperature tuning), dense MLP and sigmoid top-1 MoE layers (the score "
+            "scales the expert input, a shared expert beside); GPTModel with per-layer specs",
+    text_model_types=("llama4_text",),
+    # Its router: sigmoid scores (no expert bias to tell it by), the score scaling the expert input.
+    megatron_args=(("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True)),
+    why_no_megatron="megatron-core's GPT layer specs have no chunked attention, NoPE layers or attention "
+                    "temperature (the state dict is the stock MoE GPTModel's)",
+)
