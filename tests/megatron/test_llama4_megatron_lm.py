@@ -1,0 +1,133 @@
+"""Llama 4's language model through Megatron-LM main's ``pretrain_gpt.py`` path and back.
+
+Megatron-LM cannot build a whole Llama 4 (no class has its tower), and no Megatron class computes
+its decoder: megatron-core has no chunked attention and no attention temperature, and its NoPE
+layers (``--no-rope-freq``) take the weightless q/k L2 norms (``--qk-l2-norm``) that Llama 4 puts
+on its RoPE layers only (docs/megatron.md). What a user trains is still stock ``GPTModel`` built
+from flags, whose state dict is the one mmparity writes: GQA with interleaved RoPE, dense layers of
+``intermediate_size_mlp`` and MoE layers (a sigmoid top-1 router scaling the expert input,
+``--moe-apply-probs-on-input``, a shared expert, grouped-GEMM experts); TP 2 x EP 2.
+
+So the loop is checked on the weights, not on logits: HF release -> ``mmparity convert --part
+language_model`` -> Megatron-LM's own ``parse_args`` / ``validate_args`` /
+``get_model(model_provider(gpt_builder))`` -> ``load_checkpoint(strict=True)``, every tensor of the
+rank equal to the rank's file of a legacy conversion -> the weights changed as training changes
+them -> megatron-core's optimizer (plain or distributed, stepped) -> ``save_checkpoint`` -> that
+checkpoint loaded back and saved in the other format, as ``--ckpt-convert-format`` does ->
+``mmparity convert --to hf --base RELEASE`` of both -> the whole release again, bit for bit (the
+expert stacks as transformers saves them, ``gate_up_proj`` ``[E, H, 2I]``): the language model the
+trained weights, the tower and projector the base's.
+
+Megatron-LM's training code is in no release (its ``main`` only, Python >= 3.12): these tests
+run where its ``megatron/`` is on ``PYTHONPATH`` and ``MEGATRON_LM`` names the checkout, and skip
+otherwise, as in CI. The CPU stand-ins are the harness's (``tests/megatron_lm_gpt.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mmparity.models import registry as families
+from tests import megatron_lm_gpt as lm
+from tests.io.test_megatron_written import check_export, make_pair
+from tests.megatron.test_megatron_lm_gpt import convert_part, report, run_ranks
+
+SKIP = lm.skip_reason()
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
+
+FAMILY = "llama4"
+# (TP, PP, EP): the attention split over two ranks, the experts over two.
+GRID = (2, 1, 2)
+
+
+def _list(values) -> str:
+    return "[" + ",".join(str(int(v)) for v in values) + "]"
+
+
+def model_flags(cfg) -> list[str]:
+    """The flags a Megatron-LM user trains Llama 4's language model with, read off its HF text
+    config."""
+    text = cfg.text_config
+    layers = text.num_hidden_layers
+    moe = set(text.moe_layers)
+    flags = ["--num-layers", str(layers), "--hidden-size", str(text.hidden_size),
+             "--ffn-hidden-size", str(text.intermediate_size_mlp), "--num-attention-heads", str(text.num_attention_heads),
+             "--group-query-attention", "--num-query-groups", str(text.num_key_value_heads),
+             "--kv-channels", str(text.head_dim), "--max-position-embeddings", str(text.max_position_embeddings),
+             "--position-embedding-type", "rope", "--rotary-interleaved",
+             "--rotary-base", lm._number(dict(text.rope_parameters)["rope_theta"]),
+             # Megatron's list says 1 for a layer without RoPE; HF's says 1 for a layer with it.
+             "--no-rope-freq", _list(1 - int(r) for r in text.no_rope_layers),
+             "--normalization", "RMSNorm", "--norm-epsilon", repr(float(text.rms_norm_eps)), "--swiglu",
+             "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
+             "--num-experts", str(text.num_local_experts), "--moe-layer-freq", _list(i in moe for i in range(layers)),
+             "--moe-ffn-hidden-size", str(text.intermediate_size),
+             "--moe-shared-expert-intermediate-size", str(text.intermediate_size),
+             "--moe-router-topk", str(text.num_experts_per_tok), "--moe-router-score-function", "sigmoid",
+             "--moe-apply-probs-on-input", "--moe-router-dtype", "fp32", "--moe-grouped-gemm",
+             "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
+             "--moe-aux-loss-coeff", "0"]
+    if text.use_qk_norm:
+        flags.append("--qk-l2-norm")
+    if not getattr(cfg, "tie_word_embeddings", False):
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(base release, its trained copy, config)."""
+    cfg = families.get(FAMILY).tiny_config()
+    return (*make_pair(FAMILY, tmp_path_factory.mktemp(FAMILY), cfg), cfg)
+
+
+def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
+    """What ``convert`` records says what the flags say: the two cannot drift apart unseen."""
+    from mmparity.io.megatron_args import read_legacy_args
+
+    base, _trained, cfg = release
+    args = read_legacy_args(next(convert_part(capsys, base, tmp_path / "part", "legacy", (1, 1, 1))
+                                 .rglob("model_optim_rng.pt")))
+    flags = model_flags(cfg)
+
+    def value(name):
+        return flags[flags.index(name) + 1]
+
+    assert args.num_experts == int(value("--num-experts")) and args.ffn_hidden_size == int(value("--ffn-hidden-size"))
+    assert args.moe_layer_freq == [int(c) for c in value("--moe-layer-freq").strip("[]").split(",")]
+    assert args.moe_ffn_hidden_size == int(value("--moe-ffn-hidden-size"))
+    assert args.moe_shared_expert_intermediate_size == int(value("--moe-shared-expert-intermediate-size"))
+    assert args.moe_router_score_function == "sigmoid" and args.moe_apply_probs_on_input
+    assert args.kv_channels == int(value("--kv-channels"))
+
+
+@pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])
+def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, release, fmt, optimizer):
+    base, trained, cfg = release
+    tp, pp, ep = grid = GRID
+    src = convert_part(capsys, base, tmp_path / "part", fmt, grid)
+    changed = convert_part(capsys, trained, tmp_path / "trained_part", "legacy", grid)
+    expected = src if fmt == "legacy" else convert_part(capsys, base, tmp_path / "expected", "legacy", grid)
+    save, converted = tmp_path / "megatron_lm", tmp_path / "converted"
+    other = "torch_dist" if fmt == "legacy" else "torch"
+    vocab = cfg.text_config.vocab_size
+    argv = model_flags(cfg) + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(save), vocab=vocab)
+    argv += ["--no-load-optim", "--no-load-rng"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
+    results = run_ranks(dict(family=FAMILY, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), reference=False,
+                             expected=str(expected), forward=False, vocab=vocab, save=str(save),
+                             trained=str(changed), optimizer=optimizer, convert_to=other,
+                             convert_save=str(converted)))
+    for r in results:
+        assert "load_error" not in r, r
+        # Every tensor of the rank's file, and no other, bit for bit (Megatron-LM's legacy loader
+        # retries a failed strict load non-strictly and goes on: only the values tell).
+        assert r["iteration"] == 1 and r["tensors"] > 0 and not r["unequal"] and not r["strict_failed"], r
+        assert r["converted_iteration"] == lm.ITERATION and not r["moved_by_optimizer"], r
+    report(capsys, f"{FAMILY} {fmt} {optimizer} TP {tp} PP {pp} EP {ep}: "
+                   f"{sum(r['tensors'] for r in results)} tensors loaded strictly by Megatron-LM")
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(lm.ITERATION)
+    for ckpt, name in ((save, "hf_saved"), (converted / other, "hf_converted")):
+        result = check_export(capsys, ckpt, tmp_path / name, base, trained)
+        report(capsys, f"{FAMILY} {fmt} {name}: bit-exact, {len(result['from_base'])} tensors from the base")
+        assert result["from_base"] and all(not k.startswith(("model.language_model.", "lm_head."))
+                                           for k in result["from_base"]), result["from_base"]
