@@ -379,6 +379,24 @@ class UnstackTransposed(Op):
         return f"UnstackTransposed(count={self.count})"
 
 
+@dataclass(frozen=True, repr=False)
+class Transpose(Op):
+    """A matrix HF stores (in, out) and multiplies from the right <-> a Linear's (out, in) weight
+    (Gemma 3's ``mm_input_projection_weight``); its own inverse."""
+
+    def apply(self, hf):
+        return [_own(_matrix(hf[0], self).transpose(0, 1), hf)]
+
+    def invert(self, mcore):
+        return [_own(_matrix(mcore[0], self).transpose(0, 1), mcore)]
+
+
+def _matrix(t, op):
+    if t.dim() != 2:
+        raise LayoutError(f"{op!r}: expected a matrix, got {tuple(t.shape)}")
+    return t
+
+
 def fuse_gate_up() -> Concat:
     """HF ``gate_proj``/``up_proj`` -> mcore ``linear_fc1`` = [gate; up] (activation on the first half)."""
     return Concat(n_hf=2, dim=0)
