@@ -21,6 +21,7 @@ from mmparity.models.core.layers import numbered_layers
 from mmparity.models.gemma3 import mapping as converter
 from mmparity.models.gemma3 import native, reference
 from mmparity.models.gemma3.config import config_problems
+from mmparity.models.llava.cases import pipeline_problems
 from mmparity.models.siglip import cases as siglip
 from mmparity.models.spec import (
     Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
@@ -159,7 +160,7 @@ def hooks(towers) -> FamilyHooks:
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_multiple=image_size_multiple,
-                           image_size_problems=image_size_problems),
+                           image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
         reference=Side(reference_run, reference_pairs, no_component, reference.build),
         native=Side(native_run, native_pairs, no_component, native.build_native), converter=converter.SPEC,
         parity=Parity(cases), megatron=MEGATRON)

@@ -5,6 +5,7 @@ state-dict shapes read off the config."""
 from __future__ import annotations
 
 from mmparity.config import tied_embeddings
+from mmparity.models.llava.reference import fill_tied_head
 from mmparity.models.siglip import reference as tower
 
 MODEL_TYPES = ("gemma3",)
@@ -50,7 +51,8 @@ def build(cfg):
     import torch
     from transformers import Gemma3ForConditionalGeneration
 
-    return Gemma3ForConditionalGeneration(cfg).to(torch.float32).eval()
+    # A tied checkpoint stores the table once: the head is read from the embedding.
+    return fill_tied_head(Gemma3ForConditionalGeneration(cfg).to(torch.float32).eval(), cfg)
 
 
 def decoder_shapes(text) -> dict[str, tuple]:
