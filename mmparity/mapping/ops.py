@@ -476,3 +476,41 @@ class PadRows(Op):
 
     def __repr__(self):
         return f"PadRows(rows={self.rows}, padded={self.padded})"
+
+
+@dataclass(frozen=True, repr=False)
+class TiedPadRows(PadRows):
+    """A tied vocabulary table a state dict names twice (the embedding and the head, one tensor:
+    transformers' ``state_dict()`` of a tied model) <-> the one padded mcore table. Export writes
+    the table under both names, separate copies; import refuses two names whose tensors differ
+    (they would not be tied)."""
+
+    n_hf = 2
+
+    def _tied(self, hf) -> torch.Tensor:
+        table, head = hf
+        # A plan reads shapes only (meta tensors): the values are compared when they are read.
+        if table.shape != head.shape or (not table.is_meta and not head.is_meta and not torch.equal(table, head)):
+            raise LayoutError(f"{self!r}: the head is not the embedding (a tied table names one tensor)")
+        return table
+
+    def apply(self, hf):
+        return super().apply([self._tied(hf)])
+
+    def apply_pieces(self, hf):
+        return super().apply_pieces([self._tied(hf)])
+
+    def invert(self, mcore):
+        (table,) = super().invert(mcore)
+        return [table, table.clone()]
+
+    def invert_pieces(self, mcore):
+        (table,) = super().invert(mcore)
+        return [[table], [table.clone()]]
+
+    def at_tp(self, tp: int, vocab_multiple: int) -> "TiedPadRows":
+        padded = super().at_tp(tp, vocab_multiple)
+        return TiedPadRows(padded.rows, padded.padded)
+
+    def __repr__(self):
+        return f"TiedPadRows(rows={self.rows}, padded={self.padded})"

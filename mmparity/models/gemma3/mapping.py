@@ -17,7 +17,9 @@
 
 HF layouts: ``hf`` (module names, ``model.vision_tower.`` …), ``hf_checkpoint`` (what transformers
 5 saves: ``vision_tower.``, ``multi_modal_projector.``, ``language_model.model.``) and
-``hf_v4_checkpoint`` (the released files: the tower one level deeper, ``vision_tower.vision_model.``).
+``hf_v4_checkpoint`` (the released files: the tower one level deeper, ``vision_tower.vision_model.``),
+and ``hf_state_dict``: the module names as ``state_dict()`` returns them, the tied head listed a
+second time as ``lm_head.weight`` (one mcore table; export writes it under both names).
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from __future__ import annotations
 import re
 
 from mmparity.config import padded_vocab_size, tied_embeddings
-from mmparity.mapping.ops import FuseQKV, PadRows, Transpose, fuse_gate_up
+from mmparity.mapping.ops import FuseQKV, PadRows, TiedPadRows, Transpose, fuse_gate_up
 from mmparity.mapping.rules import (
     VOCAB_MULTIPLE, ConversionError, ConverterSpec, Rule, RuleSet, nested_rules, rename)
 from mmparity.models.llava.mapping import detect_format
 from mmparity.models.siglip import mapping as tower
 
-FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint")
+FORMATS = ("hf", "hf_checkpoint", "hf_v4_checkpoint", "hf_state_dict")
 # (tower root, projector root, decoder body root, head key)
 ROOTS = {
     "hf": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.", "lm_head.weight"),
+    "hf_state_dict": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.", "lm_head.weight"),
     "hf_checkpoint": ("vision_tower.", "multi_modal_projector.", "language_model.model.",
                       "language_model.lm_head.weight"),
     "hf_v4_checkpoint": ("vision_tower.vision_model.", "multi_modal_projector.", "language_model.model.",
@@ -95,8 +98,14 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     vision, vision_vars = nested_rules(tower.rule_set(cfg.vision_config), "vision_model.", tower_root, "vision_")
     text = cfg.text_config
     rules = language_rules(text, lm_root) + vision + projector_rules(projector_root)
-    if tied_embeddings(cfg):
-        # Gemma 3 ties its head to the embedding: HF's lm_head is the embedding's tensor.
+    if tied_embeddings(cfg) and hf_format == "hf_state_dict":
+        # A module-names state dict names the tied table twice: one mcore table, both names back.
+        table = TiedPadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
+        rules = (Rule(MC + "embedding.word_embeddings.weight", (lm_root + "embed_tokens.weight", head), table,
+                      "vocab"),) + rules[1:]
+        drops = DROP_BUFFERS
+    elif tied_embeddings(cfg):
+        # Gemma 3 ties its head to the embedding: save_pretrained writes the table once.
         drops = DROP_BUFFERS + (f"^{re.escape(head)}$",)
     else:
         vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
@@ -109,4 +118,11 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                             "vision_model.": lambda tp: tower_tp_problems(cfg, tp)})
 
 
-SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_format)
+def detect_layout(keys) -> str:
+    """LLaVA's layouts, told apart by the roots; module names that list the head are a state dict."""
+    keys = list(keys)
+    found = detect_format(keys)
+    return "hf_state_dict" if found == "hf" and "lm_head.weight" in keys else found
+
+
+SPEC = ConverterSpec(formats=FORMATS, rule_set=rule_set, detect_format=detect_layout)

@@ -4,8 +4,7 @@ state-dict shapes read off the config."""
 
 from __future__ import annotations
 
-from mmparity.config import tied_embeddings
-from mmparity.models.llava.reference import fill_tied_head
+from mmparity.models.llava.reference import fill_tied_head, whole_model_shapes
 from mmparity.models.siglip import reference as tower
 
 MODEL_TYPES = ("gemma3",)
@@ -69,11 +68,8 @@ def decoder_shapes(text) -> dict[str, tuple]:
 
 
 def state_shapes(cfg) -> dict[str, tuple]:
-    text, vc = cfg.text_config, cfg.vision_config
-    out = {f"model.vision_tower.{k}": s for k, s in tower.state_shapes(vc).items()}
-    out |= {"model.multi_modal_projector.mm_input_projection_weight": (vc.hidden_size, text.hidden_size),
-            "model.multi_modal_projector.mm_soft_emb_norm.weight": (vc.hidden_size,)}
-    out |= {f"model.language_model.{k}": s for k, s in decoder_shapes(text).items()}
-    if not tied_embeddings(cfg):
-        out["lm_head.weight"] = (text.vocab_size, text.hidden_size)
-    return out
+    """Under the module names, the head listed even though tied (the state dict names it twice)."""
+    vc, text = cfg.vision_config, cfg.text_config
+    projector = {"mm_input_projection_weight": (vc.hidden_size, text.hidden_size),
+                 "mm_soft_emb_norm.weight": (vc.hidden_size,)}
+    return whole_model_shapes(cfg, tower.state_shapes, projector, decoder_shapes)
