@@ -103,9 +103,9 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
         table = TiedPadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
         rules = (Rule(MC + "embedding.word_embeddings.weight", (lm_root + "embed_tokens.weight", head), table,
                       "vocab"),) + rules[1:]
-        drops = DROP_BUFFERS
-    elif tied_embeddings(cfg):
-        # Gemma 3 ties its head to the embedding: save_pretrained writes the table once.
+    if tied_embeddings(cfg):
+        # Gemma 3 ties its head to the embedding: save_pretrained writes the table once, and
+        # where a state dict names it twice the head's own values are not read (the table's are).
         drops = DROP_BUFFERS + (f"^{re.escape(head)}$",)
     else:
         vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
