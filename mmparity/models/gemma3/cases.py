@@ -58,7 +58,7 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + _text(cfg, width - len(r), gen) for r in rows])
     images = inputs.images([side] * count, cfg.vision_config.num_channels, seed)
-    return [Case("sample", {"input_ids": ids, "images": images}, OUTPUTS,
+    return [Case("sample", {"input_ids": ids, "images": images, "sizes": [side] * count}, OUTPUTS,
                  description=f"2 rows of {width} tokens with {split[0]} and {split[1]} images "
                              f"{side[0]}x{side[1]} between the text (window {cfg.text_config.sliding_window})")]
 
