@@ -11,25 +11,14 @@ import pytest
 import torch
 
 from mmparity.models import registry as families
-from mmparity.models.core.inputs import random_like_state
 from mmparity.parity import harness
-
-
-def _run(*argv) -> int:
-    from mmparity.cli.main import main
-
-    return main([str(a) for a in argv])
+from tests.models.test_internvl import _bump, _run, _saved
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny Gemma3ForConditionalGeneration with seeded weights, as save_pretrained writes it."""
-    path = tmp_path_factory.mktemp("gemma3") / "hf"
-    fam = families.get("gemma3")
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
-    model.save_pretrained(path, max_shard_size="60KB")
-    return path
+    return _saved(tmp_path_factory, "gemma3")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -37,13 +26,6 @@ def test_check_without_family_tells_the_family_and_passes(saved, capsys, dtype):
     assert _run("check", "--hf", saved, "--dtype", dtype) == 0
     said = capsys.readouterr()
     assert "family: gemma3 " in said.out + said.err
-
-
-def _bump(key, index=(0,), by=0.5):
-    def mutate(state):
-        state[key] = state[key].clone()
-        state[key][index] += by
-    return mutate
 
 
 @pytest.mark.parametrize("mutate, module", [

@@ -22,12 +22,12 @@ from mmparity.models.gemma3 import mapping as converter
 from mmparity.models.gemma3 import native, reference
 from mmparity.models.gemma3.config import config_problems
 from mmparity.models.llava.cases import pipeline_problems
+from mmparity.models.qwen3_vl_whole import cases as whole
 from mmparity.models.siglip import cases as siglip
 from mmparity.models.spec import (
     Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
 
 OUTPUTS = ("logits", "token_loss")
-LANGUAGE_LAYER = "language_model.decoder.layers.{}"
 # HF's Gemma 3 layer, by the names of the tensors mcore's layer produces: its attention pair is
 # the post-attention norm's output (the norm sits on linear_proj in mcore), its MLP pair the
 # post-feedforward norm's.
@@ -104,22 +104,10 @@ def native_run(model, case: Case) -> dict:
     return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
 
 
-def language_pairs(layers, *, hf: bool) -> list[Pair]:
-    out = []
-    for i, layer in layers:
-        name = LANGUAGE_LAYER.format(i)
-        if hf:
-            out += sublayers.layer_pairs(name, layer, tokens_2d, HF_GEMMA)
-        else:
-            pairs = sublayers.layer_pairs(name, layer, sbh_tokens_2d)
-            out += pairs[:-1] + [Pair(name, layer, sbh_tokens_2d, snapshot=True)]
-    return out
-
-
 def reference_pairs(model, cfg) -> list[Pair]:
     out = [p.under("vision_model.") for p in siglip.reference_pairs(model.model.vision_tower, cfg.vision_config)]
     out.append(Pair("vision_projection", model.model.multi_modal_projector, tokens_2d))
-    out += language_pairs(enumerate(model.model.language_model.layers), hf=True)
+    out += whole.language_pairs(enumerate(model.model.language_model.layers), hf=True, names=HF_GEMMA)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
     return out
 
@@ -129,15 +117,11 @@ def native_pairs(model, cfg) -> list[Pair]:
     if model.vision_model is not None:
         out += [p.under("vision_model.") for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
         out.append(Pair("vision_projection", model.vision_projection, tokens_2d))
-    out += language_pairs(numbered_layers(model.language_model.decoder), hf=False)
+    out += whole.language_pairs(numbered_layers(model.language_model.decoder), hf=False)
     if model.post_process:
         out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
                         sbh_tokens_2d))
     return out
-
-
-def no_component(name, model, cfg, seed):
-    raise KeyError(name)
 
 
 def random_config(pick):
@@ -161,6 +145,6 @@ def hooks(towers) -> FamilyHooks:
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_multiple=image_size_multiple,
                            image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
-        reference=Side(reference_run, reference_pairs, no_component, reference.build),
-        native=Side(native_run, native_pairs, no_component, native.build_native), converter=converter.SPEC,
+        reference=Side(reference_run, reference_pairs, whole.no_component, reference.build),
+        native=Side(native_run, native_pairs, whole.no_component, native.build_native), converter=converter.SPEC,
         parity=Parity(cases), megatron=MEGATRON)
