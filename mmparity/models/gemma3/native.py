@@ -230,14 +230,14 @@ class Gemma3Model(MegatronModule):
     in the order their runs of ``mm_tokens_per_image`` image tokens appear in the rows."""
 
     def __init__(self, vision, projector, language_model, *, image_token_id: int, vocab_size: int,
-                 hidden_size: int, patch_dim: int):
+                 hidden_size: int):
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.vision_model = vision
         self.vision_projection = projector
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
         self.image_token_id, self.vocab_size = image_token_id, vocab_size
-        self.hidden_size, self.patch_dim = hidden_size, patch_dim
+        self.hidden_size = hidden_size
         tolerate_missing_extra_state(self)
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -296,6 +296,5 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> Gemma3Model:
     vision, language_model = build_stage(cfg, text, LanguageModelBuilder(text, params_dtype), tower=build_tower)
     model = Gemma3Model(vision, projector[0] if projector else None, language_model,
                         image_token_id=cfg.image_token_id, vocab_size=text.vocab_size,
-                        hidden_size=text.hidden_size,
-                        patch_dim=vc.patch_size)
+                        hidden_size=text.hidden_size)
     return model.to(params_dtype)
