@@ -14,6 +14,5 @@ FAMILY = FamilyRecord(
                     "(vision_model, vision_projection, language_model in Megatron-Bridge's Gemma 3 "
                     "names); vocabulary padded as Megatron-LM pads it",
     takes_whole=(Takes(architecture="Gemma3ForConditionalGeneration"), Takes(model_type="gemma3")),
-    low_memory=False,
     megatron_args=(("layernorm_zero_centered_gamma", True),),
 )

@@ -4,6 +4,7 @@ state-dict shapes read off the config."""
 
 from __future__ import annotations
 
+from mmparity.config import tied_embeddings
 from mmparity.models.llava.reference import fill_tied_head, whole_model_shapes
 from mmparity.models.siglip import reference as tower
 
@@ -50,8 +51,16 @@ def build(cfg):
     import torch
     from transformers import Gemma3ForConditionalGeneration
 
-    # A tied checkpoint stores the table once: the head is read from the embedding.
-    return fill_tied_head(Gemma3ForConditionalGeneration(cfg).to(torch.float32).eval(), cfg)
+    model = fill_tied_head(Gemma3ForConditionalGeneration(cfg).to(torch.float32).eval(), cfg)
+    if tied_embeddings(cfg):
+        # The state dict names the tied table once, as save_pretrained writes it: a second name
+        # would be a second tensor to whatever reads it by name (seeded weights, the low-memory
+        # check's streaming); the head is read from the embedding on load (fill_tied_head).
+        def once(module, state_dict, prefix, *unused):
+            state_dict.pop(prefix + "lm_head.weight", None)
+
+        model._register_state_dict_hook(once)
+    return model
 
 
 def decoder_shapes(text) -> dict[str, tuple]:
@@ -68,8 +77,12 @@ def decoder_shapes(text) -> dict[str, tuple]:
 
 
 def state_shapes(cfg) -> dict[str, tuple]:
-    """Under the module names, the head listed even though tied (the state dict names it twice)."""
+    """Under the module names; a tied head is not listed (:func:`build`'s state dict names the
+    table once)."""
     vc, text = cfg.vision_config, cfg.text_config
     projector = {"mm_input_projection_weight": (vc.hidden_size, text.hidden_size),
                  "mm_soft_emb_norm.weight": (vc.hidden_size,)}
-    return whole_model_shapes(cfg, tower.state_shapes, projector, decoder_shapes)
+    shapes = whole_model_shapes(cfg, tower.state_shapes, projector, decoder_shapes)
+    if tied_embeddings(cfg):
+        del shapes["lm_head.weight"]
+    return shapes
