@@ -183,13 +183,15 @@ class AveragePoolProjector(MegatronModule):
 
     def __init__(self, cfg, params_dtype: torch.dtype = torch.float32):
         vc, text = cfg.vision_config, cfg.text_config
+        # The norm's fields are what the encoder reads; heads and activation only satisfy
+        # TransformerConfig (a single linear has neither).
         config = vision_transformer_config(
             num_layers=1, hidden_size=vc.hidden_size, num_attention_heads=vc.num_attention_heads,
             ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=vc.layer_norm_eps,
             activation=F.gelu, gated=False, bias=False, params_dtype=params_dtype, pipelined_stack=False)
         super().__init__(config=config)
         self.patches = vc.image_size // vc.patch_size
-        self.kernel = self.patches // round(math.isqrt(cfg.mm_tokens_per_image))
+        self.kernel = self.patches // math.isqrt(cfg.mm_tokens_per_image)
         self.encoder = ZeroCentredNormedColumnParallelLinear(
             vc.hidden_size, text.hidden_size, config=config, init_method=config.init_method, bias=False,
             gather_output=True, skip_bias_add=False)
