@@ -56,6 +56,7 @@ from mmparity.models.parts.deepseek_v3.native import build_gpt_model
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
 from mmparity.models.parts.qwen3_5_text.native import (
     ZeroCentredNormedColumnParallelLinear, ZeroCentredRMSNorm)
+from mmparity.models.qwen3_vl_whole.native import Qwen3VLModel
 from mmparity.models.siglip import native as tower
 
 
@@ -242,13 +243,9 @@ class Gemma3Model(MegatronModule):
         self.hidden_size = hidden_size
         tolerate_missing_extra_state(self)
 
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.language_model.set_input_tensor(input_tensor)
-
-    def pipelined_module(self) -> torch.nn.Module:
-        return self.language_model
+    # Where activations enter and leave a pipeline stage: the language model, as Qwen3-VL's.
+    set_input_tensor = Qwen3VLModel.set_input_tensor
+    pipelined_module = Qwen3VLModel.pipelined_module
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
         tokens = self.vision_model(images)  # ln_post applied
