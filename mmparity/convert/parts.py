@@ -122,6 +122,26 @@ def part_megatron_class(root: str, whole_roots: Sequence[str]) -> str:
 
 def megatron_class_of(source) -> str:
     """The Megatron class the mcore output of ``source`` is laid out for ("" where no one class is
-    known to hold it: a tower's class is its family's)."""
+    known to hold it: a tower's class is its family's). A whole VLM is named in ``LLaVAModel``'s
+    module layout whatever its family; the manifest names that class only where the family's
+    ``LLaVAModel`` can be built for this model (Qwen-VL, Kimi or Mistral3 wholes load part by part)."""
     whole = source.whole_rules if source.part else source.rules
-    return part_megatron_class(source.part, R.rule_roots(whole))
+    name = part_megatron_class(source.part, R.rule_roots(whole))
+    if name and not source.part and not _builds(source, name):
+        return ""
+    return name
+
+
+def _builds(source, name: str) -> bool:
+    """Whether ``source``'s family names ``name`` as the class of the whole and can build it for its
+    config (asked of its hooks, which import Megatron, only then)."""
+    from mmparity.models.spec import NoMegatronClass
+
+    spec = getattr(getattr(source, "model", None), "spec", None)
+    if spec is None or getattr(spec, "megatron_whole", "") != name:
+        return False
+    try:
+        _, record = spec.megatron_class(name, source.cfg)
+    except NoMegatronClass:
+        return False
+    return not record.holds

@@ -68,6 +68,10 @@ class FamilyRecord:
     # Megatron-LM arguments its model needs that neither the HF config's common fields nor the
     # tensors tell, as ``(name, value)`` pairs: recorded in a converted checkpoint's ``args``.
     megatron_args: tuple = ()
+    # The Megatron class that holds the whole model where one does (LLaVAModel), as a converted
+    # checkpoint's manifest names it; whether it can be built for one model is still its hooks'
+    # to say (a LLaVA on a Pixtral tower loads part by part).
+    megatron_whole: str = ""
     name: str = ""
     package: str = ""
 

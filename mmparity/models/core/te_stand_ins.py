@@ -550,6 +550,24 @@ def gpt_layer_spec() -> ModuleSpec:
                                                                    self_attention=causal))
 
 
+@contextlib.contextmanager
+def qk_norm_without_te():
+    """megatron-core's TE spec provider picks the q/k norm by TE's version, which it cannot read
+    without TE; TE >= 1.9 gives ``TENorm`` (the stand-in here), which is what it is told. Its block
+    specs ask for it whether or not the config has q/k norms."""
+    if HAVE_TE:
+        yield
+        return
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+
+    saved = provider.is_te_min_version
+    provider.is_te_min_version = lambda *unused, **unused_kw: True
+    try:
+        yield
+    finally:
+        provider.is_te_min_version = saved
+
+
 def gpt_decoder_block_spec(config: TransformerConfig):
     """Megatron-LM's GPT decoder block spec with TE for ``config``, this pipeline stage's layers:
     ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``, which for a MoE / MLA

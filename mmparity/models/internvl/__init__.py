@@ -15,4 +15,5 @@ FAMILY = FamilyRecord(
                     "language_model); vocabulary padded as Megatron-LM pads it",
     takes_whole=(Takes(architecture="InternVLForConditionalGeneration"), Takes(model_type="internvl")),
     composed=True,
+    megatron_whole="LLaVAModel",
 )

@@ -14,6 +14,7 @@ FAMILY = FamilyRecord(
                     "for TP and trimmed on export; tied or untied lm_head",
     takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
     composed=True,
+    megatron_whole="LLaVAModel",
 )
 
 

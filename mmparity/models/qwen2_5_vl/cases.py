@@ -17,7 +17,6 @@ from mmparity.config import first_int
 from mmparity.models.core import sublayers
 from mmparity.models.qwen2_5_vl import mapping as converter
 from mmparity.models.qwen2_5_vl import native, reference
-from mmparity.models.qwen2_5_vl.reference import OUTPUTS
 from mmparity.models.qwen3_5 import cases as frames
 from mmparity.models.spec import (
     Case, FamilyHooks, NoMegatron, Pair, Parity, Side, module_hooks, tokens_2d)
@@ -39,17 +38,8 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     processor rows."""
     p = first_int(cfg.patch_size)
     sizes = [tuple(s) for s in (image_sizes or default_image_sizes(cfg))]
-    static_sizes = [sizes[0]] * 2
-    static, packed, tubelets = frames.case_inputs(cfg, seed, static_sizes, sizes)
-    t = first_int(cfg.temporal_patch_size)
-    described = ", ".join(f"{h // p}x{w // p}" for h, w in sizes)
-    window = f"windows of {cfg.window_size // p}x{cfg.window_size // p} patches"
-    return [Case("static", static, OUTPUTS, f"static batch of 2 images, grid {static_sizes[0][0] // p}x"
-                                            f"{static_sizes[0][1] // p}, {window}"),
-            Case("packed", packed, OUTPUTS, f"{len(sizes)} images (grids {described}; {window}) as C*P*P "
-                                            f"rows in one packed pass"),
-            Case("processor_rows", tubelets, OUTPUTS, f"{len(sizes)} {t}-frame tubelets (grids {described}) "
-                                                      f"as HF processor rows in one packed pass")]
+    return frames.packed_cases(cfg, seed, sizes, [sizes[0]] * 2,
+                               f"windows of {cfg.window_size // p}x{cfg.window_size // p} patches")
 
 
 # --- the reference side (transformers) -----------------------------------------------------------

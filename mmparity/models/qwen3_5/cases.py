@@ -70,6 +70,22 @@ def case_inputs(cfg, seed: int, static_sizes, sizes) -> tuple[dict, dict, dict]:
     return static, packed, tubelets
 
 
+def packed_cases(cfg, seed: int, sizes, static_sizes, note: str = "") -> list[Case]:
+    """The three cases of :func:`case_inputs` (a static batch at ``static_sizes``, ``sizes`` as packed
+    single-frame rows and as packed T-frame processor rows), described with the grids and ``note``
+    (what else the sizes exercise): the Qwen-VL-shaped towers' usual set."""
+    p, t = _int(cfg.patch_size), _int(cfg.temporal_patch_size)
+    static, packed, tubelets = case_inputs(cfg, seed, static_sizes, sizes)
+    described = ", ".join(f"{h // p}x{w // p}" for h, w in sizes)
+    after, inside = (f", {note}", f"; {note}") if note else ("", "")
+    return [Case("static", static, OUTPUTS, f"static batch of 2 images, grid {static_sizes[0][0] // p}x"
+                                            f"{static_sizes[0][1] // p}{after}"),
+            Case("packed", packed, OUTPUTS, f"{len(sizes)} images (grids {described}{inside}) as C*P*P rows "
+                                            f"in one packed pass"),
+            Case("processor_rows", tubelets, OUTPUTS, f"{len(sizes)} {t}-frame tubelets (grids {described}) "
+                                                      f"as HF processor rows in one packed pass")]
+
+
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
     """Static pixels, packed single-frame rows, packed HF-processor rows (T distinct frames)."""
     p, m = _int(cfg.patch_size), cfg.spatial_merge_size

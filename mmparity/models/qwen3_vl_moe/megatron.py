@@ -8,7 +8,6 @@ and the stock class computes HF's text model."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -23,38 +22,28 @@ from mmparity.models.qwen3_vl_moe.native import transformer_config
 from mmparity.parallel import runtime
 
 
-@contextlib.contextmanager
-def _qk_norm_without_te():
-    """megatron-core's TE spec provider picks the q/k norm by TE's version, which it cannot read
-    without TE; TE >= 1.9 gives ``TENorm`` (the stand-in here), which is what it is told."""
-    if te_stand_ins.HAVE_TE:
-        yield
-        return
-    from megatron.core.extensions import transformer_engine_spec_provider as provider
-
-    saved = provider.is_te_min_version
-    provider.is_te_min_version = lambda *unused, **unused_kw: True
-    try:
-        yield
-    finally:
-        provider.is_te_min_version = saved
-
-
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
                          parallel_output: bool = True):
-    """The Qwen3-MoE decoder of a whole Qwen3-VL-MoE alone: mcore's own
-    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)`` (dense layers where the
-    config has no sparse block, ``MoELayer`` with ``TEGroupedMLP`` experts elsewhere), the experts as
-    grouped GEMMs; this pipeline stage of it."""
+    """The Qwen3-MoE decoder of a whole Qwen3-VL-MoE alone (:func:`build_te_moe_gpt_model`); this
+    pipeline stage of it."""
+    return build_te_moe_gpt_model(cfg, transformer_config(cfg.text_config, params_dtype), divisible_by=divisible_by,
+                                  parallel_output=parallel_output)
+
+
+def build_te_moe_gpt_model(cfg, config, *, divisible_by: int = VOCAB_MULTIPLE, parallel_output: bool = True,
+                           **options):
+    """Stock ``GPTModel`` for ``config`` (a whole VLM's text model's) on mcore's own
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``: dense layers where the
+    config has no MoE, ``MoELayer`` with ``TEGroupedMLP`` experts elsewhere, the experts as grouped
+    GEMMs; this pipeline stage of it. ``options``: GPTModel's rotary arguments beyond the base."""
     from megatron.core.extensions import transformer_engine_spec_provider
 
     text = cfg.text_config
     layout = runtime.current_layout()
     tp = layout.tp if layout is not None else 1
-    config = transformer_config(text, params_dtype)
     if config.num_moe_experts:
         config = dataclasses.replace(config, moe_grouped_gemm=True)
-    with _qk_norm_without_te():
+    with te_stand_ins.qk_norm_without_te():
         spec = te_stand_ins.gpt_decoder_block_spec(config)
     with buildable_without_te(gpt_model, transformer_engine_spec_provider), \
             mla_moe.host_placement(torch.get_default_device()):
@@ -65,7 +54,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
             pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
             parallel_output=parallel_output, share_embeddings_and_output_weights=tied_embeddings(cfg),
             position_embedding_type="rope", rotary_base=rope_theta(text),
-            scatter_embedding_sequence_parallel=False)
+            scatter_embedding_sequence_parallel=False, **options)
     return model.eval()
 
 

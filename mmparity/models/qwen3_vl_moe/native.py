@@ -56,19 +56,21 @@ def transformer_config(text, params_dtype: torch.dtype = torch.float32):
                                      mrope_section=whole.mrope_section(text), **fields)
 
 
-def layer_spec(sparse: bool) -> ModuleSpec:
-    """Qwen3-VL's dense layer; with ``sparse``, its MLP is the MoE layer, whose norm is its own."""
-    spec = whole.language_spec()
+def layer_spec(sparse: bool, base=whole.language_spec, shared_experts: bool = False) -> ModuleSpec:
+    """``base()``'s layer (Qwen3-VL's dense one); with ``sparse``, its MLP is the MoE layer (with a
+    shared expert where ``shared_experts``), whose norm is its own."""
+    spec = base()
     if sparse:
         spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
-        spec.submodules.mlp = moe_spec(shared_experts=False)
+        spec.submodules.mlp = moe_spec(shared_experts=shared_experts)
     return spec
 
 
-def block_spec(text) -> TransformerBlockSubmodules:
-    """One spec per layer of this pipeline stage, by its kind."""
-    moe = set(moe_layers(text))
-    specs = stage_layers([layer_spec(i in moe) for i in range(text.num_hidden_layers)])
+def block_spec(text, sparse_layers=None, layer=layer_spec) -> TransformerBlockSubmodules:
+    """One spec per layer of this pipeline stage, by its kind: ``layer(sparse)`` for each, sparse in
+    ``sparse_layers`` (default: where transformers builds Qwen3-VL-MoE's sparse block)."""
+    moe = set(moe_layers(text) if sparse_layers is None else sparse_layers)
+    specs = stage_layers([layer(i in moe) for i in range(text.num_hidden_layers)])
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
 
 

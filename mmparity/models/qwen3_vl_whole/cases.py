@@ -206,10 +206,11 @@ def language_pairs(layers, *, hf: bool, names: sublayers.LayerNames = sublayers.
     return out
 
 
-def reference_pairs(model, cfg) -> list[Pair]:
-    out = [p.under("vision_model.")
-           for p in tower_cases.reference_pairs(model.model.visual, cfg.vision_config)]
-    out += language_pairs(enumerate(model.model.language_model.layers), hf=True)
+def reference_pairs(model, cfg, tower_pairs=tower_cases.reference_pairs, layer_pairs=language_pairs) -> list[Pair]:
+    """HF's whole model: the tower's pairs (``tower_pairs``) under ``vision_model.``, each decoder
+    layer's (``layer_pairs``), the final norm. Other Qwen-VL-shaped whole models pass their own."""
+    out = [p.under("vision_model.") for p in tower_pairs(model.model.visual, cfg.vision_config)]
+    out += layer_pairs(enumerate(model.model.language_model.layers), hf=True)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
     return out
 
@@ -238,12 +239,12 @@ def native_run(model, case) -> dict:
     return {"logits": logits.reshape(-1, model.vocab_size), "token_loss": (loss.float() * mask).reshape(-1)}
 
 
-def native_pairs(model, cfg) -> list[Pair]:
+def native_pairs(model, cfg, tower_pairs=tower_cases.native_pairs, layer_pairs=language_pairs) -> list[Pair]:
+    """The native whole model's pairs, as :func:`reference_pairs` names them (this stage's)."""
     out = []
     if model.vision_model is not None:
-        out += [p.under("vision_model.")
-                for p in tower_cases.native_pairs(model.vision_model, cfg.vision_config)]
-    out += language_pairs(numbered_layers(model.language_model.decoder), hf=False)
+        out += [p.under("vision_model.") for p in tower_pairs(model.vision_model, cfg.vision_config)]
+    out += layer_pairs(numbered_layers(model.language_model.decoder), hf=False)
     if model.post_process:
         out.append(Pair("language_model.decoder.final_layernorm", model.language_model.decoder.final_layernorm,
                         sbh_tokens_2d))

@@ -23,6 +23,13 @@ def config_problems(text) -> list[str]:
     rope = rope_parameters(text)
     if rope["rope_type"] not in ("default", "yarn"):
         problems.append(f"rope_type {rope['rope_type']!r} (default and yarn only)")
+    return problems + moe_problems(text)
+
+
+def moe_problems(text) -> list[str]:
+    """What of a DeepSeek-V3 MoE (sigmoid router with a score-correction bias, group-limited top-k,
+    shared experts) mcore's ``MoELayer`` cannot reproduce; any attention beside it."""
+    problems = []
     experts, k = routed_experts(text), text.num_experts_per_tok
     if experts:
         groups, group_k = int(text.n_group or 1), int(text.topk_group or 1)
@@ -52,7 +59,7 @@ def transformer_config(text, params_dtype=None):
     import torch
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from mmparity.models.core.layers import activation_from_hf, add_stage_fields, moe_fields, run_fields
+    from mmparity.models.core.layers import activation_from_hf, add_stage_fields, run_fields
 
     params_dtype = torch.float32 if params_dtype is None else params_dtype
     problems = config_problems(text)
@@ -73,19 +80,29 @@ def transformer_config(text, params_dtype=None):
                       original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                       beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
                       mscale=float(rope.get("mscale", 1)), mscale_all_dim=float(rope.get("mscale_all_dim", 0)))
-    experts = routed_experts(text)
-    if experts:
-        groups = int(text.n_group or 1)
-        fields.update(moe_fields(
-            num_moe_experts=experts, moe_layer_freq=_moe_layer_freq(text),
-            moe_ffn_hidden_size=text.moe_intermediate_size,
-            moe_shared_expert_intermediate_size=shared_expert_size(text) or None,
-            moe_router_topk=text.num_experts_per_tok, moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(text.routed_scaling_factor),
-            moe_router_num_groups=groups if groups > 1 else None,
-            moe_router_group_topk=int(text.topk_group) if groups > 1 else None,
-            moe_router_bias_update_rate=0.0))
+    fields.update(moe_transformer_fields(text))
     return MLATransformerConfig(**add_stage_fields(fields))
+
+
+def moe_transformer_fields(text) -> dict:
+    """The ``TransformerConfig`` fields of a DeepSeek-V3 MoE (none for a dense decoder): the MoE layers
+    after ``first_k_dense_replace``, sigmoid scores with the score-correction bias (frozen: no bias
+    updates), group-limited top-k, the routed scale and the shared experts' width."""
+    from mmparity.models.core.layers import moe_fields
+
+    experts = routed_experts(text)
+    if not experts:
+        return {}
+    groups = int(text.n_group or 1)
+    return moe_fields(
+        num_moe_experts=experts, moe_layer_freq=_moe_layer_freq(text),
+        moe_ffn_hidden_size=text.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=shared_expert_size(text) or None,
+        moe_router_topk=text.num_experts_per_tok, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(text.routed_scaling_factor),
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=int(text.topk_group) if groups > 1 else None,
+        moe_router_bias_update_rate=0.0)
 
 
 # --- HF config tables ---

@@ -88,24 +88,31 @@ def routed_expert_rules(hf: str, mc: str, count: int, *, stacked: bool = True) -
                  hf + "mlp.experts.down_proj", Unstack(count), "row"))
 
 
+def mlp_rules(text, lm_root: str, *, stacked: bool = True) -> tuple:
+    """Each layer's MLP with the norm before it: the leading dense layers' (``{d}``, the post-attention
+    norm fused into ``linear_fc1``) and the MoE layers' (``{m}``: ``pre_mlp_layernorm``, the router and
+    its score-correction bias, the shared experts, the routed experts stacked or one set per expert)."""
+    dense, moe = (lm_root + "layers.{%s}." % v for v in "dm")
+    mc_dense, mc_moe = (_MC + "{%s}." % v for v in "dm")
+    rules = (rename(mc_dense + "mlp.linear_fc1.layer_norm_weight", dense + "post_attention_layernorm.weight"),
+             *gated_mlp_rules(dense + "mlp.", mc_dense + "mlp."))
+    rules += (rename(mc_moe + "pre_mlp_layernorm.weight", moe + "post_attention_layernorm.weight"),
+              rename(mc_moe + "mlp.router.weight", moe + "mlp.gate.weight"),
+              rename(mc_moe + "mlp.router.expert_bias", moe + "mlp.gate.e_score_correction_bias"))
+    if text.n_shared_experts:
+        rules += gated_mlp_rules(moe + "mlp.shared_experts.", mc_moe + "mlp.shared_experts.")
+    return rules + routed_expert_rules(moe, mc_moe, routed_experts(text), stacked=stacked)
+
+
 def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str = "hf") -> tuple:
     """Rules for the decoder whose body is under ``lm_root`` and whose output head is ``head_key``,
     in ``layout``'s names (:data:`LAYOUTS`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"DeepSeek-V3 decoder layout {layout!r}; known: {', '.join(LAYOUTS)}")
     vocab = PadRows(text.vocab_size, padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE))
-    every, dense, moe = (lm_root + "layers.{%s}." % v for v in "idm")
-    mc_every, mc_dense, mc_moe = (_MC + "{%s}." % v for v in "idm")
     rules = (Rule(MCORE_ROOT + "embedding.word_embeddings.weight", lm_root + "embed_tokens.weight", vocab, "vocab"),)
-    rules += _attention_rules(text, every, mc_every)
-    rules += (rename(mc_dense + "mlp.linear_fc1.layer_norm_weight", dense + "post_attention_layernorm.weight"),
-              *gated_mlp_rules(dense + "mlp.", mc_dense + "mlp."))
-    rules += (rename(mc_moe + "pre_mlp_layernorm.weight", moe + "post_attention_layernorm.weight"),
-              rename(mc_moe + "mlp.router.weight", moe + "mlp.gate.weight"),
-              rename(mc_moe + "mlp.router.expert_bias", moe + "mlp.gate.e_score_correction_bias"))
-    if text.n_shared_experts:
-        rules += gated_mlp_rules(moe + "mlp.shared_experts.", mc_moe + "mlp.shared_experts.")
-    rules += routed_expert_rules(moe, mc_moe, routed_experts(text), stacked=layout != "hf_checkpoint")
+    rules += _attention_rules(text, lm_root + "layers.{i}.", _MC + "{i}.")
+    rules += mlp_rules(text, lm_root, stacked=layout != "hf_checkpoint")
     rules += (rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + "norm.weight"),)
     if not tied:
         rules += (Rule(MCORE_ROOT + "output_layer.weight", head_key, vocab, "vocab"),)
