@@ -379,6 +379,24 @@ class UnstackTransposed(Op):
         return f"UnstackTransposed(count={self.count})"
 
 
+@dataclass(frozen=True, repr=False)
+class Transpose(Op):
+    """A matrix HF stores (in, out) and multiplies from the right <-> a Linear's (out, in) weight
+    (Gemma 3's ``mm_input_projection_weight``); its own inverse."""
+
+    def apply(self, hf):
+        return [_own(_matrix(hf[0], self).transpose(0, 1), hf)]
+
+    def invert(self, mcore):
+        return [_own(_matrix(mcore[0], self).transpose(0, 1), mcore)]
+
+
+def _matrix(t, op):
+    if t.dim() != 2:
+        raise LayoutError(f"{op!r}: expected a matrix, got {tuple(t.shape)}")
+    return t
+
+
 def fuse_gate_up() -> Concat:
     """HF ``gate_proj``/``up_proj`` -> mcore ``linear_fc1`` = [gate; up] (activation on the first half)."""
     return Concat(n_hf=2, dim=0)
@@ -458,3 +476,41 @@ class PadRows(Op):
 
     def __repr__(self):
         return f"PadRows(rows={self.rows}, padded={self.padded})"
+
+
+@dataclass(frozen=True, repr=False)
+class TiedPadRows(PadRows):
+    """A tied vocabulary table a state dict names twice (the embedding, then the head: one tensor in
+    transformers' ``state_dict()`` of a tied model) <-> the one padded mcore table. Import reads the
+    first name, as the layouts that drop a tied head do (the second is the same tensor in any state
+    dict of a tied model); export writes the table under both names, separate copies."""
+
+    n_hf = 2
+
+    def _tied(self, hf) -> torch.Tensor:
+        table, head = hf
+        if table.shape != head.shape:
+            raise LayoutError(f"{self!r}: the head {tuple(head.shape)} is not the embedding's shape "
+                              f"{tuple(table.shape)}")
+        return table
+
+    def apply(self, hf):
+        return super().apply([self._tied(hf)])
+
+    def apply_pieces(self, hf):
+        return super().apply_pieces([self._tied(hf)])
+
+    def invert(self, mcore):
+        (table,) = super().invert(mcore)
+        return [table, table.clone()]
+
+    def invert_pieces(self, mcore):
+        (table,) = super().invert(mcore)
+        return [[table], [table.clone()]]
+
+    def at_tp(self, tp: int, vocab_multiple: int) -> "TiedPadRows":
+        padded = super().at_tp(tp, vocab_multiple)
+        return TiedPadRows(padded.rows, padded.padded)
+
+    def __repr__(self):
+        return f"TiedPadRows(rows={self.rows}, padded={self.padded})"

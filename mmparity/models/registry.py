@@ -357,6 +357,7 @@ FAMILIES = (
     "mmparity.models.llama4",
     "mmparity.models.qwen3_5_lm",
     "mmparity.models.qwen3_5_whole",
+    "mmparity.models.gemma3",
 )
 LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",

@@ -34,7 +34,8 @@ def _llava_clip():
 CASES = {name: (name, None) for name in families.names()} | {"llava_clip": ("llava", _llava_clip)}
 # The original hub spelling, where a release differs from what transformers saves.
 RELEASES = {"pixtral": "mistral", "pixtral_large": "mistral", "kimi_k25": "release", "kimi_k25_vl": "release",
-            "llava_clip": "hf_v4_checkpoint", "mistral3": "mistral", "pixtral_12b": "mistral"}
+            "llava_clip": "hf_v4_checkpoint", "mistral3": "mistral", "pixtral_12b": "mistral",
+            "gemma3": "hf_v4_checkpoint"}
 # What a family leaves out of a whole model's checkpoint (the tower families of a whole VLM).
 LEFT_OUT = ("language_model.", "model.language_model.", "lm_head.")
 

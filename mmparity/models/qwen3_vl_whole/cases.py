@@ -191,15 +191,15 @@ def reference_run(model, case: Case) -> dict:
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
 
-def language_pairs(layers, *, hf: bool) -> list[Pair]:
+def language_pairs(layers, *, hf: bool, names: sublayers.LayerNames = sublayers.HF_DECODER) -> list[Pair]:
     """Each decoder layer's norms, attention and MLP, then the layer (``core.sublayers``); the
     layer's own pair is a snapshot on the mcore side, where the next layer's residual add would
-    change its output in place."""
+    change its output in place. ``names``: where the HF layer keeps them."""
     out = []
     for i, layer in layers:
         name = LANGUAGE_LAYER.format(i)
         if hf:
-            out += sublayers.layer_pairs(name, layer, tokens_2d, sublayers.HF_DECODER)
+            out += sublayers.layer_pairs(name, layer, tokens_2d, names)
         else:
             pairs = sublayers.layer_pairs(name, layer, sbh_tokens_2d)
             out += pairs[:-1] + [Pair(name, layer, sbh_tokens_2d, snapshot=True)]

@@ -1,0 +1,299 @@
+"""Gemma 3 whole on mcore, ``LLaVAModel``'s tree: the ``siglip`` family's tower (its last hidden
+state, ``ln_post`` applied, no pooling head) as ``vision_model``, the average-pool projector as
+``vision_projection`` and the Gemma 3 decoder as ``language_model`` (a ``GPTModel``).
+
+The decoder is a ``GPTModel`` whose layers differ from the dense decoder's in what Gemma 3 adds:
+
+* every RMSNorm scales by ``1 + weight`` in fp32 (``layernorm_zero_centered_gamma``; the q/k norms
+  too), the stand-ins of :mod:`mmparity.models.parts.qwen3_5_text.native`;
+* four norms per layer. mcore's ``TransformerLayer`` has places for the two pre-norms (fused into
+  ``linear_qkv`` and ``linear_fc1``, as Transformer Engine holds them) but none for the two
+  "sandwich" norms after attention and after the MLP: they sit on the row-parallel linear whose
+  output they normalise, as ``linear_proj.post_layernorm`` and ``linear_fc2.post_layernorm``
+  (:class:`PostNormedRowParallelLinear`), the names Megatron-Bridge's Gemma 3 gives them, so that
+  the residual add of the layer follows the norm as in HF;
+* attention scaled by ``query_pre_attn_scalar ** -0.5``; ``sliding_attention`` layers see the
+  last ``sliding_window`` keys and rotate with their own RoPE base, ``full_attention`` layers with
+  theirs (linear scaling where the config asks: frequencies divided by the factor);
+* the embedding is scaled by ``sqrt(hidden)`` rounded to the parameter dtype, as HF rounds it,
+  before the image features take the image tokens' places (the features are not scaled).
+
+Neither soft-cap is computed: transformers' ``Gemma3ForConditionalGeneration`` applies neither the
+final logits' (only its text-only ``Gemma3ForCausalLM`` does) nor the attention logits' (its
+attention never receives the cap), so a config that sets one is refused
+(:func:`~mmparity.models.gemma3.config.config_problems`) rather than checked against nothing.
+
+The mask: HF's training forward (``token_type_ids`` given, as the processor returns them) lets the
+tokens of one image attend to each other both ways: full layers see OR(causal, same image),
+sliding layers AND(window, OR(causal, same image)) where the window bounds only how far back a key
+may be (``key > query - sliding_window``), so an image token also sees its image's later tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from mmparity.models.core.layers import (
+    BiasInGemmRowParallelLinear, get_bias_dropout_add, tolerate_missing_extra_state, vision_transformer_config)
+from mmparity.models.core.mla_moe import host_placement
+from mmparity.models.core.stages import build_stage, stage_layers
+from mmparity.models.gemma3.config import (
+    SLIDING, config_problems, layer_rope, transformer_config)
+from mmparity.models.llava.native import LLaVAModel
+from mmparity.models.parts.deepseek_v3.native import build_gpt_model
+from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
+from mmparity.models.parts.qwen3_5_text.native import (
+    ZeroCentredNormedColumnParallelLinear, ZeroCentredRMSNorm)
+from mmparity.models.qwen3_vl_whole.native import Qwen3VLModel
+from mmparity.models.siglip import native as tower
+
+
+class PostNormedRowParallelLinear(BiasInGemmRowParallelLinear):
+    """A row-parallel linear followed by Gemma's sandwich norm (``post_layernorm``, ``1 + w``): the
+    place Megatron-Bridge gives Gemma's post-attention and post-feedforward norms. The norm reads
+    the reduced output, so every TP rank holds all of its weight."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = ZeroCentredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+
+    def forward(self, input_):
+        out, bias = super().forward(input_)
+        if bias is not None:  # Gemma's linears have none; a bias would go before the norm
+            out, bias = out + bias, None
+        return self.post_layernorm(out), bias
+
+
+class Gemma3CoreAttention(CausalCoreAttention):
+    """Causal SDPA (GQA as mcore groups heads) that takes the whole VLM's mask (True = masked: the
+    bidirectional image blocks) and, in a sliding layer, the window on top of it. The scale is
+    the config's (``query_pre_attn_scalar ** -0.5``, mcore's ``softmax_scale``)."""
+
+    def __init__(self, config, layer_number: int, *args, windows=(), **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.window = windows[layer_number - 1] if windows else None
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        mask = None if attention_mask is None else attention_mask.bool()
+        if self.window is not None:
+            seq, keys = query.shape[0], key.shape[0]
+            q = torch.arange(seq, device=query.device)[:, None]
+            k = torch.arange(keys, device=query.device)[None, :]
+            # HF's window bounds how far back a key may be, on top of whatever else is allowed.
+            outside = k <= q - self.window
+            mask = (k > q) | outside if mask is None else mask | outside
+        if mask is None:
+            return super().forward(query, key, value, None, attn_mask_type, attention_bias, packed_seq_params)
+        return self._masked(query, key, value, mask)
+
+    def _masked(self, query, key, value, masked):
+        seq, batch, heads, _ = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != heads:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * value.shape[-1])
+
+
+class Gemma3SelfAttention(SelfAttention):
+    """mcore's ``SelfAttention`` rotating with its own layer type's RoPE (sliding and full layers
+    have different bases; GPTModel hands every layer one table): a non-persistent table, so the
+    state dict is the stock class's."""
+
+    def __init__(self, config, submodules, layer_number: int, *args, ropes=(), **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        base, factor = ropes[layer_number - 1]
+        self.rope = LanguageRotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                                            rotary_interleaved=False, rotary_base=base,
+                                            use_cpu_initialization=True)
+        if factor != 1.0:
+            # HF's linear scaling divides the frequencies (not the positions) by the factor.
+            self.rope.inv_freq = self.rope.inv_freq / factor
+
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        table = self.rope.get_emb(hidden_states.shape[0]).to(hidden_states.device)
+        return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=table, **kwargs)
+
+
+def layer_spec(text) -> ModuleSpec:
+    types = list(text.layer_types)
+    windows = tuple(text.sliding_window if t == SLIDING else None for t in types)
+    ropes = tuple(layer_rope(text, t) for t in types)
+    attention = ModuleSpec(module=Gemma3SelfAttention,
+                           params={"attn_mask_type": AttnMaskType.causal, "ropes": ropes},
+                           submodules=SelfAttentionSubmodules(
+                               linear_qkv=ZeroCentredNormedColumnParallelLinear,
+                               core_attention=ModuleSpec(module=Gemma3CoreAttention, params={"windows": windows}),
+                               linear_proj=PostNormedRowParallelLinear, q_layernorm=ZeroCentredRMSNorm,
+                               k_layernorm=ZeroCentredRMSNorm))
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ZeroCentredNormedColumnParallelLinear,
+                                                          linear_fc2=PostNormedRowParallelLinear))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=IdentityOp, self_attention=attention, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=IdentityOp, mlp=mlp, mlp_bda=get_bias_dropout_add))
+
+
+def block_spec(text) -> TransformerBlockSubmodules:
+    spec = layer_spec(text)
+    return TransformerBlockSubmodules(layer_specs=stage_layers([spec] * text.num_hidden_layers),
+                                      layer_norm=ZeroCentredRMSNorm)
+
+
+class LanguageModelBuilder:
+    """The Gemma 3 decoder as a ``GPTModel`` for a padded vocabulary and a pipeline stage."""
+
+    def __init__(self, text, params_dtype: torch.dtype = torch.float32):
+        self.text = text
+        self.config = transformer_config(text, params_dtype)
+        self.max_sequence_length = text.max_position_embeddings
+
+    def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
+                 parallel_output: bool = True, share_embeddings_and_output_weights: bool = False):
+        base, _ = layer_rope(self.text, self.text.layer_types[0])
+        model = build_gpt_model(self.config, block_spec(self.text), vocab_size, self.max_sequence_length,
+                                pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+                                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                rotary_base=base)
+        # GPTModel's own table is unused (each layer rotates with its type's), kept on the host.
+        model.rotary_pos_emb = LanguageRotaryEmbedding(
+            kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_interleaved=False,
+            rotary_base=base, use_cpu_initialization=True)
+        return model
+
+
+class AveragePoolProjector(MegatronModule):
+    """HF ``Gemma3MultiModalProjector`` in Megatron's ``MultimodalProjector`` (affine) place: the
+    patch grid average-pooled to ``mm_tokens_per_image`` tokens, then ``encoder``, a column-parallel
+    linear (vision -> text width, no bias) with the soft-embedding RMSNorm (``1 + w``) fused in as
+    ``encoder.layer_norm_weight``. HF stores the projection (vision, text), multiplied from the
+    right; ``encoder.weight`` is its transpose (text, vision), a Linear's layout."""
+
+    def __init__(self, cfg, params_dtype: torch.dtype = torch.float32):
+        vc, text = cfg.vision_config, cfg.text_config
+        # The norm's fields are what the encoder reads; heads and activation only satisfy
+        # TransformerConfig (a single linear has neither).
+        config = vision_transformer_config(
+            num_layers=1, hidden_size=vc.hidden_size, num_attention_heads=vc.num_attention_heads,
+            ffn_hidden_size=text.hidden_size, normalization="RMSNorm", norm_eps=vc.layer_norm_eps,
+            activation=F.gelu, gated=False, bias=False, params_dtype=params_dtype, pipelined_stack=False)
+        super().__init__(config=config)
+        self.patches = vc.image_size // vc.patch_size
+        self.kernel = self.patches // math.isqrt(cfg.mm_tokens_per_image)
+        self.encoder = ZeroCentredNormedColumnParallelLinear(
+            vc.hidden_size, text.hidden_size, config=config, init_method=config.init_method, bias=False,
+            gather_output=True, skip_bias_add=False)
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(images, p·p, H) -> (images, (p/k)², H): mean over each k×k block of the raster grid."""
+        n, _, h = tokens.shape
+        grid = tokens.transpose(1, 2).reshape(n, h, self.patches, self.patches)
+        return F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.encoder(self.pool(tokens))
+        return out
+
+
+def image_blocks(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """``[b, s]`` the index of the run of image tokens each token is in, -1 for text: one run of
+    consecutive image tokens is one image (as HF groups them)."""
+    image = input_ids == image_token_id
+    before = F.pad(image, (1, 0), value=False)[:, :-1]
+    starts = image & ~before
+    return torch.where(image, starts.long().cumsum(1) - 1, torch.full_like(input_ids, -1))
+
+
+def attention_mask(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """``[b, 1, s, s]`` mcore's mask (True = masked) of the full layers: OR(causal, same image)."""
+    s = input_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+    blocks = image_blocks(input_ids, image_token_id)
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    return ~(causal | same)[:, None]
+
+
+class Gemma3Model(MegatronModule):
+    """ids and images -> logits or the per-token loss.
+
+    Images are ``[n, C, H, W]`` at the tower's size (Gemma 3's processor resizes every image to it),
+    in the order their runs of ``mm_tokens_per_image`` image tokens appear in the rows."""
+
+    def __init__(self, vision, projector, language_model, *, image_token_id: int, vocab_size: int,
+                 hidden_size: int):
+        super().__init__(config=language_model.config)
+        self.language_model = language_model
+        self.vision_model = vision
+        self.vision_projection = projector
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.image_token_id, self.vocab_size = image_token_id, vocab_size
+        self.hidden_size = hidden_size
+        tolerate_missing_extra_state(self)
+
+    # Where activations enter and leave a pipeline stage: the language model, as Qwen3-VL's.
+    set_input_tensor = Qwen3VLModel.set_input_tensor
+    pipelined_module = Qwen3VLModel.pipelined_module
+
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = self.vision_model(images)  # ln_post applied
+        projected = self.vision_projection(tokens)
+        return projected.reshape(-1, projected.shape[-1])
+
+    def embed(self, input_ids: torch.Tensor, images: Optional[torch.Tensor]) -> torch.Tensor:
+        image = input_ids == self.image_token_id
+        ids = input_ids.masked_fill(image, 0)
+        flat = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        embedded = self.language_model.embedding(input_ids=ids, position_ids=flat)  # [s, b, h]
+        # HF multiplies by sqrt(hidden) held in the weights' dtype (bf16 rounds it).
+        scale = torch.tensor(self.hidden_size ** 0.5, dtype=torch.float32).to(embedded.dtype)
+        batch_major = (embedded * scale.to(embedded.device)).transpose(0, 1).clone()
+        if images is not None and images.numel():
+            features = self.image_features(images)
+            if int(image.sum()) != features.shape[0]:
+                raise ValueError(f"{int(image.sum())} image tokens in the ids for {features.shape[0]} image embeddings")
+            batch_major[image] = features.to(batch_major.dtype)
+        return batch_major.transpose(0, 1).contiguous()
+
+    def forward(self, images: Optional[torch.Tensor], input_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None):
+        with host_placement(input_ids.device):
+            mask = attention_mask(input_ids, self.image_token_id)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            decoder_input = self.embed(input_ids, images) if self.pre_process else None
+            gather = labels is None
+            out = self.language_model(None, positions, mask, decoder_input=decoder_input,
+                                      runtime_gather_output=gather)
+            if labels is None or not self.post_process:
+                return out
+            return LLaVAModel._token_loss(self, out, labels.contiguous())
+
+
+def build_native(cfg, params_dtype: torch.dtype = torch.float32) -> Gemma3Model:
+    problems = config_problems(cfg)
+    if problems:
+        raise ValueError("unsupported Gemma 3 model: " + "; ".join(problems))
+    text, vc = cfg.text_config, cfg.vision_config
+    projector = []
+
+    def build_tower():
+        projector.append(AveragePoolProjector(cfg, params_dtype))
+        return tower.build_native(vc, params_dtype)
+
+    vision, language_model = build_stage(cfg, text, LanguageModelBuilder(text, params_dtype), tower=build_tower)
+    model = Gemma3Model(vision, projector[0] if projector else None, language_model,
+                        image_token_id=cfg.image_token_id, vocab_size=text.vocab_size,
+                        hidden_size=text.hidden_size)
+    return model.to(params_dtype)
