@@ -40,7 +40,7 @@ from mmparity.config import first_int, head_dim, query_groups, vision_sub_config
 from mmparity.models.core import attention
 from mmparity.parity import metrics
 from mmparity.parity.harness import (
-    InputError, exact_float32, load_reference_weights, refuse_long_sequences, size_multiple,
+    InputError, exact_float32, load_reference_weights, move_model, refuse_long_sequences, size_multiple,
     validate_image_sizes)
 from mmparity.parity.report import strict_json, versions
 
@@ -404,13 +404,13 @@ def _build_models(fam: families.Family, cfg, dtype: torch.dtype, device: torch.d
     native.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
                             for k, v in state.items()}, strict=True)
     del state
-    return ref.eval(), native.to(device=device, dtype=dtype).eval()
+    return ref.eval(), move_model(native, device, dtype).eval()
 
 
 def _build_pair(fam: families.Family, cfg, dtype: torch.dtype, device: torch.device, seed: int):
     """(HF model, native model) on ``device`` in ``dtype``, sharing seeded random weights."""
     ref, native = _build_models(fam, cfg, dtype, device, seed)
-    return ref.to(device=device, dtype=dtype).eval(), native
+    return move_model(ref, device, dtype).eval(), native
 
 
 # --- parity --------------------------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def parity_verdict(dtype: torch.dtype, native_out: dict, hf_out: dict,
 
 
 def _reference_outputs(ref32, run: Callable, case, device: torch.device) -> dict:
-    ref32 = ref32.to(device=device, dtype=torch.float32)
+    ref32 = move_model(ref32, device, torch.float32)
     with torch.no_grad(), exact_float32(device, torch.float32):
         return _outputs(run(ref32, case), case)
 
@@ -536,7 +536,7 @@ def time_family(prepared: Prepared, *, dtype: str = "float32", device: str = "cp
         progress.step(f"case {case.name}: building both models")
         ref32, native = _build_models(fam, prepared.cfg, torch_dtype, dev, seed, mutate_native)
         # A separate copy: HF modules may cache tensors (RoPE tables) in the dtype of their first call.
-        ref = (copy.deepcopy(ref32) if needs_reference else ref32).to(device=dev, dtype=torch_dtype)
+        ref = move_model(copy.deepcopy(ref32) if needs_reference else ref32, dev, torch_dtype)
         if not needs_reference:
             ref32 = None
         case = replace(case, data=_to_device(case.data, dev))

@@ -104,7 +104,7 @@ class Side:
         return _canonical(outputs), _extract(self.pairs, seen, case)
 
 
-def _move(model, device, dtype):
+def move_model(model, device, dtype):
     """``model`` on ``device`` in ``dtype``, its complex buffers kept complex: ``Module.to(dtype)``
     casts a complex tensor to a real dtype, dropping the imaginary part with only a warning
     (transformers' Llama 4 vision tower keeps its RoPE table as a complex buffer)."""
@@ -257,7 +257,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
             progress.step(f"Megatron's {mclass_name} on {world} ranks")
             megatron_cases_run = runtime.spawn(_megatron_rank, world, mjob, megatron_stages)[0]
 
-    ref32 = _move(ref, device, torch.float32)
+    ref32 = move_model(ref, device, torch.float32)
     report = Report(device=str(device), dtype=dtype, seed=seed, versions=versions(), tp=tp, pp=pp, ep=ep,
                     attention_backend=attention.describe_backend(device, torch_dtype), impl=impl)
     if runs_megatron:
@@ -272,7 +272,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
     ref32_side = Side(ref32, hooks.reference.run, hooks.reference.pairs(ref32, cfg))
     ref_lp_side = None
     if torch_dtype != torch.float32:
-        ref_lp = _move(copy.deepcopy(ref), device, torch_dtype)
+        ref_lp = move_model(copy.deepcopy(ref), device, torch_dtype)
         ref_lp_side = Side(ref_lp, hooks.reference.run, hooks.reference.pairs(ref_lp, cfg))
     if runs_megatron:
         # The reference's pairs as set against Megatron's modules (e.g. cut to the same rows); a
@@ -358,7 +358,7 @@ class MegatronJob:
             state = shards[runtime.tp_rank()] if len(shards) > 1 else shards[0]
             models.load_strict(model, {k: v.to(torch_dtype) if torch.is_tensor(v) else v
                                        for k, v in mclass.state(state).items()})
-            model = _move(model, self.device, torch_dtype)
+            model = move_model(model, self.device, torch_dtype)
             pairs = [pair for pair in mclass.pairs(model, self.cfg) if pair.module is not None]
             pp = len(stage_shards)
             with pipeline.StageLink(model, mclass.stage_module(model)) if pp > 1 else contextlib.nullcontext():
@@ -519,7 +519,7 @@ class NativeJob:
         native = fam.build_native(self.cfg, params_dtype=torch_dtype)
         native.load_state_dict({k: v.to(torch_dtype) if torch.is_tensor(v) else v
                                 for k, v in state.items()}, strict=True)
-        native = _move(native, self.device, torch_dtype)
+        native = move_model(native, self.device, torch_dtype)
         side = Side(native, hooks.native.run, hooks.native.pairs(native, self.cfg))
         with pipeline.StageLink(native) if pp > 1 else contextlib.nullcontext():
             case_results = [side.run(case) for case in _stepped(self.cases, "native")]
