@@ -29,6 +29,7 @@ __all__ = [
     "PipelineLayout",
     "buildable_layer_counts",
     "pipeline_layout",
+    "tied_head",
     "stage_offsets",
     "global_to_local",
     "local_to_global",
@@ -112,6 +113,24 @@ def pipeline_layout(mcore_keys: Sequence[str]) -> PipelineLayout:
     last = tuple(k for i, k in enumerate(mcore_keys)
                  if i > first and k.startswith(root) and not k.startswith(prefix))
     return PipelineLayout(prefix, len(stacks.get(prefix, ())), last)
+
+
+EMBEDDING_TABLE = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+def tied_head(mcore_keys: Sequence[str], pp_size: int) -> tuple[str, str] | None:
+    """``(embedding table, output layer)`` keys where a tied head needs the last stage's own copy:
+    with pipeline stages Megatron's ``GPTModel`` keeps the table on the first stage and a copy as
+    ``output_layer.weight`` on the last (their gradients are summed, so they stay equal), and its
+    last stage's state dict holds that copy. None where the head is untied or there is one stage."""
+    if pp_size <= 1:
+        return None
+    layout = pipeline_layout(mcore_keys)
+    root = layout.layer_prefix[: -len(DEFAULT_LAYER_PREFIX)]
+    keys = set(mcore_keys)
+    table, head = root + EMBEDDING_TABLE, root + OUTPUT_LAYER
+    return (table, head) if table in keys and head not in keys and layout.num_layers else None
 
 
 def _checked_counts(layer_counts: Sequence[int]) -> list[int]:

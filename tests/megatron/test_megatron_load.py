@@ -145,6 +145,49 @@ def test_llava_pipeline_stages_load_strictly_into_llava_model(tmp_path):
     assert {k.split(".")[3] for k in last["keys"] if k.startswith("language_model.decoder.layers.")} == {"0"}
 
 
+def _tied_tables(rank: int, world: int, job) -> dict:
+    """This rank's stage of LLaVAModel loaded strictly from its legacy file: its embedding table
+    (first stage) or its output layer (last stage)."""
+    job.init_parallel()
+    try:
+        model = build_and_load(rank, world, job)
+        state = {k: v.clone() for k, v in model.state_dict().items()
+                 if k.endswith(("word_embeddings.weight", "output_layer.weight")) and torch.is_tensor(v)}
+        return state
+    finally:
+        runtime.teardown_parallel()
+
+
+@pytest.mark.slow
+def test_a_tied_head_goes_to_the_last_stage_as_megatron_keeps_it(tmp_path):
+    """With a tied head at PP 2, Megatron's last stage keeps its own copy of the table as
+    ``output_layer.weight`` (the gradients of the two are summed, so they stay equal): a legacy
+    file of that stage without it fails a strict load. ``convert`` writes the copy; reading it back,
+    the copy must equal the table, and the export is the release again."""
+    cfg = llava_clip_config()
+    cfg.text_config.num_hidden_layers = 3
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
+    hf_dir = save_hf("llava", tmp_path / "hf", seed=4, cfg=cfg)
+    dst = tmp_path / "mcore"
+    assert main(["convert", "--family", "llava", "--src", str(hf_dir), "--dst", str(dst), "--to", "mcore",
+                 "--format", "legacy", "--pp", "2", "--quiet"]) == 0
+    job, _, _, world = load_job(dst)
+    first, last = runtime.spawn(_tied_tables, world, job)
+    assert list(first) == ["language_model.embedding.word_embeddings.weight"]
+    assert list(last) == ["language_model.output_layer.weight"]
+    assert torch.equal(first["language_model.embedding.word_embeddings.weight"], last["language_model.output_layer.weight"])
+    back = tmp_path / "back"
+    assert main(["convert", "--src", str(dst), "--dst", str(back), "--to", "hf", "--quiet"]) == 0
+    want, got = load_safetensors_state_dict(hf_dir), load_safetensors_state_dict(back)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    # A copy that is not the table (a last stage trained apart) is refused by name, not dropped.
+    stage = next(dst.rglob("mp_rank_00_001/model_optim_rng.pt"))
+    payload = torch.load(stage, weights_only=False)
+    payload["model"]["language_model.output_layer.weight"] += 1
+    torch.save(payload, stage)
+    assert main(["convert", "--src", str(dst), "--dst", str(tmp_path / "bad"), "--to", "hf", "--quiet"]) == 2
+
+
 def test_a_pipelined_tower_is_refused_by_name(tmp_path):
     hf_dir = save_hf("clip", tmp_path / "hf", seed=4)
     dst = tmp_path / "mcore"

@@ -119,6 +119,7 @@ class LegacySource(McoreSource):
                                                    layer_prefix=layer_prefix)
                       if len(stages) > 1 else stages[0])
             state = {k: v for k, v in R.to_te_spelling(merged).items() if isinstance(v, torch.Tensor)}
+            _drop_tied_copy(state, pp_mod.tied_head(self.order, ckpt.pp_size), self.root, tp_rank)
             # Experts saved in the other layout (``--expert-layout``, or Megatron-LM run without
             # grouped GEMM) are read under the rule table's names.
             wanted = ep_mod.expert_key_layout(self.order)
@@ -179,6 +180,18 @@ class LegacySource(McoreSource):
 # writing
 
 
+def _drop_tied_copy(state: dict, tied, root, tp_rank: int) -> None:
+    """The last stage's copy of a tied table (``pp.tied_head``), taken out of ``state`` once it is
+    found equal to the table: the model has one tensor there. A copy that differs (a last stage
+    trained apart from the first) is refused, never dropped."""
+    if not tied or tied[1] not in state:
+        return
+    table, head = tied
+    if table in state and not tp_mod.same_bytes(state[table], state.pop(head)):
+        raise ConvertError(f"{root}: TP rank {tp_rank}: the last stage's {head} differs from {table}, which "
+                           "this model ties it to (Megatron keeps the two equal); was the head untied in training?")
+
+
 def write(source: Source, out: Output, progress: Progress) -> Written:
     grid = out.grid
     order, kinds = mcore_plan(source, grid)
@@ -202,6 +215,11 @@ def write(source: Source, out: Output, progress: Progress) -> Written:
                 shape[ranges[0][0]] = sum(stop - start for _, start, stop in ranges)
             entry = (meta.dtype, tuple(shape))
             entries[rank][spelled[key]] = alike.setdefault(entry, entry)
+    # A tied head at PP > 1: the last stage's own copy of the table, as Megatron's class keeps it.
+    tied = pp_mod.tied_head(order, grid.pp.size)
+    if tied:
+        for rank in range(tp):
+            entries[rank][tied[1]] = entries[rank][spelled[tied[0]]]
     # Megatron's own legacy save writes the TE modules' (empty) extra states; its class demands
     # them back under strict=True.
     for key in extra_state.extra_state_keys({spelled[k]: kinds[k] for k in order}):
@@ -220,24 +238,30 @@ def write(source: Source, out: Output, progress: Progress) -> Written:
     try:
         with team.staging(out.dst, force=out.force, inner=iteration_dirname(iteration)) as staging:
             writer = LegacyWriter(staging, entries, grid=grid, layer_counts=counts,
-                                  layer_prefix=layout.layer_prefix, last_stage_prefixes=layout.last_stage_keys,
+                                  layer_prefix=layout.layer_prefix,
+                                  last_stage_prefixes=layout.last_stage_keys + ((tied[1],) if tied else ()),
                                   iteration=iteration, locate=source.locate, num_experts=num_experts,
                                   common={megatron_args.ARGS_KEY: args}, writes=team.mine)
+
+            def names(key: str) -> tuple:
+                return (spelled[key], tied[1]) if tied and key == tied[0] else (spelled[key],)
 
             def put(key: str, kind: str, pieces: list, inputs: list) -> None:
                 shape = tuple(source.metas[key].shape)
                 for rank in range(tp):
-                    if not writer.holds(rank, spelled[key]):
+                    held = [name for name in names(key) if writer.holds(rank, name)]
+                    if not held:
                         continue  # another process's rank file
                     # tp.shard_slices names the rows / columns each rank holds (two row ranges
                     # for gated [gate_r; up_r]); their views go to the file as consecutive pieces.
                     ranges = tp_mod.shard_slices(shape, kind, tp, rank) if tp > 1 else []
-                    writer.write(rank, spelled[key], [view for dim, start, stop in ranges
-                                                      for view in narrow_pieces(pieces, dim, start, stop)] or pieces)
+                    views = [view for dim, start, stop in ranges for view in narrow_pieces(pieces, dim, start, stop)]
+                    for name in held:
+                        writer.write(rank, name, views or pieces)
                 progress.advance(1, source.metas[key].nbytes)
                 heap.check(source.metas[key].nbytes)
 
-            mine = [k for k in order if any(writer.holds(rank, spelled[k]) for rank in range(tp))]
+            mine = [k for k in order if any(writer.holds(rank, name) for rank in range(tp) for name in names(k))]
             try:
                 R.stream_to_mcore(mine, kinds, source.produce, put)
                 written = writer.close()
