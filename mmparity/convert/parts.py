@@ -133,15 +133,8 @@ def megatron_class_of(source) -> str:
 
 
 def _builds(source, name: str) -> bool:
-    """Whether ``source``'s family names ``name`` as the class of the whole and can build it for its
-    config (asked of its hooks, which import Megatron, only then)."""
-    from mmparity.models.spec import NoMegatronClass
-
+    """Whether ``source``'s family names ``name`` as the class of the whole for its config (its
+    record's ``megatron_whole``, which reads the config alone)."""
     spec = getattr(getattr(source, "model", None), "spec", None)
-    if spec is None or getattr(spec, "megatron_whole", "") != name:
-        return False
-    try:
-        _, record = spec.megatron_class(name, source.cfg)
-    except NoMegatronClass:
-        return False
-    return not record.holds
+    whole = getattr(spec, "megatron_whole", None)
+    return whole is not None and whole(source.cfg) == name

@@ -4,7 +4,9 @@ framework and none of the package's modules."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # A layout told by the files rather than by config.json: Mistral's own release, ``params.json``
 # beside ``consolidated.safetensors``.
@@ -68,10 +70,11 @@ class FamilyRecord:
     # Megatron-LM arguments its model needs that neither the HF config's common fields nor the
     # tensors tell, as ``(name, value)`` pairs: recorded in a converted checkpoint's ``args``.
     megatron_args: tuple = ()
-    # The Megatron class that holds the whole model where one does (LLaVAModel), as a converted
-    # checkpoint's manifest names it; whether it can be built for one model is still its hooks'
-    # to say (a LLaVA on a Pixtral tower loads part by part).
-    megatron_whole: str = ""
+    # The Megatron class that holds the whole model, as a converted checkpoint's manifest names
+    # it: a function of the model's config giving the class name, or "" where none can be built
+    # for that model (a LLaVA on a Pixtral tower loads part by part). Read by ``convert``, so it
+    # looks at the config alone (no model code); tests hold it to the family's Megatron hooks.
+    megatron_whole: Callable[[Any], str] | None = None
     name: str = ""
     package: str = ""
 

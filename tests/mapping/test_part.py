@@ -167,3 +167,35 @@ def test_verify_load_takes_gptmodel_and_refuses_another_class_by_name(capsys, tm
     other = next(name for name in families.get(family).hooks.megatron if name != "GPTModel")
     one_line_error(*run_cli(capsys, "verify", "--load", part, "--megatron-class", other),
                    "language_model alone", "GPTModel", other)
+
+
+def _hooks_whole_class(family: str, cfg) -> str:
+    """The class of the whole the family's Megatron hooks build for ``cfg`` ("" where none)."""
+    from mmparity.models.spec import NoMegatron, NoMegatronClass
+
+    fam = families.get(family)
+    if isinstance(fam.hooks.megatron, NoMegatron) or "LLaVAModel" not in fam.hooks.megatron:
+        return ""
+    try:
+        _, record = fam.megatron_class("LLaVAModel", cfg)
+    except NoMegatronClass:
+        return ""
+    return "" if record.holds else "LLaVAModel"
+
+
+@pytest.mark.parametrize("family", families.names())
+def test_the_class_a_manifest_names_is_the_one_megatron_builds(family):
+    """``convert`` names the class of the whole from the family's record, which reads the config
+    alone (no model code): it must say what the family's Megatron hooks build, config by config."""
+    from tests.io.test_megatron_written import llava_clip_config
+
+    fam = families.get(family)
+    configs = [fam.tiny_config()]
+    if family == "llava":
+        configs.append(llava_clip_config())
+    if family == "internvl":
+        configs.append(fam.tiny_config())
+        configs[-1].vision_feature_layer, configs[-1].vision_config.use_mean_pooling = -1, False
+    for cfg in configs:
+        named = fam.megatron_whole(cfg) if fam.megatron_whole is not None else ""
+        assert named == _hooks_whole_class(family, cfg), (family, named)

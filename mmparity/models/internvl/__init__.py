@@ -1,6 +1,7 @@
 """The internvl family: its record in the registry (what ``mmparity list`` shows and which
 checkpoints detection gives it); its modules sit beside this file."""
 
+from mmparity.models.internvl.config import tower_output_refusal
 from mmparity.models.record import FamilyRecord, Takes
 
 FAMILY = FamilyRecord(
@@ -15,5 +16,5 @@ FAMILY = FamilyRecord(
                     "language_model); vocabulary padded as Megatron-LM pads it",
     takes_whole=(Takes(architecture="InternVLForConditionalGeneration"), Takes(model_type="internvl")),
     composed=True,
-    megatron_whole="LLaVAModel",
+    megatron_whole=lambda cfg: "" if tower_output_refusal(cfg) else "LLaVAModel",
 )

@@ -12,6 +12,7 @@ from mmparity.config import image_hw, pixel_shuffle_reduction, tower_depth
 from mmparity.models.core import inputs, megatron_side
 from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.internvit import megatron as internvit_megatron
+from mmparity.models.internvl.config import tower_output_refusal
 from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.llava.preprocess import pixel_shuffle
 from mmparity.models.spec import Case, MegatronClass
@@ -65,16 +66,9 @@ VISION = MegatronClass(build_vision, vision_cases, run_vision, megatron_side.no_
                        holds=("vision_model.", "vision_projection."))
 
 # Stock LLaVAModel holds the whole model (its tower built on the internvit family's InternViT
-# layer spec, its own 2x2 pixel shuffle, the normed projector); the parts beside it.
-def _refuse_the_tower_output(cfg):
-    """LLaVAModel reads its CLIPViTModel, which has no final norm: where transformers reads the
-    tower's output (``vision_feature_layer`` -1) through one, it computes another function."""
-    if cfg.vision_feature_layer == -1 and not cfg.vision_config.use_mean_pooling:
-        return ("Megatron's LLaVAModel has no place for the tower's final LayerNorm, which InternVL "
-                "applies to the features it reads (use_mean_pooling off, vision_feature_layer -1)")
-    return None
+# layer spec, its own 2x2 pixel shuffle, the normed projector) where it computes InternVL
+# (``config.tower_output_refusal``); the parts beside it.
 
-
-MEGATRON = {"LLaVAModel": replace(llava_megatron.LLAVA_MODEL, default_config=None, refuses=_refuse_the_tower_output),
+MEGATRON = {"LLaVAModel": replace(llava_megatron.LLAVA_MODEL, default_config=None, refuses=tower_output_refusal),
             "GPTModel": llava_megatron.LANGUAGE_MODEL, "CLIPViTModel+MultimodalProjector": VISION,
             "MultimodalProjector": llava_megatron.PROJECTION}

@@ -3,6 +3,9 @@ checkpoints detection gives it); its modules sit beside this file."""
 
 from mmparity.models.record import FamilyRecord, Takes
 
+# Vision towers stock LLaVAModel builds (its CLIPViTModel); a Pixtral one it cannot (ViTModel).
+LLAVA_MODEL_TOWERS = {"clip_vision_model": True, "siglip_vision_model": True}
+
 FAMILY = FamilyRecord(
     summary="LLaVA: a registered vision tower (Pixtral, CLIP, SigLIP; vision_feature_layer, "
             "select strategy), MLP projector, Llama-style GPT decoder; logits and per-token loss",
@@ -14,7 +17,8 @@ FAMILY = FamilyRecord(
                     "for TP and trimmed on export; tied or untied lm_head",
     takes_whole=(Takes(architecture="LlavaForConditionalGeneration"), Takes(model_type="llava")),
     composed=True,
-    megatron_whole="LLaVAModel",
+    megatron_whole=lambda cfg: "LLaVAModel" if LLAVA_MODEL_TOWERS.get(
+        getattr(getattr(cfg, "vision_config", None), "model_type", None)) else "",
 )
 
 
