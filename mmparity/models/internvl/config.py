@@ -14,11 +14,3 @@ HF_CONFIGS = {
                                  "text_config": ("qwen2", True, {})}),
 }
 
-
-def tower_output_refusal(cfg) -> str | None:
-    """Why LLaVAModel cannot compute this InternVL: it reads its CLIPViTModel, which has no final
-    norm, where transformers reads the tower's output (``vision_feature_layer`` -1) through one."""
-    if cfg.vision_feature_layer == -1 and not cfg.vision_config.use_mean_pooling:
-        return ("Megatron's LLaVAModel has no place for the tower's final LayerNorm, which InternVL "
-                "applies to the features it reads (use_mean_pooling off, vision_feature_layer -1)")
-    return None

@@ -12,7 +12,7 @@ from mmparity.config import image_hw, pixel_shuffle_reduction, tower_depth
 from mmparity.models.core import inputs, megatron_side
 from mmparity.models.core import megatron_classes as upstream
 from mmparity.models.internvit import megatron as internvit_megatron
-from mmparity.models.internvl.config import tower_output_refusal
+from mmparity.models.internvl import tower_output_refusal
 from mmparity.models.llava import megatron as llava_megatron
 from mmparity.models.llava.preprocess import pixel_shuffle
 from mmparity.models.spec import Case, MegatronClass
@@ -67,7 +67,7 @@ VISION = MegatronClass(build_vision, vision_cases, run_vision, megatron_side.no_
 
 # Stock LLaVAModel holds the whole model (its tower built on the internvit family's InternViT
 # layer spec, its own 2x2 pixel shuffle, the normed projector) where it computes InternVL
-# (``config.tower_output_refusal``); the parts beside it.
+# (``tower_output_refusal``, which the record reads too); the parts beside it.
 
 MEGATRON = {"LLaVAModel": replace(llava_megatron.LLAVA_MODEL, default_config=None, refuses=tower_output_refusal),
             "GPTModel": llava_megatron.LANGUAGE_MODEL, "CLIPViTModel+MultimodalProjector": VISION,
