@@ -29,8 +29,8 @@ import pytest
 
 from mmparity.models import registry as families
 from tests import megatron_lm_gpt as lm
-from tests.io.test_megatron_written import check_export, make_pair
-from tests.megatron.test_megatron_lm_gpt import convert_part, report, run_ranks
+from tests.io.test_megatron_written import make_pair
+from tests.megatron.test_megatron_lm_gpt import convert_part, train_and_export
 
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
@@ -104,30 +104,6 @@ def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
 @pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])
 def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, release, fmt, optimizer):
     base, trained, cfg = release
-    tp, pp, ep = grid = GRID
-    src = convert_part(capsys, base, tmp_path / "part", fmt, grid)
-    changed = convert_part(capsys, trained, tmp_path / "trained_part", "legacy", grid)
-    expected = src if fmt == "legacy" else convert_part(capsys, base, tmp_path / "expected", "legacy", grid)
-    save, converted = tmp_path / "megatron_lm", tmp_path / "converted"
-    other = "torch_dist" if fmt == "legacy" else "torch"
-    vocab = cfg.text_config.vocab_size
-    argv = model_flags(cfg) + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(save), vocab=vocab)
-    argv += ["--no-load-optim", "--no-load-rng"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
-    results = run_ranks(dict(family=FAMILY, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), reference=False,
-                             expected=str(expected), forward=False, vocab=vocab, save=str(save),
-                             trained=str(changed), optimizer=optimizer, convert_to=other,
-                             convert_save=str(converted)))
-    for r in results:
-        assert "load_error" not in r, r
-        # Every tensor of the rank's file, and no other, bit for bit (Megatron-LM's legacy loader
-        # retries a failed strict load non-strictly and goes on: only the values tell).
-        assert r["iteration"] == 1 and r["tensors"] > 0 and not r["unequal"] and not r["strict_failed"], r
-        assert r["converted_iteration"] == lm.ITERATION and not r["moved_by_optimizer"], r
-    report(capsys, f"{FAMILY} {fmt} {optimizer} TP {tp} PP {pp} EP {ep}: "
-                   f"{sum(r['tensors'] for r in results)} tensors loaded strictly by Megatron-LM")
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(lm.ITERATION)
-    for ckpt, name in ((save, "hf_saved"), (converted / other, "hf_converted")):
-        result = check_export(capsys, ckpt, tmp_path / name, base, trained)
-        report(capsys, f"{FAMILY} {fmt} {name}: bit-exact, {len(result['from_base'])} tensors from the base")
-        assert result["from_base"] and all(not k.startswith(("model.language_model.", "lm_head."))
-                                           for k in result["from_base"]), result["from_base"]
+    train_and_export(capsys, tmp_path, family=FAMILY, label=FAMILY, base=base, trained=trained,
+                     vocab=cfg.text_config.vocab_size, flags=model_flags(cfg), grid=GRID, fmt=fmt,
+                     optimizer=optimizer, logits=False)

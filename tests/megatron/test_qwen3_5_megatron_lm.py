@@ -34,14 +34,12 @@ be built without it), and skip saying which is missing otherwise, as in CI.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
 from tests import megatron_lm_gpt as lm
-from tests.cli.test_convert_cli import run_cli
-from tests.io.test_megatron_written import check_export, make_pair
-from tests.megatron.test_megatron_lm_gpt import report, run_ranks
+from tests.io.test_megatron_written import make_pair
+from tests.megatron.test_megatron_lm_gpt import train_and_export
 
 
 def _skip_reason() -> str | None:
@@ -116,42 +114,10 @@ def releases(tmp_path_factory) -> dict:
     return made
 
 
-def convert(capsys, src: Path, dst: Path, fmt: str, grid: tuple) -> Path:
-    tp, pp, ep = grid
-    code, out, err = run_cli(capsys, "convert", "--src", src, "--dst", dst, "--to", "mcore", "--format", fmt,
-                             "--tp", tp, "--pp", pp, "--ep", ep)
-    assert code == 0, out + err
-    return dst
-
-
 @pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])
 @pytest.mark.parametrize("variant", list(GRIDS))
 def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, releases, variant, fmt, optimizer):
     base, trained, cfg = releases[variant]
-    tp, pp, ep = grid = GRIDS[variant]
-    src = convert(capsys, base, tmp_path / "mcore", fmt, grid)
-    changed = convert(capsys, trained, tmp_path / "trained_mcore", "legacy", grid)
-    expected = src if fmt == "legacy" else convert(capsys, base, tmp_path / "expected", "legacy", grid)
-    save, converted = tmp_path / "megatron_lm", tmp_path / "converted"
-    other = "torch_dist" if fmt == "legacy" else "torch"
-    argv = model_flags(cfg) + CPU_ONLY + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(save),
-                                                      vocab=cfg.vocab_size)
-    argv += ["--no-load-optim", "--no-load-rng"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
-    results = run_ranks(dict(family="qwen3_5_lm", tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), reference=False,
-                             expected=str(expected), forward=False, vocab=cfg.vocab_size, save=str(save),
-                             trained=str(changed), optimizer=optimizer, convert_to=other,
-                             convert_save=str(converted)))
-    for r in results:
-        assert "load_error" not in r, r
-        # Every tensor of the rank's file, and no other, bit for bit (Megatron-LM's legacy loader
-        # retries a failed strict load non-strictly and goes on: only the values tell).
-        assert r["iteration"] == 1 and r["tensors"] > 0 and not r["unequal"] and not r["strict_failed"], r
-        assert r["converted_iteration"] == lm.ITERATION and not r["moved_by_optimizer"], r
-    report(capsys, f"qwen3_5_lm {variant} {fmt} {optimizer} TP {tp} PP {pp} EP {ep}: "
-                   f"{sum(r['tensors'] for r in results)} tensors loaded strictly by Megatron-LM")
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(lm.ITERATION)
-    for ckpt, name in ((save, "hf_saved"), (converted / other, "hf_converted")):
-        result = check_export(capsys, ckpt, tmp_path / name, base, trained)
-        # The family is the language model alone: every tensor is the trained one.
-        assert not result["from_base"], result["from_base"]
-        report(capsys, f"qwen3_5_lm {variant} {fmt} {name}: bit-exact")
+    train_and_export(capsys, tmp_path, family="qwen3_5_lm", label=f"qwen3_5_lm {variant}", base=base, trained=trained,
+                     vocab=cfg.vocab_size, flags=model_flags(cfg) + CPU_ONLY, grid=GRIDS[variant], fmt=fmt,
+                     optimizer=optimizer, logits=False, alone=True)

@@ -50,8 +50,9 @@ import pytest
 
 from mmparity.models import registry as families
 from tests import megatron_lm_gpt as lm
-from tests.io.test_megatron_written import check_export, make_pair
-from tests.megatron.test_megatron_lm_gpt import assert_loaded_as_mmparity_loads, convert_part, report, run_ranks
+from tests.io.test_megatron_written import make_pair
+from tests.megatron.test_megatron_lm_gpt import (assert_loaded_as_mmparity_loads, convert_part, report, run_ranks,
+                                                train_and_export)
 
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
@@ -135,31 +136,9 @@ def test_the_flags_are_the_recorded_args(capsys, tmp_path, releases):
 @pytest.mark.parametrize("family", list(GRIDS))
 def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, releases, family, fmt, optimizer):
     base, trained, cfg = releases[family]
-    tp, pp, ep = grid = GRIDS[family]
-    src = convert_part(capsys, base, tmp_path / "part", fmt, grid)
-    changed = convert_part(capsys, trained, tmp_path / "trained_part", "legacy", grid)
-    reference = src if fmt == "legacy" else convert_part(capsys, base, tmp_path / "reference", "legacy", grid)
-    save, converted = tmp_path / "megatron_lm", tmp_path / "converted"
-    other = "torch_dist" if fmt == "legacy" else "torch"
-    vocab = cfg.text_config.vocab_size
-    argv = model_flags(cfg) + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(save), vocab=vocab)
-    argv += ["--no-load-optim", "--no-load-rng"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
-    results = run_ranks(dict(family=family, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
-                             reference=str(reference), vocab=vocab, save=str(save), trained=str(changed),
-                             optimizer=optimizer, convert_to=other, convert_save=str(converted)))
-    assert_loaded_as_mmparity_loads(results)
-    report(capsys, f"{family} {fmt} {optimizer} TP {tp} PP {pp} EP {ep}: "
-                   f"{sum(r['tensors'] for r in results)} tensors loaded strictly by Megatron-LM, logits vs HF "
-                   f"rel_l2 {max(r['hf_rel_l2'] for r in results if 'hf_rel_l2' in r):.2g}")
-    assert all(r["converted_iteration"] == lm.ITERATION and not r["moved_by_optimizer"] for r in results), results
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(lm.ITERATION)
-    for ckpt, name in ((save, "hf_saved"), (converted / other, "hf_converted")):
-        result = check_export(capsys, ckpt, tmp_path / name, base, trained)
-        report(capsys, f"{family} {fmt} {name}: bit-exact, {len(result['from_base'])} tensors from the base")
-        # The tower and its mergers, which the trained language model never held, are the base's;
-        # every language-model tensor is the trained one.
-        assert result["from_base"] and all(not k.startswith(("model.language_model.", "lm_head."))
-                                           for k in result["from_base"]), result["from_base"]
+    train_and_export(capsys, tmp_path, family=family, label=family, base=base, trained=trained,
+                     vocab=cfg.text_config.vocab_size, flags=model_flags(cfg), grid=GRIDS[family], fmt=fmt,
+                     optimizer=optimizer)
 
 
 @pytest.mark.parametrize("family, fmt", [("qwen3_vl_whole", "torch_dist"), ("qwen2_5_vl_whole", "legacy"),
