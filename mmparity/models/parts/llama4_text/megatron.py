@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 from megatron.core.models.gpt import gpt_model
+from megatron.core.transformer import transformer_block
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -94,7 +95,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
     tp = layout.tp if layout is not None else 1
     params = getattr(text, "rope_parameters", None) or {}
     llama3 = params.get("rope_type") == "llama3"
-    with buildable_without_te(gpt_model), mla_moe.host_placement(torch.get_default_device()):
+    with buildable_without_te(gpt_model, transformer_block), mla_moe.host_placement(torch.get_default_device()):
         model = gpt_model.GPTModel(
             config=megatron_config(text, params_dtype), transformer_layer_spec=LAYER,
             vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
