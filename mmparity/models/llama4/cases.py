@@ -25,9 +25,9 @@ from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.kimi_k25_vl import cases as whole
 from mmparity.models.llama4 import mapping as converter
 from mmparity.models.llama4 import native, reference
+from mmparity.models.llama4.megatron import MEGATRON
 from mmparity.models.llama4_vision import cases as tower_cases
 from mmparity.models.llama4_vision.native import merge_size
-from mmparity.models.parts.llama4_text.megatron import MEGATRON
 from mmparity.models.parts.llama4_text.reference import HF_LAYER
 from mmparity.models.spec import (
     Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, recording_patch, tokens_2d)
