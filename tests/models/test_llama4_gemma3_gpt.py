@@ -196,7 +196,7 @@ def test_verify_load_of_the_language_model_part_at_tp2_pp2(capsys, releases, tmp
     assert code == 0, out + err
     assert "strict load into Megatron's GPTModel" in out and "all ranks load" in out
     ranks = 8 if family == "llama4" and fmt == "legacy" else 4
-    assert all(f"rank {r} " in out and "ok: loads GPTModel" in out for r in range(ranks)), out
+    assert out.count(": ok: loads") == ranks, out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
