@@ -408,11 +408,21 @@ def hf_logits(release: str, family: str, ids: torch.Tensor) -> torch.Tensor:
     from mmparity.models import registry as families
     from mmparity.convert.configs import read_hf_config
 
-    reference = type(families.get(family).build_reference(read_hf_config(release, for_models=True)[0]))
+    from mmparity.models.spec import Case
+
+    cfg = read_hf_config(release, for_models=True)[0]
+    reference = type(families.get(family).build_reference(cfg))
     model = reference.from_pretrained(release, dtype=torch.float32).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # HF's per-expert loop, its definition
+    classes = families.get(family).hooks.megatron
+    gpt = classes.get("GPTModel") if hasattr(classes, "get") else None
     with torch.no_grad():
+        if gpt is not None and gpt.reference_run is not None:
+            # The family's own HF run of its language model, as its GPTModel computes by design
+            # (Llama 4's text model sits elsewhere; Gemma 3's runs unscaled, on one RoPE).
+            case = Case("text", {"input_ids": ids, "loss_mask": torch.ones(ids.shape)}, ("logits",))
+            return gpt.reference_run(model, case, cfg)["logits"].view(*ids.shape, -1)
         hidden = model.model.language_model(input_ids=ids).last_hidden_state
         return model.lm_head(hidden).float()
 
@@ -486,7 +496,9 @@ def gpt_rank(rank: int, world: int, params: dict) -> dict:
         return result
     result["iteration"] = iteration
     result["strict_failed"] = [line for line in said if line.startswith("load_return")]
-    ids = torch.randint(0, params["vocab"], (TEXT_ROWS, TEXT_LENGTH), generator=torch.Generator().manual_seed(3))
+    # ``length``: rows no longer than the family's class computes HF's function on (Llama 4's).
+    ids = torch.randint(0, params["vocab"], (TEXT_ROWS, params.get("length") or TEXT_LENGTH),
+                        generator=torch.Generator().manual_seed(3))
     # ``forward`` False: a model whose forward cannot run on the CPU (its kernels are GPU-only) is
     # loaded, trained and saved without one; its tensors are compared instead.
     forward = params.get("forward", True)

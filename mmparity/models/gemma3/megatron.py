@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -38,19 +39,24 @@ from mmparity.parallel import runtime
 PostNormedTERowParallelLinear = post_normed(te_class("TERowParallelLinear"), te_class("TENorm"))
 
 
+def _with_submodules(spec, **changes):
+    """``spec`` with some of its submodules replaced: a ``ModuleSpec``, or the ``functools.partial``
+    newer megatron-core spells an MLP's spec with (``submodules`` among its keywords)."""
+    if isinstance(spec, functools.partial):
+        keywords = {**spec.keywords, "submodules": dataclasses.replace(spec.keywords["submodules"], **changes)}
+        return functools.partial(spec.func, *spec.args, **keywords)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
+
+
 def _layer_spec() -> ModuleSpec:
     from megatron.core.models.gpt import gpt_layer_specs
     with te_stand_ins.qk_norm_without_te():
         spec = te_stand_ins.megatron_te_spec(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec,
                                              qk_layernorm=True)
-    attention = spec.submodules.self_attention
-    mlp = spec.submodules.mlp
-    return dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules,
-        self_attention=dataclasses.replace(attention, submodules=dataclasses.replace(
-            attention.submodules, linear_proj=PostNormedTERowParallelLinear)),
-        mlp=dataclasses.replace(mlp, submodules=dataclasses.replace(
-            mlp.submodules, linear_fc2=PostNormedTERowParallelLinear))))
+    layer = spec.submodules
+    return _with_submodules(
+        spec, self_attention=_with_submodules(layer.self_attention, linear_proj=PostNormedTERowParallelLinear),
+        mlp=_with_submodules(layer.mlp, linear_fc2=PostNormedTERowParallelLinear))
 
 
 # What Megatron-LM's ``--spec mmparity.models.gemma3.megatron LAYER`` imports: one spec for every
