@@ -99,6 +99,7 @@ def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
     assert args.moe_ffn_hidden_size == int(value("--moe-ffn-hidden-size"))
     assert args.moe_shared_expert_intermediate_size == int(value("--moe-shared-expert-intermediate-size"))
     assert args.moe_router_score_function == "sigmoid" and args.moe_apply_probs_on_input
+    assert args.rotary_interleaved and "--rotary-interleaved" in flags
     assert args.kv_channels == int(value("--kv-channels"))
 
 
