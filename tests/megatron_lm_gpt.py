@@ -282,7 +282,7 @@ def _te_specs(gpt_builders):
 
     names = ("get_gpt_decoder_block_spec", "get_gpt_layer_with_transformer_engine_spec")
     hybrid = "get_transformer_block_with_experimental_attention_variant_spec"
-    saved = {name: getattr(gpt_builders, name) for name in names + (hybrid, "core_transformer_config_from_args")}
+    saved = {name: getattr(gpt_builders, name) for name in names + (hybrid,)}
 
     def through(original):
         def spec(*a, **k):
@@ -298,21 +298,9 @@ def _te_specs(gpt_builders):
                 return te_stand_ins.megatron_te_spec(original, *a, **k)
         return spec
 
-    def config_from_args(args, *a, **k):
-        # The TE stand-ins do not model zero-centred norms (--apply-layernorm-1p) and refuse the
-        # flag. It changes what the norms compute, never their parameters or initial values
-        # (the load overwrites those): a model built without it holds the same state dict. Only
-        # for a run that computes nothing through the norms (the harness's ``forward`` False).
-        config = saved["core_transformer_config_from_args"](args, *a, **k)
-        if config.layernorm_zero_centered_gamma and not te_stand_ins.HAVE_TE:
-            config = dataclasses.replace(config, layernorm_zero_centered_gamma=False)
-            config.zero_centred_by_flag = True
-        return config
-
     for name in names:
         setattr(gpt_builders, name, through(saved[name]))
     setattr(gpt_builders, hybrid, hybrid_through(saved[hybrid]))
-    gpt_builders.core_transformer_config_from_args = config_from_args
     try:
         yield
     finally:
@@ -326,7 +314,7 @@ def build_gpt(args, ddp: bool) -> list:
     from megatron.core.enums import ModelType
     from megatron.core.extensions import transformer_engine_spec_provider
     from megatron.core.models.gpt import gpt_model
-    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer import multi_latent_attention, transformer_block
     from megatron.training.training import get_model
 
     from mmparity.models.core.mla_moe import host_placement
@@ -335,7 +323,7 @@ def build_gpt(args, ddp: bool) -> list:
     gpt_builders = _root_module("gpt_builders")
     provider = _root_module("model_provider")
     builder = lambda *a, **k: provider.model_provider(gpt_builders.gpt_builder, *a, **k)  # noqa: E731
-    with _te_specs(gpt_builders), buildable_without_te(gpt_model, multi_latent_attention,
+    with _te_specs(gpt_builders), buildable_without_te(gpt_model, multi_latent_attention, transformer_block,
                                                        transformer_engine_spec_provider), \
             host_placement("cpu"), _cpu_streams():
         return get_model(builder, ModelType.encoder_or_decoder, wrap_with_ddp=ddp)

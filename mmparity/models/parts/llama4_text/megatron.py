@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 from megatron.core.models.gpt import gpt_model
-from megatron.core.transformer import transformer_block
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import transformer_block
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
