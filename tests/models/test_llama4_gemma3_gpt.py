@@ -230,3 +230,21 @@ def test_whole_convert_verify_load_and_back_with_base_is_bit_exact(capsys, relea
     expected, got = load_safetensors_state_dict(releases[family]), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_llama4_llama3_rope_takes_the_configs_factors():
+    """Llama 3 scaling with factors megatron-core's GPTModel would not pass (its high-frequency
+    factor is fixed at 4): the class rescales with the config's and passes; with the scaling left
+    out it fails."""
+    from mmparity.models.llama4 import reference
+    from mmparity.models.parts.llama4_text import megatron as text_megatron
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 2.0, "original_max_position_embeddings": 2}
+    # A RoPE layer sees the rows' positions only below floor_scale: a larger one keeps them longer.
+    cfg = reference.tiny_config(rope_parameters=rope, floor_scale=16, attention_chunk_size=16)
+    report = harness.check("llama4", cfg=cfg, impl="megatron", seed=1)
+    assert report.passed, [(r.check, r.metrics) for r in _megatron(report).values()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(text_megatron, "LLAMA3_FIELDS", ())
+        assert not harness.check("llama4", cfg=cfg, impl="megatron", seed=1).passed
