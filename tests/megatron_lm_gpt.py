@@ -282,7 +282,7 @@ def _te_specs(gpt_builders):
 
     names = ("get_gpt_decoder_block_spec", "get_gpt_layer_with_transformer_engine_spec")
     hybrid = "get_transformer_block_with_experimental_attention_variant_spec"
-    saved = {name: getattr(gpt_builders, name) for name in names + (hybrid, "core_transformer_config_from_args")}
+    saved = {name: getattr(gpt_builders, name) for name in names + (hybrid,)}
 
     def through(original):
         def spec(*a, **k):
@@ -298,21 +298,9 @@ def _te_specs(gpt_builders):
                 return te_stand_ins.megatron_te_spec(original, *a, **k)
         return spec
 
-    def config_from_args(args, *a, **k):
-        # The TE stand-ins do not model zero-centred norms (--apply-layernorm-1p) and refuse the
-        # flag. It changes what the norms compute, never their parameters or initial values
-        # (the load overwrites those): a model built without it holds the same state dict. Only
-        # for a run that computes nothing through the norms (the harness's ``forward`` False).
-        config = saved["core_transformer_config_from_args"](args, *a, **k)
-        if config.layernorm_zero_centered_gamma and not te_stand_ins.HAVE_TE:
-            config = dataclasses.replace(config, layernorm_zero_centered_gamma=False)
-            config.zero_centred_by_flag = True
-        return config
-
     for name in names:
         setattr(gpt_builders, name, through(saved[name]))
     setattr(gpt_builders, hybrid, hybrid_through(saved[hybrid]))
-    gpt_builders.core_transformer_config_from_args = config_from_args
     try:
         yield
     finally:
@@ -326,7 +314,7 @@ def build_gpt(args, ddp: bool) -> list:
     from megatron.core.enums import ModelType
     from megatron.core.extensions import transformer_engine_spec_provider
     from megatron.core.models.gpt import gpt_model
-    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer import multi_latent_attention, transformer_block
     from megatron.training.training import get_model
 
     from mmparity.models.core.mla_moe import host_placement
@@ -335,7 +323,7 @@ def build_gpt(args, ddp: bool) -> list:
     gpt_builders = _root_module("gpt_builders")
     provider = _root_module("model_provider")
     builder = lambda *a, **k: provider.model_provider(gpt_builders.gpt_builder, *a, **k)  # noqa: E731
-    with _te_specs(gpt_builders), buildable_without_te(gpt_model, multi_latent_attention,
+    with _te_specs(gpt_builders), buildable_without_te(gpt_model, multi_latent_attention, transformer_block,
                                                        transformer_engine_spec_provider), \
             host_placement("cpu"), _cpu_streams():
         return get_model(builder, ModelType.encoder_or_decoder, wrap_with_ddp=ddp)
@@ -408,11 +396,21 @@ def hf_logits(release: str, family: str, ids: torch.Tensor) -> torch.Tensor:
     from mmparity.models import registry as families
     from mmparity.convert.configs import read_hf_config
 
-    reference = type(families.get(family).build_reference(read_hf_config(release, for_models=True)[0]))
+    from mmparity.models.spec import Case
+
+    cfg = read_hf_config(release, for_models=True)[0]
+    reference = type(families.get(family).build_reference(cfg))
     model = reference.from_pretrained(release, dtype=torch.float32).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # HF's per-expert loop, its definition
+    classes = families.get(family).hooks.megatron
+    gpt = classes.get("GPTModel") if hasattr(classes, "get") else None
     with torch.no_grad():
+        if gpt is not None and gpt.reference_run is not None:
+            # The family's own HF run of its language model, as its GPTModel computes by design
+            # (Llama 4's text model sits elsewhere; Gemma 3's runs unscaled, on one RoPE).
+            case = Case("text", {"input_ids": ids, "loss_mask": torch.ones(ids.shape)}, ("logits",))
+            return gpt.reference_run(model, case, cfg)["logits"].view(*ids.shape, -1)
         hidden = model.model.language_model(input_ids=ids).last_hidden_state
         return model.lm_head(hidden).float()
 
@@ -486,7 +484,9 @@ def gpt_rank(rank: int, world: int, params: dict) -> dict:
         return result
     result["iteration"] = iteration
     result["strict_failed"] = [line for line in said if line.startswith("load_return")]
-    ids = torch.randint(0, params["vocab"], (TEXT_ROWS, TEXT_LENGTH), generator=torch.Generator().manual_seed(3))
+    # ``length``: rows no longer than the family's class computes HF's function on (Llama 4's).
+    ids = torch.randint(0, params["vocab"], (TEXT_ROWS, params.get("length") or TEXT_LENGTH),
+                        generator=torch.Generator().manual_seed(3))
     # ``forward`` False: a model whose forward cannot run on the CPU (its kernels are GPU-only) is
     # loaded, trained and saved without one; its tensors are compared instead.
     forward = params.get("forward", True)

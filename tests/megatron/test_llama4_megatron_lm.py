@@ -1,14 +1,15 @@
 """Llama 4's language model through Megatron-LM main's ``pretrain_gpt.py`` path and back.
 
-Megatron-LM cannot build a whole Llama 4 (no class has its tower), and no Megatron class computes
-its decoder: megatron-core has no chunked attention and no attention temperature, and its NoPE
-layers (``--no-rope-freq``) take the weightless q/k L2 norms (``--qk-l2-norm``) that Llama 4 puts
-on its RoPE layers only (docs/megatron.md). What a user trains is still stock ``GPTModel`` built
-from flags, whose state dict is the one mmparity writes: GQA with interleaved RoPE, dense layers of
+Megatron-LM cannot build a whole Llama 4 (no class has its tower). Built from flags alone, its
+NoPE layers (``--no-rope-freq``) take the weightless q/k L2 norms (``--qk-l2-norm``) that Llama 4
+puts on its RoPE layers only; with ``--spec mmparity.models.parts.llama4_text.megatron LAYER`` each
+layer is megatron-core's own with the norms where Llama 4 has them, the family's Megatron class
+(docs/megatron.md), whose logits are HF's on rows short of the chunks and the attention
+temperature megatron-core has no module for. Either way the state dict is the one mmparity writes: GQA with interleaved RoPE, dense layers of
 ``intermediate_size_mlp`` and MoE layers (a sigmoid top-1 router scaling the expert input,
 ``--moe-apply-probs-on-input``, a shared expert, grouped-GEMM experts); TP 2 x EP 2.
 
-So the loop is checked on the weights, not on logits: HF release -> ``mmparity convert --part
+The loop from flags alone is checked on the weights; with ``--spec``, on the logits too: HF release -> ``mmparity convert --part
 language_model`` -> Megatron-LM's own ``parse_args`` / ``validate_args`` /
 ``get_model(model_provider(gpt_builder))`` -> ``load_checkpoint(strict=True)``, every tensor of the
 rank equal to the rank's file of a legacy conversion -> the weights changed as training changes
@@ -98,6 +99,7 @@ def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
     assert args.moe_ffn_hidden_size == int(value("--moe-ffn-hidden-size"))
     assert args.moe_shared_expert_intermediate_size == int(value("--moe-shared-expert-intermediate-size"))
     assert args.moe_router_score_function == "sigmoid" and args.moe_apply_probs_on_input
+    assert args.rotary_interleaved and "--rotary-interleaved" in flags
     assert args.kv_channels == int(value("--kv-channels"))
 
 
@@ -107,3 +109,23 @@ def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, release, 
     train_and_export(capsys, tmp_path, family=FAMILY, label=FAMILY, base=base, trained=trained,
                      vocab=cfg.text_config.vocab_size, flags=model_flags(cfg), grid=GRID, fmt=fmt,
                      optimizer=optimizer, logits=False)
+
+
+SPEC = ["--spec", "mmparity.models.parts.llama4_text.megatron", "LAYER"]
+
+
+@pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])
+def test_pretrain_gpt_with_the_spec_computes_hf_logits(capsys, tmp_path, release, fmt, optimizer):
+    """With ``--spec`` the model Megatron-LM builds is the family's Megatron class (the L2 norms on
+    the RoPE layers only): its logits equal mmparity's loader's bit for bit and HF's within the
+    bound, on rows within the chunk and below ``floor_scale`` (megatron-core has neither the chunks
+    nor the temperature); then the same train, save and bit-exact export."""
+    from mmparity.models.llava.megatron import TEXT_LENGTH
+    from mmparity.models.parts.llama4_text.megatron import text_length
+
+    base, trained, cfg = release
+    length, why = text_length(cfg.text_config, TEXT_LENGTH)
+    assert length < TEXT_LENGTH and "floor_scale" in why
+    train_and_export(capsys, tmp_path, family=FAMILY, label=f"{FAMILY} --spec", base=base, trained=trained,
+                     vocab=cfg.text_config.vocab_size, flags=model_flags(cfg) + SPEC, grid=GRID, fmt=fmt,
+                     optimizer=optimizer, length=length)

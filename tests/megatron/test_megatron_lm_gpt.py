@@ -121,11 +121,12 @@ def assert_weights_loaded(results: list[dict]) -> None:
 
 def train_and_export(capsys, tmp_path: Path, *, family: str, label: str, base: Path, trained: Path, vocab: int,
                      flags: list, grid: tuple, fmt: str, optimizer: str, logits: bool = True,
-                     alone: bool = False, verify_saved: bool = False) -> list[dict]:
+                     alone: bool = False, verify_saved: bool = False, length: int | None = None) -> list[dict]:
     """The whole loop for one model, format and optimizer: ``base`` converted (the language model
     part, or the whole release where it is a language model ``alone``) at ``grid`` -> Megatron-LM
     built from ``flags``, loading it strictly (its logits equal to mmparity's loader's and within
-    the bound of HF's where ``logits``; otherwise its every tensor equal to the legacy conversion's)
+    the bound of HF's where ``logits``, on rows of ``length`` tokens; otherwise its every tensor
+    equal to the legacy conversion's)
     -> ``trained``'s weights in place, an optimizer stepped -> ``save_checkpoint``, and that saved
     again in the other format -> each exported with ``--base`` bit-exact against ``trained``: the
     language model the trained weights, anything else (tower, projector) the base's."""
@@ -139,7 +140,8 @@ def train_and_export(capsys, tmp_path: Path, *, family: str, label: str, base: P
     argv = flags + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(save), vocab=vocab)
     argv += ["--no-load-optim", "--no-load-rng"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
     params = dict(family=family, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), vocab=vocab, save=str(save),
-                  trained=str(changed), optimizer=optimizer, convert_to=other, convert_save=str(converted))
+                  trained=str(changed), optimizer=optimizer, convert_to=other, convert_save=str(converted),
+                  length=length)
     if logits:
         params.update(hf=str(base), reference=str(reference))
     else:

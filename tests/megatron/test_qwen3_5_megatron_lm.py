@@ -18,12 +18,10 @@ No logits are compared, and no forward runs: megatron-core's ``GatedDeltaNet`` (
 calls flash-linear-attention's kernels for its convolution, the q/k L2 norm and the delta rule,
 and those are triton kernels, which cannot run on a CPU (``RuntimeError: 0 active drivers``,
 ``test_gated_delta_net_forward_needs_fla_on_a_gpu``). So the weights change without a forward, as
-the other families' trained copy does (gradients set, an optimizer step). For the same reason two
-CPU-only settings of the run, each leaving the state dict as it is: ``--no-initialization``
+the other families' trained copy does (gradients set, an optimizer step). For the same reason one
+CPU-only setting of the run, which leaves the state dict as it is: ``--no-initialization``
 (``GatedDeltaNet`` initialises under the CUDA RNG tracker; the load overwrites every weight, and
-the harness zeroes them first), and the TE stand-ins build the norms without
-``--apply-layernorm-1p``'s zero-centring (what they compute, never their parameters; the flag is
-parsed and checked).
+the harness zeroes them first).
 
 Megatron-LM's training code is in no release (its ``main`` only, Python >= 3.12); these tests run
 where its ``megatron/`` is on ``PYTHONPATH``, ``MEGATRON_LM`` names the checkout and fla is

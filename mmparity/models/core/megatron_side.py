@@ -100,6 +100,6 @@ def class_notes(classes: Mapping[str, MegatronClass], name: str, cfg=None) -> st
                 others.append(f"--megatron-class {other} (needs Megatron-LM main's vit_model, not importable here)")
             else:
                 others.append(f"--megatron-class {other}")
-        notes.append(f"{name} holds {', '.join(p + '*' for p in record.holds)}; the family's other "
-                     f"Megatron classes: {', '.join(others)}")
+        held = f"{name} holds {', '.join(p + '*' for p in record.holds)}"
+        notes.append(f"{held}; the family's other Megatron classes: {', '.join(others)}" if others else held)
     return "; ".join(notes)

@@ -76,6 +76,27 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 HAVE_TE: bool = bool(te_ext.HAVE_TE)
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by ``1 + weight`` (TE's ``zero_centered_gamma``, HF's Gemma / Qwen3.5 norms),
+    in fp32, cast back to ``x``'s dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+class ZeroCentredRMSNorm(torch.nn.Module):
+    """TE's ``RMSNorm`` with ``zero_centered_gamma`` (what ``TENorm`` builds under
+    ``layernorm_zero_centered_gamma``): key ``weight``, initialised to zeros (a scale of 1)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centred_rms_norm(x, self.weight, self.eps)
+
+
 class TENorm:
     """``TENorm(config, hidden_size, eps)``: LayerNorm or RMSNorm after ``config.normalization``.
 
@@ -85,7 +106,9 @@ class TENorm:
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
         if getattr(config, "layernorm_zero_centered_gamma", False):
-            raise NotImplementedError("TENorm stand-in: layernorm_zero_centered_gamma is not modelled")
+            if config.normalization != "RMSNorm":
+                raise NotImplementedError("TENorm stand-in: zero-centred gamma is modelled for RMSNorm only")
+            return ZeroCentredRMSNorm(config, hidden_size, eps)
         if config.normalization == "LayerNorm":
             return torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         if config.normalization == "RMSNorm":
@@ -118,12 +141,15 @@ class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
-        if getattr(config, "layernorm_zero_centered_gamma", False):
-            raise NotImplementedError("stand-in: layernorm_zero_centered_gamma is not modelled")
         self.norm_kind, self.norm_eps = config.normalization, config.layernorm_epsilon
         if self.norm_kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"stand-in: unknown normalization {self.norm_kind!r}")
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        # TE's zero_centered_gamma: the norm scales by 1 + layer_norm_weight (RMSNorm is modelled).
+        self.zero_centred = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        if self.zero_centred and self.norm_kind != "RMSNorm":
+            raise NotImplementedError("stand-in: zero-centred gamma is modelled for RMSNorm only")
+        init = torch.zeros if self.zero_centred else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(init(input_size, dtype=config.params_dtype))
         if self.norm_kind == "LayerNorm":
             self.layer_norm_bias = torch.nn.Parameter(
                 torch.zeros(input_size, dtype=config.params_dtype))
@@ -134,6 +160,8 @@ class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
         if self.norm_kind == "LayerNorm":
             normed = F.layer_norm(input_, (input_.shape[-1],), self.layer_norm_weight,
                                   self.layer_norm_bias, self.norm_eps)
+        elif self.zero_centred:
+            normed = zero_centred_rms_norm(input_, self.layer_norm_weight, self.norm_eps)
         else:
             normed = F.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight, self.norm_eps)
         return super().forward(normed, *args, **kwargs)
@@ -376,6 +404,11 @@ class TEDotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        # Sliding-window attention where megatron-core's TE wrapper hands TE a window: (left,
+        # right), a query at i sees the keys i - left .. i + right (and the mask's).
+        from megatron.core.transformer.utils import is_layer_window_attention
+        self.window = (tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
 
     def get_extra_state(self):
         """TE's attention carries FP8 metadata here; the key must exist for layouts to match."""
@@ -390,6 +423,11 @@ class TEDotProductAttention(MegatronModule):
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if self.window is not None:
+            q_at = torch.arange(q.shape[2], device=q.device)[:, None] + (k.shape[2] - q.shape[2])
+            k_at = torch.arange(k.shape[2], device=q.device)[None, :]
+            outside = (k_at < q_at - self.window[0]) | (k_at > q_at + self.window[1])
+            mask = outside if mask is None else mask.bool() | outside
         if mask is not None:
             allowed = ~mask
             if causal:
@@ -640,6 +678,8 @@ def buildable_without_te(*modules):
       megatron-core's TE placeholder lets that import succeed, but building it fails.
     * ``multi_latent_attention`` builds its down projections in TE's "duplicated" mode only when
       the spec's class is the ``TELinear`` it imported (the placeholder); it is the stand-in here.
+    * ``transformer_block`` gives a block built from one layer's spec ``LayerNormImpl`` as its final
+      norm: ``TENorm`` with TE, a torch norm without;
     * stock ``clip_vit_model.CLIPViTModel`` defaults ``ln_pre_impl`` / ``ln_post_impl`` to
       ``torch.nn.LayerNorm`` without TE, which cannot be built with TENorm's arguments; with TE the
       default is ``TENorm``. It also moves its position ids with ``.cuda()`` at construction.
@@ -668,6 +708,10 @@ def buildable_without_te(*modules):
             for name in ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear"):
                 if module.__name__.endswith("transformer_engine_spec_provider") and hasattr(module, name):
                     swap(module, name, te_class(name))
+            # transformer_block's final norm for a block built from one layer spec: TENorm where
+            # TE is importable, a torch norm (which refuses zero-centred gamma) otherwise.
+            if hasattr(module, "LayerNormImpl"):
+                swap(module, "LayerNormImpl", TENorm)
             if hasattr(module, "_NORM_IMPL"):
                 swap(module, "_NORM_IMPL", TENorm)
                 swap(module, "HAVE_TE", True)

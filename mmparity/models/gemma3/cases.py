@@ -21,11 +21,12 @@ from mmparity.models.core.layers import numbered_layers
 from mmparity.models.gemma3 import mapping as converter
 from mmparity.models.gemma3 import native, reference
 from mmparity.models.gemma3.config import config_problems
+from mmparity.models.gemma3.megatron import MEGATRON
 from mmparity.models.llava.cases import pipeline_problems
 from mmparity.models.qwen3_vl_whole import cases as whole
 from mmparity.models.siglip import cases as siglip
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
 
 OUTPUTS = ("logits", "token_loss")
 # HF's Gemma 3 layer, by the names of the tensors mcore's layer produces: its attention pair is
@@ -132,12 +133,6 @@ def random_config(pick):
     return reference.tiny_config(num_attention_heads=heads, num_key_value_heads=groups, head_dim=pick([8, 12]),
                                  hidden_size=pick([24, 40]), num_hidden_layers=layers, layer_types=kinds,
                                  sliding_window=pick([3, 5, 64]))
-
-
-MEGATRON = NoMegatron(
-    "megatron-core's stock GPTModel / LLaVAModel have no place for Gemma 3's post-attention and "
-    "post-feedforward norms, nor its sliding-window layers with their own RoPE base, nor its images' "
-    "bidirectional attention (Megatron-Bridge's Gemma 3 model, whose layout the converter writes, adds them)")
 
 
 def hooks(towers) -> FamilyHooks:

@@ -60,20 +60,28 @@ from mmparity.models.qwen3_vl_whole.native import Qwen3VLModel
 from mmparity.models.siglip import native as tower
 
 
-class PostNormedRowParallelLinear(BiasInGemmRowParallelLinear):
-    """A row-parallel linear followed by Gemma's sandwich norm (``post_layernorm``, ``1 + w``): the
-    place Megatron-Bridge gives Gemma's post-attention and post-feedforward norms. The norm reads
-    the reduced output, so every TP rank holds all of its weight."""
+def post_normed(row_linear, norm):
+    """``row_linear`` (a row-parallel linear class) followed by Gemma's sandwich norm
+    (``post_layernorm``, a ``norm`` built from the config: ``1 + w``): the place Megatron-Bridge
+    gives Gemma's post-attention and post-feedforward norms. The norm reads the reduced output, so
+    every TP rank holds all of its weight."""
 
-    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        self.post_layernorm = ZeroCentredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+    class PostNormedRowParallelLinear(row_linear):
+        def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_layernorm = norm(config, output_size, eps=config.layernorm_epsilon)
 
-    def forward(self, input_):
-        out, bias = super().forward(input_)
-        if bias is not None:  # Gemma's linears have none; a bias would go before the norm
-            out, bias = out + bias, None
-        return self.post_layernorm(out), bias
+        def forward(self, input_):
+            out, bias = super().forward(input_)
+            if bias is not None:  # Gemma's linears have none; a bias would go before the norm
+                out, bias = out + bias, None
+            return self.post_layernorm(out), bias
+
+    PostNormedRowParallelLinear.__doc__ = f"``{row_linear.__name__}`` with Gemma's post norm (:func:`post_normed`)."
+    return PostNormedRowParallelLinear
+
+
+PostNormedRowParallelLinear = post_normed(BiasInGemmRowParallelLinear, ZeroCentredRMSNorm)
 
 
 class Gemma3CoreAttention(CausalCoreAttention):

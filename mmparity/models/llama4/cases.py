@@ -25,19 +25,17 @@ from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.kimi_k25_vl import cases as whole
 from mmparity.models.llama4 import mapping as converter
 from mmparity.models.llama4 import native, reference
+from mmparity.models.llama4.megatron import MEGATRON
 from mmparity.models.llama4_vision import cases as tower_cases
 from mmparity.models.llama4_vision.native import merge_size
 from mmparity.models.parts.llama4_text.reference import HF_LAYER
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, recording_patch, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, recording_patch, tokens_2d)
 
 OUTPUTS = ("logits", "token_loss")
 CHANNELS = 3
 # Tiles per image: different counts, as transformers' processor cuts images of different sizes.
 TILES = (2, 3, 1)
-WHY_NO_MEGATRON = ("Megatron-LM has no Llama 4 VLM class: no Llama 4 tower, and its GPT layer specs have no "
-                   "chunked attention, NoPE layers or attention temperature (the language model's state dict is "
-                   "the stock MoE GPTModel's)")
 
 
 def tokens_per_tile(cfg) -> int:
@@ -155,4 +153,4 @@ def hooks(towers, languages) -> FamilyHooks:
                            pipeline_problems=whole.pipeline_problems),
         reference=Side(reference_run, partial(reference_pairs, languages=languages), whole.no_component, reference.build),
         native=Side(native_run, partial(native_pairs, languages=languages), whole.no_component, build_native),
-        converter=converter.SPEC, parity=Parity(cases, prepare_case), megatron=NoMegatron(WHY_NO_MEGATRON))
+        converter=converter.SPEC, parity=Parity(cases, prepare_case), megatron=MEGATRON)

@@ -73,22 +73,27 @@ def _run_llava(model, case: Case, cfg) -> dict:
 TEXT_ROWS, TEXT_LENGTH = 2, 17
 
 
-def _text_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes) -> list[Case]:
+def text_cases(hooks: FamilyHooks, cfg, seed: int, image_sizes, *, length: int = TEXT_LENGTH,
+               why_length: str = "") -> list[Case]:
     """Text-only ids over the whole vocabulary (what a whole VLM runs on a prompt without images):
-    the decoder from its embedding to its output layer. ``labels`` are Megatron's pre-shifted
-    ones; the last position, whose next token is not in the row, is masked."""
+    the decoder from its embedding to its output layer, rows of ``length`` tokens (``why_length``:
+    why a class takes them shorter than the default, said in the case's description). ``labels``
+    are Megatron's pre-shifted ones; the last position, whose next token is not in the row, is
+    masked."""
     if image_sizes:
         raise megatron_side.UnsupportedInput("Megatron's GPTModel is the language model part alone: it runs on "
                                "text-only ids, so --image-size does not apply")
-    drawn = torch.randint(0, cfg.text_config.vocab_size, (TEXT_ROWS, TEXT_LENGTH + 1),
+    # Short rows are more rows, so that a class bound to short sequences still sees many tokens.
+    rows = max(TEXT_ROWS, -(-TEXT_ROWS * TEXT_LENGTH // length))
+    drawn = torch.randint(0, cfg.text_config.vocab_size, (rows, length + 1),
                           generator=inputs.generator(seed + 7919))
     ids = drawn[:, :-1]
     loss_mask = torch.ones(ids.shape)
     loss_mask[:, -1] = 0
     data = {"input_ids": ids, "labels": drawn[:, 1:], "loss_mask": loss_mask, "hf_labels": ids,
-            "length": TEXT_LENGTH}
+            "length": length}
     return [Case("text", data, ("logits", "token_loss"),
-                 description=f"{TEXT_ROWS} rows of {TEXT_LENGTH} text-only token ids")]
+                 description=f"{rows} rows of {length} text-only token ids" + (f" ({why_length})" if why_length else ""))]
 
 
 def _reference_language_model(model, case: Case, cfg) -> dict:
@@ -363,7 +368,7 @@ def bind_language(classes: MegatronClasses, languages: Callable) -> MegatronClas
 # Where ``LLaVAModel`` cannot hold a whole VLM, one record per part; each holds its prefix of the
 # whole model's keys (LLaVAModel's attribute names). The language model's is the part's own class.
 LANGUAGE_MODEL = MegatronClass(
-    language_part_builder, _text_cases, _run_language_model, _language_pairs,
+    language_part_builder, text_cases, _run_language_model, _language_pairs,
     reference_run=_reference_language_model, reference_outputs=_loss_over_padded_vocabulary,
     note=f"the language model part (language_model.*) on text-only ids; {PADDED_LOSS_NOTE}",
     module_cases=("text",), pipelined=True, stage_module=megatron_side.whole_model,

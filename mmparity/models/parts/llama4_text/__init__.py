@@ -8,8 +8,9 @@ PART = PartRecord(
             "layers (attention temperature tuning), dense MLP and sigmoid top-1 MoE layers (the score "
             "scales the expert input, a shared expert beside); GPTModel with per-layer specs",
     text_model_types=("llama4_text",),
-    # Its router: sigmoid scores (no expert bias to tell it by), the score scaling the expert input.
-    megatron_args=(("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True)),
-    why_no_megatron="megatron-core's GPT layer specs have no chunked attention, NoPE layers or attention "
-                    "temperature (the state dict is the stock MoE GPTModel's)",
+    # Its router: sigmoid scores (no expert bias to tell it by), the score scaling the expert input;
+    megatron_args=(("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True),
+                   # transformers rotates adjacent pairs: Megatron-LM's --rotary-interleaved.
+                   ("rotary_interleaved", True)),
+    megatron="mmparity.models.parts.llama4_text.megatron:build_language_model",
 )

@@ -5,9 +5,9 @@ MLPs after ``moe_layer_freq``), built with the Transformer Engine stand-ins wher
 
 What it is for: the state dict of a ``GPTModel`` built from it is the layout the native model and
 the converter must hold (key names, per-rank shapes). No Megatron class runs the part here
-(``PART.why_no_megatron``): megatron-core's ``GatedDeltaNet.forward`` calls fla's kernels, and the
-TE stand-ins do not model ``layernorm_zero_centered_gamma``, which every norm of the model uses;
-a config without it builds the same parameters, which is what :func:`build_layout_model` does.
+(``PART.why_no_megatron``): megatron-core's ``GatedDeltaNet.forward`` calls fla's kernels. The
+layout does not depend on ``layernorm_zero_centered_gamma`` (every norm of the model uses it; it
+changes what the norms compute, not their parameters), which :func:`build_layout_model` leaves off.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def megatron_block_spec(config):
 
 def build_layout_model(text, vocab_size: int, params_dtype=torch.float32):
     """megatron-core's ``GPTModel`` from its own hybrid spec, at the current TP / PP, with
-    ``layernorm_zero_centered_gamma`` off (the stand-ins refuse it; parameters are the same): the
+    ``layernorm_zero_centered_gamma`` off (the parameters are the same): the
     layout reference the native model is tested against."""
     from megatron.core.models.gpt import gpt_model
     from megatron.core.ssm import gated_delta_net

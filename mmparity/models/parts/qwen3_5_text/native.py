@@ -41,6 +41,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mmparity.models.core.layers import BiasInGemmRowParallelLinear, NormedColumnParallelLinear, get_bias_dropout_add
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MoE modules read.
 from mmparity.models.core.mla_moe import host_placement
+# The zero-centred norm is TE's (its stand-in's); the part's modules and its callers read it here.
+from mmparity.models.core.te_stand_ins import ZeroCentredRMSNorm, zero_centred_rms_norm  # noqa: F401
 from mmparity.models.core.stages import stage_layers
 from mmparity.models.parts.deepseek_v3.native import build_gpt_model, moe_spec
 from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
@@ -48,25 +50,6 @@ from mmparity.models.parts.qwen3_5_text import delta_rule
 # The part's native module is where its callers read the recipe and its refusals.
 from mmparity.models.parts.qwen3_5_text.config import (  # noqa: F401
     config_problems, is_moe, linear_pattern, rotary_fraction, transformer_config)
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm scaled by ``1 + weight``, in fp32, cast back to ``x``'s dtype (HF's Qwen3.5 norm)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
-
-
-class ZeroCentredRMSNorm(torch.nn.Module):
-    """TE's ``TENorm`` (RMSNorm, ``zero_centered_gamma``) as a local module: key ``weight``."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return zero_centred_rms_norm(x, self.weight, self.eps)
 
 
 class ZeroCentredNormedColumnParallelLinear(NormedColumnParallelLinear):
