@@ -104,3 +104,22 @@ def test_tp_not_dividing_the_delta_net_key_heads_is_one_line(capsys, tmp_path, s
                              "--format", "legacy", "--tp", "4")
     one_line_error(code, out, err, "linear_num_key_heads=2")
     assert not (tmp_path / "x").exists()
+
+
+def test_the_reference_runs_transformers_own_delta_rule_where_fla_cannot_run(capsys, saved, monkeypatch):
+    """transformers swaps in fla's gated delta rule wherever fla imports, GPU or not, and fla's
+    triton kernels have no CPU driver: on a CPU the reference runs transformers' own torch
+    function instead (here fla's stand-in fails as triton does on a CPU)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    own = getattr(modeling_qwen3_5.torch_chunk_gated_delta_rule, "__wrapped__",
+                  modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+    def fla_on_cpu(*args, **kwargs):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    fla_on_cpu.__wrapped__ = own
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", fla_on_cpu)
+    code, out, err = run_cli(capsys, "check", "--hf", saved["dense"])
+    assert code == 0, out + err
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is fla_on_cpu  # put back after the run

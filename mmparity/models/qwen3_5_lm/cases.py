@@ -14,6 +14,7 @@ from mmparity.models.core import inputs
 from mmparity.models.core.inputs import next_tokens
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.parts.qwen3_5_text.config import LINEAR, config_problems, is_moe
+from mmparity.models.parts.qwen3_5_text.reference import on_own_delta_rule
 from mmparity.models.qwen3_5_lm import mapping as converter
 from mmparity.models.qwen3_5_lm import native, reference
 from mmparity.models.spec import (
@@ -44,6 +45,7 @@ def _outputs(logits: torch.Tensor, ids: torch.Tensor) -> dict:
     return {"logits": logits.reshape(-1, vocab), "token_loss": (loss.view(ids.shape) * mask).reshape(-1)}
 
 
+@on_own_delta_rule
 def reference_run(model, case: Case) -> dict:
     ids = case.data["input_ids"].to(next(model.parameters()).device)
     return _outputs(model(input_ids=ids).logits, ids)

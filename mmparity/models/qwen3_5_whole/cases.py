@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mmparity.models.parts.qwen3_5_text.config import config_problems as text_problems
+from mmparity.models.parts.qwen3_5_text.reference import on_own_delta_rule
 from mmparity.models.qwen3_5 import cases as tower_cases
 from mmparity.models.qwen3_5_lm import cases as language
 from mmparity.models.qwen3_5_lm.cases import _build_problems
@@ -22,7 +23,7 @@ from mmparity.models.spec import ConfigHooks, FamilyHooks, NoMegatron, Pair, Par
 
 image_size_multiple = whole.image_size_multiple
 image_size_problems = whole.image_size_problems
-reference_run = whole.reference_run
+reference_run = on_own_delta_rule(whole.reference_run)
 native_run = whole.native_run
 
 

@@ -6,9 +6,52 @@ tensors)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Callable
+
 from mmparity.models.parts.qwen3_5_text.config import LINEAR, is_moe
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+
+# transformers' modules whose gated delta rule it swaps for fla's wherever fla imports.
+_DELTA_RULE_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
+                       "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+_DELTA_RULE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+@contextlib.contextmanager
+def own_delta_rule_off_gpu(device):
+    """transformers runs fla's gated delta rule wherever fla is installed, on any device; fla's
+    triton kernels have no CPU driver ("0 active drivers"), so on a machine with fla and no GPU
+    its reference cannot run at all. Off CUDA, transformers' own torch functions (the ones fla's
+    replace, kept as ``__wrapped__``) run instead, for the length of the block."""
+    swapped = []
+    if getattr(device, "type", str(device)) != "cuda":
+        for module_name in _DELTA_RULE_MODULES:
+            module = sys.modules.get(module_name)
+            for name in _DELTA_RULE_FUNCTIONS:
+                current = getattr(module, name, None)
+                own = getattr(current, "__wrapped__", None)
+                if own is not None:
+                    swapped.append((module, name, current))
+                    setattr(module, name, own)
+    try:
+        yield
+    finally:
+        for module, name, current in swapped:
+            setattr(module, name, current)
+
+
+def on_own_delta_rule(run: Callable) -> Callable:
+    """``run(model, case)`` of a reference model, under :func:`own_delta_rule_off_gpu` on its device."""
+
+    def reference_run(model, case):
+        with own_delta_rule_off_gpu(next(model.parameters()).device):
+            return run(model, case)
+
+    reference_run.__doc__ = run.__doc__
+    return reference_run
 
 
 def _mlp(prefix: str, h: int, f: int) -> dict[str, tuple]:
