@@ -364,6 +364,7 @@ LANGUAGE_MODELS = (
     "mmparity.models.parts.deepseek_v3",
     "mmparity.models.parts.qwen3_5_text",
     "mmparity.models.parts.llama4_text",
+    "mmparity.models.parts.gemma4_text",
 )
 
 # Packages outside the tree, by their dotted paths (comma-separated), registered after the built-in
