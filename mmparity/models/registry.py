@@ -358,6 +358,7 @@ FAMILIES = (
     "mmparity.models.qwen3_5_lm",
     "mmparity.models.qwen3_5_whole",
     "mmparity.models.gemma3",
+    "mmparity.models.gemma4",
     "mmparity.models.gemma4_vision",
 )
 LANGUAGE_MODELS = (

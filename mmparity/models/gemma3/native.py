@@ -185,15 +185,22 @@ class Gemma3Model(MegatronModule):
         projected = self.vision_projection(tokens)
         return projected.reshape(-1, projected.shape[-1])
 
+    def scaled(self, embedded: torch.Tensor) -> torch.Tensor:
+        """HF multiplies the embedding by sqrt(hidden) held in the weights' dtype (bf16 rounds it)."""
+        scale = torch.tensor(self.hidden_size ** 0.5, dtype=torch.float32).to(embedded.dtype)
+        return embedded * scale.to(embedded.device)
+
+    def attention_mask(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """mcore's mask (True = masked) the layers take: the images' bidirectional blocks."""
+        return attention_mask(input_ids, self.image_token_id)
+
     def embed(self, input_ids: torch.Tensor, images: Optional[torch.Tensor]) -> torch.Tensor:
         image = input_ids == self.image_token_id
         ids = input_ids.masked_fill(image, 0)
         flat = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        embedded = self.language_model.embedding(input_ids=ids, position_ids=flat)  # [s, b, h]
-        # HF multiplies by sqrt(hidden) held in the weights' dtype (bf16 rounds it).
-        scale = torch.tensor(self.hidden_size ** 0.5, dtype=torch.float32).to(embedded.dtype)
-        batch_major = (embedded * scale.to(embedded.device)).transpose(0, 1).clone()
-        if images is not None and images.numel():
+        embedded = self.scaled(self.language_model.embedding(input_ids=ids, position_ids=flat))  # [s, b, h]
+        batch_major = embedded.transpose(0, 1).clone()
+        if images is not None and len(images):
             features = self.image_features(images)
             if int(image.sum()) != features.shape[0]:
                 raise ValueError(f"{int(image.sum())} image tokens in the ids for {features.shape[0]} image embeddings")
@@ -203,7 +210,7 @@ class Gemma3Model(MegatronModule):
     def forward(self, images: Optional[torch.Tensor], input_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None):
         with host_placement(input_ids.device):
-            mask = attention_mask(input_ids, self.image_token_id)
+            mask = self.attention_mask(input_ids)
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             decoder_input = self.embed(input_ids, images) if self.pre_process else None
             gather = labels is None

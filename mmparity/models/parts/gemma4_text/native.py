@@ -74,14 +74,17 @@ class PostNormedRow(PostNormedRowParallelLinear):
 
 class Gemma4CoreAttention(WindowedCoreAttention):
     """Gemma's windowed causal attention with HF's ``v_norm``: each value head RMS-normalised, no
-    weight."""
+    weight. A whole VLM's mask (its images' bidirectional blocks) reaches the sliding layers only:
+    Gemma 4's full layers stay causal (unlike Gemma 3's)."""
 
     def __init__(self, config, layer_number: int, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         self.eps = config.layernorm_epsilon
 
-    def forward(self, query, key, value, *args, **kwargs):
-        return super().forward(query, key, rms_norm(value, None, self.eps), *args, **kwargs)
+    def forward(self, query, key, value, attention_mask=None, *args, **kwargs):
+        if self.window is None:
+            attention_mask = None
+        return super().forward(query, key, rms_norm(value, None, self.eps), attention_mask, *args, **kwargs)
 
 
 class ScaledLayer(TransformerLayer):
