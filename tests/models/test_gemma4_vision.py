@@ -14,30 +14,19 @@ import torch
 from mmparity.models import registry as families
 from mmparity.models.core.inputs import random_like_state
 from mmparity.parity import harness
+from tests.hf_roundtrip import assert_round_trip, run_cli, save_tiny
 
 FAMILY = "gemma4_vision"
 
 
-def _run(*argv) -> int:
-    from mmparity.cli.main import main
-
-    return main([str(a) for a in argv])
-
-
 @pytest.fixture(scope="module")
 def saved_tower(tmp_path_factory):
-    """The tiny tower with seeded weights, as save_pretrained writes it (sharded)."""
-    path = tmp_path_factory.mktemp(FAMILY) / "hf"
-    fam = families.get(FAMILY)
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
-    model.save_pretrained(path, max_shard_size="60KB")
-    return path
+    return save_tiny(tmp_path_factory, FAMILY, "60KB")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_check_without_family_tells_the_family_and_passes(saved_tower, capsys, dtype):
-    assert _run("check", "--hf", saved_tower, "--dtype", dtype) == 0
+    assert run_cli("check", "--hf", saved_tower, "--dtype", dtype) == 0
     said = capsys.readouterr()
     assert f"family: {FAMILY} " in said.out + said.err
 
@@ -211,29 +200,9 @@ def test_image_sizes_off_the_pooling_grid_or_table_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_convert_tp2_pp2_verify_and_back_with_base_is_bit_exact(saved_tower, tmp_path, fmt):
-    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
-
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert _run("convert", "--src", saved_tower, "--dst", mcore, "--to", "mcore", "--tp", 2, "--pp", 2,
-                "--format", fmt, "--quiet") == 0
-    assert _run("verify", mcore) == 0
-    assert _run("check", "--hf", saved_tower, "--mcore", mcore) == 0
-    assert _run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved_tower, "--quiet") == 0
-    expected, got = load_safetensors_state_dict(saved_tower), load_safetensors_state_dict(back)
-    assert sorted(got) == sorted(expected)
-    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
-
-
-@pytest.mark.slow
-def test_tp4_conversion_checks_and_comes_back_bit_exact(saved_tower, tmp_path):
-    """TP 4: one head and one key/value head per rank, each rank's clamp bounds whole."""
-    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
-
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert _run("convert", "--src", saved_tower, "--dst", mcore, "--to", "mcore", "--tp", 4, "--quiet") == 0
-    assert _run("check", "--hf", saved_tower, "--mcore", mcore) == 0
-    assert _run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved_tower, "--quiet") == 0
-    expected, got = load_safetensors_state_dict(saved_tower), load_safetensors_state_dict(back)
-    assert all(torch.equal(got[k], v) for k, v in expected.items()) and sorted(got) == sorted(expected)
+@pytest.mark.parametrize("layout, fmt", [((2, 2), "legacy"), ((2, 2), "torch_dist"), ((4, 1), "legacy")])
+def test_convert_verify_check_and_back_with_base_is_bit_exact(saved_tower, tmp_path, layout, fmt):
+    """TP 2 x PP 2 in both formats, and TP 4 (one head and one key/value head per rank, each rank's
+    clamp bounds whole)."""
+    tp, pp = layout
+    assert_round_trip(saved_tower, tmp_path, "--tp", tp, "--pp", pp, fmt=fmt)
