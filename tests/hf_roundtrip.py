@@ -1,6 +1,7 @@
-"""The CLI round trip a family's own tests run on a tiny model saved by transformers: ``convert
---to mcore`` at some layout and format, ``verify``, ``check --hf --mcore``, ``convert --to hf
---base`` back, and every tensor compared bit for bit (``torch.equal``, dtype and keys too)."""
+"""What a family's own tests run on a tiny model saved by transformers: the CLI round trip
+(``convert --to mcore`` at some layout and format, ``verify``, ``check --hf --mcore``, ``convert
+--to hf --base`` back, every tensor compared bit for bit: ``torch.equal``, dtype and keys too), and
+the perturbed weights of its negative controls."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def assert_round_trip(saved, tmp_path, *layout, fmt: str = "legacy") -> None:
     expected, got = load_safetensors_state_dict(saved), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+def bump(key: str, index: tuple, by: float = 0.5):
+    """A ``mutate_native`` for ``harness.check``: ``by`` added to one element (``index``; ``()`` for
+    a 0-d tensor) of the converted tensor ``key``."""
+    def mutate(state):
+        state[key] = state[key].clone()
+        state[key][index] += by
+    return mutate

@@ -14,7 +14,7 @@ import torch
 from mmparity.models import registry as families
 from mmparity.models.core.inputs import random_like_state
 from mmparity.parity import harness
-from tests.hf_roundtrip import assert_round_trip, run_cli, save_tiny
+from tests.hf_roundtrip import assert_round_trip, bump, run_cli, save_tiny
 
 FAMILY = "gemma4_vision"
 
@@ -31,23 +31,16 @@ def test_check_without_family_tells_the_family_and_passes(saved_tower, capsys, d
     assert f"family: {FAMILY} " in said.out + said.err
 
 
-def _bump(key, index=(), by=0.5):
-    def mutate(state):
-        state[key] = state[key].clone()
-        state[key][index] += by
-    return mutate
-
-
 @pytest.mark.parametrize("mutate, module", [
-    (_bump("decoder.layers.1.self_attention.linear_qkv.weight", (7, 3)), "layer.1.self_attention"),
-    (_bump("decoder.layers.0.self_attention.k_layernorm.weight", (5,)), "layer.0.self_attention"),
-    (_bump("decoder.layers.2.self_attention.linear_qkv.v_output_max", (), -0.6), "layer.2.self_attention"),
-    (_bump("decoder.layers.1.self_attention.linear_proj.post_layernorm.weight", (4,)), "layer.1.self_attention"),
-    (_bump("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", (3,)), "layer.2.pre_mlp_layernorm"),
-    (_bump("decoder.layers.0.mlp.linear_fc1.up_input_min", (), 0.6), "layer.0.mlp"),
-    (_bump("decoder.layers.1.mlp.linear_fc2.output_min", (), 0.6), "layer.1.mlp"),
-    (_bump("position_embeddings.weight", (1, 2, 5)), "layer.0.input_layernorm"),
-    (_bump("patch_embed.proj.weight", (2, 9)), "patch_embed"),
+    (bump("decoder.layers.1.self_attention.linear_qkv.weight", (7, 3)), "layer.1.self_attention"),
+    (bump("decoder.layers.0.self_attention.k_layernorm.weight", (5,)), "layer.0.self_attention"),
+    (bump("decoder.layers.2.self_attention.linear_qkv.v_output_max", (), -0.6), "layer.2.self_attention"),
+    (bump("decoder.layers.1.self_attention.linear_proj.post_layernorm.weight", (4,)), "layer.1.self_attention"),
+    (bump("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", (3,)), "layer.2.pre_mlp_layernorm"),
+    (bump("decoder.layers.0.mlp.linear_fc1.up_input_min", (), 0.6), "layer.0.mlp"),
+    (bump("decoder.layers.1.mlp.linear_fc2.output_min", (), 0.6), "layer.1.mlp"),
+    (bump("position_embeddings.weight", (1, 2, 5)), "layer.0.input_layernorm"),
+    (bump("patch_embed.proj.weight", (2, 9)), "patch_embed"),
 ])
 def test_negative_controls_fail_and_name_the_module(mutate, module):
     report = harness.check(FAMILY, seed=2, mutate_native=mutate)
@@ -57,7 +50,7 @@ def test_negative_controls_fail_and_name_the_module(mutate, module):
 
 def test_a_perturbed_standardize_vector_fails_the_output():
     """After the last layer only the output is compared: it fails, no layer is blamed."""
-    report = harness.check(FAMILY, seed=2, mutate_native=_bump("standardize.scale", (3,), 0.5))
+    report = harness.check(FAMILY, seed=2, mutate_native=bump("standardize.scale", (3,), 0.5))
     assert report.failures() and all(not r.passed for r in report.results)
 
 

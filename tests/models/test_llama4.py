@@ -12,7 +12,7 @@ import torch
 
 from mmparity.models import registry as families
 from mmparity.parity import harness
-from tests.hf_roundtrip import assert_round_trip, run_cli, save_tiny
+from tests.hf_roundtrip import assert_round_trip, bump, run_cli, save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +27,11 @@ def test_check_without_family_tells_the_family_and_passes(saved_tower, capsys, d
     assert "family: llama4_vision " in said.out + said.err
 
 
-def _bump(key, index=(0,), by=0.5):
-    def mutate(state):
-        state[key] = state[key].clone()
-        state[key][index] += by
-    return mutate
-
-
 @pytest.mark.parametrize("mutate, module", [
-    (_bump("decoder.layers.1.self_attention.linear_qkv.weight", (7, 3)), "layer.1.self_attention"),
-    (_bump("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", (3,)), "layer.2.pre_mlp_layernorm"),
-    (_bump("position_embeddings.weight", (16, 5)), "ln_pre"),
-    (_bump("adapter.linear_fc1.weight", (2, 9)), "adapter"),
+    (bump("decoder.layers.1.self_attention.linear_qkv.weight", (7, 3)), "layer.1.self_attention"),
+    (bump("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", (3,)), "layer.2.pre_mlp_layernorm"),
+    (bump("position_embeddings.weight", (16, 5)), "ln_pre"),
+    (bump("adapter.linear_fc1.weight", (2, 9)), "adapter"),
 ])
 def test_negative_controls_fail_and_name_the_module(mutate, module):
     report = harness.check("llama4_vision", seed=2, mutate_native=mutate)
@@ -123,15 +116,15 @@ def test_whole_check_without_family_tells_the_family_and_passes(saved_whole, cap
 
 
 @pytest.mark.parametrize("mutate, module", [
-    (_bump("vision_model.decoder.layers.0.self_attention.linear_qkv.weight", (7, 3)),
+    (bump("vision_model.decoder.layers.0.self_attention.linear_qkv.weight", (7, 3)),
      "vision_model.layer.0.self_attention"),
-    (_bump("vision_model.adapter.linear_fc2.weight", (1, 4)), "vision_model.adapter"),
-    (_bump("vision_projection.encoder.linear_fc1.weight", (5, 2)), "vision_projection"),
-    (_bump("language_model.decoder.layers.3.self_attention.linear_qkv.weight", (20, 7)),
+    (bump("vision_model.adapter.linear_fc2.weight", (1, 4)), "vision_model.adapter"),
+    (bump("vision_projection.encoder.linear_fc1.weight", (5, 2)), "vision_projection"),
+    (bump("language_model.decoder.layers.3.self_attention.linear_qkv.weight", (20, 7)),
      "language_model.decoder.layers.3.self_attention"),
-    (_bump("language_model.decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (3, 4)),
+    (bump("language_model.decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (3, 4)),
      "language_model.decoder.layers.1.mlp.shared_experts"),
-    (_bump("language_model.decoder.layers.2.mlp.linear_fc1.weight", (0, 0), by=2.0),
+    (bump("language_model.decoder.layers.2.mlp.linear_fc1.weight", (0, 0), by=2.0),
      "language_model.decoder.layers.2.mlp"),
 ])
 def test_whole_negative_controls_fail_and_name_the_part(mutate, module):
