@@ -31,12 +31,13 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
 def tiny_config() -> Gemma4VisionConfig:
     """Awkward tiny sizes: hidden 40 with 4 heads of 12 (head_dim not hidden / heads; TP 1, 2, 4),
     MLP width 36, 3 layers (PP 2 splits them unevenly), patch 4 with 3 x 3 pooling, a position
-    table of 13 per axis; clipped linears and standardize on, so both are checked."""
+    table of 29 per axis (the bench's default 96-pixel images need 24); clipped linears and
+    standardize on, so both are checked."""
     from transformers import Gemma4VisionConfig
 
     return Gemma4VisionConfig(hidden_size=40, intermediate_size=36, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=4, head_dim=12, patch_size=4, pooling_kernel_size=3,
-                              position_embedding_size=13, use_clipped_linears=True, standardize=True,
+                              position_embedding_size=29, use_clipped_linears=True, standardize=True,
                               rope_parameters={"rope_type": "axial", "rope_theta": 100.0})
 
 
