@@ -80,6 +80,14 @@ def test_images_see_themselves_both_ways_on_sliding_layers_only():
         text_native.Gemma4CoreAttention.forward = forward
 
 
+def test_keys_as_values_full_layers_pass():
+    """The larger releases' full layers take their values from the key projection."""
+    from mmparity.models.gemma4 import reference
+
+    cfg = reference.tiny_config(attention_k_eq_v=True, num_global_key_value_heads=1)
+    assert harness.check("gemma4", cfg=cfg, seed=3, components=False).passed
+
+
 def test_the_cases_hold_images_of_different_sizes_padded_and_longer_rows_than_the_window():
     fam = families.get("gemma4")
     cfg = fam.tiny_config()
@@ -95,7 +103,6 @@ def test_the_cases_hold_images_of_different_sizes_padded_and_longer_rows_than_th
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input"),
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
-    ({"attention_k_eq_v": True}, "attention_k_eq_v"),
 ])
 def test_what_is_not_built_is_refused_by_name(overrides, named, tmp_path, capsys):
     from mmparity.models.gemma4 import reference

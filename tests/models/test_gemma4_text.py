@@ -143,7 +143,6 @@ def test_reference_shapes_are_what_transformers_builds():
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input"),
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
-    ({"attention_k_eq_v": True}, "attention_k_eq_v"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
 ])
 def test_what_is_not_built_is_refused_by_name(overrides, named):
@@ -286,3 +285,45 @@ def test_legacy_rank_files_at_tp_2_pp_2_round_trip(tmp_path):
     assert (checkpoint.tp_size, checkpoint.pp_size) == (2, 2)
     back = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for s in checkpoint.tp_shards(layer_prefix=layers)]
     _assert_same(convert_mcore_to_hf(rules, back), state)
+
+
+# --- keys as values (attention_k_eq_v: full layers without a value projection) -----------------------
+
+KEQV = dict(attention_k_eq_v=True, num_global_key_value_heads=1)
+
+
+def test_keys_as_values_full_layers_match_transformers():
+    cfg, model = hf_model(seed=4, **KEQV)
+    assert "model.layers.1.self_attn.v_proj.weight" not in model.state_dict()
+    assert "model.layers.0.self_attn.v_proj.weight" in model.state_dict()  # sliding layers keep theirs
+    assert [text_config.layer_groups(cfg, i) for i in range(3)] == [2, 1, 1]
+    state = {k[len("model."):]: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("model.")}
+    assert state == reference.decoder_shapes(cfg)
+    ours, theirs, layers = run_both(cfg, model, native_of(cfg, model), _ids())
+    assert _relative(ours, theirs) < 1e-5 and first_divergence(layers) is None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_keys_as_values_round_trip_is_bit_exact_and_the_value_rows_repeat_the_keys(tp):
+    cfg, model = hf_model(seed=5, **{**KEQV, "num_global_key_value_heads": 2})
+    state = model.state_dict()
+    rules = rule_set(cfg)
+    shards = convert_hf_to_mcore(rules, state, tp)
+    qkv = torch.cat([s["language_model.decoder.layers.1.self_attention.linear_qkv.weight"] for s in shards])
+    grouped = qkv.reshape(2, 4 // 2 + 2, 16, -1)
+    assert torch.equal(grouped[:, -1], grouped[:, -2])
+    _assert_same(convert_mcore_to_hf(rules, shards), state)
+
+
+def test_value_rows_apart_from_the_key_rows_are_refused_by_name():
+    from mmparity.errors import ConversionError
+    from mmparity.mapping.ops import LayoutError
+
+    cfg, model = hf_model(seed=6, **KEQV)
+    rules = rule_set(cfg)
+    shards = convert_hf_to_mcore(rules, model.state_dict(), 1)
+    key = "language_model.decoder.layers.1.self_attention.linear_qkv.weight"
+    shards[0][key] = shards[0][key].clone()
+    shards[0][key][-1, 0] += 1.0  # the last group's value rows
+    with pytest.raises((ConversionError, LayoutError), match="value rows differ from the key rows"):
+        convert_mcore_to_hf(rules, shards)

@@ -36,6 +36,12 @@ def layer_groups(text, i: int) -> int:
     return int(_override(text, i, "num_key_value_heads"))
 
 
+def keys_as_values(text, i: int) -> bool:
+    """Whether layer ``i`` has no value projection, its key projection's output serving as the
+    values too (``attention_k_eq_v``: full-attention layers only, as transformers builds them)."""
+    return bool(getattr(text, "attention_k_eq_v", False)) and text.layer_types[i] == FULL
+
+
 def layer_inv_freq(text, i: int):
     """Layer ``i``'s RoPE frequencies over its head width, as transformers computes them: default
     (``θ^(-2k/d)``, ``k < d/2``) or proportional (the first ``partial_rotary_factor · d/2``
@@ -70,7 +76,6 @@ def config_problems(text) -> list[str]:
         "enable_moe_block": "the MoE block beside the MLP (Gemma 4 26B-A4B) is not built yet",
         "hidden_size_per_layer_input": "per-layer input embeddings (PLE, Gemma 4 E2B/E4B) are not built yet",
         "num_kv_shared_layers": "layers reusing earlier layers' keys and values (Gemma 4 E2B/E4B) are not built yet",
-        "attention_k_eq_v": "full layers whose key projection is also the value one are not built yet",
         "attention_bias": "Gemma 4 has no attention biases; a model with them is not built",
     }
     for name, why in not_built.items():

@@ -3,7 +3,8 @@
 ``language_model.``, in the names Megatron-Bridge's Gemma 3 gives the same norms:
 
 * the input norm in ``linear_qkv.layer_norm_weight``, q/k/v fused in Megatron's per-group order
-  with each layer's own width (full layers are wider: the rule is per layer), q/k norms in
+  with each layer's own width (full layers are wider: the rule is per layer; where keys are the
+  values, the value rows repeat the key rows, :class:`FuseKeysAsValues`), q/k norms in
   ``q_layernorm`` / ``k_layernorm`` (HF's ``v_norm`` has no weight), the post-attention norm in
   ``linear_proj.post_layernorm``, the pre-feedforward norm in ``linear_fc1.layer_norm_weight``,
   gate/up fused, the post-feedforward norm in ``linear_fc2.post_layernorm``;
@@ -15,10 +16,46 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from mmparity.config import padded_vocab_size
-from mmparity.mapping.ops import FuseQKV, PadRows, fuse_gate_up
+from mmparity.mapping.ops import FuseQKV, LayoutError, Op, PadRows, fuse_gate_up
 from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, Rule, rename
-from mmparity.models.parts.gemma4_text.config import layer_groups, layer_head_dim, tp_problems
+from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim, tp_problems
+
+
+@dataclass(frozen=True, repr=False)
+class FuseKeysAsValues(Op):
+    """q and k of a layer whose keys are its values (``attention_k_eq_v``) -> mcore ``linear_qkv``
+    with each group's value rows a copy of its key rows: Megatron's attention has no layer without
+    a value projection, and with equal rows it computes transformers' function (the values are
+    the key projection's output, value-normed before any key norm or RoPE). Back, the value rows
+    must still equal the key rows, or the checkpoint is refused by name: a model trained with them
+    apart is not a keys-as-values model any more."""
+
+    fuse: FuseQKV
+    n_hf = 2
+
+    def apply(self, hf):
+        q, k = hf
+        return self.fuse.apply([q, k, k])
+
+    def apply_pieces(self, hf):
+        q, k = hf
+        return self.fuse.apply_pieces([q, k, k])
+
+    def invert(self, mcore):
+        q, k, v = self.fuse.invert(mcore)
+        # The plan runs every op on shapes alone (meta tensors) first: values are checked when real.
+        if not k.is_meta and not torch.equal(k, v):
+            raise LayoutError(f"{self!r}: the value rows differ from the key rows; this layer's transformers "
+                              "class has no value projection to hold them (attention_k_eq_v)")
+        return [q, k]
+
+    def __repr__(self):
+        return f"FuseKeysAsValues({self.fuse!r})"
 
 MCORE_ROOT = "language_model."
 LAYOUTS = ("hf",)
@@ -30,8 +67,9 @@ def _qkv_rules(text, lm_root: str) -> tuple:
     for i in range(text.num_hidden_layers):
         attn = f"{lm_root}layers.{i}.self_attn."
         fuse = FuseQKV(text.num_attention_heads, layer_groups(text, i), layer_head_dim(text, i))
-        rules += (Rule(f"{_MC}{i}.self_attention.linear_qkv.weight",
-                       tuple(attn + p + ".weight" for p in ("q_proj", "k_proj", "v_proj")), fuse, "qkv"),)
+        names = ("q_proj", "k_proj") if keys_as_values(text, i) else ("q_proj", "k_proj", "v_proj")
+        rules += (Rule(f"{_MC}{i}.self_attention.linear_qkv.weight", tuple(attn + p + ".weight" for p in names),
+                       FuseKeysAsValues(fuse) if keys_as_values(text, i) else fuse, "qkv"),)
     return rules
 
 

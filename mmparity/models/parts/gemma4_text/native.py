@@ -17,8 +17,11 @@ q/k norms, sliding and full layers each rotating with its own RoPE) with what Ge
   output, so a whole VLM's image features placed after it are not scaled), and the logits are
   soft-capped (``cap · tanh(logits / cap)``) where the config sets ``final_logit_softcapping``.
 
-What :func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (MoE block, per-layer
-input embeddings, shared keys and values, keys as values) is refused, not built.
+A full layer whose keys are its values (``attention_k_eq_v``) is a stock layer whose value rows of
+``linear_qkv`` equal its key rows (the converter writes them so): its values are the key
+projection's output, value-normed, as transformers computes them. What
+:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (MoE block, per-layer input
+embeddings, shared keys and values) is refused, not built.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ read off its text config (transformers builds it inside ``Gemma4ForConditionalGe
 from __future__ import annotations
 
 from mmparity.models.core.sublayers import LayerNames
-from mmparity.models.parts.gemma4_text.config import layer_groups, layer_head_dim
+from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim
 
 MODEL_TYPES = ("gemma4_text",)
 # HF's layer, by the names of the tensors mcore's layer produces (as Gemma 3's): its attention
@@ -43,5 +43,7 @@ def decoder_shapes(text) -> dict[str, tuple]:
                  "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
                  "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "layer_scalar": (1,)}
+        if keys_as_values(text, i):
+            del layer["self_attn.v_proj.weight"]
         shapes |= {f"layers.{i}.{k}": s for k, s in layer.items()}
     return shapes | {"norm.weight": (h,)}
