@@ -6,7 +6,8 @@ from mmparity.models.record import PartRecord
 PART = PartRecord(
     summary="Gemma 4 decoder: sliding and full layers (full ones wider, proportional RoPE), q/k norms and a "
             "weightless v norm, unscaled attention, sandwich norms, a scalar per layer, scaled embeddings, "
-            "soft-capped logits; MoE, per-layer inputs and shared keys/values refused by name",
+            "soft-capped logits, keys as values on full layers; MoE, per-layer inputs and shared keys/values refused by "
+            "name",
     text_model_types=("gemma4_text",),
     why_no_megatron="megatron-core's GPT layer specs have no sandwich norms, value norm, per-layer scalar, "
                     "per-layer-type head widths or RoPE, nor sliding-window layers beside full ones",
