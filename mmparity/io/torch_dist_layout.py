@@ -86,9 +86,9 @@ def object_key(key: str, offset: Sequence[int], shape: Sequence[int]) -> str:
 
 def per_layer_stacks(keys: Sequence[str], shapes: Mapping[str, Sequence[int]] | None = None) -> set[str]:
     """The layer stacks mcore keys layer by layer: those holding routed experts (see the module
-    note), and any whose layers do not all hold the same tensors, or (``shapes`` given) not of the
-    same shapes (no stacked tensor could cover them; mcore's ``hetereogenous_dist_checkpoint``
-    keys such a block so: Gemma 4's wider full-attention layers)."""
+    note), and any whose layers do not all hold the same tensors, or (``shapes`` given: a model
+    whose config sets mcore's ``hetereogenous_dist_checkpoint``, Gemma 4's wider full-attention
+    layers) not of the same shapes: no stacked tensor could cover them."""
     contents: dict[str, dict[int, set]] = {}
     for key in keys:
         parts = pp.layer_key_parts(key)
@@ -143,12 +143,14 @@ def object_placements(keys: Sequence[str], tensor_keys: Sequence[str],
 
 
 def plan(order: Sequence[str], kinds: Mapping[str, str], shapes: Mapping[str, Sequence[int]],
-         dtypes: Mapping[str, object], extra_state_keys: Sequence[str] = ()) -> Layout:
+         dtypes: Mapping[str, object], extra_state_keys: Sequence[str] = (), heterogeneous: bool = False) -> Layout:
     """The stored tensors (chunks of the converter tensors ``order``, of ``shapes`` and
     ``dtypes``, TP kinds ``kinds``) and byte objects (for ``extra_state_keys``) of a torch_dist
     checkpoint, in ``order``. Raises CheckpointError when tensors that mcore would stack into one
-    disagree in shape or dtype, or leave part of it uncovered."""
-    per_layer = per_layer_stacks(order, shapes)
+    disagree in shape or dtype, or leave part of it uncovered. ``heterogeneous``: the model's
+    ``TransformerConfig`` sets ``hetereogenous_dist_checkpoint`` (its layers differ in shape by
+    design), so a stack whose layers differ in shape is keyed layer by layer rather than refused."""
+    per_layer = per_layer_stacks(order, shapes if heterogeneous else None)
     layers = pp.layer_stacks(order)
     experts = ep.expert_count(order)
     building: dict[str, dict] = {}

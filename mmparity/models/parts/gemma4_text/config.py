@@ -128,10 +128,9 @@ def transformer_config(text, params_dtype=None):
         activation_func=activation_from_hf(text.hidden_activation), gated_linear_unit=True,
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, rotary_interleaved=False,
         softmax_scale=1.0, **run_fields(params_dtype))
-    if any(layer_fields(text)):
-        # Layers of two widths cannot share one stacked tensor in a torch_dist checkpoint: mcore
-        # keys such a block layer by layer.
-        fields["hetereogenous_dist_checkpoint"] = True
+    # Layers of two widths cannot share one stacked tensor in a torch_dist checkpoint: mcore keys
+    # such a block layer by layer (the part's record says so in the checkpoint's args too).
+    fields["hetereogenous_dist_checkpoint"] = True
     return TransformerConfig(**add_stage_fields(fields))
 
 
