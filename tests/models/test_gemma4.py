@@ -120,6 +120,14 @@ def test_what_is_not_built_is_refused_by_name(overrides, named, tmp_path, capsys
     assert not (tmp_path / "mcore").exists()
 
 
+def test_a_model_without_a_tower_is_refused_by_name():
+    from mmparity.models.gemma4 import reference
+
+    cfg = reference.tiny_config()
+    cfg.vision_config = None
+    assert any("vision_config is missing" in p for p in families.get("gemma4").hooks.config.problems(cfg))
+
+
 def test_an_audio_tower_is_dropped_by_name_and_counted(tmp_path, capsys):
     from transformers import Gemma4AudioConfig
 

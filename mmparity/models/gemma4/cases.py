@@ -139,8 +139,12 @@ def hooks(towers, languages) -> FamilyHooks:
         return native.build_native(cfg, params_dtype, language=languages(cfg).native)
 
     def config_problems(cfg):
-        return [f"text_config: {p.removeprefix('text_config: ')}"
-                for p in languages(cfg).native.config_problems(cfg.text_config)]
+        problems = [f"text_config: {p.removeprefix('text_config: ')}"
+                    for p in languages(cfg).native.config_problems(cfg.text_config)]
+        if getattr(cfg, "vision_config", None) is None:
+            problems.append("vision_config is missing: this family checks images with text (a Gemma 4 without a "
+                            "tower is its gemma4_text language model)")
+        return problems
 
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
