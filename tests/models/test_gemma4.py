@@ -41,8 +41,8 @@ def test_check_without_family_tells_the_family_and_passes(saved, capsys, dtype):
      "language_model.decoder.layers.1.self_attention"),
     (_bump("language_model.decoder.layers.1.self_attention.linear_proj.post_layernorm.weight", (4,)),
      "language_model.decoder.layers.1.self_attention"),
-    (_bump("language_model.decoder.layers.2.mlp.linear_fc2.post_layernorm.weight", (1,)),
-     "language_model.decoder.layers.2.mlp"),
+    (_bump("language_model.decoder.layers.1.mlp.linear_fc2.post_layernorm.weight", (1,)),
+     "language_model.decoder.layers.1.mlp"),
     # A layer scalar changes nothing inside the layer's modules, only the layer's output (the last
     # layer's would change nothing at all: the final norm divides a scale out).
     (_bump("language_model.decoder.layers.0.layer_scalar", (0,)), "language_model.decoder.layers.0"),
@@ -102,7 +102,8 @@ def test_the_cases_hold_images_of_different_sizes_padded_and_longer_rows_than_th
 @pytest.mark.parametrize("overrides, named", [
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input"),
-    ({"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
+    ({"num_kv_shared_layers": 2, "num_hidden_layers": 4,
+      "layer_types": ["sliding_attention", "full_attention"] * 2}, "num_kv_shared_layers"),
 ])
 def test_what_is_not_built_is_refused_by_name(overrides, named, tmp_path, capsys):
     from mmparity.models.gemma4 import reference

@@ -26,10 +26,7 @@ from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, NoMegatron, Pai
 
 OUTPUTS = ("logits", "token_loss")
 # Image sizes in pooling windows (patch · pooling pixels a side): three sizes and aspect ratios,
-# padded to one max_patches. Small: the tower's fp32 rounding (a few 1e-6 on its tokens) grows
-# through the decoder's unscaled attention on normed q/k, so the more of the rows are image
-# tokens the nearer the logits come to the fp32 bound (measured: 4e-6 here, 1e-5 with images of
-# 6, 4 and 9 tokens in rows of 21).
+# padded to one max_patches, small (the tiny config's note says why the fp32 margin matters).
 WINDOWS = ((1, 2), (2, 1), (1, 3))
 WHY_NO_MEGATRON = ("megatron-core and Megatron-LM main have no Gemma 4 class: no Gemma 4 vision tower, and the "
                    "GPT layer specs have no sandwich norms, value norm, per-layer scalar, per-layer-type head "
