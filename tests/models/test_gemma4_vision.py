@@ -199,3 +199,23 @@ def test_convert_verify_check_and_back_with_base_is_bit_exact(saved_tower, tmp_p
     clamp bounds whole)."""
     tp, pp = layout
     assert_round_trip(saved_tower, tmp_path, "--tp", tp, "--pp", pp, fmt=fmt)
+
+
+def test_the_tower_of_a_whole_gemma4_checkpoint_converts_and_checks(tmp_path, capsys):
+    """A whole ``Gemma4ForConditionalGeneration`` saved by transformers: its ``model.vision_tower.*``
+    converts (the language model and ``embed_vision`` left out by name) and checks."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+                layer_types=["sliding_attention", "full_attention"])
+    cfg = Gemma4Config(text_config=text, vision_config=families.get(FAMILY).tiny_config().to_dict(), audio_config=None)
+    model = Gemma4ForConditionalGeneration(cfg)
+    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
+    model.save_pretrained(tmp_path / "hf")
+    assert run_cli("convert", "--src", tmp_path / "hf", "--dst", tmp_path / "mcore", "--to", "mcore",
+                   "--format", "legacy") == 0
+    said = capsys.readouterr()
+    assert f"family: {FAMILY} " in said.out + said.err
+    assert "model.language_model" in said.out + said.err and "model.embed_vision" in said.out + said.err
+    assert run_cli("check", "--hf", tmp_path / "hf", "--mcore", tmp_path / "mcore") == 0
