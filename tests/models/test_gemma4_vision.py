@@ -219,3 +219,27 @@ def test_the_tower_of_a_whole_gemma4_checkpoint_converts_and_checks(tmp_path, ca
     assert f"family: {FAMILY} " in said.out + said.err
     assert "model.language_model" in said.out + said.err and "model.embed_vision" in said.out + said.err
     assert run_cli("check", "--hf", tmp_path / "hf", "--mcore", tmp_path / "mcore") == 0
+
+
+def test_unpooled_towers_are_refused_transformers_keeps_their_padding():
+    """The upstream fault (docs/families.md): with ``pooling_kernel_size`` 1 transformers 5.24's
+    pooler hands back its padding mask as the mask of rows to keep, so the tower returns the
+    padding rows and drops the patches (none at all for a batch without padding). ``check``
+    refuses such a config by name."""
+    import transformers
+    from transformers import Gemma4VisionConfig, Gemma4VisionModel
+
+    from mmparity.models.gemma4_vision.cases import processor_batch
+
+    cfg = Gemma4VisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=4, patch_size=2, pooling_kernel_size=1,
+                             position_embedding_size=8)
+    assert families.get(FAMILY).hooks.config.problems(cfg)
+    assert families.get(FAMILY).hooks.config.problems(families.get(FAMILY).tiny_config()) == []
+    if not transformers.__version__.startswith("5.24"):
+        pytest.skip(f"pinned on transformers 5.24 (installed: {transformers.__version__})")
+    model = Gemma4VisionModel(cfg).eval()
+    values, positions = processor_batch([torch.rand(3, 4, 6), torch.rand(3, 2, 4)], 2, 1)
+    with torch.no_grad():
+        out = model(pixel_values=values, pixel_position_ids=positions).last_hidden_state
+    assert out.shape[0] == int((positions == -1).all(-1).sum()) == 4  # the padding rows, not the 8 patches

@@ -4,6 +4,8 @@ each side's paired modules by Megatron's names, and the family's record."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import Gemma4VisionConfig
 
@@ -12,6 +14,7 @@ from mmparity.models.core import inputs, sublayers
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.gemma4_vision import mapping as converter
 from mmparity.models.gemma4_vision import native, reference
+from mmparity.models.gemma4_vision.config import config_problems
 from mmparity.models.gemma4_vision.reference import OUTPUTS, vision_config
 from mmparity.models.spec import Bench, Case, NoMegatron, Pair, Parity, Side, module_hooks, sbh_tokens_2d
 
@@ -159,14 +162,19 @@ def random_config(pick) -> Gemma4VisionConfig:
     return Gemma4VisionConfig(
         hidden_size=pick([8, 12, 20]), intermediate_size=pick(range(1, 5)) * 6, num_hidden_layers=pick([1, 2, 3]),
         num_attention_heads=heads, num_key_value_heads=groups, head_dim=pick([4, 8, 12]), patch_size=pick([2, 3]),
-        pooling_kernel_size=pick([1, 2, 3]), position_embedding_size=pick([12, 16]),
+        pooling_kernel_size=pick([2, 3]), position_embedding_size=pick([12, 16]),
         use_clipped_linears=pick([False, True]), standardize=pick([False, True]),
         hidden_activation=pick(["gelu_pytorch_tanh", "silu"]),
         rope_parameters={"rope_type": "axial", "rope_theta": pick([100.0, 10000.0])})
 
 
+def problems(cfg) -> list:
+    return config_problems(vision_config(cfg))
+
+
 def hooks(towers):
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
-                        random_config=random_config, image_size_multiple=window,
-                        image_size_problems=image_size_problems, parity=Parity(cases, components=COMPONENTS),
-                        megatron=NoMegatron(WHY_NO_MEGATRON), bench=Bench())
+    record = module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                          random_config=random_config, image_size_multiple=window,
+                          image_size_problems=image_size_problems, parity=Parity(cases, components=COMPONENTS),
+                          megatron=NoMegatron(WHY_NO_MEGATRON), bench=Bench())
+    return replace(record, config=replace(record.config, problems=problems))

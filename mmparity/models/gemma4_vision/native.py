@@ -43,7 +43,6 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -254,7 +253,7 @@ def axial_rope(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Te
 def pool_windows(hidden: torch.Tensor, positions: torch.Tensor, seqlens: list, slots: int, k: int) -> torch.Tensor:
     """Each image's packed tokens averaged over k x k windows by position (fp32 sums, cast back),
     the windows an image fills concatenated over the batch -> (Σ windows, hidden)."""
-    if k == 1:  # transformers pools nothing then: the tokens as they come, padding dropped
+    if k == 1:  # nothing to pool: the patches as they come (transformers 5.24 keeps its padding here)
         return hidden
     out = []
     for tokens, where in zip(hidden.split(seqlens), positions.split(seqlens)):
