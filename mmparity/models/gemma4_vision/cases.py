@@ -68,15 +68,20 @@ def processor_batch(images, patch: int, pooling: int) -> tuple[torch.Tensor, tor
     return values, positions
 
 
-def _case(name: str, cfg, sizes, seed: int, description: str) -> Case:
+def tower_inputs(cfg, sizes, seed: int) -> dict:
+    """Seeded images of ``sizes`` as the tower takes them, for a case's data (a whole model's too:
+    the pairs of the tower's layers read ``valid``): ``images`` (C, H, W) in [0, 1] (the processor
+    rescales so; the tower maps them to [-1, 1]), ``pixel_values``, ``positions`` (the processor's
+    ``pixel_position_ids``), ``valid`` (B, max_patches: the rows that are patches)."""
     vc = vision_config(cfg)
-    images = inputs.images(sizes, reference.CHANNELS, seed)
-    # Pixels in [0, 1], as the processor rescales them (the tower maps them to [-1, 1]).
-    images = [torch.sigmoid(i) for i in images]
+    images = [torch.sigmoid(i) for i in inputs.images(sizes, reference.CHANNELS, seed)]
     values, positions = processor_batch(images, first_int(vc.patch_size), vc.pooling_kernel_size)
-    valid = ~(positions == -1).all(dim=-1)
-    return Case(name, {"images": images, "sizes": list(sizes), "pixel_values": values, "positions": positions,
-                       "valid": valid}, OUTPUTS, description=description)
+    return {"images": images, "sizes": list(sizes), "pixel_values": values, "positions": positions,
+            "valid": ~(positions == -1).all(dim=-1)}
+
+
+def _case(name: str, cfg, sizes, seed: int, description: str) -> Case:
+    return Case(name, tower_inputs(cfg, sizes, seed), OUTPUTS, description=description)
 
 
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
