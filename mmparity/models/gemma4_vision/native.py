@@ -136,12 +136,14 @@ class ClippedNormedColumnParallelLinear(NormedColumnParallelLinear):
         normed = self.normed(self.norm(input_))
         if get_pg_size(self.tp_group) > 1:
             normed = copy_to_tensor_model_parallel_region(normed, group=self.tp_group)
-        if self._labels is None or self._labels.device != normed.device:
-            self._labels = self.part_labels().to(normed.device)
-        labels = self._labels
+        if self._labels is None or self._labels[0].device != normed.device:
+            labels = self.part_labels()
+            # Each part's rows, found once per device (not a host sync in every forward).
+            self._labels = (labels.to(normed.device),
+                            [(labels == i).nonzero().squeeze(1).to(normed.device) for i in range(len(self.parts))])
+        labels, part_rows = self._labels
         out = normed.new_empty(*normed.shape[:-1], self.weight.shape[0])
-        for index, part in enumerate(self.parts):
-            rows = (labels == index).nonzero().squeeze(1)
+        for part, rows in zip(self.parts, part_rows):
             clamped = torch.clamp(normed, _bound(self, f"{part}_", "input_min"), _bound(self, f"{part}_", "input_max"))
             out[..., rows] = F.linear(clamped, self.weight[rows])
         low = torch.stack([_bound(self, f"{p}_", "output_min") for p in self.parts])[labels]
