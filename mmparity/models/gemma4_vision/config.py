@@ -28,7 +28,7 @@ def config_problems(vc) -> list[str]:
     has no right answer to compare with (docs/families.md, transformers' own faults)."""
     if vc.pooling_kernel_size == 1:
         return ["pooling_kernel_size = 1: transformers' Gemma4VisionModel then returns the padding rows "
-                "instead of the patches; not checked (released Gemma 4 towers pool 3 x 3)"]
+                "instead of the patches; not checked (transformers' default pools 3 x 3)"]
     return []
 
 
