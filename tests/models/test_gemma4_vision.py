@@ -99,15 +99,14 @@ def test_axial_rope_is_transformers_after_the_quarter_swap():
     assert not torch.allclose(ours.reshape(q.shape), theirs, atol=1e-3)
 
 
-def test_quarter_swap_is_its_own_inverse():
+def test_quarter_swap_refuses_rows_that_are_not_whole_heads():
     from mmparity.mapping.ops import AxialRopeHalves
 
-    op, t = AxialRopeHalves(3, 8), torch.arange(24 * 5.0).view(24, 5)
-    once = op.apply([t])[0]
-    assert not torch.equal(once, t) and torch.equal(op.apply([once])[0], t) and torch.equal(op.invert([once])[0], t)
     assert AxialRopeHalves(1, 8).apply([torch.arange(8)])[0].tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     with pytest.raises(ValueError, match="AxialRopeHalves"):
-        op.apply([torch.arange(8)])
+        AxialRopeHalves(3, 8).apply([torch.arange(8)])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        AxialRopeHalves(1, 6).apply([torch.arange(6)])
 
 
 def test_norms_scale_by_the_weight_not_one_plus_it():
@@ -199,3 +198,47 @@ def test_convert_verify_check_and_back_with_base_is_bit_exact(saved_tower, tmp_p
     clamp bounds whole)."""
     tp, pp = layout
     assert_round_trip(saved_tower, tmp_path, "--tp", tp, "--pp", pp, fmt=fmt)
+
+
+def test_the_tower_of_a_whole_gemma4_checkpoint_converts_and_checks(tmp_path, capsys):
+    """A whole ``Gemma4ForConditionalGeneration`` saved by transformers: its ``model.vision_tower.*``
+    converts (the language model and ``embed_vision`` left out by name) and checks."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+                layer_types=["sliding_attention", "full_attention"])
+    cfg = Gemma4Config(text_config=text, vision_config=families.get(FAMILY).tiny_config().to_dict(), audio_config=None)
+    model = Gemma4ForConditionalGeneration(cfg)
+    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
+    model.save_pretrained(tmp_path / "hf")
+    assert run_cli("convert", "--src", tmp_path / "hf", "--dst", tmp_path / "mcore", "--to", "mcore",
+                   "--format", "legacy") == 0
+    said = capsys.readouterr()
+    assert f"family: {FAMILY} " in said.out + said.err
+    assert "model.language_model" in said.out + said.err and "model.embed_vision" in said.out + said.err
+    assert run_cli("check", "--hf", tmp_path / "hf", "--mcore", tmp_path / "mcore") == 0
+
+
+def test_unpooled_towers_are_refused_transformers_keeps_their_padding():
+    """The upstream fault (docs/families.md): with ``pooling_kernel_size`` 1 transformers 5.24's
+    pooler hands back its padding mask as the mask of rows to keep, so the tower returns the
+    padding rows and drops the patches (none at all for a batch without padding). ``check``
+    refuses such a config by name."""
+    import transformers
+    from transformers import Gemma4VisionConfig, Gemma4VisionModel
+
+    from mmparity.models.gemma4_vision.cases import processor_batch
+
+    cfg = Gemma4VisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=4, patch_size=2, pooling_kernel_size=1,
+                             position_embedding_size=8)
+    assert families.get(FAMILY).hooks.config.problems(cfg)
+    assert families.get(FAMILY).hooks.config.problems(families.get(FAMILY).tiny_config()) == []
+    if not transformers.__version__.startswith("5.24"):
+        pytest.skip(f"pinned on transformers 5.24 (installed: {transformers.__version__})")
+    model = Gemma4VisionModel(cfg).eval()
+    values, positions = processor_batch([torch.rand(3, 4, 6), torch.rand(3, 2, 4)], 2, 1)
+    with torch.no_grad():
+        out = model(pixel_values=values, pixel_position_ids=positions).last_hidden_state
+    assert out.shape[0] == int((positions == -1).all(-1).sum()) == 4  # the padding rows, not the 8 patches

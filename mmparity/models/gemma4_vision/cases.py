@@ -4,6 +4,8 @@ each side's paired modules by Megatron's names, and the family's record."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import Gemma4VisionConfig
 
@@ -12,6 +14,7 @@ from mmparity.models.core import inputs, sublayers
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.gemma4_vision import mapping as converter
 from mmparity.models.gemma4_vision import native, reference
+from mmparity.models.gemma4_vision.config import config_problems
 from mmparity.models.gemma4_vision.reference import OUTPUTS, vision_config
 from mmparity.models.spec import Bench, Case, NoMegatron, Pair, Parity, Side, module_hooks, sbh_tokens_2d
 
@@ -65,15 +68,20 @@ def processor_batch(images, patch: int, pooling: int) -> tuple[torch.Tensor, tor
     return values, positions
 
 
-def _case(name: str, cfg, sizes, seed: int, description: str) -> Case:
+def tower_inputs(cfg, sizes, seed: int) -> dict:
+    """Seeded images of ``sizes`` as the tower takes them, for a case's data (a whole model's too:
+    the pairs of the tower's layers read ``valid``): ``images`` (C, H, W) in [0, 1] (the processor
+    rescales so; the tower maps them to [-1, 1]), ``pixel_values``, ``positions`` (the processor's
+    ``pixel_position_ids``), ``valid`` (B, max_patches: the rows that are patches)."""
     vc = vision_config(cfg)
-    images = inputs.images(sizes, reference.CHANNELS, seed)
-    # Pixels in [0, 1], as the processor rescales them (the tower maps them to [-1, 1]).
-    images = [torch.sigmoid(i) for i in images]
+    images = [torch.sigmoid(i) for i in inputs.images(sizes, reference.CHANNELS, seed)]
     values, positions = processor_batch(images, first_int(vc.patch_size), vc.pooling_kernel_size)
-    valid = ~(positions == -1).all(dim=-1)
-    return Case(name, {"images": images, "sizes": list(sizes), "pixel_values": values, "positions": positions,
-                       "valid": valid}, OUTPUTS, description=description)
+    return {"images": images, "sizes": list(sizes), "pixel_values": values, "positions": positions,
+            "valid": ~(positions == -1).all(dim=-1)}
+
+
+def _case(name: str, cfg, sizes, seed: int, description: str) -> Case:
+    return Case(name, tower_inputs(cfg, sizes, seed), OUTPUTS, description=description)
 
 
 def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
@@ -159,14 +167,19 @@ def random_config(pick) -> Gemma4VisionConfig:
     return Gemma4VisionConfig(
         hidden_size=pick([8, 12, 20]), intermediate_size=pick(range(1, 5)) * 6, num_hidden_layers=pick([1, 2, 3]),
         num_attention_heads=heads, num_key_value_heads=groups, head_dim=pick([4, 8, 12]), patch_size=pick([2, 3]),
-        pooling_kernel_size=pick([1, 2, 3]), position_embedding_size=pick([12, 16]),
+        pooling_kernel_size=pick([2, 3]), position_embedding_size=pick([12, 16]),
         use_clipped_linears=pick([False, True]), standardize=pick([False, True]),
         hidden_activation=pick(["gelu_pytorch_tanh", "silu"]),
         rope_parameters={"rope_type": "axial", "rope_theta": pick([100.0, 10000.0])})
 
 
+def problems(cfg) -> list:
+    return config_problems(vision_config(cfg))
+
+
 def hooks(towers):
-    return module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
-                        random_config=random_config, image_size_multiple=window,
-                        image_size_problems=image_size_problems, parity=Parity(cases, components=COMPONENTS),
-                        megatron=NoMegatron(WHY_NO_MEGATRON), bench=Bench())
+    record = module_hooks(reference, native, converter.SPEC, reference=REFERENCE, native=NATIVE,
+                          random_config=random_config, image_size_multiple=window,
+                          image_size_problems=image_size_problems, parity=Parity(cases, components=COMPONENTS),
+                          megatron=NoMegatron(WHY_NO_MEGATRON), bench=Bench())
+    return replace(record, config=replace(record.config, problems=problems))

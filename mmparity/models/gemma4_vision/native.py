@@ -43,7 +43,6 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -137,12 +136,14 @@ class ClippedNormedColumnParallelLinear(NormedColumnParallelLinear):
         normed = self.normed(self.norm(input_))
         if get_pg_size(self.tp_group) > 1:
             normed = copy_to_tensor_model_parallel_region(normed, group=self.tp_group)
-        if self._labels is None or self._labels.device != normed.device:
-            self._labels = self.part_labels().to(normed.device)
-        labels = self._labels
+        if self._labels is None or self._labels[0].device != normed.device:
+            labels = self.part_labels()
+            # Each part's rows, found once per device (not a host sync in every forward).
+            self._labels = (labels.to(normed.device),
+                            [(labels == i).nonzero().squeeze(1).to(normed.device) for i in range(len(self.parts))])
+        labels, part_rows = self._labels
         out = normed.new_empty(*normed.shape[:-1], self.weight.shape[0])
-        for index, part in enumerate(self.parts):
-            rows = (labels == index).nonzero().squeeze(1)
+        for part, rows in zip(self.parts, part_rows):
             clamped = torch.clamp(normed, _bound(self, f"{part}_", "input_min"), _bound(self, f"{part}_", "input_max"))
             out[..., rows] = F.linear(clamped, self.weight[rows])
         low = torch.stack([_bound(self, f"{p}_", "output_min") for p in self.parts])[labels]
@@ -254,7 +255,7 @@ def axial_rope(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Te
 def pool_windows(hidden: torch.Tensor, positions: torch.Tensor, seqlens: list, slots: int, k: int) -> torch.Tensor:
     """Each image's packed tokens averaged over k x k windows by position (fp32 sums, cast back),
     the windows an image fills concatenated over the batch -> (Σ windows, hidden)."""
-    if k == 1:  # transformers pools nothing then: the tokens as they come, padding dropped
+    if k == 1:  # nothing to pool: the patches as they come (transformers 5.24 keeps its padding here)
         return hidden
     out = []
     for tokens, where in zip(hidden.split(seqlens), positions.split(seqlens)):
