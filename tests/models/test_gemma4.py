@@ -118,6 +118,7 @@ def test_what_is_not_built_is_refused_by_name(overrides, named, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0]
     assert _run("convert", "--src", tmp_path / "hf", "--dst", tmp_path / "mcore", "--to", "mcore", "--quiet") == 2
+    assert named in capsys.readouterr().err
     assert not (tmp_path / "mcore").exists()
 
 

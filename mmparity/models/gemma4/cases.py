@@ -59,12 +59,7 @@ def cases(cfg, seed: int, image_sizes=None) -> list[Case]:
         rows.append(row)
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + _text(cfg, width - len(r), gen) for r in rows])
-    vc = cfg.vision_config
-    images = [torch.sigmoid(i) for i in inputs.images(sizes, 3, seed)]  # pixels in [0, 1], as processed
-    values, positions = tower_cases.processor_batch(images, first_int(vc.patch_size), vc.pooling_kernel_size)
-    valid = ~(positions == -1).all(dim=-1)
-    data = {"input_ids": ids, "images": images, "sizes": sizes, "pixel_values": values, "positions": positions,
-            "valid": valid}
+    data = {"input_ids": ids, **tower_cases.tower_inputs(cfg, sizes, seed)}
     return [Case("sample", data, OUTPUTS,
                  description=f"2 rows of {width} tokens with images {', '.join(f'{h}x{w}' for h, w in sizes)} "
                              f"between the text (window {cfg.text_config.sliding_window})")]
@@ -139,9 +134,9 @@ def hooks(towers, languages) -> FamilyHooks:
         problems = [f"text_config: {p.removeprefix('text_config: ')}"
                     for p in languages(cfg).native.config_problems(cfg.text_config)]
         if getattr(cfg, "vision_config", None) is None:
-            problems.append("vision_config is missing: this family checks images with text (a Gemma 4 without a "
-                            "tower is its gemma4_text language model)")
-        return problems
+            return problems + ["vision_config is missing: this family checks images with text (a Gemma 4 "
+                               "without a tower is its gemma4_text language model)"]
+        return problems + tower_cases.problems(cfg)
 
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,

@@ -23,6 +23,7 @@ from mmparity.config import tied_embeddings
 from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet, nested_rules, rename
 from mmparity.models.gemma4_vision import mapping as tower
 from mmparity.models.parts.gemma4_text import mapping as language
+from mmparity.models.parts.gemma4_text.config import config_problems as language_problems
 from mmparity.models.parts.gemma4_text.config import tp_problems as language_tp_problems
 
 FORMATS = ("hf",)
@@ -40,6 +41,11 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     if hf_format not in FORMATS:
         raise ConversionError("unknown HF layout for family 'gemma4'",
                               [f"got {hf_format!r}; this family knows {', '.join(FORMATS)}"])
+    problems = language_problems(cfg.text_config)
+    if problems:
+        # Tensors no rule places (the MoE block's, the per-layer inputs') would only show as
+        # unconsumed: say which part of the model is not built instead.
+        raise ConversionError("this Gemma 4 model has parts the family does not build", problems)
     vision, vision_vars = nested_rules(tower.rule_set(cfg.vision_config), "vision_model.", TOWER_ROOT, "vision_")
     text, tied = cfg.text_config, tied_embeddings(cfg)
     rules = (language.language_rules(text, LM_ROOT, HEAD, tied=tied) + vision
