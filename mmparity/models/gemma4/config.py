@@ -11,6 +11,6 @@ HF_CONFIGS = {
                           "eoi_token_id": 258_882, "image_token_id": 258_880, "video_token_id": 258_884,
                           "boa_token_id": 256_000, "eoa_token_index": 258_883, "audio_token_id": 258_881,
                           "initializer_range": 0.02, "tie_word_embeddings": True},
-                         subs={"vision_config": ("gemma4_vision", False, {}),
+                         subs={"vision_config": ("gemma4_vision", False, None),
                                "text_config": ("gemma4_text", False, {})}),
 }

@@ -24,7 +24,8 @@ def _override(text, i: int, name: str):
     if not per:
         return getattr(text, name)
     if isinstance(per, dict):
-        return (per.get(str(i)) or per.get(i) or {}).get(name, getattr(text, name))
+        by_layer = {int(k): v for k, v in per.items()}  # keys zero-padded as transformers writes them
+        return (by_layer.get(i) or {}).get(name, getattr(text, name))
     return getattr(per[i], name)
 
 
@@ -151,11 +152,16 @@ def _text(v: dict, extra: dict) -> None:
     # builds its per-layer overrides from a file that names them.
     glob = extra.pop("global_head_dim", DEFAULT_GLOBAL_HEAD_DIM)
     groups = extra.pop("num_global_key_value_heads", None)
-    if v["per_layer_config"] is None:
+    per = v["per_layer_config"]
+    if per is None:
         over = {"head_dim": glob}
         if groups is not None and v["attention_k_eq_v"]:
             over["num_key_value_heads"] = groups
-        v["per_layer_config"] = {str(i): dict(over) for i, t in enumerate(v["layer_types"]) if t == FULL}
+        per = {i: dict(over) for i, t in enumerate(v["layer_types"]) if t == FULL}
+    per = {int(k): o for k, o in per.items()}
+    # transformers writes the layer numbers zero-padded to the largest one's width.
+    width = len(str(max(per))) if per else 1
+    v["per_layer_config"] = {str(i).zfill(width): o for i, o in sorted(per.items())}
 
 
 HF_CONFIGS = {
