@@ -288,8 +288,8 @@ _SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
 class ConfigType:
     """One configuration class, as its model's package declares it: its own fields and defaults,
     attribute aliases, sub-configs (``key: (default model_type, resolved by the dict's model_type,
-    init values when absent)``), whether it standardises ``rope_parameters`` and with which default
-    RoPE type, and what the class computes at init: ``before(values, extra)`` before the common
+    init values when absent, or None: optional, None when absent)``), whether it standardises
+    ``rope_parameters`` and with which default RoPE type, and what the class computes at init: ``before(values, extra)`` before the common
     part (sub-configs, RoPE, labels) runs, ``after(values, extra)`` once it has."""
 
     def __init__(self, fields: dict, aliases: dict | None = None, subs: dict | None = None,
@@ -397,8 +397,8 @@ def config_view(data: dict, tables: Mapping[str, ConfigType], model_type: str | 
         kind.before(values, extra)
     for key, (default_type, by_model_type, init) in kind.subs.items():
         sub = values[key]
-        if isinstance(sub, ConfigView):
-            continue
+        if isinstance(sub, ConfigView) or (sub is None and init is None):
+            continue  # ``init`` None: an optional sub-config, None where the file has none
         if sub is not None and not isinstance(sub, dict):
             raise ConfigViewError(f"{key} is a {type(sub).__name__}, not an object")
         sub_type = (sub or {}).get("model_type", default_type) if by_model_type else default_type

@@ -84,20 +84,22 @@ def object_key(key: str, offset: Sequence[int], shape: Sequence[int]) -> str:
     return shared.name(f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
 
 
-def per_layer_stacks(keys: Sequence[str]) -> set[str]:
+def per_layer_stacks(keys: Sequence[str], shapes: Mapping[str, Sequence[int]] | None = None) -> set[str]:
     """The layer stacks mcore keys layer by layer: those holding routed experts (see the module
-    note), and any whose layers do not all hold the same tensors (no stacked tensor could cover
-    them)."""
-    contents: dict[str, dict[int, set[str]]] = {}
+    note), and any whose layers do not all hold the same tensors, or (``shapes`` given: a model
+    whose config sets mcore's ``hetereogenous_dist_checkpoint``, Gemma 4's wider full-attention
+    layers) not of the same shapes: no stacked tensor could cover them."""
+    contents: dict[str, dict[int, set]] = {}
     for key in keys:
         parts = pp.layer_key_parts(key)
         if parts is not None:
             stack, index, rest = parts
-            contents.setdefault(stack, {}).setdefault(index, set()).add(rest)
+            shape = tuple(shapes[key]) if shapes is not None else None
+            contents.setdefault(stack, {}).setdefault(index, set()).add((rest, shape))
     stacks = set()
     for stack, layers in contents.items():
         if len({frozenset(rest) for rest in layers.values()}) > 1 or any(
-                ep.is_expert_key(f"{stack}{index}.{rest}") for index, rests in layers.items() for rest in rests):
+                ep.is_expert_key(f"{stack}{index}.{rest}") for index, rests in layers.items() for rest, _ in rests):
             stacks.add(stack)
     return stacks
 
@@ -141,12 +143,14 @@ def object_placements(keys: Sequence[str], tensor_keys: Sequence[str],
 
 
 def plan(order: Sequence[str], kinds: Mapping[str, str], shapes: Mapping[str, Sequence[int]],
-         dtypes: Mapping[str, object], extra_state_keys: Sequence[str] = ()) -> Layout:
+         dtypes: Mapping[str, object], extra_state_keys: Sequence[str] = (), heterogeneous: bool = False) -> Layout:
     """The stored tensors (chunks of the converter tensors ``order``, of ``shapes`` and
     ``dtypes``, TP kinds ``kinds``) and byte objects (for ``extra_state_keys``) of a torch_dist
     checkpoint, in ``order``. Raises CheckpointError when tensors that mcore would stack into one
-    disagree in shape or dtype, or leave part of it uncovered."""
-    per_layer = per_layer_stacks(order)
+    disagree in shape or dtype, or leave part of it uncovered. ``heterogeneous``: the model's
+    ``TransformerConfig`` sets ``hetereogenous_dist_checkpoint`` (its layers differ in shape by
+    design), so a stack whose layers differ in shape is keyed layer by layer rather than refused."""
+    per_layer = per_layer_stacks(order, shapes if heterogeneous else None)
     layers = pp.layer_stacks(order)
     experts = ep.expert_count(order)
     building: dict[str, dict] = {}

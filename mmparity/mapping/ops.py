@@ -173,6 +173,38 @@ class RopeHalve(RopeInterleave):
 
 
 @dataclass(frozen=True, repr=False)
+class AxialRopeHalves(Op):
+    """Per-axis rotate-half q/k rows (each half of a head rotated within itself: the first half by
+    one axis, the second by the other, as Gemma 4's vision tower does) <-> whole-head rotate-half
+    order (mcore with ``rotary_interleaved=False``, the angles laid out ``[a, b, a, b]``).
+
+    Rows of a head in quarters ``[A, B, C, D]``: HF rotates pairs (A, B) and (C, D); mcore rotates
+    (row j, row j + hd/2), so it wants ``[A, C, B, D]``. Swapping the middle quarters is its own
+    inverse. Norm weights over one head (``q_norm``) take it with ``num_heads=1``.
+    """
+
+    num_heads: int
+    head_dim: int
+
+    def _swap(self, t):
+        if t.shape[0] != self.num_heads * self.head_dim or self.head_dim % 4:
+            raise LayoutError(f"{self!r}: expected leading dim {self.num_heads}x{self.head_dim} "
+                              f"(head_dim a multiple of 4), got {tuple(t.shape)}")
+        rest = t.shape[1:]
+        quarters = t.reshape(self.num_heads, 4, self.head_dim // 4, *rest)
+        return quarters[:, [0, 2, 1, 3]].reshape(t.shape)
+
+    def apply(self, hf):
+        return [_own(self._swap(hf[0]), hf)]
+
+    def invert(self, mcore):
+        return [_own(self._swap(mcore[0]), mcore)]
+
+    def __repr__(self):
+        return f"AxialRopeHalves(heads={self.num_heads}, head_dim={self.head_dim})"
+
+
+@dataclass(frozen=True, repr=False)
 class FuseQKV(Op):
     """Separate q, k, v (weights or biases) -> mcore ``linear_qkv`` in per-query-group order.
 

@@ -358,12 +358,15 @@ FAMILIES = (
     "mmparity.models.qwen3_5_lm",
     "mmparity.models.qwen3_5_whole",
     "mmparity.models.gemma3",
+    "mmparity.models.gemma4",
+    "mmparity.models.gemma4_vision",
 )
 LANGUAGE_MODELS = (
     "mmparity.models.parts.dense_decoder",
     "mmparity.models.parts.deepseek_v3",
     "mmparity.models.parts.qwen3_5_text",
     "mmparity.models.parts.llama4_text",
+    "mmparity.models.parts.gemma4_text",
 )
 
 # Packages outside the tree, by their dotted paths (comma-separated), registered after the built-in

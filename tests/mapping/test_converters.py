@@ -43,6 +43,21 @@ def test_rope_interleave_inverse_and_pairing(heads, half, cols, dtype, seed):
 
 
 @settings(max_examples=40, deadline=None)
+@given(heads=st.integers(1, 6), quarter=st.integers(1, 4), cols=st.integers(0, 5),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_axial_rope_halves_swaps_the_middle_quarters_and_is_its_own_inverse(heads, quarter, cols, dtype, seed):
+    head_dim = 4 * quarter
+    shape = (heads * head_dim,) + ((cols,) if cols else ())
+    t = seeded(shape, seed, dtype)
+    op = ops.AxialRopeHalves(heads, head_dim)
+    mcore = op.apply([t])[0]
+    assert torch.equal(op.invert([mcore])[0], t) and torch.equal(op.apply([mcore])[0], t)
+    # Per head, HF's quarters [A, B, C, D] (pairs (A, B) and (C, D)) become [A, C, B, D] (pairs j, j + hd/2).
+    a, b, c, d = t.reshape(heads, 4, quarter, *t.shape[1:]).unbind(1)
+    assert torch.equal(mcore.reshape(heads, 4, quarter, *t.shape[1:]), torch.stack([a, c, b, d], dim=1))
+
+
+@settings(max_examples=40, deadline=None)
 @given(groups=st.integers(1, 4), per=st.integers(1, 3), head_dim=st.integers(1, 6),
        width=st.integers(0, 7), seed=st.integers(0, 2**16))
 def test_fuse_qkv_groups_and_inverse(groups, per, head_dim, width, seed):

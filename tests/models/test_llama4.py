@@ -11,50 +11,27 @@ import pytest
 import torch
 
 from mmparity.models import registry as families
-from mmparity.models.core.inputs import random_like_state
 from mmparity.parity import harness
-
-
-def _run(*argv) -> int:
-    from mmparity.cli.main import main
-
-    return main([str(a) for a in argv])
-
-
-def _saved(tmp_path_factory, family: str, shard: str):
-    """A tiny model of ``family`` with seeded weights, as save_pretrained writes it (sharded)."""
-    path = tmp_path_factory.mktemp(family) / "hf"
-    fam = families.get(family)
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=3))
-    model.save_pretrained(path, max_shard_size=shard)
-    return path
+from tests.hf_roundtrip import assert_round_trip, bump, run_cli, save_tiny
 
 
 @pytest.fixture(scope="module")
 def saved_tower(tmp_path_factory):
-    return _saved(tmp_path_factory, "llama4_vision", "60KB")
+    return save_tiny(tmp_path_factory, "llama4_vision", "60KB")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_check_without_family_tells_the_family_and_passes(saved_tower, capsys, dtype):
-    assert _run("check", "--hf", saved_tower, "--dtype", dtype) == 0
+    assert run_cli("check", "--hf", saved_tower, "--dtype", dtype) == 0
     said = capsys.readouterr()
     assert "family: llama4_vision " in said.out + said.err
 
 
-def _bump(key, index=(0,), by=0.5):
-    def mutate(state):
-        state[key] = state[key].clone()
-        state[key][index] += by
-    return mutate
-
-
 @pytest.mark.parametrize("mutate, module", [
-    (_bump("decoder.layers.1.self_attention.linear_qkv.weight", (7, 3)), "layer.1.self_attention"),
-    (_bump("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", (3,)), "layer.2.pre_mlp_layernorm"),
-    (_bump("position_embeddings.weight", (16, 5)), "ln_pre"),
-    (_bump("adapter.linear_fc1.weight", (2, 9)), "adapter"),
+    (bump("decoder.layers.1.self_attention.linear_qkv.weight", (7, 3)), "layer.1.self_attention"),
+    (bump("decoder.layers.2.mlp.linear_fc1.layer_norm_weight", (3,)), "layer.2.pre_mlp_layernorm"),
+    (bump("position_embeddings.weight", (16, 5)), "ln_pre"),
+    (bump("adapter.linear_fc1.weight", (2, 9)), "adapter"),
 ])
 def test_negative_controls_fail_and_name_the_module(mutate, module):
     report = harness.check("llama4_vision", seed=2, mutate_native=mutate)
@@ -121,43 +98,33 @@ def test_whole_forward_raises_in_transformers_5_24():
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_convert_tp2_pp2_verify_and_back_with_base_is_bit_exact(saved_tower, tmp_path, fmt):
-    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
-
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert _run("convert", "--src", saved_tower, "--dst", mcore, "--to", "mcore", "--tp", 2, "--pp", 2,
-                "--format", fmt, "--quiet") == 0
-    assert _run("verify", mcore) == 0
-    assert _run("check", "--hf", saved_tower, "--mcore", mcore) == 0
-    assert _run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved_tower, "--quiet") == 0
-    expected, got = load_safetensors_state_dict(saved_tower), load_safetensors_state_dict(back)
-    assert sorted(got) == sorted(expected)
-    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    assert_round_trip(saved_tower, tmp_path, "--tp", 2, "--pp", 2, fmt=fmt)
 
 
 # --- the whole model -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def saved_whole(tmp_path_factory):
-    return _saved(tmp_path_factory, "llama4", "200KB")
+    return save_tiny(tmp_path_factory, "llama4", "200KB")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_whole_check_without_family_tells_the_family_and_passes(saved_whole, capsys, dtype):
-    assert _run("check", "--hf", saved_whole, "--dtype", dtype) == 0
+    assert run_cli("check", "--hf", saved_whole, "--dtype", dtype) == 0
     said = capsys.readouterr()
     assert "family: llama4 " in said.out + said.err
 
 
 @pytest.mark.parametrize("mutate, module", [
-    (_bump("vision_model.decoder.layers.0.self_attention.linear_qkv.weight", (7, 3)),
+    (bump("vision_model.decoder.layers.0.self_attention.linear_qkv.weight", (7, 3)),
      "vision_model.layer.0.self_attention"),
-    (_bump("vision_model.adapter.linear_fc2.weight", (1, 4)), "vision_model.adapter"),
-    (_bump("vision_projection.encoder.linear_fc1.weight", (5, 2)), "vision_projection"),
-    (_bump("language_model.decoder.layers.3.self_attention.linear_qkv.weight", (20, 7)),
+    (bump("vision_model.adapter.linear_fc2.weight", (1, 4)), "vision_model.adapter"),
+    (bump("vision_projection.encoder.linear_fc1.weight", (5, 2)), "vision_projection"),
+    (bump("language_model.decoder.layers.3.self_attention.linear_qkv.weight", (20, 7)),
      "language_model.decoder.layers.3.self_attention"),
-    (_bump("language_model.decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (3, 4)),
+    (bump("language_model.decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (3, 4)),
      "language_model.decoder.layers.1.mlp.shared_experts"),
-    (_bump("language_model.decoder.layers.2.mlp.linear_fc1.weight", (0, 0), by=2.0),
+    (bump("language_model.decoder.layers.2.mlp.linear_fc1.weight", (0, 0), by=2.0),
      "language_model.decoder.layers.2.mlp"),
 ])
 def test_whole_negative_controls_fail_and_name_the_part(mutate, module):
@@ -226,17 +193,7 @@ def test_experts_are_read_and_written_as_saved(saved_whole):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_whole_convert_tp2_pp2_ep2_verify_check_and_back_with_base_is_bit_exact(saved_whole, tmp_path, fmt):
-    from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
-
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert _run("convert", "--src", saved_whole, "--dst", mcore, "--to", "mcore", "--tp", 2, "--pp", 2, "--ep", 2,
-                "--format", fmt, "--quiet") == 0
-    assert _run("verify", mcore) == 0
-    assert _run("check", "--hf", saved_whole, "--mcore", mcore) == 0
-    assert _run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved_whole, "--quiet") == 0
-    expected, got = load_safetensors_state_dict(saved_whole), load_safetensors_state_dict(back)
-    assert sorted(got) == sorted(expected)
-    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    assert_round_trip(saved_whole, tmp_path, "--tp", 2, "--pp", 2, "--ep", 2, fmt=fmt)
 
 
 def test_llama3_scaled_rope_is_computed_with_the_configs_factors():

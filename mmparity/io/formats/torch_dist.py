@@ -172,10 +172,14 @@ def write(source: Source, out: Output, progress: Progress) -> Written:
     pp_mod.pipeline_layout(order).layer_counts(out.grid.pp)
     total = sum(source.metas[k].nbytes for k in order)
     side, side_records, side_extra = side_files(source)
+    args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order},
+                                         ckpt_format="torch_dist", grid=out.grid, vocab_multiple=source.vocab_multiple,
+                                         declared=getattr(source.model, "recorded_args", None))
     try:
         layout = torch_dist_layout.plan(
             order, kinds, {k: source.metas[k].shape for k in order}, {k: source.metas[k].dtype for k in order},
-            extra_state.sharded_extra_state_keys({k: kinds[k] for k in order}))
+            extra_state.sharded_extra_state_keys({k: kinds[k] for k in order}),
+            heterogeneous=bool(getattr(args, "hetereogenous_dist_checkpoint", False)))
     except CheckpointError as exc:
         raise ConvertError(f"{source.family!r}: {exc}") from None
     progress.phase(f"{source.family} -> torch_dist", len(order), total)
@@ -189,9 +193,6 @@ def write(source: Source, out: Output, progress: Progress) -> Written:
         heap.check(nbytes)
         return pieces
 
-    args = megatron_args.checkpoint_args(source.cfg, {k: source.metas[k].shape for k in order},
-                                         ckpt_format="torch_dist", grid=out.grid, vocab_multiple=source.vocab_multiple,
-                                         declared=getattr(source.model, "recorded_args", None))
     try:
         torch_dist_write.write_torch_dist(
             out.dst, layout, produce, iteration=RELEASE if out.release else 1,

@@ -62,8 +62,8 @@ def random_like_state(state: dict, seed: int) -> dict:
 
     Matrices get std 1/sqrt(fan_in) (so activations neither vanish nor saturate the softmax, which
     would make fp32 parity depend on the conditioning of a random network rather than on the
-    implementation), vectors std 0.1, norm weights 1 ± 0.2 — non-constant everywhere, so a swapped
-    or misplaced tensor always shows.
+    implementation), vectors std 0.1, norm weights and layer scalars 1 ± 0.2 — non-constant everywhere, so a swapped
+    or misplaced tensor always shows; a clamp's scalar bounds (``…_min`` / ``…_max``) ±(1 to 2).
     """
     gen = generator(seed)
     out = {}
@@ -75,8 +75,15 @@ def random_like_state(state: dict, seed: int) -> dict:
         if value.dim() >= 2:
             fan_in = max(1, value[0].numel())
             noise = noise / fan_in ** 0.5
-        elif "norm" in key and key.endswith("weight"):
+        elif ("norm" in key and key.endswith("weight")) or key.endswith("layer_scalar"):
+            # A layer's output scale (Gemma 4's layer_scalar) as a norm's: around 1; at std 0.1 it
+            # would shrink the residual stream tenfold per layer.
             noise = 1.0 + 0.2 * noise
+        elif value.dim() == 0 and key.endswith(("_min", "_max")):
+            # A clamp's bound (Gemma 4's clipped linears): below or above zero at activation scale,
+            # so the clamp cuts some values and keeps most (a lower bound above the upper one would
+            # make every output the same).
+            noise = (1.0 + 0.5 * noise.abs()) * (-1.0 if key.endswith("_min") else 1.0)
         else:
             noise = 0.1 * noise
         out[key] = noise.to(value.dtype)

@@ -31,8 +31,8 @@ from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
 from mmparity.models.gemma3.config import FULL, SLIDING, layer_rope, transformer_config
-from mmparity.models.gemma3.native import post_normed
 from mmparity.models.llava import megatron as llava
+from mmparity.models.parts.gemma_blocks import post_normed
 from mmparity.models.spec import Case
 from mmparity.parallel import runtime
 

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -46,106 +46,31 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from mmparity.models.core.layers import (
-    BiasInGemmRowParallelLinear, get_bias_dropout_add, tolerate_missing_extra_state, vision_transformer_config)
+    get_bias_dropout_add, tolerate_missing_extra_state, vision_transformer_config)
 from mmparity.models.core.mla_moe import host_placement
 from mmparity.models.core.stages import build_stage, stage_layers
 from mmparity.models.gemma3.config import (
     SLIDING, config_problems, layer_rope, transformer_config)
 from mmparity.models.llava.native import LLaVAModel
 from mmparity.models.parts.deepseek_v3.native import build_gpt_model
-from mmparity.models.parts.dense_decoder.native import CausalCoreAttention, LanguageRotaryEmbedding
+from mmparity.models.parts.dense_decoder.native import LanguageRotaryEmbedding
+from mmparity.models.parts.gemma_blocks import (
+    PerLayerRopeSelfAttention, PostNormedRowParallelLinear, WindowedCoreAttention, default_inv_freq)
 from mmparity.models.parts.qwen3_5_text.native import (
     ZeroCentredNormedColumnParallelLinear, ZeroCentredRMSNorm)
 from mmparity.models.qwen3_vl_whole.native import Qwen3VLModel
 from mmparity.models.siglip import native as tower
 
 
-def post_normed(row_linear, norm):
-    """``row_linear`` (a row-parallel linear class) followed by Gemma's sandwich norm
-    (``post_layernorm``, a ``norm`` built from the config: ``1 + w``): the place Megatron-Bridge
-    gives Gemma's post-attention and post-feedforward norms. The norm reads the reduced output, so
-    every TP rank holds all of its weight."""
-
-    class PostNormedRowParallelLinear(row_linear):
-        def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
-            super().__init__(input_size, output_size, config=config, **kwargs)
-            self.post_layernorm = norm(config, output_size, eps=config.layernorm_epsilon)
-
-        def forward(self, input_):
-            out, bias = super().forward(input_)
-            if bias is not None:  # Gemma's linears have none; a bias would go before the norm
-                out, bias = out + bias, None
-            return self.post_layernorm(out), bias
-
-    PostNormedRowParallelLinear.__doc__ = f"``{row_linear.__name__}`` with Gemma's post norm (:func:`post_normed`)."
-    return PostNormedRowParallelLinear
-
-
-PostNormedRowParallelLinear = post_normed(BiasInGemmRowParallelLinear, ZeroCentredRMSNorm)
-
-
-class Gemma3CoreAttention(CausalCoreAttention):
-    """Causal SDPA (GQA as mcore groups heads) that takes the whole VLM's mask (True = masked: the
-    bidirectional image blocks) and, in a sliding layer, the window on top of it. The scale is
-    the config's (``query_pre_attn_scalar ** -0.5``, mcore's ``softmax_scale``)."""
-
-    def __init__(self, config, layer_number: int, *args, windows=(), **kwargs):
-        super().__init__(config, layer_number, *args, **kwargs)
-        self.window = windows[layer_number - 1] if windows else None
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        mask = None if attention_mask is None else attention_mask.bool()
-        if self.window is not None:
-            seq, keys = query.shape[0], key.shape[0]
-            q = torch.arange(seq, device=query.device)[:, None]
-            k = torch.arange(keys, device=query.device)[None, :]
-            # HF's window bounds how far back a key may be, on top of whatever else is allowed.
-            outside = k <= q - self.window
-            mask = (k > q) | outside if mask is None else mask | outside
-        if mask is None:
-            return super().forward(query, key, value, None, attn_mask_type, attention_bias, packed_seq_params)
-        return self._masked(query, key, value, mask)
-
-    def _masked(self, query, key, value, masked):
-        seq, batch, heads, _ = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != heads:
-            k = k.repeat_interleave(heads // k.shape[1], dim=1)
-            v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * value.shape[-1])
-
-
-class Gemma3SelfAttention(SelfAttention):
-    """mcore's ``SelfAttention`` rotating with its own layer type's RoPE (sliding and full layers
-    have different bases; GPTModel hands every layer one table): a non-persistent table, so the
-    state dict is the stock class's."""
-
-    def __init__(self, config, submodules, layer_number: int, *args, ropes=(), **kwargs):
-        super().__init__(config, submodules, layer_number, *args, **kwargs)
-        base, factor = ropes[layer_number - 1]
-        self.rope = LanguageRotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
-                                            rotary_interleaved=False, rotary_base=base,
-                                            use_cpu_initialization=True)
-        if factor != 1.0:
-            # HF's linear scaling divides the frequencies (not the positions) by the factor.
-            self.rope.inv_freq = self.rope.inv_freq / factor
-
-    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
-        table = self.rope.get_emb(hidden_states.shape[0]).to(hidden_states.device)
-        return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=table, **kwargs)
-
-
 def layer_spec(text) -> ModuleSpec:
     types = list(text.layer_types)
     windows = tuple(text.sliding_window if t == SLIDING else None for t in types)
-    ropes = tuple(layer_rope(text, t) for t in types)
-    attention = ModuleSpec(module=Gemma3SelfAttention,
+    ropes = tuple(default_inv_freq(text.head_dim, *layer_rope(text, t)) for t in types)
+    attention = ModuleSpec(module=PerLayerRopeSelfAttention,
                            params={"attn_mask_type": AttnMaskType.causal, "ropes": ropes},
                            submodules=SelfAttentionSubmodules(
                                linear_qkv=ZeroCentredNormedColumnParallelLinear,
-                               core_attention=ModuleSpec(module=Gemma3CoreAttention, params={"windows": windows}),
+                               core_attention=ModuleSpec(module=WindowedCoreAttention, params={"windows": windows}),
                                linear_proj=PostNormedRowParallelLinear, q_layernorm=ZeroCentredRMSNorm,
                                k_layernorm=ZeroCentredRMSNorm))
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ZeroCentredNormedColumnParallelLinear,
@@ -260,15 +185,22 @@ class Gemma3Model(MegatronModule):
         projected = self.vision_projection(tokens)
         return projected.reshape(-1, projected.shape[-1])
 
+    def scaled(self, embedded: torch.Tensor) -> torch.Tensor:
+        """HF multiplies the embedding by sqrt(hidden) held in the weights' dtype (bf16 rounds it)."""
+        scale = torch.tensor(self.hidden_size ** 0.5, dtype=torch.float32).to(embedded.dtype)
+        return embedded * scale.to(embedded.device)
+
+    def attention_mask(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """mcore's mask (True = masked) the layers take: the images' bidirectional blocks."""
+        return attention_mask(input_ids, self.image_token_id)
+
     def embed(self, input_ids: torch.Tensor, images: Optional[torch.Tensor]) -> torch.Tensor:
         image = input_ids == self.image_token_id
         ids = input_ids.masked_fill(image, 0)
         flat = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        embedded = self.language_model.embedding(input_ids=ids, position_ids=flat)  # [s, b, h]
-        # HF multiplies by sqrt(hidden) held in the weights' dtype (bf16 rounds it).
-        scale = torch.tensor(self.hidden_size ** 0.5, dtype=torch.float32).to(embedded.dtype)
-        batch_major = (embedded * scale.to(embedded.device)).transpose(0, 1).clone()
-        if images is not None and images.numel():
+        embedded = self.scaled(self.language_model.embedding(input_ids=ids, position_ids=flat))  # [s, b, h]
+        batch_major = embedded.transpose(0, 1).clone()
+        if images is not None and len(images):
             features = self.image_features(images)
             if int(image.sum()) != features.shape[0]:
                 raise ValueError(f"{int(image.sum())} image tokens in the ids for {features.shape[0]} image embeddings")
@@ -278,7 +210,7 @@ class Gemma3Model(MegatronModule):
     def forward(self, images: Optional[torch.Tensor], input_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None):
         with host_placement(input_ids.device):
-            mask = attention_mask(input_ids, self.image_token_id)
+            mask = self.attention_mask(input_ids)
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             decoder_input = self.embed(input_ids, images) if self.pre_process else None
             gather = labels is None
