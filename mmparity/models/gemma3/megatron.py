@@ -39,7 +39,7 @@ from mmparity.parallel import runtime
 PostNormedTERowParallelLinear = post_normed(te_class("TERowParallelLinear"), te_class("TENorm"))
 
 
-def _with_submodules(spec, **changes):
+def with_submodules(spec, **changes):
     """``spec`` with some of its submodules replaced: a ``ModuleSpec``, or the ``functools.partial``
     newer megatron-core spells an MLP's spec with (``submodules`` among its keywords)."""
     if isinstance(spec, functools.partial):
@@ -54,9 +54,9 @@ def _layer_spec() -> ModuleSpec:
         spec = te_stand_ins.megatron_te_spec(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec,
                                              qk_layernorm=True)
     layer = spec.submodules
-    return _with_submodules(
-        spec, self_attention=_with_submodules(layer.self_attention, linear_proj=PostNormedTERowParallelLinear),
-        mlp=_with_submodules(layer.mlp, linear_fc2=PostNormedTERowParallelLinear))
+    return with_submodules(
+        spec, self_attention=with_submodules(layer.self_attention, linear_proj=PostNormedTERowParallelLinear),
+        mlp=with_submodules(layer.mlp, linear_fc2=PostNormedTERowParallelLinear))
 
 
 # What Megatron-LM's ``--spec mmparity.models.gemma3.megatron LAYER`` imports: one spec for every

@@ -19,19 +19,16 @@ from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.gemma3.cases import _loss
 from mmparity.models.gemma4 import mapping as converter
 from mmparity.models.gemma4 import native, reference
+from mmparity.models.gemma4.megatron import MEGATRON
 from mmparity.models.gemma4_vision import cases as tower_cases
 from mmparity.models.kimi_k25_vl import cases as whole
 from mmparity.models.parts.gemma4_text.reference import HF_LAYER
-from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, NoMegatron, Pair, Parity, Side, tokens_2d
+from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, tokens_2d
 
 OUTPUTS = ("logits", "token_loss")
 # Image sizes in pooling windows (patch · pooling pixels a side): three sizes and aspect ratios,
 # padded to one max_patches, small (the tiny config's note says why the fp32 margin matters).
 WINDOWS = ((1, 2), (2, 1), (1, 3))
-WHY_NO_MEGATRON = ("megatron-core and Megatron-LM main have no Gemma 4 class: no Gemma 4 vision tower, and the "
-                   "GPT layer specs have no sandwich norms, value norm, per-layer scalar, per-layer-type head "
-                   "widths or RoPE, nor images attending both ways on sliding layers only")
-
 
 def _text(cfg, count: int, gen) -> list[int]:
     # Below every special token (the tiny config puts them last), so text never reads as an image slot.
@@ -144,4 +141,4 @@ def hooks(towers, languages) -> FamilyHooks:
                            image_size_problems=image_size_problems, pipeline_problems=whole.pipeline_problems),
         reference=Side(reference_run, partial(reference_pairs, languages=languages), whole.no_component, reference.build),
         native=Side(native_run, partial(native_pairs, languages=languages), whole.no_component, build_native),
-        converter=converter.SPEC, parity=Parity(cases), megatron=NoMegatron(WHY_NO_MEGATRON))
+        converter=converter.SPEC, parity=Parity(cases), megatron=MEGATRON)

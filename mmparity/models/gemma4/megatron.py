@@ -1,0 +1,126 @@
+"""Megatron's own class for Gemma 4's language model: stock megatron-core ``GPTModel`` on
+:func:`layer_spec`, Gemma 3's Megatron layer (megatron-core's TE GPT layer spec, q/k norms, the
+sandwich norms on ``linear_proj`` / ``linear_fc2``: :mod:`mmparity.models.gemma3.megatron`) with
+Gemma 4's flags: every norm ``w`` (no ``layernorm_zero_centered_gamma``), attention unscaled
+(``softmax_scale`` 1), sliding-window layers by ``window_size`` / ``window_attn_skip_freq``, a tied
+head.
+
+What megatron-core has no place for, each the smallest module that holds it:
+
+* the full layers' own head width (``global_head_dim``) and key/value heads: megatron-core's
+  ``TransformerConfig`` has one ``kv_channels`` (its heterogeneous config varies the query groups
+  per block, not the width), so the attention reads a per-layer config
+  (:class:`~mmparity.models.parts.gemma_blocks.PerLayerRopeSelfAttention`, the stock
+  ``SelfAttention`` built from the block's config with that layer's fields replaced; its state
+  dict is the stock one);
+* each layer's RoPE (sliding: default, full: proportional over the wider heads): ``GPTModel``
+  hands every layer one table of one width, so the same attention rotates with its own layer's;
+* HF's weightless value norm: TE's attention with each value head RMS-normalised first
+  (:class:`ValueNormedDotProductAttention`, no state);
+* ``layer_scalar``: the stock layer whose output is multiplied by it, a buffer of the layer
+  (:class:`~mmparity.models.parts.gemma4_text.native.ScaledLayer`), as the converter writes it.
+
+What the class computes differently from HF, by design (``GPTModel`` has neither): its embedding
+is not scaled by ``sqrt(hidden)`` and its logits are not soft-capped. The reference it is
+compared with is HF's text model run that way (:func:`_reference_language_model`): the unscaled
+table looked up as ``inputs_embeds``, the head's logits uncapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import gpt_model
+from megatron.core.transformer import transformer_block
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mmparity.config import padded_vocab_size, tied_embeddings
+from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
+from mmparity.models.gemma3 import megatron as gemma3
+from mmparity.models.llava import megatron as llava
+from mmparity.models.parts.gemma4_text.config import (
+    SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
+from mmparity.models.parts.gemma4_text.native import ScaledLayer, rms_norm
+from mmparity.models.parts.gemma_blocks import PerLayerRopeSelfAttention
+from mmparity.models.spec import Case
+from mmparity.parallel import runtime
+
+
+class ValueNormedDotProductAttention(te_class("TEDotProductAttention")):
+    """TE's attention (megatron-core's spec's) on values RMS-normalised per head with no weight,
+    HF's ``v_norm``: megatron-core has no value norm, and there is nothing to hold."""
+
+    def forward(self, query, key, value, *args, **kwargs):
+        return super().forward(query, key, rms_norm(value, None, self.config.layernorm_epsilon), *args, **kwargs)
+
+
+def layer_spec(text) -> ModuleSpec:
+    """Gemma 3's Megatron layer spec with Gemma 4's three additions (module note): the layer scaled,
+    the attention reading its own layer's width, groups and RoPE, the values normed."""
+    base = gemma3.LAYER
+    attention = base.submodules.self_attention
+    ropes = tuple(layer_inv_freq(text, i) for i in range(text.num_hidden_layers))
+    attention = dataclasses.replace(
+        gemma3.with_submodules(attention, core_attention=ValueNormedDotProductAttention),
+        module=PerLayerRopeSelfAttention,
+        params={**attention.params, "ropes": ropes, "layer_fields": layer_fields(text)})
+    return dataclasses.replace(gemma3.with_submodules(base, self_attention=attention), module=ScaledLayer)
+
+
+def megatron_config(text, params_dtype=torch.float32):
+    """The part's one recipe (:func:`mmparity.models.parts.gemma4_text.config.transformer_config`)
+    with the sliding layers as megatron-core says them (Gemma 3's: ``sliding_window - 1`` keys
+    back, on the layers listed 1 in ``window_attn_skip_freq``)."""
+    sliding = [int(kind == SLIDING) for kind in text.layer_types]
+    extra = dict(window_size=(text.sliding_window - 1, 0), window_attn_skip_freq=sliding) if any(sliding) else {}
+    return dataclasses.replace(transformer_config(text, params_dtype), **extra)
+
+
+def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
+                         parallel_output: bool = True):
+    """Stock ``GPTModel`` on :func:`layer_spec` for a whole Gemma 4's text model; this pipeline
+    stage of it. No position embedding of the model's own: each layer's attention rotates."""
+    text = cfg.text_config
+    problems = config_problems(text)
+    if problems:
+        raise ValueError("unsupported Gemma 4 language model: " + "; ".join(problems))
+    layout = runtime.current_layout()
+    tp = layout.tp if layout is not None else 1
+    with buildable_without_te(gpt_model, transformer_block):
+        model = gpt_model.GPTModel(
+            config=megatron_config(text, params_dtype), transformer_layer_spec=layer_spec(text),
+            vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
+            max_sequence_length=text.max_position_embeddings,
+            pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
+            parallel_output=parallel_output, share_embeddings_and_output_weights=tied_embeddings(cfg),
+            position_embedding_type="none", scatter_embedding_sequence_parallel=False)
+    return model.eval()
+
+
+def _reference_language_model(model, case: Case, cfg) -> dict:
+    """HF's text model and tied head on the ids as the class computes them: the embedding table
+    looked up unscaled, the logits not soft-capped."""
+    text_model = model.model.language_model
+    ids = case.data["input_ids"].to(next(model.parameters()).device)
+    hidden = text_model(inputs_embeds=F.embedding(ids, text_model.embed_tokens.weight)).last_hidden_state
+    logits = model.lm_head(hidden).float()
+    return {"logits": logits.reshape(-1, logits.shape[-1]), "loss_mask": case.data["loss_mask"].reshape(-1)}
+
+
+WHY_NO_WHOLE = ("megatron-core's LLaVAModel has no place for Gemma 4's tower (images of any size, pooled) nor its "
+                "images' bidirectional attention on sliding layers, so only the language model has one: stock "
+                "GPTModel, which trains it alone")
+
+LANGUAGE_MODEL = dataclasses.replace(
+    llava.LANGUAGE_MODEL, build=build_language_model, reference_run=_reference_language_model,
+    why_part=WHY_NO_WHOLE, unwritten_extra_state=(),
+    note="the Gemma 4 language model part (language_model.*) on text-only ids, stock GPTModel on Gemma 3's Megatron "
+         "layer (TE spec, sandwich norms on linear_proj / linear_fc2, sliding windows) with plain norms, unscaled "
+         "attention and the smallest modules megatron-core lacks: a per-layer config and RoPE in the attention "
+         "(wider full layers, proportional RoPE), a weightless value norm, the layer scalar; against HF run as the "
+         "class computes by design: the embedding unscaled (no sqrt(hidden) in GPTModel) and the logits not "
+         f"soft-capped (GPTModel has no cap); {llava.PADDED_LOSS_NOTE}")
+MEGATRON = {"GPTModel": LANGUAGE_MODEL}
