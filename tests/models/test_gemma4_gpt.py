@@ -92,6 +92,17 @@ def test_check_megatron_passes(tp):
     assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results.values())
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(attention_k_eq_v=True, num_global_key_value_heads=1),
+    # the block's config is a full layer's, the sliding ones replacing its width; no logit cap
+    dict(layer_types=["full_attention", "sliding_attention", "full_attention"], num_hidden_layers=3,
+         final_logit_softcapping=None)], ids=["keys_as_values", "full_first"])
+def test_check_megatron_passes_on_other_layer_layouts(overrides):
+    from mmparity.models.gemma4 import reference
+
+    report = harness.check(FAMILY, cfg=reference.tiny_config(**overrides), impl="megatron", seed=3)
+    assert report.passed, [(r.check, r.metrics) for r in _megatron(report).values()]
+
 def test_a_perturbed_decoder_weight_is_located_in_its_layer():
     layer = families.get(FAMILY).tiny_config().text_config.num_hidden_layers - 1
 
