@@ -92,6 +92,10 @@ def test_check_megatron_passes(tp):
     assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in results.values())
 
 
+def test_check_megatron_passes_in_bf16():
+    report = harness.check(FAMILY, impl="megatron", seed=5, dtype="bfloat16")
+    assert report.passed, [(r.check, r.metrics) for r in _megatron(report).values()]
+
 @pytest.mark.parametrize("overrides", [
     dict(attention_k_eq_v=True, num_global_key_value_heads=1),
     # the block's config is a full layer's, the sliding ones replacing its width; no logit cap
