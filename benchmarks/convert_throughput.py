@@ -61,6 +61,14 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _is_perf(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "perf"
+    except OSError:
+        return False
+
+
 def _rss_anon_kb(pid: int | str = "self") -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -399,8 +407,9 @@ def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = N
 
     def sample():
         while not stop.is_set():
-            # A job of several ranks holds the memory of all of them at once.
-            values = [_rss_anon_kb(p) for p in (proc.pid, *_descendants(proc.pid))]
+            # A job of several ranks holds the memory of all of them at once; `--perf`'s recorder
+            # is the job's child too, but not the job's memory.
+            values = [_rss_anon_kb(p) for p in (proc.pid, *_descendants(proc.pid)) if not _is_perf(p)]
             value = sum(v for v in values if v is not None)
             if values[0] is not None:
                 peak[0] = max(peak[0], value)
