@@ -22,7 +22,7 @@ in rounds, `--repeat` times, and `--paired` times the plain copy right before ev
 each run is judged against the copy made in the same state (column `x the copy just before`).
 
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
-       [--workers P]
+       [--workers P] [--perf]
        [--log FILE]
 Numbers go to benchmarks/RESULTS.md; nothing here asserts.
 """
@@ -59,6 +59,14 @@ def _descendants(pid: int) -> list[int]:
         found += children
         todo += children
     return found
+
+
+def _is_perf(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "perf"
+    except OSError:
+        return False
 
 
 def _rss_anon_kb(pid: int | str = "self") -> int | None:
@@ -152,9 +160,11 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         from mmparity.convert import ConvertOptions, convert
 
         by_phase = options.pop("memory_phases", False)
+        profile = options.pop("perf", None)
         _import_for(options)
         ready = _rss_anon_kb()
         progress = _PhaseMemory(ready) if by_phase else None
+        recorder = _start_perf(profile) if profile else None
         _TIMED_CPU[0] = _cpu_seconds()
         started = time.perf_counter()
         try:
@@ -162,6 +172,8 @@ def _child(job: str, src: str, dst: str, extra: list[str]) -> dict:
         finally:
             if progress is not None:
                 phases = progress.stop()
+            if recorder is not None:
+                _stop_perf(recorder)
     else:
         raise SystemExit(f"unknown job {job}")
     seconds = time.perf_counter() - started
@@ -210,6 +222,66 @@ class _PhaseMemory:
         self._stop.set()
         self._thread.join()
         return {f"peak_above_start_kb_{name}": kb for name, kb in self.peaks.items()}
+
+
+def _start_perf(path: str) -> subprocess.Popen:
+    """Linux `perf record` of this process (every thread), from now until `_stop_perf`: the timed
+    region only, not the imports. Sampled without call graphs, so it costs the job little."""
+    recorder = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-p", str(os.getpid()), "-o", path],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 5
+    while not Path(path).exists() and recorder.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # attached to every thread before the work starts
+    return recorder
+
+
+def _stop_perf(recorder: subprocess.Popen) -> None:
+    import signal
+
+    if recorder.poll() is None:
+        recorder.send_signal(signal.SIGINT)
+    recorder.wait()
+
+
+# Where a conversion's CPU goes, by the symbol a sample fell in (`perf report --sort dso,sym`).
+# Tested in this order; the first that matches takes the sample.
+_CPU_KINDS = (
+    ("kernel copy", lambda dso, sym: dso == "kernel" and any(w in sym for w in ("memcpy", "memmove", "copy_user", "copy_page", "movs"))),
+    ("page zeroing", lambda dso, sym: dso == "kernel" and any(w in sym for w in ("memset", "clear_page"))),
+    ("lock spin", lambda dso, sym: dso == "kernel" and any(w in sym for w in ("spin_on_owner", "osq_lock", "queued_spin_lock_slowpath", "down_write_slowpath"))),
+    ("other kernel", lambda dso, sym: dso == "kernel"),
+    ("hashing", lambda dso, sym: "xxhash" in dso or "XXH" in sym),
+    ("Python", lambda dso, sym: "libpython" in dso or dso.startswith("python")),
+    ("torch", lambda dso, sym: "torch" in dso or "c10" in dso),
+    ("other", lambda dso, sym: True),
+)
+
+
+def _cpu_kinds(path: Path) -> dict | None:
+    """Shares of a `perf record` file's samples by `_CPU_KINDS` (percent), and their count; None
+    where perf cannot read it. Without root (and `kernel.perf_event_paranoid` above 1) perf sees
+    user space only: the kernel's part then reads 0 and the report says so."""
+    try:
+        report = subprocess.run(["perf", "report", "-i", str(path), "--stdio", "--no-children", "-g", "none",
+                                 "--sort", "dso,sym"], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    shares = {name: 0.0 for name, _ in _CPU_KINDS}
+    samples = None
+    for line in report.stdout.splitlines():
+        if line.startswith("# Samples:"):
+            samples = line.split(":", 1)[1].split()[0]
+        fields = line.split()
+        if len(fields) < 4 or not fields[0].endswith("%") or fields[0].startswith("#"):
+            continue
+        dso = "kernel" if fields[1] == "[kernel.kallsyms]" else fields[1]
+        sym = fields[-1]
+        for name, matches in _CPU_KINDS:
+            if matches(dso, sym):
+                shares[name] += float(fields[0].rstrip("%"))
+                break
+    return {"samples": samples, **shares} if samples else None
 
 
 def _import_for(options: dict) -> None:
@@ -335,8 +407,9 @@ def _measure(job: str, src: Path, dst: Path, *extra: str, tree: tuple | None = N
 
     def sample():
         while not stop.is_set():
-            # A job of several ranks holds the memory of all of them at once.
-            values = [_rss_anon_kb(p) for p in (proc.pid, *_descendants(proc.pid))]
+            # A job of several ranks holds the memory of all of them at once; `--perf`'s recorder
+            # is the job's child too, but not the job's memory.
+            values = [_rss_anon_kb(p) for p in (proc.pid, *_descendants(proc.pid)) if not _is_perf(p)]
             value = sum(v for v in values if v is not None)
             if values[0] is not None:
                 peak[0] = max(peak[0], value)
@@ -430,6 +503,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, metavar="P",
                         help="also run four conversions by P processes (ranks as torchrun starts them; each "
                              "job's output has at least P files), paired with their own copy like the rest")
+    parser.add_argument("--perf", action="store_true",
+                        help="profile every one-process conversion's timed region with Linux perf and print "
+                             "where its CPU went (kernel copy, page zeroing, lock spin, hashing, Python, torch); "
+                             "the kernel's share needs root or kernel.perf_event_paranoid <= 1")
     parser.add_argument("--log", default=None,
                         help="append every run (and its paired copy) as a JSON line: wall, phases, the "
                              "child's CPU, faults and wait for a CPU, the system's CPU steal")
@@ -493,9 +570,16 @@ def main() -> None:
                 _settle(args.settle)
                 paired = _measure("copy", src, pair_dst)
                 shutil.rmtree(pair_dst)
+            profile = None
+            if args.perf and job == "convert" and tree is None and json.loads(extra[0]).get("workers", 1) == 1:
+                profile = work / f"perf-{len(runs[label])}.data"
+                extra = [json.dumps({**json.loads(extra[0]), "perf": str(profile)})]
             _warm(job_src)
             _settle(args.settle)
             result = _measure(job, job_src, job_dst, *extra, tree=tree)
+            if profile is not None:
+                result["cpu_kinds"] = _cpu_kinds(profile)
+                profile.unlink(missing_ok=True)
             result["paired_copy_seconds"] = paired["seconds"] if paired else None
             result["written"] = _dir_bytes(job_dst)
             if log:
@@ -569,6 +653,8 @@ def main() -> None:
         if stalls:
             print(f"\n\\* the copy just before took over {STALLED_COPY:g}x the run's fastest copy "
                   f"({fastest_copy:.2f} s): a stall of the disk, which makes the job look fast; not counted in the best")
+        if args.perf:
+            _print_cpu_kinds(runs)
         if args.against:
             _print_against(runs, against_runs, args.against[1], fastest_copy)
     finally:
@@ -613,6 +699,25 @@ def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, st
     counted = [ratio for ratio, stalled in pairs if not stalled] or [ratio for ratio, _ in pairs]
     shown = ", ".join(f"{ratio:.2f}{'*' if stalled else ''}" for ratio, stalled in pairs)
     return min(counted), shown, any(stalled for _, stalled in pairs)
+
+
+def _print_cpu_kinds(runs: dict) -> None:
+    """Where each profiled job's CPU went: the mean share of its runs' perf samples per kind."""
+    names = [name for name, _ in _CPU_KINDS]
+    print("\nWhere the CPU of the timed region went (perf samples, mean over the runs, percent):\n")
+    print("| job | samples | " + " | ".join(names) + " |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in names) + " |")
+    kernel_seen = False
+    for label, job_runs in runs.items():
+        kinds = [r["cpu_kinds"] for r in job_runs if r.get("cpu_kinds")]
+        if not kinds:
+            continue
+        means = {name: sum(k[name] for k in kinds) / len(kinds) for name in names}
+        kernel_seen = kernel_seen or any(means[n] for n in names[:4])
+        samples = "/".join(str(k["samples"]) for k in kinds)
+        print(f"| {label} | {samples} | " + " | ".join(f"{means[n]:.1f}" for n in names) + " |")
+    if not kernel_seen:
+        print("\nperf saw no kernel samples: run as root or with kernel.perf_event_paranoid <= 1 to see them.")
 
 
 def _print_against(runs: dict, against_runs: dict, other: str, fastest_copy: float) -> None:

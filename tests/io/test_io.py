@@ -501,6 +501,46 @@ def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
     assert torch.equal(torch.cat(routed[0]), fused)
 
 
+def test_slot_writer_never_writes_one_file_from_two_threads_at_once(tmp_path, monkeypatch):
+    """The filesystem serialises writes to one file anyway; two writers racing for it spin a CPU
+    in the kernel."""
+    import threading
+    import time
+
+    from mmparity.io.fsio import slots as slots_module
+    from mmparity.io.fsio.slots import Slot, SlotWriter
+
+    state = threading.Lock()
+    inside: dict[int, int] = {}
+    most = {"same file": 0}
+
+    def watched(fd, data, offset):
+        with state:
+            inside[fd] = inside.get(fd, 0) + 1
+            most["same file"] = max(most["same file"], inside[fd])
+        time.sleep(0.02)  # long enough that an unguarded second writer would overlap
+        with state:
+            inside[fd] -= 1
+        os.pwrite(fd, bytes(memoryview(data).cast("B")), offset)
+
+    monkeypatch.setattr(slots_module, "pwrite_all", watched)
+    tensors = {f"t{i}": seeded((7, 3), i, torch.bfloat16) for i in range(8)}
+    fds, slots = [], {}
+    for number in range(2):
+        fds.append(os.open(tmp_path / f"blob{number}", os.O_RDWR | os.O_CREAT))
+        os.ftruncate(fds[-1], 4 * 42)
+    for i, (name, tensor) in enumerate(tensors.items()):
+        slots[name] = Slot(i % 2, (i // 2) * 42, 42, tensor.dtype, tuple(tensor.shape))
+    writer = SlotWriter(tmp_path, fds, slots)
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    writer.close()
+    assert most == {"same file": 1}
+    for i, (name, tensor) in enumerate(tensors.items()):
+        blob = (tmp_path / f"blob{i % 2}").read_bytes()[(i // 2) * 42:(i // 2) * 42 + 42]
+        assert torch.equal(torch.frombuffer(bytearray(blob), dtype=torch.bfloat16).view(7, 3), tensor)
+
+
 def test_file_ranges_locate_only_views_of_registered_mappings(tmp_path):
     state = {"a": seeded((8, 6), 1), "b": seeded((5,), 2, torch.bfloat16)}
     save_safetensors_checkpoint(tmp_path / "ckpt", state)

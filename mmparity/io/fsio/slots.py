@@ -92,6 +92,10 @@ class SlotWriter:
         self._max_inflight = max_inflight
         self._locate = locate  # piece -> (fd, offset) of the file bytes it shows, or None
         self._lock = threading.Lock()
+        # One writer at a time per file. A filesystem serialises buffered writes to one file on the
+        # inode's lock (ext4's i_rwsem), and a writer kept waiting there spins on a CPU while the
+        # other copies; waiting on this lock sleeps instead, and hashes its piece meanwhile.
+        self._file_locks = [threading.Lock() for _ in fds]
         self.checksums: dict[str, TensorChecksum] = {}
         for number, remaining in enumerate(self._remaining):
             if remaining == 0:
@@ -139,17 +143,20 @@ class SlotWriter:
                  for q in (p.parts if isinstance(p, ColumnJoin) else [p]))
         offset = slot.offset
         fd = self._fds[slot.file]
+        lock = self._file_locks[slot.file]
         if slot.head:
-            pwrite_all(fd, slot.head, offset - len(slot.head))
+            with lock:
+                pwrite_all(fd, slot.head, offset - len(slot.head))
         for piece, found in zip(pieces, located):
             if not piece.numel():
                 continue
             if isinstance(piece, torch.Tensor) and piece.is_contiguous():
                 data = piece.reshape(-1).view(torch.uint8).numpy()
-                if found is not None:
-                    copy_file_range_all(found[0], found[1], fd, offset, data.nbytes)
-                else:
-                    pwrite_all(fd, data, offset)
+                with lock:
+                    if found is not None:
+                        copy_file_range_all(found[0], found[1], fd, offset, data.nbytes)
+                    else:
+                        pwrite_all(fd, data, offset)
                 hasher.update_bytes(data)
                 offset += data.nbytes
                 continue
@@ -158,11 +165,13 @@ class SlotWriter:
             step = max(1, _ROWS_PER_SYSCALL // len(parts))
             for first in range(0, parts[0].shape[0], step):
                 chunk = [part[row] for row in range(first, min(first + step, parts[0].shape[0])) for part in parts]
-                offset = pwritev_all(fd, chunk, offset)
+                with lock:
+                    offset = pwritev_all(fd, chunk, offset)
                 for run in chunk:
                     hasher.update_bytes(run)
         if slot.tail:
-            pwrite_all(fd, slot.tail, slot.offset + slot.nbytes)
+            with lock:
+                pwrite_all(fd, slot.tail, slot.offset + slot.nbytes)
         start_writeback(fd, slot.offset - len(slot.head), len(slot.head) + slot.nbytes + len(slot.tail))
         self.checksums[name] = hasher.result()
         with self._lock:
