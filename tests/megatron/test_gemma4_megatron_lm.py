@@ -29,7 +29,8 @@ import pytest
 from mmparity.models import registry as families
 from tests import megatron_lm_gpt as lm
 from tests.io.test_megatron_written import make_pair
-from tests.megatron.test_megatron_lm_gpt import convert_part, run_ranks, train_and_export
+from tests.megatron.test_megatron_lm_gpt import (
+    assert_loaded_as_mmparity_loads, convert_part, report, run_ranks, train_and_export)
 
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
@@ -83,7 +84,7 @@ def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
     assert list(args.spec) == SPEC[1:] and args.position_embedding_type == value("--position-embedding-type")
     assert args.kv_channels == int(value("--kv-channels")) and args.num_query_groups == int(value("--num-query-groups"))
     assert args.ffn_hidden_size == int(value("--ffn-hidden-size")) and args.num_layers == int(value("--num-layers"))
-    assert args.hetereogenous_dist_checkpoint and not args.untie_embeddings_and_output_weights
+    assert args.hetereogenous_dist_checkpoint and not args.untie_embeddings_and_output_weights and args.swiglu
 
 
 @pytest.mark.parametrize("fmt, optimizer", [("legacy", "plain"), ("torch_dist", "distributed")])
@@ -93,8 +94,7 @@ def test_pretrain_gpt_with_the_spec_computes_hf_logits(capsys, tmp_path, release
     train, save and bit-exact export."""
     base, trained, cfg = release
     assert cfg.tie_word_embeddings  # the last stage's own copy of the table is part of the loop
-    widths = {(h, g) for h, g in zip(*_layer_sizes(cfg))}
-    assert len(widths) > 1  # the full layers are wider: what no flag says
+    assert len(set(zip(*_layer_sizes(cfg)))) > 1  # the full layers are wider: what no flag says
     train_and_export(capsys, tmp_path, family=FAMILY, label=f"{FAMILY} --spec", base=base, trained=trained,
                      vocab=cfg.text_config.vocab_size, flags=model_flags(cfg), grid=GRID, fmt=fmt,
                      optimizer=optimizer)
@@ -121,3 +121,28 @@ def test_a_flag_that_disagrees_with_the_hf_config_is_named(capsys, tmp_path, rel
     with pytest.raises(Exception, match=r"--window-size gives window_size=.*hf_config.json"):
         run_ranks(dict(family=FAMILY, tp=1, pp=1, ep=1, argv=argv, load=str(src), reference=False,
                        vocab=cfg.text_config.vocab_size))
+
+
+# What a --use-checkpoint-args run of Gemma 4 still passes: Megatron-LM's loader does not restore
+# them (``lm.NOT_RESTORED``, and the windows).
+NOT_RESTORED = lm.NOT_RESTORED + ("--window-size", "--window-attn-skip-freq")
+
+
+def test_use_checkpoint_args_builds_the_class_from_the_recorded_spec(capsys, tmp_path, release):
+    """No ``--spec`` and no sizes: ``load_args_from_checkpoint`` restores the ``spec`` that
+    ``convert`` records, so the run builds the family's class, loads strictly and computes what
+    mmparity's loader computes (torch_dist at TP 2 x PP 2)."""
+    base, _trained, cfg = release
+    tp, pp, ep = GRID
+    src = convert_part(capsys, base, tmp_path / "part", "torch_dist", GRID)
+    reference = convert_part(capsys, base, tmp_path / "reference", "legacy", GRID)
+    argv = lm.only(model_flags(cfg), NOT_RESTORED) + lm.run_flags(
+        tp=tp, pp=pp, ep=ep, fmt="torch_dist", load=str(src), save=str(tmp_path / "unused"),
+        vocab=cfg.text_config.vocab_size)
+    argv += ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
+    assert "--spec" not in argv and "--kv-channels" not in argv and "--num-layers" not in argv
+    results = run_ranks(dict(family=FAMILY, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
+                             reference=str(reference), vocab=cfg.text_config.vocab_size))
+    assert_loaded_as_mmparity_loads(results)
+    report(capsys, f"--use-checkpoint-args {FAMILY} torch_dist: logits vs HF rel_l2 "
+                   f"{max(r['hf_rel_l2'] for r in results if 'hf_rel_l2' in r):.2g}")

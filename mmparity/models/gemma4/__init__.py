@@ -19,6 +19,8 @@ FAMILY = FamilyRecord(
     # What a Megatron-LM run given --use-checkpoint-args builds its language model with: the
     # family's layer (its widths and RoPE read from the hf_config.json beside the checkpoint,
     # mmparity.models.gemma4.megatron) and no position embedding of the model's own (each layer
-    # rotates with its own table).
-    megatron_args=(("spec", ["mmparity.models.gemma4.megatron", "LAYER"]), ("position_embedding_type", "none")),
+    # rotates with its own table), the gated MLP layout (the only gated one Megatron-LM's flags
+    # name: --swiglu; the layer takes the tanh GeGLU from that file).
+    megatron_args=(("spec", ["mmparity.models.gemma4.megatron", "LAYER"]), ("position_embedding_type", "none"),
+                   ("swiglu", True)),
 )
