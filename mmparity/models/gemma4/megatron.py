@@ -181,9 +181,12 @@ LAYER = ModuleSpec(module=Gemma4Layer)
 
 
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                         parallel_output: bool = True):
+                         parallel_output: bool = True, *, layer: ModuleSpec | None = None,
+                         config: TransformerConfig | None = None):
     """Stock ``GPTModel`` on :func:`layer_spec` for a whole Gemma 4's text model; this pipeline
-    stage of it. No position embedding of the model's own: each layer's attention rotates."""
+    stage of it. No position embedding of the model's own: each layer's attention rotates.
+    ``layer`` / ``config``: what Megatron-LM's ``gpt_builder`` hands ``GPTModel`` in their place
+    (``--spec``'s :data:`LAYER`, the config of its flags), to build that path without Megatron-LM."""
     text = cfg.text_config
     problems = config_problems(text)
     if problems:
@@ -192,7 +195,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
     tp = layout.tp if layout is not None else 1
     with buildable_without_te(gpt_model, transformer_block):
         model = gpt_model.GPTModel(
-            config=megatron_config(text, params_dtype), transformer_layer_spec=layer_spec(text),
+            config=config or megatron_config(text, params_dtype), transformer_layer_spec=layer or layer_spec(text),
             vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
             max_sequence_length=text.max_position_embeddings,
             pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
