@@ -24,13 +24,15 @@ otherwise, as in CI. The CPU stand-ins are the harness's (``tests/megatron_lm_gp
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from mmparity.models import registry as families
 from tests import megatron_lm_gpt as lm
 from tests.io.test_megatron_written import make_pair
 from tests.megatron.test_megatron_lm_gpt import (
-    assert_loaded_as_mmparity_loads, convert_part, report, run_ranks, train_and_export)
+    convert_part, flag_value, recorded_args, run_ranks, run_with_checkpoint_args, train_and_export)
 
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
@@ -71,15 +73,10 @@ def release(tmp_path_factory):
 def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
     """What ``convert`` records says what the flags say (the spec and the sizes): the two cannot
     drift apart unseen, and ``--use-checkpoint-args`` (which restores ``spec``) builds the class."""
-    from mmparity.io.megatron_args import read_legacy_args
-
     base, _trained, cfg = release
-    args = read_legacy_args(next(convert_part(capsys, base, tmp_path / "part", "legacy", (1, 1, 1))
-                                 .rglob("model_optim_rng.pt")))
+    args = recorded_args(capsys, base, tmp_path)
     flags = model_flags(cfg)
-
-    def value(name):
-        return flags[flags.index(name) + 1]
+    value = functools.partial(flag_value, flags)
 
     assert list(args.spec) == SPEC[1:] and args.position_embedding_type == value("--position-embedding-type")
     assert args.kv_channels == int(value("--kv-channels")) and args.num_query_groups == int(value("--num-query-groups"))
@@ -133,16 +130,6 @@ def test_use_checkpoint_args_builds_the_class_from_the_recorded_spec(capsys, tmp
     ``convert`` records, so the run builds the family's class, loads strictly and computes what
     mmparity's loader computes (torch_dist at TP 2 x PP 2)."""
     base, _trained, cfg = release
-    tp, pp, ep = GRID
-    src = convert_part(capsys, base, tmp_path / "part", "torch_dist", GRID)
-    reference = convert_part(capsys, base, tmp_path / "reference", "legacy", GRID)
-    argv = lm.only(model_flags(cfg), NOT_RESTORED) + lm.run_flags(
-        tp=tp, pp=pp, ep=ep, fmt="torch_dist", load=str(src), save=str(tmp_path / "unused"),
-        vocab=cfg.text_config.vocab_size)
-    argv += ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
-    assert "--spec" not in argv and "--kv-channels" not in argv and "--num-layers" not in argv
-    results = run_ranks(dict(family=FAMILY, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
-                             reference=str(reference), vocab=cfg.text_config.vocab_size))
-    assert_loaded_as_mmparity_loads(results)
-    report(capsys, f"--use-checkpoint-args {FAMILY} torch_dist: logits vs HF rel_l2 "
-                   f"{max(r['hf_rel_l2'] for r in results if 'hf_rel_l2' in r):.2g}")
+    run_with_checkpoint_args(capsys, tmp_path, family=FAMILY, base=base, cfg=cfg,
+                             kept=lm.only(model_flags(cfg), NOT_RESTORED), grid=GRID, fmt="torch_dist",
+                             absent=("--spec", "--kv-channels", "--num-layers"))
