@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import gpt_model
 from megatron.core.transformer import transformer_block
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mmparity.config import config_view, padded_vocab_size, tied_embeddings
