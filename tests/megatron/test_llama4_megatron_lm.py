@@ -26,12 +26,14 @@ otherwise, as in CI. The CPU stand-ins are the harness's (``tests/megatron_lm_gp
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from mmparity.models import registry as families
 from tests import megatron_lm_gpt as lm
 from tests.io.test_megatron_written import make_pair
-from tests.megatron.test_megatron_lm_gpt import convert_part, train_and_export
+from tests.megatron.test_megatron_lm_gpt import flag_value, recorded_args, train_and_export
 
 SKIP = lm.skip_reason()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.slow]
@@ -84,15 +86,10 @@ def release(tmp_path_factory):
 
 def test_the_flags_are_the_recorded_args(capsys, tmp_path, release):
     """What ``convert`` records says what the flags say: the two cannot drift apart unseen."""
-    from mmparity.io.megatron_args import read_legacy_args
-
     base, _trained, cfg = release
-    args = read_legacy_args(next(convert_part(capsys, base, tmp_path / "part", "legacy", (1, 1, 1))
-                                 .rglob("model_optim_rng.pt")))
+    args = recorded_args(capsys, base, tmp_path)
     flags = model_flags(cfg)
-
-    def value(name):
-        return flags[flags.index(name) + 1]
+    value = functools.partial(flag_value, flags)
 
     assert args.num_experts == int(value("--num-experts")) and args.ffn_hidden_size == int(value("--ffn-hidden-size"))
     assert args.moe_layer_freq == [int(c) for c in value("--moe-layer-freq").strip("[]").split(",")]

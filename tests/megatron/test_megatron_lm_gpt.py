@@ -183,6 +183,37 @@ def test_pretrain_gpt_loads_trains_saves_and_exports(capsys, tmp_path, releases,
                      optimizer=optimizer, verify_saved=True)
 
 
+def recorded_args(capsys, release: Path, tmp_path: Path):
+    """The ``args`` that ``convert --part language_model`` records for ``release`` (legacy, TP 1)."""
+    from mmparity.io.megatron_args import read_legacy_args
+
+    return read_legacy_args(next(convert_part(capsys, release, tmp_path / "part", "legacy", (1, 1, 1))
+                                 .rglob("model_optim_rng.pt")))
+
+
+def flag_value(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def run_with_checkpoint_args(capsys, tmp_path: Path, *, family: str, base: Path, cfg, kept: list[str], grid: tuple,
+                             fmt: str, absent: tuple) -> None:
+    """A run given its own flags, ``--use-checkpoint-args`` and ``kept`` (what Megatron-LM's
+    ``load_args_from_checkpoint`` does not restore), none of ``absent``: built from the ``args``
+    mmparity wrote, it loads strictly and computes what mmparity's loader and HF compute."""
+    tp, pp, ep = grid
+    src = convert_part(capsys, base, tmp_path / "part", fmt, grid)
+    reference = src if fmt == "legacy" else convert_part(capsys, base, tmp_path / "reference", "legacy", grid)
+    argv = kept + lm.run_flags(tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(tmp_path / "unused"),
+                               vocab=cfg.text_config.vocab_size)
+    argv += ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
+    assert not set(absent) & set(argv), argv
+    results = run_ranks(dict(family=family, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
+                             reference=str(reference), vocab=cfg.text_config.vocab_size))
+    assert_loaded_as_mmparity_loads(results)
+    report(capsys, f"--use-checkpoint-args {family} {fmt}: logits vs HF rel_l2 "
+          f"{max(r['hf_rel_l2'] for r in results if 'hf_rel_l2' in r):.2g}")
+
+
 @pytest.mark.parametrize("family, fmt", [("kimi_k25_vl", "legacy"), ("mistral3", "torch_dist")])
 def test_use_checkpoint_args_rebuilds_the_model(capsys, tmp_path, releases, family, fmt):
     """Only the run's own flags, ``--use-checkpoint-args``, and what Megatron-LM's
@@ -190,18 +221,9 @@ def test_use_checkpoint_args_rebuilds_the_model(capsys, tmp_path, releases, fami
     MLA its ranks, head widths, YaRN and router groups): the model is built from the ``args``
     mmparity wrote (MoE widths included), loads strictly and computes what HF computes."""
     base, _trained, cfg = releases[family]
-    tp, pp, ep = grid = GRIDS[family]
-    src = convert_part(capsys, base, tmp_path / "part", fmt, grid)
-    reference = src if fmt == "legacy" else convert_part(capsys, base, tmp_path / "reference", "legacy", grid)
-    argv = lm.only(lm.model_flags(cfg), lm.NOT_RESTORED) + lm.run_flags(
-        tp=tp, pp=pp, ep=ep, fmt=fmt, load=str(src), save=str(tmp_path / "unused"), vocab=cfg.text_config.vocab_size)
-    argv += ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
-    assert "--num-experts" not in argv and "--moe-ffn-hidden-size" not in argv and "--num-layers" not in argv
-    results = run_ranks(dict(family=family, tp=tp, pp=pp, ep=ep, argv=argv, load=str(src), hf=str(base),
-                             reference=str(reference), vocab=cfg.text_config.vocab_size))
-    assert_loaded_as_mmparity_loads(results)
-    report(capsys, f"--use-checkpoint-args {family} {fmt}: logits vs HF rel_l2 "
-          f"{max(r['hf_rel_l2'] for r in results if 'hf_rel_l2' in r):.2g}")
+    run_with_checkpoint_args(capsys, tmp_path, family=family, base=base, cfg=cfg,
+                             kept=lm.only(lm.model_flags(cfg), lm.NOT_RESTORED), grid=GRIDS[family], fmt=fmt,
+                             absent=("--num-experts", "--moe-ffn-hidden-size", "--num-layers"))
 
 
 def test_use_checkpoint_args_alone_cannot_build_mla(capsys, tmp_path):

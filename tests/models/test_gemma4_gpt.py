@@ -5,6 +5,11 @@ modules megatron-core lacks: a per-layer config and RoPE in the attention (the f
 their RoPE proportional), a weightless value norm, the layer scalar. No embedding scale and no
 logit cap: the reference is HF run that way, and HF's own run differs (shown here).
 
+Megatron-LM's ``--spec mmparity.models.gemma4.megatron LAYER`` builds the same class from the flags'
+config and the ``hf_config.json`` beside ``--load`` (shown here with Megatron-LM's ``get_args``
+stood in for; its own run: tests/megatron/test_gemma4_megatron_lm.py), and refuses in one line
+without that file or with a flag it contradicts.
+
 ``check --impl megatron`` passes (``check --hf`` on a saved release too) and locates a perturbed
 weight; the class's state dict is the ``--part language_model`` checkpoint's; ``verify --load``
 loads strictly at TP 2 x PP 2 in both formats, the part alone and the whole release, whose
@@ -202,3 +207,106 @@ def test_whole_convert_verify_load_and_back_with_base_is_bit_exact(capsys, relea
     expected, got = load_safetensors_state_dict(release), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+def _megatron_lm_run(mp, load) -> None:
+    """Megatron-LM's ``get_args`` (its ``megatron.training``, Megatron-LM main's only) as a run sets
+    it, ``--load`` naming ``load``."""
+    import argparse
+    import sys
+    import types
+
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: argparse.Namespace(load=str(load), pretrained_checkpoint=None)
+    mp.setitem(sys.modules, "megatron.training", training)
+
+
+def _flags_builder(flags_config=None):
+    """The family's class as Megatron-LM's ``gpt_builder`` builds it with ``--spec ... LAYER``: the
+    block's config what the flags give (``--swiglu``'s SiLU, no ``softmax_scale``: no flag has
+    Gemma's), or ``flags_config`` of the recipe's."""
+    import torch.nn.functional as F
+
+    from mmparity.models.gemma4 import megatron as gemma4_megatron
+
+    def build(cfg, params_dtype=torch.float32, **options):
+        config = dataclasses.replace(gemma4_megatron.megatron_config(cfg.text_config, params_dtype),
+                                     activation_func=F.silu, softmax_scale=None)
+        config = flags_config(config) if flags_config else config
+        return gemma4_megatron.build_language_model(cfg, params_dtype, layer=gemma4_megatron.LAYER, config=config,
+                                                    **options)
+    return build
+
+
+def _check_through_spec(mp, load, flags_config=None, **check):
+    from mmparity.models.gemma4 import megatron as gemma4_megatron
+
+    _megatron_lm_run(mp, load)
+    gemma4_megatron.text_config_beside.cache_clear()
+    record = dataclasses.replace(gemma4_megatron.LANGUAGE_MODEL, build=_flags_builder(flags_config))
+    mp.setitem(families.get(FAMILY).hooks.megatron, "GPTModel", record)
+    return harness.check(FAMILY, impl="megatron", seed=5, **check)
+
+
+@pytest.fixture
+def beside(tmp_path):
+    """A checkpoint root holding the tiny config as ``convert`` keeps it (``hf_config.json``)."""
+    from mmparity.io.layout import HF_CONFIG_FILE
+    from mmparity.models.gemma4 import reference
+
+    cfg = reference.tiny_config()
+    cfg.save_pretrained(tmp_path)
+    (tmp_path / "config.json").rename(tmp_path / HF_CONFIG_FILE)
+    return tmp_path, cfg
+
+
+def test_the_spec_layer_builds_the_class_from_the_hf_config_beside_load(beside):
+    """From the flags' config (one width, SiLU, the default scale) and the file, each layer is the
+    class's: the check passes as the class's own does."""
+    root, cfg = beside
+    with pytest.MonkeyPatch.context() as mp:
+        report = _check_through_spec(mp, root, cfg=cfg)
+    assert report.passed, [(r.check, r.metrics) for r in _megatron(report).values()]
+    assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in _megatron(report).values())
+
+
+def test_the_spec_layer_keys_torch_dist_layer_by_layer(beside):
+    """No flag sets the block's ``hetereogenous_dist_checkpoint``: building a layer sets it on the
+    config the block hands it (the block's own), so torch_dist keys the wider layers apart."""
+    root, cfg = beside
+    with pytest.MonkeyPatch.context() as mp, runtime.parallel_context(1, 1):
+        _megatron_lm_run(mp, root)
+        model = models.build(_flags_builder(lambda c: dataclasses.replace(c, hetereogenous_dist_checkpoint=False)),
+                             cfg)
+    assert model.decoder.config.hetereogenous_dist_checkpoint
+    assert [type(layer).__name__ for layer in model.decoder.layers] == ["ScaledLayer"] * len(model.decoder.layers)
+
+
+def test_the_spec_layer_refuses_without_the_hf_config_beside_load(tmp_path):
+    from mmparity.io.fsio.errors import CheckpointError
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(CheckpointError) as caught:
+        _check_through_spec(mp, tmp_path)
+    line = str(caught.value)
+    assert "\n" not in line and "hf_config.json: not found" in line and "--load" in line and "--save = --load" in line
+
+
+@pytest.mark.parametrize("flag, field, value", [("--kv-channels", "kv_channels", 16),
+                                                ("--window-size", "window_size", (5, 0)),
+                                                ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True)])
+def test_a_flag_the_hf_config_contradicts_is_named(beside, flag, field, value):
+    """The full layers' width as the flags' one, the window one key too wide, zero-centred norms:
+    each refused in one line naming the flag and the file."""
+    root, cfg = beside
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError) as caught:
+        _check_through_spec(mp, root, lambda c: dataclasses.replace(c, **{field: value}), cfg=cfg)
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(str(root / "hf_config.json")) and f"{flag} gives {field}=" in line
+
+
+def test_the_recorded_spec_is_the_modules():
+    from mmparity.models.gemma4 import megatron as gemma4_megatron
+
+    recorded = dict(families.get(FAMILY).megatron_args)
+    assert tuple(recorded["spec"]) == gemma4_megatron.SPEC and recorded["position_embedding_type"] == "none"
+    assert isinstance(gemma4_megatron.LAYER.module, type) and gemma4_megatron.SPEC[1] == "LAYER"

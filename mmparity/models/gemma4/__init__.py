@@ -16,4 +16,11 @@ FAMILY = FamilyRecord(
     takes_whole=(Takes(architecture="Gemma4ForConditionalGeneration", text_model_type="gemma4_text"),
                  Takes(model_type="gemma4", text_model_type="gemma4_text")),
     with_language=True,
+    # What a Megatron-LM run given --use-checkpoint-args builds its language model with: the
+    # family's layer (its widths and RoPE read from the hf_config.json beside the checkpoint,
+    # mmparity.models.gemma4.megatron) and no position embedding of the model's own (each layer
+    # rotates with its own table), the gated MLP layout (the only gated one Megatron-LM's flags
+    # name: --swiglu; the layer takes the tanh GeGLU from that file).
+    megatron_args=(("spec", ["mmparity.models.gemma4.megatron", "LAYER"]), ("position_embedding_type", "none"),
+                   ("swiglu", True)),
 )

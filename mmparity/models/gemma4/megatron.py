@@ -20,6 +20,12 @@ What megatron-core has no place for, each the smallest module that holds it:
 * ``layer_scalar``: the stock layer whose output is multiplied by it, a buffer of the layer
   (:class:`~mmparity.models.parts.gemma4_text.native.ScaledLayer`), as the converter writes it.
 
+Megatron-LM's ``pretrain_gpt.py`` builds it with ``--spec mmparity.models.gemma4.megatron LAYER``
+(:class:`Gemma4Layer`): what its flags cannot say (each layer's width, key/value heads and RoPE, the
+tanh GeGLU, ``softmax_scale`` 1, the block keyed layer by layer in torch_dist) is read from the HF
+config ``mmparity convert`` keeps beside the checkpoint the run loads (``--load``), and what they
+can say is checked against it.
+
 What the class computes differently from HF, by design (``GPTModel`` has neither): its embedding
 is not scaled by ``sqrt(hidden)`` and its logits are not soft-capped. The reference it is
 compared with is HF's text model run that way (:func:`_reference_language_model`): the unscaled
@@ -29,20 +35,28 @@ table looked up as ``inputs_embeds``, the head's logits uncapped.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import gpt_model
 from megatron.core.transformer import transformer_block
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mmparity.config import padded_vocab_size, tied_embeddings
+from mmparity.config import config_view, padded_vocab_size, tied_embeddings
+from mmparity.io.fsio.errors import CheckpointError
+from mmparity.io.fsio.paths import refuse_links_outside
+from mmparity.io.hf import read_config_json, refuse_unusable_sizes
+from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
 from mmparity.models.gemma3 import megatron as gemma3
 from mmparity.models.llava import megatron as llava
 from mmparity.models.parts.gemma4_text.config import (
-    SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
+    HF_CONFIGS, SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
 from mmparity.models.parts.gemma4_text.native import ScaledLayer, rms_norm
 from mmparity.models.parts.gemma_blocks import PerLayerRopeSelfAttention
 from mmparity.models.spec import Case
@@ -79,10 +93,100 @@ def megatron_config(text, params_dtype=torch.float32):
     return dataclasses.replace(transformer_config(text, params_dtype), **extra)
 
 
+# What Megatron-LM's flags cannot say (its config-derived flags leave both out), taken from the HF
+# config: the tanh GeGLU (``--swiglu`` gives the gated layout with SiLU) and the unscaled attention.
+NOT_IN_FLAGS = ("activation_func", "softmax_scale")
+# What they can, checked against the HF config: the flag, then the TransformerConfig field it sets.
+FLAGS = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"), ("--ffn-hidden-size", "ffn_hidden_size"),
+         ("--num-attention-heads", "num_attention_heads"), ("--num-query-groups", "num_query_groups"),
+         ("--kv-channels", "kv_channels"), ("--normalization", "normalization"),
+         ("--norm-epsilon", "layernorm_epsilon"), ("--apply-layernorm-1p", "layernorm_zero_centered_gamma"),
+         ("--qk-layernorm", "qk_layernorm"), ("--swiglu", "gated_linear_unit"),
+         ("--disable-bias-linear", "add_bias_linear"), ("--window-size", "window_size"),
+         ("--window-attn-skip-freq", "window_attn_skip_freq"))
+SPEC = ("mmparity.models.gemma4.megatron", "LAYER")
+
+
+@functools.lru_cache(maxsize=4)
+def text_config_beside(root: str):
+    """The Gemma 4 text config of the ``hf_config.json`` mmparity keeps at a checkpoint's root
+    (read bounded, NaN refused, as every config is), and that file's path."""
+    path = Path(root) / HF_CONFIG_FILE
+    spec = " ".join(("--spec",) + SPEC)
+    if not (path.is_symlink() or path.exists()):
+        raise CheckpointError(f"{path}: not found; {spec} reads Gemma 4's per-layer widths and RoPE from the "
+                              f"{HF_CONFIG_FILE} mmparity convert writes: point --load at the directory convert wrote "
+                              f"(saving into it, --save = --load, keeps the file) or copy its {HF_CONFIG_FILE} there")
+    refuse_links_outside(path.parent, root_names=[HF_CONFIG_FILE])
+    data = read_config_json(path)
+    text = data if data.get("model_type") in HF_CONFIGS else data.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type") not in HF_CONFIGS:
+        raise CheckpointError(f"{path}: no Gemma 4 text config (model_type {', '.join(HF_CONFIGS)}) for {spec}; "
+                              "point --load at a Gemma 4 checkpoint mmparity convert wrote")
+    refuse_unusable_sizes(text, path)
+    text = config_view(text, HF_CONFIGS)
+    problems = config_problems(text)
+    if problems:
+        raise CheckpointError(f"{path}: unsupported Gemma 4 language model: " + "; ".join(problems))
+    return text, path
+
+
+def _same(a, b) -> bool:
+    return (list(a) == list(b)) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
+def run_layer_config(config, text, where) -> TransformerConfig:
+    """The layer's config from the run's (Megatron-LM's flags): what the flags say checked against
+    the HF text config (one line naming the flag where they differ), what they cannot say taken
+    from :func:`megatron_config`."""
+    want = megatron_config(text, config.params_dtype)
+    for flag, field in FLAGS:
+        got, expected = getattr(config, field), getattr(want, field)
+        if not _same(got, expected):
+            raise ValueError(f"{where}: {flag} gives {field}={got!r} where the HF config says {expected!r}; pass "
+                             f"the flag as {where} says ({' '.join(('--spec',) + SPEC)})")
+    return dataclasses.replace(config, **{field: getattr(want, field) for field in NOT_IN_FLAGS})
+
+
+class Gemma4Layer(TransformerLayer):
+    """Not a layer class of its own: building it builds :func:`layer_spec`'s layer (a
+    :class:`ScaledLayer`) for the HF text config beside the run's checkpoint. A ``ModuleSpec``
+    imported by ``--spec`` is built without any model fact past Megatron-LM's flags, which have
+    no per-layer width, key/value heads or RoPE; this reads them when the block builds the layer,
+    from the file Megatron-LM's own ``args.load`` names (no environment variable: what launched the
+    run cannot leak into the model).
+
+    The block keys its layers one by one in torch_dist (their tensors differ in width), a field of
+    the block's config that no flag sets: set here on the config the block hands every layer, which
+    is the block's own."""
+
+    def __new__(cls, config, submodules=None, layer_number: int = 1, pg_collection=None, vp_stage=None,
+                **kwargs):
+        from megatron.training import get_args  # Megatron-LM's own globals: only a run of it builds this
+
+        args = get_args()
+        root = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
+        if not root:
+            raise ValueError(f"{' '.join(('--spec',) + SPEC)} needs --load: the checkpoint mmparity convert wrote, "
+                             f"whose {HF_CONFIG_FILE} says Gemma 4's per-layer widths and RoPE")
+        text, path = text_config_beside(str(root))
+        layer_config = run_layer_config(config, text, path)
+        config.hetereogenous_dist_checkpoint = True
+        return build_module(layer_spec(text), config=layer_config, layer_number=layer_number,
+                            pg_collection=pg_collection, vp_stage=vp_stage, **kwargs)
+
+
+# What Megatron-LM's ``--spec mmparity.models.gemma4.megatron LAYER`` imports.
+LAYER = ModuleSpec(module=Gemma4Layer)
+
+
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                         parallel_output: bool = True):
+                         parallel_output: bool = True, *, layer: ModuleSpec | None = None,
+                         config: TransformerConfig | None = None):
     """Stock ``GPTModel`` on :func:`layer_spec` for a whole Gemma 4's text model; this pipeline
-    stage of it. No position embedding of the model's own: each layer's attention rotates."""
+    stage of it. No position embedding of the model's own: each layer's attention rotates.
+    ``layer`` / ``config``: what Megatron-LM's ``gpt_builder`` hands ``GPTModel`` in their place
+    (``--spec``'s :data:`LAYER`, the config of its flags), to build that path without Megatron-LM."""
     text = cfg.text_config
     problems = config_problems(text)
     if problems:
@@ -91,7 +195,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
     tp = layout.tp if layout is not None else 1
     with buildable_without_te(gpt_model, transformer_block):
         model = gpt_model.GPTModel(
-            config=megatron_config(text, params_dtype), transformer_layer_spec=layer_spec(text),
+            config=config or megatron_config(text, params_dtype), transformer_layer_spec=layer or layer_spec(text),
             vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
             max_sequence_length=text.max_position_embeddings,
             pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),
