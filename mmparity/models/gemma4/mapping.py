@@ -23,6 +23,7 @@ from mmparity.config import tied_embeddings
 from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet, nested_rules, rename
 from mmparity.models.gemma4_vision import mapping as tower
 from mmparity.models.parts.gemma4_text import mapping as language
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.config import config_problems as language_problems
 from mmparity.models.parts.gemma4_text.config import tp_problems as language_tp_problems
 
@@ -50,7 +51,7 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
     text, tied = cfg.text_config, tied_embeddings(cfg)
     rules = (language.language_rules(text, LM_ROOT, HEAD, tied=tied) + vision
              + (rename("vision_projection.encoder.linear_fc1.weight", "model.embed_vision.embedding_projection.weight"),))
-    drops = AUDIO + ((f"^{re.escape(HEAD)}$",) if tied else ())
+    drops = AUDIO + ((f"^{re.escape(HEAD)}$",) if tied else ()) + per_layer.unused_hf(text, LM_ROOT)
     return RuleSet(rules=rules, variables={**language.variables(text), **vision_vars}, hf_prefixes=("",),
                    drop_hf=drops, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp),
                    part_tp={"language_model.": lambda tp: language_tp_problems(text, tp),
