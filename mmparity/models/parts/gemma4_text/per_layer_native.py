@@ -77,12 +77,14 @@ class PerLayerInputs(torch.nn.Module):
                                                  config=config)
         self.projection = Linear(config, text.hidden_size, self.layers * self.width)
         self.projection_norm = RMSNorm(config, self.width, text.rms_norm_eps)
+        # The table's scaled output, as a module of its own (no state) that parity pairs with HF's.
+        self.looked_up = torch.nn.Identity()
         self.relay = relay
 
     def forward(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` (placeholders already the pad id), ``embedded`` ``[s, b, h]``
         -> ``[s, b, layers, P]``, which the layers read from the relay."""
-        looked_up = _scaled(self.embeddings(input_ids.t().contiguous()), self.width ** 0.5)
+        looked_up = self.looked_up(_scaled(self.embeddings(input_ids.t().contiguous()), self.width ** 0.5))
         projected = self.projection(embedded) * self.hidden ** -0.5
         shape = (*embedded.shape[:-1], self.layers, self.width)
         projected = self.projection_norm(projected.reshape(shape))
