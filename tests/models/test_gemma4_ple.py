@@ -80,22 +80,27 @@ def test_negative_controls_fail_and_name_the_part(mutate, module):
     assert failures and {r.first_divergence.module for r in failures} == {module}
 
 
-def test_shared_layers_attend_over_the_earlier_layers_keys():
-    """With a shared layer's keys and values taken from the wrong earlier layer, the logits leave the bound."""
-    from mmparity.models.parts.gemma4_text import per_layer_native
+def test_shared_layers_attend_over_the_last_earlier_layer_of_their_type():
+    """Layers sliding, sliding, full, sliding, full, the last two shared: layer 3 reads layer 1's
+    keys and values (the last sliding one before the shared layers). Read from layer 0 (also
+    sliding) instead, the logits leave the bound."""
+    from mmparity.models.gemma4 import reference
+    from mmparity.models.parts.gemma4_text import per_layer, per_layer_native
 
-    cfg = _config()
+    cfg = reference.tiny_e2b_config(num_hidden_layers=5, layer_types=["sliding_attention", "sliding_attention",
+                                                                      "full_attention", "sliding_attention",
+                                                                      "full_attention"])
+    assert per_layer.shared_from(cfg.text_config) == (None, None, None, 1, 2)
     assert harness.check("gemma4", cfg=cfg, seed=1, components=False).passed
     init = per_layer_native.SharedKVSelfAttention.__init__
 
-    def swapped(self, *args, **kwargs):
+    def from_the_first(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        if self.source is not None:
-            self.source = 1 - self.source
-            return
-        self.stores = True
+        self.stores = self.stores or self.index == 0
+        if self.source == 1:
+            self.source = 0
 
-    per_layer_native.SharedKVSelfAttention.__init__ = swapped
+    per_layer_native.SharedKVSelfAttention.__init__ = from_the_first
     try:
         assert not harness.check("gemma4", cfg=cfg, seed=1, components=False).passed
     finally:
@@ -119,8 +124,8 @@ def test_shared_layers_key_values_in_a_checkpoint_are_left_out_and_counted(saved
     assert _run("convert", "--src", tmp_path / "hf", "--dst", tmp_path / "mcore", "--to", "mcore") == 0
     said = capsys.readouterr()
     out = said.out + said.err
-    assert "model.language_model.layers.3.self_attn.k_proj (1 tensor" in out, out
-    assert f"left out {len(extra)} of " in out, out
+    # Counted under the module they belong to (the report groups layers' tensors by model).
+    assert f"left out {len(extra)} of " in out and f"model.language_model ({len(extra)} tensors" in out, out
 
 
 @pytest.mark.parametrize("argv", [("verify", "{mcore}", "--load"), ("check", "--hf", "{hf}", "--impl", "megatron")])
