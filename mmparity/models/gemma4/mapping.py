@@ -10,6 +10,10 @@ parts' tables, not restated here:
 * the language model: the ``gemma4_text`` part's table under ``model.language_model.``; the head is
   tied (``lm_head.weight``, where a state dict lists it, is dropped: the table's values are used).
 
+E2B / E4B's per-layer inputs and shared layers: the part's :mod:`~mmparity.models.parts.gemma4_text.per_layer`
+rules; key / value tensors a checkpoint carries for shared layers (no model reads them) are left out
+by name and counted.
+
 The audio tower and its embedder (``model.audio_tower.``, ``model.embed_audio.``) are out of scope:
 dropped by name, and convert reports them in counts and bytes. transformers' module names are what
 ``save_pretrained`` writes for this class: one layout.
@@ -44,7 +48,7 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                               [f"got {hf_format!r}; this family knows {', '.join(FORMATS)}"])
     problems = language_problems(cfg.text_config)
     if problems:
-        # Tensors no rule places (the MoE block's, the per-layer inputs') would only show as
+        # Tensors no rule places (the MoE block's) would only show as
         # unconsumed: say which part of the model is not built instead.
         raise ConversionError("this Gemma 4 model has parts the family does not build", problems)
     vision, vision_vars = nested_rules(tower.rule_set(cfg.vision_config), "vision_model.", TOWER_ROOT, "vision_")

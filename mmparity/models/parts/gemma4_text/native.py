@@ -20,8 +20,10 @@ q/k norms, sliding and full layers each rotating with its own RoPE) with what Ge
 A full layer whose keys are its values (``attention_k_eq_v``) is a stock layer whose value rows of
 ``linear_qkv`` equal its key rows (the converter writes them so): its values are the key
 projection's output, value-normed, as transformers computes them. What
-:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (MoE block, per-layer input
-embeddings, shared keys and values) is refused, not built.
+:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (the MoE block) is refused,
+not built. E2B / E4B's per-layer inputs and shared keys / values are built by
+:mod:`~mmparity.models.parts.gemma4_text.per_layer_native`'s builder, on this one; this builder
+refuses them rather than build a model without them.
 """
 
 from __future__ import annotations
