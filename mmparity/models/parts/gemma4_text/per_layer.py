@@ -108,7 +108,7 @@ def megatron_refusal(text) -> str | None:
     if not missing:
         return None
     return ("megatron-core's GPTModel has no " + " nor ".join(missing)
-            + "; check this model with --impl native (the default)")
+            + "; the native model runs it (check --impl native)")
 
 
 # --- converter rules ---------------------------------------------------------------------------------
