@@ -171,3 +171,20 @@ def test_legacy_tp2_pp2_places_the_per_layer_tables_on_the_first_stage_split_by_
     assert not any("linear_qkv" in k or "k_layernorm" in k for k in last)
     for key in ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight"):
         assert LM + "decoder.layers.1." + key in first and LM + "decoder.layers.1." + key in last
+
+
+@pytest.mark.slow
+def test_check_at_tp2_passes(saved, capsys):
+    """The per-layer table split by vocabulary rows, a shared layer's queries split by heads."""
+    assert _run("check", "--hf", saved, "--tp", 2) == 0
+
+
+def test_pipeline_stages_are_refused_by_name_for_the_check():
+    """Even untied (the tied head alone refuses stages): a stage would need the first stage's
+    per-layer inputs and an earlier stage's keys."""
+    cfg = _config()
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = False
+    problems = families.get("gemma4").hooks.config.pipeline_problems(cfg, 2)
+    assert len(problems) == 2
+    assert "hidden_size_per_layer_input" in problems[0] and "num_kv_shared_layers" in problems[1]
+    assert families.get("gemma4").hooks.config.pipeline_problems(cfg, 1) == []
