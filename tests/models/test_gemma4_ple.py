@@ -188,3 +188,22 @@ def test_pipeline_stages_are_refused_by_name_for_the_check():
     assert len(problems) == 2
     assert "hidden_size_per_layer_input" in problems[0] and "num_kv_shared_layers" in problems[1]
     assert families.get("gemma4").hooks.config.pipeline_problems(cfg, 1) == []
+
+
+def test_with_an_audio_tower_as_e2b_has_check_passes_and_convert_counts_it(tmp_path, capsys):
+    """The tower and its embedder are saved by transformers, left out by convert and counted, and
+    not part of the model checked (audio is out of scope)."""
+    from transformers import Gemma4AudioConfig, Gemma4ForConditionalGeneration
+
+    cfg = _config()
+    cfg.audio_config = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         subsampling_conv_channels=[4, 4], conv_kernel_size=3, output_proj_dims=16)
+    model = Gemma4ForConditionalGeneration(cfg)
+    model.load_state_dict(random_like_state(model.state_dict(), seed=5))
+    model.save_pretrained(tmp_path / "hf")
+    audio = [k for k in model.state_dict() if k.startswith(("model.audio_tower.", "model.embed_audio."))]
+    capsys.readouterr()
+    assert _run("check", "--hf", tmp_path / "hf") == 0
+    assert _run("convert", "--src", tmp_path / "hf", "--dst", tmp_path / "mcore", "--to", "mcore") == 0
+    said = capsys.readouterr()
+    assert f"left out {len(audio)} of " in said.out + said.err

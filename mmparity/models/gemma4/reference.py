@@ -55,6 +55,9 @@ def build(cfg):
     from transformers import Gemma4ForConditionalGeneration
 
     model = fill_tied_head(Gemma4ForConditionalGeneration(cfg).to(torch.float32).eval(), cfg)
+    # Audio is out of scope (convert leaves the tower and its embedder out by name, no case carries
+    # any): the model checked has neither, so a checkpoint with them (E2B / E4B) loads strictly.
+    model.model.audio_tower = model.model.embed_audio = None
     if tied_embeddings(cfg):
         # The state dict names the tied table once, as save_pretrained writes it (Gemma 3's reason).
         def once(module, state_dict, prefix, *unused):
