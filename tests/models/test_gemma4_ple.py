@@ -161,8 +161,10 @@ def test_legacy_tp2_pp2_places_the_per_layer_tables_on_the_first_stage_split_by_
              for name in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001")}
     first, second, last = ranks["mp_rank_00_000"], ranks["mp_rank_01_000"], ranks["mp_rank_00_001"]
     table = LM + "embedding.per_layer.embeddings.weight"
-    # 97 rows padded to 128, 64 a rank; 4 layers x 6 columns.
-    assert first[table].shape == second[table].shape == (64, 24)
+    # Padded and split as the word embedding is (97 rows to 128 x TP, 128 a rank); 4 layers x 6 columns.
+    rows = first[LM + "embedding.word_embeddings.weight"].shape[0]
+    assert first[table].shape == second[table].shape == (rows, 24) and rows == 128
+    assert not torch.equal(first[table], second[table])
     assert first[LM + "embedding.per_layer.projection.weight"].shape == (24, 40)
     assert not any(k.startswith(LM + "embedding.per_layer.") for k in last)
     # Layers 2 and 3 (the shared ones) are the last stage's 0 and 1: queries only, no key norm.
