@@ -15,6 +15,7 @@ import torch
 
 from mmparity.models import registry as families
 from mmparity.models.core.inputs import random_like_state
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.parity import harness
 from tests.hf_roundtrip import bump as _bump
 from tests.hf_roundtrip import run_cli as _run
@@ -41,7 +42,9 @@ def saved(tmp_path_factory):
 def test_the_tiny_config_is_e2b_like():
     text = _config().text_config
     assert text.hidden_size_per_layer_input and text.num_kv_shared_layers == 2 and text.use_double_wide_mlp
-    assert text.kv_sharing_modes == [None, None, "reuse", "reuse"] or "reuse" in text.kv_sharing_modes
+    # transformers' own assignment and ours: layers 2 and 3 read layers 0 (sliding) and 1 (full).
+    assert text.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    assert per_layer.shared_from(text) == (None, None, 0, 1)
     assert text.hidden_size % text.hidden_size_per_layer_input  # awkward: divides nothing
     assert families.get("gemma4").hooks.config.problems(_config()) == []
 
@@ -85,7 +88,7 @@ def test_shared_layers_attend_over_the_last_earlier_layer_of_their_type():
     keys and values (the last sliding one before the shared layers). Read from layer 0 (also
     sliding) instead, the logits leave the bound."""
     from mmparity.models.gemma4 import reference
-    from mmparity.models.parts.gemma4_text import per_layer, per_layer_native
+    from mmparity.models.parts.gemma4_text import per_layer_native
 
     cfg = reference.tiny_e2b_config(num_hidden_layers=5, layer_types=["sliding_attention", "sliding_attention",
                                                                       "full_attention", "sliding_attention",

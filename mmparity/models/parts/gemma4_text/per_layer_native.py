@@ -9,6 +9,8 @@ the whole model fills it before the decoder runs and empties it after.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -100,8 +102,6 @@ class PerLayerInputLayer(ScaledLayer):
         number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"))
         ffn = mlp_width(text, number - 1)
         if ffn != config.ffn_hidden_size:
-            import dataclasses
-
             config = dataclasses.replace(config, ffn_hidden_size=ffn)
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.relay = relay
@@ -157,8 +157,6 @@ class SharedKVSelfAttention(PerLayerRopeSelfAttention):
 
 def layer_spec(text, relay: Relay):
     """The part's layer spec with the layer and attention above, both handed the relay."""
-    import dataclasses
-
     base = native.layer_spec(text)
     attention = base.submodules.self_attention
     attention = dataclasses.replace(attention, module=SharedKVSelfAttention,
