@@ -36,9 +36,17 @@ def _all_moe_kimi():
     return cfg
 
 
-# Every registered family (under a second each), and a MoE language model with no dense layer.
+def _gemma4_e2b():
+    from mmparity.models.gemma4 import reference
+
+    return reference.tiny_e2b_config()
+
+
+# Every registered family (under a second each), a MoE language model with no dense layer, and
+# Gemma 4 E2B's per-layer table and query-only shared layers.
 CASES = [pytest.param(name, None, id=name) for name in families.names()]
 CASES.append(pytest.param("kimi_k25_vl", _all_moe_kimi, id="kimi_k25_vl-all-moe"))
+CASES.append(pytest.param("gemma4", _gemma4_e2b, id="gemma4-e2b"))
 
 
 def _convert_both(tmp_path: Path, family: str, cfg=None) -> tuple[Path, Path]:

@@ -141,8 +141,7 @@ def test_reference_shapes_are_what_transformers_builds():
 
 @pytest.mark.parametrize("overrides, named", [
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
-    ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input"),
-    ({"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
+    ({"num_kv_shared_layers": 3}, "num_kv_shared_layers"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
 ])
 def test_what_is_not_built_is_refused_by_name(overrides, named):
@@ -152,6 +151,23 @@ def test_what_is_not_built_is_refused_by_name(overrides, named):
     assert len(problems) == 1 and named in problems[0]
     with pytest.raises(ValueError, match=named):
         LanguageModelBuilder(tiny(**overrides))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input"),
+    ({"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
+])
+def test_per_layer_inputs_and_shared_layers_are_the_per_layer_builders(overrides, named):
+    """E2B / E4B's additions are built (tests/models/test_gemma4_ple.py), by the per-layer builder:
+    the plain one refuses them by name rather than build a model without them."""
+    from mmparity.models.parts.gemma4_text import per_layer_native
+    from mmparity.models.parts.gemma4_text.native import LanguageModelBuilder
+
+    assert text_config.config_problems(tiny(**overrides)) == []
+    with pytest.raises(ValueError, match=named):
+        LanguageModelBuilder(tiny(**overrides))
+    assert per_layer_native.needed(tiny(**overrides))
+    per_layer_native.LanguageModelBuilder(tiny(**overrides))
 
 
 # --- parity ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from mmparity.models.record import FamilyRecord, Takes
 FAMILY = FamilyRecord(
     summary="Gemma 4 whole: the gemma4_vision tower (images of any size, pooled), the multimodal embedder "
             "(weightless RMSNorm + linear), the gemma4_text decoder (sliding and wider full layers, value norm, "
-            "layer scalars, soft-capped logits, tied head); images attend within themselves both ways on "
+            "layer scalars, E2B / E4B's per-layer inputs and shared keys/values, soft-capped logits, tied head); images attend within themselves both ways on "
             "sliding layers; audio left out; logits and per-token loss",
     reference_classes=("Gemma4ForConditionalGeneration",),
     compared=("vision layers", "vision_projection", "language layers (norms, attention, mlp)", "final_layernorm"),

@@ -18,10 +18,12 @@ from mmparity.models.core import inputs
 from mmparity.models.core.inputs import next_tokens, token_mask
 from mmparity.models.gemma3.cases import _loss
 from mmparity.models.gemma4 import mapping as converter
-from mmparity.models.gemma4 import native, reference
+from mmparity.models.gemma4 import native, per_layer_pairs, reference
 from mmparity.models.gemma4.megatron import MEGATRON
 from mmparity.models.gemma4_vision import cases as tower_cases
+from mmparity.models.core.layers import numbered_layers
 from mmparity.models.kimi_k25_vl import cases as whole
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.reference import HF_LAYER
 from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, tokens_2d
 
@@ -89,7 +91,7 @@ def reference_pairs(model, cfg, languages) -> list[Pair]:
     out += whole.language_pairs(enumerate(model.model.language_model.layers), languages(cfg), hf=True,
                                 names=HF_LAYER)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
-    return out
+    return per_layer_pairs.reference_pairs(out, model.model.language_model, cfg.text_config)
 
 
 # --- the native side ---------------------------------------------------------------------------------
@@ -110,7 +112,13 @@ def native_run(model, case: Case) -> dict:
 
 
 def native_pairs(model, cfg, languages) -> list[Pair]:
-    return whole.native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs)
+    out = whole.native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs)
+    return per_layer_pairs.native_pairs(out, model.language_model, cfg.text_config,
+                                        numbered_layers(model.language_model.decoder))
+
+
+def pipeline_problems(cfg, pp: int) -> list:
+    return whole.pipeline_problems(cfg, pp) + per_layer.pipeline_problems(cfg.text_config, pp)
 
 
 def random_config(pick):
@@ -120,7 +128,16 @@ def random_config(pick):
     return reference.tiny_config(num_attention_heads=heads, num_key_value_heads=pick([g for g in (1, 2) if heads % g == 0]),
                                  head_dim=pick([8, 12]), global_head_dim=pick([8, 16]), hidden_size=pick([24, 40]),
                                  num_hidden_layers=layers, layer_types=kinds, sliding_window=pick([3, 5, 64]),
-                                 use_bidirectional_attention=pick([None, "vision"]))
+                                 use_bidirectional_attention=pick([None, "vision"]), **_e2b(pick, kinds))
+
+
+def _e2b(pick, kinds) -> dict:
+    """E2B / E4B's additions, drawn: per-layer inputs or none, the last layer sharing the keys and
+    values of an earlier full one where there is one (its MLP doubled or not)."""
+    out = {"hidden_size_per_layer_input": pick([0, 6]), "vocab_size_per_layer_input": 97}
+    if "full_attention" in kinds[:-1] and pick([0, 1]):
+        out |= {"num_kv_shared_layers": 1, "use_double_wide_mlp": pick([False, True])}
+    return out
 
 
 def hooks(towers, languages) -> FamilyHooks:
@@ -138,7 +155,7 @@ def hooks(towers, languages) -> FamilyHooks:
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_multiple=image_size_multiple,
-                           image_size_problems=image_size_problems, pipeline_problems=whole.pipeline_problems),
+                           image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
         reference=Side(reference_run, partial(reference_pairs, languages=languages), whole.no_component, reference.build),
         native=Side(native_run, partial(native_pairs, languages=languages), whole.no_component, build_native),
         converter=converter.SPEC, parity=Parity(cases), megatron=MEGATRON)

@@ -10,6 +10,10 @@ parts' tables, not restated here:
 * the language model: the ``gemma4_text`` part's table under ``model.language_model.``; the head is
   tied (``lm_head.weight``, where a state dict lists it, is dropped: the table's values are used).
 
+E2B / E4B's per-layer inputs and shared layers: the part's :mod:`~mmparity.models.parts.gemma4_text.per_layer`
+rules; key / value tensors a checkpoint carries for shared layers (no model reads them) are left out
+by name and counted.
+
 The audio tower and its embedder (``model.audio_tower.``, ``model.embed_audio.``) are out of scope:
 dropped by name, and convert reports them in counts and bytes. transformers' module names are what
 ``save_pretrained`` writes for this class: one layout.
@@ -23,6 +27,7 @@ from mmparity.config import tied_embeddings
 from mmparity.mapping.rules import ConversionError, ConverterSpec, RuleSet, nested_rules, rename
 from mmparity.models.gemma4_vision import mapping as tower
 from mmparity.models.parts.gemma4_text import mapping as language
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.config import config_problems as language_problems
 from mmparity.models.parts.gemma4_text.config import tp_problems as language_tp_problems
 
@@ -43,14 +48,14 @@ def rule_set(cfg, hf_format: str = "hf") -> RuleSet:
                               [f"got {hf_format!r}; this family knows {', '.join(FORMATS)}"])
     problems = language_problems(cfg.text_config)
     if problems:
-        # Tensors no rule places (the MoE block's, the per-layer inputs') would only show as
+        # Tensors no rule places (the MoE block's) would only show as
         # unconsumed: say which part of the model is not built instead.
         raise ConversionError("this Gemma 4 model has parts the family does not build", problems)
     vision, vision_vars = nested_rules(tower.rule_set(cfg.vision_config), "vision_model.", TOWER_ROOT, "vision_")
     text, tied = cfg.text_config, tied_embeddings(cfg)
     rules = (language.language_rules(text, LM_ROOT, HEAD, tied=tied) + vision
              + (rename("vision_projection.encoder.linear_fc1.weight", "model.embed_vision.embedding_projection.weight"),))
-    drops = AUDIO + ((f"^{re.escape(HEAD)}$",) if tied else ())
+    drops = AUDIO + ((f"^{re.escape(HEAD)}$",) if tied else ()) + per_layer.unused_hf(text, LM_ROOT)
     return RuleSet(rules=rules, variables={**language.variables(text), **vision_vars}, hf_prefixes=("",),
                    drop_hf=drops, hf_format=hf_format, validate_tp=lambda tp: tp_problems(cfg, tp),
                    part_tp={"language_model.": lambda tp: language_tp_problems(text, tp),

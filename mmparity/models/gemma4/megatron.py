@@ -57,6 +57,7 @@ from mmparity.models.gemma3 import megatron as gemma3
 from mmparity.models.llava import megatron as llava
 from mmparity.models.parts.gemma4_text.config import (
     HF_CONFIGS, SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.native import ScaledLayer, rms_norm
 from mmparity.models.parts.gemma_blocks import PerLayerRopeSelfAttention
 from mmparity.models.spec import Case
@@ -125,7 +126,7 @@ def text_config_beside(root: str):
                               "point --load at a Gemma 4 checkpoint mmparity convert wrote")
     refuse_unusable_sizes(text, path)
     text = config_view(text, HF_CONFIGS)
-    problems = config_problems(text)
+    problems = config_problems(text) + [why for why in [per_layer.megatron_refusal(text)] if why]
     if problems:
         raise CheckpointError(f"{path}: unsupported Gemma 4 language model: " + "; ".join(problems))
     return text, path
@@ -188,7 +189,7 @@ def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VO
     ``layer`` / ``config``: what Megatron-LM's ``gpt_builder`` hands ``GPTModel`` in their place
     (``--spec``'s :data:`LAYER`, the config of its flags), to build that path without Megatron-LM."""
     text = cfg.text_config
-    problems = config_problems(text)
+    problems = config_problems(text) + [why for why in [per_layer.megatron_refusal(text)] if why]
     if problems:
         raise ValueError("unsupported Gemma 4 language model: " + "; ".join(problems))
     layout = runtime.current_layout()
@@ -221,6 +222,8 @@ WHY_NO_WHOLE = ("megatron-core's LLaVAModel has no place for Gemma 4's tower (im
 LANGUAGE_MODEL = dataclasses.replace(
     llava.LANGUAGE_MODEL, build=build_language_model, reference_run=_reference_language_model,
     why_part=WHY_NO_WHOLE, unwritten_extra_state=(),
+    # E2B / E4B: the stock class has no per-layer inputs nor layers sharing keys and values.
+    refuses=lambda cfg: per_layer.megatron_refusal(cfg.text_config),
     note="the Gemma 4 language model part (language_model.*) on text-only ids, stock GPTModel on Gemma 3's Megatron "
          "layer (TE spec, sandwich norms on linear_proj / linear_fc2, sliding windows) with plain norms, unscaled "
          "attention and the smallest modules megatron-core lacks: a per-layer config and RoPE in the attention "

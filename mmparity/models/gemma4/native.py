@@ -20,6 +20,7 @@ from mmparity.models.core.stages import build_stage
 from mmparity.models.gemma3.native import Gemma3Model
 from mmparity.models.gemma4_vision import native as tower
 from mmparity.models.llama4.native import Projector
+from mmparity.models.parts.gemma4_text import per_layer_native
 from mmparity.models.parts.gemma4_text.native import rms_norm
 
 
@@ -48,9 +49,28 @@ class Gemma4Model(Gemma3Model):
     """ids and images -> logits or the per-token loss. Images are the processor's
     ``(pixel_values, pixel_position_ids)``, in the order their runs of image tokens appear."""
 
-    def __init__(self, vision, projector, language_model, *, bidirectional: bool, **kwargs):
+    def __init__(self, vision, projector, language_model, *, bidirectional: bool, placeholders=(),
+                 pad_token_id: int = 0, **kwargs):
         super().__init__(vision, projector, language_model, **kwargs)
         self.bidirectional = bidirectional
+        # E2B / E4B's per-layer inputs look the pad token up at multimodal positions.
+        self.placeholders, self.pad_token_id = tuple(placeholders), pad_token_id
+
+    def embed(self, input_ids: torch.Tensor, images) -> torch.Tensor:
+        embedded = super().embed(input_ids, images)
+        per_layer = getattr(self.language_model.embedding, "per_layer", None)
+        if per_layer is not None:
+            marks = torch.tensor(self.placeholders, dtype=input_ids.dtype, device=input_ids.device)
+            per_layer(input_ids.masked_fill(torch.isin(input_ids, marks), self.pad_token_id), embedded)
+        return embedded
+
+    def forward(self, *args, **kwargs):
+        relay = getattr(self.language_model, "per_layer_relay", None)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            if relay is not None:  # the per-layer inputs and shared keys / values of this forward only
+                relay.clear()
 
     def image_features(self, images) -> torch.Tensor:
         pixel_values, positions = images
@@ -67,10 +87,13 @@ def build_native(cfg, params_dtype: torch.dtype = torch.float32, *, language) ->
     """The whole model for a ``Gemma4Config`` at this pipeline stage; ``language``: the part's
     native module (its ``LanguageModelBuilder``)."""
     text = cfg.text_config
-    vision, language_model = build_stage(cfg, text, language.LanguageModelBuilder(text, params_dtype),
+    builder = (per_layer_native if per_layer_native.needed(text) else language).LanguageModelBuilder
+    vision, language_model = build_stage(cfg, text, builder(text, params_dtype),
                                          tower=lambda: Gemma4VisionWithEmbedder(cfg, params_dtype))
     model = Gemma4Model(vision.vision_model if vision else None, vision.vision_projection if vision else None,
                         language_model, image_token_id=cfg.image_token_id, vocab_size=text.vocab_size,
                         hidden_size=text.hidden_size,
-                        bidirectional=getattr(text, "use_bidirectional_attention", None) == "vision")
+                        bidirectional=getattr(text, "use_bidirectional_attention", None) == "vision",
+                        placeholders=(cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id),
+                        pad_token_id=text.pad_token_id)
     return model.to(params_dtype)

@@ -34,6 +34,15 @@ def tiny_config(**text_overrides):
                         architectures=["Gemma4ForConditionalGeneration"])
 
 
+def tiny_e2b_config(**text_overrides):
+    """:func:`tiny_config` as Gemma 4 E2B / E4B are made: per-layer inputs 6 wide (no divisor of
+    the hidden size or the heads), four layers (sliding, full, sliding, full), the last two sharing
+    the keys and values of the first two, their MLPs twice as wide."""
+    return tiny_config(**({"num_hidden_layers": 4, "hidden_size_per_layer_input": 6, "vocab_size_per_layer_input": 97,
+                           "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                           "layer_types": ["sliding_attention", "full_attention"] * 2} | text_overrides))
+
+
 def vision_config(cfg):
     """The family config: a whole Gemma 4 config."""
     if getattr(cfg, "model_type", None) in MODEL_TYPES and getattr(cfg, "text_config", None) is not None:
@@ -46,6 +55,9 @@ def build(cfg):
     from transformers import Gemma4ForConditionalGeneration
 
     model = fill_tied_head(Gemma4ForConditionalGeneration(cfg).to(torch.float32).eval(), cfg)
+    # Audio is out of scope (convert leaves the tower and its embedder out by name, no case carries
+    # any): the model checked has neither, so a checkpoint with them (E2B / E4B) loads strictly.
+    model.model.audio_tower = model.model.embed_audio = None
     if tied_embeddings(cfg):
         # The state dict names the tied table once, as save_pretrained writes it (Gemma 3's reason).
         def once(module, state_dict, prefix, *unused):

@@ -6,6 +6,7 @@ is read without transformers."""
 from __future__ import annotations
 
 from mmparity.config import DECODER_FIELDS, ConfigType
+from mmparity.models.parts.gemma4_text.per_layer import problems as per_layer_problems
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: the RoPE of each layer type, the full layers' width.
@@ -75,13 +76,12 @@ def config_problems(text) -> list[str]:
             problems.append(f"text_config: {kind} rope_type {rope.get('rope_type')!r} (default and proportional only)")
     not_built = {
         "enable_moe_block": "the MoE block beside the MLP (Gemma 4 26B-A4B) is not built yet",
-        "hidden_size_per_layer_input": "per-layer input embeddings (PLE, Gemma 4 E2B/E4B) are not built yet",
-        "num_kv_shared_layers": "layers reusing earlier layers' keys and values (Gemma 4 E2B/E4B) are not built yet",
         "attention_bias": "Gemma 4 has no attention biases; a model with them is not built",
     }
     for name, why in not_built.items():
         if getattr(text, name, None):
             problems.append(f"text_config: {name}={getattr(text, name)!r}: {why}")
+    problems += per_layer_problems(text)
     if getattr(text, "use_bidirectional_attention", None) == "all":
         problems.append("text_config: use_bidirectional_attention='all' (an encoder's mask, not a decoder's)")
     return problems

@@ -23,6 +23,7 @@ import torch
 from mmparity.config import padded_vocab_size
 from mmparity.mapping.ops import FuseQKV, LayoutError, Op, PadRows, fuse_gate_up
 from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, Rule, rename
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim, tp_problems
 
 
@@ -63,9 +64,17 @@ _MC = MCORE_ROOT + "decoder.layers."
 
 
 def _qkv_rules(text, lm_root: str) -> tuple:
+    """Per layer (a shared layer has its query projection only: :mod:`.per_layer`): the fused
+    q/k/v with the input norm, and the key norm."""
     rules = ()
     for i in range(text.num_hidden_layers):
+        if per_layer.is_shared(text, i):
+            rules += per_layer.shared_attention_rules(text, lm_root, i)
+            continue
         attn = f"{lm_root}layers.{i}.self_attn."
+        rules += (rename(f"{_MC}{i}.self_attention.linear_qkv.layer_norm_weight",
+                         f"{lm_root}layers.{i}.input_layernorm.weight"),
+                  rename(f"{_MC}{i}.self_attention.k_layernorm.weight", attn + "k_norm.weight"))
         fuse = FuseQKV(text.num_attention_heads, layer_groups(text, i), layer_head_dim(text, i))
         names = ("q_proj", "k_proj") if keys_as_values(text, i) else ("q_proj", "k_proj", "v_proj")
         rules += (Rule(f"{_MC}{i}.self_attention.linear_qkv.weight", tuple(attn + p + ".weight" for p in names),
@@ -82,10 +91,9 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
     attn, mlp = hf + "self_attn.", hf + "mlp."
     rules = (
         Rule(MCORE_ROOT + "embedding.word_embeddings.weight", lm_root + "embed_tokens.weight", vocab, "vocab"),
-        rename(mc + "self_attention.linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
+        *per_layer.embedding_rules(text, lm_root),
         *_qkv_rules(text, lm_root),
         rename(mc + "self_attention.q_layernorm.weight", attn + "q_norm.weight"),
-        rename(mc + "self_attention.k_layernorm.weight", attn + "k_norm.weight"),
         rename(mc + "self_attention.linear_proj.weight", attn + "o_proj.weight", "row"),
         rename(mc + "self_attention.linear_proj.post_layernorm.weight", hf + "post_attention_layernorm.weight"),
         rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "pre_feedforward_layernorm.weight"),
@@ -93,6 +101,7 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
         rename(mc + "mlp.linear_fc2.weight", mlp + "down_proj.weight", "row"),
         rename(mc + "mlp.linear_fc2.post_layernorm.weight", hf + "post_feedforward_layernorm.weight"),
         rename(mc + "layer_scalar", hf + "layer_scalar"),
+        *per_layer.layer_rules(text, lm_root),
         rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + "norm.weight"),
     )
     if not tied:

@@ -20,8 +20,10 @@ q/k norms, sliding and full layers each rotating with its own RoPE) with what Ge
 A full layer whose keys are its values (``attention_k_eq_v``) is a stock layer whose value rows of
 ``linear_qkv`` equal its key rows (the converter writes them so): its values are the key
 projection's output, value-normed, as transformers computes them. What
-:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (MoE block, per-layer input
-embeddings, shared keys and values) is refused, not built.
+:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (the MoE block) is refused,
+not built. E2B / E4B's per-layer inputs and shared keys / values are built by
+:mod:`~mmparity.models.parts.gemma4_text.per_layer_native`'s builder, on this one; this builder
+refuses them rather than build a model without them.
 """
 
 from __future__ import annotations
@@ -100,7 +102,11 @@ class ScaledLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         out, context = super().forward(*args, **kwargs)
-        return out * self.layer_scalar.to(out.dtype), context
+        return self.before_scale(out) * self.layer_scalar.to(out.dtype), context
+
+    def before_scale(self, out: torch.Tensor) -> torch.Tensor:
+        """What a subclass adds to the layer's output before the scalar (E2B's per-layer input)."""
+        return out
 
 
 def layer_spec(text) -> ModuleSpec:
@@ -142,17 +148,26 @@ class LanguageModelBuilder:
     """The Gemma 4 decoder as a ``GPTModel`` for a padded vocabulary and a pipeline stage."""
 
     def __init__(self, text, params_dtype: torch.dtype = torch.float32):
-        problems = config_problems(text)
+        problems = config_problems(text) + self.unbuilt(text)
         if problems:
             raise ValueError("unsupported Gemma 4 language model: " + "; ".join(problems))
         self.text = text
         self.config = transformer_config(text, params_dtype)
         self.max_sequence_length = text.max_position_embeddings
 
+    @staticmethod
+    def unbuilt(text) -> list[str]:
+        """What this builder leaves to :class:`~mmparity.models.parts.gemma4_text.per_layer_native.LanguageModelBuilder`."""
+        return [f"text_config: {name}: built by the per-layer builder (parts.gemma4_text.per_layer_native)"
+                for name in ("hidden_size_per_layer_input", "num_kv_shared_layers") if getattr(text, name, None)]
+
+    def block(self) -> TransformerBlockSubmodules:
+        return block_spec(self.text)
+
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool,
                  parallel_output: bool = True, share_embeddings_and_output_weights: bool = False):
         text = self.text
-        model = build_gpt_model(self.config, block_spec(text), vocab_size, self.max_sequence_length,
+        model = build_gpt_model(self.config, self.block(), vocab_size, self.max_sequence_length,
                                 pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
                                 share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         # GPTModel's own table is unused (each layer rotates with its own), kept on the host.

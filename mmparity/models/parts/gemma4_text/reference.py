@@ -5,6 +5,7 @@ read off its text config (transformers builds it inside ``Gemma4ForConditionalGe
 from __future__ import annotations
 
 from mmparity.models.core.sublayers import LayerNames
+from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim
 
 MODEL_TYPES = ("gemma4_text",)
@@ -46,4 +47,11 @@ def decoder_shapes(text) -> dict[str, tuple]:
         if keys_as_values(text, i):
             del layer["self_attn.v_proj.weight"]
         shapes |= {f"layers.{i}.{k}": s for k, s in layer.items()}
-    return shapes | {"norm.weight": (h,)}
+    shapes |= {"norm.weight": (h,)}
+    # E2B / E4B: per-layer inputs, shared layers without keys / values, wider MLPs there.
+    for key, shape in per_layer.layer_shapes(text).items():
+        if shape is None:
+            shapes.pop(key, None)
+        else:
+            shapes[key] = shape
+    return shapes
