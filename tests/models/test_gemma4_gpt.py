@@ -310,3 +310,18 @@ def test_the_recorded_spec_is_the_modules():
     recorded = dict(families.get(FAMILY).megatron_args)
     assert tuple(recorded["spec"]) == gemma4_megatron.SPEC and recorded["position_embedding_type"] == "none"
     assert isinstance(gemma4_megatron.LAYER.module, type) and gemma4_megatron.SPEC[1] == "LAYER"
+
+
+def test_the_spec_layer_refuses_an_e2b_config_beside_load(tmp_path):
+    """GPTModel has no per-layer inputs nor shared keys/values: a Megatron-LM run pointed at an
+    E2B-like checkpoint stops at the build, in one line, instead of failing the strict load."""
+    from mmparity.io.fsio.errors import CheckpointError
+    from mmparity.io.layout import HF_CONFIG_FILE
+    from mmparity.models.gemma4 import reference
+
+    reference.tiny_e2b_config().save_pretrained(tmp_path)
+    (tmp_path / "config.json").rename(tmp_path / HF_CONFIG_FILE)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(CheckpointError) as caught:
+        _check_through_spec(mp, tmp_path)
+    line = str(caught.value)
+    assert "\n" not in line and "per-layer input embeddings" in line and "keys and values" in line
