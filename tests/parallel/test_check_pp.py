@@ -31,6 +31,28 @@ def _with_layers(family: str, layers: int):
     return cfg
 
 
+TABLE = "language_model.embedding.word_embeddings.weight"
+HEAD = "language_model.output_layer.weight"  # a tied head's last-stage copy of TABLE
+
+
+def _tied(family: str):
+    """The family's tiny whole VLM with its head tied to the embedding table."""
+    cfg = families.get(family).tiny_config()
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
+    return cfg
+
+
+def _perturb_table(state):
+    state[TABLE] = state[TABLE].clone()
+    state[TABLE][:, 0] += 0.5
+
+
+def _copy_differs(state):
+    """A last-stage copy of the tied table that is not the table (a head untied somewhere)."""
+    state[HEAD] = state[TABLE].clone()
+    state[HEAD][0, 0] += 0.5
+
+
 def _pp2_checks(rank: int, world_size: int, plan: list) -> dict | None:
     out = {label: harness.check(family, pp=2, seed=5, **kwargs) for label, family, kwargs in plan}
     return out if rank == 0 else None
@@ -49,7 +71,12 @@ def pp2_reports():
     # 3 layers over 2 stages: [2, 1], the first stage takes the remainder, as convert splits it.
     plan += [("pixtral 3 layers", "pixtral", {"cfg": _with_layers("pixtral", 3), "components": False}),
              ("llava 3 layers", "llava", {"cfg": _with_layers("llava", 3), "components": False}),
-             ("pixtral perturbed", "pixtral", {"mutate_native": _perturb_stage_1, "components": False})]
+             ("pixtral perturbed", "pixtral", {"mutate_native": _perturb_stage_1, "components": False}),
+             # gemma3 and gemma4 are tied as they come; llava and internvl tied here.
+             ("llava tied", "llava", {"cfg": _tied("llava"), "components": False}),
+             ("internvl tied", "internvl", {"cfg": _tied("internvl"), "components": False}),
+             ("llava tied, table perturbed", "llava", {"cfg": _tied("llava"), "mutate_native": _perturb_table,
+                                                       "components": False})]
     return runtime.spawn(_pp2_checks, 2, plan)[0]
 
 
@@ -91,6 +118,44 @@ def test_negative_control_on_the_second_stage_is_located(pp2_reports):
 
 
 @pytest.mark.slow
+def test_a_tied_head_passes_over_pipeline_stages(pp2_reports):
+    """The last stage computes the logits with its own copy of the table, as Megatron's does."""
+    for label in ("llava tied", "internvl tied", "gemma3", "gemma4"):
+        report = pp2_reports[label]
+        assert report.passed, (label, _failures(report))
+        assert any(r.check.endswith(":logits") for r in report.results), label
+
+
+@pytest.mark.slow
+def test_a_perturbed_tied_table_fails_on_both_stages(pp2_reports):
+    # The table and the last stage's copy are one tensor in the converter's state: perturbed
+    # together, the embedding and the head both change (the copy is the table, not a stale one).
+    report = pp2_reports["llava tied, table perturbed"]
+    assert not report.passed
+    failed = {r.check.rpartition(":")[2] for r in report.failures()}
+    assert "logits" in failed, failed
+
+
+def test_the_last_stage_of_a_tied_head_holds_its_own_copy():
+    fam = families.get("llava")
+    cfg = _tied("llava")
+    ref = fam.build_reference(cfg)
+    shards = fam.hf_to_mcore(harness.load_reference_weights(ref, None, 3), cfg, tp_size=2)
+    assert HEAD not in shards[0]  # the converter keeps one table
+    stages, counts = harness.split_stages(fam, cfg, shards, 2)
+    for rank in range(2):
+        first, last = stages[0][rank], stages[1][rank]
+        assert TABLE in first and HEAD not in first and TABLE not in last
+        assert last[HEAD] is shards[rank][TABLE]  # Megatron's last-stage copy, as convert writes it
+
+
+def test_a_last_stage_copy_that_is_not_the_table_is_refused():
+    # merge_pipeline_stages' rule and verify --load's: a tied copy is accepted only bit-identical.
+    with pytest.raises(harness.InputError, match=f"{HEAD} differs from {TABLE}"):
+        harness.check("llava", _tied("llava"), pp=2, mutate_native=_copy_differs, components=False)
+
+
+@pytest.mark.slow
 def test_tp2_pp2_passes():
     report = harness.check("pixtral", tp=2, pp=2, seed=5, components=False)
     assert (report.tp, report.pp) == (2, 2)
@@ -101,10 +166,6 @@ def test_unbuildable_pipelines_are_input_errors():
     # A split written elsewhere, [2, 2, 1, 1]: mcore can only make the first / last stage differ.
     with pytest.raises(harness.InputError, match=r"\[2, 2, 1, 1\] cannot be built"):
         harness.check("pixtral", _with_layers("pixtral", 6), pp=4, layer_counts=[2, 2, 1, 1], components=False)
-    tied = families.get("llava").tiny_config()
-    tied.tie_word_embeddings = True
-    with pytest.raises(harness.InputError, match="tied input and output embeddings"):
-        harness.check("llava", tied, pp=2, components=False)
 
 
 def test_convert_only_writes_splits_mcore_can_build():
