@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mmparity.models import registry as families
 from mmparity.cli.main import main
@@ -217,3 +218,28 @@ def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_p
     assert code == 0, out + err
     report = json.loads((tmp_path / "report.json").read_text())
     assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
+
+
+@pytest.mark.slow
+def test_check_mcore_runs_a_tied_head_at_pp2_and_refuses_a_copy_that_differs(capsys, tmp_path):
+    """gemma3's head is tied: the legacy checkpoint's last stage holds the copy convert writes,
+    check runs it on two stages; a copy that is not the table is refused by name, exit 2."""
+    fam = families.get("gemma3")
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
+    model.save_pretrained(tmp_path / "hf")
+    code, _, err = _run_cli(capsys, "convert", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "legacy"),
+                            "--to", "mcore", "--format", "legacy", "--pp", "2", "--quiet")
+    assert code == 0, err
+    code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components",
+                              "--json", str(tmp_path / "report.json"), "--quiet")
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
+    stage = next((tmp_path / "legacy").rglob("mp_rank_00_001/model_optim_rng.pt"))
+    payload = torch.load(stage, weights_only=False)
+    payload["model"][HEAD][0, 0] += 1
+    torch.save(payload, stage)
+    code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components", "--quiet")
+    assert code == 2 and out == ""
+    assert f"{HEAD} differs from {TABLE}" in err and len(err.strip().splitlines()) == 1
