@@ -31,6 +31,7 @@ __all__ = [
     "pipeline_layout",
     "tied_head",
     "hand_tied_copy",
+    "split_ranks",
     "stage_offsets",
     "global_to_local",
     "local_to_global",
@@ -152,6 +153,18 @@ def hand_tied_copy(state_dict: Mapping[str, torch.Tensor], tied: tuple[str, str]
         raise PipelineError(f"the last stage's {head} differs from {table}, which this model ties it to "
                             f"(Megatron keeps the two equal)")
     return state
+
+
+def split_ranks(rank_states: Sequence[Mapping[str, torch.Tensor]], layer_counts: Sequence[int],
+                layout: PipelineLayout, tied: tuple[str, str] | None = None) -> list[list[dict]]:
+    """Each TP rank's globally numbered state -> ``states[stage][tp_rank]``, split as ``layout``
+    says; with a tied head (``tied``, :func:`tied_head` of the plan's keys) the last stage also
+    holds its own copy of the table (:func:`hand_tied_copy`), as a Megatron checkpoint's does."""
+    last = layout.last_stage_keys + ((tied[1],) if tied else ())
+    per_rank = [split_pipeline_stages(hand_tied_copy(state, tied), layer_counts,
+                                      layer_prefix=layout.layer_prefix, last_stage_prefixes=last)
+                for state in rank_states]
+    return [[stages[stage] for stages in per_rank] for stage in range(len(layer_counts))]
 
 
 def _checked_counts(layer_counts: Sequence[int]) -> list[int]:

@@ -215,9 +215,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
     tp = len(native_shards)
     side = getattr(native_shards, "side", None) or [{} for _ in native_shards]
     native_shards = with_side(native_shards)
-    # Read off the converter's keys before any mutation: a negative control that hands the last
-    # stage a copy of a tied table of its own must meet the rule, not untie the head.
-    tied = pp_mod.tied_head(list(native_shards[0]), pp)
+    tied = pp_mod.tied_head(list(native_shards[0]), pp)  # the converter's: a mutation cannot untie it
     if mutate_native is not None:
         for shard in native_shards:
             mutate_native(shard)
@@ -459,11 +457,8 @@ def split_stages(fam: families.Family, cfg, shards: list, pp: int,
     keys on the last stage, the same per-stage counts), so each rank loads exactly what its file in
     a legacy checkpoint holds. Counts are None at ``pp == 1``. Raises :class:`InputError` when the
     model cannot be pipelined that way.
-
-    A tied head (``tied``, :func:`~mmparity.parallel.pp.tied_head` of the converter's keys; read
-    off ``shards`` when None) gives the last stage its own copy of the embedding table as
-    ``output_layer.weight``, as Megatron's ``GPTModel`` keeps it there and ``convert`` writes it
-    (:func:`~mmparity.parallel.pp.hand_tied_copy`: a copy that differs is refused).
+    A tied head (``tied``: ``pp.tied_head`` of the converter's keys, else of ``shards``') gives the
+    last stage its own copy of the table, as convert writes it (``pp.split_ranks``).
     """
     family = fam.name
     if pp < 1:
@@ -488,17 +483,10 @@ def split_stages(fam: families.Family, cfg, shards: list, pp: int,
     if problems:
         raise InputError(f"{family}: {'; '.join(problems)}")
     tied = tied if tied is not None else pp_mod.tied_head(list(shards[0]), pp)
-    last_stage_keys = layout.last_stage_keys
-    if tied is not None:
-        try:
-            shards = [pp_mod.hand_tied_copy(shard, tied) for shard in shards]
-        except pp_mod.PipelineError as exc:
-            raise InputError(f"{family}: {exc}") from None
-        last_stage_keys += (tied[1],)
-    per_rank = [pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
-                                             last_stage_prefixes=last_stage_keys)
-                for shard in shards]
-    return [[stages[stage] for stages in per_rank] for stage in range(pp)], counts
+    try:
+        return pp_mod.split_ranks(shards, counts, layout, tied), counts
+    except pp_mod.PipelineError as exc:
+        raise InputError(f"{family}: {exc}") from None
 
 
 class NativeJob:

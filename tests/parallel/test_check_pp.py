@@ -14,7 +14,7 @@ import torch
 from mmparity.models import registry as families
 from mmparity.cli.main import main
 from mmparity.parallel import runtime
-from mmparity.parallel.pp import buildable_layer_counts
+from mmparity.parallel.pp import PipelineError, buildable_layer_counts, hand_tied_copy, merge_pipeline_stages
 from mmparity.parity import harness
 from mmparity.models.core.inputs import random_like_state
 
@@ -148,6 +148,18 @@ def test_the_last_stage_of_a_tied_head_holds_its_own_copy():
         first, last = stages[0][rank], stages[1][rank]
         assert TABLE in first and HEAD not in first and TABLE not in last
         assert last[HEAD] is shards[rank][TABLE]  # Megatron's last-stage copy, as convert writes it
+
+
+def test_a_handed_copy_is_held_to_the_merge_rule():
+    table = torch.tensor([[1.0, float("nan")], [-0.0, 2.0]])
+    tied = (TABLE, HEAD)
+    assert hand_tied_copy({TABLE: table}, tied)[HEAD] is table
+    same_bytes = hand_tied_copy({TABLE: table, HEAD: table.clone()}, tied)  # NaN and -0.0 alike
+    assert merge_pipeline_stages([{TABLE: table}, same_bytes], [0, 0])[TABLE] is table
+    for other in (table.nan_to_num(), torch.tensor([[1.0, float("nan")], [0.0, 2.0]])):
+        with pytest.raises(PipelineError, match="differs from"):
+            hand_tied_copy({TABLE: table, HEAD: other}, tied)
+    assert hand_tied_copy({TABLE: table}, None) == {TABLE: table}
 
 
 def test_a_last_stage_copy_that_is_not_the_table_is_refused():
