@@ -77,7 +77,11 @@ def pp2_reports():
              ("llava tied", "llava", {"cfg": _tied("llava"), "components": False}),
              ("internvl tied", "internvl", {"cfg": _tied("internvl"), "components": False}),
              ("llava tied, table perturbed", "llava", {"cfg": _tied("llava"), "mutate_native": _perturb_table,
-                                                       "components": False})]
+                                                       "components": False}),
+             # Megatron's own classes load the same last-stage copy: LLaVAModel, and GPTModel for
+             # gemma3's language model.
+             ("llava tied, Megatron's class", "llava", {"cfg": _tied("llava"), "impl": "megatron"}),
+             ("gemma3, Megatron's class", "gemma3", {"impl": "megatron"})]
     return runtime.spawn(_pp2_checks, 2, plan)[0]
 
 
@@ -121,10 +125,12 @@ def test_negative_control_on_the_second_stage_is_located(pp2_reports):
 @pytest.mark.slow
 def test_a_tied_head_passes_over_pipeline_stages(pp2_reports):
     """The last stage computes the logits with its own copy of the table, as Megatron's does."""
-    for label in ("llava tied", "internvl tied", "gemma3", "gemma4"):
+    for label in ("llava tied", "internvl tied", "gemma3", "gemma4", "llava tied, Megatron's class",
+                  "gemma3, Megatron's class"):
         report = pp2_reports[label]
         assert report.passed, (label, _failures(report))
         assert any(r.check.endswith(":logits") for r in report.results), label
+    assert {r.impl for r in pp2_reports["gemma3, Megatron's class"].results} == {"megatron"}
 
 
 @pytest.mark.slow
