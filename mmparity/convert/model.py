@@ -44,12 +44,12 @@ class Model:
     def recorded_args(self) -> dict:
         """Megatron-LM arguments its family (and, for a whole VLM, its language model) declares
         beyond what the config's common fields and the tensors tell."""
-        facts = dict(self.spec.megatron_args)
+        facts = _declared(self.spec, self.cfg)
         if self.spec.composed or self.spec.with_language:
             from mmparity.models import registry
 
             try:
-                facts.update(registry.language_of(self.cfg).megatron_args)
+                facts.update(_declared(registry.language_of(self.cfg), self.cfg.text_config))
             except ValueError:  # no registered language model: nothing more to say
                 pass
         return facts
@@ -73,3 +73,12 @@ class Model:
             return None
         # A part's keys are the whole model's under its root, without it.
         return {key[len(part):]: t.shape for key, t in outputs.items() if key.startswith(part)}
+
+
+def _declared(record, cfg) -> dict:
+    """A family's or part's Megatron-LM arguments for ``cfg`` (its own config): the fixed ones,
+    then those its config tells."""
+    facts = dict(record.megatron_args)
+    if record.megatron_config_args is not None:
+        facts.update(record.megatron_config_args(cfg))
+    return facts

@@ -70,6 +70,10 @@ class FamilyRecord:
     # Megatron-LM arguments its model needs that neither the HF config's common fields nor the
     # tensors tell, as ``(name, value)`` pairs: recorded in a converted checkpoint's ``args``.
     megatron_args: tuple = ()
+    # Those of them that differ from config to config (sliding windows, the layers without RoPE,
+    # the ``--spec`` a run must be given): a function of the model's config giving ``{name:
+    # value}``, recorded beside ``megatron_args``. Read by ``convert``: the config alone.
+    megatron_config_args: Callable[[Any], dict] | None = None
     # The Megatron class that holds the whole model, as a converted checkpoint's manifest names
     # it: a function of the model's config giving the class name, or "" where none can be built
     # for that model (a LLaVA on a Pixtral tower loads part by part). Read by ``convert``, so it
@@ -107,8 +111,10 @@ class PartRecord:
     text_model_types: tuple
     megatron: str = ""
     why_no_megatron: str = ""
-    # As a family's: the Megatron-LM arguments no common fact tells, recorded in ``args``.
+    # As a family's: the Megatron-LM arguments no common fact tells, recorded in ``args``; those
+    # that differ by config, a function of the text config (the part's own).
     megatron_args: tuple = ()
+    megatron_config_args: Callable[[Any], dict] | None = None
     # The registry's to fill in, as a family's.
     name: str = ""
     package: str = ""

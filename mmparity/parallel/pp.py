@@ -30,6 +30,8 @@ __all__ = [
     "buildable_layer_counts",
     "pipeline_layout",
     "tied_head",
+    "hand_tied_copy",
+    "split_ranks",
     "stage_offsets",
     "global_to_local",
     "local_to_global",
@@ -131,6 +133,38 @@ def tied_head(mcore_keys: Sequence[str], pp_size: int) -> tuple[str, str] | None
     keys = set(mcore_keys)
     table, head = root + EMBEDDING_TABLE, root + OUTPUT_LAYER
     return (table, head) if table in keys and head not in keys and layout.num_layers else None
+
+
+def hand_tied_copy(state_dict: Mapping[str, torch.Tensor], tied: tuple[str, str] | None) -> dict:
+    """``state_dict`` (one TP rank, globally numbered) with the last stage's copy of a tied table
+    (``tied``, from :func:`tied_head` on the plan's keys) under the output layer's key, as a
+    Megatron checkpoint's last stage holds it; the table's tensor itself, not a clone. A copy the
+    state already holds is kept only if it is bit-identical to the table, the rule
+    :func:`merge_pipeline_stages` applies to every key on several stages: a differing copy is a
+    head untied somewhere, refused rather than checked or overwritten."""
+    if tied is None:
+        return dict(state_dict)
+    table, head = tied
+    if table not in state_dict:
+        raise PipelineError(f"{head} is tied to {table}, which the state does not hold")
+    state = dict(state_dict)
+    copy = state.setdefault(head, state_dict[table])
+    if not tp_mod.same_bytes(copy, state_dict[table]):
+        raise PipelineError(f"the last stage's {head} differs from {table}, which this model ties it to "
+                            f"(Megatron keeps the two equal)")
+    return state
+
+
+def split_ranks(rank_states: Sequence[Mapping[str, torch.Tensor]], layer_counts: Sequence[int],
+                layout: PipelineLayout, tied: tuple[str, str] | None = None) -> list[list[dict]]:
+    """Each TP rank's globally numbered state -> ``states[stage][tp_rank]``, split as ``layout``
+    says; with a tied head (``tied``, :func:`tied_head` of the plan's keys) the last stage also
+    holds its own copy of the table (:func:`hand_tied_copy`), as a Megatron checkpoint's does."""
+    last = layout.last_stage_keys + ((tied[1],) if tied else ())
+    per_rank = [split_pipeline_stages(hand_tied_copy(state, tied), layer_counts,
+                                      layer_prefix=layout.layer_prefix, last_stage_prefixes=last)
+                for state in rank_states]
+    return [[stages[stage] for stages in per_rank] for stage in range(len(layer_counts))]
 
 
 def _checked_counts(layer_counts: Sequence[int]) -> list[int]:

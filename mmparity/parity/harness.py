@@ -215,10 +215,11 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
     tp = len(native_shards)
     side = getattr(native_shards, "side", None) or [{} for _ in native_shards]
     native_shards = with_side(native_shards)
+    tied = pp_mod.tied_head(list(native_shards[0]), pp)  # the converter's: a mutation cannot untie it
     if mutate_native is not None:
         for shard in native_shards:
             mutate_native(shard)
-    stage_shards, counts = split_stages(fam, cfg, native_shards, pp, layer_counts)
+    stage_shards, counts = split_stages(fam, cfg, native_shards, pp, layer_counts, tied=tied)
 
     # Megatron's class takes fewer inputs than the native model (fixed sizes, no video ...): under
     # --impl megatron / both every side runs the cases Megatron's class accepts.
@@ -249,7 +250,7 @@ def _check(fam: families.Family, cfg=None, hf_state: Optional[dict] = None, *, d
         # tensors are what it has no place for.
         megatron_shards = [{k: v for k, v in shard.items() if k not in extra}
                            for shard, extra in zip(native_shards, side)]
-        megatron_stages, _ = split_stages(fam, cfg, megatron_shards, pp, layer_counts)
+        megatron_stages, _ = split_stages(fam, cfg, megatron_shards, pp, layer_counts, tied=tied)
         mjob = MegatronJob(fam, mclass_name, cfg, cases, dtype, str(device), counts, vocab_divisor)
         if world == 1 or runtime.launched_world_size() == world:
             megatron_cases_run = mjob.run(megatron_stages, layout=(tp, pp))
@@ -449,13 +450,15 @@ def _split_experts(family: str, stage_shards: list, ep: int, runs_megatron: bool
 
 
 def split_stages(fam: families.Family, cfg, shards: list, pp: int,
-                 layer_counts: Optional[list] = None) -> tuple[list, Optional[list]]:
+                 layer_counts: Optional[list] = None, *, tied=None) -> tuple[list, Optional[list]]:
     """Per-TP-rank, globally numbered mcore states -> ``(states[stage][tp_rank], layer counts)``.
 
     The split is the converter's (``mmparity convert --pp``: the same pipelined stack, the same
     keys on the last stage, the same per-stage counts), so each rank loads exactly what its file in
     a legacy checkpoint holds. Counts are None at ``pp == 1``. Raises :class:`InputError` when the
     model cannot be pipelined that way.
+    A tied head (``tied``: ``pp.tied_head`` of the converter's keys, else of ``shards``') gives the
+    last stage its own copy of the table, as convert writes it (``pp.split_ranks``).
     """
     family = fam.name
     if pp < 1:
@@ -479,10 +482,11 @@ def split_stages(fam: families.Family, cfg, shards: list, pp: int,
     problems += fam.hooks.config.pipeline_problems(cfg, pp)
     if problems:
         raise InputError(f"{family}: {'; '.join(problems)}")
-    per_rank = [pp_mod.split_pipeline_stages(shard, counts, layer_prefix=layout.layer_prefix,
-                                             last_stage_prefixes=layout.last_stage_keys)
-                for shard in shards]
-    return [[stages[stage] for stages in per_rank] for stage in range(pp)], counts
+    tied = tied if tied is not None else pp_mod.tied_head(list(shards[0]), pp)
+    try:
+        return pp_mod.split_ranks(shards, counts, layout, tied), counts
+    except pp_mod.PipelineError as exc:
+        raise InputError(f"{family}: {exc}") from None
 
 
 class NativeJob:

@@ -1,7 +1,9 @@
 """The ``args`` mmparity writes describe the model under Megatron-LM's own argument names, so that
 ``--use-checkpoint-args`` rebuilds it (``tests/megatron/test_megatron_lm_gpt.py`` runs that with
 Megatron-LM main): sizes, RoPE, norm, activation, biases, and for DeepSeek-V3 / Kimi-K2.5 its
-multi-latent attention, YaRN, experts and router."""
+multi-latent attention, YaRN, experts and router; what differs by config (Llama 4's NoPE layers and
+q/k L2 norms, Gemma 3's windows) and the ``--spec`` a run must be given, as the family's Megatron
+class is configured and read back through the allow-list."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tests.mapping.test_convert_roundtrips import save_hf
 def releases(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("args")
     return {name: save_hf(name, root / name, seed=4) for name in ("kimi_k25_vl", "mistral3", "clip",
-                                                                   "qwen3_5_whole")}
+                                                                   "qwen3_5_whole", "llama4", "gemma3")}
 
 
 def _args(capsys, src, dst, fmt: str, *extra):
@@ -113,6 +115,46 @@ def test_dense_decoder_args_and_the_vocabulary_padded_for_the_recorded_tp(capsys
         assert open_legacy(tmp_path / "m").load_rank(0)["embedding.word_embeddings.weight"].shape[0] * 2 == rows
 
 
+def _spec_imports(spec):
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    return isinstance(import_module(tuple(spec)), ModuleSpec)
+
+
+@pytest.mark.parametrize("fmt, part", [("legacy", []), ("torch_dist", []), ("legacy", ["--part", "language_model"])])
+def test_llama4_records_its_nope_layers_l2_norms_and_spec(capsys, tmp_path, releases, fmt, part):
+    from mmparity.models.parts.llama4_text.megatron import megatron_config
+
+    text = families.get("llama4").tiny_config().text_config
+    args = _args(capsys, releases["llama4"], tmp_path / "llama4", fmt, *part)
+    # Megatron's list says 1 where a layer has no RoPE, transformers' 1 where it has.
+    assert args.no_rope_freq == [1 - int(rope) for rope in text.no_rope_layers] == [0, 0, 0, 1]
+    assert args.qk_l2_norm is True and text.use_qk_norm
+    config = megatron_config(text)  # the family's Megatron class is built with the same
+    assert (args.no_rope_freq, args.qk_l2_norm) == (list(config.no_rope_freq), config.qk_l2_norm)
+    assert args.spec == ["mmparity.models.parts.llama4_text.megatron", "LAYER"] and _spec_imports(args.spec)
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_gemma3_records_its_windows_and_spec(capsys, tmp_path, releases, fmt):
+    from mmparity.models.gemma3.megatron import megatron_config
+
+    text = families.get("gemma3").tiny_config().text_config
+    args = _args(capsys, releases["gemma3"], tmp_path / "gemma3", fmt)
+    # Megatron-LM's --window-size W-1,0 parses to a tuple; 1 in the skip list is a sliding layer.
+    assert args.window_size == (text.sliding_window - 1, 0)
+    assert args.window_attn_skip_freq == [int(kind == "sliding_attention") for kind in text.layer_types] == [1, 0, 1]
+    config = megatron_config(text)
+    assert (args.window_size, args.window_attn_skip_freq) == (config.window_size, config.window_attn_skip_freq)
+    assert args.spec == ["mmparity.models.gemma3.megatron", "LAYER"] and _spec_imports(args.spec)
+    assert args.layernorm_zero_centered_gamma is True  # the family's fixed facts stay beside them
+
+
+def test_a_model_without_them_records_none(capsys, tmp_path, releases):
+    args = _args(capsys, releases["mistral3"], tmp_path / "mistral3", "legacy")
+    assert not {"no_rope_freq", "qk_l2_norm", "window_size", "window_attn_skip_freq", "spec"} & set(vars(args))
+
+
 def test_a_tower_records_sizes_only(capsys, tmp_path, releases):
     args = _args(capsys, releases["clip"], tmp_path / "clip", "legacy")
     assert not hasattr(args, "padded_vocab_size") and not hasattr(args, "position_embedding_type")
@@ -140,6 +182,6 @@ def test_every_name_is_a_megatron_lm_argument(capsys, tmp_path, releases):
         known = set(vars(arguments.parse_args()))
     finally:
         sys.argv = saved
-    for name in ("kimi_k25_vl", "mistral3", "qwen3_5_whole"):
+    for name in ("kimi_k25_vl", "mistral3", "qwen3_5_whole", "llama4", "gemma3"):
         args = _args(capsys, releases[name], tmp_path / name, "legacy", "--part", "language_model")
         assert sorted(set(vars(args)) - known) == [], name

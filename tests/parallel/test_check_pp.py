@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mmparity.models import registry as families
 from mmparity.cli.main import main
 from mmparity.parallel import runtime
-from mmparity.parallel.pp import buildable_layer_counts
+from mmparity.parallel.pp import PipelineError, buildable_layer_counts, hand_tied_copy, merge_pipeline_stages
 from mmparity.parity import harness
 from mmparity.models.core.inputs import random_like_state
 
@@ -29,6 +30,28 @@ def _with_layers(family: str, layers: int):
     cfg = families.get(family).tiny_config()
     (cfg.text_config if family == "llava" else cfg).num_hidden_layers = layers
     return cfg
+
+
+TABLE = "language_model.embedding.word_embeddings.weight"
+HEAD = "language_model.output_layer.weight"  # a tied head's last-stage copy of TABLE
+
+
+def _tied(family: str):
+    """The family's tiny whole VLM with its head tied to the embedding table."""
+    cfg = families.get(family).tiny_config()
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
+    return cfg
+
+
+def _perturb_table(state):
+    state[TABLE] = state[TABLE].clone()
+    state[TABLE][:, 0] += 0.5
+
+
+def _copy_differs(state):
+    """A last-stage copy of the tied table that is not the table (a head untied somewhere)."""
+    state[HEAD] = state[TABLE].clone()
+    state[HEAD][0, 0] += 0.5
 
 
 def _pp2_checks(rank: int, world_size: int, plan: list) -> dict | None:
@@ -49,7 +72,16 @@ def pp2_reports():
     # 3 layers over 2 stages: [2, 1], the first stage takes the remainder, as convert splits it.
     plan += [("pixtral 3 layers", "pixtral", {"cfg": _with_layers("pixtral", 3), "components": False}),
              ("llava 3 layers", "llava", {"cfg": _with_layers("llava", 3), "components": False}),
-             ("pixtral perturbed", "pixtral", {"mutate_native": _perturb_stage_1, "components": False})]
+             ("pixtral perturbed", "pixtral", {"mutate_native": _perturb_stage_1, "components": False}),
+             # gemma3 and gemma4 are tied as they come; llava and internvl tied here.
+             ("llava tied", "llava", {"cfg": _tied("llava"), "components": False}),
+             ("internvl tied", "internvl", {"cfg": _tied("internvl"), "components": False}),
+             ("llava tied, table perturbed", "llava", {"cfg": _tied("llava"), "mutate_native": _perturb_table,
+                                                       "components": False}),
+             # Megatron's own classes load the same last-stage copy: LLaVAModel, and GPTModel for
+             # gemma3's language model.
+             ("llava tied, Megatron's class", "llava", {"cfg": _tied("llava"), "impl": "megatron"}),
+             ("gemma3, Megatron's class", "gemma3", {"impl": "megatron"})]
     return runtime.spawn(_pp2_checks, 2, plan)[0]
 
 
@@ -91,6 +123,58 @@ def test_negative_control_on_the_second_stage_is_located(pp2_reports):
 
 
 @pytest.mark.slow
+def test_a_tied_head_passes_over_pipeline_stages(pp2_reports):
+    """The last stage computes the logits with its own copy of the table, as Megatron's does."""
+    for label in ("llava tied", "internvl tied", "gemma3", "gemma4", "llava tied, Megatron's class",
+                  "gemma3, Megatron's class"):
+        report = pp2_reports[label]
+        assert report.passed, (label, _failures(report))
+        assert any(r.check.endswith(":logits") for r in report.results), label
+    assert {r.impl for r in pp2_reports["gemma3, Megatron's class"].results} == {"megatron"}
+
+
+@pytest.mark.slow
+def test_a_perturbed_tied_table_fails_on_both_stages(pp2_reports):
+    # The table and the last stage's copy are one tensor in the converter's state: perturbed
+    # together, the embedding and the head both change (the copy is the table, not a stale one).
+    report = pp2_reports["llava tied, table perturbed"]
+    assert not report.passed
+    failed = {r.check.rpartition(":")[2] for r in report.failures()}
+    assert "logits" in failed, failed
+
+
+def test_the_last_stage_of_a_tied_head_holds_its_own_copy():
+    fam = families.get("llava")
+    cfg = _tied("llava")
+    ref = fam.build_reference(cfg)
+    shards = fam.hf_to_mcore(harness.load_reference_weights(ref, None, 3), cfg, tp_size=2)
+    assert HEAD not in shards[0]  # the converter keeps one table
+    stages, counts = harness.split_stages(fam, cfg, shards, 2)
+    for rank in range(2):
+        first, last = stages[0][rank], stages[1][rank]
+        assert TABLE in first and HEAD not in first and TABLE not in last
+        assert last[HEAD] is shards[rank][TABLE]  # Megatron's last-stage copy, as convert writes it
+
+
+def test_a_handed_copy_is_held_to_the_merge_rule():
+    table = torch.tensor([[1.0, float("nan")], [-0.0, 2.0]])
+    tied = (TABLE, HEAD)
+    assert hand_tied_copy({TABLE: table}, tied)[HEAD] is table
+    same_bytes = hand_tied_copy({TABLE: table, HEAD: table.clone()}, tied)  # NaN and -0.0 alike
+    assert merge_pipeline_stages([{TABLE: table}, same_bytes], [0, 0])[TABLE] is table
+    for other in (table.nan_to_num(), torch.tensor([[1.0, float("nan")], [0.0, 2.0]])):
+        with pytest.raises(PipelineError, match="differs from"):
+            hand_tied_copy({TABLE: table, HEAD: other}, tied)
+    assert hand_tied_copy({TABLE: table}, None) == {TABLE: table}
+
+
+def test_a_last_stage_copy_that_is_not_the_table_is_refused():
+    # merge_pipeline_stages' rule and verify --load's: a tied copy is accepted only bit-identical.
+    with pytest.raises(harness.InputError, match=f"{HEAD} differs from {TABLE}"):
+        harness.check("llava", _tied("llava"), pp=2, mutate_native=_copy_differs, components=False)
+
+
+@pytest.mark.slow
 def test_tp2_pp2_passes():
     report = harness.check("pixtral", tp=2, pp=2, seed=5, components=False)
     assert (report.tp, report.pp) == (2, 2)
@@ -101,10 +185,6 @@ def test_unbuildable_pipelines_are_input_errors():
     # A split written elsewhere, [2, 2, 1, 1]: mcore can only make the first / last stage differ.
     with pytest.raises(harness.InputError, match=r"\[2, 2, 1, 1\] cannot be built"):
         harness.check("pixtral", _with_layers("pixtral", 6), pp=4, layer_counts=[2, 2, 1, 1], components=False)
-    tied = families.get("llava").tiny_config()
-    tied.tie_word_embeddings = True
-    with pytest.raises(harness.InputError, match="tied input and output embeddings"):
-        harness.check("llava", tied, pp=2, components=False)
 
 
 def test_convert_only_writes_splits_mcore_can_build():
@@ -156,3 +236,28 @@ def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_p
     assert code == 0, out + err
     report = json.loads((tmp_path / "report.json").read_text())
     assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
+
+
+@pytest.mark.slow
+def test_check_mcore_runs_a_tied_head_at_pp2_and_refuses_a_copy_that_differs(capsys, tmp_path):
+    """gemma3's head is tied: the legacy checkpoint's last stage holds the copy convert writes,
+    check runs it on two stages; a copy that is not the table is refused by name, exit 2."""
+    fam = families.get("gemma3")
+    model = fam.build_reference(fam.tiny_config())
+    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
+    model.save_pretrained(tmp_path / "hf")
+    code, _, err = _run_cli(capsys, "convert", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "legacy"),
+                            "--to", "mcore", "--format", "legacy", "--pp", "2", "--quiet")
+    assert code == 0, err
+    code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components",
+                              "--json", str(tmp_path / "report.json"), "--quiet")
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
+    stage = next((tmp_path / "legacy").rglob("mp_rank_00_001/model_optim_rng.pt"))
+    payload = torch.load(stage, weights_only=False)
+    payload["model"][HEAD][0, 0] += 1
+    torch.save(payload, stage)
+    code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components", "--quiet")
+    assert code == 2 and out == ""
+    assert f"{HEAD} differs from {TABLE}" in err and len(err.strip().splitlines()) == 1

@@ -4,8 +4,9 @@ Megatron's placement, which every whole VLM here and a language model alone foll
 stage holds the vision tower (never split: it is built whole, :func:`runtime.single_stage`), its
 projector and the token embedding; each stage holds its slice of the decoder layers (the split
 ``runtime.stage_layer_counts`` names, or mcore's even one); the last stage holds the final norm
-and the output layer. Tied embeddings would need the embedding on the last stage too, which
-Megatron keeps in step with a gradient all-reduce a forward-only tool has no use for: refused.
+and the output layer. A tied head is Megatron's too: the last stage's ``GPTModel`` holds its own
+copy of the embedding table as ``output_layer.weight`` (set from the first stage's when built; a
+checkpoint's last stage, or check's split, hands it the same copy to load).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.models.core.te_stand_ins import cuda_calls_on_host
 from mmparity.parallel import runtime
 
 T = TypeVar("T")
@@ -32,16 +34,24 @@ def build_stage(cfg, text, language: Callable[..., torch.nn.Module],
     """
     first, last = runtime.is_first_stage(), runtime.is_last_stage()
     tied = tied_embeddings(cfg)
-    if tied and not (first and last):
-        raise ValueError("tied embeddings under pipeline parallelism are not supported")
     vision = None
     if first and tower is not None:
         with runtime.single_stage():
             vision = tower()
     vocab = padded_vocab_size(text.vocab_size, VOCAB_MULTIPLE, tp=runtime.current_layout().tp)
-    language_model = language(vocab, pre_process=first, post_process=last,
-                              share_embeddings_and_output_weights=tied)
+    language_model = language_stage(language, vocab, pre_process=first, post_process=last,
+                                    share_embeddings_and_output_weights=tied)
     return vision, language_model
+
+
+def language_stage(language: Callable[..., torch.nn.Module], vocab_size: int, **stage) -> torch.nn.Module:
+    """``language(vocab_size, **stage)``, the language model of one stage. With a tied head over
+    pipeline stages mcore's ``GPTModel`` sets the last stage's copy of the table from the first
+    stage's as it is built: an all-reduce over the embedding group (every first and last stage
+    builds at once, so the collective meets) of a tensor it first moves with ``.cuda()``. On a
+    machine without CUDA that move stays on the host, where gloo reduces."""
+    with cuda_calls_on_host():
+        return language(vocab_size, **stage)
 
 
 def stage_layers(layers: Sequence[T]) -> list[T]:

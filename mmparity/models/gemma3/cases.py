@@ -22,7 +22,6 @@ from mmparity.models.gemma3 import mapping as converter
 from mmparity.models.gemma3 import native, reference
 from mmparity.models.gemma3.config import config_problems
 from mmparity.models.gemma3.megatron import MEGATRON
-from mmparity.models.llava.cases import pipeline_problems
 from mmparity.models.qwen3_vl_whole import cases as whole
 from mmparity.models.siglip import cases as siglip
 from mmparity.models.spec import (
@@ -139,7 +138,7 @@ def hooks(towers) -> FamilyHooks:
     return FamilyHooks(
         config=ConfigHooks(tiny=reference.tiny_config, family_config=reference.vision_config, random=random_config,
                            problems=config_problems, image_size_multiple=image_size_multiple,
-                           image_size_problems=image_size_problems, pipeline_problems=pipeline_problems),
+                           image_size_problems=image_size_problems),
         reference=Side(reference_run, reference_pairs, whole.no_component, reference.build),
         native=Side(native_run, native_pairs, whole.no_component, native.build_native), converter=converter.SPEC,
         parity=Parity(cases), megatron=MEGATRON)

@@ -116,3 +116,19 @@ HF_CONFIGS = {
                          subs={"vision_config": ("siglip_vision_model", False, {}),
                                "text_config": ("gemma3_text", False, {})}),
 }
+
+
+def window_args(text) -> dict:
+    """The sliding layers as megatron-core and Megatron-LM say them: a window of
+    ``sliding_window - 1`` keys back (HF's key is within the window while ``query - key <
+    sliding_window``) on the layers listed 1 in ``window_attn_skip_freq``; none without them."""
+    sliding = [int(kind == SLIDING) for kind in text.layer_types]
+    return dict(window_size=(text.sliding_window - 1, 0), window_attn_skip_freq=sliding) if any(sliding) else {}
+
+
+def megatron_args(cfg) -> dict:
+    """What of a whole Gemma 3 config Megatron-LM has flags for beyond the common ones, under its
+    argument names: the text model's windows and the ``spec`` a run must be given (the family's
+    layer, which puts the sandwich norms where Gemma has them); ``--use-checkpoint-args``
+    restores ``spec``."""
+    return {**window_args(cfg.text_config), "spec": [f"{__package__}.megatron", "LAYER"]}

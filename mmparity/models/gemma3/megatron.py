@@ -30,7 +30,7 @@ from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
-from mmparity.models.gemma3.config import FULL, SLIDING, layer_rope, transformer_config
+from mmparity.models.gemma3.config import FULL, layer_rope, transformer_config, window_args
 from mmparity.models.llava import megatron as llava
 from mmparity.models.parts.gemma_blocks import post_normed
 from mmparity.models.spec import Case
@@ -66,12 +66,9 @@ LAYER = _layer_spec()
 
 def megatron_config(text, params_dtype=torch.float32):
     """The family's one recipe (:func:`mmparity.models.gemma3.config.transformer_config`) with the
-    sliding layers as megatron-core says them: a window of ``sliding_window - 1`` keys back (HF's
-    key is within the window while ``query - key < sliding_window``) on the layers listed 1 in
-    ``window_attn_skip_freq``."""
-    sliding = [int(kind == SLIDING) for kind in text.layer_types]
-    extra = dict(window_size=(text.sliding_window - 1, 0), window_attn_skip_freq=sliding) if any(sliding) else {}
-    return dataclasses.replace(transformer_config(text, params_dtype), **extra)
+    sliding layers as megatron-core says them (:func:`~mmparity.models.gemma3.config.window_args`,
+    what ``convert`` records)."""
+    return dataclasses.replace(transformer_config(text, params_dtype), **window_args(text))
 
 
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,

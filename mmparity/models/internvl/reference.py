@@ -27,8 +27,8 @@ def tiny_config() -> InternVLConfig:
     """InternVL3's tower kind (LayerNorm, q/k/v biases, no final norm) on 4x4-patch tiles (four
     image tokens each after the shuffle); a Qwen2 decoder with GQA (4 heads in 2 groups, so TP 2
     divides both), a head width that is not hidden/heads, a vocabulary that needs padding (97 ->
-    128), an untied head (tied heads cannot be split over pipeline stages), a non-default RoPE
-    base; layer scales away from 1."""
+    128), an untied head (check --pp runs a tied one too), a non-default RoPE base; layer scales
+    away from 1."""
     from transformers import InternVLConfig, InternVLVisionConfig, Qwen2Config
 
     vision = InternVLVisionConfig(hidden_size=48, intermediate_size=52, num_hidden_layers=2,

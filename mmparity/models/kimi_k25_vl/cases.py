@@ -24,9 +24,8 @@ from mmparity.models.core import megatron_side
 from mmparity.models.kimi_k25 import cases as tower_cases
 from mmparity.models.kimi_k25.megatron import build_kimi_k25
 from mmparity.models.spec import (
-    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, sbh_tokens_2d, tokens_2d)
+    Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, no_problems, sbh_tokens_2d, tokens_2d)
 from mmparity.models.kimi_k25_vl import mapping as converter
-from mmparity.config import tied_embeddings
 from mmparity.models.kimi_k25_vl import native
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.core import sublayers
@@ -159,10 +158,9 @@ def random_config(pick):
     return reference.tiny_config(**text)
 
 
-def pipeline_problems(cfg, pp: int) -> list[str]:
-    if pp > 1 and tied_embeddings(cfg):
-        return ["tied input and output embeddings are not supported under pipeline parallelism"]
-    return []
+# Nothing keeps these whole models off pipeline stages, a tied head included (the last stage
+# holds its own copy of the table, as Megatron's does); the families on this composition name it.
+pipeline_problems = no_problems
 
 
 def image_size_problems(cfg, sizes) -> list[str]:

@@ -27,7 +27,7 @@ from mmparity.models.spec import (
     Bench, Case, ConfigHooks, FamilyHooks, MegatronClasses, Pair, Parity, Published, Side, TowerLookup, tokens_2d)
 from mmparity.models.llava import mapping as converter
 from mmparity.config import (
-    first_int, has_patch_merger, image_hw, image_token_id, pixel_shuffle_reduction, select_strategy, tied_embeddings,
+    first_int, has_patch_merger, image_hw, image_token_id, pixel_shuffle_reduction, select_strategy,
     vision_layers_run)
 from mmparity.models.llava import native
 from mmparity.models.llava.megatron import (
@@ -474,16 +474,6 @@ def native_component(name: str, model, cfg, seed: int) -> torch.Tensor:
 
 # --- the registry's record -------------------------------------------------------------------------
 
-def pipeline_problems(cfg, pp: int) -> list[str]:
-    """Why ``cfg`` cannot run over ``pp`` pipeline stages (empty when it can)."""
-    if pp > 1 and tied_embeddings(cfg):
-        return ["tied input and output embeddings (tie_word_embeddings) are not checked under "
-                "pipeline parallelism yet: Megatron's last stage keeps its own copy of the output "
-                "weight, which convert writes and verify --load loads, but check's stages are not "
-                "handed it (check at --pp 1; verify --load the PP checkpoint)"]
-    return []
-
-
 def random_text(pick, config_class, vocabs, **fixed):
     """A random dense-decoder text config and its vocabulary and tied flag: GQA, a head_dim that is
     not hidden/heads, a vocabulary from ``vocabs``, tied or untied head; ``fixed`` as given."""
@@ -606,8 +596,7 @@ def hooks(towers: TowerLookup, languages: Callable, composition: Composition = L
             tiny=reference_module.tiny_config, family_config=reference_module.vision_config,
             random=composition.random_config or random_config,
             image_size_multiple=processor.token_pixels if rows else None,
-            image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers),
-            pipeline_problems=pipeline_problems),
+            image_size_problems=partial(row_layout_size_problems if rows else image_size_problems, towers=towers)),
         reference=Side(partial(reference_run, towers=towers), partial(reference_pairs, towers=towers, languages=languages),
                        reference_component, reference_module.build),
         native=Side(native_run, partial(native_pairs, towers=towers, languages=languages), native_component,

@@ -27,6 +27,7 @@ from mmparity.config import (
 from mmparity.models.llava.config import projection_fields
 from mmparity.models.llava.preprocess import DEFAULT_IMAGE_TOKEN_INDEX, _preprocess_data, pixel_shuffle
 from mmparity.models.core.attention import make_packed_seq_params
+from mmparity.models.core.stages import language_stage
 from mmparity.models.core.layers import (
     NormedColumnParallelLinear, activation_from_hf, tolerate_missing_extra_state, vision_transformer_config)
 
@@ -101,8 +102,10 @@ class LLaVAModel(MegatronModule):
     * Pipeline parallelism splits the language model's layers, as Megatron-LM does: the vision
       tower (whole, see ``runtime.single_stage``), the projector and the embedding live on the
       first stage, the final norm and output layer on the last. Later stages keep only the
-      tower's geometry (patch size, class tokens) to count each image's slots. Tied embeddings
-      are refused under pipeline parallelism (see :func:`pipeline_problems`).
+      tower's geometry (patch size, class tokens) to count each image's slots. A tied head
+      under pipeline parallelism is Megatron's: the last stage's GPTModel holds its own
+      ``output_layer.weight``, set from the first stage's table when built and loaded from the
+      last stage's state (check hands it the table's copy, as ``convert`` writes it).
     """
 
     def __init__(self, language_transformer_config, language_model_builder: Callable,
@@ -125,14 +128,11 @@ class LLaVAModel(MegatronModule):
                              f"among the {num_vision_layers + 1} hidden states of the tower")
 
         self.pre_process, self.post_process = runtime.is_first_stage(), runtime.is_last_stage()
-        if share_embeddings_and_output_weights and not (self.pre_process and self.post_process):
-            raise ValueError("tied embeddings under pipeline parallelism are not supported: the "
-                             "last stage would need its own copy of the output weight")
         # The language-model part builds its own module (a GPTModel for the dense decoder) for a
         # padded vocabulary; rebuilt when a checkpoint was padded with another divisor.
         self._build_language_model = functools.partial(
-            language_model_builder, pre_process=self.pre_process, post_process=self.post_process,
-            parallel_output=parallel_output,
+            language_stage, language_model_builder, pre_process=self.pre_process,
+            post_process=self.post_process, parallel_output=parallel_output,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         # Registration order is upstream's, so state dicts list the language model first.
         self.language_model = self._build_language_model(language_vocab_size)

@@ -1,6 +1,7 @@
 """The llama4_text language-model part of whole VLMs: its record (the text model types it takes);
 its modules sit beside this file."""
 
+from mmparity.models.parts.llama4_text.config import megatron_args
 from mmparity.models.record import PartRecord
 
 PART = PartRecord(
@@ -12,5 +13,7 @@ PART = PartRecord(
     megatron_args=(("moe_router_score_function", "sigmoid"), ("moe_apply_probs_on_input", True),
                    # transformers rotates adjacent pairs: Megatron-LM's --rotary-interleaved.
                    ("rotary_interleaved", True)),
+    # Its NoPE layers, q/k L2 norms and --spec, read off each config.
+    megatron_config_args=megatron_args,
     megatron="mmparity.models.parts.llama4_text.megatron:build_language_model",
 )

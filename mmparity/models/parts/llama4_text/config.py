@@ -19,6 +19,17 @@ def rope_layers(text) -> list[bool]:
     return [bool(flag) for flag in text.no_rope_layers]
 
 
+def megatron_args(text) -> dict:
+    """What of a Llama 4 text config Megatron-LM has flags for beyond the common ones, under its
+    argument names: ``no_rope_freq`` (1 on a NoPE layer, HF's ``no_rope_layers`` the other way
+    round), ``qk_l2_norm`` (the weightless q/k L2 norms) and the ``spec`` a run must be given,
+    the part's layer spec, which keeps those norms off the NoPE layers as Llama 4 does (flags
+    alone put them on every layer); ``--use-checkpoint-args`` restores ``spec``."""
+    return {"no_rope_freq": [0 if rope else 1 for rope in rope_layers(text)],
+            "qk_l2_norm": bool(text.use_qk_norm),
+            "spec": [f"{__package__}.megatron", "LAYER"]}
+
+
 def chunked_layers(text) -> list[bool]:
     """Per layer, whether its causal mask is cut into ``attention_chunk_size`` chunks."""
     return [kind == "chunked_attention" for kind in text.layer_types]

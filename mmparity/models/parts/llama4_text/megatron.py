@@ -33,7 +33,7 @@ from mmparity.config import padded_vocab_size, rope_theta, tied_embeddings
 from mmparity.mapping.rules import VOCAB_MULTIPLE
 from mmparity.models.core import mla_moe, te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te
-from mmparity.models.parts.llama4_text.config import LLAMA3_FIELDS, chunked_layers, rope_layers
+from mmparity.models.parts.llama4_text.config import LLAMA3_FIELDS, chunked_layers, megatron_args, rope_layers
 from mmparity.models.parts.llama4_text.native import transformer_config as native_config
 from mmparity.parallel import runtime
 
@@ -76,10 +76,9 @@ def megatron_config(text, params_dtype=torch.float32):
     """The part's one recipe (:func:`mmparity.models.parts.llama4_text.native.transformer_config`)
     with megatron-core's own switches for what the native layers hold themselves: ``no_rope_freq``
     (1 on a NoPE layer), ``qk_l2_norm`` in place of a q/k norm module, grouped-GEMM experts."""
-    config = native_config(text, params_dtype)
+    config, args = native_config(text, params_dtype), megatron_args(text)  # what convert records
     return dataclasses.replace(
-        config, qk_layernorm=False, qk_l2_norm=bool(text.use_qk_norm),
-        no_rope_freq=[0 if rope else 1 for rope in rope_layers(text)],
+        config, qk_layernorm=False, qk_l2_norm=args["qk_l2_norm"], no_rope_freq=args["no_rope_freq"],
         moe_grouped_gemm=bool(config.num_moe_experts))
 
 
