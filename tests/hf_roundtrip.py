@@ -27,16 +27,17 @@ def save_tiny(tmp_path_factory, family: str, shard: str, seed: int = 3):
     return path
 
 
-def assert_round_trip(saved, tmp_path, *layout, fmt: str = "legacy") -> None:
+def assert_round_trip(saved, tmp_path, *layout, fmt: str = "legacy", check: bool = True) -> None:
     """``saved`` converted at ``layout`` (``"--tp", 2, "--pp", 2`` …) in ``fmt``, verified, checked
-    against transformers, and converted back with ``--base``: the same tensors to the bit."""
+    against transformers (``check``: where the family's check takes that layout), and converted back
+    with ``--base``: the same tensors to the bit."""
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict
 
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert run_cli("convert", "--src", saved, "--dst", mcore, "--to", "mcore", *layout, "--format", fmt,
                    "--quiet") == 0
     assert run_cli("verify", mcore) == 0
-    assert run_cli("check", "--hf", saved, "--mcore", mcore) == 0
+    assert not check or run_cli("check", "--hf", saved, "--mcore", mcore) == 0
     assert run_cli("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved, "--quiet") == 0
     expected, got = load_safetensors_state_dict(saved), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)

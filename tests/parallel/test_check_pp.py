@@ -221,20 +221,25 @@ def test_cli_pipeline_errors_exit_2(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.slow
-def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_path):
-    fam = families.get("pixtral")
+def _check_legacy_pp2(capsys, tmp_path, family: str) -> dict:
+    """A tiny ``family`` saved by transformers, converted to legacy at PP 2 and checked from the
+    checkpoint alone: the report."""
+    fam = families.get(family)
     model = fam.build_reference(fam.tiny_config())
     model.load_state_dict(random_like_state(model.state_dict(), seed=8))
     model.save_pretrained(tmp_path / "hf")
-    code, _, err = _run_cli(capsys, "convert", "--src", str(tmp_path / "hf"), "--dst",
-                            str(tmp_path / "legacy"), "--to", "mcore", "--family", "pixtral",
-                            "--format", "legacy", "--pp", "2", "--quiet")
+    code, _, err = _run_cli(capsys, "convert", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "legacy"),
+                            "--to", "mcore", "--family", family, "--format", "legacy", "--pp", "2", "--quiet")
     assert code == 0, err
     code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components",
                               "--json", str(tmp_path / "report.json"), "--quiet")
     assert code == 0, out + err
-    report = json.loads((tmp_path / "report.json").read_text())
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_path):
+    report = _check_legacy_pp2(capsys, tmp_path, "pixtral")
     assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
 
 
@@ -242,17 +247,7 @@ def test_check_mcore_runs_a_legacy_checkpoint_at_its_pipeline_size(capsys, tmp_p
 def test_check_mcore_runs_a_tied_head_at_pp2_and_refuses_a_copy_that_differs(capsys, tmp_path):
     """gemma3's head is tied: the legacy checkpoint's last stage holds the copy convert writes,
     check runs it on two stages; a copy that is not the table is refused by name, exit 2."""
-    fam = families.get("gemma3")
-    model = fam.build_reference(fam.tiny_config())
-    model.load_state_dict(random_like_state(model.state_dict(), seed=8))
-    model.save_pretrained(tmp_path / "hf")
-    code, _, err = _run_cli(capsys, "convert", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "legacy"),
-                            "--to", "mcore", "--format", "legacy", "--pp", "2", "--quiet")
-    assert code == 0, err
-    code, out, err = _run_cli(capsys, "check", "--mcore", str(tmp_path / "legacy"), "--no-components",
-                              "--json", str(tmp_path / "report.json"), "--quiet")
-    assert code == 0, out + err
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = _check_legacy_pp2(capsys, tmp_path, "gemma3")
     assert (report["tp"], report["pp"], report["passed"]) == (1, 2, True)
     stage = next((tmp_path / "legacy").rglob("mp_rank_00_001/model_optim_rng.pt"))
     payload = torch.load(stage, weights_only=False)
