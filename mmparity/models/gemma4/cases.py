@@ -22,6 +22,7 @@ from mmparity.models.gemma4 import native, reference
 from mmparity.models.gemma4.megatron import MEGATRON
 from mmparity.models.gemma4_vision import cases as tower_cases
 from mmparity.models.kimi_k25_vl import cases as whole
+from mmparity.models.parts.gemma4_text.moe import reference_moe_pairs, with_moe_pairs
 from mmparity.models.parts.gemma4_text.reference import HF_LAYER
 from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, tokens_2d
 
@@ -89,7 +90,7 @@ def reference_pairs(model, cfg, languages) -> list[Pair]:
     out += whole.language_pairs(enumerate(model.model.language_model.layers), languages(cfg), hf=True,
                                 names=HF_LAYER)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
-    return out
+    return with_moe_pairs(out, reference_moe_pairs)
 
 
 # --- the native side ---------------------------------------------------------------------------------
@@ -110,7 +111,12 @@ def native_run(model, case: Case) -> dict:
 
 
 def native_pairs(model, cfg, languages) -> list[Pair]:
-    return whole.native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs)
+    pairs = whole.native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs)
+    if not getattr(cfg.text_config, "enable_moe_block", False):
+        return pairs
+    from mmparity.models.parts.gemma4_text.moe_native import native_moe_pairs
+
+    return with_moe_pairs(pairs, native_moe_pairs)
 
 
 def random_config(pick):

@@ -46,6 +46,9 @@ def build(cfg):
     from transformers import Gemma4ForConditionalGeneration
 
     model = fill_tied_head(Gemma4ForConditionalGeneration(cfg).to(torch.float32).eval(), cfg)
+    if getattr(cfg.text_config, "enable_moe_block", False):
+        # The eager experts, one by one: the grouped kernel refuses tiny widths (its strides).
+        model.set_experts_implementation("eager")
     if tied_embeddings(cfg):
         # The state dict names the tied table once, as save_pretrained writes it (Gemma 3's reason).
         def once(module, state_dict, prefix, *unused):

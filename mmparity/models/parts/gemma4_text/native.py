@@ -40,6 +40,7 @@ from mmparity.models.core.stages import stage_layers
 from mmparity.models.parts.deepseek_v3.native import build_gpt_model
 from mmparity.models.parts.gemma4_text.config import (
     SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
+from mmparity.models.parts.gemma4_text.moe import is_moe
 from mmparity.models.parts.gemma_blocks import (
     PerLayerRopeSelfAttention, PostNormedRowParallelLinear, WindowedCoreAttention, rope_table)
 
@@ -120,7 +121,12 @@ def layer_spec(text) -> ModuleSpec:
 
 
 def block_spec(text) -> TransformerBlockSubmodules:
-    return TransformerBlockSubmodules(layer_specs=stage_layers([layer_spec(text)] * text.num_hidden_layers),
+    spec = layer_spec(text)
+    if is_moe(text):  # every layer has the MoE block beside its MLP
+        from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
+
+        spec = moe_layer_spec(spec)
+    return TransformerBlockSubmodules(layer_specs=stage_layers([spec] * text.num_hidden_layers),
                                       layer_norm=RMSNorm)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mmparity.models.core.sublayers import LayerNames
 from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim
+from mmparity.models.parts.gemma4_text.moe import is_moe, moe_shapes
 
 MODEL_TYPES = ("gemma4_text",)
 # HF's layer, by the names of the tensors mcore's layer produces (as Gemma 3's): its attention
@@ -45,5 +46,7 @@ def decoder_shapes(text) -> dict[str, tuple]:
                  "layer_scalar": (1,)}
         if keys_as_values(text, i):
             del layer["self_attn.v_proj.weight"]
+        if is_moe(text):
+            layer |= moe_shapes(text)
         shapes |= {f"layers.{i}.{k}": s for k, s in layer.items()}
     return shapes | {"norm.weight": (h,)}

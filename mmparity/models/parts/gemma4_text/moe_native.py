@@ -1,0 +1,95 @@
+"""Gemma 4's MoE block on mcore (:mod:`.moe` says what transformers computes and where each tensor
+goes): megatron-core's ``MoELayer`` with its softmax top-k router, its all-gather dispatcher and
+EP, and a shared expert, with what Gemma adds, each the smallest change to the stock module:
+
+* the router's input is RMS-normalised without a weight, times a learned per-channel ``scale``
+  and ``hidden ** -0.5``; its chosen weights are then multiplied by the chosen experts'
+  ``per_expert_scale`` (:class:`Gemma4Router`);
+* the routed experts read their own normed input (``pre_experts_layernorm``; the router and the
+  dense MLP read the layer's residual), their combined output is normed (``post_experts_layernorm``)
+  before the dense MLP's normed output is added, and the sum is normed (``post_layernorm``)
+  (:class:`Gemma4MoE`);
+* the dense MLP is the shared expert, ungated, its norms fused into its linears as in a dense
+  Gemma 4 layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+# Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MoE modules read.
+from mmparity.models.core.mla_moe import host_placement  # noqa: F401
+from mmparity.models.parts.deepseek_v3.native import mlp_pairs, moe_spec
+from mmparity.models.parts.gemma4_text.native import RMSNorm, rms_norm
+from mmparity.models.spec import sbh_tokens_2d
+
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP  # noqa: E402
+
+
+class Gemma4Router(TopKRouter):
+    """megatron-core's top-k router (``weight``: HF's ``router.proj``) on Gemma's scaled input, its
+    routing weights times ``per_expert_scale``: both scales are the router's own parameters."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
+        self.per_expert_scale = torch.nn.Parameter(torch.ones(config.num_moe_experts, dtype=config.params_dtype))
+
+    def forward(self, input, padding_mask=None):
+        scaled = rms_norm(input, None, self.config.layernorm_epsilon) * self.scale * self.config.hidden_size ** -0.5
+        probs, routing_map = super().forward(scaled, padding_mask)
+        # Zero where an expert was not chosen, so the scale reaches the chosen weights only.
+        return probs * self.per_expert_scale, routing_map
+
+
+class Gemma4MoE(MoELayer):
+    """``MoELayer`` whose routed experts have their own pre and post norms and whose output (routed
+    plus shared) is normed. ``routed_experts``: a stateless probe on the routed part alone, after
+    the combine and before its norm (what parity pairs with HF's ``experts``)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        super().__init__(config, submodules, layer_number, pg_collection)
+        size, eps = config.hidden_size, config.layernorm_epsilon
+        self.pre_experts_layernorm = RMSNorm(config, size, eps)
+        self.post_experts_layernorm = RMSNorm(config, size, eps)
+        self.post_layernorm = RMSNorm(config, size, eps)
+        self.routed_experts = torch.nn.Identity()
+
+    @property
+    def linear_fc1(self):
+        """The dense MLP's first linear, whose fused norm is the layer's pre-feedforward norm
+        (where parity finds a fused ``pre_mlp_layernorm``, as in a dense layer)."""
+        return self.shared_experts.linear_fc1
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        return super().preprocess(self.pre_experts_layernorm(hidden_states), probs, routing_map)
+
+    def postprocess(self, output, shared_expert_output):
+        routed = self.post_experts_layernorm(self.routed_experts(super().postprocess(output, None)))
+        return self.post_layernorm(routed + shared_expert_output)
+
+
+def moe_layer_spec(layer: ModuleSpec) -> ModuleSpec:
+    """A dense Gemma 4 layer's spec with its MLP replaced by the block: the stock MoE spec's
+    routed experts (TEGroupedMLP's names), Gemma's router, the dense MLP (its fused norms and
+    all) as the shared expert."""
+    base = moe_spec(shared_experts=False)
+    dense = layer.submodules.mlp.submodules
+    shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=dense.linear_fc1,
+                                                                         linear_fc2=dense.linear_fc2))
+    mlp = dataclasses.replace(base, module=Gemma4MoE, submodules=dataclasses.replace(
+        base.submodules, shared_experts=shared, router=Gemma4Router))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
+def native_moe_pairs(name: str, layer) -> list:
+    """The native layer's block pairs under ``name`` (its ``mlp``): the router, the shared expert
+    (the dense MLP's normed output), the routed experts' combined output; none in a dense layer."""
+    return mlp_pairs(name, getattr(layer, "mlp", None), sbh_tokens_2d)
+
