@@ -43,6 +43,7 @@ from mmparity.models.gemma3 import megatron as gemma3
 from mmparity.models.llava import megatron as llava
 from mmparity.models.parts.gemma4_text.config import (
     SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
+from mmparity.models.parts.gemma4_text.moe import is_moe
 from mmparity.models.parts.gemma4_text.native import ScaledLayer, rms_norm
 from mmparity.models.parts.gemma_blocks import PerLayerRopeSelfAttention
 from mmparity.models.spec import Case
@@ -110,13 +111,22 @@ def _reference_language_model(model, case: Case, cfg) -> dict:
     return {"logits": logits.reshape(-1, logits.shape[-1]), "loss_mask": case.data["loss_mask"].reshape(-1)}
 
 
+def _refuse_moe(cfg):
+    """The class's layer is Gemma 3's dense Megatron layer: a Gemma 4 with the MoE block has no
+    place in it (its block is native only, :mod:`mmparity.models.parts.gemma4_text.moe_native`)."""
+    if not is_moe(cfg.text_config):
+        return None
+    return ("Gemma 4's MoE block (enable_moe_block) is not built into GPTModel here: its layer spec is Gemma 3's "
+            "dense one; check the native model (leave out --impl megatron), verify without --load")
+
+
 WHY_NO_WHOLE = ("megatron-core's LLaVAModel has no place for Gemma 4's tower (images of any size, pooled) nor its "
                 "images' bidirectional attention on sliding layers, so only the language model has one: stock "
                 "GPTModel, which trains it alone")
 
 LANGUAGE_MODEL = dataclasses.replace(
     llava.LANGUAGE_MODEL, build=build_language_model, reference_run=_reference_language_model,
-    why_part=WHY_NO_WHOLE, unwritten_extra_state=(),
+    why_part=WHY_NO_WHOLE, unwritten_extra_state=(), refuses=_refuse_moe,
     note="the Gemma 4 language model part (language_model.*) on text-only ids, stock GPTModel on Gemma 3's Megatron "
          "layer (TE spec, sandwich norms on linear_proj / linear_fc2, sliding windows) with plain norms, unscaled "
          "attention and the smallest modules megatron-core lacks: a per-layer config and RoPE in the attention "

@@ -48,7 +48,8 @@ def moe_problems(text) -> list[str]:
                 for name in ("num_experts", "top_k_experts", "moe_intermediate_size")
                 if not getattr(text, name, None)]
     if not problems and text.top_k_experts > text.num_experts:
-        problems.append(f"text_config: top_k_experts={text.top_k_experts} exceeds num_experts={text.num_experts}")
+        problems.append(f"text_config: enable_moe_block with top_k_experts={text.top_k_experts} above "
+                        f"num_experts={text.num_experts}")
     return problems
 
 
