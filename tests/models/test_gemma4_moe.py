@@ -48,6 +48,16 @@ def test_transformers_saves_the_experts_stacked(saved):
     assert not any(".experts.0." in k for k in state)
 
 
+def test_reference_shapes_are_what_transformers_builds():
+    from mmparity.models.parts.gemma4_text import reference as decoder
+
+    cfg = tiny_moe()
+    model = families.get("gemma4").build_reference(cfg)
+    root = "model.language_model."
+    state = {k[len(root):]: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(root)}
+    assert state == decoder.decoder_shapes(cfg.text_config)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_check_without_family_passes_with_router_agreement(saved, capsys, dtype):
     assert _run("check", "--hf", saved, "--dtype", dtype) == 0
