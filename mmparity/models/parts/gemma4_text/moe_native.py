@@ -16,6 +16,7 @@ EP, and a shared expert, with what Gemma adds, each the smallest change to the s
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -24,7 +25,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 # Imported first: it corrects megatron-core 0.16's Transformer Engine guards the MoE modules read.
 from mmparity.models.core.mla_moe import host_placement  # noqa: F401
 from mmparity.models.parts.deepseek_v3.native import mlp_pairs, moe_spec
-from mmparity.models.parts.gemma4_text.native import RMSNorm, rms_norm
 from mmparity.models.spec import sbh_tokens_2d
 
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
@@ -34,15 +34,17 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP  # noqa
 
 class Gemma4Router(TopKRouter):
     """megatron-core's top-k router (``weight``: HF's ``router.proj``) on Gemma's scaled input, its
-    routing weights times ``per_expert_scale``: both scales are the router's own parameters."""
+    routing weights times ``per_expert_scale``: both scales are the router's own parameters.
+    ``norm(x, weight, eps)``: the decoder's RMSNorm function (called with no weight)."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, norm, **kwargs):
         super().__init__(config, *args, **kwargs)
+        self.norm = norm
         self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
         self.per_expert_scale = torch.nn.Parameter(torch.ones(config.num_moe_experts, dtype=config.params_dtype))
 
     def forward(self, input, padding_mask=None):
-        scaled = rms_norm(input, None, self.config.layernorm_epsilon) * self.scale * self.config.hidden_size ** -0.5
+        scaled = self.norm(input, None, self.config.layernorm_epsilon) * self.scale * self.config.hidden_size ** -0.5
         probs, routing_map = super().forward(scaled, padding_mask)
         # Zero where an expert was not chosen, so the scale reaches the chosen weights only.
         return probs * self.per_expert_scale, routing_map
@@ -51,14 +53,15 @@ class Gemma4Router(TopKRouter):
 class Gemma4MoE(MoELayer):
     """``MoELayer`` whose routed experts have their own pre and post norms and whose output (routed
     plus shared) is normed. ``routed_experts``: a stateless probe on the routed part alone, after
-    the combine and before its norm (what parity pairs with HF's ``experts``)."""
+    the combine and before its norm (what parity pairs with HF's ``experts``). ``norm_class``: the
+    decoder's RMSNorm module."""
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, norm_class):
         super().__init__(config, submodules, layer_number, pg_collection)
         size, eps = config.hidden_size, config.layernorm_epsilon
-        self.pre_experts_layernorm = RMSNorm(config, size, eps)
-        self.post_experts_layernorm = RMSNorm(config, size, eps)
-        self.post_layernorm = RMSNorm(config, size, eps)
+        self.pre_experts_layernorm = norm_class(config, size, eps)
+        self.post_experts_layernorm = norm_class(config, size, eps)
+        self.post_layernorm = norm_class(config, size, eps)
         self.routed_experts = torch.nn.Identity()
 
     @property
@@ -75,16 +78,20 @@ class Gemma4MoE(MoELayer):
         return self.post_layernorm(routed + shared_expert_output)
 
 
-def moe_layer_spec(layer: ModuleSpec) -> ModuleSpec:
+def moe_layer_spec(layer: ModuleSpec, norm_class, norm) -> ModuleSpec:
     """A dense Gemma 4 layer's spec with its MLP replaced by the block: the stock MoE spec's
     routed experts (TEGroupedMLP's names), Gemma's router, the dense MLP (its fused norms and
-    all) as the shared expert."""
+    all) as the shared expert. ``norm_class`` / ``norm``: the decoder's RMSNorm module and
+    function (the decoder's native module builds this spec, and this module does not import it)."""
     base = moe_spec(shared_experts=False)
     dense = layer.submodules.mlp.submodules
     shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=dense.linear_fc1,
                                                                          linear_fc2=dense.linear_fc2))
-    mlp = dataclasses.replace(base, module=Gemma4MoE, submodules=dataclasses.replace(
-        base.submodules, shared_experts=shared, router=Gemma4Router))
+    submodules = dataclasses.replace(base.submodules, shared_experts=shared, router=partial(Gemma4Router, norm=norm))
+    # A class, not a ModuleSpec: mcore's layer logs every MLP spec of a class it does not know as
+    # unknown; megatron-core's build_module reads a class's own ``submodules`` and ``params`` as a spec's.
+    mlp = type("Gemma4MoE", (Gemma4MoE,), {"submodules": submodules, "params": {**base.params, "norm_class": norm_class},
+                                           "__module__": __name__})
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 

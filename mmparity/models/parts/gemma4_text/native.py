@@ -125,7 +125,7 @@ def block_spec(text) -> TransformerBlockSubmodules:
     if is_moe(text):  # every layer has the MoE block beside its MLP
         from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
 
-        spec = moe_layer_spec(spec)
+        spec = moe_layer_spec(spec, RMSNorm, rms_norm)
     return TransformerBlockSubmodules(layer_specs=stage_layers([spec] * text.num_hidden_layers),
                                       layer_norm=RMSNorm)
 
