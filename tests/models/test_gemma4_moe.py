@@ -125,6 +125,14 @@ def test_megatrons_gpt_model_is_refused_in_one_line(saved, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_check_at_tp2_ep2_passes_with_router_agreement(saved, capsys):
+    """The native model over 4 ranks, each holding half of the experts' rows of half of the experts."""
+    assert _run("check", "--hf", saved, "--tp", 2, "--ep", 2) == 0
+    out = capsys.readouterr().out
+    assert "EP 2" in out and "60 of 60 token routings" in out, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_convert_tp2_pp2_ep2_verify_and_back_with_base_is_bit_exact(saved, tmp_path, fmt):
     from mmparity.io.fsio.safetensors_read import load_safetensors_state_dict

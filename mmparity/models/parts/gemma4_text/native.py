@@ -19,8 +19,9 @@ q/k norms, sliding and full layers each rotating with its own RoPE) with what Ge
 
 A full layer whose keys are its values (``attention_k_eq_v``) is a stock layer whose value rows of
 ``linear_qkv`` equal its key rows (the converter writes them so): its values are the key
-projection's output, value-normed, as transformers computes them. What
-:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (MoE block, per-layer input
+projection's output, value-normed, as transformers computes them. The MoE block
+(``enable_moe_block``) replaces every layer's MLP by an ``MoELayer`` (:mod:`.moe_native`). What
+:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (per-layer input
 embeddings, shared keys and values) is refused, not built.
 """
 
