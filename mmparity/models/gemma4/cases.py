@@ -123,7 +123,12 @@ def random_config(pick):
     heads = pick([2, 4])
     layers = pick([1, 2, 3])
     kinds = [pick(["sliding_attention", "full_attention"]) for _ in range(layers - 1)] + ["full_attention"]
-    return reference.tiny_config(num_attention_heads=heads, num_key_value_heads=pick([g for g in (1, 2) if heads % g == 0]),
+    moe = {}
+    if pick([False, True]):  # the MoE block beside every layer's MLP
+        moe = dict(enable_moe_block=True, num_experts=pick([2, 4, 6]), top_k_experts=pick([1, 2]),
+                   moe_intermediate_size=pick([6, 10]))
+    return reference.tiny_config(**moe,
+                                 num_attention_heads=heads, num_key_value_heads=pick([g for g in (1, 2) if heads % g == 0]),
                                  head_dim=pick([8, 12]), global_head_dim=pick([8, 16]), hidden_size=pick([24, 40]),
                                  num_hidden_layers=layers, layer_types=kinds, sliding_window=pick([3, 5, 64]),
                                  use_bidirectional_attention=pick([None, "vision"]))
