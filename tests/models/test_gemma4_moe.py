@@ -4,8 +4,8 @@ does), a vocabulary of 97 that needs padding, three images of different sizes. I
 passes ``check --hf`` with no family in fp32 and bf16 with router agreement per layer; a perturbed
 expert, router weight or per-expert scale is named by part; the experts round-trip through
 convert -> verify -> convert --to hf --base bit for bit at TP 2 x PP 2 x EP 2 in both formats, read
-and written back stacked as transformers saves them; Megatron's GPTModel, which has no place for
-the block, is refused in one line."""
+and written back stacked as transformers saves them; Megatron's GPTModel holds the block
+(``TEGroupedMLP`` experts), loads it strictly and passes ``check --impl megatron``."""
 
 from __future__ import annotations
 
@@ -112,16 +112,42 @@ def test_tensor_parallelism_must_divide_the_experts_width():
     assert tp_problems(text, 2) == ["tp=2 does not divide text moe_intermediate_size=9"]
 
 
-def test_megatrons_gpt_model_is_refused_in_one_line(saved, tmp_path, capsys):
-    assert _run("check", "--hf", saved, "--impl", "megatron") == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "enable_moe_block" in err, err
-    mcore = tmp_path / "mcore"
-    assert _run("convert", "--src", saved, "--dst", mcore, "--to", "mcore", "--quiet") == 0
-    capsys.readouterr()
-    assert _run("verify", mcore, "--load") == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "enable_moe_block" in err, err
+def _megatron(report) -> dict:
+    return {r.check: r for r in report.results if r.impl == "megatron"}
+
+
+def test_megatrons_gpt_model_holds_the_block_with_grouped_gemm_experts():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mmparity.models.core import megatron_classes as models
+    from mmparity.models.registry import megatron_class
+    from mmparity.parallel import runtime
+
+    with runtime.parallel_context(1, 1):
+        model = models.build(megatron_class("gemma4")[1].build, tiny_moe())
+    mlps = [layer.mlp for layer in model.decoder.layers]
+    assert len(mlps) == 2 and all(isinstance(m, MoELayer) for m in mlps)
+    assert {type(m.experts).__name__ for m in mlps} == {"TEGroupedMLP"}
+    assert model.config.moe_grouped_gemm and model.config.num_moe_experts == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_check_megatron_passes(dtype):
+    report = harness.check("gemma4", cfg=tiny_moe(), impl="megatron", seed=5, dtype=dtype)
+    assert report.passed, [(r.check, r.metrics) for r in _megatron(report).values()]
+
+
+@pytest.mark.parametrize("key", ["mlp.experts.linear_fc1.weight1", "mlp.router.per_expert_scale"])
+def test_a_perturbed_block_weight_in_megatrons_class_is_located_in_its_layer(key):
+    def perturb(shard):
+        keys = [k for k in shard if "decoder.layers.0." + key in k]
+        assert keys
+        for k in keys:
+            shard[k] = shard[k].flip(0) * 3
+
+    logits = _megatron(harness.check("gemma4", cfg=tiny_moe(), impl="megatron", mutate_native=perturb))["text:logits"]
+    assert not logits.passed
+    assert logits.first_divergence.module.startswith("language_model.decoder.layers.0"), logits.first_divergence
 
 
 @pytest.mark.slow
@@ -141,6 +167,8 @@ def test_convert_tp2_pp2_ep2_verify_and_back_with_base_is_bit_exact(saved, tmp_p
     assert _run("convert", "--src", saved, "--dst", mcore, "--to", "mcore", "--tp", 2, "--pp", 2, "--ep", 2,
                 "--format", fmt, "--quiet") == 0
     assert _run("verify", mcore, "--quiet") == 0
+    # Megatron's GPTModel loads the language model strictly, the block included.
+    assert _run("verify", mcore, "--load", "--quiet") == 0
     assert _run("convert", "--src", mcore, "--dst", back, "--to", "hf", "--base", saved, "--quiet") == 0
     expected, got = load_safetensors_state_dict(saved), load_safetensors_state_dict(back)
     assert sorted(got) == sorted(expected)

@@ -18,7 +18,10 @@ What megatron-core has no place for, each the smallest module that holds it:
 * HF's weightless value norm: TE's attention with each value head RMS-normalised first
   (:class:`ValueNormedDotProductAttention`, no state);
 * ``layer_scalar``: the stock layer whose output is multiplied by it, a buffer of the layer
-  (:class:`~mmparity.models.parts.gemma4_text.native.ScaledLayer`), as the converter writes it.
+  (:class:`~mmparity.models.parts.gemma4_text.native.ScaledLayer`), as the converter writes it;
+* the MoE block (``enable_moe_block``): megatron-core's ``MoELayer`` with the TE spec's
+  ``TEGroupedMLP`` experts and the layer's dense MLP as its shared expert, plus Gemma's router
+  scales and the experts' norms (:mod:`~mmparity.models.parts.gemma4_text.moe_native`).
 
 What the class computes differently from HF, by design (``GPTModel`` has neither): its embedding
 is not scaled by ``sqrt(hidden)`` and its logits are not soft-capped. The reference it is
@@ -29,6 +32,7 @@ table looked up as ``inputs_embeds``, the head's logits uncapped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
 from mmparity.models.gemma3 import megatron as gemma3
 from mmparity.models.llava import megatron as llava
@@ -68,7 +73,24 @@ def layer_spec(text) -> ModuleSpec:
         gemma3.with_submodules(attention, core_attention=ValueNormedDotProductAttention),
         module=PerLayerRopeSelfAttention,
         params={**attention.params, "ropes": ropes, "layer_fields": layer_fields(text)})
-    return dataclasses.replace(gemma3.with_submodules(base, self_attention=attention), module=ScaledLayer)
+    layer = dataclasses.replace(gemma3.with_submodules(base, self_attention=attention), module=ScaledLayer)
+    return _with_moe_block(text, layer) if is_moe(text) else layer
+
+
+def _with_moe_block(text, layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with the MoE block as its MLP (:func:`~mmparity.models.parts.gemma4_text.moe_native.moe_layer_spec`):
+    megatron-core's TE spec's routed experts (``TEGroupedMLP``, grouped GEMMs), the layer's own
+    dense MLP as the shared expert, Gemma's router, TE's norm for the experts' and the block's norms."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
+
+    with te_stand_ins.qk_norm_without_te():
+        te = te_stand_ins.megatron_te_spec(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec,
+                                           num_experts=text.num_experts, moe_grouped_gemm=True, qk_layernorm=True)
+    experts = te.submodules.mlp.keywords["submodules"].experts if isinstance(te.submodules.mlp, functools.partial) \
+        else te.submodules.mlp.submodules.experts
+    return moe_layer_spec(layer, te_class("TENorm"), rms_norm, experts=experts)
 
 
 def megatron_config(text, params_dtype=torch.float32):
@@ -77,6 +99,8 @@ def megatron_config(text, params_dtype=torch.float32):
     back, on the layers listed 1 in ``window_attn_skip_freq``)."""
     sliding = [int(kind == SLIDING) for kind in text.layer_types]
     extra = dict(window_size=(text.sliding_window - 1, 0), window_attn_skip_freq=sliding) if any(sliding) else {}
+    if is_moe(text):  # the experts as grouped GEMMs, as Megatron-LM's MoE recipes run them
+        extra["moe_grouped_gemm"] = True
     return dataclasses.replace(transformer_config(text, params_dtype), **extra)
 
 
@@ -111,22 +135,13 @@ def _reference_language_model(model, case: Case, cfg) -> dict:
     return {"logits": logits.reshape(-1, logits.shape[-1]), "loss_mask": case.data["loss_mask"].reshape(-1)}
 
 
-def _refuse_moe(cfg):
-    """The class's layer is Gemma 3's dense Megatron layer: a Gemma 4 with the MoE block has no
-    place in it (its block is native only, :mod:`mmparity.models.parts.gemma4_text.moe_native`)."""
-    if not is_moe(cfg.text_config):
-        return None
-    return ("Gemma 4's MoE block (enable_moe_block) is not built into GPTModel here: its layer spec is Gemma 3's "
-            "dense one; check the native model (leave out --impl megatron), verify without --load")
-
-
 WHY_NO_WHOLE = ("megatron-core's LLaVAModel has no place for Gemma 4's tower (images of any size, pooled) nor its "
                 "images' bidirectional attention on sliding layers, so only the language model has one: stock "
                 "GPTModel, which trains it alone")
 
 LANGUAGE_MODEL = dataclasses.replace(
     llava.LANGUAGE_MODEL, build=build_language_model, reference_run=_reference_language_model,
-    why_part=WHY_NO_WHOLE, unwritten_extra_state=(), refuses=_refuse_moe,
+    why_part=WHY_NO_WHOLE, unwritten_extra_state=(),
     note="the Gemma 4 language model part (language_model.*) on text-only ids, stock GPTModel on Gemma 3's Megatron "
          "layer (TE spec, sandwich norms on linear_proj / linear_fc2, sliding windows) with plain norms, unscaled "
          "attention and the smallest modules megatron-core lacks: a per-layer config and RoPE in the attention "

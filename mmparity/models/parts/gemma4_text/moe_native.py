@@ -78,12 +78,15 @@ class Gemma4MoE(MoELayer):
         return self.post_layernorm(routed + shared_expert_output)
 
 
-def moe_layer_spec(layer: ModuleSpec, norm_class, norm) -> ModuleSpec:
+def moe_layer_spec(layer: ModuleSpec, norm_class, norm, experts=None) -> ModuleSpec:
     """A dense Gemma 4 layer's spec with its MLP replaced by the block: the stock MoE spec's
     routed experts (TEGroupedMLP's names), Gemma's router, the dense MLP (its fused norms and
     all) as the shared expert. ``norm_class`` / ``norm``: the decoder's RMSNorm module and
-    function (the decoder's native module builds this spec, and this module does not import it)."""
+    function (the decoder's native module builds this spec, and this module does not import it);
+    ``experts``: the routed experts' spec in place of the stock MoE spec's (Megatron's class: TEGroupedMLP)."""
     base = moe_spec(shared_experts=False)
+    if experts is not None:
+        base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, experts=experts))
     dense = layer.submodules.mlp.submodules
     shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=dense.linear_fc1,
                                                                          linear_fc2=dense.linear_fc2))
