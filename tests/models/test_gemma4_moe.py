@@ -195,3 +195,9 @@ def test_legacy_ep2_rank_files_hold_their_own_experts_and_the_block_beside_them(
     args = read_legacy_args(ranks[0] / "model_optim_rng.pt")
     assert args.num_experts == 4 and args.moe_router_topk == 2 and args.moe_ffn_hidden_size == 10
     assert args.moe_layer_freq == [1, 1]
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused(saved, tmp_path, capsys):
+    assert _run("convert", "--src", saved, "--dst", tmp_path / "m", "--to", "mcore", "--ep", 3, "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--ep 3" in err and "\n" not in err and not (tmp_path / "m").exists()
