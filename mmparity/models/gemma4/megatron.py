@@ -32,7 +32,6 @@ table looked up as ``inputs_embeds``, the head's logits uncapped.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -83,14 +82,12 @@ def _with_moe_block(text, layer: ModuleSpec) -> ModuleSpec:
     dense MLP as the shared expert, Gemma's router, TE's norm for the experts' and the block's norms."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
+    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec, spec_submodules
 
     with te_stand_ins.qk_norm_without_te():
         te = te_stand_ins.megatron_te_spec(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec,
                                            num_experts=text.num_experts, moe_grouped_gemm=True, qk_layernorm=True)
-    experts = te.submodules.mlp.keywords["submodules"].experts if isinstance(te.submodules.mlp, functools.partial) \
-        else te.submodules.mlp.submodules.experts
-    return moe_layer_spec(layer, te_class("TENorm"), rms_norm, experts=experts)
+    return moe_layer_spec(layer, te_class("TENorm"), rms_norm, experts=spec_submodules(te.submodules.mlp).experts)
 
 
 def megatron_config(text, params_dtype=torch.float32):

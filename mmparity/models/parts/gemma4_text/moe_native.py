@@ -78,6 +78,12 @@ class Gemma4MoE(MoELayer):
         return self.post_layernorm(routed + shared_expert_output)
 
 
+def spec_submodules(spec):
+    """A ``ModuleSpec``'s submodules, or those of the ``functools.partial`` newer megatron-core
+    spells an MLP's spec with."""
+    return spec.keywords["submodules"] if isinstance(spec, partial) else spec.submodules
+
+
 def moe_layer_spec(layer: ModuleSpec, norm_class, norm, experts=None) -> ModuleSpec:
     """A dense Gemma 4 layer's spec with its MLP replaced by the block: the stock MoE spec's
     routed experts (TEGroupedMLP's names), Gemma's router, the dense MLP (its fused norms and
@@ -87,7 +93,7 @@ def moe_layer_spec(layer: ModuleSpec, norm_class, norm, experts=None) -> ModuleS
     base = moe_spec(shared_experts=False)
     if experts is not None:
         base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, experts=experts))
-    dense = layer.submodules.mlp.submodules
+    dense = spec_submodules(layer.submodules.mlp)
     shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(linear_fc1=dense.linear_fc1,
                                                                          linear_fc2=dense.linear_fc2))
     submodules = dataclasses.replace(base.submodules, shared_experts=shared, router=partial(Gemma4Router, norm=norm))
