@@ -201,3 +201,11 @@ def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused(sav
     assert _run("convert", "--src", saved, "--dst", tmp_path / "m", "--to", "mcore", "--ep", 3, "--quiet") == 2
     err = capsys.readouterr().err.strip()
     assert "--ep 3" in err and "\n" not in err and not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_the_language_model_part_alone_loads_strictly_at_tp2_pp2_ep2(saved, tmp_path):
+    mcore = tmp_path / "lm"
+    assert _run("convert", "--src", saved, "--dst", mcore, "--to", "mcore", "--part", "language_model",
+                "--tp", 2, "--pp", 2, "--ep", 2, "--format", "legacy", "--quiet") == 0
+    assert _run("verify", "--load", mcore, "--quiet") == 0
