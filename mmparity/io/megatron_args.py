@@ -222,7 +222,7 @@ def _moe_fields(model, shapes: Mapping[str, Sequence[int]]) -> dict:
                                                 or _width(shapes, _SHARED_FC2)),
         "moe_shared_expert_gate": any(k.endswith("mlp.shared_experts.gate_weight") for k in shapes) or None,
         "moe_layer_freq": [int(i in moe) for i in range(model.num_hidden_layers)],
-        "moe_router_topk": getattr(model, "num_experts_per_tok", None),
+        "moe_router_topk": getattr(model, "num_experts_per_tok", None) or getattr(model, "top_k_experts", None),
         # DeepSeek-V3's config names no scoring function: its router is the one with a bias.
         "moe_router_score_function": getattr(model, "scoring_func", None) or ("sigmoid" if expert_bias else "softmax"),
         "moe_router_enable_expert_bias": expert_bias,

@@ -101,7 +101,7 @@ def test_the_cases_hold_images_of_different_sizes_padded_and_longer_rows_than_th
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": 2, "top_k_experts": 3, "moe_intermediate_size": 8}, "top_k_experts=3"),
     # Every layer shared: none computes the keys and values (E2B / E4B's partial sharing is built:
     # tests/models/test_gemma4_ple.py).
     ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),

@@ -140,7 +140,7 @@ def test_reference_shapes_are_what_transformers_builds():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": 2, "top_k_experts": 3, "moe_intermediate_size": 8}, "top_k_experts=3"),
     ({"num_kv_shared_layers": 3}, "num_kv_shared_layers"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
 ])

@@ -24,6 +24,7 @@ from mmparity.models.gemma4_vision import cases as tower_cases
 from mmparity.models.core.layers import numbered_layers
 from mmparity.models.kimi_k25_vl import cases as whole
 from mmparity.models.parts.gemma4_text import per_layer
+from mmparity.models.parts.gemma4_text.moe import reference_moe_pairs, with_moe_pairs
 from mmparity.models.parts.gemma4_text.reference import HF_LAYER
 from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, tokens_2d
 
@@ -91,7 +92,8 @@ def reference_pairs(model, cfg, languages) -> list[Pair]:
     out += whole.language_pairs(enumerate(model.model.language_model.layers), languages(cfg), hf=True,
                                 names=HF_LAYER)
     out.append(Pair("language_model.decoder.final_layernorm", model.model.language_model.norm, tokens_2d))
-    return per_layer_pairs.reference_pairs(out, model.model.language_model, cfg.text_config)
+    return with_moe_pairs(per_layer_pairs.reference_pairs(out, model.model.language_model, cfg.text_config),
+                          reference_moe_pairs)
 
 
 # --- the native side ---------------------------------------------------------------------------------
@@ -113,8 +115,13 @@ def native_run(model, case: Case) -> dict:
 
 def native_pairs(model, cfg, languages) -> list[Pair]:
     out = whole.native_pairs(model, cfg, languages, tower_pairs=tower_cases.native_pairs)
-    return per_layer_pairs.native_pairs(out, model.language_model, cfg.text_config,
-                                        numbered_layers(model.language_model.decoder))
+    out = per_layer_pairs.native_pairs(out, model.language_model, cfg.text_config,
+                                       numbered_layers(model.language_model.decoder))
+    if not getattr(cfg.text_config, "enable_moe_block", False):
+        return out
+    from mmparity.models.parts.gemma4_text.moe_native import native_moe_pairs
+
+    return with_moe_pairs(out, native_moe_pairs)
 
 
 def pipeline_problems(cfg, pp: int) -> list:
@@ -125,7 +132,12 @@ def random_config(pick):
     heads = pick([2, 4])
     layers = pick([1, 2, 3])
     kinds = [pick(["sliding_attention", "full_attention"]) for _ in range(layers - 1)] + ["full_attention"]
-    return reference.tiny_config(num_attention_heads=heads, num_key_value_heads=pick([g for g in (1, 2) if heads % g == 0]),
+    moe = {}
+    if pick([False, True]):  # the MoE block beside every layer's MLP
+        moe = dict(enable_moe_block=True, num_experts=pick([2, 4, 6]), top_k_experts=pick([1, 2]),
+                   moe_intermediate_size=pick([6, 10]))
+    return reference.tiny_config(**moe,
+                                 num_attention_heads=heads, num_key_value_heads=pick([g for g in (1, 2) if heads % g == 0]),
                                  head_dim=pick([8, 12]), global_head_dim=pick([8, 16]), hidden_size=pick([24, 40]),
                                  num_hidden_layers=layers, layer_types=kinds, sliding_window=pick([3, 5, 64]),
                                  use_bidirectional_attention=pick([None, "vision"]), **_e2b(pick, kinds))

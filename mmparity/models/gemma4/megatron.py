@@ -18,7 +18,10 @@ What megatron-core has no place for, each the smallest module that holds it:
 * HF's weightless value norm: TE's attention with each value head RMS-normalised first
   (:class:`ValueNormedDotProductAttention`, no state);
 * ``layer_scalar``: the stock layer whose output is multiplied by it, a buffer of the layer
-  (:class:`~mmparity.models.parts.gemma4_text.native.ScaledLayer`), as the converter writes it.
+  (:class:`~mmparity.models.parts.gemma4_text.native.ScaledLayer`), as the converter writes it;
+* the MoE block (``enable_moe_block``): megatron-core's ``MoELayer`` with the TE spec's
+  ``TEGroupedMLP`` experts and the layer's dense MLP as its shared expert, plus Gemma's router
+  scales and the experts' norms (:mod:`~mmparity.models.parts.gemma4_text.moe_native`).
 
 Megatron-LM's ``pretrain_gpt.py`` builds it with ``--spec mmparity.models.gemma4.megatron LAYER``
 (:class:`Gemma4Layer`): what its flags cannot say (each layer's width, key/value heads and RoPE, the
@@ -52,12 +55,14 @@ from mmparity.io.fsio.paths import refuse_links_outside
 from mmparity.io.hf import read_config_json, refuse_unusable_sizes
 from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.mapping.rules import VOCAB_MULTIPLE
+from mmparity.models.core import te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
 from mmparity.models.gemma3 import megatron as gemma3
 from mmparity.models.llava import megatron as llava
 from mmparity.models.parts.gemma4_text.config import (
     HF_CONFIGS, SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
 from mmparity.models.parts.gemma4_text import per_layer
+from mmparity.models.parts.gemma4_text.moe import is_moe
 from mmparity.models.parts.gemma4_text.native import ScaledLayer, rms_norm
 from mmparity.models.parts.gemma_blocks import PerLayerRopeSelfAttention
 from mmparity.models.spec import Case
@@ -82,7 +87,22 @@ def layer_spec(text) -> ModuleSpec:
         gemma3.with_submodules(attention, core_attention=ValueNormedDotProductAttention),
         module=PerLayerRopeSelfAttention,
         params={**attention.params, "ropes": ropes, "layer_fields": layer_fields(text)})
-    return dataclasses.replace(gemma3.with_submodules(base, self_attention=attention), module=ScaledLayer)
+    layer = dataclasses.replace(gemma3.with_submodules(base, self_attention=attention), module=ScaledLayer)
+    return _with_moe_block(text, layer) if is_moe(text) else layer
+
+
+def _with_moe_block(text, layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with the MoE block as its MLP (:func:`~mmparity.models.parts.gemma4_text.moe_native.moe_layer_spec`):
+    megatron-core's TE spec's routed experts (``TEGroupedMLP``, grouped GEMMs), the layer's own
+    dense MLP as the shared expert, Gemma's router, TE's norm for the experts' and the block's norms."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec, spec_submodules
+
+    with te_stand_ins.qk_norm_without_te():
+        te = te_stand_ins.megatron_te_spec(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec,
+                                           num_experts=text.num_experts, moe_grouped_gemm=True, qk_layernorm=True)
+    return moe_layer_spec(layer, te_class("TENorm"), rms_norm, experts=spec_submodules(te.submodules.mlp).experts)
 
 
 def megatron_config(text, params_dtype=torch.float32):
@@ -91,6 +111,8 @@ def megatron_config(text, params_dtype=torch.float32):
     back, on the layers listed 1 in ``window_attn_skip_freq``)."""
     sliding = [int(kind == SLIDING) for kind in text.layer_types]
     extra = dict(window_size=(text.sliding_window - 1, 0), window_attn_skip_freq=sliding) if any(sliding) else {}
+    if is_moe(text):  # the experts as grouped GEMMs, as Megatron-LM's MoE recipes run them
+        extra["moe_grouped_gemm"] = True
     return dataclasses.replace(transformer_config(text, params_dtype), **extra)
 
 

@@ -58,6 +58,9 @@ def build(cfg):
     # Audio is out of scope (convert leaves the tower and its embedder out by name, no case carries
     # any): the model checked has neither, so a checkpoint with them (E2B / E4B) loads strictly.
     model.model.audio_tower = model.model.embed_audio = None
+    if getattr(cfg.text_config, "enable_moe_block", False):
+        # The eager experts, one by one: the grouped kernel refuses tiny widths (its strides).
+        model.set_experts_implementation("eager")
     if tied_embeddings(cfg):
         # The state dict names the tied table once, as save_pretrained writes it (Gemma 3's reason).
         def once(module, state_dict, prefix, *unused):

@@ -6,8 +6,8 @@ from mmparity.models.record import PartRecord
 PART = PartRecord(
     summary="Gemma 4 decoder: sliding and full layers (full ones wider, proportional RoPE), q/k norms and a "
             "weightless v norm, unscaled attention, sandwich norms, a scalar per layer, scaled embeddings, "
-            "soft-capped logits, keys as values on full layers, E2B / E4B's per-layer inputs and layers sharing "
-            "earlier layers' keys/values; MoE refused by name",
+            "soft-capped logits, keys as values on full layers, the MoE block beside the MLP (an MoELayer), E2B / "
+            "E4B's per-layer inputs and layers sharing earlier layers' keys/values",
     text_model_types=("gemma4_text",),
     # Its full-attention layers are wider than its sliding ones: mcore keys the block's tensors
     # layer by layer in torch_dist (the native model's TransformerConfig sets it too).

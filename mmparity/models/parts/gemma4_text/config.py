@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from mmparity.config import DECODER_FIELDS, ConfigType
 from mmparity.models.parts.gemma4_text.per_layer import problems as per_layer_problems
+from mmparity.models.parts.gemma4_text.moe import moe_config_fields, moe_problems, moe_tp_sizes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: the RoPE of each layer type, the full layers' width.
@@ -75,13 +76,13 @@ def config_problems(text) -> list[str]:
         if rope.get("rope_type", "default") not in ROPE_TYPES:
             problems.append(f"text_config: {kind} rope_type {rope.get('rope_type')!r} (default and proportional only)")
     not_built = {
-        "enable_moe_block": "the MoE block beside the MLP (Gemma 4 26B-A4B) is not built yet",
         "attention_bias": "Gemma 4 has no attention biases; a model with them is not built",
     }
     for name, why in not_built.items():
         if getattr(text, name, None):
             problems.append(f"text_config: {name}={getattr(text, name)!r}: {why}")
     problems += per_layer_problems(text)
+    problems += moe_problems(text)
     if getattr(text, "use_bidirectional_attention", None) == "all":
         problems.append("text_config: use_bidirectional_attention='all' (an encoder's mask, not a decoder's)")
     return problems
@@ -91,7 +92,7 @@ def tp_problems(text, tp: int) -> list[str]:
     if tp < 1:
         return []
     sizes = {"text num_attention_heads": text.num_attention_heads,
-             "text intermediate_size": text.intermediate_size}
+             "text intermediate_size": text.intermediate_size, **moe_tp_sizes(text)}
     for groups in sorted({layer_groups(text, i) for i in range(text.num_hidden_layers)}):
         sizes["text key/value heads"] = groups
         if groups % tp:
@@ -132,6 +133,7 @@ def transformer_config(text, params_dtype=None):
     # Layers of two widths cannot share one stacked tensor in a torch_dist checkpoint: mcore keys
     # such a block layer by layer (the part's record says so in the checkpoint's args too).
     fields["hetereogenous_dist_checkpoint"] = True
+    fields.update(moe_config_fields(text))
     return TransformerConfig(**add_stage_fields(fields))
 
 

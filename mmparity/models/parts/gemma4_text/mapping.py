@@ -25,6 +25,7 @@ from mmparity.mapping.ops import FuseQKV, LayoutError, Op, PadRows, fuse_gate_up
 from mmparity.mapping.rules import VOCAB_MULTIPLE, LanguageKeys, Rule, rename
 from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim, tp_problems
+from mmparity.models.parts.gemma4_text.moe import experts, is_moe, moe_rules
 
 
 @dataclass(frozen=True, repr=False)
@@ -96,10 +97,12 @@ def language_rules(text, lm_root: str, head_key: str, *, tied: bool, layout: str
         rename(mc + "self_attention.q_layernorm.weight", attn + "q_norm.weight"),
         rename(mc + "self_attention.linear_proj.weight", attn + "o_proj.weight", "row"),
         rename(mc + "self_attention.linear_proj.post_layernorm.weight", hf + "post_attention_layernorm.weight"),
-        rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "pre_feedforward_layernorm.weight"),
-        Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), fuse_gate_up(), "gated"),
-        rename(mc + "mlp.linear_fc2.weight", mlp + "down_proj.weight", "row"),
-        rename(mc + "mlp.linear_fc2.post_layernorm.weight", hf + "post_feedforward_layernorm.weight"),
+        *(moe_rules(text, hf, mc) if is_moe(text) else (
+            rename(mc + "mlp.linear_fc1.layer_norm_weight", hf + "pre_feedforward_layernorm.weight"),
+            Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), fuse_gate_up(),
+                 "gated"),
+            rename(mc + "mlp.linear_fc2.weight", mlp + "down_proj.weight", "row"),
+            rename(mc + "mlp.linear_fc2.post_layernorm.weight", hf + "post_feedforward_layernorm.weight"))),
         rename(mc + "layer_scalar", hf + "layer_scalar"),
         *per_layer.layer_rules(text, lm_root),
         rename(MCORE_ROOT + "decoder.final_layernorm.weight", lm_root + "norm.weight"),
@@ -113,4 +116,5 @@ def variables(text) -> dict:
     return {"i": text.num_hidden_layers}
 
 
-SPEC = LanguageKeys(layouts=LAYOUTS, rules=language_rules, tp_problems=tp_problems, variables=variables)
+SPEC = LanguageKeys(layouts=LAYOUTS, rules=language_rules, tp_problems=tp_problems, variables=variables,
+                    experts=experts)

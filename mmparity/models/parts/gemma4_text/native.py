@@ -19,9 +19,9 @@ q/k norms, sliding and full layers each rotating with its own RoPE) with what Ge
 
 A full layer whose keys are its values (``attention_k_eq_v``) is a stock layer whose value rows of
 ``linear_qkv`` equal its key rows (the converter writes them so): its values are the key
-projection's output, value-normed, as transformers computes them. What
-:func:`~mmparity.models.parts.gemma4_text.config.config_problems` names (the MoE block) is refused,
-not built. E2B / E4B's per-layer inputs and shared keys / values are built by
+projection's output, value-normed, as transformers computes them. The MoE block
+(``enable_moe_block``) replaces every layer's MLP by an ``MoELayer`` (:mod:`.moe_native`). E2B /
+E4B's per-layer inputs and shared keys / values are built by
 :mod:`~mmparity.models.parts.gemma4_text.per_layer_native`'s builder, on this one; this builder
 refuses them rather than build a model without them.
 """
@@ -42,6 +42,7 @@ from mmparity.models.core.stages import stage_layers
 from mmparity.models.parts.deepseek_v3.native import build_gpt_model
 from mmparity.models.parts.gemma4_text.config import (
     SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
+from mmparity.models.parts.gemma4_text.moe import is_moe
 from mmparity.models.parts.gemma_blocks import (
     PerLayerRopeSelfAttention, PostNormedRowParallelLinear, WindowedCoreAttention, rope_table)
 
@@ -126,7 +127,12 @@ def layer_spec(text) -> ModuleSpec:
 
 
 def block_spec(text) -> TransformerBlockSubmodules:
-    return TransformerBlockSubmodules(layer_specs=stage_layers([layer_spec(text)] * text.num_hidden_layers),
+    spec = layer_spec(text)
+    if is_moe(text):  # every layer has the MoE block beside its MLP
+        from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
+
+        spec = moe_layer_spec(spec, RMSNorm, rms_norm)
+    return TransformerBlockSubmodules(layer_specs=stage_layers([spec] * text.num_hidden_layers),
                                       layer_norm=RMSNorm)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from mmparity.models.core.sublayers import LayerNames
 from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.config import keys_as_values, layer_groups, layer_head_dim
+from mmparity.models.parts.gemma4_text.moe import is_moe, moe_shapes
 
 MODEL_TYPES = ("gemma4_text",)
 # HF's layer, by the names of the tensors mcore's layer produces (as Gemma 3's): its attention
@@ -46,6 +47,8 @@ def decoder_shapes(text) -> dict[str, tuple]:
                  "layer_scalar": (1,)}
         if keys_as_values(text, i):
             del layer["self_attn.v_proj.weight"]
+        if is_moe(text):
+            layer |= moe_shapes(text)
         shapes |= {f"layers.{i}.{k}": s for k, s in layer.items()}
     shapes |= {"norm.weight": (h,)}
     # E2B / E4B: per-layer inputs, shared layers without keys / values, wider MLPs there.
