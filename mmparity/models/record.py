@@ -12,6 +12,20 @@ from typing import Any
 # beside ``consolidated.safetensors``.
 MISTRAL_NATIVE = "mistral_native"
 
+def lazy(target: str) -> Callable:
+    """``"module:function"`` as a function that imports its module when first called: a record
+    names code of its package without importing it (listing families imports no family code)."""
+    module, _, name = target.partition(":")
+
+    def call(*args, **kwargs):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = target
+    return call
+
+
 @dataclass(frozen=True)
 class Takes:
     """One kind of checkpoint, as its config names it; every field given must match.

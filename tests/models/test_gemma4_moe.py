@@ -209,3 +209,22 @@ def test_the_language_model_part_alone_loads_strictly_at_tp2_pp2_ep2(saved, tmp_
     assert _run("convert", "--src", saved, "--dst", mcore, "--to", "mcore", "--part", "language_model",
                 "--tp", 2, "--pp", 2, "--ep", 2, "--format", "legacy", "--quiet") == 0
     assert _run("verify", "--load", mcore, "--quiet") == 0
+
+
+def _moe_e2b(**extra):
+    return reference.tiny_config(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=6,
+                                 num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                                 hidden_size_per_layer_input=6, vocab_size_per_layer_input=97,
+                                 num_kv_shared_layers=1, **extra)
+
+
+def test_the_moe_block_composes_with_per_layer_inputs_and_shared_keys_values():
+    """No release has both, but nothing keeps them apart: the per-layer builder's layers take the
+    block as the plain builder's do."""
+    report = harness.check("gemma4", cfg=_moe_e2b(), seed=3)
+    assert report.passed, [(r.check, r.metrics) for r in report.failures()]
+
+
+def test_the_moe_block_beside_doubled_shared_layer_mlps_is_refused_by_name():
+    problems = families.get("gemma4").hooks.config.problems(_moe_e2b(use_double_wide_mlp=True))
+    assert any("enable_moe_block with use_double_wide_mlp" in p for p in problems), problems

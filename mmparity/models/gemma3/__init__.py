@@ -1,8 +1,7 @@
 """The gemma3 family: Gemma 3 whole (its record in the registry: what ``mmparity list`` shows and
 which checkpoints detection gives it); its modules sit beside this file."""
 
-from mmparity.models.gemma3.config import megatron_args
-from mmparity.models.record import FamilyRecord, Takes
+from mmparity.models.record import FamilyRecord, Takes, lazy
 
 FAMILY = FamilyRecord(
     summary="Gemma 3 whole: the siglip tower, average-pool projector with a (1 + w) RMSNorm, Gemma "
@@ -16,5 +15,6 @@ FAMILY = FamilyRecord(
                     "names); vocabulary padded as Megatron-LM pads it",
     takes_whole=(Takes(architecture="Gemma3ForConditionalGeneration"), Takes(model_type="gemma3")),
     megatron_args=(("layernorm_zero_centered_gamma", True),),
-    megatron_config_args=megatron_args,  # its windows and --spec, read off each config
+    # Its windows and --spec, read off each config.
+    megatron_config_args=lazy("mmparity.models.gemma3.config:megatron_args"),
 )

@@ -140,15 +140,16 @@ def random_config(pick):
                                  num_attention_heads=heads, num_key_value_heads=pick([g for g in (1, 2) if heads % g == 0]),
                                  head_dim=pick([8, 12]), global_head_dim=pick([8, 16]), hidden_size=pick([24, 40]),
                                  num_hidden_layers=layers, layer_types=kinds, sliding_window=pick([3, 5, 64]),
-                                 use_bidirectional_attention=pick([None, "vision"]), **_e2b(pick, kinds))
+                                 use_bidirectional_attention=pick([None, "vision"]), **_e2b(pick, kinds, bool(moe)))
 
 
-def _e2b(pick, kinds) -> dict:
+def _e2b(pick, kinds, moe: bool) -> dict:
     """E2B / E4B's additions, drawn: per-layer inputs or none, the last layer sharing the keys and
-    values of an earlier full one where there is one (its MLP doubled or not)."""
+    values of an earlier full one where there is one (its MLP doubled or not, but never beside the
+    MoE block: that is refused)."""
     out = {"hidden_size_per_layer_input": pick([0, 6]), "vocab_size_per_layer_input": 97}
     if "full_attention" in kinds[:-1] and pick([0, 1]):
-        out |= {"num_kv_shared_layers": 1, "use_double_wide_mlp": pick([False, True])}
+        out |= {"num_kv_shared_layers": 1, "use_double_wide_mlp": not moe and pick([False, True])}
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mmparity.config import DECODER_FIELDS, ConfigType
 from mmparity.models.parts.gemma4_text.per_layer import problems as per_layer_problems
-from mmparity.models.parts.gemma4_text.moe import moe_config_fields, moe_problems, moe_tp_sizes
+from mmparity.models.parts.gemma4_text.moe import is_moe, moe_config_fields, moe_problems, moe_tp_sizes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: the RoPE of each layer type, the full layers' width.
@@ -83,6 +83,9 @@ def config_problems(text) -> list[str]:
             problems.append(f"text_config: {name}={getattr(text, name)!r}: {why}")
     problems += per_layer_problems(text)
     problems += moe_problems(text)
+    if is_moe(text) and getattr(text, "use_double_wide_mlp", False) and getattr(text, "num_kv_shared_layers", 0):
+        problems.append("text_config: enable_moe_block with use_double_wide_mlp: the shared layers' doubled MLP as "
+                        "the MoE block's shared expert is not built (no Gemma 4 release has both)")
     if getattr(text, "use_bidirectional_attention", None) == "all":
         problems.append("text_config: use_bidirectional_attention='all' (an encoder's mask, not a decoder's)")
     return problems

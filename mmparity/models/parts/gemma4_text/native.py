@@ -126,13 +126,17 @@ def layer_spec(text) -> ModuleSpec:
         pre_mlp_layernorm=IdentityOp, mlp=mlp, mlp_bda=get_bias_dropout_add))
 
 
-def block_spec(text) -> TransformerBlockSubmodules:
-    spec = layer_spec(text)
-    if is_moe(text):  # every layer has the MoE block beside its MLP
-        from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
+def with_moe(text, spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a layer's), its MLP the MoE block where the config has one (every layer then does)."""
+    if not is_moe(text):
+        return spec
+    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
 
-        spec = moe_layer_spec(spec, RMSNorm, rms_norm)
-    return TransformerBlockSubmodules(layer_specs=stage_layers([spec] * text.num_hidden_layers),
+    return moe_layer_spec(spec, RMSNorm, rms_norm)
+
+
+def block_spec(text) -> TransformerBlockSubmodules:
+    return TransformerBlockSubmodules(layer_specs=stage_layers([with_moe(text, layer_spec(text))] * text.num_hidden_layers),
                                       layer_norm=RMSNorm)
 
 

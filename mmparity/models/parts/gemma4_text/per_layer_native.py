@@ -181,7 +181,8 @@ class LanguageModelBuilder(native.LanguageModelBuilder):
 
     def block(self):
         return native.TransformerBlockSubmodules(
-            layer_specs=stage_layers([layer_spec(self.text, self.relay)] * self.text.num_hidden_layers),
+            layer_specs=stage_layers([native.with_moe(self.text, layer_spec(self.text, self.relay))]
+                                     * self.text.num_hidden_layers),
             layer_norm=RMSNorm)
 
     def __call__(self, vocab_size: int, *, pre_process: bool, post_process: bool, **kwargs):

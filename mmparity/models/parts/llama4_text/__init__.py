@@ -1,8 +1,7 @@
 """The llama4_text language-model part of whole VLMs: its record (the text model types it takes);
 its modules sit beside this file."""
 
-from mmparity.models.parts.llama4_text.config import megatron_args
-from mmparity.models.record import PartRecord
+from mmparity.models.record import PartRecord, lazy
 
 PART = PartRecord(
     summary="Llama 4 decoder: GQA with RoPE layers (chunked attention, weightless q/k L2 norms) and NoPE "
@@ -14,6 +13,6 @@ PART = PartRecord(
                    # transformers rotates adjacent pairs: Megatron-LM's --rotary-interleaved.
                    ("rotary_interleaved", True)),
     # Its NoPE layers, q/k L2 norms and --spec, read off each config.
-    megatron_config_args=megatron_args,
+    megatron_config_args=lazy("mmparity.models.parts.llama4_text.config:megatron_args"),
     megatron="mmparity.models.parts.llama4_text.megatron:build_language_model",
 )
