@@ -6,8 +6,8 @@ classes (``gemma3``, ``gemma3_text``) as config.json is read without transformer
 from __future__ import annotations
 
 from mmparity.config import DECODER_FIELDS, ConfigType
+from mmparity.models.parts.gemma_config import FULL, SLIDING, layer_type_problems
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma3TextConfig defaults when a file names no base: global and local.
 DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
@@ -22,16 +22,7 @@ def layer_rope(text, layer_type: str) -> tuple[float, float]:
 def config_problems(cfg) -> list[str]:
     """What of a whole Gemma 3 config the native model cannot reproduce as transformers computes it."""
     text, vc = cfg.text_config, cfg.vision_config
-    problems = []
-    unknown = sorted(set(text.layer_types) - {SLIDING, FULL})
-    if unknown:
-        problems.append(f"text_config: layer_types {unknown} (sliding_attention and full_attention only)")
-    if len(text.layer_types) != text.num_hidden_layers:
-        problems.append(f"text_config: {len(text.layer_types)} layer_types for {text.num_hidden_layers} layers")
-    for kind in sorted(set(text.layer_types) & {SLIDING, FULL}):
-        rope = (text.rope_parameters or {}).get(kind) or {}
-        if rope.get("rope_type", "default") not in ("default", "linear"):
-            problems.append(f"text_config: {kind} rope_type {rope.get('rope_type')!r} (default and linear only)")
+    problems = layer_type_problems(text, ("default", "linear"))
     # transformers 5.24's whole Gemma 3 applies neither soft-cap: Gemma3Attention never hands its cap
     # to the attention function, and only the text-only Gemma3ForCausalLM caps its logits. A model
     # computed either way would be checked against nothing (released Gemma 3 configs set neither).

@@ -8,8 +8,8 @@ from __future__ import annotations
 from mmparity.config import DECODER_FIELDS, ConfigType
 from mmparity.models.parts.gemma4_text.per_layer import problems as per_layer_problems
 from mmparity.models.parts.gemma4_text.moe import is_moe, moe_config_fields, moe_problems, moe_tp_sizes
+from mmparity.models.parts.gemma_config import FULL, SLIDING, layer_type_problems
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults: the RoPE of each layer type, the full layers' width.
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -65,16 +65,7 @@ def layer_inv_freq(text, i: int):
 def config_problems(text) -> list[str]:
     """What of a Gemma 4 text config the native model cannot reproduce as transformers computes it:
     each refused by name with the reason."""
-    problems = []
-    unknown = sorted(set(text.layer_types) - {SLIDING, FULL})
-    if unknown:
-        problems.append(f"text_config: layer_types {unknown} (sliding_attention and full_attention only)")
-    if len(text.layer_types) != text.num_hidden_layers:
-        problems.append(f"text_config: {len(text.layer_types)} layer_types for {text.num_hidden_layers} layers")
-    for kind in sorted(set(text.layer_types) & {SLIDING, FULL}):
-        rope = (text.rope_parameters or {}).get(kind) or {}
-        if rope.get("rope_type", "default") not in ROPE_TYPES:
-            problems.append(f"text_config: {kind} rope_type {rope.get('rope_type')!r} (default and proportional only)")
+    problems = layer_type_problems(text, ROPE_TYPES)
     not_built = {
         "attention_bias": "Gemma 4 has no attention biases; a model with them is not built",
     }
