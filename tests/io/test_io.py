@@ -459,9 +459,14 @@ def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
     assert old.differences(tensor_checksum(tensor, old.algorithm)) == []
 
 
-def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path):
+@pytest.mark.parametrize("block_bytes", [None, 7])  # row runs gathered in one block, or a row or two at a time
+def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path, monkeypatch, block_bytes):
+    from mmparity.io.fsio import slots as slots_module
     from mmparity.io.fsio.pieces import route_pieces
     from mmparity.io.fsio.slots import Slot, SlotWriter
+
+    if block_bytes is not None:
+        monkeypatch.setattr(slots_module, "_ROW_BLOCK_BYTES", block_bytes)
     from mmparity.mapping.ops import RegroupQKV
     from mmparity.parallel.tp import ColumnJoin, merge, shard
 

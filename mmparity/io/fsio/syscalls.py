@@ -107,14 +107,6 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def pwritev_all(fd: int, buffers: list, offset: int) -> int:
-    want = sum(b.nbytes for b in buffers)
-    written = os.pwritev(fd, buffers, offset)
-    if written < want:  # a short write: finish it the slow way
-        pwrite_all(fd, b"".join(b.tobytes() for b in buffers)[written:], offset + written)
-    return offset + want
-
-
 # What copy_file_range answers when the kernel cannot copy between these two files at all (another
 # filesystem, one that does not implement it, an old kernel): the bytes then go through user space.
 # Any other error is a real one and propagates.
