@@ -241,7 +241,11 @@ def _stop_perf(recorder: subprocess.Popen) -> None:
 
     if recorder.poll() is None:
         recorder.send_signal(signal.SIGINT)
-    recorder.wait()
+    try:
+        recorder.wait(timeout=60)  # perf writes its file on SIGINT; one that does not is not waited on
+    except subprocess.TimeoutExpired:
+        recorder.kill()
+        recorder.wait()
 
 
 # Where a conversion's CPU goes, by the symbol a sample fell in (`perf report --sort dso,sym`).
