@@ -463,7 +463,9 @@ def gpt_rank(rank: int, world: int, params: dict) -> dict:
         # torch_dist experts only at EP 1).
         job = megatron_load.load_job(params.get("reference") or params["load"], tp=params["tp"],
                                      pp=params["pp"])[0]
-    runtime.init_parallel(Grid.of(params["tp"], params["pp"], params["ep"]))
+    # The checkpoint's own split of the stack (the longer stages first), as mmparity's loader builds it.
+    runtime.init_parallel(Grid.of(params["tp"], params["pp"], params["ep"]),
+                          layer_counts=job.layer_counts if job is not None else None)
     args = megatron_lm_args(params["argv"])
     # Megatron-LM trains the model wrapped in its DDP (gradient buffers the optimizer reads).
     distributed = params.get("optimizer") == "distributed"

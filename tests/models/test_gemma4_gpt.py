@@ -30,6 +30,7 @@ from mmparity.models.registry import megatron_class
 from mmparity.parallel import runtime
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
+from tests import megatron_lm_spec as spec
 from tests.faults.test_faults import run_cli
 from tests.mapping.test_convert_roundtrips import save_hf
 
@@ -209,55 +210,19 @@ def test_whole_convert_verify_load_and_back_with_base_is_bit_exact(capsys, relea
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
 
 
-def _megatron_lm_run(mp, load) -> None:
-    """Megatron-LM's ``get_args`` (its ``megatron.training``, Megatron-LM main's only) as a run sets
-    it, ``--load`` naming ``load``."""
-    import argparse
-    import sys
-    import types
-
-    training = types.ModuleType("megatron.training")
-    training.get_args = lambda: argparse.Namespace(load=str(load), pretrained_checkpoint=None)
-    mp.setitem(sys.modules, "megatron.training", training)
-
-
-def _flags_builder(flags_config=None):
-    """The family's class as Megatron-LM's ``gpt_builder`` builds it with ``--spec ... LAYER``: the
-    block's config what the flags give (``--swiglu``'s SiLU, no ``softmax_scale``: no flag has
-    Gemma's), or ``flags_config`` of the recipe's."""
-    import torch.nn.functional as F
-
-    from mmparity.models.gemma4 import megatron as gemma4_megatron
-
-    def build(cfg, params_dtype=torch.float32, **options):
-        config = dataclasses.replace(gemma4_megatron.megatron_config(cfg.text_config, params_dtype),
-                                     activation_func=F.silu, softmax_scale=None)
-        config = flags_config(config) if flags_config else config
-        return gemma4_megatron.build_language_model(cfg, params_dtype, layer=gemma4_megatron.LAYER, config=config,
-                                                    **options)
-    return build
-
-
 def _check_through_spec(mp, load, flags_config=None, **check):
     from mmparity.models.gemma4 import megatron as gemma4_megatron
 
-    _megatron_lm_run(mp, load)
-    gemma4_megatron.text_config_beside.cache_clear()
-    record = dataclasses.replace(gemma4_megatron.LANGUAGE_MODEL, build=_flags_builder(flags_config))
-    mp.setitem(families.get(FAMILY).hooks.megatron, "GPTModel", record)
-    return harness.check(FAMILY, impl="megatron", seed=5, **check)
+    return spec.check_through_spec(mp, FAMILY, gemma4_megatron, load, flags_config, **check)
 
 
 @pytest.fixture
 def beside(tmp_path):
     """A checkpoint root holding the tiny config as ``convert`` keeps it (``hf_config.json``)."""
-    from mmparity.io.layout import HF_CONFIG_FILE
     from mmparity.models.gemma4 import reference
 
     cfg = reference.tiny_config()
-    cfg.save_pretrained(tmp_path)
-    (tmp_path / "config.json").rename(tmp_path / HF_CONFIG_FILE)
-    return tmp_path, cfg
+    return spec.config_beside(tmp_path, cfg), cfg
 
 
 def test_the_spec_layer_builds_the_class_from_the_hf_config_beside_load(beside):
@@ -274,10 +239,12 @@ def test_the_spec_layer_keys_torch_dist_layer_by_layer(beside):
     """No flag sets the block's ``hetereogenous_dist_checkpoint``: building a layer sets it on the
     config the block hands it (the block's own), so torch_dist keys the wider layers apart."""
     root, cfg = beside
+    from mmparity.models.gemma4 import megatron as gemma4_megatron
+
     with pytest.MonkeyPatch.context() as mp, runtime.parallel_context(1, 1):
-        _megatron_lm_run(mp, root)
-        model = models.build(_flags_builder(lambda c: dataclasses.replace(c, hetereogenous_dist_checkpoint=False)),
-                             cfg)
+        spec.megatron_lm_run(mp, root)
+        no_keying = lambda c: dataclasses.replace(c, hetereogenous_dist_checkpoint=False)  # noqa: E731
+        model = models.build(spec.flags_builder(gemma4_megatron, no_keying), cfg)
     assert model.decoder.config.hetereogenous_dist_checkpoint
     assert [type(layer).__name__ for layer in model.decoder.layers] == ["ScaledLayer"] * len(model.decoder.layers)
 
@@ -316,11 +283,9 @@ def test_the_spec_layer_refuses_an_e2b_config_beside_load(tmp_path):
     """GPTModel has no per-layer inputs nor shared keys/values: a Megatron-LM run pointed at an
     E2B-like checkpoint stops at the build, in one line, instead of failing the strict load."""
     from mmparity.io.fsio.errors import CheckpointError
-    from mmparity.io.layout import HF_CONFIG_FILE
     from mmparity.models.gemma4 import reference
 
-    reference.tiny_e2b_config().save_pretrained(tmp_path)
-    (tmp_path / "config.json").rename(tmp_path / HF_CONFIG_FILE)
+    spec.config_beside(tmp_path, reference.tiny_e2b_config())
     with pytest.MonkeyPatch.context() as mp, pytest.raises(CheckpointError) as caught:
         _check_through_spec(mp, tmp_path)
     line = str(caught.value)

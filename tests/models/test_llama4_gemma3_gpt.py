@@ -12,7 +12,9 @@ modules per layer (docs/megatron.md).
 ``check --impl megatron`` passes and locates a perturbed weight; the class's state dict is the
 ``--part language_model`` checkpoint's; ``verify --load`` loads strictly (TP 2 x PP 2, x EP 2 for
 Llama 4, both formats, the part alone and the whole release, whose ``--base`` export is bit-exact:
-``slow``); the module-level ``LAYER`` specs Megatron-LM's ``--spec`` imports build the same model.
+``slow``); the module-level ``LAYER`` specs Megatron-LM's ``--spec`` imports build the same model
+(Gemma 3's with its tanh GeGLU and attention scale read from the ``hf_config.json`` beside
+``--load``, Megatron-LM's ``get_args`` stood in for; a flag the file contradicts is named).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mmparity.models.registry import megatron_class
 from mmparity.parallel import runtime
 from mmparity.parity import harness
 from mmparity.parity.metrics import FP32_REL_L2
+from tests import megatron_lm_spec as spec_stand_in
 from tests.faults.test_faults import run_cli
 from tests.mapping.test_convert_roundtrips import save_hf
 
@@ -206,8 +209,69 @@ def test_the_spec_megatron_lm_imports_is_the_layer_spec_the_class_is_built_on(fa
     module = megatron_class(family)[1].build.__module__
     spec = import_module((module, "LAYER"))
     assert isinstance(spec, ModuleSpec)
+    # Gemma 3's LAYER builds its layer spec on the config completed from the file beside --load
+    # (the tests below); Llama 4's is the spec itself.
+    built_on = import_module((module, "LAYER_SPEC")) if family == "gemma3" else spec
     model = _build(family)
-    assert model.decoder.submodules.layer_specs[0] is spec
+    assert model.decoder.submodules.layer_specs[0] is built_on
+
+
+def _gemma3_through_spec(mp, load, flags_config=None):
+    from mmparity.models.gemma3 import megatron as gemma3_megatron
+
+    return spec_stand_in.check_through_spec(mp, "gemma3", gemma3_megatron, load, flags_config)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["release_config", "text_config"])
+def test_gemma3_spec_layer_takes_the_geglu_and_scale_from_the_hf_config_beside_load(tmp_path, whole):
+    """From the flags' config (SiLU, the default scale) and the file (a whole release's config, or
+    its text config alone), each layer is the class's: the check passes as the class's own does."""
+    cfg = families.get("gemma3").tiny_config()
+    spec_stand_in.config_beside(tmp_path, cfg if whole else cfg.text_config)
+    with pytest.MonkeyPatch.context() as mp:
+        report = _gemma3_through_spec(mp, tmp_path)
+    assert report.passed, [(r.check, r.metrics) for r in _megatron(report).values()]
+    assert all(r.metrics["rel_l2"] <= FP32_REL_L2 for r in _megatron(report).values())
+
+
+def test_gemma3_flags_alone_compute_another_function():
+    """What Megatron-LM's flags give (``--swiglu``'s SiLU, the default attention scale) on the same
+    layer spec and weights is not Gemma 3: why ``LAYER`` reads the file."""
+    import torch.nn.functional as F
+
+    from mmparity.models.gemma3 import megatron as gemma3_megatron
+
+    def flags_only(cfg, params_dtype=torch.float32, **options):
+        config = dataclasses.replace(gemma3_megatron.megatron_config(cfg.text_config, params_dtype),
+                                     activation_func=F.silu, softmax_scale=None)
+        return gemma3_megatron.build_language_model(cfg, params_dtype, config=config, **options)
+
+    record = dataclasses.replace(gemma3_megatron.LANGUAGE_MODEL, build=flags_only)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(families.get("gemma3").hooks.megatron, "GPTModel", record)
+        assert not _megatron(harness.check("gemma3", impl="megatron", seed=5))["text:logits"].passed
+
+
+def test_gemma3_spec_layer_refuses_without_the_hf_config_beside_load(tmp_path):
+    from mmparity.io.fsio.errors import CheckpointError
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(CheckpointError) as caught:
+        _gemma3_through_spec(mp, tmp_path)
+    line = str(caught.value)
+    assert "\n" not in line and "hf_config.json: not found" in line and "tanh GeGLU" in line and "--load" in line
+
+
+@pytest.mark.parametrize("flag, field, value", [("--window-size", "window_size", (5, 0)),
+                                                ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", False),
+                                                ("--kv-channels", "kv_channels", 4)])
+def test_gemma3_a_flag_the_hf_config_contradicts_is_named(tmp_path, flag, field, value):
+    """The window one key too wide, plain norms, another head width: each refused in one line
+    naming the flag and the file."""
+    spec_stand_in.config_beside(tmp_path, families.get("gemma3").tiny_config())
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError) as caught:
+        _gemma3_through_spec(mp, tmp_path, lambda c: dataclasses.replace(c, **{field: value}))
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(str(tmp_path / "hf_config.json")) and f"{flag} gives {field}=" in line
 
 
 @pytest.mark.slow

@@ -19,9 +19,9 @@ def layer_rope(text, layer_type: str) -> tuple[float, float]:
     return float(params.get("rope_theta", DEFAULT_THETA[layer_type])), factor
 
 
-def config_problems(cfg) -> list[str]:
-    """What of a whole Gemma 3 config the native model cannot reproduce as transformers computes it."""
-    text, vc = cfg.text_config, cfg.vision_config
+def text_problems(text) -> list[str]:
+    """What of a Gemma 3 text config the native model cannot reproduce as transformers computes it
+    (Megatron-LM's ``--spec`` layer reads the text config alone)."""
     problems = layer_type_problems(text, ("default", "linear"))
     # transformers 5.24's whole Gemma 3 applies neither soft-cap: Gemma3Attention never hands its cap
     # to the attention function, and only the text-only Gemma3ForCausalLM caps its logits. A model
@@ -34,6 +34,13 @@ def config_problems(cfg) -> list[str]:
         problems.append("text_config: use_bidirectional_attention (an encoder's mask, not Gemma 3's)")
     if getattr(text, "attention_bias", False):
         problems.append("text_config: attention_bias=True (Gemma 3 has no attention biases)")
+    return problems
+
+
+def config_problems(cfg) -> list[str]:
+    """What of a whole Gemma 3 config the native model cannot reproduce as transformers computes it."""
+    vc = cfg.vision_config
+    problems = text_problems(cfg.text_config)
     if getattr(vc, "vision_use_head", False):
         problems.append("vision_config: vision_use_head (Gemma 3 reads the tower's tokens, not a pooled head)")
     patches = vc.image_size // vc.patch_size

@@ -2,10 +2,11 @@
 :data:`LAYER`, megatron-core's TE GPT layer spec (q/k norms) whose two row-parallel linears carry
 Gemma's sandwich norms (``linear_proj.post_layernorm``, ``linear_fc2.post_layernorm``, the names
 Megatron-Bridge gives them, which the converter writes), as Megatron-LM's ``pretrain_gpt.py`` builds
-it with ``--spec mmparity.models.gemma3.megatron LAYER`` and the Gemma flags (docs/megatron.md):
-every norm ``1 + w`` (``layernorm_zero_centered_gamma``), GeGLU (tanh), the attention scale
-``query_pre_attn_scalar ** -0.5`` (``softmax_scale``), sliding-window layers by
-``window_size`` / ``window_attn_skip_freq``, a tied head.
+it with ``--spec mmparity.models.gemma3.megatron LAYER`` and the Gemma flags (docs/megatron.md;
+:class:`Gemma3Layer` takes what no flag says from the HF config beside ``--load``): every norm
+``1 + w`` (``layernorm_zero_centered_gamma``), GeGLU (tanh), the attention scale
+``query_pre_attn_scalar ** -0.5`` (``softmax_scale``), sliding-window layers by ``window_size`` /
+``window_attn_skip_freq``, a tied head.
 
 What the class computes differently from HF, by design (megatron-core 0.16 has no module for
 either): its embedding is not scaled by ``sqrt(hidden)``, and every layer rotates with one RoPE
@@ -24,13 +25,17 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import gpt_model
 from megatron.core.transformer import transformer_block
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mmparity.config import padded_vocab_size, tied_embeddings
+from mmparity.io.fsio.errors import CheckpointError
 from mmparity.mapping.rules import VOCAB_MULTIPLE
-from mmparity.models.core import te_stand_ins
+from mmparity.models.core import spec_beside, te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
-from mmparity.models.gemma3.config import FULL, layer_rope, transformer_config, window_args
+from mmparity.models.gemma3.config import (
+    FULL, HF_CONFIGS, layer_rope, text_problems, transformer_config, window_args)
 from mmparity.models.llava import megatron as llava
 from mmparity.models.parts.gemma_blocks import post_normed
 from mmparity.models.spec import Case
@@ -59,9 +64,45 @@ def _layer_spec() -> ModuleSpec:
         mlp=with_submodules(layer.mlp, linear_fc2=PostNormedTERowParallelLinear))
 
 
-# What Megatron-LM's ``--spec mmparity.models.gemma3.megatron LAYER`` imports: one spec for every
-# layer (the sliding ones are the config's ``window_attn_skip_freq``).
-LAYER = _layer_spec()
+# The layer every decoder layer is built on (the sliding ones are the config's
+# ``window_attn_skip_freq``): what the class is built with, and what :data:`LAYER` builds.
+LAYER_SPEC = _layer_spec()
+SPEC = (f"{__package__}.megatron", "LAYER")
+NEEDS = "Gemma 3's tanh GeGLU and attention scale"
+# The text config alone: a whole release's file is read through its ``text_config``.
+TEXT_TABLES = {"gemma3_text": HF_CONFIGS["gemma3_text"]}
+
+
+@functools.lru_cache(maxsize=4)
+def text_config_beside(root: str):
+    """The Gemma 3 text config of the ``hf_config.json`` mmparity keeps at a checkpoint's root
+    (:func:`~mmparity.models.core.spec_beside.read_text_config`), what the class cannot build
+    refused, and that file's path."""
+    text, path = spec_beside.read_text_config(root, spec=SPEC, model="Gemma 3", tables=TEXT_TABLES, needs=NEEDS)
+    problems = text_problems(text)
+    if problems:
+        raise CheckpointError(f"{path}: unsupported Gemma 3 language model: " + "; ".join(problems))
+    return text, path
+
+
+class Gemma3Layer(TransformerLayer):
+    """Not a layer class of its own: building it builds :data:`LAYER_SPEC`'s layer with the config
+    Megatron-LM's flags give, completed from the HF text config beside the run's checkpoint
+    (``args.load``): its flags have no tanh GeGLU (``--swiglu`` is SiLU's) and no
+    ``softmax_scale`` (``query_pre_attn_scalar ** -0.5``), so without this the layer would hold
+    Gemma's tensors and compute another function. What the flags do say is checked against the
+    file, one line naming the flag."""
+
+    def __new__(cls, config, submodules=None, layer_number: int = 1, pg_collection=None, vp_stage=None,
+                **kwargs):
+        text, path = text_config_beside(spec_beside.run_root(SPEC, NEEDS))
+        want = megatron_config(text, config.params_dtype)
+        return build_module(LAYER_SPEC, config=spec_beside.checked_run_config(config, want, path, SPEC),
+                            layer_number=layer_number, pg_collection=pg_collection, vp_stage=vp_stage, **kwargs)
+
+
+# What Megatron-LM's ``--spec mmparity.models.gemma3.megatron LAYER`` imports.
+LAYER = ModuleSpec(module=Gemma3Layer)
 
 
 def megatron_config(text, params_dtype=torch.float32):
@@ -72,17 +113,20 @@ def megatron_config(text, params_dtype=torch.float32):
 
 
 def build_language_model(cfg, params_dtype=torch.float32, divisible_by: int = VOCAB_MULTIPLE,
-                         parallel_output: bool = True):
-    """Stock ``GPTModel`` on :data:`LAYER` for a whole Gemma 3's text model, one RoPE (the full
+                         parallel_output: bool = True, *, layer: ModuleSpec | None = None,
+                         config: TransformerConfig | None = None):
+    """Stock ``GPTModel`` on :data:`LAYER_SPEC` for a whole Gemma 3's text model, one RoPE (the full
     layers' base, their linear factor as megatron-core's position interpolation); this pipeline
-    stage of it."""
+    stage of it. ``layer`` / ``config``: what Megatron-LM's ``gpt_builder`` hands ``GPTModel`` in
+    their place (``--spec``'s :data:`LAYER`, the config of its flags), to build that path without
+    Megatron-LM."""
     text = cfg.text_config
     layout = runtime.current_layout()
     tp = layout.tp if layout is not None else 1
     base, factor = layer_rope(text, FULL)
     with buildable_without_te(gpt_model, transformer_block):
         model = gpt_model.GPTModel(
-            config=megatron_config(text, params_dtype), transformer_layer_spec=LAYER,
+            config=config or megatron_config(text, params_dtype), transformer_layer_spec=layer or LAYER_SPEC,
             vocab_size=padded_vocab_size(text.vocab_size, divisible_by, tp),
             max_sequence_length=text.max_position_embeddings,
             pre_process=runtime.is_first_stage(), post_process=runtime.is_last_stage(),

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +48,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mmparity.config import config_view, padded_vocab_size, tied_embeddings
+from mmparity.config import padded_vocab_size, tied_embeddings
 from mmparity.io.fsio.errors import CheckpointError
-from mmparity.io.fsio.paths import refuse_links_outside
-from mmparity.io.hf import read_config_json, refuse_unusable_sizes
-from mmparity.io.layout import HF_CONFIG_FILE
 from mmparity.mapping.rules import VOCAB_MULTIPLE
-from mmparity.models.core import te_stand_ins
+from mmparity.models.core import spec_beside, te_stand_ins
 from mmparity.models.core.te_stand_ins import buildable_without_te, te_class
 from mmparity.models.gemma3 import megatron as gemma3
 from mmparity.models.llava import megatron as llava
@@ -80,7 +76,7 @@ class ValueNormedDotProductAttention(te_class("TEDotProductAttention")):
 def layer_spec(text) -> ModuleSpec:
     """Gemma 3's Megatron layer spec with Gemma 4's three additions (module note): the layer scaled,
     the attention reading its own layer's width, groups and RoPE, the values normed."""
-    base = gemma3.LAYER
+    base = gemma3.LAYER_SPEC
     attention = base.submodules.self_attention
     ropes = tuple(layer_inv_freq(text, i) for i in range(text.num_hidden_layers))
     attention = dataclasses.replace(
@@ -116,59 +112,26 @@ def megatron_config(text, params_dtype=torch.float32):
     return dataclasses.replace(transformer_config(text, params_dtype), **extra)
 
 
-# What Megatron-LM's flags cannot say (its config-derived flags leave both out), taken from the HF
-# config: the tanh GeGLU (``--swiglu`` gives the gated layout with SiLU) and the unscaled attention.
-NOT_IN_FLAGS = ("activation_func", "softmax_scale")
-# What they can, checked against the HF config: the flag, then the TransformerConfig field it sets.
-FLAGS = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"), ("--ffn-hidden-size", "ffn_hidden_size"),
-         ("--num-attention-heads", "num_attention_heads"), ("--num-query-groups", "num_query_groups"),
-         ("--kv-channels", "kv_channels"), ("--normalization", "normalization"),
-         ("--norm-epsilon", "layernorm_epsilon"), ("--apply-layernorm-1p", "layernorm_zero_centered_gamma"),
-         ("--qk-layernorm", "qk_layernorm"), ("--swiglu", "gated_linear_unit"),
-         ("--disable-bias-linear", "add_bias_linear"), ("--window-size", "window_size"),
-         ("--window-attn-skip-freq", "window_attn_skip_freq"))
 SPEC = ("mmparity.models.gemma4.megatron", "LAYER")
+NEEDS = "Gemma 4's per-layer widths and RoPE"
 
 
 @functools.lru_cache(maxsize=4)
 def text_config_beside(root: str):
     """The Gemma 4 text config of the ``hf_config.json`` mmparity keeps at a checkpoint's root
-    (read bounded, NaN refused, as every config is), and that file's path."""
-    path = Path(root) / HF_CONFIG_FILE
-    spec = " ".join(("--spec",) + SPEC)
-    if not (path.is_symlink() or path.exists()):
-        raise CheckpointError(f"{path}: not found; {spec} reads Gemma 4's per-layer widths and RoPE from the "
-                              f"{HF_CONFIG_FILE} mmparity convert writes: point --load at the directory convert wrote "
-                              f"(saving into it, --save = --load, keeps the file) or copy its {HF_CONFIG_FILE} there")
-    refuse_links_outside(path.parent, root_names=[HF_CONFIG_FILE])
-    data = read_config_json(path)
-    text = data if data.get("model_type") in HF_CONFIGS else data.get("text_config")
-    if not isinstance(text, dict) or text.get("model_type") not in HF_CONFIGS:
-        raise CheckpointError(f"{path}: no Gemma 4 text config (model_type {', '.join(HF_CONFIGS)}) for {spec}; "
-                              "point --load at a Gemma 4 checkpoint mmparity convert wrote")
-    refuse_unusable_sizes(text, path)
-    text = config_view(text, HF_CONFIGS)
+    (:func:`~mmparity.models.core.spec_beside.read_text_config`), what the class cannot build
+    refused, and that file's path."""
+    text, path = spec_beside.read_text_config(root, spec=SPEC, model="Gemma 4", tables=HF_CONFIGS, needs=NEEDS)
     problems = config_problems(text) + [why for why in [per_layer.megatron_refusal(text)] if why]
     if problems:
         raise CheckpointError(f"{path}: unsupported Gemma 4 language model: " + "; ".join(problems))
     return text, path
 
 
-def _same(a, b) -> bool:
-    return (list(a) == list(b)) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
-
-
 def run_layer_config(config, text, where) -> TransformerConfig:
-    """The layer's config from the run's (Megatron-LM's flags): what the flags say checked against
-    the HF text config (one line naming the flag where they differ), what they cannot say taken
-    from :func:`megatron_config`."""
-    want = megatron_config(text, config.params_dtype)
-    for flag, field in FLAGS:
-        got, expected = getattr(config, field), getattr(want, field)
-        if not _same(got, expected):
-            raise ValueError(f"{where}: {flag} gives {field}={got!r} where the HF config says {expected!r}; pass "
-                             f"the flag as {where} says ({' '.join(('--spec',) + SPEC)})")
-    return dataclasses.replace(config, **{field: getattr(want, field) for field in NOT_IN_FLAGS})
+    """The layer's config from the run's (Megatron-LM's flags), checked against and completed from
+    :func:`megatron_config` of the HF text config."""
+    return spec_beside.checked_run_config(config, megatron_config(text, config.params_dtype), where, SPEC)
 
 
 class Gemma4Layer(TransformerLayer):
@@ -185,14 +148,7 @@ class Gemma4Layer(TransformerLayer):
 
     def __new__(cls, config, submodules=None, layer_number: int = 1, pg_collection=None, vp_stage=None,
                 **kwargs):
-        from megatron.training import get_args  # Megatron-LM's own globals: only a run of it builds this
-
-        args = get_args()
-        root = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
-        if not root:
-            raise ValueError(f"{' '.join(('--spec',) + SPEC)} needs --load: the checkpoint mmparity convert wrote, "
-                             f"whose {HF_CONFIG_FILE} says Gemma 4's per-layer widths and RoPE")
-        text, path = text_config_beside(str(root))
+        text, path = text_config_beside(spec_beside.run_root(SPEC, NEEDS))
         layer_config = run_layer_config(config, text, path)
         config.hetereogenous_dist_checkpoint = True
         return build_module(layer_spec(text), config=layer_config, layer_number=layer_number,
