@@ -25,6 +25,7 @@ from mmparity.models.core.layers import numbered_layers
 from mmparity.models.kimi_k25_vl import cases as whole
 from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.moe import reference_moe_pairs, with_moe_pairs
+from mmparity.models.parts.gemma4_text.moe_native import native_moe_pairs
 from mmparity.models.parts.gemma4_text.reference import HF_LAYER
 from mmparity.models.spec import Case, ConfigHooks, FamilyHooks, Pair, Parity, Side, tokens_2d
 
@@ -119,8 +120,6 @@ def native_pairs(model, cfg, languages) -> list[Pair]:
                                        numbered_layers(model.language_model.decoder))
     if not getattr(cfg.text_config, "enable_moe_block", False):
         return out
-    from mmparity.models.parts.gemma4_text.moe_native import native_moe_pairs
-
     return with_moe_pairs(out, native_moe_pairs)
 
 

@@ -59,6 +59,7 @@ from mmparity.models.parts.gemma4_text.config import (
     HF_CONFIGS, SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
 from mmparity.models.parts.gemma4_text import per_layer
 from mmparity.models.parts.gemma4_text.moe import is_moe
+from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec, spec_submodules
 from mmparity.models.parts.gemma4_text.native import ScaledLayer, rms_norm
 from mmparity.models.parts.gemma_blocks import PerLayerRopeSelfAttention
 from mmparity.models.spec import Case
@@ -92,8 +93,6 @@ def _with_moe_block(text, layer: ModuleSpec) -> ModuleSpec:
     megatron-core's TE spec's routed experts (``TEGroupedMLP``, grouped GEMMs), the layer's own
     dense MLP as the shared expert, Gemma's router, TE's norm for the experts' and the block's norms."""
     from megatron.core.models.gpt import gpt_layer_specs
-
-    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec, spec_submodules
 
     with te_stand_ins.qk_norm_without_te():
         te = te_stand_ins.megatron_te_spec(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec,

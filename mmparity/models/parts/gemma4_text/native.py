@@ -43,6 +43,7 @@ from mmparity.models.parts.deepseek_v3.native import build_gpt_model
 from mmparity.models.parts.gemma4_text.config import (
     SLIDING, config_problems, layer_fields, layer_inv_freq, transformer_config)
 from mmparity.models.parts.gemma4_text.moe import is_moe
+from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
 from mmparity.models.parts.gemma_blocks import (
     PerLayerRopeSelfAttention, PostNormedRowParallelLinear, WindowedCoreAttention, rope_table)
 
@@ -130,8 +131,6 @@ def with_moe(text, spec: ModuleSpec) -> ModuleSpec:
     """``spec`` (a layer's), its MLP the MoE block where the config has one (every layer then does)."""
     if not is_moe(text):
         return spec
-    from mmparity.models.parts.gemma4_text.moe_native import moe_layer_spec
-
     return moe_layer_spec(spec, RMSNorm, rms_norm)
 
 
