@@ -459,14 +459,22 @@ def test_piece_hasher_equals_whole_tensor_and_sha256_records_still_verify():
     assert old.differences(tensor_checksum(tensor, old.algorithm)) == []
 
 
-@pytest.mark.parametrize("block_bytes", [None, 7])  # row runs gathered in one block, or a row or two at a time
-def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path, monkeypatch, block_bytes):
+# Row runs gathered in one block, or a row or two at a time; small tensors of several pieces
+# written piece by piece, or gathered into one buffer first (as they are by default).
+@pytest.mark.parametrize("block_bytes, gather", [(None, False), (7, False), (None, True)])
+def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path, monkeypatch, block_bytes, gather):
     from mmparity.io.fsio import slots as slots_module
     from mmparity.io.fsio.pieces import route_pieces
     from mmparity.io.fsio.slots import Slot, SlotWriter
 
     if block_bytes is not None:
         monkeypatch.setattr(slots_module, "_ROW_BLOCK_BYTES", block_bytes)
+    if not gather:
+        monkeypatch.setattr(slots_module, "_GATHER_BYTES", 0)
+    gathered = []
+    real_gathered = slots_module._gathered
+    monkeypatch.setattr(slots_module, "_gathered", lambda pieces, nbytes: gathered.append(
+        len(real_gathered(pieces, nbytes)) < len(pieces)) or real_gathered(pieces, nbytes))
     from mmparity.mapping.ops import RegroupQKV
     from mmparity.parallel.tp import ColumnJoin, merge, shard
 
@@ -480,10 +488,14 @@ def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path, mo
     expected = {"join": merge(parts, "row"), "rows": whole,
                 # two column ranges one after the other, each row by row: 6x4 then 6x2 elements
                 "runs": torch.cat([whole[:, 3:7].reshape(-1), whole[:, 7:9].reshape(-1)]).view(6, 6)}
+    # A dtype torch.cat may not know, in pieces (one of them strided): gathered as bytes.
+    fp8 = torch.arange(40, dtype=torch.uint8).mul(3).view(torch.float8_e4m3fn).view(4, 10)
+    cases["fp8"] = [fp8[:1], fp8[1:3, :].t().contiguous().t(), fp8[3:]]
+    expected["fp8"] = fp8
     slots, offset = {}, 16
     for name, tensor in expected.items():
-        slots[name] = Slot(0, offset, tensor.numel() * 2, tensor.dtype, tuple(tensor.shape))
-        offset += tensor.numel() * 2 + 5
+        slots[name] = Slot(0, offset, tensor.numel() * tensor.element_size(), tensor.dtype, tuple(tensor.shape))
+        offset += tensor.numel() * tensor.element_size() + 5
     fd = os.open(tmp_path / "blob", os.O_RDWR | os.O_CREAT)
     os.ftruncate(fd, offset)
     writer = SlotWriter(tmp_path, [fd], slots)
@@ -493,9 +505,10 @@ def test_slot_writer_puts_pieces_column_joins_and_row_runs_in_place(tmp_path, mo
     blob = (tmp_path / "blob").read_bytes()
     for name, tensor in expected.items():
         slot = slots[name]
-        found = torch.frombuffer(bytearray(blob[slot.offset:slot.offset + slot.nbytes]), dtype=torch.bfloat16)
-        assert torch.equal(found.view(tensor.shape), tensor), name
+        found = torch.frombuffer(bytearray(blob[slot.offset:slot.offset + slot.nbytes]), dtype=torch.uint8)
+        assert torch.equal(found, tensor.reshape(-1).view(torch.uint8)), name
         assert writer.checksums[name] == tensor_checksum(tensor), name
+    assert gathered == [False, gather, gather, gather]  # a ColumnJoin is never gathered
 
     # q/k/v regrouping only moves row blocks: routed through TP parts it needs no joined copy.
     op = RegroupQKV(num_heads=4, num_groups=2, head_dim=3)
