@@ -399,15 +399,17 @@ def model_chunk_keys(payload: Mapping) -> list[str]:
     return [k for _, k in chunks]
 
 
-def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=None, chunk: str = "model") -> dict:
+def load_rank_file(path: str | os.PathLike, *, mmap: bool = False, file_ranges=None, chunk: str = "model",
+                   payload: dict | None = None) -> dict:
     """The `model` state dict of one `model_optim_rng.pt` (or virtual-pipeline chunk `chunk`,
-    `model0` ...), decoded under the legacy allow-list (`load_rank_payload`).
+    `model0` ...), decoded under the legacy allow-list (`load_rank_payload`; `payload`: what that
+    returned for this file already, with the same `mmap`).
 
     `mmap=True` maps the file instead of reading it: tensors are backed by the page cache and only
     the bytes actually used are read, so a converter can stream through a rank file.
     """
     path = Path(path)
-    payload = load_rank_payload(path, mmap=mmap)
+    payload = load_rank_payload(path, mmap=mmap) if payload is None else payload
     if chunk not in payload:
         chunks = model_chunk_keys(payload)
         if chunks and chunk == "model":
@@ -496,16 +498,17 @@ class LegacyCheckpoint:
     ep_size: int = 1
 
     def load_rank(self, tp_rank: int, pp_rank: int = 0, ep_rank: int = 0, *, mmap: bool = False,
-                  file_ranges=None, chunk: str = "model") -> dict:
+                  file_ranges=None, chunk: str = "model", loaded: Mapping | None = None) -> dict:
         """The locally numbered state dict of one (TP rank, PP stage, EP rank); `mmap` as in
-        `load_rank_file`."""
+        `load_rank_file`; `loaded`: payloads already read, by path (read with the same `mmap`)."""
         if (tp_rank, pp_rank, ep_rank) not in self.files:
             raise CheckpointError(
                 f"{self.iteration_dir}: no TP rank {tp_rank} / PP stage {pp_rank} / EP rank {ep_rank} in a "
                 f"TP={self.tp_size} PP={self.pp_size} EP={self.ep_size} checkpoint"
             )
         path = self.files[tp_rank, pp_rank, ep_rank]
-        model = load_rank_file(path, mmap=mmap, file_ranges=file_ranges, chunk=chunk)
+        model = load_rank_file(path, mmap=mmap, file_ranges=file_ranges, chunk=chunk,
+                               payload=(loaded or {}).get(path))
         if chunk == "model":
             self._check_identity(path, model)
         return model
@@ -542,11 +545,12 @@ class LegacyCheckpoint:
                 f"{self.root}` lists what differs)")
 
     def stage_state(self, tp_rank: int, pp_rank: int = 0, *, num_experts: int | None = None, mmap: bool = False,
-                    file_ranges=None, chunk: str = "model") -> dict:
+                    file_ranges=None, chunk: str = "model", loaded: Mapping | None = None) -> dict:
         """One (TP rank, PP stage)'s state dict, its EP ranks' experts merged back to global
         numbers (`converters.ep.merge_expert_ranks`: every expert once, replicated tensors equal
         on every EP rank); layers still numbered locally."""
-        states = [self.load_rank(tp_rank, pp_rank, ep_rank, mmap=mmap, file_ranges=file_ranges, chunk=chunk)
+        states = [self.load_rank(tp_rank, pp_rank, ep_rank, mmap=mmap, file_ranges=file_ranges, chunk=chunk,
+                                 loaded=loaded)
                   for ep_rank in range(self.ep_size)]
         if self.ep_size == 1:
             return states[0]

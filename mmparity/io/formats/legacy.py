@@ -112,8 +112,10 @@ class LegacySource(McoreSource):
             # Each stage's EP ranks merged first: their experts back to global numbers.
             # Virtual-pipeline chunks (model0, model1, ...) are further stages, chunk-major: chunk c
             # of stage p holds the (c * PP + p)-th slice of the layer stack.
+            # The first rank file was read (mapped) by `probe`: it is not read twice.
             stages = [ckpt.stage_state(tp_rank, stage, num_experts=self.num_experts or None, mmap=True,
-                                       file_ranges=self.file_ranges, chunk=chunk)
+                                       file_ranges=self.file_ranges, chunk=chunk,
+                                       loaded={ckpt.files[min(ckpt.files)]: first})
                       for chunk in chunks for stage in range(ckpt.pp_size)]
             merged = (pp_mod.merge_pipeline_stages(stages, counts if len(chunks) == 1 else None,
                                                    layer_prefix=layer_prefix)

@@ -228,8 +228,9 @@ class McoreSource(Source):
                                f"pass --base HF_DIR (the release it was converted from) instead of "
                                f"{model_config.origin}")
         else:
+            # The shapes are a whole plan's work (0.1 s at a few thousand tensors): only for side tensors.
             self.side = (read_side_file(root, manifest, side_keys, expected=model.expected_shapes())
-                         if complete or (root / SIDE_FILE).is_file() else {})
+                         if side_keys and (complete or (root / SIDE_FILE).is_file()) else {})
         if manifest is not None:
             # The weight files' records (one per stored tensor) are verify's to check, and nothing
             # here reads them again: held, they would be most of what a source costs per tensor for
