@@ -375,7 +375,10 @@ def _settle(seconds: float) -> None:
     """Lets the disk finish what earlier runs left it (writeback, and the discards a deleted output
     issues on a filesystem mounted with `discard`) so that no run pays for the one before it: on
     such a disk, at 1.7 GB, the same job otherwise swung between 1.2 s and 4.6 s, the plain copy
-    too."""
+    too. Three seconds also outlast the 2 s after which a VM with free page reporting hands freed
+    memory (a deleted output's page cache) back to its host, which makes writing into it again
+    cost up to twice the kernel time: with a shorter pause a run may or may not pay that, and the
+    copy paired with it may pay differently."""
     os.sync()
     time.sleep(seconds)
 
