@@ -643,21 +643,26 @@ def main() -> None:
         # CPU s/GB: user + system CPU of the job's timed region (every thread and rank) per GB of
         # source, the median over the runs: near the copy's, a job waits on the disk; far above
         # it, on the CPU, and a faster disk will not make it faster.
-        print("| job | wall s (runs) | GB/s | x copy | x floor |" + (" x the copy just before (runs) |" if paired_column else "")
-              + " CPU s/GB | peak RssAnon MB | of which imports MB |")
-        print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if paired_column else "") + " ---: | ---: | ---: |")
+        print("| job | wall s (runs) | GB/s | x copy | x floor |"
+              + (" x the copy just before (runs) | median |" if paired_column else "")
+              + " CPU s/GB | CPU steal s, most | peak RssAnon MB | of which imports MB |")
+        print("| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if paired_column else "")
+              + " ---: | ---: | ---: | ---: |")
         stalls = False
         for row in rows:
             listed = ", ".join(f"{s:.2f}" for s in row["all_seconds"])
             pairs = ""
             if paired_column:
-                best, shown, stalled = _paired_ratios(runs[row["label"]], fastest_copy)
+                best, shown, stalled, median = _paired_ratios(runs[row["label"]], fastest_copy)
                 stalls = stalls or stalled
-                pairs = f" {best:.2f} ({shown}) |" if shown else " 1.00 |"
+                pairs = f" {best:.2f} ({shown}) | {median:.2f} |" if shown else " 1.00 | 1.00 |"
             cpus = sorted(r["cpu_s"] for r in runs[row["label"]] if r.get("cpu_s") is not None)
             cpu = f"{cpus[len(cpus) // 2] / (source_bytes / 1e9):.2f}" if cpus else "-"
+            # Time the machine's other tenants took from this job's CPUs (the run, not its copy).
+            steal = max(r["child"]["cpu_steal_s"] for r in runs[row["label"]])
             print(f"| {row['label']} | {row['seconds']:.2f} ({listed}) | {source_bytes / row['seconds'] / 1e9:.2f} | "
                   f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} |{pairs} {cpu} | "
+                  f"{steal:.2f} | "
                   f"{row['peak_anon_kb'] / 1024:.0f} | "
                   f"{(row['ready_anon_kb'] or 0) / 1024:.0f} |")
         if stalls:
@@ -704,21 +709,26 @@ def _copy_seconds(runs: dict) -> list[float]:
         r["paired_copy_seconds"] for rs in runs.values() for r in rs if r.get("paired_copy_seconds")]
 
 
-def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, str, bool]:
-    """(best ratio, the ratios listed, whether any was against a stalled copy) of one job's runs.
+def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, str, bool, float]:
+    """(best ratio, the ratios listed, whether any was against a stalled copy, median ratio) of one
+    job's runs.
 
     A run's ratio is its wall time over the copy made right before it. A copy that took over
     ``STALLED_COPY`` times the run's fastest met a stall of the disk (on this VM: 1.2-1.9 s
     against 0.63 s), and the job right after it, on a disk that has recovered, looks up to twice as
     fast as it is: such a ratio is listed, starred, but the best is taken from the others (from
-    all, where every one is starred)."""
+    all, where every one is starred). The median of the same ratios is the figure to compare
+    between two runs of the benchmark: on a machine whose CPU is stolen by its neighbours now and
+    then, one lucky round moves the best, not the median."""
     pairs = [(r["seconds"] / r["paired_copy_seconds"], r["paired_copy_seconds"] > STALLED_COPY * fastest_copy)
              for r in job_runs if r.get("paired_copy_seconds")]
     if not pairs:
-        return float("nan"), "", False
-    counted = [ratio for ratio, stalled in pairs if not stalled] or [ratio for ratio, _ in pairs]
+        return float("nan"), "", False, float("nan")
+    counted = sorted(ratio for ratio, stalled in pairs if not stalled) or sorted(ratio for ratio, _ in pairs)
     shown = ", ".join(f"{ratio:.2f}{'*' if stalled else ''}" for ratio, stalled in pairs)
-    return min(counted), shown, any(stalled for _, stalled in pairs)
+    middle = len(counted) // 2
+    median = counted[middle] if len(counted) % 2 else (counted[middle - 1] + counted[middle]) / 2
+    return counted[0], shown, any(stalled for _, stalled in pairs), median
 
 
 def _print_cpu_kinds(runs: dict) -> None:
