@@ -34,6 +34,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -658,7 +659,8 @@ def main() -> None:
                 pairs = f" {best:.2f} ({shown}) | {median:.2f} |" if shown else " 1.00 | 1.00 |"
             cpus = sorted(r["cpu_s"] for r in runs[row["label"]] if r.get("cpu_s") is not None)
             cpu = f"{cpus[len(cpus) // 2] / (source_bytes / 1e9):.2f}" if cpus else "-"
-            # Time the machine's other tenants took from this job's CPUs (the run, not its copy).
+            # CPU time the VM lost to other tenants while the job's child ran (its imports too, its
+            # paired copy not): a run that lost much of its wall this way says little.
             steal = max(r["child"]["cpu_steal_s"] for r in runs[row["label"]])
             print(f"| {row['label']} | {row['seconds']:.2f} ({listed}) | {source_bytes / row['seconds'] / 1e9:.2f} | "
                   f"{row['seconds'] / copy_seconds:.2f} | {row['seconds'] / floor_seconds:.2f} |{pairs} {cpu} | "
@@ -724,11 +726,9 @@ def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, st
              for r in job_runs if r.get("paired_copy_seconds")]
     if not pairs:
         return float("nan"), "", False, float("nan")
-    counted = sorted(ratio for ratio, stalled in pairs if not stalled) or sorted(ratio for ratio, _ in pairs)
+    counted = [ratio for ratio, stalled in pairs if not stalled] or [ratio for ratio, _ in pairs]
     shown = ", ".join(f"{ratio:.2f}{'*' if stalled else ''}" for ratio, stalled in pairs)
-    middle = len(counted) // 2
-    median = counted[middle] if len(counted) % 2 else (counted[middle - 1] + counted[middle]) / 2
-    return counted[0], shown, any(stalled for _, stalled in pairs), median
+    return min(counted), shown, any(stalled for _, stalled in pairs), statistics.median(counted)
 
 
 def _print_cpu_kinds(runs: dict) -> None:
