@@ -20,6 +20,8 @@ Jobs, all reading the same (warm) source bytes:
 On a machine whose disk or memory speed drifts (shared, virtual), single runs are noise: jobs run
 in rounds, `--repeat` times, and `--paired` times the plain copy right before every job run so that
 each run is judged against the copy made in the same state (column `x the copy just before`).
+The copy's wait in fsync, once its bytes are in the page cache, is printed beside its speed: where
+it is most of the copy, the disk sets the pace of every job and the ratios measure the disk's mood.
 
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
        [--workers P] [--perf]
@@ -592,6 +594,7 @@ def main() -> None:
                 result["cpu_kinds"] = _cpu_kinds(profile)
                 profile.unlink(missing_ok=True)
             result["paired_copy_seconds"] = paired["seconds"] if paired else None
+            result["paired_copy_phases"] = paired["phases"] if paired else None
             result["written"] = _dir_bytes(job_dst)
             if log:
                 log.write(json.dumps({"round": attempt + 1, "label": label, "tree": tree[1] if tree else "this",
@@ -640,7 +643,12 @@ def main() -> None:
         copies = sorted(_copy_seconds(runs))
         print(f"plain copy (shutil.copyfile + fsync) of the {source_bytes / 1e9:.3f} GB: fastest "
               f"{source_bytes / fastest_copy / 1e9:.2f} GB/s, median {source_bytes / copies[len(copies) // 2] / 1e9:.2f} GB/s "
-              f"over {len(copies)} copies\n")
+              f"over {len(copies)} copies")
+        flushes = _copy_flush_seconds(runs)
+        if flushes:
+            print(f"a copy's wait in fsync, after its bytes were in the page cache: median {statistics.median(flushes):.2f} s "
+                  f"of the median copy's {copies[len(copies) // 2]:.2f} s")
+        print()
         # CPU s/GB: user + system CPU of the job's timed region (every thread and rank) per GB of
         # source, the median over the runs: near the copy's, a job waits on the disk; far above
         # it, on the CPU, and a faster disk will not make it faster.
@@ -709,6 +717,17 @@ def _copy_seconds(runs: dict) -> list[float]:
     """Every plain copy of this run: the baseline's runs and each run's paired copy."""
     return [r["seconds"] for r in runs.get("copy (baseline)", [])] + [
         r["paired_copy_seconds"] for rs in runs.values() for r in rs if r.get("paired_copy_seconds")]
+
+
+def _copy_flush_seconds(runs: dict) -> list[float]:
+    """How long each plain copy of this run waited in its fsyncs, after its bytes were in the page
+    cache: where this is most of the copy, the disk (or the host under a VM's disk) sets the pace
+    of every job, not the CPU."""
+    copies = [(r["seconds"], r.get("phases")) for r in runs.get("copy (baseline)", [])] + [
+        (r["paired_copy_seconds"], r.get("paired_copy_phases")) for rs in runs.values() for r in rs
+        if r.get("paired_copy_seconds")]
+    return [seconds - phases["into_page_cache"] for seconds, phases in copies
+            if phases and "into_page_cache" in phases]
 
 
 def _paired_ratios(job_runs: list[dict], fastest_copy: float) -> tuple[float, str, bool, float]:
