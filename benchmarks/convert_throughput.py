@@ -21,7 +21,8 @@ On a machine whose disk or memory speed drifts (shared, virtual), single runs ar
 in rounds, `--repeat` times, and `--paired` times the plain copy right before every job run so that
 each run is judged against the copy made in the same state (column `x the copy just before`).
 The copy's wait in fsync, once its bytes are in the page cache, is printed beside its speed: where
-it is most of the copy, the disk sets the pace of every job and the ratios measure the disk's mood.
+it is most of the copy, the disk sets the pace of every job, and the ratios say more about the disk
+than about the jobs.
 
 Usage: python benchmarks/convert_throughput.py [--workdir DIR] [--depth 27] [--repeat 2] [--settle 3] [--max-shard-size 500MB] [--keep] [--paired] [--against SCRIPT PYTHONPATH]
        [--workers P] [--perf]
